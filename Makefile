@@ -1,0 +1,50 @@
+# The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
+#   make                 build every lecture into content/ (pages + index)
+#   make test            run the whole test suite
+#   make lecture L=lecture_02_communication   build one lecture
+#   make notebooks       execute the companion notebooks into content/notebooks/
+#   make bench           side-by-side timings (pooled vs naive launch, ours vs PyTorch's)
+# Knobs: QUICK=1 (small sizes), LAUNCHER=pool|spawn, WORLD_SIZE=N, TIMEOUT=S, BACKEND=gloo|nccl.
+
+PYTHON  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+LECTURES := $(sort $(basename $(notdir $(wildcard lectures/lecture_*.py))))
+RUNFLAGS := $(if $(QUICK),--quick) $(if $(LAUNCHER),--launcher $(LAUNCHER)) \
+            $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(TIMEOUT),--timeout $(TIMEOUT)) \
+            $(if $(BACKEND),--backend $(BACKEND))
+export PYTHONUNBUFFERED := 1
+export MPLBACKEND := Agg
+
+.PHONY: all content lecture test notebooks bench clean venv
+
+all: content
+
+venv: $(STAMP)
+$(STAMP): requirements.txt
+	@echo "setting up $(VENV) from requirements.txt (first time: a few minutes)"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	@touch $@
+
+content: $(STAMP)
+	@failed=""; for l in $(LECTURES); do \
+	  $(PY) -m util.run $$l $(RUNFLAGS) || failed="$$failed $$l"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi; \
+	echo "open content/index.html in a browser"
+
+lecture: $(STAMP)
+	@test -n "$(L)" || { echo "usage: make lecture L=lecture_02_communication"; exit 2; }
+	$(PY) -m util.run $(L) $(RUNFLAGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m tests.bench
+
+clean:
+	find content -mindepth 1 ! -name README.md -exec rm -rf {} +

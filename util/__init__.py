@@ -1,0 +1,12 @@
+"""The course engine: narrate (record), launch ranks (launch), draw (figures), render (render).
+
+Lectures import everything they need from here:
+
+    from util import note, image, figure, table, see, span, spawn, timeline, settings, device
+"""
+from util.record import note, image, figure, table, see, span
+from util.launch import spawn, settings, device, Run, DemoFailed
+from util.figures import timeline, progress
+
+__all__ = ["note", "image", "figure", "table", "see", "span", "spawn", "settings", "device",
+           "Run", "DemoFailed", "timeline", "progress"]

@@ -1,0 +1,59 @@
+"""Figures drawn from what a run measured, and progress bars for long sweeps."""
+import os
+import sys
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def timeline(spans, title="", ax=None):
+    """A per-rank Gantt chart of `span` records (Run.spans): one row per rank, one colour per label.
+
+    Spans are in seconds from the demo's start, measured on each rank, so what overlapped on
+    the machine overlaps in the picture."""
+    import matplotlib.pyplot as plt
+    ranks = sorted({s["rank"] for s in spans})
+    labels = list(dict.fromkeys(s["label"] for s in spans))
+    colours = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    # Spans that share a rank and overlap in time (e.g. compute and an async all-reduce) get
+    # their own lane so neither hides the other.
+    lanes = {r: [] for r in ranks}
+    placed = []
+    for s in sorted(spans, key=lambda s: (s["rank"], s["start"])):
+        rows = lanes[s["rank"]]
+        for lane, end in enumerate(rows):
+            if end <= s["start"]:
+                rows[lane] = s["end"]
+                break
+        else:
+            lane = len(rows)
+            rows.append(s["end"])
+        placed.append((s, lane))
+    fig = ax.figure if ax else plt.figure(figsize=(9, 0.6 + 0.55 * sum(max(1, len(v)) for v in lanes.values())))
+    ax = ax or fig.add_subplot()
+    base, ticks = {}, []
+    y = 0
+    for r in reversed(ranks):
+        base[r] = y
+        ticks.append((y + (max(1, len(lanes[r])) - 1) / 2, f"rank {r}"))
+        y += max(1, len(lanes[r])) + 0.4
+    scale, unit = (1e3, "ms") if max((s["end"] for s in spans), default=0) < 1 else (1, "s")
+    for s, lane in placed:
+        ax.barh(base[s["rank"]] + lane, (s["end"] - s["start"]) * scale, left=s["start"] * scale,
+                height=0.8, color=colours[s["label"]], edgecolor="black", linewidth=0.3)
+    ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks])
+    ax.set_xlabel(f"time since the demo started ({unit})")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[l]) for l in labels], labels=labels,
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(5, len(labels)), frameon=False)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def progress(iterable, desc="", total=None):
+    """A progress bar on the terminal (the lecture process or rank 0 only), never on the page."""
+    from tqdm import tqdm
+    from util.record import current
+    rank = current().rank
+    return tqdm(iterable, desc=desc, total=total, file=sys.__stderr__, leave=False,
+                disable=bool(rank) or not sys.__stderr__.isatty() and "CI" in os.environ,
+                mininterval=0.5, dynamic_ncols=True)

@@ -1,0 +1,394 @@
+"""Launching ranks: `spawn(fn, world_size, **kwargs)` runs `fn(rank, world_size, **kwargs)` on
+every rank of a fresh-looking process group and brings back what each rank recorded.
+
+Three ways to get ranks, one API:
+- pool (default): one set of worker processes per (world size, backend, timeout), reused by
+  every demo of the build. Each demo still starts seeded and clean.
+- spawn: a new set of processes per demo, the naive baseline (`--launcher spawn`).
+- torchrun: when RANK/WORLD_SIZE are in the environment, demos run in place on the existing
+  process group, so a lecture runs across nodes.
+
+Failure is loud and bounded: a rank's exception ends the demo within seconds (the others are
+killed), a rank that never finishes is killed `timeout` seconds after the first rank finished,
+and a dead worker is noticed at once. Any failure throws the pool away, so the next demo starts
+on a healthy one.
+"""
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import io
+import multiprocessing
+import os
+import pickle
+import random
+import sys
+import time
+import traceback
+
+from util import record
+
+
+@dataclasses.dataclass
+class Settings:
+    quick: bool = False         # smaller sizes, for tests and CI
+    world_size: int = 4         # ranks for demos that do not insist on a number
+    backend: str = None         # None: nccl when there is a GPU per rank, else gloo
+    launcher: str = "pool"      # pool | spawn (torchrun is detected from the environment)
+    timeout: float = 60.0       # seconds a collective may wait before it is an error
+    verbose: bool = False       # one progress line per demo on stderr
+
+
+settings = Settings()
+demos = []                      # (name, world_size, status, seconds) of every demo this process ran
+
+
+class DemoFailed(RuntimeError):
+    def __init__(self, run):
+        super().__init__(run.error)
+        self.run = run
+
+
+@dataclasses.dataclass
+class Run:
+    """What a demo did: per-rank return values, spans, records, and how it ended."""
+    name: str
+    world_size: int
+    status: str = "ok"          # ok | failed | expected_failure | skipped
+    elapsed: float = 0.0
+    returns: list = None
+    spans: list = dataclasses.field(default_factory=list)
+    records: list = dataclasses.field(default_factory=list)
+    error: str = None
+
+
+def in_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def choose_backend(world_size):
+    if settings.backend:
+        return settings.backend
+    import torch
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+_device = None
+
+
+def device():
+    """The torch device of this rank (cuda:<local rank> under NCCL, else cpu)."""
+    import torch
+    return _device or torch.device("cpu")
+
+
+# --- what runs on a rank -----------------------------------------------------------------
+
+def _reset(seed, threads):
+    """Make a reused worker indistinguishable from a fresh one, as far as a demo can see."""
+    import numpy as np
+    import torch
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(threads)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _run_task(rank, world_size, fn, kwargs, threads):
+    import torch.distributed as dist
+    _reset(0, threads)
+    dist.barrier()              # everyone starts together: spans line up across ranks
+    recorder = record.Recorder(rank=rank)
+    previous = record.use(recorder)
+    out, err = io.StringIO(), io.StringIO()
+    result = {"rank": rank, "start": time.perf_counter(), "ok": True, "returns": None, "error": None}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result["returns"] = fn(rank, world_size, **kwargs)
+    except BaseException:
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        record.use(previous)
+    result["end"] = time.perf_counter()
+    for stream, buf in (("stdout", out), ("stderr", err)):
+        if buf.getvalue():
+            recorder.add("output", stream=stream, text=buf.getvalue())
+    if not result["ok"]:
+        recorder.add("error", text=result["error"])
+    result["records"], result["functions"] = recorder.records, recorder.functions
+    return result
+
+
+def _dumps(result):
+    try:
+        return pickle.dumps(result)
+    except Exception as e:  # an unpicklable return value must not kill the worker silently
+        result.update(ok=False, returns=None, error=f"return value cannot be sent back: {e!r}")
+        return pickle.dumps(result)
+
+
+def _worker(rank, world_size, port, backend, timeout, tasks, results):
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    global _device
+    import torch
+    import torch.distributed as dist
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    td = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        _device = torch.device("cuda", torch.cuda.current_device())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=td)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    results.put(pickle.dumps({"rank": rank, "ready": True}))
+    while True:
+        blob = tasks.get()
+        if blob is None:
+            break
+        try:
+            fn, kwargs = pickle.loads(blob)
+        except Exception:
+            results.put(pickle.dumps({"rank": rank, "ok": False, "returns": None, "records": [],
+                                      "functions": {}, "start": 0, "end": 0,
+                                      "error": traceback.format_exc()}))
+            continue
+        results.put(_dumps(_run_task(rank, world_size, fn, kwargs, threads)))
+    dist.destroy_process_group()
+
+
+# --- the lecture's side ------------------------------------------------------------------
+
+class Pool:
+    """`world_size` worker processes holding one process group, running demos one at a time."""
+
+    GRACE = 1.0  # seconds the other ranks get to report after one rank failed
+
+    def __init__(self, world_size, backend, timeout):
+        import torch.distributed as dist
+        self.world_size, self.timeout = world_size, timeout
+        ctx = multiprocessing.get_context("spawn")
+        # The lecture process owns the rendezvous store on a port the OS picks: no fixed port,
+        # no race, so any number of builds can run at once.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, daemon=True, name=f"rank{r}",
+                                  args=(r, world_size, self.store.port, backend, timeout,
+                                        self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        ready = self._collect(deadline=time.monotonic() + max(180.0, timeout))
+        if len(ready) < world_size:
+            self.close()
+            raise RuntimeError(f"could not start {world_size} ranks: {self._why(ready)}")
+
+    def _dead(self):
+        return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def _why(self, done):
+        dead = [r for r in self._dead() if r not in done]
+        return (f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})"
+                if dead else "timed out")
+
+    def _collect(self, deadline, on_result=None):
+        """Gather one message per rank until all arrived, a rank died, or `deadline` passed.
+        `on_result` may move the deadline (returns a new one or None)."""
+        got = {}
+        while len(got) < self.world_size and time.monotonic() < deadline:
+            try:
+                msg = pickle.loads(self.results.get(timeout=0.1))
+            except Exception:  # queue.Empty, or a rank died mid-message
+                if [r for r in self._dead() if r not in got]:
+                    break
+                continue
+            got[msg["rank"]] = msg
+            if on_result:
+                deadline = on_result(msg, got, deadline) or deadline
+        return got
+
+    def run(self, fn, kwargs):
+        """Run a demo; returns (per-rank results, error message or None)."""
+        blob = pickle.dumps((fn, kwargs))
+        for q in self.tasks:
+            q.put(blob)
+        first_done = []
+
+        def on_result(msg, got, deadline):
+            now = time.monotonic()
+            if not msg["ok"]:                      # one rank failed: the rest get a moment
+                return min(deadline, now + self.GRACE)
+            if not first_done:                     # others must follow within the timeout
+                first_done.append(msg["rank"])
+                return min(deadline, now + self.timeout + 5)
+        got = self._collect(float("inf"), on_result)
+        failed = sorted(r for r, m in got.items() if not m["ok"])
+        missing = sorted(set(range(self.world_size)) - set(got))
+        if not failed and not missing:
+            return got, None
+        parts = []
+        if failed:
+            parts.append(f"rank(s) {failed} raised")
+        if missing:
+            dead = [r for r in missing if r in self._dead()]
+            stuck = [r for r in missing if r not in dead]
+            if dead:
+                parts.append(f"rank(s) {dead} died (exit codes "
+                             f"{[self.procs[r].exitcode for r in dead]})")
+            if stuck:
+                parts.append(f"rank(s) {stuck} did not finish" +
+                             (f" within {self.timeout:g} s of rank {first_done[0]} finishing; a "
+                              "rank probably skipped a collective" if first_done and not failed
+                              else " and were stopped"))
+        return got, "; ".join(parts)
+
+    def close(self):
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=2)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pools = {}
+
+
+@atexit.register
+def shutdown():
+    """Stop every pooled worker (called at exit, and by the build when it finishes)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def _pool(world_size, backend, timeout):
+    key = (world_size, backend, timeout)
+    if key not in _pools:
+        _pools[key] = Pool(world_size, backend, timeout)
+    return _pools[key]
+
+
+def _check_importable(fn):
+    module = sys.modules.get(fn.__module__)
+    if fn.__module__ == "__main__" and not getattr(module, "__file__", None):
+        raise ValueError(f"spawn() needs {fn.__name__} to live in an importable module (a lecture "
+                         "file): worker processes import it by name, and a notebook's or "
+                         "console's functions cannot be imported.")
+
+
+def _function_key(fn, recorder):
+    import inspect
+    try:
+        lines, start = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None
+    path = record.relpath(inspect.getsourcefile(fn))
+    key = f"{path}:{fn.__code__.co_firstlineno}:{fn.__name__}"
+    recorder.functions.setdefault(key, {"file": path, "name": fn.__name__, "start": start,
+                                        "code": "".join(lines)})
+    return key
+
+
+def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, **kwargs):
+    """Run `fn(rank, world_size, **kwargs)` on `world_size` ranks and record what they did.
+
+    Returns a `Run`. A failed demo is recorded and raises `DemoFailed`, unless `expect_error`
+    (then a failure is the lesson, and success is the error). `timeout` (seconds) overrides
+    the build's collective timeout for this demo.
+    """
+    world_size = world_size or settings.world_size
+    timeout = float(timeout or settings.timeout)
+    name = name or fn.__name__
+    _check_importable(fn)
+    run = Run(name=name, world_size=world_size)
+    start = time.perf_counter()
+    if in_torchrun():
+        results, error = _run_in_place(fn, world_size, kwargs, timeout, run)
+    else:
+        backend = choose_backend(world_size)
+        pool = _pool(world_size, backend, timeout)
+        results, error = pool.run(fn, kwargs)
+        if error or settings.launcher == "spawn":
+            _pools.pop((world_size, backend, timeout), None)
+            pool.close()
+    run.elapsed = time.perf_counter() - start
+    if run.status != "skipped":
+        _finish(run, results, error, expect_error)
+    recorder = record.current()
+    recorder.add("demo", name=name, world_size=world_size, status=run.status,
+                 elapsed=round(run.elapsed, 3), error=run.error,
+                 function=_function_key(fn, recorder), records=run.records)
+    demos.append((name, world_size, run.status, run.elapsed))
+    if settings.verbose:
+        mark = {"ok": "ok", "failed": "FAILED", "expected_failure": "failed, as expected",
+                "skipped": "skipped"}[run.status]
+        print(f"  demo {len(demos):>3}  {name:<34} ranks={world_size}  {run.elapsed:7.2f} s  {mark}",
+              file=sys.stderr, flush=True)
+    if run.status == "failed":
+        raise DemoFailed(run)
+    return run
+
+
+def _finish(run, results, error, expect_error):
+    recorder = record.current()
+    t0 = min((m["start"] for m in results.values() if m.get("start")), default=0.0)
+    for rank in sorted(results):
+        msg = results[rank]
+        recorder.absorb(msg.get("functions", {}))
+        for rec in msg.get("records", []):
+            if rec["kind"] == "span":  # relative to the demo's start, comparable across ranks
+                rec["start"], rec["end"] = round(rec["start"] - t0, 6), round(rec["end"] - t0, 6)
+                run.spans.append(rec)
+            run.records.append(rec)
+    run.returns = [results[r]["returns"] if r in results else None for r in range(run.world_size)]
+    if error:
+        first = next((results[r]["error"] for r in sorted(results) if not results[r]["ok"]), "")
+        run.error = f"demo {run.name!r} on {run.world_size} ranks failed: {error}"
+        if first:
+            last = first.strip().splitlines()[-1]
+            run.error += f"\n{last}"
+            finished = sorted(r for r, m in results.items() if m["ok"])
+            if "imed out" in last and finished:
+                run.error += (f"\nrank(s) {finished} had already finished: a rank probably "
+                              "skipped a collective that the others were waiting in")
+            if settings.verbose:
+                print(first, file=sys.stderr)
+        run.status = "expected_failure" if expect_error else "failed"
+    elif expect_error:
+        run.status, run.error = "failed", f"demo {run.name!r} was expected to fail, but succeeded"
+
+
+def _run_in_place(fn, world_size, kwargs, timeout, run):
+    """torchrun: this process is already one rank of the job; run the demo here."""
+    import torch
+    import torch.distributed as dist
+    global _device
+    have = int(os.environ["WORLD_SIZE"])
+    if world_size != have:
+        run.status = "skipped"
+        run.error = (f"needs {world_size} ranks, but torchrun started {have}; run it with "
+                     f"--nproc-per-node/--nnodes giving {world_size} ranks, or without torchrun")
+        return {}, None
+    if not dist.is_initialized():
+        backend = choose_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            _device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    mine = _run_task(dist.get_rank(), world_size, fn, kwargs, threads)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, pickle.loads(_dumps(mine)))
+    results = {m["rank"]: m for m in everyone}
+    failed = [r for r, m in results.items() if not m["ok"]]
+    return results, (f"rank(s) {failed} raised" if failed else None)

@@ -1,0 +1,150 @@
+"""Recording: everything a lecture says or shows becomes a plain, JSON-ready record.
+
+A record is a dict with at least:
+
+    kind     one of note, image, figure, table, code, link, output, error, span, demo
+    source   {"file", "line", "function", "key"}: where in the lecture code it was made
+    rank     the rank that made it (None for the lecture's own process)
+    t        seconds since the recorder started
+
+`key` names an entry of the recorder's `functions` table, which keeps the source of every
+function that produced a record, so a page can show the code beside what it produced.
+The file schema that wraps these records is documented in `util/run.py` (`write_recording`).
+"""
+import contextlib
+import inspect
+import io
+import os
+import sys
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_UTIL = os.path.dirname(os.path.abspath(__file__))
+_SKIP = (_UTIL + os.sep, os.path.abspath(contextlib.__file__))
+
+
+def relpath(path):
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+class Recorder:
+    """Collects records. One lives in the lecture process; each rank gets its own per demo."""
+
+    def __init__(self, rank=None):
+        self.rank = rank
+        self.records = []
+        self.functions = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, kind, **content):
+        rec = {"kind": kind, **content, "source": self._where(), "rank": self.rank,
+               "t": round(time.perf_counter() - self.t0, 6)}
+        self.records.append(rec)
+        self.show(rec)
+        return rec
+
+    def show(self, rec):
+        """Hook for live display (the notebook recorder overrides it)."""
+
+    def _where(self):
+        # The first frame outside util/ is the lecture code that asked for the record.
+        frame = sys._getframe(1)
+        while frame and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        code = frame.f_code
+        where = {"file": relpath(code.co_filename), "line": frame.f_lineno,
+                 "function": code.co_name, "key": None}
+        if code.co_name != "<module>":
+            key = f"{where['file']}:{code.co_firstlineno}:{code.co_name}"
+            if key not in self.functions:
+                try:
+                    lines, start = inspect.getsourcelines(code)
+                    self.functions[key] = {"file": where["file"], "name": code.co_name,
+                                           "start": start, "code": "".join(lines)}
+                except (OSError, TypeError):
+                    key = None
+            where["key"] = key
+        return where
+
+    def absorb(self, functions):
+        self.functions.update(functions)
+
+
+_current = Recorder()
+
+
+def current():
+    return _current
+
+
+def use(recorder):
+    """Make `recorder` the one that note(), table(), ... write to; returns the previous one."""
+    global _current
+    previous, _current = _current, recorder
+    return previous
+
+
+# --- the narration API -------------------------------------------------------------------
+
+def note(markdown):
+    """Markdown narration. `## Heading` lines start page sections; $...$ is LaTeX math."""
+    _current.add("note", text=textwrap.dedent(markdown).strip())
+
+
+def image(path_or_url, caption="", width=None):
+    """A picture: local files are copied beside the page; a URL degrades to a link offline."""
+    if not str(path_or_url).startswith(("http://", "https://")):
+        path = os.path.abspath(path_or_url)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"image(): no such file {path_or_url!r}")
+        path_or_url = path
+    _current.add("image", src=str(path_or_url), caption=caption, width=width)
+
+
+def figure(fig, caption=""):
+    """A matplotlib figure, kept as SVG text (the renderer writes it beside the page)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    matplotlib.rcParams["svg.hashsalt"] = "course"  # stable ids: rebuilding changes nothing
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    _current.add("figure", svg=buf.getvalue(), caption=caption)
+
+
+def _plain(x):
+    """Numbers from numpy/torch become Python numbers so they serialize and format alike."""
+    if hasattr(x, "item") and getattr(x, "ndim", 0) == 0:
+        return x.item()
+    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
+
+
+def table(rows, header=None, caption=""):
+    """A table of results; numbers stay numbers in the recording and are formatted on the page."""
+    rows = [[_plain(v) for v in row] for row in rows]
+    _current.add("table", header=list(header) if header else None, rows=rows, caption=caption)
+
+
+def see(obj, title=None):
+    """Show a function's or class's source (with file and line), or cite a URL."""
+    if isinstance(obj, str):
+        _current.add("link", url=obj, title=title or obj)
+        return
+    obj = inspect.unwrap(obj)
+    lines, start = inspect.getsourcelines(obj)
+    _current.add("code", name=getattr(obj, "__qualname__", str(obj)),
+                 file=relpath(inspect.getsourcefile(obj)), start=start, code="".join(lines))
+
+
+@contextlib.contextmanager
+def span(label):
+    """Time a block on this rank; a demo's spans become its timeline (see util.figures)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _current.add("span", label=label, start=start, end=time.perf_counter())

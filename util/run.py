@@ -1,0 +1,177 @@
+"""Build one lecture: run its main(), record everything, write content/<lecture>.json and its page.
+
+    python -m util.run NAME [--quick] [--world-size N] [--backend gloo|nccl]
+                            [--launcher pool|spawn] [--timeout S] [--out DIR]
+
+NAME is a lecture in lectures/ (lecture_02_communication), a dotted module
+(tests.fixture_lecture) or a path to a .py file. Exit status: 0 built, 1 a demo or the lecture
+failed (the page is still written and shows the failure), 2 bad command line.
+
+Under torchrun every rank runs this; rank 0 writes the files.
+
+The recording (schema "course-lecture/1") is one JSON object:
+    schema, lecture, title, module, file        what was built
+    built (UTC ISO time), elapsed (s), status    ok | failed
+    environment                                  python, torch, backend, launcher, world_size,
+                                                 quick, device (which hardware measured it)
+    demos                                        {total, failed, expected_failures, skipped}
+    functions                                    key -> {file, name, start, code}
+    records                                      see util/record.py; a "demo" record holds the
+                                                 records its ranks made under "records"
+"""
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+from util import launch, record
+
+SCHEMA = "course-lecture/1"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, not a usage dump
+        self.exit(2, f"util.run: error: {message} (see python -m util.run --help)\n")
+
+
+def parse_args(argv):
+    p = _Parser(prog="python -m util.run", description="Build one lecture into content/.")
+    p.add_argument("lecture", help="lecture name in lectures/, dotted module, or .py path")
+    p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks for demos that take any number")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
+    p.add_argument("--launcher", choices=["pool", "spawn"], default="pool",
+                   help="pool reuses worker processes; spawn starts new ones per demo")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a waiting collective fails")
+    p.add_argument("--out", default=os.path.join(record.ROOT, "content"), help="output folder")
+    args = p.parse_args(argv)
+    if args.world_size < 1:
+        p.error("--world-size must be at least 1")
+    if args.timeout <= 0:
+        p.error("--timeout must be positive")
+    if args.backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--backend nccl needs CUDA GPUs, and none are visible")
+    args.module = resolve(args.lecture, p)
+    return args
+
+
+def resolve(name, parser):
+    """Lecture name, dotted module or file path -> importable module name."""
+    if name.endswith(".py"):
+        path = os.path.relpath(os.path.abspath(name), record.ROOT)
+        if not os.path.isfile(name) or path.startswith(".."):
+            parser.error(f"no lecture file {name!r} in this repository")
+        return path[:-3].replace(os.sep, ".")
+    if "." not in name:
+        if not os.path.isfile(os.path.join(record.ROOT, "lectures", name + ".py")):
+            known = sorted(f[:-3] for f in os.listdir(os.path.join(record.ROOT, "lectures"))
+                           if f.startswith("lecture_") and f.endswith(".py"))
+            parser.error(f"no lecture {name!r}; known: {', '.join(known) or 'none'}")
+        return "lectures." + name
+    if importlib.util.find_spec(name.split(".")[0]) is None:
+        parser.error(f"no module {name!r}")
+    return name
+
+
+def describe_device(backend):
+    import torch
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)}x {names[0]}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores"
+
+
+def write_atomic(path, text):
+    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def build(args):
+    """Run the lecture; returns the recording (a dict)."""
+    import torch
+    s = launch.settings
+    s.quick, s.world_size, s.backend = args.quick, args.world_size, args.backend
+    s.launcher, s.timeout, s.verbose = args.launcher, args.timeout, True
+    recorder = record.Recorder()
+    record.use(recorder)
+    module = importlib.import_module(args.module)
+    name = args.module.rsplit(".", 1)[-1]
+    title = (module.__doc__ or name).strip().splitlines()[0]
+    print(f"building {name}: {title}", file=sys.stderr, flush=True)
+    start, status = time.perf_counter(), "ok"
+    try:
+        module.main()
+    except launch.DemoFailed as e:
+        status = "failed"
+        recorder.add("error", text=f"The lecture stopped here: {e}")
+    except Exception:
+        status = "failed"
+        traceback.print_exc()
+        recorder.add("error", text="The lecture stopped here:\n" + traceback.format_exc())
+    finally:
+        launch.shutdown()
+    statuses = [d[2] for d in launch.demos]
+    if "failed" in statuses:
+        status = "failed"
+    return {
+        "schema": SCHEMA, "lecture": name, "title": title, "module": args.module,
+        "file": record.relpath(module.__file__),
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed": round(time.perf_counter() - start, 3), "status": status,
+        "environment": {
+            "python": platform.python_version(), "torch": torch.__version__,
+            "backend": args.backend or launch.choose_backend(args.world_size),
+            "launcher": "torchrun" if launch.in_torchrun() else args.launcher,
+            "world_size": args.world_size, "quick": args.quick,
+            "device": describe_device(args.backend), "host": socket.gethostname()},
+        "demos": {"total": len(statuses), "failed": statuses.count("failed"),
+                  "expected_failures": statuses.count("expected_failure"),
+                  "skipped": statuses.count("skipped")},
+        "functions": recorder.functions,
+        "records": recorder.records,
+    }
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    recording = build(args)
+    if launch.in_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0 if recording["status"] == "ok" else 1
+    path = os.path.join(args.out, recording["lecture"] + ".json")
+    write_atomic(path, json.dumps(recording, indent=1))
+    from util import render
+    page = render.render_lecture(path)
+    render.render_index(args.out)
+    d = recording["demos"]
+    print(f"{recording['lecture']}: {d['total']} demos, {d['failed']} failed, "
+          f"{d['expected_failures']} failed as expected, {d['skipped']} skipped; "
+          f"{recording['elapsed']:.1f} s -> {os.path.relpath(page)}", file=sys.stderr)
+    return 0 if recording["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
