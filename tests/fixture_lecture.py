@@ -70,7 +70,8 @@ def collectives():
     note("## Collectives on 1, 2 and 4 ranks")
     for world_size in (1, 2, 4):
         run = spawn(sum_of_ranks, world_size)
-        assert run.returns == [world_size * (world_size - 1) / 2] * world_size
+        if run.status == "ok":  # under torchrun, demos for other world sizes are skipped
+            assert run.returns == [world_size * (world_size - 1) / 2] * world_size
         spawn(seeded_noise, world_size)
         spawn(talk, world_size)
 

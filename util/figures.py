@@ -11,6 +11,11 @@ def timeline(spans, title="", ax=None):
     Spans are in seconds from the demo's start, measured on each rank, so what overlapped on
     the machine overlaps in the picture."""
     import matplotlib.pyplot as plt
+    if not spans:  # e.g. a demo skipped under torchrun: say so rather than fail
+        fig, ax = plt.subplots(figsize=(6, 1))
+        ax.text(0.5, 0.5, "no spans were recorded", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
     ranks = sorted({s["rank"] for s in spans})
     labels = list(dict.fromkeys(s["label"] for s in spans))
     colours = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}

@@ -116,11 +116,15 @@ def _run_task(rank, world_size, fn, kwargs, threads):
     finally:
         record.use(previous)
     result["end"] = time.perf_counter()
+    # Output and errors belong to the demo function as a whole.
+    code = getattr(fn, "__code__", None)
+    source = code and {"file": record.relpath(code.co_filename), "line": code.co_firstlineno,
+                       "function": code.co_name, "key": None}
     for stream, buf in (("stdout", out), ("stderr", err)):
         if buf.getvalue():
-            recorder.add("output", stream=stream, text=buf.getvalue())
+            recorder.add("output", source=source, stream=stream, text=buf.getvalue())
     if not result["ok"]:
-        recorder.add("error", text=result["error"])
+        recorder.add("error", source=source, text=result["error"])
     result["records"], result["functions"] = recorder.records, recorder.functions
     return result
 

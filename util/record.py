@@ -38,8 +38,8 @@ class Recorder:
         self.functions = {}
         self.t0 = time.perf_counter()
 
-    def add(self, kind, **content):
-        rec = {"kind": kind, **content, "source": self._where(), "rank": self.rank,
+    def add(self, kind, source=None, **content):
+        rec = {"kind": kind, **content, "source": source or self._where(), "rank": self.rank,
                "t": round(time.perf_counter() - self.t0, 6)}
         self.records.append(rec)
         self.show(rec)

@@ -115,13 +115,15 @@ def build(args):
     import torch
     s = launch.settings
     s.quick, s.world_size, s.backend = args.quick, args.world_size, args.backend
-    s.launcher, s.timeout, s.verbose = args.launcher, args.timeout, True
+    s.launcher, s.timeout = args.launcher, args.timeout
+    s.verbose = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports progress
     recorder = record.Recorder()
     record.use(recorder)
     module = importlib.import_module(args.module)
     name = args.module.rsplit(".", 1)[-1]
     title = (module.__doc__ or name).strip().splitlines()[0]
-    print(f"building {name}: {title}", file=sys.stderr, flush=True)
+    if s.verbose:
+        print(f"building {name}: {title}", file=sys.stderr, flush=True)
     start, status = time.perf_counter(), "ok"
     try:
         module.main()

@@ -1,0 +1,158 @@
+"""The launcher: ranks run, report back in order, fail loudly and promptly, and start clean."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from util import DemoFailed, launch, note, span, spawn, table
+
+
+# --- rank functions (module level: workers import them by name) ---------------------------
+
+def say_rank(rank, world_size, greeting="hello"):
+    print(f"{greeting} from {rank}")
+    note(f"note from {rank}")
+    table([[rank]], header=["rank"])
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return {"rank": rank, "sum": x.item(), "world": dist.get_world_size()}
+
+
+def raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("deliberate failure on rank one")
+    dist.all_reduce(torch.ones(1))  # blocks: rank 1 never joins
+
+
+def skip_collective_on_last_rank(rank, world_size):
+    if rank != world_size - 1:
+        dist.all_reduce(torch.ones(1))
+
+
+def die_on_rank_zero(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def dirty_the_process(rank, world_size):
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(1234 + rank)
+    return torch.randn(2).tolist()
+
+
+def read_state(rank, world_size):
+    return {"dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
+            "noise": torch.randn(3).tolist(), "threads": torch.get_num_threads()}
+
+
+def timed(rank, world_size):
+    with span("work"):
+        time.sleep(0.05 * (rank + 1))
+    with span("sync"):
+        dist.barrier()
+
+
+def succeed(rank, world_size):
+    return rank
+
+
+# --- tests --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_returns_records_and_output_come_back_in_rank_order(world_size):
+    run = spawn(say_rank, world_size, greeting="hi")
+    assert run.status == "ok"
+    expected_sum = world_size * (world_size - 1) / 2
+    assert run.returns == [{"rank": r, "sum": expected_sum, "world": world_size}
+                           for r in range(world_size)]
+    ranks = [rec["rank"] for rec in run.records]
+    assert ranks == sorted(ranks) and set(ranks) == set(range(world_size))
+    outputs = [rec for rec in run.records if rec["kind"] == "output"]
+    assert [o["text"] for o in outputs] == [f"hi from {r}\n" for r in range(world_size)]
+    notes = [rec for rec in run.records if rec["kind"] == "note"]
+    assert notes[0]["source"]["function"] == "say_rank"
+    assert notes[0]["source"]["file"] == "tests/test_launch.py"
+
+
+def test_exception_on_one_rank_fails_promptly_with_its_traceback():
+    spawn(succeed, 4)  # the pool is warm: what follows times the failure, not a start-up
+    start = time.monotonic()
+    with pytest.raises(DemoFailed) as info:
+        spawn(raise_on_rank_one, 4)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"took {elapsed:.1f} s; the collective timeout is 30 s"
+    run = info.value.run
+    assert run.status == "failed"
+    assert "rank(s) [1] raised" in run.error and "deliberate failure on rank one" in run.error
+    errors = [rec for rec in run.records if rec["kind"] == "error"]
+    assert errors and errors[0]["rank"] == 1 and "Traceback" in errors[0]["text"]
+    assert spawn(succeed, 4).returns == [0, 1, 2, 3]  # a fresh pool replaces the broken one
+
+
+def test_rank_that_skips_a_collective_ends_in_a_clear_error_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DemoFailed) as info:
+        spawn(skip_collective_on_last_rank, 2, timeout=3)
+    elapsed = time.monotonic() - start
+    assert elapsed < 3 + 15, elapsed  # the timeout, plus starting a pool on 2 busy cores
+    message = info.value.run.error
+    assert "skip_collective_on_last_rank" in message and "rank(s) [0] raised" in message
+    assert "skipped a collective" in message
+
+
+def test_expected_failure_is_not_an_error_and_unexpected_success_is():
+    run = spawn(skip_collective_on_last_rank, 2, timeout=3, expect_error=True)
+    assert run.status == "expected_failure" and "imed out" in run.error
+    with pytest.raises(DemoFailed, match="expected to fail"):
+        spawn(succeed, 2, expect_error=True)
+
+
+def test_a_rank_that_dies_is_noticed_at_once():
+    spawn(succeed, 2)
+    start = time.monotonic()
+    with pytest.raises(DemoFailed, match=r"died \(exit codes \[3\]\)"):
+        spawn(die_on_rank_zero, 2)
+    assert time.monotonic() - start < 10
+
+
+def test_reused_workers_start_each_demo_clean_and_match_fresh_processes():
+    spawn(dirty_the_process, 2)
+    pooled = spawn(read_state, 2).returns
+    assert pooled[0]["dtype"] == "torch.float32" and pooled[0]["grad"] is True
+    torch.manual_seed(0)
+    assert pooled[0]["noise"] == pooled[1]["noise"] == torch.randn(3).tolist()
+    launch.settings.launcher = "spawn"
+    try:
+        fresh = spawn(read_state, 2).returns
+    finally:
+        launch.settings.launcher = "pool"
+    assert pooled == fresh
+
+
+def test_spans_are_relative_to_the_demo_and_comparable_across_ranks():
+    run = spawn(timed, 2)
+    assert {(s["rank"], s["label"]) for s in run.spans} == {
+        (r, l) for r in (0, 1) for l in ("work", "sync")}
+    work = {s["rank"]: s for s in run.spans if s["label"] == "work"}
+    assert all(0 <= s["start"] < 0.05 for s in work.values())
+    assert work[1]["end"] - work[1]["start"] > work[0]["end"] - work[0]["start"]
+    sync_end = [s["end"] for s in run.spans if s["label"] == "sync"]
+    assert abs(sync_end[0] - sync_end[1]) < 0.05  # the barrier ends together on both ranks
+
+
+def test_demos_are_recorded_in_the_current_recorder():
+    from util import record
+    recorder = record.Recorder()
+    previous = record.use(recorder)
+    try:
+        spawn(succeed, 2, name="named demo")
+    finally:
+        record.use(previous)
+    demo = recorder.records[-1]
+    assert demo["kind"] == "demo" and demo["name"] == "named demo" and demo["world_size"] == 2
+    assert demo["status"] == "ok" and demo["function"] in recorder.functions
+    assert "def succeed" in recorder.functions[demo["function"]]["code"]

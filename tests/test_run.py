@@ -1,0 +1,120 @@
+"""The build command: arguments, the recording it writes, failures, parallel builds, torchrun."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, build
+from util import run as runner
+
+
+def load(out, name="fixture_lecture"):
+    with open(os.path.join(out, name + ".json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("args, complaint", [
+    (["no_such_lecture"], "no lecture 'no_such_lecture'"),
+    (["tests.fixture_lecture", "--launcher", "threads"], "invalid choice"),
+    (["tests.fixture_lecture", "--world-size", "0"], "--world-size must be at least 1"),
+    (["tests.fixture_lecture", "--timeout", "-1"], "--timeout must be positive"),
+    (["tests.fixture_lecture", "--bogus"], "unrecognized arguments"),
+    ([], "required"),
+])
+def test_bad_command_line_gives_one_line_and_exit_code_2(args, complaint):
+    proc = subprocess.run([sys.executable, "-m", "util.run", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and complaint in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_recording_follows_the_schema(fixture_site):
+    rec = load(fixture_site)
+    assert rec["schema"] == runner.SCHEMA and rec["status"] == "ok"
+    assert rec["lecture"] == "fixture_lecture" and rec["title"].startswith("Fixture lecture")
+    assert rec["file"] == "tests/fixture_lecture.py"
+    assert rec["demos"] == {"total": 14, "failed": 0, "expected_failures": 0, "skipped": 0}
+    env = rec["environment"]
+    assert env["backend"] == "gloo" and env["launcher"] == "pool" and env["quick"] is True
+    assert env["device"] and env["torch"].startswith("2.")
+    kinds = {r["kind"] for r in rec["records"]}
+    assert {"note", "table", "figure", "code", "link", "image", "demo"} <= kinds
+    for r in rec["records"]:
+        assert r["source"]["file"] == "tests/fixture_lecture.py" and r["source"]["line"] > 0
+        assert r["rank"] is None
+        if r["source"]["key"]:
+            assert r["source"]["key"] in rec["functions"]
+    demos = [r for r in rec["records"] if r["kind"] == "demo"]
+    assert [d["world_size"] for d in demos[:9]] == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    talk = demos[8]
+    assert [r["rank"] for r in talk["records"] if r["kind"] == "output"] == [0, 1, 2, 3]
+    assert "stdout of rank 3" in talk["records"][-1]["text"]
+    assert all(r["source"]["function"] == "talk" for r in talk["records"])
+    timed = [d for d in demos if d["name"] == "timed_work"][0]
+    assert {r["rank"] for r in timed["records"] if r["kind"] == "span"} == {0, 1}
+
+
+def test_failing_demo_fails_the_build_promptly_and_still_writes_the_page(tmp_path):
+    start = time.monotonic()
+    proc = build("tests.failing_lecture", tmp_path, "--timeout", "60", check=False)
+    assert proc.returncode == 1
+    assert time.monotonic() - start < 45  # not the 60 s collective timeout
+    assert "rank one cannot go on" in proc.stderr and "FAILED" in proc.stderr
+    rec = load(tmp_path, "failing_lecture")
+    assert rec["status"] == "failed" and rec["demos"]["failed"] == 1
+    demo = next(r for r in rec["records"] if r["kind"] == "demo")
+    assert demo["status"] == "failed" and "rank(s) [1] raised" in demo["error"]
+    assert any("Traceback" in r["text"] for r in demo["records"] if r["kind"] == "error")
+    assert not any("Never reached" in r.get("text", "") for r in rec["records"])
+    assert (tmp_path / "failing_lecture.html").exists()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_write_atomic_never_leaves_half_a_file(tmp_path, monkeypatch):
+    target = tmp_path / "page.html"
+    runner.write_atomic(str(target), "old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        runner.write_atomic(str(target), "new " * 1000)
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["page.html"]
+
+
+def test_two_builds_at_once(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen([sys.executable, "-m", "util.run", "tests.fixture_lecture", "--quick",
+                               "--out", str(o)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    for o in outs:
+        assert load(o)["demos"]["failed"] == 0
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
+                    reason="torchrun not installed")
+def test_under_torchrun_demos_run_in_place(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "util.run",
+                           "tests.fixture_lecture", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = load(tmp_path)
+    assert rec["environment"]["launcher"] == "torchrun"
+    demos = [r for r in rec["records"] if r["kind"] == "demo"]
+    ran = [d for d in demos if d["status"] == "ok"]
+    assert ran and all(d["world_size"] == 2 for d in ran)
+    skipped = [d for d in demos if d["status"] == "skipped"]
+    assert skipped and all(d["world_size"] != 2 and "torchrun started 2" in d["error"]
+                           for d in skipped)
+    sums = [r for d in ran if d["name"] == "sum_of_ranks" for r in d["records"] if r["kind"] == "note"]
+    assert [r["rank"] for r in sums] == [0, 1] and "**1**" in sums[0]["text"]
