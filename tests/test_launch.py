@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from util import DemoFailed, launch, note, span, spawn, table
+from util import DemoFailed, launch, note, span, spawn, table, timeline
 
 
 # --- rank functions (module level: workers import them by name) ---------------------------
@@ -142,6 +142,19 @@ def test_spans_are_relative_to_the_demo_and_comparable_across_ranks():
     assert work[1]["end"] - work[1]["start"] > work[0]["end"] - work[0]["start"]
     sync_end = [s["end"] for s in run.spans if s["label"] == "sync"]
     assert abs(sync_end[0] - sync_end[1]) < 0.05  # the barrier ends together on both ranks
+    ax = timeline(run.spans).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 1", "rank 0"]
+    assert len(ax.patches) == 4
+
+
+def test_timeline_gives_overlapping_spans_their_own_lane():
+    spans = [{"rank": 0, "label": "compute", "start": 0.0, "end": 1.0},
+             {"rank": 0, "label": "all-reduce", "start": 0.5, "end": 1.5},
+             {"rank": 0, "label": "compute", "start": 1.2, "end": 2.0}]
+    bars = timeline(spans).axes[0].patches
+    lanes = [bar.get_y() for bar in bars]
+    assert lanes[0] == lanes[2] != lanes[1]  # the all-reduce does not hide the compute
+    assert timeline([]).axes  # nothing recorded: a figure that says so, not a crash
 
 
 def test_demos_are_recorded_in_the_current_recorder():
