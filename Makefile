@@ -43,6 +43,10 @@ lecture: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+notebooks: $(STAMP)
+	$(PY) -m util.notebooks $(if $(QUICK),--quick) $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) \
+	      $(if $(BACKEND),--backend $(BACKEND))
+
 bench: $(STAMP)
 	$(PY) -m tests.bench
 

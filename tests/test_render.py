@@ -1,0 +1,260 @@
+"""The renderer on hand-made recordings: escaping, math, sections, assets, atomic writes, index."""
+import json
+import os
+import re
+
+import pytest
+
+from util import render
+from util.run import SCHEMA
+
+SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
+EVIL = '<script>alert("x")</script>'
+PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f"
+       b"\x15\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\xff\xff?\x00\x05\xfe\x02\xfe\xa7\x35\x81\x84\x00\x00"
+       b"\x00\x00IEND\xaeB`\x82")
+
+
+def src(func, line, file="lectures/lecture_demo.py", start=None):
+    key = f"{file}:{start or line - 1}:{func}"
+    return {"file": file, "line": line, "function": func, "key": key}
+
+
+def rank_rec(rank, kind, func="ring_step", **content):
+    return {"kind": kind, **content, "source": src(func, 12, start=10), "rank": rank, "t": 0.1}
+
+
+def functions():
+    f = "lectures/lecture_demo.py"
+    return {
+        f"{f}:29:main": {"file": f, "name": "main", "start": 29, "code": "def main():\n    intro()\n"},
+        f"{f}:19:intro": {"file": f, "name": "intro", "start": 19, "code": "def intro():\n    note('## Intro')\n"},
+        f"{f}:10:ring_step": {"file": f, "name": "ring_step", "start": 10,
+                              "code": "def ring_step(rank, world_size):\n    print(rank)\n"},
+        "/usr/lib/python3/multiprocessing/process.py:103:run": {
+            "file": "/usr/lib/python3/multiprocessing/process.py", "name": "run", "start": 103,
+            "code": "def run(self):\n    pass\n"},
+    }
+
+
+def recording(tmp_path, *, status="ok", figures=1, lecture="lecture_demo", demos=True):
+    image = tmp_path / "pic.png"
+    image.write_bytes(PNG)
+    top = lambda kind, func="intro", line=20, **c: {"kind": kind, **c, "source": src(func, line),
+                                                    "rank": None, "t": 0.0}
+    records = [
+        top("note", "main", 30, text="# Demo lecture\nAn introduction with $x^2$."),
+        top("note", text=f"## First section\nRing sends $2(n-1)/n$ of the data.\n\n$$a+b$$\n\n{EVIL}\n\n"
+                         "```python\n# not a heading\nx = 1\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |"),
+        top("table", header=["n", "time", EVIL], rows=[[1234567, 3.14159, EVIL], [2, 0.000123456, "b"]],
+            caption=EVIL),
+        top("code", name="ring_step", file="lectures/lecture_demo.py", start=10,
+            code="def ring_step(rank, world_size):\n    print(rank)\n"),
+        top("link", url="https://example.org/paper", title=f"paper {EVIL}"),
+        top("link", url="javascript:alert(1)", title="bad link"),
+        top("image", src=str(image), caption=f"local {EVIL}", width=50),
+        top("image", src="https://example.invalid/x.png", caption="remote picture", width=None),
+        top("span", label="hidden", start=0.0, end=1.0),
+    ]
+    records += [top("figure", svg=SVG.replace("10", str(10 + i)), caption=f"fig {i} {EVIL}")
+                for i in range(figures)]
+    records.append(top("note", text="## Second section\nMath that cannot be shown as MathML: "
+                                    "$\\text{<script>}$ and a broken one $\\frac{$."))
+    if demos:
+        records += [
+            top("demo", name=f"ring {EVIL}", world_size=2, status="ok", elapsed=0.0123, error=None,
+                function="lectures/lecture_demo.py:10:ring_step",
+                records=[rank_rec(0, "note", text="rank 0 says **hi**"),
+                         rank_rec(0, "output", stream="stdout", text=f"out {EVIL}\n"),
+                         rank_rec(1, "table", header=["x"], rows=[[1.5]], caption=""),
+                         rank_rec(1, "output", stream="stderr", text="warn\n"),
+                         rank_rec(0, "span", label="compute", start=0.0, end=0.01)]),
+            top("demo", name="broken", world_size=2, status="failed", elapsed=1.5,
+                error=f"demo 'broken' failed {EVIL}", function="lectures/lecture_demo.py:10:ring_step",
+                records=[rank_rec(1, "error", text=f"Traceback ...\nValueError: {EVIL}")]),
+            top("demo", name="lesson", world_size=4, status="expected_failure", elapsed=2.0,
+                error="timed out, as it should", function="lectures/lecture_demo.py:10:ring_step",
+                records=[]),
+            top("demo", name="needs_gpu", world_size=8, status="skipped", elapsed=0.0,
+                error="needs 8 GPUs", function="lectures/lecture_demo.py:10:ring_step", records=[]),
+        ]
+    return {
+        "schema": SCHEMA, "lecture": lecture, "title": f"Demo lecture: a test {EVIL}",
+        "module": f"lectures.{lecture}", "file": f"lectures/{lecture}.py",
+        "built": "2026-01-02T03:04:05+00:00", "elapsed": 12.5, "status": status,
+        "environment": {"python": "3.11", "torch": "2.13.0", "backend": "gloo", "launcher": "pool",
+                        "world_size": 4, "quick": True, "device": "CPU: test, 2 cores", "host": "h"},
+        "demos": {"total": 4, "failed": 1 if status == "failed" else 0, "expected_failures": 1, "skipped": 1},
+        "functions": functions(),
+        "records": records,
+    }
+
+
+def write(tmp_path, rec, out="content"):
+    folder = tmp_path / out
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{rec['lecture']}.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
+@pytest.fixture
+def page(tmp_path):
+    path = write(tmp_path, recording(tmp_path, status="failed"))
+    html_path = render.render_lecture(str(path))
+    return tmp_path / "content", open(html_path, encoding="utf-8").read()
+
+
+def test_everything_from_the_recording_is_escaped(page):
+    out, html = page
+    # the only script tag is the page's own local script
+    assert re.findall(r"<script\b[^>]*>", html) == ['<script src="static/course.js" defer>']
+    escaped = "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;"
+    # note, table cell/header/caption, link title, image caption, figure caption, demo name,
+    # rank stdout, rank error and the demo's error all show it as text
+    assert html.count(escaped) >= 10
+    assert 'href="javascript:' not in html
+    assert "<mtext><script>" not in html
+
+
+def test_math_sections_and_toc(page):
+    out, html = page
+    assert html.count("<math") >= 3                       # inline, display, in the intro
+    assert '<h1>Demo lecture</h1>' in html
+    assert '<ol class="toc" id="toc"><li><a href="#first-section"' in html
+    assert 'href="#second-section"' in html
+    assert '<section class="section has-failure" id="second-section">' in html
+    assert 'id="not-a-heading"' not in html and "# not a heading" in html  # fenced code stays code
+    assert '<div class="scroll"><table>' in html           # markdown tables scroll on phones
+    assert 'class="math-source"' in html                   # unconvertible math shown as source
+    assert "Keys:" in html and "<kbd>j</kbd>" in html
+
+
+def test_tables_numbers_and_code(page):
+    out, html = page
+    assert '<td class="num" title="1234567">1,234,567</td>' in html
+    assert ">3.142</td>" in html and ">0.0001235</td>" in html
+    assert '<th class=num>n</th>' in html
+    # see(): highlighted with the file and line numbers
+    assert "lectures/lecture_demo.py:10–11" in html
+    assert '<span class="linenos">10</span>' in html
+    # show code: the section's functions, including the demo's rank function, not library code
+    second = html.split('id="second-section"')[1]
+    code = second.split("</details>")[0]
+    assert "show code" in code and "<code>ring_step</code>" in code and "<code>intro</code>" in code
+    assert "multiprocessing" not in html
+    # the reference link and the header line
+    assert '<a href="https://example.org/paper" rel="noreferrer">' in html
+    for text in ("2026-01-02 03:04 UTC", "CPU: test, 2 cores", "gloo", "pool", "quick sizes", "12.50 s"):
+        assert text in html
+
+
+def test_demos_ranks_and_failures(page):
+    out, html = page
+    ok = html.split('class="demo demo-ok"')[1].split("</article>")[0]
+    assert ok.count('<section class="rank') == 2             # a column per rank
+    assert "rank 0 says <strong>hi</strong>" in ok and "warn" in ok and "12 ms" in ok
+    failed = html.split('class="demo demo-failed"')[1].split("</article>")[0]
+    assert 'status-failed">failed<' in failed and 'class="error-box"' in failed
+    assert '<section class="rank rank-error"><h4>rank 1</h4>' in failed
+    assert '<section class="rank"><h4>rank 0</h4><p class=quiet>nothing recorded</p>' in failed
+    lesson = html.split('class="demo demo-expected_failure"')[1].split("</article>")[0]
+    assert "expected failure — this is the lesson" in lesson and "expected-box" in lesson
+    assert 'class="demo demo-skipped"' in html and "needs 8 GPUs" in html
+    assert 'class="banner-failed"' in html and 'href="#demo-2">broken</a>' in html
+    assert "compute" not in html.split("<main")[1]           # spans are not listed
+
+
+def test_assets_written_beside_the_page(page, tmp_path):
+    out, html = page
+    files = out / "lecture_demo_files"
+    assert (files / "fig-01.svg").read_text() == SVG
+    assert 'src="lecture_demo_files/fig-01.svg"' in html
+    copied = [f for f in os.listdir(files) if f.startswith("img-")]
+    assert len(copied) == 1 and (files / copied[0]).read_bytes() == PNG
+    assert f'src="lecture_demo_files/{copied[0]}" alt="local' in html and 'width="50"' in html
+    # a remote image is a link card (JS swaps in the picture only when online)
+    assert 'class="image remote" data-src="https://example.invalid/x.png"' in html
+    assert not re.search(r'\ssrc="https?:', html)
+    for name in ("course.css", "course.js", "pygments.css"):
+        assert (out / "static" / name).stat().st_size > 100
+    # nothing the page loads comes from the network
+    for m in re.finditer(r'<(?:link|script|img)\b[^>]*(?:href|src)="([^"]+)"', html):
+        assert not re.match(r"[a-z]+:", m.group(1)), m.group(0)
+    assert "Content-Security-Policy" in html
+
+
+def test_rerender_replaces_cleanly(tmp_path):
+    path = write(tmp_path, recording(tmp_path, figures=3))
+    render.render_lecture(str(path))
+    files = tmp_path / "content" / "lecture_demo_files"
+    assert sorted(f for f in os.listdir(files) if f.startswith("fig")) == ["fig-01.svg", "fig-02.svg", "fig-03.svg"]
+    path.write_text(json.dumps(recording(tmp_path, figures=1)))
+    render.render_lecture(str(path))
+    assert sorted(f for f in os.listdir(files) if f.startswith("fig")) == ["fig-01.svg"]
+    assert not [f for f in os.listdir(tmp_path / "content") if f.startswith(".tmp-")]
+
+
+def test_a_failed_write_leaves_the_old_page(tmp_path, monkeypatch):
+    path = write(tmp_path, recording(tmp_path))
+    page = render.render_lecture(str(path))
+    before = open(page, "rb").read()
+    rec = recording(tmp_path)
+    rec["records"].append({"kind": "note", "text": "NEW TEXT", "source": None, "rank": None, "t": 1})
+    path.write_text(json.dumps(rec))
+    real = os.replace
+
+    def failing(a, b):
+        if str(b).endswith(".html"):
+            raise OSError("disk full")
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="disk full"):
+        render.render_lecture(str(path))
+    monkeypatch.setattr(os, "replace", real)
+    assert open(page, "rb").read() == before           # the old page, whole
+    out = tmp_path / "content"
+    leftovers = [f for d in (out, out / "static", out / "lecture_demo_files") for f in os.listdir(d)
+                 if f.startswith(".tmp-")]
+    assert leftovers == []
+    assert "NEW TEXT" in open(render.render_lecture(str(path)), encoding="utf-8").read()
+
+
+def test_index_lists_lectures_and_notebooks(tmp_path):
+    write(tmp_path, recording(tmp_path, lecture="lecture_b", status="failed"))
+    write(tmp_path, recording(tmp_path, lecture="lecture_a"))
+    out = tmp_path / "content"
+    render.render_lecture(str(out / "lecture_a.json"))
+    render.render_lecture(str(out / "lecture_b.json"))
+    (out / "other.json").write_text(json.dumps({"schema": "something-else"}))
+    (out / "broken.json").write_text("{not json")
+    (out / "notebooks").mkdir()
+    (out / "notebooks" / "lecture_a.html").write_text("<html></html>")
+    html = open(render.render_index(str(out)), encoding="utf-8").read()
+    assert html.index("lecture_a.html") < html.index("lecture_b.html")   # sorted by name
+    assert 'href="notebooks/lecture_a.html"' in html
+    assert "notebooks/lecture_b.html" not in html                        # none for b
+    assert "other" not in html and "broken" not in html
+    assert html.count('class="lecture-card') == 2
+    assert "build failed" in html and '<b class="bad">1 failed</b>' in html
+    assert "2026-01-02 03:04 UTC" in html and "CPU: test, 2 cores" in html and "backend gloo" in html
+    assert "&lt;script&gt;" in html and re.findall(r"<script\b[^>]*>", html) == \
+        ['<script src="static/course.js" defer>']
+
+
+def test_empty_index(tmp_path):
+    html = open(render.render_index(str(tmp_path)), encoding="utf-8").read()
+    assert "No lectures built yet" in html
+
+
+def test_number_formatting():
+    f = render.format_number
+    assert f(0) == "0" and f(-1234) == "-1,234" and f(True) == "True"
+    assert f(2.5) == "2.5" and f(1 / 3) == "0.3333" and f(123456.7) == "123,457"
+    assert f(1.5e-7) == "1.5e-07" and f(float("nan")) == "NaN" and f(float("inf")) == "∞"
+
+
+def test_split_note():
+    parts = render.split_note("# Title\nintro\n## A\ntext\n```\n## code, not a heading\n```\n## B")
+    assert [(lvl, t) for lvl, t, _ in parts] == [(1, "Title"), (2, "A"), (2, "B")]
+    assert "## code, not a heading" in parts[1][2]
