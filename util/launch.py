@@ -356,7 +356,10 @@ def _finish(run, results, error, expect_error):
             run.records.append(rec)
     run.returns = [results[r]["returns"] if r in results else None for r in range(run.world_size)]
     if error:
-        first = next((results[r]["error"] for r in sorted(results) if not results[r]["ok"]), "")
+        errors = [results[r]["error"] for r in sorted(results) if not results[r]["ok"]]
+        # A timeout is the cause; "connection closed by peer" on another rank is its echo.
+        first = next((e for e in errors if "imed out" in e.strip().splitlines()[-1]),
+                     errors[0] if errors else "")
         run.error = f"demo {run.name!r} on {run.world_size} ranks failed: {error}"
         if first:
             last = first.strip().splitlines()[-1]

@@ -147,4 +147,20 @@ def span(label):
     try:
         yield
     finally:
-        _current.add("span", label=label, start=start, end=time.perf_counter())
+        span_at(label, start, time.perf_counter())
+
+
+def span_at(label, start, end):
+    """A span measured by other means (time.perf_counter() values), e.g. an async collective
+    from its launch to the callback that saw it complete."""
+    _current.add("span", label=label, start=start, end=end)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Records made inside are dropped: warm-up and timing loops leave nothing on the page."""
+    previous = use(Recorder(_current.rank))
+    try:
+        yield
+    finally:
+        use(previous)
