@@ -1,0 +1,1100 @@
+"""Communication: collectives, how to measure them, and overlap
+
+Every parallel training scheme in this course is a pattern of communication between ranks. This
+lecture runs each collective on real ranks, builds all-reduce from point-to-point messages,
+measures bandwidth the way nccl-tests does, fits the α–β cost model, makes a hang on purpose,
+and overlaps communication with computation.
+"""
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from util import (device, figure, note, progress, see, settings, span, span_at, spawn, table,
+                  timeline)
+from util.launch import choose_backend
+
+KB, MB = 1024, 1024 ** 2
+
+
+# =========================================================================================
+# Pure helpers (no process group needed; unit-tested on their own)
+# =========================================================================================
+
+def bus_bandwidth_factor(collective, n):
+    """nccl-tests' correction from algorithm bandwidth to bus bandwidth on `n` ranks.
+
+    busbw = algbw * factor makes the number comparable with the speed of the slowest link:
+    in a ring all-reduce each rank sends and receives 2(n-1)/n of the buffer, in all-gather,
+    reduce-scatter and all-to-all (n-1)/n of it, in broadcast and reduce the whole buffer once.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one rank, got {n}")
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": 1.0,
+        "reduce": 1.0,
+    }
+    if collective not in factors:
+        raise ValueError(f"unknown collective {collective!r}; known: {sorted(factors)}")
+    return factors[collective]
+
+
+def bandwidths(collective, nbytes, seconds, n):
+    """(algbw, busbw) in bytes/s for moving an `nbytes` buffer in `seconds` on `n` ranks."""
+    algbw = nbytes / seconds
+    return algbw, algbw * bus_bandwidth_factor(collective, n)
+
+
+def fit_alpha_beta(sizes, times):
+    """Fit time(s) = alpha + s / beta (alpha in seconds, beta in bytes/s) to measurements.
+
+    Message sizes span many orders of magnitude, so a plain least-squares fit would listen
+    only to the largest messages. We minimise the *relative* error instead, which weighs a
+    4 KB message as much as a 64 MB one. Both parameters are kept non-negative (a negative
+    latency is noise, not physics); beta is infinite when the times do not grow with size.
+    """
+    s = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if s.shape != t.shape or s.size < 2:
+        raise ValueError("need at least two (size, time) pairs of equal length")
+    if np.any(t <= 0):
+        raise ValueError("times must be positive")
+    design = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if alpha < 0:       # refit through the origin: pure bandwidth
+        alpha, inv_beta = 0.0, np.sum(s / t) / np.sum((s / t) ** 2)
+    if inv_beta <= 0:   # refit as a constant: pure latency
+        alpha, inv_beta = len(t) / np.sum(1 / t), 0.0
+    return float(alpha), (float("inf") if inv_beta == 0 else float(1 / inv_beta))
+
+
+def crossover_bytes(alpha, beta):
+    """The message size at which the latency term equals the bandwidth term (alpha * beta).
+
+    Below it a message costs mostly latency, above it mostly bandwidth; at exactly this size
+    the achieved bandwidth is half of beta (Hockney's n_1/2)."""
+    return alpha * beta
+
+
+def human_bytes(n):
+    for unit, size in (("GB", 1024 ** 3), ("MB", MB), ("KB", KB)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+# =========================================================================================
+# 1. The hardware hierarchy
+# =========================================================================================
+
+def machine_topology():
+    """What this machine says about itself: GPU links with nvidia-smi, CPU facts otherwise."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                 timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                return "nvidia-smi topo -m", out.stdout.rstrip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    keep = ("Model name", "CPU(s):", "Thread(s) per core", "Core(s) per socket", "Socket(s)",
+            "L1d cache", "L2 cache", "L3 cache", "NUMA node(s)", "Hypervisor vendor")
+    if shutil.which("lscpu"):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30)
+        lines = [l for l in out.stdout.splitlines() if l.strip().startswith(keep)]
+        if lines:
+            return "lscpu (selected lines)", "\n".join(lines)
+    with open("/proc/cpuinfo") as f:
+        models = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+    return "/proc/cpuinfo", f"{len(models)} logical CPUs: {models[0] if models else 'unknown'}"
+
+
+def copy_bandwidth(nbytes, repeats):
+    """Median bandwidth (bytes/s) of copying an `nbytes` buffer in this process's memory."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def hardware():
+    note("""
+        ## The hardware hierarchy
+        Data lives at several distances from the arithmetic units, and each step outwards is
+        larger and slower. On an NVIDIA H100 SXM (figures from NVIDIA's H100 datasheet and
+        architecture whitepaper, linked at the end):
+    """)
+    table([
+        ["registers", "256 KB per SM (132 SMs)", "next to the ALUs", "H100 whitepaper"],
+        ["L1 / shared memory", "up to 256 KB per SM", "on-chip, per SM", "H100 whitepaper"],
+        ["L2 cache", "50 MB", "on-chip, shared by all SMs", "H100 whitepaper"],
+        ["HBM3", "80 GB", "3.35 TB/s", "H100 datasheet (SXM)"],
+        ["NVLink 4 (GPU↔GPU in a node)", "18 links", "900 GB/s total, both directions", "H100 datasheet"],
+        ["PCIe Gen5 x16 (GPU↔CPU)", "", "128 GB/s total, both directions", "H100 datasheet"],
+        ["InfiniBand NDR (node↔node)", "one 400 Gb/s port per GPU", "50 GB/s per direction", "ConnectX-7 / NDR spec"],
+    ], header=["level", "size", "bandwidth", "source"],
+       caption="Memory and interconnect hierarchy of an H100 SXM node (published figures, not measured here).")
+    note("""
+        From HBM (3.35 TB/s) to NVLink (450 GB/s per direction) to InfiniBand (50 GB/s per
+        direction per GPU), every hop outwards costs roughly an order of magnitude in
+        bandwidth. That single fact shapes every parallelism layout later in the course: the
+        chattiest scheme (tensor parallelism) stays inside a node on NVLink, the quietest
+        (data parallelism) spans nodes.
+
+        This page was built on the machine below; here is what it says about itself
+        (`nvidia-smi topo -m` lists which GPUs talk over NVLink (`NV#`) or PCIe (`PIX`, `PHB`,
+        `SYS`); without GPUs we record the CPU layout, since the "ranks" here are processes
+        sharing these cores and one memory):
+    """)
+    source, text = machine_topology()
+    note(f"Output of `{source}` on the build machine:\n\n```text\n{text}\n```")
+    nbytes = (16 if settings.quick else 256) * MB
+    bw = copy_bandwidth(nbytes, repeats=3 if settings.quick else 7)
+    note(f"""
+        Measured now, in the lecture process: copying a {human_bytes(nbytes)} buffer in main
+        memory runs at **{bw / 1e9:.1f} GB/s** (median of several copies; each byte is read
+        once and written once). On a CPU-only machine every "link" between ranks is this
+        memory: gloo moves data between processes through the kernel's loopback TCP, so the
+        bandwidths measured below will be a fraction of it.
+    """)
+
+
+# =========================================================================================
+# 2. The collectives, each on real ranks
+# =========================================================================================
+# Rank r starts with values 10*r + i, so a value says where it came from: 23 is element 3 of
+# rank 2. `chunk` elements per rank-sized piece; the figures use 2, the tests other sizes.
+
+def rank_data(rank, length):
+    return torch.arange(length, dtype=torch.float32) + 10 * rank
+
+
+def _cpu(t):
+    return None if t is None else t.detach().to("cpu").clone()
+
+
+def demo_broadcast(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk * world_size).to(device())
+    before = _cpu(x)
+    dist.broadcast(x, src=0)            # everyone ends with rank 0's tensor
+    return {"before": before, "after": _cpu(x)}
+
+
+def demo_scatter(rank, world_size, chunk=2):
+    pieces = list(rank_data(0, chunk * world_size).to(device()).chunk(world_size)) if rank == 0 else None
+    out = torch.zeros(chunk, device=device())
+    before = torch.cat(pieces).cpu() if rank == 0 else None
+    dist.scatter(out, scatter_list=pieces, src=0)   # piece r goes to rank r
+    return {"before": before, "after": _cpu(out)}
+
+
+def demo_gather(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk).to(device())
+    slots = [torch.zeros_like(x) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(x, gather_list=slots, dst=0)        # only rank 0 receives
+    return {"before": _cpu(x), "after": torch.cat(slots).cpu() if rank == 0 else None}
+
+
+def demo_reduce(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk * world_size).to(device())
+    before = _cpu(x)
+    dist.reduce(x, dst=0)   # rank 0 gets the sum; other ranks' buffers are scratch space
+    return {"before": before, "after": _cpu(x)}
+
+
+def demo_all_gather(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk).to(device())
+    out = torch.zeros(chunk * world_size, device=device())
+    dist.all_gather_into_tensor(out, x)
+    return {"before": _cpu(x), "after": _cpu(out)}
+
+
+def demo_reduce_scatter(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk * world_size).to(device())
+    out = torch.zeros(chunk, device=device())
+    dist.reduce_scatter_tensor(out, x)  # rank r gets the sum of everyone's piece r
+    return {"before": _cpu(x), "after": _cpu(out)}
+
+
+def demo_all_reduce(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk * world_size).to(device())
+    before = _cpu(x)
+    dist.all_reduce(x)
+    return {"before": before, "after": _cpu(x)}
+
+
+def demo_all_to_all(rank, world_size, chunk=2):
+    x = rank_data(rank, chunk * world_size).to(device())
+    out = torch.zeros_like(x)
+    dist.all_to_all_single(out, x)      # piece j of rank i becomes piece i of rank j
+    return {"before": _cpu(x), "after": _cpu(out)}
+
+
+def demo_send_recv(rank, world_size, chunk=2):
+    """Everyone passes its tensor to the right neighbour on a ring."""
+    x = rank_data(rank, chunk).to(device())
+    got = torch.zeros_like(x)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    # Posting both sides at once avoids the deadlock of "everyone sends first, nobody receives".
+    ops = [dist.P2POp(dist.isend, x, right), dist.P2POp(dist.irecv, got, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return {"before": _cpu(x), "after": _cpu(got)}
+
+
+# name, rank function, what the collective does, which results are sums
+COLLECTIVES = [
+    ("broadcast", demo_broadcast, "rank 0's tensor is copied to every rank", "none"),
+    ("scatter", demo_scatter, "rank 0 splits its tensor; piece r goes to rank r", "none"),
+    ("gather", demo_gather, "every rank's tensor is collected, in rank order, on rank 0", "none"),
+    ("reduce", demo_reduce, "the element-wise sum lands on rank 0 only", "dst"),
+    ("all-gather", demo_all_gather, "every rank gets everyone's tensors, in rank order", "none"),
+    ("reduce-scatter", demo_reduce_scatter, "rank r gets the sum of everyone's piece r", "all"),
+    ("all-reduce", demo_all_reduce, "every rank gets the element-wise sum", "all"),
+    ("all-to-all", demo_all_to_all, "piece j of rank i becomes piece i of rank j (a transpose)", "none"),
+    ("send/recv", demo_send_recv, "each rank sends to its right neighbour, receives from its left", "none"),
+]
+
+
+def draw_collective(name, before, after, sums):
+    """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
+    rank the value came from; sums are grey; a reduce's non-destination buffers are hatched."""
+    import matplotlib.pyplot as plt
+    world_size = len(before)
+    origin = {}
+    for r, t in enumerate(before):
+        for v in (t.tolist() if t is not None else []):
+            origin.setdefault(v, r)
+    width = max(len(t) for t in before + after if t is not None)
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.1 * width, 0.55 * world_size + 1.0))
+    colours = plt.cm.Pastel1
+    for ax, side, data in ((axes[0], "before", before), (axes[1], "after", after)):
+        for r, t in enumerate(data):
+            y = world_size - 1 - r
+            values = t.tolist() if t is not None else []
+            if not values:
+                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=8, color="0.5")
+            for i, v in enumerate(values):
+                kind = "moved"
+                if side == "after" and (sums == "all" or (sums == "dst" and r == 0)):
+                    kind = "sum"
+                elif side == "after" and sums == "dst":
+                    kind = "scratch"
+                face = {"moved": colours(origin.get(v, 8) % 9), "sum": "0.82", "scratch": "white"}[kind]
+                ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
+                                           hatch="///" if kind == "scratch" else None, linewidth=0.6))
+                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=8,
+                        color="0.45" if kind == "scratch" else "black",
+                        fontweight="bold" if kind == "sum" else "normal")
+        ax.set_xlim(-0.1, width + 0.1)
+        ax.set_ylim(-0.2, world_size)
+        ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
+                      [f"rank {r}" for r in range(world_size)])
+        ax.set_xticks([])
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title(side, fontsize=10)
+    fig.suptitle(name, fontweight="bold")
+    fig.tight_layout()
+    return fig
+
+
+def collectives():
+    world_size = settings.world_size
+    note(f"""
+        ## The eight collectives, and send/recv
+        A *collective* is an operation that every rank of a group calls together. Each demo
+        below runs on {world_size} real ranks (processes; gloo on CPU, NCCL on GPUs). Rank $r$
+        starts with values $10r + i$, so every value tells where it came from (23 is element 3
+        of rank 2). The figures are drawn from the tensors the ranks returned: colour = the
+        rank a value came from, grey and bold = a sum over ranks.
+
+        Two libraries implement these calls under `torch.distributed`: **gloo** (CPU tensors,
+        TCP between processes; what this page uses without GPUs) and **NCCL** (GPU tensors over
+        NVLink, PCIe and InfiniBand). NCCL chooses an algorithm per call from the topology and
+        message size: a *ring* (bandwidth-optimal, latency grows with the number of ranks) or a
+        *tree* (logarithmic latency, for small messages and many nodes).
+    """)
+    see(demo_all_to_all)
+    for name, fn, what, sums in COLLECTIVES:
+        run = spawn(fn, world_size, name=name)
+        before = [r["before"] for r in run.returns]
+        after = [r["after"] for r in run.returns]
+        extra = ""
+        if sums == "dst":
+            extra = (" Only rank 0's result is defined: gloo used the other ranks' buffers as "
+                     "scratch space for partial sums (hatched), so never read them.")
+        figure(draw_collective(name, before, after, sums), caption=f"**{name}**: {what}.{extra}")
+    note("""
+        The reductions (reduce, reduce-scatter, all-reduce) sum by default; `op=` picks
+        `MAX`, `MIN`, `PRODUCT` or `AVG` (NCCL). Send and receive are not collectives: only the
+        two ranks involved take part, and a send must meet a matching receive.
+    """)
+    see(demo_send_recv)
+
+
+# =========================================================================================
+# 3. All-reduce = reduce-scatter + all-gather
+# =========================================================================================
+
+def all_reduce_two_ways(rank, world_size, length, integer):
+    """All-reduce directly, and as reduce-scatter then all-gather; returns both results."""
+    g = torch.Generator().manual_seed(rank)
+    x = (torch.randint(-100, 100, (length,), generator=g).float() if integer
+         else torch.randn(length, generator=g)).to(device())
+    direct = x.clone()
+    dist.all_reduce(direct)
+    piece = torch.empty(length // world_size, device=device())
+    dist.reduce_scatter_tensor(piece, x)    # each rank owns the full sum of one piece ...
+    composed = torch.empty_like(x)
+    dist.all_gather_into_tensor(composed, piece)    # ... and then everyone collects all pieces
+    return {"input": _cpu(x), "direct": _cpu(direct), "composed": _cpu(composed)}
+
+
+def all_reduce_decomposed():
+    world_size = settings.world_size
+    length = world_size * (1000 if settings.quick else 100_000)
+    note(f"""
+        ## All-reduce = reduce-scatter + all-gather
+        After a reduce-scatter every rank owns the finished sum of one piece; an all-gather then
+        hands every piece to every rank. That is an all-reduce, and it is how bandwidth-optimal
+        all-reduce algorithms (and ZeRO/FSDP, later) work. Checked on {world_size} ranks with
+        {length:,} elements each:
+    """)
+    see(all_reduce_two_ways)
+    rows = []
+    for integer in (True, False):
+        run = spawn(all_reduce_two_ways, world_size, length=length, integer=integer,
+                    name="all_reduce_two_ways" + ("_integers" if integer else "_floats"))
+        reference = sum(r["input"].double() for r in run.returns)
+        for rank, r in enumerate(run.returns):
+            rows.append(["integers" if integer else "random floats", rank,
+                         (r["direct"] - r["composed"]).abs().max().item(),
+                         (r["composed"].double() - reference).abs().max().item()])
+    table(rows, header=["data", "rank", "max |all-reduce − (reduce-scatter + all-gather)|",
+                        "max |composed − float64 sum|"],
+          caption="Both routes give the same sum. With integer-valued data they agree exactly; "
+                  "with random floats any difference is rounding from a different order of additions.")
+
+
+# =========================================================================================
+# 4. Ring all-reduce from send and receive
+# =========================================================================================
+
+def _start_exchange(send, to, recv, source):
+    """Start receiving one buffer from the left and sending one to the right; returns the
+    work handles. The two are issued as one group (`batch_isend_irecv`), which NCCL needs to
+    avoid deadlock between neighbours sending to each other, and the receive comes first so
+    that arriving bytes can land straight in their final place (measurably faster with gloo).
+    Empty buffers (tensors shorter than the world size) are skipped by both sides alike."""
+    ops = []
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, source))
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, to))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _exchange(send, to, recv, source):
+    for work in _start_exchange(send, to, recv, source):
+        work.wait()
+
+
+def ring_all_reduce(x, on_step=None):
+    """Sum `x` over all ranks, in place, with 2(n-1) neighbour exchanges on a ring.
+
+    The buffer is cut into n chunks (sizes may differ by one; some may be empty).
+    Reduce-scatter phase: at step s rank r sends chunk r-s to the right and adds the chunk
+    r-s-1 arriving from the left into its own copy; after n-1 steps rank r holds the full sum
+    of chunk r+1. All-gather phase: the finished chunks travel once more around the ring,
+    each received straight into place. Every rank sends 2(n-1)/n of the buffer in total.
+    `on_step(phase, step, chunk_index)` is called after each step (for drawing).
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return x
+    flat = x.view(-1)                       # needs a contiguous tensor; shares its memory
+    chunks = flat.tensor_split(n)           # views: adding into them updates x
+    right, left = (rank + 1) % n, (rank - 1) % n
+    inbox = torch.empty_like(chunks[0])     # chunk 0 is the largest
+    for step in range(n - 1):
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = inbox[:chunks[recv_i].numel()]
+        _exchange(chunks[send_i], right, incoming, left)
+        chunks[recv_i].add_(incoming)
+        if on_step:
+            on_step("reduce-scatter", step + 1, recv_i)
+    for step in range(n - 1):
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        _exchange(chunks[send_i], right, chunks[recv_i], left)
+        if on_step:
+            on_step("all-gather", step + 1, recv_i)
+    return x
+
+
+def pipelined_ring_all_reduce(x, slices=4):
+    """The same ring, with every chunk cut into `slices` slices that move one at a time.
+
+    In `ring_all_reduce` the link idles while a rank adds a whole chunk. Here the exchange of
+    slice t is started *before* slice t-1 is added, so adding and moving overlap (two inboxes
+    take turns). A slice is sent on only `slices` exchanges after it arrived, by which time it
+    has been added. NCCL pipelines its rings the same way.
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return x
+    slices = max(2, slices)                 # with one slice there is nothing to overlap
+    chunks = [c.tensor_split(slices) for c in x.view(-1).tensor_split(n)]
+    right, left = (rank + 1) % n, (rank - 1) % n
+    inboxes = [torch.empty_like(chunks[0][0]) for _ in range(2)]   # slice 0 of chunk 0 is largest
+    plan = [((rank - s) % n, (rank - s - 1) % n, True) for s in range(n - 1)]      # reduce-scatter
+    plan += [((rank + 1 - s) % n, (rank - s) % n, False) for s in range(n - 1)]    # all-gather
+    pending, tick = None, 0
+    for send_i, recv_i, reduce in plan:
+        for k in range(slices):
+            target = chunks[recv_i][k]
+            box = inboxes[tick % 2][:target.numel()] if reduce else target
+            works = _start_exchange(chunks[send_i][k], right, box, left)
+            if pending:
+                _finish(*pending)           # add the previous slice while this one moves
+            pending, tick = (works, box, target if reduce else None), tick + 1
+    _finish(*pending)
+    return x
+
+
+def _finish(works, box, target):
+    for work in works:
+        work.wait()
+    if target is not None:
+        target.add_(box)
+
+
+def ring_vs_builtin(rank, world_size, lengths):
+    """For each length: (input, ring, pipelined ring, dist.all_reduce) results on this rank."""
+    out = []
+    for length in lengths:
+        g = torch.Generator().manual_seed(1000 * rank + length)
+        x = torch.randn(length, generator=g).to(device())
+        ours, pipelined, theirs = x.clone(), x.clone(), x.clone()
+        ring_all_reduce(ours)
+        pipelined_ring_all_reduce(pipelined)
+        dist.all_reduce(theirs)
+        out.append((_cpu(x), _cpu(ours), _cpu(pipelined), _cpu(theirs)))
+    return out
+
+
+def ring_trace(rank, world_size):
+    """Run the ring on one element per chunk, rank r contributing 2**r, recording each step."""
+    x = torch.full((world_size,), 2.0 ** rank, device=device())
+    steps = [("start", 0, None, _cpu(x))]
+    ring_all_reduce(x, on_step=lambda phase, step, i: steps.append((phase, step, i, _cpu(x))))
+    return steps
+
+
+def draw_ring_trace(traces):
+    """One panel per step: rows are ranks, columns chunks; the chunk just received is outlined."""
+    import matplotlib.pyplot as plt
+    world_size, n_steps = len(traces), len(traces[0])
+    fig, axes = plt.subplots(1, n_steps, figsize=(1.0 + 1.75 * n_steps, 0.45 * world_size + 1.3))
+    axes = np.atleast_1d(axes)
+    full = 2 ** world_size - 1
+    for k, ax in enumerate(axes):
+        phase, step, _, _ = traces[0][k]
+        for r in range(world_size):
+            _, _, got, values = traces[r][k]
+            for c, v in enumerate(values.tolist()):
+                share = bin(int(v)).count("1") / world_size     # fraction of ranks summed in
+                ax.add_patch(plt.Rectangle((c, world_size - 1 - r), 0.95, 0.9,
+                                           facecolor=plt.cm.Blues(0.15 + 0.75 * share),
+                                           edgecolor="red" if c == got else "0.4",
+                                           linewidth=2.0 if c == got else 0.5))
+                ax.text(c + 0.475, world_size - 1 - r + 0.45, f"{int(v)}", ha="center",
+                        va="center", fontsize=7, color="white" if share > 0.6 else "black",
+                        fontweight="bold" if v == full else "normal")
+        ax.set_xlim(0, world_size)
+        ax.set_ylim(0, world_size)
+        ax.set_xticks([c + 0.475 for c in range(world_size)], [f"c{c}" for c in range(world_size)],
+                      fontsize=7)
+        ax.set_yticks([world_size - 1 - r + 0.45 for r in range(world_size)],
+                      [f"rank {r}" for r in range(world_size)] if k == 0 else [], fontsize=8)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title("start" if phase == "start" else f"{phase}\nstep {step}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def timed(op, warmup, iters):
+    """Per-iteration wall times of `op` after `warmup` calls; a barrier lines ranks up first."""
+    for _ in range(warmup):
+        op()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync()
+        t0 = time.perf_counter()
+        op()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync():
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+RING_VARIANTS = {"ring": ring_all_reduce, "pipelined ring": pipelined_ring_all_reduce,
+                 "dist.all_reduce": dist.all_reduce}
+
+
+def race_ring(rank, world_size, sizes, warmup, iters):
+    """Median seconds of each RING_VARIANTS entry per size (bytes), measured in turns within
+    the same run so that all variants see the same (noisy, shared) machine."""
+    out = []
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4, device=device())  # zeros: repeated sums never overflow
+        times = {name: [] for name in RING_VARIANTS}
+        order = list(RING_VARIANTS)
+        for _ in range(iters):
+            for name in order:
+                times[name] += timed(lambda: RING_VARIANTS[name](x), warmup, 1)
+            order = order[1:] + order[:1]   # rotate, so no variant always runs right after another
+            warmup = 0
+        out.append([statistics.median(times[name]) for name in RING_VARIANTS])
+    return out
+
+
+def slowest(run):
+    """Per measurement, the slowest rank's median: a collective is done when all ranks are."""
+    return np.max(np.array(run.returns, dtype=float), axis=0)
+
+
+def ring():
+    world_size = settings.world_size
+    note(f"""
+        ## Ring all-reduce from send and receive
+        Arrange the $n$ ranks in a ring and cut the buffer into $n$ chunks. In the
+        **reduce-scatter phase** ($n-1$ steps) every rank sends one chunk to its right
+        neighbour and adds the chunk arriving from its left into its own copy; afterwards rank
+        $r$ holds the complete sum of chunk $r+1$. In the **all-gather phase** ($n-1$ more
+        steps) the finished chunks travel around the ring once more. Each rank sends
+        $2(n-1)$ chunks of size $S/n$, i.e. $2(n-1)/n \\cdot S$ bytes — independent of $n$ for
+        large $n$, which is why the ring is bandwidth-optimal. Lengths that are not a multiple
+        of $n$ give chunks whose sizes differ by one (some may even be empty); every rank
+        computes the same split, so sender and receiver always agree.
+    """)
+    see(ring_all_reduce)
+    see(_exchange)
+    run = spawn(ring_trace, world_size)
+    figure(draw_ring_trace(run.returns),
+           caption=f"The ring on {world_size} ranks, recorded step by step. Rank r contributes "
+                   f"2^r to every chunk, so a value's binary digits say whose data it already "
+                   f"contains ({2 ** world_size - 1} = everyone's). Red: the chunk received in that step.")
+    lengths = [1, 2, 3, 7, 13, 97, 1000, 4099]
+    note("""
+        Waiting for a whole chunk before passing it on leaves the link idle while a rank adds.
+        Real implementations cut chunks into slices and overlap moving one slice with adding
+        the previous one — a pipeline. Whether that pays off depends on whether moving and
+        adding really use different resources; the table below measures it here:
+    """)
+    see(pipelined_ring_all_reduce)
+    run = spawn(ring_vs_builtin, world_size, lengths=lengths)
+    rows = []
+    for k, length in enumerate(lengths):
+        reference = sum(r[k][0].double() for r in run.returns)
+        row = [length]
+        for j in (1, 2):    # ring, pipelined ring
+            row.append(max((r[k][j] - r[k][3]).abs().max().item() for r in run.returns))
+            row.append(max((r[k][j].double() - reference).abs().max().item() for r in run.returns))
+        rows.append(row)
+    table(rows, header=["length", "max |ring − dist.all_reduce|", "max |ring − float64 sum|",
+                        "max |pipelined − dist.all_reduce|", "max |pipelined − float64 sum|"],
+          caption=f"Both hand-written rings agree with the built-in on {world_size} ranks for "
+                  "awkward lengths (the differences are float rounding: the additions happen in "
+                  "a different order).")
+    sizes = [4 * KB, 256 * KB, 4 * MB] if settings.quick else [4 * KB, 256 * KB, 4 * MB, 64 * MB]
+    iters = 3 if settings.quick else 7
+    run = spawn(race_ring, world_size, sizes=sizes, warmup=2, iters=iters)
+    times = slowest(run)
+    names = list(RING_VARIANTS)
+    rows = []
+    for nbytes, ts in zip(sizes, times):
+        bus = [bandwidths("all_reduce", nbytes, t, world_size)[1] / 1e9 for t in ts]
+        rows.append([human_bytes(nbytes), *(t * 1e6 for t in ts), *bus,
+                     bus[0] / bus[2], bus[1] / bus[2]])
+    table(rows, header=["size", *(f"{n} (µs)" for n in names), *(f"{n} busbw (GB/s)" for n in names),
+                        "ring / built-in", "pipelined / built-in"],
+          caption=f"Median of {iters} timed calls after warm-up (slowest rank), the three variants "
+                  f"measured in turns, {world_size} ranks, {choose_backend(world_size)} on this "
+                  f"build's machine.")
+    small, large = rows[0], rows[-1]
+    note(f"""
+        At {large[0]} the pipelined ring reaches {large[-1]:.2f}× the built-in's bus bandwidth
+        (the simple ring {large[-2]:.2f}×): for large messages both are limited by how fast
+        bytes move between the processes, and a few lines of Python around `isend`/`irecv`
+        lose little. At {small[0]} the ratio is {small[-2]:.2f}× (simple) and {small[-1]:.2f}×
+        (pipelined): small messages are all latency, and our ring pays $2(n-1)$ Python-level
+        round trips (the pipelined one more, one per slice), while the library runs its loop in
+        C++ (and NCCL would switch to a tree).
+    """)
+
+
+# =========================================================================================
+# 5. Bandwidth, the nccl-tests way
+# =========================================================================================
+
+def collective_op(name, nbytes, world_size):
+    """A no-argument callable running collective `name` on an nccl-tests-style buffer of
+    `nbytes`: the all-reduce/broadcast buffer, the all-gather *output*, the reduce-scatter
+    *input*, the all-to-all buffer (rounded down to whole elements per rank)."""
+    n = max(world_size, nbytes // 4 // world_size * world_size)
+    dev = device()
+    if name == "all_reduce":
+        x = torch.zeros(n, device=dev)
+        return lambda: dist.all_reduce(x)
+    if name == "broadcast":
+        x = torch.zeros(n, device=dev)
+        return lambda: dist.broadcast(x, src=0)
+    if name == "all_gather":
+        x, out = torch.zeros(n // world_size, device=dev), torch.empty(n, device=dev)
+        return lambda: dist.all_gather_into_tensor(out, x)
+    if name == "reduce_scatter":
+        x, out = torch.zeros(n, device=dev), torch.empty(n // world_size, device=dev)
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    if name == "all_to_all":
+        x, out = torch.zeros(n, device=dev), torch.empty(n, device=dev)
+        return lambda: dist.all_to_all_single(out, x)
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def sweep(rank, world_size, collectives, sizes, warmup, iters):
+    """Median time (s) per collective and size on this rank."""
+    out = []
+    for name in collectives:
+        row = []
+        for nbytes in progress(sizes, desc=name):
+            row.append(statistics.median(timed(collective_op(name, nbytes, world_size), warmup, iters)))
+        out.append(row)
+    return out
+
+
+SWEPT = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
+
+
+def sweep_sizes():
+    if device_is_gpu():
+        return [4 * KB * 4 ** k for k in range(9 if settings.quick else 12)]    # up to 256 MB / 16 GB
+    return [4 * KB * 4 ** k for k in range(4 if settings.quick else 8)]         # up to 256 KB / 64 MB
+
+
+def device_is_gpu():
+    return torch.cuda.is_available() and (settings.backend in (None, "nccl"))
+
+
+def bandwidth():
+    world_size = settings.world_size
+    sizes = sweep_sizes()
+    warmup, iters = (1, 3) if settings.quick else (2, 7)
+    note(f"""
+        ## Measuring bandwidth the nccl-tests way
+        [nccl-tests](https://github.com/NVIDIA/nccl-tests) is how everyone measures collectives.
+        For each message size $S$ it warms up, times several iterations and reports two numbers:
+
+        $$\\mathrm{{algbw}} = \\frac{{S}}{{t}}, \\qquad \\mathrm{{busbw}} = \\mathrm{{algbw}} \\cdot f(n)$$
+
+        *algbw* is what the application sees. *busbw* corrects for how much data each rank
+        really has to move, so that it can be compared with the speed of the hardware's links:
+        $f = 2(n-1)/n$ for all-reduce (the ring above), $(n-1)/n$ for all-gather,
+        reduce-scatter and all-to-all, and $1$ for broadcast and reduce. For all-gather, $S$ is
+        the size of the gathered *output*; for reduce-scatter, of the *input*.
+
+        Here: {len(sizes)} sizes from {human_bytes(sizes[0])} to {human_bytes(sizes[-1])},
+        {warmup} warm-up call(s), median of {iters} timed calls, each started after a barrier;
+        a call is finished when the slowest rank finishes, so we report the slowest rank's
+        median. {world_size} ranks.
+    """)
+    see(bus_bandwidth_factor)
+    see(timed)
+    run = spawn(sweep, world_size, collectives=SWEPT, sizes=sizes, warmup=warmup, iters=iters)
+    times = slowest(run)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = []
+    for name, ts in zip(SWEPT, times):
+        bus = []
+        for nbytes, t in zip(sizes, ts):
+            alg, b = bandwidths(name, nbytes, t, world_size)
+            bus.append(b / 1e9)
+            rows.append([name, nbytes, t * 1e6, alg / 1e9, b / 1e9])
+        ax.plot(sizes, bus, marker="o", label=name.replace("_", "-"))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45, fontsize=8)
+    ax.set_xlabel("message size S")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"busbw vs size, {world_size} ranks")
+    figure(fig, caption="Bus bandwidth of each collective as the message grows, measured on "
+                        "this build's machine (see the environment line of the page).")
+    table(rows, header=["collective", "size (bytes)", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
+          caption="The sweep in nccl-tests' format (slowest rank's median).")
+    peak = {name: max(bandwidths(name, s, t, world_size)[1] for s, t in zip(sizes, ts)) / 1e9
+            for name, ts in zip(SWEPT, times)}
+    best = max(peak, key=peak.get)
+    note(f"""
+        Small messages reach only a sliver of the peak: their time is dominated by fixed
+        per-call costs (latency). The best busbw measured here was **{peak[best]:.2f} GB/s**
+        ({best.replace('_', '-')}). Because busbw normalises away the algorithm, the
+        collectives' curves should approach one common ceiling at large sizes — the bandwidth of
+        the slowest link. On a DGX H100 that ceiling is the ~450 GB/s per direction of NVLink;
+        here it is however fast the processes can push bytes through loopback TCP and memory.
+    """)
+
+
+# =========================================================================================
+# 6. The alpha-beta model
+# =========================================================================================
+
+def alpha_beta():
+    world_size = settings.world_size
+    sizes = [4 * KB * 2 ** k for k in range(7 if settings.quick else 15)]
+    if device_is_gpu():
+        sizes = [4 * KB * 2 ** k for k in range(12 if settings.quick else 19)]
+    warmup, iters = (1, 3) if settings.quick else (2, 5)
+    note("""
+        ## The α–β cost model
+        A message of $S$ bytes costs a fixed start-up time plus its size over a bandwidth:
+
+        $$t(S) \\approx \\alpha + \\frac{S}{\\beta}$$
+
+        $\\alpha$ (latency) collects everything that does not depend on size: the call into the
+        library, synchronising with the other ranks, the network's round trip. $\\beta$ is the
+        bandwidth the collective achieves on large messages. The two terms are equal at
+        $S^* = \\alpha\\beta$: below it latency dominates and sending more data is almost
+        free, above it time grows linearly with size. We fit both to all-reduce timings,
+        minimising relative error so small and large messages count alike.
+    """)
+    see(fit_alpha_beta)
+    run = spawn(sweep, world_size, collectives=["all_reduce"], sizes=sizes, warmup=warmup,
+                iters=iters, name="all_reduce_sweep")
+    times = slowest(run)[0]
+    alpha, beta = fit_alpha_beta(sizes, times)
+    cross = crossover_bytes(alpha, beta)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.loglog(sizes, np.array(times) * 1e6, "o", label="measured (slowest rank, median)")
+    grid = np.geomspace(sizes[0], sizes[-1], 200)
+    ax.loglog(grid, (alpha + grid / beta) * 1e6, "-",
+              label=f"fit: α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.2f} GB/s")
+    ax.axhline(alpha * 1e6, color="0.6", ls=":", lw=1)
+    if sizes[0] <= cross <= sizes[-1] * 4:
+        ax.axvline(cross, color="red", ls="--", lw=1, label=f"S* = αβ = {human_bytes(cross)}")
+    ax.set_xlabel("all-reduce message size (bytes)")
+    ax.set_ylabel("time (µs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    figure(fig, caption=f"All-reduce time on {world_size} ranks and the fitted α–β model "
+                        f"(this build's machine).")
+    rel = np.abs((alpha + np.array(sizes) / beta) / np.array(times) - 1)
+    table([[human_bytes(s), t * 1e6, (alpha + s / beta) * 1e6] for s, t in zip(sizes, times)],
+          header=["size", "measured (µs)", "model (µs)"],
+          caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%.")
+    note(f"""
+        On this machine the fit gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a bandwidth
+        of **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole all-reduce, not of
+        one link). Latency stops dominating at about **S* = αβ ≈ {human_bytes(cross)}**: an
+        all-reduce of anything smaller costs roughly the same as an empty one. That is why
+        data-parallel training packs gradients into buckets of megabytes (next lecture) instead
+        of sending each small tensor on its own.
+        For a ring the model can be refined per link: $t = 2(n-1)\\,\\alpha_\\text{{link}} +
+        \\frac{{2(n-1)}}{{n}}\\frac{{S}}{{\\beta_\\text{{link}}}}$ — the latency term grows with the
+        number of ranks, which is why NCCL uses trees for small messages on many nodes.
+    """)
+
+
+# =========================================================================================
+# 7. Hangs and timeouts
+# =========================================================================================
+
+def skip_a_collective(rank, world_size):
+    """The last rank forgets an all-reduce; the others wait for it until their timeout."""
+    x = torch.ones(1, device=device())
+    if rank == world_size - 1:
+        return "left early"             # a bug: e.g. an `if` that only this rank took
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(x)              # blocks until every rank joins... which never happens
+    finally:
+        print(f"waited {time.perf_counter() - t0:.1f} s in all_reduce")
+    return "unreachable"
+
+
+def hangs():
+    world_size = settings.world_size
+    timeout = 3
+    note(f"""
+        ## Hangs and timeouts
+        A collective completes only when *every* rank of the group has called it, and ranks
+        must call collectives in the same order with matching shapes. If one rank skips a call
+        (a data-dependent `if`, an early `return`, a different number of batches), the others
+        wait for it forever: the job hangs with no error and full GPUs. The process group's
+        `timeout` turns that hang into an error. Below, the last rank skips an all-reduce and
+        the others give up after {timeout} seconds (this failure is the lesson, and expected):
+    """)
+    see(skip_a_collective)
+    run = spawn(skip_a_collective, world_size, expect_error=True, timeout=timeout)
+    rows = []
+    for rank in range(world_size):
+        mine = [r for r in run.records if r.get("rank") == rank]
+        said = " ".join(r["text"].strip() for r in mine if r["kind"] == "output")
+        error = [r["text"].strip().splitlines()[-1] for r in mine if r["kind"] == "error"]
+        rows.append([rank, said or f"returned {run.returns[rank]!r}", error[0] if error else ""])
+    table(rows, header=["rank", "what it did", "its error"],
+          caption=f"Each rank of the demo (status: {run.status}). The ranks that waited gave up "
+                  f"after the {timeout} s timeout; one may instead report that a peer closed the "
+                  "connection, because a rank that gave up closes its links.")
+    note(f"The demo's error, as the launcher reports it:\n\n```text\n{run.error}\n```")
+    note("""
+        Finding the culprit in a real job:
+
+        - `TORCH_DISTRIBUTED_DEBUG=DETAIL` makes PyTorch check, before every collective, that
+          all ranks are calling the same operation with the same shapes (it wraps the process
+          group and compares fingerprints with an extra all-gather). A mismatch becomes an error
+          naming the op and the ranks, instead of a hang or silent corruption. It costs time:
+          use it to debug, not to train.
+        - `NCCL_DEBUG=INFO` makes NCCL log its set-up (version, rings/trees chosen, which
+          transport — NVLink, PCIe, InfiniBand — connects each pair) and errors;
+          `NCCL_DEBUG_SUBSYS=COLL` adds a line per collective call, so the rank whose log stops
+          early is the one that skipped.
+        - Keep timeouts short while debugging (`init_process_group(timeout=...)`); with NCCL,
+          the watchdog (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, on by default) aborts the
+          communicator when the timeout hits, and `TORCH_NCCL_DUMP_ON_TIMEOUT=1` records what
+          each rank was last doing (the "flight recorder").
+    """)
+
+
+# =========================================================================================
+# 8. Overlap
+# =========================================================================================
+
+def streams_overlap(rank, world_size, n, copy_bytes, reps):
+    """GPU only: a matmul on the default stream and a host-to-device copy on a side stream."""
+    dev = device()
+    a = torch.randn(n, n, device=dev)
+    host = torch.ones(copy_bytes // 4, pin_memory=True)   # pinned: the copy engine can DMA it
+    dst = torch.empty(host.shape, device=dev)
+    side = torch.cuda.Stream()
+
+    def sequential():
+        a @ a
+        dst.copy_(host, non_blocking=True)
+
+    def overlapped():
+        with torch.cuda.stream(side):
+            dst.copy_(host, non_blocking=True)
+        a @ a
+        torch.cuda.current_stream().wait_stream(side)
+
+    def ms(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    for fn in (lambda: a @ a, lambda: dst.copy_(host), sequential, overlapped):
+        fn()
+    result = {"matmul": [], "copy": [], "sequential": [], "overlapped": []}
+    for _ in range(reps):
+        result["matmul"].append(ms(lambda: a @ a))
+        result["copy"].append(ms(lambda: dst.copy_(host, non_blocking=True)))
+        result["sequential"].append(ms(sequential))
+        result["overlapped"].append(ms(overlapped))
+    return {k: statistics.median(v) for k, v in result.items()}
+
+
+def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
+    """All-reduce a gradient-sized buffer, and compute, first one after the other, then with
+    the all-reduce started asynchronously before the compute. Returns median seconds."""
+    grad = torch.zeros(numel, device=device())
+    a = torch.randn(matmul_n, matmul_n, device=device()) / matmul_n ** 0.5
+
+    def compute():
+        y = a
+        for _ in range(matmuls):
+            y = a @ y
+        _sync()
+
+    compute()
+    dist.all_reduce(grad)
+    sequential, overlapped = [], []
+    for rep in range(reps):
+        last = rep == reps - 1          # draw only the last repetition
+        dist.barrier()
+        t0 = time.perf_counter()
+        with span("compute") if last else contextlib.nullcontext():
+            compute()
+        with span("all-reduce") if last else contextlib.nullcontext():
+            dist.all_reduce(grad)
+            _sync()
+        sequential.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        done = []
+        work = dist.all_reduce(grad, async_op=True)     # returns at once with a handle
+        work.get_future().then(lambda _: done.append(time.perf_counter()))
+        with span("compute (all-reduce in flight)") if last else contextlib.nullcontext():
+            compute()
+        work.wait()                     # before anyone reads grad
+        _sync()
+        overlapped.append(time.perf_counter() - t0)
+        if last:
+            span_at("async all-reduce", t0, done[0] if done else time.perf_counter())
+    return statistics.median(sequential), statistics.median(overlapped)
+
+
+def overlap():
+    world_size = settings.world_size
+    note("""
+        ## Overlapping communication with computation
+        Communication that waits for computation, and computation that waits for
+        communication, both waste the hardware. Two mechanisms let them run at once.
+
+        **CUDA streams.** A GPU executes kernels from different streams concurrently when it
+        has the resources; copies between host and device run on separate copy engines. Put a
+        host-to-device copy on a side stream and a matmul on the default stream, and the copy
+        is hidden behind the matmul (NCCL runs its kernels on its own streams the same way).
+    """)
+    if torch.cuda.is_available():
+        n = 2048 if settings.quick else 8192
+        copy_bytes = (64 if settings.quick else 1024) * MB
+        see(streams_overlap)
+        run = spawn(streams_overlap, 1, n=n, copy_bytes=copy_bytes, reps=5)
+        r = run.returns[0]
+        table([["matmul alone", r["matmul"]], ["copy alone", r["copy"]],
+               ["matmul then copy, one stream", r["sequential"]],
+               ["copy on a side stream during the matmul", r["overlapped"]]],
+              header=["what", "time (ms, median of 5)"],
+              caption=f"{n}×{n} fp32 matmul and a {human_bytes(copy_bytes)} pinned host-to-device "
+                      f"copy on {torch.cuda.get_device_name(0)}.")
+        note(f"Overlapping saved {r['sequential'] - r['overlapped']:.1f} ms of "
+             f"{r['sequential']:.1f} ms ({r['sequential'] / r['overlapped']:.2f}× faster).")
+    else:
+        note("""
+            *Skipped on this build:* no CUDA GPU is visible, and streams are a GPU feature.
+            The demo (`streams_overlap`) runs automatically when the page is built on a machine
+            with a GPU.
+        """)
+    numel = (256 * KB if settings.quick else 4 * MB) // 4
+    matmul_n, matmuls = (128, 20) if settings.quick else (256, 60)
+    reps = 3 if settings.quick else 5
+    note(f"""
+        **`async_op=True`.** Every collective can return immediately with a work handle
+        instead of blocking; `handle.wait()` blocks until it is done (on GPUs: makes the current
+        stream wait). Between the two, the rank is free to compute — as long as that
+        computation does not touch the buffer being reduced. Below, each of {world_size} ranks
+        all-reduces a {human_bytes(numel * 4)} buffer and runs {matmuls} {matmul_n}×{matmul_n}
+        matmuls, first one after the other, then with the all-reduce started before the
+        matmuls. The async all-reduce's bar ends when its completion callback fired.
+    """)
+    see(async_overlap)
+    run = spawn(async_overlap, world_size, numel=numel, matmul_n=matmul_n, matmuls=matmuls, reps=reps)
+    seq, ovl = slowest(run)
+    figure(timeline(run.spans, title=f"sequential, then overlapped ({world_size} ranks)"),
+           caption="Measured spans of the last repetition on every rank: compute then "
+                   "all-reduce, then the same work with the all-reduce in flight during the compute.")
+    table([["sequential", seq * 1e3], ["overlapped (async_op=True)", ovl * 1e3],
+           ["speed-up", seq / ovl]],
+          header=["", f"ms (median of {reps}, slowest rank)"])
+    cores = os.cpu_count()
+    if seq / ovl >= 1.1:
+        verdict = (f"Overlapping made the step {seq / ovl:.2f}× faster: the communication was "
+                   "hidden behind computation.")
+    else:
+        verdict = (f"Here overlapping gained little ({seq / ovl:.2f}×): with {world_size} ranks on "
+                   f"{cores} CPU core(s), the compute threads and gloo's communication threads "
+                   "compete for the same cores, so running them 'at once' does not create more "
+                   "hardware. On GPUs compute (SMs) and communication (copy engines, NVLink) are "
+                   "separate hardware, and overlap pays off.")
+    note(verdict + " Data-parallel training uses exactly this: it starts each gradient "
+                   "bucket's all-reduce as soon as backward has produced it.")
+
+
+# =========================================================================================
+# 9. Further reading
+# =========================================================================================
+
+def further_reading():
+    note("## Further reading")
+    see("https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/index.html",
+        title="NCCL User Guide (collectives, environment variables such as NCCL_DEBUG)")
+    see("https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md",
+        title="nccl-tests: PERFORMANCE.md — algbw, busbw and the correction factors")
+    see("https://pytorch.org/docs/stable/distributed.html",
+        title="PyTorch: torch.distributed (collectives, async_op, TORCH_DISTRIBUTED_DEBUG)")
+    see("https://www.nvidia.com/en-us/data-center/h100/",
+        title="NVIDIA H100 Tensor Core GPU datasheet (HBM3, NVLink, PCIe figures)")
+    see("https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper",
+        title="NVIDIA H100 Tensor Core GPU Architecture whitepaper (SM, L1/shared, L2)")
+    see("https://www.nvidia.com/en-us/networking/infiniband-adapters/",
+        title="NVIDIA ConnectX-7 InfiniBand adapters (NDR 400 Gb/s)")
+    see("https://www.cs.fsu.edu/~xyuan/paper/09jpdc.pdf",
+        title="Patarasuk & Yuan (2009), Bandwidth optimal all-reduce algorithms for clusters of workstations")
+    see("https://doi.org/10.1177/1094342005051521",
+        title="Thakur, Rabenseifner & Gropp (2005), Optimization of collective communication operations in MPICH")
+    see("https://arxiv.org/abs/1802.05799",
+        title="Sergeev & Del Balso (2018), Horovod: fast and easy distributed deep learning (ring all-reduce in practice)")
+    see("https://huggingface.co/spaces/nanotron/ultrascale-playbook",
+        title="The Ultra-Scale Playbook: training LLMs on GPU clusters (appendix on collectives)")
+
+
+# =========================================================================================
+
+def main():
+    note("""
+        Training on many devices is computing plus communicating. This lecture makes the
+        communication concrete: what each collective does (run on real ranks, drawn from the
+        real tensors), how all-reduce is built from messages between neighbours, how to measure
+        collectives the way NCCL's own benchmarks do, the simple model that predicts their cost,
+        what happens when ranks disagree, and how to hide communication behind computation.
+        Every number on this page was measured while building it.
+    """)
+    hardware()
+    collectives()
+    all_reduce_decomposed()
+    ring()
+    bandwidth()
+    alpha_beta()
+    hangs()
+    overlap()
+    further_reading()
+
+
+def bench():
+    """Hand-written rings vs dist.all_reduce at the largest size, CPU gloo on 4 ranks."""
+    nbytes, world_size = 64 * MB, 4
+    run = spawn(race_ring, world_size, sizes=[nbytes], warmup=2, iters=15)
+    bus = [bandwidths("all_reduce", nbytes, t, world_size)[1] / 1e9 for t in slowest(run)[0]]
+    names = list(RING_VARIANTS)
+    return [f"lecture_02 {names[j]} vs dist.all_reduce, {human_bytes(nbytes)} on {world_size} "
+            f"ranks ({choose_backend(world_size)}): busbw {bus[j]:.2f} vs {bus[2]:.2f} GB/s, "
+            f"ratio {bus[j] / bus[2]:.2f} (target >= 0.8)" for j in (0, 1)]

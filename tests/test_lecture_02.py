@@ -1,0 +1,246 @@
+"""Lecture 02 (communication): every demo against a single-process reference, the pure helpers on
+synthetic data, and a quick build of the page."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from lectures import lecture_02_communication as L
+from tests.conftest import build
+from util import spawn
+
+SECTIONS = [
+    "## The hardware hierarchy",
+    "## The eight collectives, and send/recv",
+    "## All-reduce = reduce-scatter + all-gather",
+    "## Ring all-reduce from send and receive",
+    "## Measuring bandwidth the nccl-tests way",
+    "## The α–β cost model",
+    "## Hangs and timeouts",
+    "## Overlapping communication with computation",
+    "## Further reading",
+]
+
+
+# --- the collectives against single-process references -------------------------------------
+
+def references(name, before, world_size):
+    """What each rank must hold after collective `name`, computed in this one process."""
+    total = sum(before) if before[0] is not None and name in ("reduce", "all-reduce", "reduce-scatter") else None
+    if name == "broadcast":
+        return [before[0]] * world_size
+    if name == "scatter":
+        return list(before[0].chunk(world_size))
+    if name == "gather":
+        return [torch.cat(before)] + [None] * (world_size - 1)
+    if name == "reduce":
+        return [total] + [None] * (world_size - 1)         # other ranks: scratch, undefined
+    if name == "all-gather":
+        return [torch.cat(before)] * world_size
+    if name == "reduce-scatter":
+        return list(total.chunk(world_size))
+    if name == "all-reduce":
+        return [total] * world_size
+    if name == "all-to-all":
+        return [torch.cat([b.chunk(world_size)[r] for b in before]) for r in range(world_size)]
+    if name == "send/recv":
+        return [before[(r - 1) % world_size] for r in range(world_size)]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name,fn", [(name, fn) for name, fn, _, _ in L.COLLECTIVES])
+def test_collective_matches_single_process_reference(name, fn, world_size):
+    chunk = 3   # not the figure's 2: pieces of odd length
+    run = spawn(fn, world_size, chunk=chunk)
+    before = [r["before"] for r in run.returns]
+    after = [r["after"] for r in run.returns]
+    # The inputs are what the lecture says they are (rank r holds 10r + i) ...
+    roots_only = name == "scatter"
+    for r, b in enumerate(before):
+        if roots_only and r > 0:
+            assert b is None
+            continue
+        assert torch.equal(b, L.rank_data(r, b.numel()))
+    # ... and every defined output equals the single-process reference.
+    for r, (got, want) in enumerate(zip(after, references(name, before, world_size))):
+        if want is None:
+            continue
+        assert got is not None and torch.equal(got, want), f"{name} rank {r}: {got} != {want}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("integer", [True, False])
+def test_all_reduce_is_reduce_scatter_plus_all_gather(world_size, integer):
+    run = spawn(L.all_reduce_two_ways, world_size, length=6 * world_size, integer=integer)
+    reference = sum(r["input"].double() for r in run.returns)
+    for r in run.returns:
+        assert torch.allclose(r["direct"].double(), reference, atol=1e-5)
+        assert torch.allclose(r["composed"].double(), reference, atol=1e-5)
+        if integer:     # integer-valued floats: every summation order is exact
+            assert torch.equal(r["direct"], r["composed"])
+
+
+# --- the hand-written ring -------------------------------------------------------------------
+
+LENGTHS = [1, 2, 3, 5, 7, 13, 31, 97, 1000, 1009]   # 1, primes, non-multiples of the world size
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_all_reduce_equals_dist_all_reduce(world_size):
+    run = spawn(L.ring_vs_builtin, world_size, lengths=LENGTHS)
+    for k, length in enumerate(LENGTHS):
+        reference = sum(r[k][0].double() for r in run.returns)
+        for rank, (x, ours, pipelined, theirs) in enumerate(r[k] for r in run.returns):
+            for got in (ours, pipelined):
+                assert got.shape == (length,)
+                assert torch.allclose(got, theirs, rtol=1e-5, atol=1e-5), (length, rank)
+                assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5), (length, rank)
+        if world_size == 1:
+            assert torch.equal(run.returns[0][k][1], run.returns[0][k][0])
+            assert torch.equal(run.returns[0][k][2], run.returns[0][k][0])
+
+
+def ring_on_integers(rank, world_size, length, slices):
+    """Integer-valued data, so every summation order gives exactly the same floats."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(-50, 50, (length,), generator=g).float()
+    ours, pipelined, theirs = x.clone(), x.clone(), x.clone()
+    L.ring_all_reduce(ours)
+    L.pipelined_ring_all_reduce(pipelined, slices=slices)
+    dist.all_reduce(theirs)
+    return ours, pipelined, theirs
+
+
+@pytest.mark.parametrize("length,slices", [(1, 4), (5, 4), (11, 3), (37, 16), (1003, 7)])
+def test_rings_are_exact_on_integer_data(length, slices):
+    run = spawn(ring_on_integers, 4, length=length, slices=slices)
+    for ours, pipelined, theirs in run.returns:
+        assert torch.equal(ours, theirs) and torch.equal(pipelined, theirs)
+
+
+def test_ring_trace_ends_with_everyones_sum():
+    run = spawn(L.ring_trace, 4)
+    for steps in run.returns:
+        assert len(steps) == 1 + 2 * 3                      # start + 2(n-1) steps
+        assert torch.equal(steps[-1][3], torch.full((4,), 15.0))
+    # After the reduce-scatter phase rank r holds the complete chunk r+1.
+    for rank, steps in enumerate(run.returns):
+        assert steps[3][3][(rank + 1) % 4] == 15
+
+
+def test_sweep_times_every_collective_at_awkward_sizes():
+    sizes = [4, 100, 4096 + 12]
+    run = spawn(L.sweep, 2, collectives=L.SWEPT, sizes=sizes, warmup=1, iters=2)
+    times = L.slowest(run)
+    assert times.shape == (len(L.SWEPT), len(sizes))
+    assert np.all(times > 0) and np.all(np.isfinite(times))
+
+
+# --- pure helpers on synthetic data ------------------------------------------------------------
+
+def test_bus_bandwidth_factors():
+    f = L.bus_bandwidth_factor
+    assert f("all_reduce", 4) == pytest.approx(1.5)
+    assert f("all_reduce", 8) == pytest.approx(1.75)
+    assert f("all_reduce", 1) == 0.0                    # one rank moves nothing
+    for name in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert f(name, 4) == pytest.approx(0.75)
+        assert f(name, 2) == pytest.approx(0.5)
+    assert f("broadcast", 16) == 1.0 and f("reduce", 3) == 1.0
+    with pytest.raises(ValueError):
+        f("all_scatter", 4)
+    with pytest.raises(ValueError):
+        f("all_reduce", 0)
+
+
+def test_bandwidths_from_synthetic_timing():
+    # 1 GB all-reduced in 0.5 s on 8 ranks: algbw 2 GB/s, busbw 2 * 2*7/8 = 3.5 GB/s.
+    alg, bus = L.bandwidths("all_reduce", 1e9, 0.5, 8)
+    assert alg == pytest.approx(2e9) and bus == pytest.approx(3.5e9)
+    alg, bus = L.bandwidths("all_gather", 4e6, 1e-3, 4)
+    assert alg == pytest.approx(4e9) and bus == pytest.approx(3e9)
+
+
+SIZES = [4096 * 2 ** k for k in range(15)]
+
+
+def test_fit_alpha_beta_recovers_exact_parameters():
+    alpha, beta = 50e-6, 2e9
+    times = [alpha + s / beta for s in SIZES]
+    a, b = L.fit_alpha_beta(SIZES, times)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    assert L.crossover_bytes(a, b) == pytest.approx(1e5, rel=1e-6)
+    # At the crossover, latency and bandwidth terms are equal.
+    s = L.crossover_bytes(a, b)
+    assert a == pytest.approx(s / b)
+
+
+def test_fit_alpha_beta_tolerates_noise():
+    rng = np.random.default_rng(0)
+    alpha, beta = 200e-6, 0.5e9
+    times = [(alpha + s / beta) * rng.uniform(0.95, 1.05) for s in SIZES]
+    a, b = L.fit_alpha_beta(SIZES, times)
+    assert a == pytest.approx(alpha, rel=0.15) and b == pytest.approx(beta, rel=0.15)
+
+
+def test_fit_alpha_beta_degenerate_cases():
+    a, b = L.fit_alpha_beta(SIZES, [s / 1e9 for s in SIZES])         # no latency at all
+    assert a == pytest.approx(0, abs=1e-12) and b == pytest.approx(1e9, rel=1e-6)
+    a, b = L.fit_alpha_beta(SIZES, [1e-3] * len(SIZES))              # no size dependence
+    assert a == pytest.approx(1e-3, rel=1e-6) and (math.isinf(b) or b > 1e15)
+    a, b = L.fit_alpha_beta([1, 2], [3e-3, 1e-3])                    # shrinking times: no bandwidth
+    assert a > 0 and math.isinf(b)
+    with pytest.raises(ValueError):
+        L.fit_alpha_beta([1], [1.0])
+    with pytest.raises(ValueError):
+        L.fit_alpha_beta([1, 2], [1.0, 0.0])
+
+
+def test_human_bytes():
+    assert L.human_bytes(4096) == "4 KB" and L.human_bytes(64 * 2 ** 20) == "64 MB"
+    assert L.human_bytes(10) == "10 B"
+
+
+# --- the page --------------------------------------------------------------------------------
+
+def _walk(records):
+    for rec in records:
+        yield rec
+        if rec["kind"] == "demo":
+            yield from _walk(rec["records"])
+
+
+def test_quick_build_has_every_section_and_figure(tmp_path):
+    build("lecture_02_communication", tmp_path, "--quick")
+    page = json.loads((tmp_path / "lecture_02_communication.json").read_text())
+    assert page["status"] == "ok"
+    assert page["demos"]["failed"] == 0
+    assert page["demos"]["expected_failures"] == 1          # the hang demo, and only it
+    records = list(_walk(page["records"]))
+    notes = "\n".join(r["text"] for r in records if r["kind"] == "note")
+    for heading in SECTIONS:
+        assert heading in notes, heading
+    figures = [r for r in page["records"] if r["kind"] == "figure"]
+    captions = " ".join(f["caption"] for f in figures)
+    for name, *_ in L.COLLECTIVES:                          # one figure per collective
+        assert f"**{name}**" in captions
+    assert "ring on 4 ranks" in captions and "α–β" in captions
+    assert "Bus bandwidth" in captions and "Measured spans" in captions
+    assert all(f["svg"].lstrip().startswith(("<?xml", "<svg")) for f in figures)
+    # The hang is shown as the lesson: a timeout error on the page.
+    hang = next(r for r in page["records"] if r["kind"] == "demo" and r["name"] == "skip_a_collective")
+    assert hang["status"] == "expected_failure"
+    errors = [r["text"] for r in hang["records"] if r["kind"] == "error"]
+    assert len(errors) == 3 and any("imed out" in e for e in errors)    # the last rank left early
+    waited = [r["text"] for r in hang["records"] if r["kind"] == "output"]
+    assert len(waited) == 3 and all(t.startswith("waited") for t in waited)
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in notes and "NCCL_DEBUG=INFO" in notes
+    # Without a GPU the streams demo says it was skipped, and why.
+    if not torch.cuda.is_available():
+        assert "Skipped on this build" in notes
+    links = [r for r in records if r["kind"] == "link"]
+    assert len(links) >= 5 and any("nccl-tests" in l["url"] for l in links)
