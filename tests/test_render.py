@@ -53,7 +53,7 @@ def recording(tmp_path, *, status="ok", figures=1, lecture="lecture_demo", demos
         top("link", url="https://example.org/paper", title=f"paper {EVIL}"),
         top("link", url="javascript:alert(1)", title="bad link"),
         top("image", src=str(image), caption=f"local {EVIL}", width=50),
-        top("image", src="https://example.invalid/x.png", caption="remote picture", width=None),
+        top("image", src="https://example.invalid/x.png", caption="remote **picture**", width=None),
         top("span", label="hidden", start=0.0, end=1.0),
     ]
     records += [top("figure", svg=SVG.replace("10", str(10 + i)), caption=f"fig {i} {EVIL}")
@@ -115,6 +115,7 @@ def test_everything_from_the_recording_is_escaped(page):
     assert html.count(escaped) >= 10
     assert 'href="javascript:' not in html
     assert "<mtext><script>" not in html
+    assert "<figcaption>remote <strong>picture</strong></figcaption>" in html  # captions: inline Markdown
 
 
 def test_math_sections_and_toc(page):

@@ -331,7 +331,7 @@ class Page:
             out.append("<tr>" + "".join(cells) + "</tr>")
         out.append("</tbody></table></div>")
         if r.get("caption"):
-            out.append(f'<figcaption>{esc(r["caption"])}</figcaption>')
+            out.append(f'<figcaption>{markdown_inline(r["caption"])}</figcaption>')
         out.append("</figure>")
         return "".join(out)
 
@@ -344,12 +344,12 @@ class Page:
         src = self._file(f"fig-{n:02d}.svg", r.get("svg", "").encode("utf-8"))
         cap = r.get("caption") or ""
         return (f'<figure class="plot"><img src="{esc(src)}" alt="{esc(cap or "figure")}">'
-                + (f"<figcaption>{esc(cap)}</figcaption>" if cap else "") + "</figure>")
+                + (f"<figcaption>{markdown_inline(cap)}</figcaption>" if cap else "") + "</figure>")
 
     def r_image(self, r):
         src, cap, width = str(r.get("src", "")), r.get("caption") or "", r.get("width")
         wattr = f' width="{int(width)}"' if isinstance(width, (int, float)) and width > 0 else ""
-        capt = f"<figcaption>{esc(cap)}</figcaption>" if cap else ""
+        capt = f"<figcaption>{markdown_inline(cap)}</figcaption>" if cap else ""
         if _safe_url(src):
             host = re.sub(r"^https?://([^/]+).*$", r"\1", src)
             data_w = f' data-width="{int(width)}"' if wattr else ""
