@@ -1,5 +1,5 @@
 # The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
-#   make                 build every lecture into content/ (pages + index)
+#   make                 build the whole course: every lecture (pages + index), then the notebooks
 #   make test            run the whole test suite
 #   make lecture L=lecture_02_communication   build one lecture
 #   make notebooks       execute the companion notebooks into content/notebooks/
@@ -19,7 +19,7 @@ export MPLBACKEND := Agg
 
 .PHONY: all content lecture test notebooks bench clean venv
 
-all: content
+all: content notebooks
 
 venv: $(STAMP)
 $(STAMP): requirements.txt

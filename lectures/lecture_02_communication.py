@@ -220,14 +220,14 @@ def demo_reduce(rank, world_size, chunk=2):
 def demo_all_gather(rank, world_size, chunk=2):
     x = rank_data(rank, chunk).to(device())
     out = torch.zeros(chunk * world_size, device=device())
-    dist.all_gather_into_tensor(out, x)
+    dist.all_gather_single(out, x)
     return {"before": _cpu(x), "after": _cpu(out)}
 
 
 def demo_reduce_scatter(rank, world_size, chunk=2):
     x = rank_data(rank, chunk * world_size).to(device())
     out = torch.zeros(chunk, device=device())
-    dist.reduce_scatter_tensor(out, x)  # rank r gets the sum of everyone's piece r
+    dist.reduce_scatter_single(out, x)  # rank r gets the sum of everyone's piece r
     return {"before": _cpu(x), "after": _cpu(out)}
 
 
@@ -360,9 +360,9 @@ def all_reduce_two_ways(rank, world_size, length, integer):
     direct = x.clone()
     dist.all_reduce(direct)
     piece = torch.empty(length // world_size, device=device())
-    dist.reduce_scatter_tensor(piece, x)    # each rank owns the full sum of one piece ...
+    dist.reduce_scatter_single(piece, x)    # each rank owns the full sum of one piece ...
     composed = torch.empty_like(x)
-    dist.all_gather_into_tensor(composed, piece)    # ... and then everyone collects all pieces
+    dist.all_gather_single(composed, piece)    # ... and then everyone collects all pieces
     return {"input": _cpu(x), "direct": _cpu(direct), "composed": _cpu(composed)}
 
 
@@ -674,10 +674,10 @@ def collective_op(name, nbytes, world_size):
         return lambda: dist.broadcast(x, src=0)
     if name == "all_gather":
         x, out = torch.zeros(n // world_size, device=dev), torch.empty(n, device=dev)
-        return lambda: dist.all_gather_into_tensor(out, x)
+        return lambda: dist.all_gather_single(out, x)
     if name == "reduce_scatter":
         x, out = torch.zeros(n, device=dev), torch.empty(n // world_size, device=dev)
-        return lambda: dist.reduce_scatter_tensor(out, x)
+        return lambda: dist.reduce_scatter_single(out, x)
     if name == "all_to_all":
         x, out = torch.zeros(n, device=dev), torch.empty(n, device=dev)
         return lambda: dist.all_to_all_single(out, x)

@@ -16,11 +16,6 @@ from torch import nn
 
 from util import device, figure, note, quiet, see, settings, span, span_at, spawn, table, timeline
 
-# torch 2.13 renamed the tensor collectives; keep working on older releases too.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 # =========================================================================================
 # 1. The task: a small model, learnable synthetic data, and the single-process reference
 # =========================================================================================
@@ -132,12 +127,12 @@ class Collectives:
     def reduce_scatter(self, out, full, async_op=False, label="reduce-scatter"):
         nbytes = full.numel() * full.element_size()
         self.sent += (self.n - 1) * nbytes // self.n
-        return self._async(_reduce_scatter_single(out, full, async_op=async_op), label, nbytes)
+        return self._async(dist.reduce_scatter_single(out, full, async_op=async_op), label, nbytes)
 
     def all_gather(self, full, shard, async_op=False, label="all-gather"):
         nbytes = full.numel() * full.element_size()
         self.sent += (self.n - 1) * nbytes // self.n
-        return self._async(_all_gather_single(full, shard, async_op=async_op), label, nbytes)
+        return self._async(dist.all_gather_single(full, shard, async_op=async_op), label, nbytes)
 
     def record_spans(self):
         """Hand the async operations' measured lifetimes to the page's timeline."""

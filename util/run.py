@@ -104,6 +104,7 @@ def write_atomic(path, text):
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; pages are for reading
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

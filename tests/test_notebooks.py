@@ -1,0 +1,266 @@
+"""The companion notebooks: committed clean, executed headless by papermill (`make notebooks`
+--quick on 2 ranks), checked on what they computed, and their HTML opened offline in a browser."""
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from tests.conftest import ARTIFACTS, ROOT
+from util import notebooks as tool
+
+pytestmark = pytest.mark.timeout(600)   # the module fixture runs every notebook (~2 min)
+
+NAMES = tool.available()
+CLI = [sys.executable, "-m", "util.notebooks"]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+
+
+def _all_equal(values):
+    return len(values) >= 2 and all(v == values[0] for v in values)
+
+
+# What each notebook must have computed (its `checks` cell publishes these as JSON); beyond
+# these, every boolean a notebook publishes must be True.
+EXPECT = {
+    "lecture_02_communication": lambda c: (
+        c["ring_equals_builtin"] is True and c["ring_max_abs_error"] <= 1e-5
+        and c["all_reduce_is_reduce_scatter_plus_all_gather"] is True
+        and c["ranks"] == 2),
+    "lecture_03_data_parallel": lambda c: (
+        c["replicas_identical"] is True and _all_equal(c["parameter_checksums"])
+        and len(c["parameter_checksums"]) == 2
+        and c["matches_single_process"] is True and c["max_abs_diff_vs_single_process"] <= 1e-5
+        and c["zero_matches_single_process"] is True and c["zero_max_abs_diff"] <= 1e-5),
+}
+
+
+def outputs(nb):
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            yield cell, out
+
+
+def published_checks(nb):
+    """Merged JSON of every cell tagged `checks`."""
+    found = {}
+    for cell, out in outputs(nb):
+        if "checks" in cell.metadata.get("tags", []) and "application/json" in out.get("data", {}):
+            found.update(out["data"]["application/json"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook run once through the real command line, quick, on 2 ranks."""
+    out = tmp_path_factory.mktemp("notebooks")
+    proc = subprocess.run([*CLI, "--quick", "--world-size", "2", "--backend", "gloo",
+                           "--cell-timeout", "240", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return out, proc
+
+
+def test_there_are_notebooks():
+    assert {"lecture_02_communication", "lecture_03_data_parallel"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_clean_with_parameters(name):
+    nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "commit without outputs"
+    first = nb.cells[0]
+    assert first.cell_type == "code" and "parameters" in first.metadata.get("tags", [])
+    for knob in ("quick", "world_size", "backend"):
+        assert f"{knob} =" in first.source, f"parameters cell lacks {knob}"
+    assert nb.metadata.kernelspec.name == tool.KERNEL
+    prose = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "pickle" in prose and f"lectures/{name}.py" in prose
+    assert any("checks" in c.metadata.get("tags", []) for c in code), "no checks cell"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_every_section(name):
+    """Every section function the lecture's main() calls has its cell (lectures grow)."""
+    import ast
+    with open(os.path.join(ROOT, "lectures", name + ".py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    sections = [c.value.func.id for c in main.body if isinstance(c, ast.Expr)
+                and isinstance(c.value, ast.Call) and isinstance(c.value.func, ast.Name)
+                and c.value.func.id not in ("note", "table", "figure", "see", "image")]
+    nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    missing = [s for s in sections if f"lec.{s}()" not in code]
+    assert sections and not missing, f"{name}.ipynb has no cell for section(s) {missing}"
+
+
+def test_cli_ran_every_notebook(executed):
+    out, proc = executed
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in NAMES:
+        assert f"{name}: ok in" in proc.stderr
+        assert os.path.isfile(out / f"{name}.ipynb") and os.path.isfile(out / f"{name}.html")
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp-")], "temporary files left"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_outputs(executed, name):
+    out, _ = executed
+    nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
+    errors = [o for _, o in outputs(nb) if o.output_type == "error"]
+    assert not errors, f"{errors[0].ename}: {errors[0].evalue}"
+    stderr = "".join(o.get("text", "") for _, o in outputs(nb)
+                     if o.output_type == "stream" and o.name == "stderr")
+    assert "Traceback" not in stderr, stderr[-2000:]
+    text = json.dumps([o.get("data", {}).get("text/plain", "") for _, o in outputs(nb)])
+    assert "quick=True, world_size=2, backend=gloo" in text, "parameters were not applied"
+    assert "demo " in text, "no demo ran"
+    # Knobs and what was shown: at least one table and one figure came out inline.
+    mimes = [m for _, o in outputs(nb) for m in o.get("data", {})]
+    assert "image/svg+xml" in mimes, "no figure shown"
+    assert any("<table" in o.get("data", {}).get("text/html", "") for _, o in outputs(nb))
+    checks = published_checks(nb)
+    assert checks, "the notebook published no checks"
+    assert all(v is True for v in checks.values() if isinstance(v, bool)), checks
+    assert EXPECT.get(name, lambda c: True)(checks), checks
+
+
+def _open_offline(path, shot=None):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(offline=True).new_page()
+            requests, errors = [], []
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"file://{path}")
+            page.wait_for_load_state("load")
+            info = page.evaluate("""() => ({title: document.title,
+                demos: document.querySelectorAll('.course-demo').length,
+                images: [...document.images].filter(i => !i.complete || !i.naturalWidth).length})""")
+            if shot:
+                os.makedirs(os.path.dirname(shot), exist_ok=True)
+                page.screenshot(path=shot, full_page=True)
+            return requests, errors, info
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs /usr/bin/chromium")
+@pytest.mark.parametrize("name", NAMES)
+def test_html_is_offline(executed, name):
+    out, _ = executed
+    path = str(out / f"{name}.html")
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
+    assert "<script src" not in page and 'rel="stylesheet" href="http' not in page
+    requests, errors, info = _open_offline(path, os.path.join(ARTIFACTS, f"notebook_{name}.png"))
+    assert requests and all(u.startswith(("file:", "data:")) for u in requests), requests
+    assert not errors, errors
+    assert info["demos"] >= 1 and info["images"] == 0, info
+    assert info["title"] and info["title"] != name, "title should be the lecture's heading"
+
+
+def test_bad_command_line():
+    for argv in (["--world-size", "0"], ["no_such_notebook"], ["--bogus"], ["missing.ipynb"]):
+        proc = subprocess.run([*CLI, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and "error:" in proc.stderr, proc.stderr
+
+
+def test_failing_notebook_is_loud(tmp_path):
+    """A failed check stops the run: exit 1, one line naming the notebook, cell and reason; the
+    executed copy and its page are still written, and no worker is left behind to die noisily."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(
+                    "from util import notebook, spawn\nfrom tests import fixture_lecture\n"
+                    "notebook.setup(quick=quick, world_size=1, backend='gloo')\n"
+                    "run = spawn(fixture_lecture.sum_of_ranks, 1)"),
+                nbformat.v4.new_code_cell("notebook.checks(sum_is_one=run.returns == [1.0])")]
+    source = tmp_path / "broken.ipynb"
+    nbformat.write(nb, source)
+    out = tmp_path / "out"
+    proc = subprocess.run([*CLI, str(source), "--out", str(out), "--cell-timeout", "120"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("util.notebooks: error: broken failed"), last
+    assert ": AssertionError: check(s) failed: sum_is_one" in last and " cell " in last, last
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    ran = nbformat.read(out / "broken.ipynb", as_version=4)  # kept, showing the error
+    assert any(o.output_type == "error" for _, o in outputs(ran))
+    assert os.path.isfile(out / "broken.html")
+
+
+def test_recorder_displays_each_kind(monkeypatch):
+    """In-process: what the display recorder shows for notes, tables, figures, code and demos."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tests import fixture_lecture
+    from util import launch, notebook, record
+    shown = []
+    monkeypatch.setattr(notebook, "_display", shown.append)
+    import dataclasses
+    saved, previous = dataclasses.asdict(launch.settings), record.current()
+    try:
+        notebook.setup(quick=True, world_size=2, backend="gloo", timeout=launch.settings.timeout)
+        record.note("## Heading\nmath $a^2$ and <b>tags</b>")
+        record.table([[1, 0.5]], header=["n", "x"])
+        fig, _ = plt.subplots()
+        record.figure(fig, caption="cap")
+        record.see(fixture_lecture.sum_of_ranks)
+        run = launch.spawn(fixture_lecture.talk, 2)
+        with pytest.raises(AssertionError, match="bad"):
+            notebook.checks(good=True, bad=False)
+    finally:
+        for key, value in saved.items():
+            setattr(launch.settings, key, value)
+        record.use(previous)
+    settings_line, note, tab, fig_, code, demo, checks = shown
+    assert "world_size=2" in settings_line["text/plain"]
+    assert "<math" in note["text/html"] and "&lt;b&gt;" in note["text/html"]
+    assert "<table" in tab["text/html"] and "0.5" in tab["text/html"]
+    assert fig_["image/svg+xml"].lstrip().startswith("<?xml") and "cap" in fig_["text/html"]
+    assert "sum_of_ranks" in code["text/html"]
+    assert run.status == "ok" and demo["text/html"].count(">rank ") == 2
+    assert "[rank 1] stdout of rank 1" in demo["text/plain"]
+    assert checks["application/json"] == {"good": True, "bad": False}
+
+
+def test_index_links_the_notebook_page(fixture_site, tmp_path):
+    """Written into <content>/notebooks/, the pages get a link from the refreshed index."""
+    import shutil
+    site = tmp_path / "content"
+    shutil.copytree(fixture_site, site)
+    assert 'href="notebooks/fixture_lecture.html"' not in (site / "index.html").read_text()
+    (site / "notebooks").mkdir()
+    (site / "notebooks" / "fixture_lecture.html").write_text("<!DOCTYPE html><title>nb</title>")
+    tool.refresh_index(str(site / "notebooks"))
+    assert 'href="notebooks/fixture_lecture.html"' in (site / "index.html").read_text()
+
+
+def test_cell_timeout_is_loud(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("import time\ntime.sleep(60)")]
+    source = tmp_path / "slow.ipynb"
+    nbformat.write(nb, source)
+    proc = subprocess.run([*CLI, str(source), "--out", str(tmp_path / "out"), "--cell-timeout", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("util.notebooks: error: slow failed") and "3 s cell timeout" in last, last
+    ran = nbformat.read(tmp_path / "out" / "slow.ipynb", as_version=4)
+    assert any(o.get("ename") == "CellTimeoutError" for _, o in outputs(ran))
