@@ -22,7 +22,7 @@ import mimetypes
 import os
 import textwrap
 
-from util import launch, record
+from util import launch, record, render
 
 _RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f"]
@@ -33,58 +33,10 @@ _PRE = ("margin:2px 0;padding:4px 6px;background:#f6f8fa;border-radius:4px;white
 
 # --- records as HTML ----------------------------------------------------------------------
 
-def _math(latex, options):
-    """LaTeX -> MathML, rendered here so the page needs no script (and no network)."""
-    from latex2mathml.converter import convert
-    display = "block" if options.get("display_mode") else "inline"
-    try:
-        return convert(latex.strip(), display=display)
-    except Exception:  # an unsupported macro shows as code, not as a broken page
-        return f"<code>{html.escape(latex)}</code>"
-
-
-_md = None
-
-
-def markdown_html(text):
-    """Markdown (CommonMark + tables + $math$) to HTML; raw HTML in the text is shown as text."""
-    global _md
-    if _md is None:
-        from markdown_it import MarkdownIt
-        from mdit_py_plugins.dollarmath import dollarmath_plugin
-        _md = MarkdownIt("commonmark", {"html": False}).enable("table")
-        dollarmath_plugin(_md, renderer=_math, allow_digits=False, double_inline=True)
-    return _md.render(text)
-
-
-def inline_html(text):
-    """One line of Markdown (captions) to HTML, without the surrounding paragraph."""
-    markdown_html("")
-    return _md.renderInline(text)
-
-
-def fmt(v):
-    """A table cell, formatted like the lecture pages: ints with thousands separators, floats
-    to about 4 significant digits (large ones whole), everything else as text."""
-    if isinstance(v, bool) or v is None:
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        if v != v:
-            return "NaN"
-        if v in (float("inf"), float("-inf")):
-            return "∞" if v > 0 else "−∞"
-        if v == 0:
-            return "0"
-        if 1e4 <= abs(v) < 1e15:
-            return f"{v:,.0f}"
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+# The page renderer's Markdown (raw HTML off, math as MathML) and number formatting, so a
+# notebook and its lecture page say the same thing the same way.
+markdown_html, inline_html, fmt = render.markdown, render.markdown_inline, render.format_number
+_is_number = render._is_number
 
 
 def table_html(rec):

@@ -58,9 +58,9 @@ def copy_atomic(src, dst):
 
 
 def format_number(v):
-    """Ints with thousands separators, floats to about 4 significant digits."""
-    if isinstance(v, bool):
-        return str(v)
+    """Ints with thousands separators, floats to about 4 significant digits, the rest as text."""
+    if not _is_number(v):
+        return "" if v is None else str(v)
     if isinstance(v, int):
         return f"{v:,}"
     if math.isnan(v):
