@@ -60,6 +60,12 @@ def succeed(rank, world_size):
     return rank
 
 
+def whoami(rank, world_size):
+    x = torch.ones(1)
+    dist.all_reduce(x)  # the group really has world_size members
+    return os.getpid(), dist.get_world_size(), x.item()
+
+
 # --- tests --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -169,3 +175,15 @@ def test_demos_are_recorded_in_the_current_recorder():
     assert demo["kind"] == "demo" and demo["name"] == "named demo" and demo["world_size"] == 2
     assert demo["status"] == "ok" and demo["function"] in recorder.functions
     assert "def succeed" in recorder.functions[demo["function"]]["code"]
+
+
+def test_one_pool_serves_every_world_size_and_timeout():
+    four = spawn(whoami, 4).returns
+    two = spawn(whoami, 2, timeout=7).returns
+    one = spawn(whoami, 1).returns
+    again = spawn(whoami, 4).returns
+    assert [(w, s) for _, w, s in four] == [(4, 4.0)] * 4 and [(w, s) for _, w, s in two] == [(2, 2.0)] * 2
+    assert one[0][1:] == (1, 1.0)
+    pids = [p for p, _, _ in four]
+    assert [p for p, _, _ in two] == pids[:2] and one[0][0] == pids[0]  # no new processes
+    assert [p for p, _, _ in again] == pids

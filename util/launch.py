@@ -2,8 +2,9 @@
 every rank of a fresh-looking process group and brings back what each rank recorded.
 
 Three ways to get ranks, one API:
-- pool (default): one set of worker processes per (world size, backend, timeout), reused by
-  every demo of the build. Each demo still starts seeded and clean.
+- pool (default): one set of worker processes, reused by every demo of the build; a demo on
+  k ranks runs on the first k workers in a process group of its own, formed anew (in
+  milliseconds) when the world size or timeout changes. Each demo starts seeded and clean.
 - spawn: a new set of processes per demo, the naive baseline (`--launcher spawn`).
 - torchrun: when RANK/WORLD_SIZE are in the environment, demos run in place on the existing
   process group, so a lecture runs across nodes.
@@ -137,80 +138,97 @@ def _dumps(result):
         return pickle.dumps(result)
 
 
-def _worker(rank, world_size, port, backend, timeout, tasks, results):
+def _error_result(rank):
+    return {"rank": rank, "ok": False, "returns": None, "records": [], "functions": {},
+            "start": 0, "end": 0, "error": traceback.format_exc()}
+
+
+def _worker(rank, port, backend, tasks, results):
+    """A rank that lives across demos. Each task names the group it runs in (world size and
+    timeout); when that changes, the rank leaves its old process group and joins the new one,
+    which costs milliseconds where a new process costs seconds."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     global _device
     import torch
     import torch.distributed as dist
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    torch.set_num_threads(threads)
-    td = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         _device = torch.device("cuda", torch.cuda.current_device())
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=td)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
     results.put(pickle.dumps({"rank": rank, "ready": True}))
+    joined = None
     while True:
-        blob = tasks.get()
-        if blob is None:
+        task = tasks.get()
+        if task is None:
             break
+        (generation, world_size, timeout), blob = task
         try:
+            if joined != generation:
+                joined = None
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group(backend, store=dist.PrefixStore(f"group{generation}", store),
+                                        rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+                joined = generation
             fn, kwargs = pickle.loads(blob)
         except Exception:
-            results.put(pickle.dumps({"rank": rank, "ok": False, "returns": None, "records": [],
-                                      "functions": {}, "start": 0, "end": 0,
-                                      "error": traceback.format_exc()}))
+            results.put(pickle.dumps(_error_result(rank)))
             continue
+        threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no thrashing
         results.put(_dumps(_run_task(rank, world_size, fn, kwargs, threads)))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # --- the lecture's side ------------------------------------------------------------------
 
 class Pool:
-    """`world_size` worker processes holding one process group, running demos one at a time."""
+    """Worker processes that run demos one at a time. A demo on k ranks runs on workers
+    0..k-1 in a process group of exactly k ranks; the pool starts more workers when a demo
+    needs them, so a lecture pays for at most as many start-ups as its largest demo has ranks."""
 
     GRACE = 1.0  # seconds the other ranks get to report after one rank failed
 
-    def __init__(self, world_size, backend, timeout):
+    def __init__(self, backend):
         import torch.distributed as dist
-        self.world_size, self.timeout = world_size, timeout
-        ctx = multiprocessing.get_context("spawn")
+        self.backend = backend
+        self.ctx = multiprocessing.get_context("spawn")
         # The lecture process owns the rendezvous store on a port the OS picks: no fixed port,
         # no race, so any number of builds can run at once.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout))
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker, daemon=True, name=f"rank{r}",
-                                  args=(r, world_size, self.store.port, backend, timeout,
-                                        self.tasks[r], self.results))
-                      for r in range(world_size)]
-        for p in self.procs:
-            p.start()
-        ready = self._collect(deadline=time.monotonic() + max(180.0, timeout))
-        if len(ready) < world_size:
-            self.close()
-            raise RuntimeError(f"could not start {world_size} ranks: {self._why(ready)}")
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.results = self.ctx.Queue()
+        self.tasks, self.procs = [], []
+        self.group, self.generation = None, 0
 
-    def _dead(self):
-        return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+    def grow(self, world_size):
+        new = range(len(self.procs), world_size)
+        for r in new:
+            self.tasks.append(self.ctx.Queue())
+            self.procs.append(self.ctx.Process(target=_worker, daemon=True, name=f"rank{r}",
+                                               args=(r, self.store.port, self.backend,
+                                                     self.tasks[r], self.results)))
+            self.procs[r].start()
+        ready = self._collect(new, deadline=time.monotonic() + 300)
+        if len(ready) < len(new):
+            dead = [r for r in new if r not in ready and self.procs[r].exitcode is not None]
+            raise RuntimeError(f"could not start rank(s) {[r for r in new if r not in ready]}: " +
+                               (f"exit codes {[self.procs[r].exitcode for r in dead]}" if dead
+                                else "timed out"))
 
-    def _why(self, done):
-        dead = [r for r in self._dead() if r not in done]
-        return (f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})"
-                if dead else "timed out")
+    def _dead(self, ranks):
+        return [r for r in ranks if self.procs[r].exitcode is not None]
 
-    def _collect(self, deadline, on_result=None):
-        """Gather one message per rank until all arrived, a rank died, or `deadline` passed.
-        `on_result` may move the deadline (returns a new one or None)."""
+    def _collect(self, ranks, deadline, on_result=None):
+        """Gather one message from each of `ranks` until all arrived, one of them died, or
+        `deadline` passed. `on_result` may move the deadline (returns a new one or None)."""
         got = {}
-        while len(got) < self.world_size and time.monotonic() < deadline:
+        while len(got) < len(ranks) and time.monotonic() < deadline:
             try:
                 msg = pickle.loads(self.results.get(timeout=0.1))
             except Exception:  # queue.Empty, or a rank died mid-message
-                if [r for r in self._dead() if r not in got]:
+                if self._dead([r for r in ranks if r not in got]):
                     break
                 continue
             got[msg["rank"]] = msg
@@ -218,11 +236,15 @@ class Pool:
                 deadline = on_result(msg, got, deadline) or deadline
         return got
 
-    def run(self, fn, kwargs):
+    def run(self, fn, kwargs, world_size, timeout):
         """Run a demo; returns (per-rank results, error message or None)."""
-        blob = pickle.dumps((fn, kwargs))
-        for q in self.tasks:
-            q.put(blob)
+        self.grow(world_size)
+        if self.group != (world_size, timeout):
+            self.group, self.generation = (world_size, timeout), self.generation + 1
+        task = ((self.generation, world_size, timeout), pickle.dumps((fn, kwargs)))
+        ranks = range(world_size)
+        for r in ranks:
+            self.tasks[r].put(task)
         first_done = []
 
         def on_result(msg, got, deadline):
@@ -231,24 +253,24 @@ class Pool:
                 return min(deadline, now + self.GRACE)
             if not first_done:                     # others must follow within the timeout
                 first_done.append(msg["rank"])
-                return min(deadline, now + self.timeout + 5)
-        got = self._collect(float("inf"), on_result)
+                return min(deadline, now + timeout + 5)
+        got = self._collect(ranks, float("inf"), on_result)
         failed = sorted(r for r, m in got.items() if not m["ok"])
-        missing = sorted(set(range(self.world_size)) - set(got))
+        missing = sorted(set(ranks) - set(got))
         if not failed and not missing:
             return got, None
         parts = []
         if failed:
             parts.append(f"rank(s) {failed} raised")
         if missing:
-            dead = [r for r in missing if r in self._dead()]
+            dead = self._dead(missing)
             stuck = [r for r in missing if r not in dead]
             if dead:
                 parts.append(f"rank(s) {dead} died (exit codes "
                              f"{[self.procs[r].exitcode for r in dead]})")
             if stuck:
                 parts.append(f"rank(s) {stuck} did not finish" +
-                             (f" within {self.timeout:g} s of rank {first_done[0]} finishing; a "
+                             (f" within {timeout:g} s of rank {first_done[0]} finishing; a "
                               "rank probably skipped a collective" if first_done and not failed
                               else " and were stopped"))
         return got, "; ".join(parts)
@@ -273,13 +295,6 @@ def shutdown():
     """Stop every pooled worker (called at exit, and by the build when it finishes)."""
     while _pools:
         _pools.popitem()[1].close()
-
-
-def _pool(world_size, backend, timeout):
-    key = (world_size, backend, timeout)
-    if key not in _pools:
-        _pools[key] = Pool(world_size, backend, timeout)
-    return _pools[key]
 
 
 def _check_importable(fn):
@@ -320,11 +335,14 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, *
         results, error = _run_in_place(fn, world_size, kwargs, timeout, run)
     else:
         backend = choose_backend(world_size)
-        pool = _pool(world_size, backend, timeout)
-        results, error = pool.run(fn, kwargs)
-        if error or settings.launcher == "spawn":
-            _pools.pop((world_size, backend, timeout), None)
-            pool.close()
+        pool = _pools.get(backend) or _pools.setdefault(backend, Pool(backend))
+        error = "the launcher failed"
+        try:
+            results, error = pool.run(fn, kwargs, world_size, timeout)
+        finally:  # a failure may leave ranks stuck in a collective: never reuse them
+            if settings.launcher == "spawn" or error:
+                _pools.pop(backend, None)
+                pool.close()
     run.elapsed = time.perf_counter() - start
     if run.status != "skipped":
         _finish(run, results, error, expect_error)
