@@ -88,7 +88,7 @@ def test_traffic_and_memory_follow_the_formulas():
     assert got["DP"]["bytes_per_step"] == pytest.approx(ring, rel=0.01)
     assert got["ZeRO-1"]["bytes_per_step"] == pytest.approx(ring, rel=0.02)
     assert got["ZeRO-2"]["bytes_per_step"] == pytest.approx(ring, rel=0.02)
-    assert 1.3 * ring < got["ZeRO-3"]["bytes_per_step"] < 1.5 * ring
+    assert ring * 1.3 < got["ZeRO-3"]["bytes_per_step"] < ring * 1.5  # 2L-1 gathers + reduce-scatter
     held = {s: got[s]["held"] for s in got}
     assert held["DP"]["optimizer"] == 8 * psi
     assert held["ZeRO-1"]["optimizer"] == pytest.approx(8 * psi / n, rel=0.02)
