@@ -588,7 +588,7 @@ def slowest(run):
 
 def ring():
     world_size = settings.world_size
-    note(f"""
+    note("""
         ## Ring all-reduce from send and receive
         Arrange the $n$ ranks in a ring and cut the buffer into $n$ chunks. In the
         **reduce-scatter phase** ($n-1$ steps) every rank sends one chunk to its right

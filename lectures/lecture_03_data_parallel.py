@@ -658,27 +658,26 @@ def build_variant(kind, task, rank, world_size, bucket_mb, comm):
         model = wrap_pytorch(kind, make_model(task, task.seed), world_size, bucket_mb)
         opt = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=task.weight_decay)
 
-        def step(x, y):
-            with span("forward"):
-                loss = F.mse_loss(model(x), y)
-            with span("backward"):
-                loss.backward()
-            with span("optimizer"):
-                opt.step()
-                opt.zero_grad()
-        return step
+        def update():
+            opt.step()
+            opt.zero_grad()
+        return spanned_step(model, update)
     stage = int(kind[-1])
     model = make_model(task, task.seed)
     zero = {1: Zero1, 2: Zero2}[stage](model, comm, task) if stage < 3 else Zero3(model, comm, task)
-    net = zero if stage == 3 else zero.model
+    return spanned_step(zero if stage == 3 else zero.model, zero.step)
 
+
+def spanned_step(net, update):
+    """step(x, y) for a model whose gradients are synchronised by its wrapper (PyTorch's) or
+    by its optimizer step (ZeRO): forward, backward, `update()`, each in a span."""
     def step(x, y):
         with span("forward"):
             loss = F.mse_loss(net(x), y)
         with span("backward"):
             loss.backward()
         with span("optimizer"):
-            zero.step()
+            update()
     return step
 
 
@@ -924,7 +923,7 @@ def ddp_from_scratch():
 
 def overlap_and_buckets():
     task = timing_task()
-    note(f"""
+    note("""
         ## Overlap communication with backward, and bucket it
         The naive version waits for the whole backward pass and only then starts talking. But
         the last layer's gradients are ready first, long before the first layer's: a hook that

@@ -67,14 +67,10 @@ def main():
         for line in out:
             print("  " + line, flush=True)
         lines += [f"{name}: {line}" for line in out]
-    print("\nsummary (measured on this machine: " + describe() + ")")
+    from util.run import describe_device
+    print(f"\nsummary (measured on this machine: {describe_device()})")
     for line in lines:
         print("  " + line)
-
-
-def describe():
-    from util.run import describe_device
-    return describe_device(None)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,43 @@ def fixture_site(tmp_path_factory):
     out = tmp_path_factory.mktemp("content")
     build("tests.fixture_lecture", out, "--quick")
     return out
+
+
+# --- a real browser, for the page tests -------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium driven by Playwright (its own browser download does not work
+    here); one per test module."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+class Watched:
+    """A page whose requests, console errors and page errors are all recorded."""
+
+    def __init__(self, browser, **context_args):
+        self.context = browser.new_context(offline=True, **context_args)
+        self.page = self.context.new_page()
+        self.requests, self.errors = [], []
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def check_clean(self):
+        remote = [u for u in self.requests if not u.startswith(("file:", "data:"))]
+        assert not remote, f"the page made network requests: {remote}"
+        assert not self.errors, f"console errors: {self.errors}"
+
+    def close(self):
+        self.context.close()

@@ -8,16 +8,13 @@ import sys
 import nbformat
 import pytest
 
-from tests.conftest import ARTIFACTS, ROOT
+from tests.conftest import ARTIFACTS, ROOT, Watched
 from util import notebooks as tool
 
 pytestmark = pytest.mark.timeout(600)   # the module fixture runs every notebook (~2 min)
 
 NAMES = tool.available()
 CLI = [sys.executable, "-m", "util.notebooks"]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync"]
 
 
 def _all_equal(values):
@@ -131,38 +128,30 @@ def test_notebook_outputs(executed, name):
     assert EXPECT.get(name, lambda c: True)(checks), checks
 
 
-def _open_offline(path, shot=None):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_context(offline=True).new_page()
-            requests, errors = [], []
-            page.on("request", lambda r: requests.append(r.url))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"file://{path}")
-            page.wait_for_load_state("load")
-            info = page.evaluate("""() => ({title: document.title,
-                demos: document.querySelectorAll('.course-demo').length,
-                images: [...document.images].filter(i => !i.complete || !i.naturalWidth).length})""")
-            if shot:
-                os.makedirs(os.path.dirname(shot), exist_ok=True)
-                page.screenshot(path=shot, full_page=True)
-            return requests, errors, info
-        finally:
-            browser.close()
+def _open_offline(browser, path, shot=None):
+    w = Watched(browser)
+    try:
+        w.page.goto(f"file://{path}")
+        w.page.wait_for_load_state("load")
+        info = w.page.evaluate("""() => ({title: document.title,
+            demos: document.querySelectorAll('.course-demo').length,
+            images: [...document.images].filter(i => !i.complete || !i.naturalWidth).length})""")
+        if shot:
+            os.makedirs(os.path.dirname(shot), exist_ok=True)
+            w.page.screenshot(path=shot, full_page=True)
+        return w.requests, w.errors, info
+    finally:
+        w.close()
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs /usr/bin/chromium")
 @pytest.mark.parametrize("name", NAMES)
-def test_html_is_offline(executed, name):
+def test_html_is_offline(browser, executed, name):
     out, _ = executed
     path = str(out / f"{name}.html")
     with open(path, encoding="utf-8") as f:
         page = f.read()
     assert "<script src" not in page and 'rel="stylesheet" href="http' not in page
-    requests, errors, info = _open_offline(path, os.path.join(ARTIFACTS, f"notebook_{name}.png"))
+    requests, errors, info = _open_offline(browser, path, os.path.join(ARTIFACTS, f"notebook_{name}.png"))
     assert requests and all(u.startswith(("file:", "data:")) for u in requests), requests
     assert not errors, errors
     assert info["demos"] >= 1 and info["images"] == 0, info

@@ -41,6 +41,8 @@ class Settings:
 
 
 settings = Settings()
+STATUS_WORDS = {"ok": "ok", "failed": "FAILED", "expected_failure": "failed, as expected",
+                "skipped": "skipped"}  # how a demo ended, as the terminal and notebooks say it
 demos = []                      # (name, world_size, status, seconds) of every demo this process ran
 
 
@@ -305,19 +307,6 @@ def _check_importable(fn):
                          "console's functions cannot be imported.")
 
 
-def _function_key(fn, recorder):
-    import inspect
-    try:
-        lines, start = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return None
-    path = record.relpath(inspect.getsourcefile(fn))
-    key = f"{path}:{fn.__code__.co_firstlineno}:{fn.__name__}"
-    recorder.functions.setdefault(key, {"file": path, "name": fn.__name__, "start": start,
-                                        "code": "".join(lines)})
-    return key
-
-
 def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, **kwargs):
     """Run `fn(rank, world_size, **kwargs)` on `world_size` ranks and record what they did.
 
@@ -349,13 +338,11 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, *
     recorder = record.current()
     recorder.add("demo", name=name, world_size=world_size, status=run.status,
                  elapsed=round(run.elapsed, 3), error=run.error,
-                 function=_function_key(fn, recorder), records=run.records)
+                 function=recorder.remember(fn.__code__), records=run.records)
     demos.append((name, world_size, run.status, run.elapsed))
     if settings.verbose:
-        mark = {"ok": "ok", "failed": "FAILED", "expected_failure": "failed, as expected",
-                "skipped": "skipped"}[run.status]
-        print(f"  demo {len(demos):>3}  {name:<34} ranks={world_size}  {run.elapsed:7.2f} s  {mark}",
-              file=sys.stderr, flush=True)
+        print(f"  demo {len(demos):>3}  {name:<34} ranks={world_size}  {run.elapsed:7.2f} s  "
+              f"{STATUS_WORDS[run.status]}", file=sys.stderr, flush=True)
     if run.status == "failed":
         raise DemoFailed(run)
     return run

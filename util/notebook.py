@@ -82,11 +82,7 @@ def figure_html(rec):
 
 
 def code_html(code, start=1, title=""):
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-    body = highlight(code, PythonLexer(), HtmlFormatter(noclasses=True, linenos="inline",
-                                                        linenostart=start, style="default"))
+    body = render.highlight(code, start, inline_styles=True)
     head = (f'<div style="font-size:12px;color:#555;">{html.escape(title)}</div>' if title else "")
     return f'<div style="margin:4px 0;font-size:12px;">{head}{body}</div>'
 
@@ -159,12 +155,16 @@ def record_text(rec):
     return json.dumps(rec, default=str)
 
 
-_STATUS = {"ok": ("ok", "#1a7f37"), "failed": ("FAILED", "#b00020"),
-           "expected_failure": ("failed, as expected", "#9a6700"), "skipped": ("skipped", "#57606a")}
+_STATUS_COLOURS = {"ok": "#1a7f37", "failed": "#b00020", "expected_failure": "#9a6700"}
+
+
+def _status_word(status):
+    return launch.STATUS_WORDS.get(status, status)
 
 
 def _demo_header(rec):
-    label, colour = _STATUS.get(rec["status"], (rec["status"], "#57606a"))
+    label = _status_word(rec["status"])
+    colour = _STATUS_COLOURS.get(rec["status"], "#57606a")
     return (f'<div style="font-size:13px;"><b>demo</b> <code>{html.escape(rec["name"])}</code> · '
             f'{rec["world_size"]} rank{"s" if rec["world_size"] != 1 else ""} · '
             f'{rec["elapsed"]:.2f} s · <span style="color:{colour};font-weight:bold;">{label}</span></div>')
@@ -204,7 +204,7 @@ def demo_html(rec, functions):
 
 
 def demo_text(rec):
-    label = _STATUS.get(rec["status"], (rec["status"],))[0]
+    label = _status_word(rec["status"])
     lines = [f"demo {rec['name']} on {rec['world_size']} ranks: {label} ({rec['elapsed']:.2f} s)"]
     if rec.get("error"):
         lines.append(rec["error"])
@@ -290,7 +290,7 @@ def finish():
     """Stop the worker processes and show what ran (every demo of this kernel, with its time).
     The last cell of a notebook calls it; a kernel that exits stops them too."""
     launch.shutdown()
-    rows = [[name, ws, _STATUS.get(status, (status,))[0], round(seconds, 3)]
+    rows = [[name, ws, _status_word(status), round(seconds, 3)]
             for name, ws, status, seconds in launch.demos]
     if rows:
         record.table(rows, header=["demo", "ranks", "status", "seconds"],

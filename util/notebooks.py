@@ -11,13 +11,12 @@ content/notebooks). The HTML embeds its CSS and loads no script: it opens offlin
 Exit status: 0 all ran, 1 a notebook failed (its executed copy and page are still written and
 show the error), 2 bad command line.
 """
-import argparse
 import os
 import sys
 import time
 
 from util import record
-from util.run import write_atomic
+from util.run import Parser, write_atomic
 
 KERNEL = "course"
 NOTEBOOKS = os.path.join(record.ROOT, "lectures", "notebooks")
@@ -45,13 +44,8 @@ OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, not a usage dump
-        self.exit(2, f"util.notebooks: error: {message} (see python -m util.notebooks --help)\n")
-
-
 def parse_args(argv):
-    p = _Parser(prog="python -m util.notebooks",
+    p = Parser(prog="python -m util.notebooks",
                 description="Execute the companion notebooks into content/notebooks/ (ipynb + html).")
     p.add_argument("names", nargs="*", metavar="NAME", help="notebooks to run (default: all)")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
@@ -121,7 +115,6 @@ def register_kernel():
     except OSError:
         pass
     write_atomic(path, text)
-    os.chmod(path, 0o644)   # mkstemp made it private; Jupyter run by anyone may read it
     return folder
 
 

@@ -56,19 +56,22 @@ class Recorder:
         if frame is None:
             return None
         code = frame.f_code
-        where = {"file": relpath(code.co_filename), "line": frame.f_lineno,
-                 "function": code.co_name, "key": None}
-        if code.co_name != "<module>":
-            key = f"{where['file']}:{code.co_firstlineno}:{code.co_name}"
-            if key not in self.functions:
-                try:
-                    lines, start = inspect.getsourcelines(code)
-                    self.functions[key] = {"file": where["file"], "name": code.co_name,
-                                           "start": start, "code": "".join(lines)}
-                except (OSError, TypeError):
-                    key = None
-            where["key"] = key
-        return where
+        return {"file": relpath(code.co_filename), "line": frame.f_lineno,
+                "function": code.co_name,
+                "key": self.remember(code) if code.co_name != "<module>" else None}
+
+    def remember(self, code):
+        """Keep the source of the function with this code object in `functions`; its key,
+        or None when the source cannot be read."""
+        key = f"{relpath(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+        if key not in self.functions:
+            try:
+                lines, start = inspect.getsourcelines(code)
+            except (OSError, TypeError):
+                return None
+            self.functions[key] = {"file": relpath(code.co_filename), "name": code.co_name,
+                                   "start": start, "code": "".join(lines)}
+        return key
 
     def absorb(self, functions):
         self.functions.update(functions)

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import xml.etree.ElementTree as ET
 
 from util.run import SCHEMA, write_atomic
@@ -38,23 +37,9 @@ _PICTURE_ICON = ('<svg class="card-icon" viewBox="0 0 24 24" width="28" height="
 
 # --- small helpers -------------------------------------------------------------------------
 
-def write_atomic_bytes(path, data):
-    """`write_atomic` for bytes (copied images, static assets)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def copy_atomic(src, dst):
     with open(src, "rb") as f:
-        write_atomic_bytes(dst, f.read())
+        write_atomic(dst, f.read())
 
 
 def format_number(v):
@@ -107,14 +92,19 @@ def _slug(text, used):
     return slug
 
 
+def _host(url):
+    return re.sub(r"^https?://([^/]+).*$", r"\1", url)
+
+
 def _safe_url(url):
     return isinstance(url, str) and url.startswith(("http://", "https://"))
 
 
 # --- code and math -----------------------------------------------------------------------
 
-def highlight(code, start=1, lang="python"):
-    """Pygments HTML with line numbers starting at `start`."""
+def highlight(code, start=1, lang="python", inline_styles=False):
+    """Pygments HTML with line numbers starting at `start` (colours as classes for the page's
+    pygments.css, or inline where there is no stylesheet, as in a notebook)."""
     from pygments import highlight as pyg
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import get_lexer_by_name
@@ -123,8 +113,17 @@ def highlight(code, start=1, lang="python"):
         lexer = get_lexer_by_name(lang or "text")
     except ClassNotFound:
         lexer = get_lexer_by_name("text")
-    fmt = HtmlFormatter(cssclass="hl", linenos="inline" if start else False, linenostart=start or 1)
+    fmt = HtmlFormatter(cssclass="hl", linenos="inline" if start else False, linenostart=start or 1,
+                        noclasses=inline_styles)
     return pyg(code, lexer, fmt)
+
+
+def code_figure(name, file, start, code):
+    """Highlighted source under a caption naming it and the lines of the file it came from."""
+    end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
+    return (f'<figure class="code"><figcaption><code>{esc(name)}</code> '
+            f'<span class="where">{esc(str(file))}:{start}–{end}</span></figcaption>'
+            f'{highlight(code, start)}</figure>')
 
 
 def pygments_css():
@@ -297,17 +296,12 @@ class Page:
         url, title = r.get("url", ""), r.get("title") or r.get("url", "")
         if not _safe_url(url):
             return f'<p class="reference">Reference: {esc(title)} <code>{esc(url)}</code></p>'
-        host = re.sub(r"^https?://([^/]+).*$", r"\1", url)
         return (f'<p class="reference"><span class="label">reference</span> '
                 f'<a href="{esc(url)}" rel="noreferrer">{esc(title)}</a> '
-                f'<span class="host">{esc(host)}</span></p>')
+                f'<span class="host">{esc(_host(url))}</span></p>')
 
     def r_code(self, r):
-        start, code = r.get("start") or 1, r.get("code", "")
-        end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
-        return (f'<figure class="code"><figcaption><code>{esc(r.get("name", ""))}</code> '
-                f'<span class="where">{esc(str(r.get("file", "")))}:{start}–{end}</span></figcaption>'
-                f'{highlight(code, start)}</figure>')
+        return code_figure(r.get("name", ""), r.get("file", ""), r.get("start") or 1, r.get("code", ""))
 
     def r_table(self, r):
         header, rows = r.get("header"), r.get("rows") or []
@@ -351,11 +345,10 @@ class Page:
         wattr = f' width="{int(width)}"' if isinstance(width, (int, float)) and width > 0 else ""
         capt = f"<figcaption>{markdown_inline(cap)}</figcaption>" if cap else ""
         if _safe_url(src):
-            host = re.sub(r"^https?://([^/]+).*$", r"\1", src)
             data_w = f' data-width="{int(width)}"' if wattr else ""
             return (f'<figure class="image remote" data-src="{esc(src)}" data-alt="{esc(cap)}"{data_w}>'
                     f'<a class="card" href="{esc(src)}" rel="noreferrer">{_PICTURE_ICON}'
-                    f'<span class="card-text"><span class="card-title">Picture at {esc(host)}</span>'
+                    f'<span class="card-text"><span class="card-title">Picture at {esc(_host(src))}</span>'
                     f'<span class="card-url">{esc(src)}</span><span class="card-note">'
                     f'shown here when you are online; open the link to see it</span></span></a>'
                     f'{capt}</figure>')
@@ -421,17 +414,22 @@ class Page:
             f = funcs[key]
             if os.path.isabs(str(f.get("file", ""))):
                 continue  # library code (e.g. multiprocessing), not the lecture's
-            start, code = f.get("start", 1), f.get("code", "")
-            end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
-            blocks.append(f'<figure class="code"><figcaption><code>{esc(f.get("name", ""))}</code> '
-                          f'<span class="where">{esc(str(f.get("file", "")))}:{start}–{end}</span>'
-                          f'</figcaption>{highlight(code, start)}</figure>')
+            blocks.append(code_figure(f.get("name", ""), f.get("file", ""), f.get("start", 1),
+                                      f.get("code", "")))
         if not blocks:
             return ""
         names = ", ".join(esc(funcs[k].get("name", "")) for k in keys
                           if not os.path.isabs(str(funcs[k].get("file", ""))))
         return (f'<details class="show-code"><summary>show code <span class="fnames">{names}'
                 f'</span></summary>{"".join(blocks)}</details>')
+
+
+def _demo_counts(d):
+    """'35 demos, 1 failed, ...' (HTML) from a recording's "demos" counts."""
+    return (f'{d.get("total", 0)} demos'
+            + (f', <b class="bad">{d["failed"]} failed</b>' if d.get("failed") else "")
+            + (f', {d["expected_failures"]} failed as expected' if d.get("expected_failures") else "")
+            + (f', {d["skipped"]} skipped' if d.get("skipped") else ""))
 
 
 def _meta_line(rec):
@@ -444,9 +442,7 @@ def _meta_line(rec):
              f'{esc(str(env.get("world_size", "?")))} ranks by default',
              "quick sizes" if env.get("quick") else "full sizes",
              f'total {esc(format_seconds(rec.get("elapsed")))}',
-             f'{d.get("total", 0)} demos' + (f', <b class="bad">{d["failed"]} failed</b>' if d.get("failed") else "")
-             + (f', {d["expected_failures"]} failed as expected' if d.get("expected_failures") else "")
-             + (f', {d["skipped"]} skipped' if d.get("skipped") else ""),
+             _demo_counts(d),
              f'Python {esc(str(env.get("python", "?")))}, torch {esc(str(env.get("torch", "?")))}']
     return '<p class="meta">' + '<span class="sep"> · </span>'.join(f"<span>{i}</span>" for i in items) + "</p>"
 
@@ -531,7 +527,7 @@ def render_lecture(json_path):
     write_static(out_dir)
     files_dir = os.path.join(out_dir, files_name)
     for fname, data in files.items():
-        write_atomic_bytes(os.path.join(files_dir, fname), data)
+        write_atomic(os.path.join(files_dir, fname), data)
     page = os.path.join(out_dir, f"{name}.html")
     write_atomic(page, text)
     # the new page is in: drop what only the old page used
@@ -571,13 +567,6 @@ def render_index(out_dir):
         name = rec.get("lecture") or stem
         env, d = rec.get("environment") or {}, rec.get("demos") or {}
         status = rec.get("status", "ok")
-        counts = f'{d.get("total", 0)} demos'
-        if d.get("failed"):
-            counts += f', <b class="bad">{d["failed"]} failed</b>'
-        if d.get("expected_failures"):
-            counts += f', {d["expected_failures"]} failed as expected'
-        if d.get("skipped"):
-            counts += f', {d["skipped"]} skipped'
         page = f"{name}.html"
         links = [f'<a href="{esc(page)}">read the lecture</a>'] if os.path.isfile(os.path.join(out_dir, page)) else []
         nb = os.path.join("notebooks", f"{name}.html")
@@ -595,7 +584,7 @@ def render_index(out_dir):
             f'{esc(format_built(rec.get("built")))}</time></span><span class="sep"> · </span>'
             f'<span>{esc(str(env.get("device", "unknown device")))}</span><span class="sep"> · </span>'
             f'<span>backend {esc(str(env.get("backend", "?")))}</span><span class="sep"> · </span>'
-            f'<span>{counts}</span><span class="sep"> · </span>'
+            f'<span>{_demo_counts(d)}</span><span class="sep"> · </span>'
             f'<span>{esc(format_seconds(rec.get("elapsed")))}{" (quick sizes)" if env.get("quick") else ""}</span></p>'
             f'<p class="links">{" · ".join(links)}</p></li>')
     body = ("<ol class=\"lectures\">" + "".join(items) + "</ol>") if items else \

@@ -36,13 +36,16 @@ from util import launch, record
 SCHEMA = "course-lecture/1"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2, not a usage dump
-        self.exit(2, f"util.run: error: {message} (see python -m util.run --help)\n")
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit code 2 instead of a usage dump."""
+
+    def error(self, message):
+        name = self.prog.split()[-1]  # "python -m util.run" -> "util.run"
+        self.exit(2, f"{name}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m util.run", description="Build one lecture into content/.")
+    p = Parser(prog="python -m util.run", description="Build one lecture into content/.")
     p.add_argument("lecture", help="lecture name in lectures/, dotted module, or .py path")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
     p.add_argument("--world-size", type=int, default=4, help="ranks for demos that take any number")
@@ -82,7 +85,7 @@ def resolve(name, parser):
     return name
 
 
-def describe_device(backend):
+def describe_device():
     import torch
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -96,14 +99,15 @@ def describe_device(backend):
     return f"CPU: {cpu}, {os.cpu_count()} cores"
 
 
-def write_atomic(path, text):
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+def write_atomic(path, data):
+    """Write text or bytes to a temporary file beside `path`, then rename: readers never see
+    half a file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; pages are for reading
         os.replace(tmp, path)
     except BaseException:
@@ -150,7 +154,7 @@ def build(args):
             "backend": args.backend or launch.choose_backend(args.world_size),
             "launcher": "torchrun" if launch.in_torchrun() else args.launcher,
             "world_size": args.world_size, "quick": args.quick,
-            "device": describe_device(args.backend), "host": socket.gethostname()},
+            "device": describe_device(), "host": socket.gethostname()},
         "demos": {"total": len(statuses), "failed": statuses.count("failed"),
                   "expected_failures": statuses.count("expected_failure"),
                   "skipped": statuses.count("skipped")},
