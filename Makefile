@@ -44,7 +44,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 notebooks: $(STAMP)
-	$(PY) -m util.notebooks $(if $(QUICK),--quick) $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) \
+	$(PY) -m util.build_notebooks $(if $(QUICK),--quick) $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) \
 	      $(if $(BACKEND),--backend $(BACKEND))
 
 bench: $(STAMP)

@@ -9,12 +9,12 @@ import nbformat
 import pytest
 
 from tests.conftest import ARTIFACTS, ROOT, Watched
-from util import notebooks as tool
+from util import build_notebooks as tool
 
 pytestmark = pytest.mark.timeout(600)   # the module fixture runs every notebook (~2 min)
 
 NAMES = tool.available()
-CLI = [sys.executable, "-m", "util.notebooks"]
+CLI = [sys.executable, "-m", "util.build_notebooks"]
 
 
 def _all_equal(values):
@@ -172,10 +172,10 @@ def test_failing_notebook_is_loud(tmp_path):
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell(
-                    "from util import notebook, spawn\nfrom tests import fixture_lecture\n"
-                    "notebook.setup(quick=quick, world_size=1, backend='gloo')\n"
+                    "from util import in_notebook, spawn\nfrom tests import fixture_lecture\n"
+                    "in_notebook.setup(quick=quick, world_size=1, backend='gloo')\n"
                     "run = spawn(fixture_lecture.sum_of_ranks, 1)"),
-                nbformat.v4.new_code_cell("notebook.checks(sum_is_one=run.returns == [1.0])")]
+                nbformat.v4.new_code_cell("in_notebook.checks(sum_is_one=run.returns == [1.0])")]
     source = tmp_path / "broken.ipynb"
     nbformat.write(nb, source)
     out = tmp_path / "out"
@@ -183,7 +183,7 @@ def test_failing_notebook_is_loud(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("util.notebooks: error: broken failed"), last
+    assert last.startswith("util.build_notebooks: error: broken failed"), last
     assert ": AssertionError: check(s) failed: sum_is_one" in last and " cell " in last, last
     assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
     ran = nbformat.read(out / "broken.ipynb", as_version=4)  # kept, showing the error
@@ -197,13 +197,13 @@ def test_recorder_displays_each_kind(monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from tests import fixture_lecture
-    from util import launch, notebook, record
+    from util import launch, in_notebook, record
     shown = []
-    monkeypatch.setattr(notebook, "_display", shown.append)
+    monkeypatch.setattr(in_notebook, "_display", shown.append)
     import dataclasses
     saved, previous = dataclasses.asdict(launch.settings), record.current()
     try:
-        notebook.setup(quick=True, world_size=2, backend="gloo", timeout=launch.settings.timeout)
+        in_notebook.setup(quick=True, world_size=2, backend="gloo", timeout=launch.settings.timeout)
         record.note("## Heading\nmath $a^2$ and <b>tags</b>")
         record.table([[1, 0.5]], header=["n", "x"])
         fig, _ = plt.subplots()
@@ -211,7 +211,7 @@ def test_recorder_displays_each_kind(monkeypatch):
         record.see(fixture_lecture.sum_of_ranks)
         run = launch.spawn(fixture_lecture.talk, 2)
         with pytest.raises(AssertionError, match="bad"):
-            notebook.checks(good=True, bad=False)
+            in_notebook.checks(good=True, bad=False)
     finally:
         for key, value in saved.items():
             setattr(launch.settings, key, value)
@@ -250,6 +250,6 @@ def test_cell_timeout_is_loud(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("util.notebooks: error: slow failed") and "3 s cell timeout" in last, last
+    assert last.startswith("util.build_notebooks: error: slow failed") and "3 s cell timeout" in last, last
     ran = nbformat.read(tmp_path / "out" / "slow.ipynb", as_version=4)
     assert any(o.get("ename") == "CellTimeoutError" for _, o in outputs(ran))

@@ -2,8 +2,8 @@
 
 A companion notebook starts with
 
-    from util import notebook
-    notebook.setup(quick=quick, world_size=world_size, backend=backend)
+    from util import in_notebook
+    in_notebook.setup(quick=quick, world_size=world_size, backend=backend)
 
 and from then on `note`, `table`, `figure`, `see`, `image` and `spawn` display their records in
 the cell that made them: notes as Markdown (math as MathML, so no MathJax is needed), tables as

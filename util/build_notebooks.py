@@ -1,6 +1,6 @@
 """Execute the companion notebooks and convert them to offline HTML (`make notebooks`).
 
-    python -m util.notebooks [--quick] [--world-size N] [--backend gloo|nccl]
+    python -m util.build_notebooks [--quick] [--world-size N] [--backend gloo|nccl]
                              [--cell-timeout S] [--out DIR] [NAME ...]
 
 NAME is a notebook in lectures/notebooks/ (lecture_02_communication) or a path to an .ipynb;
@@ -22,7 +22,7 @@ KERNEL = "course"
 NOTEBOOKS = os.path.join(record.ROOT, "lectures", "notebooks")
 
 # The lab template without its scripts: require.js, MathJax, mermaid and the widget manager
-# would all come from CDNs. Notes are already MathML (util.notebook), so nothing is lost.
+# would all come from CDNs. Notes are already MathML (util.in_notebook), so nothing is lost.
 OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 {%- block html_head_js -%}{%- endblock html_head_js -%}
 {%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
@@ -45,7 +45,7 @@ OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 
 
 def parse_args(argv):
-    p = Parser(prog="python -m util.notebooks",
+    p = Parser(prog="python -m util.build_notebooks",
                 description="Execute the companion notebooks into content/notebooks/ (ipynb + html).")
     p.add_argument("names", nargs="*", metavar="NAME", help="notebooks to run (default: all)")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
@@ -211,14 +211,14 @@ def main(argv=None):
             to_html(out_ipynb, out_html, title_of(path))
         if error:
             failed.append(name)
-            print(f"util.notebooks: error: {name} failed after {seconds:.1f} s: {error} "
+            print(f"util.build_notebooks: error: {name} failed after {seconds:.1f} s: {error} "
                   f"(see {os.path.relpath(out_ipynb)})", file=sys.stderr, flush=True)
         else:
             print(f"[{i}/{len(args.paths)}] {name}: ok in {seconds:.1f} s -> "
                   f"{os.path.relpath(out_html)}", file=sys.stderr, flush=True)
     refresh_index(args.out)
     if len(failed) > 1:
-        print(f"util.notebooks: error: {len(failed)} of {len(args.paths)} notebooks failed: "
+        print(f"util.build_notebooks: error: {len(failed)} of {len(args.paths)} notebooks failed: "
               f"{', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
@@ -234,7 +234,7 @@ def refresh_index(out):
         from util import render
         render.render_index(content)
     except Exception as e:  # the notebooks are built; a stale index is worth a warning, not a failure
-        print(f"util.notebooks: warning: could not refresh {content}/index.html: {e}", file=sys.stderr)
+        print(f"util.build_notebooks: warning: could not refresh {content}/index.html: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

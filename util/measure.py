@@ -1,0 +1,191 @@
+"""Measuring honestly on a small machine: repeated timings with their spread, rank counts that
+fit the cores, and bytes actually written to the network.
+
+    from util.measure import measure, timing_ranks, machine, bytes_sent
+
+    ranks = timing_ranks(4)                 # at most the cores this process may run on
+    t = measure(lambda: dist.all_reduce(x), warmup=2, repeats=9)
+    t.median, t.q1, t.q3                    # seconds; t.ms() -> "1.23 ms (IQR 1.10–1.41)"
+    with bytes_sent() as sent:              # bytes this process handed to write()/writev()
+        dist.all_reduce(x)
+    sent.bytes
+
+Inside a process group (a demo's rank), `measure` lines the ranks up with a barrier before each
+repeat and keeps the slowest rank's time, so every rank returns the same `Timing`: a collective
+is finished when its last rank is.
+"""
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+
+
+def usable_cores():
+    """CPU cores this process may run on (the affinity mask, which containers and taskset set;
+    os.cpu_count() would count the whole host)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def timing_ranks(wanted=4, minimum=2):
+    """How many ranks a timing demo should use: `wanted`, but no more than the usable cores, so
+    it measures the algorithm rather than the operating system time-slicing ranks on a core.
+    Never below `minimum` (a collective needs two ranks; `oversubscribed` then says so)."""
+    return max(minimum, min(wanted, usable_cores()))
+
+
+def oversubscribed(ranks):
+    return ranks > usable_cores()
+
+
+def machine(ranks=None):
+    """A sentence for the page: which machine measured, and whether ranks shared cores."""
+    import torch
+    cores = usable_cores()
+    if torch.cuda.is_available():
+        where = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    else:
+        where = f"a CPU with {cores} usable core{'s' if cores != 1 else ''}"
+    text = f"measured on {where}"
+    if ranks is not None:
+        text += f", {ranks} rank{'s' if ranks != 1 else ''}"
+        if oversubscribed(ranks) and not torch.cuda.is_available():
+            text += (f" (oversubscribed: {ranks} ranks take turns on {cores} cores, so times "
+                     "include the operating system switching between them)")
+        elif not torch.cuda.is_available():
+            text += " (one core or more each)"
+    return text
+
+
+@dataclasses.dataclass
+class Timing:
+    """Repeated measurements of one thing, in seconds."""
+    samples: list
+
+    @property
+    def median(self):
+        return statistics.median(self.samples)
+
+    @property
+    def q1(self):
+        return self._quantiles()[0]
+
+    @property
+    def q3(self):
+        return self._quantiles()[2]
+
+    @property
+    def min(self):
+        return min(self.samples)
+
+    @property
+    def max(self):
+        return max(self.samples)
+
+    @property
+    def spread(self):
+        """The interquartile range, q3 − q1 (seconds)."""
+        return self.q3 - self.q1
+
+    def _quantiles(self):
+        if len(self.samples) < 2:
+            return [self.samples[0]] * 3
+        return statistics.quantiles(self.samples, n=4, method="inclusive")
+
+    def ms(self, digits=3):
+        """"1.23 ms (IQR 1.10–1.41)", for tables and sentences."""
+        f = lambda s: f"{s * 1e3:.{digits}g}"
+        return f"{f(self.median)} ms (IQR {f(self.q1)}–{f(self.q3)})"
+
+    def __str__(self):
+        return self.ms()
+
+
+def _slowest_rank(seconds, group):
+    """Every rank gets the slowest rank's time (a no-op outside a process group)."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def measure(fn, *, warmup=2, repeats=9, group=None, synchronize=True):
+    """Time `fn()`: `warmup` untimed calls, then `repeats` timed ones. In a process group each
+    repeat starts after a barrier and counts the slowest rank. On a GPU, CUDA is synchronized
+    before the clock stops (`synchronize`). Returns a `Timing`."""
+    import torch
+    import torch.distributed as dist
+    distributed = dist.is_available() and dist.is_initialized()
+    cuda = synchronize and torch.cuda.is_available() and torch.cuda.is_initialized()
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if distributed:
+            dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(_slowest_rank(time.perf_counter() - start, group) if distributed
+                       else time.perf_counter() - start)
+    return Timing(samples)
+
+
+def errorbar(ax, x, timings, scale=1e3, **kwargs):
+    """Plot medians with interquartile error bars (times in ms by default)."""
+    med = [t.median * scale for t in timings]
+    low = [(t.median - t.q1) * scale for t in timings]
+    high = [(t.q3 - t.median) * scale for t in timings]
+    kwargs.setdefault("capsize", 3)
+    return ax.errorbar(x, med, yerr=[low, high], **kwargs)
+
+
+# --- bytes on the wire --------------------------------------------------------------------
+
+def _written():
+    """Bytes this process has passed to write()-family system calls (Linux /proc/self/io
+    `wchar`); gloo's TCP transport sends with writev, so its traffic is counted here."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar line")
+
+
+def can_count_bytes():
+    try:
+        _written()
+        return True
+    except (OSError, RuntimeError):
+        return False
+
+
+@dataclasses.dataclass
+class Sent:
+    bytes: int = None
+
+
+@contextlib.contextmanager
+def bytes_sent():
+    """Count the bytes this process writes inside the block (all threads: gloo's I/O threads
+    too). It counts every write, so keep files and printing out of the block; the overhead
+    beyond the payload is the transport's own headers. `.bytes` stays None where the kernel
+    does not provide the counter (not Linux)."""
+    sent = Sent()
+    if not can_count_bytes():
+        yield sent
+        return
+    before = _written()
+    try:
+        yield sent
+    finally:
+        sent.bytes = _written() - before
