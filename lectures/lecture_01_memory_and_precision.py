@@ -128,7 +128,8 @@ class GPT(nn.Module):
             if cfg.tie_embeddings:
                 self.lm_head.weight = self.tok_emb.weight
             self._init_weights()
-        self.to(cfg.torch_dtype)
+        if cfg.torch_dtype != torch.get_default_dtype():  # a no-op .to() would fail under FakeTensorMode
+            self.to(cfg.torch_dtype)
 
     def _init_weights(self):
         # GPT-2's scheme: N(0, 0.02) everywhere, residual outputs scaled by 1/√(2L) so the
