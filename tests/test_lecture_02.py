@@ -132,12 +132,60 @@ def test_ring_trace_ends_with_everyones_sum():
         assert steps[3][3][(rank + 1) % 4] == 15
 
 
+def ring_on_strided(rank, world_size, length):
+    """A non-contiguous input (every other element), then a second, ordinary ring call: the
+    first must not leave a message behind that the second would swallow."""
+    base = (torch.arange(2 * length, dtype=torch.float32) + 100 * rank)
+    strided = base.clone()[::2]
+    assert not strided.is_contiguous()
+    expected = strided.clone()
+    dist.all_reduce(expected)
+    L.ring_all_reduce(strided)
+    piped = base.clone()[::2]
+    L.pipelined_ring_all_reduce(piped, slices=3)
+    after = torch.full((length,), float(rank))
+    L.ring_all_reduce(after)
+    transposed = (torch.arange(12.0).view(3, 4) + rank).t()     # a non-contiguous matrix
+    L.ring_all_reduce(transposed)
+    return strided, piped, expected, after, transposed
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_accepts_non_contiguous_input_and_keeps_working(world_size):
+    run = spawn(ring_on_strided, world_size, length=7, timeout=10)
+    total = sum(range(world_size))
+    for strided, piped, expected, after, transposed in run.returns:
+        assert torch.equal(strided, expected) and torch.equal(piped, expected)
+        assert torch.equal(after, torch.full((7,), float(total)))
+        want = (world_size * torch.arange(12.0).view(3, 4) + total).t()
+        assert torch.equal(transposed, want)
+
+
+def ring_on_wrong_type(rank, world_size):
+    """A rank that passes something the ring cannot sum fails before posting anything."""
+    with pytest.raises(TypeError):
+        L.ring_all_reduce(torch.zeros(4, dtype=torch.bool))
+    x = torch.ones(5)
+    L.ring_all_reduce(x)            # the next call still pairs up correctly
+    return x
+
+
+def test_ring_refuses_before_any_message():
+    run = spawn(ring_on_wrong_type, 2, timeout=10)
+    assert all(torch.equal(x, torch.full((5,), 2.0)) for x in run.returns)
+
+
 def test_sweep_times_every_collective_at_awkward_sizes():
     sizes = [4, 100, 4096 + 12]
-    run = spawn(L.sweep, 2, collectives=L.SWEPT, sizes=sizes, warmup=1, iters=2)
-    times = L.slowest(run)
-    assert times.shape == (len(L.SWEPT), len(sizes))
-    assert np.all(times > 0) and np.all(np.isfinite(times))
+    run = spawn(L.sweep, 2, collectives=L.SWEPT, sizes=sizes, warmup=1, iters=3)
+    timings = run.returns[0]
+    assert len(timings) == len(L.SWEPT) and all(len(row) == len(sizes) for row in timings)
+    for row in timings:
+        for t in row:
+            assert len(t.samples) == 3 and t.q1 <= t.median <= t.q3
+            assert all(s > 0 and math.isfinite(s) for s in t.samples)
+    # every rank reports the same (slowest-rank) timing
+    assert [t.samples for t in run.returns[1][0]] == [t.samples for t in timings[0]]
 
 
 # --- pure helpers on synthetic data ------------------------------------------------------------
@@ -187,6 +235,68 @@ def test_fit_alpha_beta_tolerates_noise():
     assert a == pytest.approx(alpha, rel=0.15) and b == pytest.approx(beta, rel=0.15)
 
 
+def exact_relative_fit(sizes, times):
+    """An independent solver for min Σ((α + x·s)/t − 1)² over α, x ≥ 0: for a fixed α the best
+    x ≥ 0 is in closed form, and the remaining one-variable function of α is convex (a partial
+    minimum of a convex function), so a golden-section search finds its minimum."""
+    s, t = np.asarray(sizes, float), np.asarray(times, float)
+    a, b = 1 / t, s / t
+
+    def best_x(alpha):
+        return max(0.0, float(np.sum(b * (1 - alpha * a)) / np.sum(b * b)))
+
+    def err(alpha):
+        return float(np.sum((alpha * a + best_x(alpha) * b - 1) ** 2))
+
+    lo, hi = 0.0, 2 * float(np.max(t))
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(300):
+        m1, m2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        if err(m1) <= err(m2):
+            hi = m2
+        else:
+            lo = m1
+    alpha = (lo + hi) / 2
+    return alpha, best_x(alpha), err(alpha)
+
+
+def relative_error(sizes, times, alpha, beta):
+    s, t = np.asarray(sizes, float), np.asarray(times, float)
+    return float(np.sum(((alpha + s / beta) / t - 1) ** 2))
+
+
+CASES = {   # each reaches a different branch of fit_alpha_beta
+    "interior": (SIZES, [50e-6 + s / 2e9 for s in SIZES]),
+    "noisy interior": (SIZES, [(2e-4 + s / 5e8) * (1 + 0.04 * math.sin(k)) for k, s in enumerate(SIZES)]),
+    "pure bandwidth (α would be < 0)": ([1e3, 1e4, 1e5, 1e6], [0.5e-6, 9e-6, 1e-4, 1e-3]),
+    "pure latency (1/β would be < 0)": ([1, 2, 3], [3e-3, 1e-3, 0.9e-3]),
+    "flat": (SIZES[:5], [1e-3, 1.1e-3, 0.9e-3, 1e-3, 1.05e-3]),
+    "two points": ([1, 2], [3e-3, 1e-3]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fit_alpha_beta_matches_an_exact_solver(case):
+    sizes, times = CASES[case]
+    alpha, beta = L.fit_alpha_beta(sizes, times)
+    assert alpha >= 0 and beta > 0
+    a_ref, x_ref, e_ref = exact_relative_fit(sizes, times)
+    e_ours = relative_error(sizes, times, alpha, beta)
+    assert e_ours <= e_ref * (1 + 1e-9) + 1e-15, (e_ours, e_ref)
+    assert alpha == pytest.approx(a_ref, rel=1e-5, abs=1e-12)
+    assert (0 if math.isinf(beta) else 1 / beta) == pytest.approx(x_ref, rel=1e-5, abs=1e-18)
+
+
+def test_fit_alpha_beta_pure_latency_is_the_relative_error_minimiser():
+    """Not the harmonic mean: Σ(1/t)/Σ(1/t²) minimises Σ(α/t − 1)²."""
+    times = [3e-3, 1e-3, 0.9e-3]
+    alpha, beta = L.fit_alpha_beta([1, 2, 3], times)
+    t = np.array(times)
+    assert math.isinf(beta)
+    assert alpha == pytest.approx(np.sum(1 / t) / np.sum(1 / t ** 2), rel=1e-12)
+    assert alpha != pytest.approx(len(t) / np.sum(1 / t), rel=1e-3)
+
+
 def test_fit_alpha_beta_degenerate_cases():
     a, b = L.fit_alpha_beta(SIZES, [s / 1e9 for s in SIZES])         # no latency at all
     assert a == pytest.approx(0, abs=1e-12) and b == pytest.approx(1e9, rel=1e-6)
@@ -201,8 +311,15 @@ def test_fit_alpha_beta_degenerate_cases():
 
 
 def test_human_bytes():
-    assert L.human_bytes(4096) == "4 KB" and L.human_bytes(64 * 2 ** 20) == "64 MB"
-    assert L.human_bytes(10) == "10 B"
+    h = L.human_bytes
+    assert h(4096) == "4 KB" and h(64 * 2 ** 20) == "64 MB"
+    assert h(10) == "10 B" and h(0) == "0 B"
+    assert h(1000) == "1000 B" and h(1023) == "1023 B"          # no '1e+03 B'
+    assert h(1023 * 1024) == "1023 KB"                          # no '1.02e+03 KB'
+    assert h(1.5 * 2 ** 20) == "1.5 MB" and h(1536) == "1.5 KB"
+    assert h(118.4 * 2 ** 20) == "118 MB" and h(3 * 2 ** 40) == "3 TB"
+    for n in [1, 999, 1000, 1023, 1024, 10 ** 5, 10 ** 6, 10 ** 9, 10 ** 12]:
+        assert "e" not in h(n)
 
 
 # --- the page --------------------------------------------------------------------------------
@@ -232,13 +349,24 @@ def test_quick_build_has_every_section_and_figure(tmp_path):
     assert "Bus bandwidth" in captions and "Measured spans" in captions
     assert all(f["svg"].lstrip().startswith(("<?xml", "<svg")) for f in figures)
     # The hang is shown as the lesson: a timeout error on the page.
-    hang = next(r for r in page["records"] if r["kind"] == "demo" and r["name"] == "skip_a_collective")
+    hang = next(r for r in page["records"] if r["kind"] == "demo" and r["name"].startswith("hang:"))
     assert hang["status"] == "expected_failure"
     errors = [r["text"] for r in hang["records"] if r["kind"] == "error"]
     assert len(errors) == 3 and any("imed out" in e for e in errors)    # the last rank left early
     waited = [r["text"] for r in hang["records"] if r["kind"] == "output"]
     assert len(waited) == 3 and all(t.startswith("waited") for t in waited)
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in notes and "NCCL_DEBUG=INFO" in notes
+    assert "TORCH_FR_BUFFER_SIZE" in notes and "3 (the default)" in notes
+    # Demo names are unique and timing demos never oversubscribe the cores.
+    demos = [r for r in page["records"] if r["kind"] == "demo"]
+    names = [d["name"] for d in demos]
+    assert len(names) == len(set(names)), names
+    from util.measure import usable_cores
+    for d in demos:
+        if d["name"].startswith(("race:", "busbw sweep", "all-reduce sweep", "overlap:")):
+            assert d["world_size"] <= max(2, usable_cores()), d["name"]
+    assert "2 cores" not in notes and "measured on" in notes
+    assert "**S* = " not in notes                            # the stray-asterisk markdown bug
     # Without a GPU the streams demo says it was skipped, and why.
     if not torch.cuda.is_available():
         assert "Skipped on this build" in notes
