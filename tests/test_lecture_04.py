@@ -1,0 +1,242 @@
+"""Lecture 04: every tensor-parallel building block, and the split GPT, equal one process.
+
+One spawn per world size runs every block check on the ranks (each rank also computes the
+unsplit reference, seeded identically, and returns the largest difference) and trains the split
+GPT under several configurations; the single-process GPT reference runs here. Sizes are awkward
+on purpose: batch 3 and 5, sequence 7 (and 6 / 12 where sequence parallelism needs tp to divide
+it), input widths of 7."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lectures import lecture_04_tensor_parallel as L
+from util import spawn
+from tests.conftest import build
+
+F64 = torch.float64
+
+
+def _slice(t, dim, rank, n):
+    return t.chunk(n, dim)[rank]
+
+
+def _grad_of(fn, *tensors):
+    """Run fn on fresh leaf copies of `tensors`; return (output, [grads])."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    return out, leaves
+
+
+def block_checks(rank, world_size):
+    """{check name: largest |ours - reference|} for every building block on these ranks."""
+    g, n, r = dist.group.WORLD, world_size, rank
+    torch.manual_seed(0)                         # the same tensors on every rank
+    d = {}
+    diff = lambda a, b: (a - b).abs().max().item()
+    b, s, h_in = 3, 5, 7
+    x = torch.randn(b, s, h_in, dtype=F64)
+
+    # -- the operators ------------------------------------------------------------------
+    up = torch.randn(b, s, h_in, dtype=F64)      # upstream gradient, different on each rank:
+    ups = [up * (k + 1) for k in range(n)]
+    xi = x.clone().requires_grad_(True)
+    L.copy_to_region(xi, g).backward(ups[r])
+    d["f: identity forward, all-reduce backward"] = diff(xi.grad, sum(ups))
+    xi = x.clone().requires_grad_(True)
+    out = L.reduce_from_region(xi * (r + 1), g)
+    out.backward(up)
+    d["g: all-reduce forward"] = diff(out, x * sum(range(1, n + 1)))
+    d["g: identity backward"] = diff(xi.grad, up * (r + 1))
+    assert torch.equal(x, xi.detach()), "an operator modified its input"
+    wide = torch.randn(b, s, 4 * n, dtype=F64)
+    wi = _slice(wide, -1, r, n).clone().requires_grad_(True)
+    out = L.gather_from_region(wi, g)
+    out.backward(torch.ones_like(out) * (r + 1))
+    d["gather last dim: forward"] = diff(out, wide)
+    d["gather last dim: backward keeps my slice"] = diff(wi.grad, torch.full_like(wi, r + 1.0))
+    wi = wide.clone().requires_grad_(True)
+    out = L.scatter_to_region(wi, g)
+    out.backward(torch.ones_like(out))
+    d["scatter last dim"] = diff(out, _slice(wide, -1, r, n)) + diff(wi.grad, torch.ones_like(wide))
+    seq = torch.randn(b, 3 * n, h_in, dtype=F64)
+    si = _slice(seq, 1, r, n).clone().requires_grad_(True)
+    out = L.all_gather_sequence(si, g)
+    out.backward(seq * (r + 1))                  # each rank's partial gradient of the whole
+    d["SP all-gather: forward"] = diff(out, seq)
+    d["SP all-gather: reduce-scatter backward"] = diff(si.grad, _slice(seq, 1, r, n) * sum(range(1, n + 1)))
+    si = seq.clone().requires_grad_(True)
+    out = L.reduce_scatter_sequence(si * (r + 1), g)
+    out.backward(torch.ones_like(out) * (r + 1))
+    d["SP reduce-scatter: forward"] = diff(out, _slice(seq, 1, r, n) * sum(range(1, n + 1)))
+    d["SP reduce-scatter: all-gather backward"] = diff(
+        si.grad, (r + 1) * torch.cat([torch.full_like(_slice(seq, 1, k, n), k + 1.0) for k in range(n)], 1))
+
+    # -- column- and row-parallel linear --------------------------------------------------
+    col_full = nn.Linear(h_in, 3 * n, dtype=F64)
+    row_full = nn.Linear(3 * n, 5, dtype=F64)
+    G_col = torch.randn(b, s, 3 * n, dtype=F64)
+    ref_y, (ref_x,) = _grad_of(col_full, x)
+    (ref_y * G_col).sum().backward()
+    for gather in (True, False):
+        layer = L.ColumnParallelLinear.from_full(col_full, g, gather_output=gather)
+        y, (xx,) = _grad_of(layer, x)
+        G = G_col if gather else _slice(G_col, -1, r, n)
+        (y * G).sum().backward()
+        want = ref_y if gather else _slice(ref_y, -1, r, n)
+        d[f"column gather_output={gather}: output"] = diff(y, want)
+        d[f"column gather_output={gather}: input grad"] = diff(xx.grad, ref_x.grad)
+        d[f"column gather_output={gather}: weight grad"] = diff(layer.weight.grad, _slice(col_full.weight.grad, 0, r, n))
+        d[f"column gather_output={gather}: bias grad"] = diff(layer.bias.grad, _slice(col_full.bias.grad, 0, r, n))
+    col_full.zero_grad()
+
+    h = torch.randn(b, s, 3 * n, dtype=F64)
+    G_row = torch.randn(b, s, 5, dtype=F64)
+    ref_y, (ref_h,) = _grad_of(row_full, h)
+    (ref_y * G_row).sum().backward()
+    for parallel_in in (True, False):
+        layer = L.RowParallelLinear.from_full(row_full, g, input_is_parallel=parallel_in)
+        y, (hh,) = _grad_of(layer, _slice(h, -1, r, n) if parallel_in else h)
+        (y * G_row).sum().backward()
+        d[f"row input_is_parallel={parallel_in}: output"] = diff(y, ref_y)
+        want = _slice(ref_h.grad, -1, r, n) if parallel_in else ref_h.grad
+        d[f"row input_is_parallel={parallel_in}: input grad"] = diff(hh.grad, want)
+        d[f"row input_is_parallel={parallel_in}: weight grad"] = diff(layer.weight.grad, _slice(row_full.weight.grad, 1, r, n))
+        d[f"row input_is_parallel={parallel_in}: bias grad"] = diff(layer.bias.grad, row_full.bias.grad)
+    row_full.zero_grad()
+
+    # The Megatron MLP, with and without sequence parallelism, non-contiguous input,
+    # accumulated over two backward passes, and a no_grad forward.
+    s_sp = 3 * n
+    xs = torch.randn(b, h_in, s_sp, dtype=F64).transpose(1, 2)      # non-contiguous (b, s, h)
+    G = torch.randn(b, s_sp, 5, dtype=F64)
+    mlp_ref = lambda t: row_full(torch.nn.functional.gelu(col_full(t)))
+    ref_y, (ref_x,) = _grad_of(mlp_ref, xs)
+    for _ in range(2):
+        (mlp_ref(ref_x) * G).sum().backward()
+    for sp in (False, True):
+        col = L.ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
+        row = L.RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
+        mlp = lambda t: row(torch.nn.functional.gelu(col(t)))
+        inp = _slice(xs, 1, r, n) if sp else xs
+        xx = inp.detach().clone().requires_grad_(True)
+        for _ in range(2):
+            y = mlp(xx)
+            (y * (_slice(G, 1, r, n) if sp else G)).sum().backward()
+        with torch.no_grad():
+            y_ng = mlp(inp)
+        want = _slice(ref_y, 1, r, n) if sp else ref_y
+        tag = "SP on" if sp else "SP off"
+        d[f"MLP {tag}: output"] = diff(y, want) + diff(y_ng, want)
+        d[f"MLP {tag}: input grad (2 accumulated)"] = diff(xx.grad, _slice(ref_x.grad, 1, r, n) if sp else ref_x.grad)
+        d[f"MLP {tag}: weight grads"] = (diff(col.weight.grad, _slice(col_full.weight.grad, 0, r, n))
+                                         + diff(row.weight.grad, _slice(row_full.weight.grad, 1, r, n)))
+        d[f"MLP {tag}: bias grads"] = (diff(col.bias.grad, _slice(col_full.bias.grad, 0, r, n))
+                                       + diff(row.bias.grad, row_full.bias.grad))
+
+    # -- vocabulary-parallel embedding and cross-entropy ----------------------------------
+    V = 4 * n
+    emb_full = nn.Embedding(V, 6, dtype=F64)
+    tokens = torch.randint(V, (b, s_sp))
+    Ge = torch.randn(b, s_sp, 6, dtype=F64)
+    (emb_full(tokens) * Ge).sum().backward()
+    for sp in (False, True):
+        emb = L.VocabParallelEmbedding.from_full(emb_full, g, sequence_parallel=sp)
+        y = emb(tokens)
+        (y * (_slice(Ge, 1, r, n) if sp else Ge)).sum().backward()
+        want = emb_full(tokens).detach()
+        d[f"vocab embedding SP={sp}: output"] = diff(y, _slice(want, 1, r, n) if sp else want)
+        d[f"vocab embedding SP={sp}: weight grad"] = diff(emb.weight.grad, _slice(emb_full.weight.grad, 0, r, n))
+    logits = torch.randn(b, s, V, dtype=F64) * 3
+    targets = torch.randint(V, (b, s))
+    ref_loss, (ref_l,) = _grad_of(lambda t: torch.nn.functional.cross_entropy(t.reshape(-1, V), targets.reshape(-1)), logits)
+    ref_loss.backward()
+    loss, (ll,) = _grad_of(lambda t: L.vocab_parallel_cross_entropy(t, targets, g), _slice(logits, -1, r, n))
+    loss.backward()
+    d["vocab-parallel cross-entropy: loss"] = diff(loss, ref_loss)
+    d["vocab-parallel cross-entropy: logits grad"] = diff(ll.grad, _slice(ref_l.grad, -1, r, n))
+    return d
+
+
+# The split GPT: (name, world size, GPTConfig overrides, train_tp options, batch size)
+GPT_CASES = [
+    ("tp=2, seq 7, batch 3", 2, dict(seq_len=7), dict(), 3),
+    ("tp=2, SP, seq 6, batch 5", 2, dict(seq_len=6), dict(sequence_parallel=True), 5),
+    ("tp=2, GQA 1 KV head (replicated), SP", 2, dict(seq_len=6, n_kv_heads=1), dict(sequence_parallel=True), 3),
+    ("tp=2, tied embeddings, 3 layers", 2, dict(seq_len=7, tie_embeddings=True, n_layers=3), dict(), 5),
+    ("tp=4, seq 7, batch 5", 4, dict(seq_len=7), dict(), 5),
+    ("tp=4, SP, seq 12, batch 3", 4, dict(seq_len=12), dict(sequence_parallel=True), 3),
+    ("tp=4, GQA 4 KV of 8 heads (split), SP", 4, dict(seq_len=8, n_heads=8, n_kv_heads=4), dict(sequence_parallel=True), 3),
+    ("tp=4, GQA 2 KV of 8 heads (replicated)", 4, dict(seq_len=7, n_heads=8, n_kv_heads=2), dict(), 3),
+    ("two tp=2 groups on 4 ranks, SP", 4, dict(seq_len=6), dict(sequence_parallel=True, tp=2), 3),
+]
+
+
+def _cfg(overrides):
+    return L.GPTConfig(dtype="float64", d_model=32, **overrides)
+
+
+def everything(rank, world_size, gpt_cases):
+    out = {"blocks": block_checks(rank, world_size), "gpt": {}}
+    for name, cfg, options, batch_size in gpt_cases:
+        out["gpt"][name] = L.train_tp(rank, world_size, cfg, steps=3, batch_size=batch_size, **options)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world_size in (2, 4):
+        cases = [(name, _cfg(over), opts, bs) for name, ws, over, opts, bs in GPT_CASES if ws == world_size]
+        out[world_size] = spawn(everything, world_size, gpt_cases=cases).returns
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_building_blocks_equal_one_process(results, world_size):
+    for rank, d in enumerate(r["blocks"] for r in results[world_size]):
+        assert len(d) > 30
+        bad = {k: v for k, v in d.items() if not v < 1e-12}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("case", GPT_CASES, ids=[c[0] for c in GPT_CASES])
+def test_split_gpt_equals_one_process(results, case):
+    name, world_size, overrides, _, batch_size = case
+    ref = L.train_reference(_cfg(overrides), steps=3, batch_size=batch_size)
+    for rank, ours in enumerate(r["gpt"][name] for r in results[world_size]):
+        torch.testing.assert_close(ours["logits"], ref["logits"], rtol=1e-12, atol=1e-12)
+        assert set(ours["grads"]) >= set(ref["grads"])
+        for k in ref["grads"]:
+            if not k.endswith("k_proj.bias"):   # softmax ignores a key bias: its gradient is 0
+                assert ref["grads"][k].abs().max() > 1e-6, f"{k}: a zero gradient checks nothing"
+            torch.testing.assert_close(ours["grads"][k], ref["grads"][k], rtol=1e-10, atol=1e-12, msg=k)
+        for k in ref["params"]:
+            torch.testing.assert_close(ours["params"][k], ref["params"][k], rtol=1e-9, atol=1e-10, msg=k)
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-12, atol=1e-12)
+
+
+def test_shards_are_smaller(results):
+    ours = results[4][0]["gpt"]["tp=4, seq 7, batch 5"]["local_shapes"]
+    assert ours["blocks.0.mlp.fc_in.weight"] == (128 // 4, 32)
+    assert ours["blocks.0.attn.o_proj.weight"] == (32, 32 // 4)
+    assert ours["tok_emb.weight"] == (64 // 4, 32)
+
+
+def refuse(rank, world_size, overrides):
+    try:
+        L.parallelize_gpt(L.GPT(L.GPTConfig(**overrides)), dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_refuses_what_it_cannot_split():
+    msgs = spawn(refuse, 4, overrides=dict(n_heads=2, d_model=32)).returns
+    assert msgs[0] and "tp=4 must divide the 2 attention heads" in msgs[0]
+    msgs = spawn(refuse, 4, overrides=dict(vocab_size=50)).returns
+    assert msgs[0] and "vocabulary of 50" in msgs[0]
+
+
+def test_quick_build(tmp_path):
+    build("lecture_04_tensor_parallel", tmp_path, "--quick")
