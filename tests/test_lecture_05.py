@@ -1,0 +1,118 @@
+"""Lecture 05: every pipeline schedule is complete and dependency-correct, the simulator gives the
+textbook bubbles, and the executor's loss, gradients and parameters after AdamW steps equal one
+process's for every schedule at 2 and 4 ranks."""
+import pytest
+import torch
+
+from lectures import lecture_05_pipeline_parallel as L
+from lectures.lecture_01_memory_and_precision import GPTConfig
+from util import spawn
+from tests.conftest import build
+
+
+def cases():
+    for name in L.SCHEDULES:
+        for p in (2, 3, 4):
+            for m in sorted({1, p - 1, p, 2 * p + 1}):
+                for v in (1, 2):
+                    yield name, p, m, v
+
+
+@pytest.mark.parametrize("name,p,m,v", list(cases()))
+def test_schedule_complete_and_dependency_correct(name, p, m, v):
+    refuses = ((name in L.V_SHAPED and v != 2) or (name in ("zb-h1", "zb-h2") and v != 1)
+               or (name == "dualpipev" and m < 2 * p))
+    if refuses:                      # a schedule that cannot serve these sizes says so
+        with pytest.raises(ValueError):
+            L.make_schedule(name, p, m, v)
+        return
+    sched = L.make_schedule(name, p, m, v)
+    L.check_schedule(sched)          # every (stage, micro-batch) once per kind
+    assert len(sched) == p and all(isinstance(a, L.Action) for acts in sched for a in acts)
+    for cost in ({"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1, "send": 0.2},
+                 {"F": 1.0, "B": 2.0, "W": 0.5, "send": 3.0}):
+        sim = L.simulate(sched, cost)   # raises on a deadlock
+        # and the simulated order respects every dependency
+        finish = {}
+        for r, row in enumerate(sim.timeline):
+            for a, start, end in row:
+                finish[a.kind, sched.layout.stage(r, a.chunk), a.microbatch] = (start, end)
+        for (kind, s, i), (start, _) in finish.items():
+            for dep in L.dependencies(L.Action(kind, i), s, sched.layout):
+                assert finish[dep][1] <= start + 1e-12, (kind, s, i, dep)
+
+
+def test_checker_and_simulator_catch_broken_schedules():
+    sched = L.make_schedule("1f1b", 3, 4)
+    missing = L.Schedule([acts[:-1] for acts in sched], "broken", sched.layout, 4)
+    with pytest.raises(ValueError, match="missing"):
+        L.check_schedule(missing)
+    # the last stage runs B0 before F0: it waits for itself forever
+    swapped = [list(acts) for acts in sched]
+    swapped[2][0], swapped[2][1] = swapped[2][1], swapped[2][0]
+    with pytest.raises(ValueError, match="deadlock"):
+        L.simulate(L.Schedule(swapped, "swapped", sched.layout, 4), {"F": 1, "B": 1})
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_bubble_equals_formula_under_unit_costs(name, p):
+    for m in (1, p - 1, p, 2 * p + 1, 16):
+        sim = L.simulate(L.make_schedule(name, p, m), {"F": 1, "B": 1, "W": 0, "send": 0})
+        assert sim.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    p, m, unit = 4, 8, {"F": 1, "B": 1, "W": 1}
+    bubble = {name: L.simulate(L.make_schedule(name, p, m, v), unit).bubble
+              for name, v in [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
+                              ("dualpipev", 2)]}
+    assert bubble["interleaved-1f1b"] == pytest.approx(L.theory_bubble("interleaved-1f1b", p, m, 2))
+    assert bubble["zb-h1"] < bubble["1f1b"] and bubble["zb-h2"] < bubble["zb-h1"]
+    assert bubble["dualpipev"] < bubble["1f1b"]
+
+
+CFG = GPTConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8, dtype="float64")
+CFG8 = GPTConfig(n_layers=8, d_model=16, n_heads=2, seq_len=8, dtype="float64")
+
+
+def executor_cases():
+    for p in (2, 4):
+        for name in L.SCHEDULES:
+            v = 2 if name in ("interleaved-1f1b", "dualpipev") else 1
+            m = 2 * p + 1 if name == "dualpipev" else p + 1
+            yield p, name, v, m
+
+
+def train_every_schedule(rank, world_size, cases, mb_size, steps):
+    out = {}
+    for p, name, v, m in cases:
+        cfg = CFG8 if p * v > CFG.n_layers else CFG
+        out[name, v, m] = L.train_pipeline(rank, world_size, cfg, name, m, mb_size, chunks=v, steps=steps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def executed():
+    runs = {}
+    for p in (2, 4):
+        cases = [c for c in executor_cases() if c[0] == p]
+        runs[p] = (cases, spawn(train_every_schedule, p, cases=cases, mb_size=3, steps=2).returns)
+    return runs
+
+
+@pytest.mark.parametrize("p,name,v,m", list(executor_cases()))
+def test_executor_equals_one_process(executed, p, name, v, m):
+    cfg = CFG8 if p * v > CFG.n_layers else CFG
+    ref = L.reference_train(cfg, m, 3, steps=2)
+    cases, per_rank = executed[p]
+    got = [r[name, v, m] for r in per_rank]
+    losses = [x for r in got for x in [r["losses"]] if r["losses"][0] is not None]
+    assert len(losses) == 1, "exactly one rank (the last stage's) reports the loss"
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref["losses"]), rtol=1e-6, atol=1e-6)  # the loss is float32
+    grads = {k: g for r in got for k, g in r["grads"].items()}
+    params = {k: q for r in got for k, q in r["params"].items()}
+    assert set(grads) == set(ref["grads"]) == set(params), "every parameter lives on exactly one stage"
+    for k in ref["grads"]:
+        torch.testing.assert_close(grads[k], ref["grads"][k], rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(params[k], ref["params"][k], rtol=1e-9, atol=1e-12, msg=k)
