@@ -4,6 +4,8 @@ One spawn per (world size, task) trains every variant on the same ranks and send
 final parameters; the single-process reference runs here. Awkward sizes on purpose: Ψ = 2441
 is divisible by neither 2 nor 4, and the tiny task has tensors smaller than the world size
 (some ranks own nothing but padding)."""
+import math
+
 import pytest
 import torch
 
@@ -21,6 +23,11 @@ VARIANTS = {
     "zero1": (L.train_zero, {"stage": 1}),
     "zero2": (L.train_zero, {"stage": 2}),
     "zero3": (L.train_zero, {"stage": 3}),
+    "zero1 accumulation": (L.train_zero, {"stage": 1, "micro_batches": 3}),
+    "zero2 accumulation": (L.train_zero, {"stage": 2, "micro_batches": 3}),
+    "zero3 accumulation": (L.train_zero, {"stage": 3, "micro_batches": 3}),
+    "zero3 no_grad loss between backward and step": (L.train_zero, {"stage": 3, "eval_between": True}),
+    "zero2 no_grad loss between backward and step": (L.train_zero, {"stage": 2, "eval_between": True}),
     "pytorch ddp": (L.train_pytorch, {"kind": "ddp"}),
     "pytorch fsdp2": (L.train_pytorch, {"kind": "fsdp2"}),
 }
@@ -95,6 +102,154 @@ def test_traffic_and_memory_follow_the_formulas():
     assert held["ZeRO-2"]["grads"] == pytest.approx(4 * psi / n, rel=0.02)
     assert held["ZeRO-3"]["params"] == pytest.approx(4 * psi / n, rel=0.02)
     assert held["ZeRO-3"]["transient"] < 4 * psi / 2      # never the whole model at once
+
+
+# --- misuse: each building block works, or refuses loudly ----------------------------------
+
+def train_with_unused_parameter(rank, world_size, task, used_on=None):
+    """Naive DDP on a model with one extra parameter that no forward uses (`used_on`: the ranks
+    on which it *does* get a gradient, through a term that adds zero to the loss... but not to
+    its gradient: 0.1·sum(extra) has gradient 0.1 everywhere)."""
+    comm = L.Collectives(world_size)
+    model = L.make_model(task, seed=task.seed)
+    extra = torch.nn.Parameter(torch.ones(3, dtype=task.torch_dtype))
+    sync = L.AllReduceAfterBackward(model, comm)
+    sync.params.append(extra)
+    opt = torch.optim.AdamW(list(model.parameters()) + [extra], lr=task.lr, weight_decay=task.weight_decay)
+    for x, y in L.make_batches(task):
+        loss = torch.nn.functional.mse_loss(model(L.shard_rows(x, rank, world_size)),
+                                            L.shard_rows(y, rank, world_size))
+        if used_on is not None and rank in used_on:
+            loss = loss + 0.1 * extra.sum()
+        loss.backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], extra.detach().clone()
+
+
+def reference_with_unused(task, world_size, used_on):
+    """One process: the extra parameter's gradient is the mean over ranks of 0.1 (or 0)."""
+    model = L.make_model(task, seed=task.seed)
+    extra = torch.nn.Parameter(torch.ones(3, dtype=task.torch_dtype))
+    opt = torch.optim.AdamW(list(model.parameters()) + [extra], lr=task.lr, weight_decay=task.weight_decay)
+    for x, y in L.make_batches(task):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if used_on is not None:
+            loss = loss + 0.1 * len(used_on) / world_size * extra.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], extra.detach()
+
+
+@pytest.mark.parametrize("used_on", [None, (0,)])
+def test_naive_ddp_with_a_parameter_without_gradient(used_on):
+    task = L.Task(dtype="float64", steps=3)
+    run = spawn(train_with_unused_parameter, 2, task=task, used_on=used_on)
+    ref_params, ref_extra = reference_with_unused(task, 2, used_on)
+    for params, extra in run.returns:
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(extra, ref_extra, rtol=1e-10, atol=1e-10)
+    if used_on is None:      # never had a gradient: untouched, as AdamW leaves grad=None alone
+        assert torch.equal(run.returns[0][1], torch.ones(3, dtype=torch.float64))
+
+
+def overlapped_with_unused(rank, world_size):
+    task = L.Task(steps=1)
+    model = L.make_model(task, seed=0)
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(2)))
+    sync = L.OverlappedAllReduce(model, L.Collectives(world_size))
+    x, y = L.make_batches(task)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    try:
+        sync.finish()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_overlapped_sync_refuses_a_parameter_without_gradient():
+    msgs = spawn(overlapped_with_unused, 2).returns
+    assert all("got no gradient" in m for m in msgs), msgs
+
+
+def zero3_on(rank, world_size, module):
+    task = L.Task(sizes=(4, 6, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), module, torch.nn.Linear(6, 3))
+    try:
+        L.Zero3(model, L.Collectives(world_size), task)
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_zero3_refuses_modules_it_cannot_shard():
+    msg = spawn(zero3_on, 2, module=torch.nn.LayerNorm(6)).returns[0]
+    assert "LayerNorm" in msg and "neither synchronised nor stepped" in msg
+    assert spawn(zero3_on, 2, module=torch.nn.Tanh()).returns[0] == "accepted"
+
+
+# --- bucketing, sharding, scaling ---------------------------------------------------------
+
+def test_bucket_count_comes_from_the_real_bucketing():
+    """A bucket never splits a tensor: three 4 MB weights make three buckets whether the limit is
+    0.25, 1 or 4 MB; small tensors share buckets; every parameter lands in exactly one."""
+    big = [torch.nn.Parameter(torch.zeros(2 ** 20)) for _ in range(3)]        # 4 MB each
+    for mb in (0.25, 1.0, 4.0):
+        assert len(L.plan_buckets(big, mb)) == 3
+    assert len(L.plan_buckets(big, 25.0)) == 1
+    task = L.Task(sizes=(32,) + (128,) * 24 + (10,))
+    params = list(L.make_model(task, 0).parameters())
+    counts = [len(L.plan_buckets(params, mb)) for mb in (1e-4, 0.03, 0.25, 1.0, 25.0)]
+    assert counts[0] == len(params) and counts[-1] == 1
+    assert counts == sorted(counts, reverse=True) and len(set(counts)) == len(counts)
+    for mb in (1e-4, 0.03, 0.25):
+        buckets = L.plan_buckets(params, mb)
+        flat = [id(p) for b in buckets for p in b]
+        assert sorted(flat) == sorted(id(p) for p in params)           # each exactly once
+        assert flat == [id(p) for p in reversed(params)]               # in backward's order
+        assert all(sum(p.numel() * 4 for p in b) >= mb * 2 ** 20 for b in buckets[:-1])
+
+
+@pytest.mark.parametrize("world_size,rows", [(2, 9), (4, 17), (3, 10)])
+def test_sampler_indices_are_disjoint_and_reshuffled(world_size, rows):
+    drop = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=3, drop_last=True).returns
+    pad = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=1, drop_last=False).returns
+    for epoch in range(3):
+        lists = [r[epoch] for r in drop]
+        seen = [i for l in lists for i in l]
+        assert len(seen) == len(set(seen)) == rows // world_size * world_size   # disjoint
+        assert set(seen) <= set(range(rows))
+        assert len({len(l) for l in lists}) == 1                              # equal counts
+    assert drop[0][0] != drop[0][1]                                          # set_epoch reshuffles
+    padded = [i for r in pad for i in r[0]]
+    assert set(padded) == set(range(rows)) and len(padded) == -(-rows // world_size) * world_size
+    same = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=2, drop_last=True,
+                 set_epoch=False).returns
+    assert all(r[0] == r[1] for r in same)                                   # forgot set_epoch
+
+
+def test_join_finishes_uneven_batches_with_equal_models():
+    rows, n, batch = 17, 4, 2
+    counts = [len(L.strided_batches(r, n, rows, batch)) for r in range(n)]
+    assert len(set(counts)) > 1                                              # really uneven
+    run = spawn(L.uneven_with_join, n, n_rows=rows, batch=batch)
+    assert [x["batches"] for x in run.returns] == counts
+    assert len({x["checksum"] for x in run.returns}) == 1
+
+
+def test_learning_rate_rules_and_budget_probe():
+    got = L.train_at_batch(32, "linear", base_batch=8, base_lr=0.05, samples=8 * 20)
+    none = L.train_at_batch(32, "none", base_batch=8, base_lr=0.05, samples=8 * 20)
+    assert math.isfinite(got) and got < none          # bigger steps help with few steps
+    parts = spawn(L.lr_scaling, 2, configs=[(8, "none"), (16, "sqrt"), (16, "linear")],
+                  base_batch=8, base_lr=0.05, samples=32).returns
+    assert sorted(k for p in parts for k in p) == sorted([(8, "none"), (16, "sqrt"), (16, "linear")])
+    probe = spawn(L.budget_probe, 2, task=L.Task()).returns
+    for key in ("forward", "forward+backward", "all-reduce"):
+        assert probe[0][key].samples == probe[1][key].samples and probe[0][key].median > 0
 
 
 def test_quick_build(tmp_path):
