@@ -35,7 +35,7 @@ def engine(repeat):
                 print(f"  fixture build #{i + 1} with --launcher {launcher}: "
                       f"{times[launcher][-1]:.1f} s", flush=True)
     pool, spawn = min(times["pool"]), min(times["spawn"])
-    return [f"fixture lecture (14 demos, world sizes 1, 2, 4): pooled {pool:.1f} s, "
+    return [f"fixture lecture (15 demos, world sizes 1, 2, 4): pooled {pool:.1f} s, "
             f"one spawn per demo {spawn:.1f} s -> pooled is {spawn / pool:.1f}x faster "
             f"(target >= 3x; best of {repeat})"]
 

@@ -1,7 +1,7 @@
 """Fixture lecture: the engine's test bed
 
 Small on purpose: every narration call the engine offers, and fifteen quick demos over world
-sizes 1, 2 and 4, so tests and `make bench` can exercise recording, launching and rendering.
+sizes 1, 2 and 4 (one of them an expected failure), so tests and `make bench` can exercise recording, launching and rendering.
 """
 import os
 
@@ -42,6 +42,13 @@ def timed_work(rank, world_size):
     return a.sum().item()
 
 
+def skip_a_collective(rank, world_size):
+    """The last rank skips the all-reduce the others wait in: a hang the timeout turns into an
+    error (the fixture's expected failure)."""
+    if rank != world_size - 1:
+        dist.all_reduce(torch.ones(1))
+
+
 def draw(rank, world_size):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(3, 2))
@@ -69,20 +76,21 @@ def narration():
 def collectives():
     note("## Collectives on 1, 2 and 4 ranks")
     for world_size in (1, 2, 4):
-        run = spawn(sum_of_ranks, world_size)
-        if run.status == "ok":  # under torchrun, demos for other world sizes are skipped
+        run = spawn(sum_of_ranks, world_size, name=f"sum of ranks, {world_size} rank{'s' if world_size > 1 else ''}")
+        if run.status == "ok":  # under torchrun, demos for more ranks than exist are skipped
             assert run.returns == [world_size * (world_size - 1) / 2] * world_size
-        spawn(seeded_noise, world_size)
-        spawn(talk, world_size)
+        spawn(seeded_noise, world_size, name=f"seeded noise, {world_size} rank{'s' if world_size > 1 else ''}")
+        spawn(talk, world_size, name=f"talk, {world_size} rank{'s' if world_size > 1 else ''}")
 
 
 def timelines():
     note("## Timelines")
     for world_size in (2, 4):
-        run = spawn(timed_work, world_size)
+        run = spawn(timed_work, world_size, name=f"timed work, {world_size} rank{'s' if world_size > 1 else ''}")
         figure(timeline(run.spans, title=f"{world_size} ranks"), caption="measured spans")
+    spawn(skip_a_collective, 2, name="a rank skips a collective", expect_error=True, timeout=2)
     for world_size in (1, 2, 4):
-        spawn(draw, world_size)
+        spawn(draw, world_size, name=f"draw, {world_size} rank{'s' if world_size > 1 else ''}")
 
 
 def main():

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from util import render
-from util.run import SCHEMA
+from util.recording import SCHEMA
 
 SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
 EVIL = '<script>alert("x")</script>'
@@ -63,6 +63,7 @@ def recording(tmp_path, *, status="ok", figures=1, lecture="lecture_demo", demos
     if demos:
         records += [
             top("demo", name=f"ring {EVIL}", world_size=2, status="ok", elapsed=0.0123, error=None,
+                returns=["1.5", None],
                 function="lectures/lecture_demo.py:10:ring_step",
                 records=[rank_rec(0, "note", text="rank 0 says **hi**"),
                          rank_rec(0, "output", stream="stdout", text=f"out {EVIL}\n"),
@@ -80,6 +81,7 @@ def recording(tmp_path, *, status="ok", figures=1, lecture="lecture_demo", demos
         ]
     return {
         "schema": SCHEMA, "lecture": lecture, "title": f"Demo lecture: a test {EVIL}",
+        "summary": f"What {lecture} teaches, in one line.",
         "module": f"lectures.{lecture}", "file": f"lectures/{lecture}.py",
         "built": "2026-01-02T03:04:05+00:00", "elapsed": 12.5, "status": status,
         "environment": {"python": "3.11", "torch": "2.13.0", "backend": "gloo", "launcher": "pool",
@@ -109,10 +111,11 @@ def test_everything_from_the_recording_is_escaped(page):
     out, html = page
     # the only script tag is the page's own local script
     assert re.findall(r"<script\b[^>]*>", html) == ['<script src="static/course.js" defer>']
-    escaped = "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;"
+    # templates escape " as &#34;, Markdown as &quot;: both are text, never a tag
+    escaped = html.replace("&#34;", "&quot;").count("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;")
     # note, table cell/header/caption, link title, image caption, figure caption, demo name,
     # rank stdout, rank error and the demo's error all show it as text
-    assert html.count(escaped) >= 10
+    assert escaped >= 10
     assert 'href="javascript:' not in html
     assert "<mtext><script>" not in html
     assert "<figcaption>remote <strong>picture</strong></figcaption>" in html  # captions: inline Markdown
@@ -155,10 +158,18 @@ def test_demos_ranks_and_failures(page):
     ok = html.split('class="demo demo-ok"')[1].split("</article>")[0]
     assert ok.count('<section class="rank') == 2             # a column per rank
     assert "rank 0 says <strong>hi</strong>" in ok and "warn" in ok and "12 ms" in ok
+    assert '<span class="label">returned</span> <code>1.5</code>' in ok
     failed = html.split('class="demo demo-failed"')[1].split("</article>")[0]
     assert 'status-failed">failed<' in failed and 'class="error-box"' in failed
     assert '<section class="rank rank-error"><h4>rank 1</h4>' in failed
-    assert '<section class="rank"><h4>rank 0</h4><p class=quiet>nothing recorded</p>' in failed
+    assert re.search(r'<section class="rank"><h4>rank 0</h4><div class="note"><p class="quiet">nothing '
+                     r'recorded</p></div></section>', failed)
+    # the error's last line shows; the whole traceback opens on demand
+    assert '<details class="traceback"><summary><pre>ValueError: &lt;script&gt;' in failed
+    # a demo whose ranks neither recorded nor returned anything has no filler text
+    lesson_and_skip = html.split('class="demo demo-expected_failure"')[1]
+    assert "printed nothing" not in html and "timing spans" not in html
+    assert '<div class="ranks">' not in lesson_and_skip.split("</article>")[0]
     lesson = html.split('class="demo demo-expected_failure"')[1].split("</article>")[0]
     assert "expected failure — this is the lesson" in lesson and "expected-box" in lesson
     assert 'class="demo demo-skipped"' in html and "needs 8 GPUs" in html
@@ -171,6 +182,8 @@ def test_assets_written_beside_the_page(page, tmp_path):
     files = out / "lecture_demo_files"
     assert (files / "fig-01.svg").read_text() == SVG
     assert 'src="lecture_demo_files/fig-01.svg"' in html
+    # every figure links to its full-size picture, opened in a new tab
+    assert '<a class="full-size" href="lecture_demo_files/fig-01.svg" target="_blank"' in html
     copied = [f for f in os.listdir(files) if f.startswith("img-")]
     assert len(copied) == 1 and (files / copied[0]).read_bytes() == PNG
     assert f'src="lecture_demo_files/{copied[0]}" alt="local' in html and 'width="50"' in html
@@ -241,6 +254,12 @@ def test_index_lists_lectures_and_notebooks(tmp_path):
     assert "2026-01-02 03:04 UTC" in html and "CPU: test, 2 cores" in html and "backend gloo" in html
     assert "&lt;script&gt;" in html and re.findall(r"<script\b[^>]*>", html) == \
         ['<script src="static/course.js" defer>']
+    assert "What lecture_a teaches, in one line." in html          # each lecture's summary
+    # every lecture page links its neighbours, even when built one by one
+    a = (out / "lecture_a.html").read_text()
+    b = (out / "lecture_b.html").read_text()
+    assert '<a class="next" href="lecture_b.html" rel="next">' in a and 'class="prev"' not in a
+    assert '<a class="prev" href="lecture_a.html" rel="prev">' in b and 'class="next"' not in b
 
 
 def test_empty_index(tmp_path):

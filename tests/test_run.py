@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, build
-from util import run as runner
+from util import recording, run as runner
 
 
 def load(out, name="fixture_lecture"):
@@ -35,10 +35,15 @@ def test_bad_command_line_gives_one_line_and_exit_code_2(args, complaint):
 
 def test_recording_follows_the_schema(fixture_site):
     rec = load(fixture_site)
-    assert rec["schema"] == runner.SCHEMA and rec["status"] == "ok"
+    assert rec["schema"] == recording.SCHEMA and rec["status"] == "ok"
     assert rec["lecture"] == "fixture_lecture" and rec["title"].startswith("Fixture lecture")
     assert rec["file"] == "tests/fixture_lecture.py"
-    assert rec["demos"] == {"total": 14, "failed": 0, "expected_failures": 0, "skipped": 0}
+    assert rec["demos"] == {"total": 15, "failed": 0, "expected_failures": 1, "skipped": 0}
+    assert rec["summary"].startswith("Small on purpose")
+    # 4 workers, and 4 again after the expected failure threw the pool away
+    assert rec["startup"]["workers"] == 8 and rec["startup"]["seconds"] > 0
+    first = next(r for r in rec["records"] if r["kind"] == "demo")
+    assert first["elapsed"] < rec["startup"]["seconds"]      # start-up is not the first demo's time
     env = rec["environment"]
     assert env["backend"] == "gloo" and env["launcher"] == "pool" and env["quick"] is True
     assert env["device"] and env["torch"].startswith("2.")
@@ -55,7 +60,8 @@ def test_recording_follows_the_schema(fixture_site):
     assert [r["rank"] for r in talk["records"] if r["kind"] == "output"] == [0, 1, 2, 3]
     assert "stdout of rank 3" in talk["records"][-1]["text"]
     assert all(r["source"]["function"] == "talk" for r in talk["records"])
-    timed = [d for d in demos if d["name"] == "timed_work"][0]
+    assert len({d["name"] for d in demos}) == len(demos)
+    timed = [d for d in demos if d["name"] == "timed work, 2 ranks"][0]
     assert {r["rank"] for r in timed["records"] if r["kind"] == "span"} == {0, 1}
 
 
@@ -77,13 +83,13 @@ def test_failing_demo_fails_the_build_promptly_and_still_writes_the_page(tmp_pat
 
 def test_write_atomic_never_leaves_half_a_file(tmp_path, monkeypatch):
     target = tmp_path / "page.html"
-    runner.write_atomic(str(target), "old")
+    recording.write_atomic(str(target), "old")
 
     def broken_replace(src, dst):
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError):
-        runner.write_atomic(str(target), "new " * 1000)
+        recording.write_atomic(str(target), "new " * 1000)
     assert target.read_text() == "old"
     assert os.listdir(tmp_path) == ["page.html"]
 
@@ -100,9 +106,44 @@ def test_two_builds_at_once(tmp_path):
         assert load(o)["demos"]["failed"] == 0
 
 
+def build_tiny(tmp_path, body, *flags):
+    """Build a throwaway lecture whose main() is `body` (it must live in the repository to be
+    importable by the workers)."""
+    path = os.path.join(ROOT, "tests", "_tiny_lecture.py")
+    with open(path, "w") as f:
+        f.write("from tests.fixture_lecture import seeded_noise, skip_a_collective\n"
+                "from util import spawn\n\ndef main():\n" + body)
+    try:
+        return build("tests._tiny_lecture", tmp_path, *flags, check=False)
+    finally:
+        os.unlink(path)
+
+
+def test_a_demo_name_used_twice_is_refused_with_a_clear_error(tmp_path):
+    proc = build_tiny(tmp_path, "    spawn(seeded_noise, 1, name='noise')\n"
+                                "    spawn(seeded_noise, 2, name='noise')\n")
+    assert proc.returncode == 1
+    assert "a demo named 'noise' already ran in this lecture" in proc.stderr
+    assert load(tmp_path, "_tiny_lecture")["status"] == "failed"
+
+
+def test_expected_failure_prints_its_status_first_and_its_traceback_only_when_verbose(tmp_path):
+    body = "    spawn(skip_a_collective, 2, name='the hang', expect_error=True, timeout=2)\n"
+    quiet = build_tiny(tmp_path / "q", body)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    line = next(l for l in quiet.stderr.splitlines() if "the hang" in l)
+    assert line.rstrip().endswith("failed, as expected") and "Traceback" not in quiet.stderr
+    loud = build_tiny(tmp_path / "v", body, "--verbose")
+    after = loud.stderr.split("the hang", 1)[1]
+    assert after.splitlines()[0].rstrip().endswith("failed, as expected") and "Traceback" in after
+
+
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
                     reason="torchrun not installed")
-def test_under_torchrun_demos_run_in_place(tmp_path):
+def test_under_torchrun_demos_run_on_sub_groups_and_failures_stay_inside_their_demo(tmp_path):
+    """2 ranks from torchrun: 1-rank demos run on rank 0 (rank 1 waits), 2-rank demos on both,
+    4-rank demos are skipped with the reason; the expected failure (a rank skips a collective,
+    2 s timeout) ends inside its demo and the build goes on and exits 0."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "util.run",
                            "tests.fixture_lecture", "--quick", "--out", str(tmp_path)],
@@ -110,11 +151,16 @@ def test_under_torchrun_demos_run_in_place(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = load(tmp_path)
     assert rec["environment"]["launcher"] == "torchrun"
-    demos = [r for r in rec["records"] if r["kind"] == "demo"]
-    ran = [d for d in demos if d["status"] == "ok"]
-    assert ran and all(d["world_size"] == 2 for d in ran)
-    skipped = [d for d in demos if d["status"] == "skipped"]
-    assert skipped and all(d["world_size"] != 2 and "torchrun started 2" in d["error"]
+    demos = {d["name"]: d for d in rec["records"] if d["kind"] == "demo"}
+    assert demos["sum of ranks, 1 rank"]["status"] == "ok"
+    assert demos["sum of ranks, 2 ranks"]["status"] == "ok"
+    assert demos["a rank skips a collective"]["status"] == "expected_failure"
+    assert demos["draw, 2 ranks"]["status"] == "ok"          # after the failure, demos go on
+    skipped = [d for d in demos.values() if d["status"] == "skipped"]
+    assert skipped and all(d["world_size"] == 4 and "torchrun started 2" in d["error"]
                            for d in skipped)
-    sums = [r for d in ran if d["name"] == "sum_of_ranks" for r in d["records"] if r["kind"] == "note"]
+    sums = [r for r in demos["sum of ranks, 2 ranks"]["records"] if r["kind"] == "note"]
     assert [r["rank"] for r in sums] == [0, 1] and "**1**" in sums[0]["text"]
+    one = [r for r in demos["sum of ranks, 1 rank"]["records"] if r["kind"] == "note"]
+    assert [r["rank"] for r in one] == [0] and "**0**" in one[0]["text"]
+    assert (tmp_path / "fixture_lecture.html").exists()

@@ -16,7 +16,8 @@ import sys
 import time
 
 from util import record
-from util.run import Parser, write_atomic
+from util.recording import write_atomic
+from util.run import Parser
 
 KERNEL = "course"
 NOTEBOOKS = os.path.join(record.ROOT, "lectures", "notebooks")

@@ -37,13 +37,16 @@ class Settings:
     backend: str = None         # None: nccl when there is a GPU per rank, else gloo
     launcher: str = "pool"      # pool | spawn (torchrun is detected from the environment)
     timeout: float = 60.0       # seconds a collective may wait before it is an error
-    verbose: bool = False       # one progress line per demo on stderr
+    progress: bool = False      # one status line per demo on stderr
+    verbose: bool = False       # also print the traceback of a demo that failed as expected
 
 
 settings = Settings()
 STATUS_WORDS = {"ok": "ok", "failed": "FAILED", "expected_failure": "failed, as expected",
                 "skipped": "skipped"}  # how a demo ended, as the terminal and notebooks say it
 demos = []                      # (name, world_size, status, seconds) of every demo this process ran
+startups = []                   # (workers, seconds): worker start-ups, reported apart from demos
+NAME_WIDTH = 46                 # the demo-name column of the terminal's status lines
 
 
 class DemoFailed(RuntimeError):
@@ -186,6 +189,43 @@ def _worker(rank, port, backend, tasks, results):
 
 # --- the lecture's side ------------------------------------------------------------------
 
+def _project_modules():
+    """Files of the project's modules imported in this process (the lecture and what it uses;
+    the workers import the same ones by name)."""
+    root = record.ROOT + os.sep
+    files = set()
+    for m in list(sys.modules.values()):
+        f = getattr(m, "__file__", None)
+        if f and f.endswith(".py") and os.path.abspath(f).startswith(root) and os.sep + "." not in f:
+            files.add(os.path.abspath(f))
+    return files
+
+
+def _stamp(path):
+    try:
+        st = os.stat(path)
+        return st.st_mtime_ns, st.st_size
+    except OSError:
+        return None
+
+
+class SourceWatch:
+    """Knows which version of each project file the workers run: a notebook user who edits a
+    lecture and re-runs a cell must not get the old code on the ranks. Checking costs a stat()
+    per project module, well under a millisecond."""
+
+    def __init__(self):
+        self.seen = {}
+        self.changed()
+
+    def changed(self):
+        """The files that changed since the workers may have imported them (and note new ones)."""
+        out = [f for f, st in self.seen.items() if _stamp(f) != st]
+        for f in _project_modules() - set(self.seen):
+            self.seen[f] = _stamp(f)
+        return out
+
+
 class Pool:
     """Worker processes that run demos one at a time. A demo on k ranks runs on workers
     0..k-1 in a process group of exactly k ranks; the pool starts more workers when a demo
@@ -203,9 +243,13 @@ class Pool:
         self.results = self.ctx.Queue()
         self.tasks, self.procs = [], []
         self.group, self.generation = None, 0
+        self.sources = SourceWatch()  # the code the workers import
 
     def grow(self, world_size):
         new = range(len(self.procs), world_size)
+        if not new:
+            return
+        start = time.perf_counter()
         for r in new:
             self.tasks.append(self.ctx.Queue())
             self.procs.append(self.ctx.Process(target=_worker, daemon=True, name=f"rank{r}",
@@ -218,6 +262,12 @@ class Pool:
             raise RuntimeError(f"could not start rank(s) {[r for r in new if r not in ready]}: " +
                                (f"exit codes {[self.procs[r].exitcode for r in dead]}" if dead
                                 else "timed out"))
+        seconds = time.perf_counter() - start
+        startups.append((len(new), seconds))
+        if settings.progress:
+            print(f"  started {len(new)} worker process{'es' if len(new) != 1 else ''} in "
+                  f"{seconds:.1f} s (Python + PyTorch start-up, not counted in the demos' times)",
+                  file=sys.stderr, flush=True)
 
     def _dead(self, ranks):
         return [r for r in ranks if self.procs[r].exitcode is not None]
@@ -239,8 +289,7 @@ class Pool:
         return got
 
     def run(self, fn, kwargs, world_size, timeout):
-        """Run a demo; returns (per-rank results, error message or None)."""
-        self.grow(world_size)
+        """Run a demo (workers already started); returns (per-rank results, error or None)."""
         if self.group != (world_size, timeout):
             self.group, self.generation = (world_size, timeout), self.generation + 1
         task = ((self.generation, world_size, timeout), pickle.dumps((fn, kwargs)))
@@ -257,25 +306,8 @@ class Pool:
                 first_done.append(msg["rank"])
                 return min(deadline, now + timeout + 5)
         got = self._collect(ranks, float("inf"), on_result)
-        failed = sorted(r for r, m in got.items() if not m["ok"])
-        missing = sorted(set(ranks) - set(got))
-        if not failed and not missing:
-            return got, None
-        parts = []
-        if failed:
-            parts.append(f"rank(s) {failed} raised")
-        if missing:
-            dead = self._dead(missing)
-            stuck = [r for r in missing if r not in dead]
-            if dead:
-                parts.append(f"rank(s) {dead} died (exit codes "
-                             f"{[self.procs[r].exitcode for r in dead]})")
-            if stuck:
-                parts.append(f"rank(s) {stuck} did not finish" +
-                             (f" within {timeout:g} s of rank {first_done[0]} finishing; a "
-                              "rank probably skipped a collective" if first_done and not failed
-                              else " and were stopped"))
-        return got, "; ".join(parts)
+        return got, _describe_failure(got, ranks, timeout, first_done and first_done[0],
+                                      self._dead, lambda r: self.procs[r].exitcode)
 
     def close(self):
         for q in self.tasks:
@@ -287,6 +319,28 @@ class Pool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=None):
+    """One sentence on what went wrong (None when every rank finished)."""
+    failed = sorted(r for r, m in got.items() if not m["ok"])
+    missing = sorted(set(ranks) - set(got))
+    if not failed and not missing:
+        return None
+    parts = []
+    if failed:
+        parts.append(f"rank(s) {failed} raised")
+    if missing:
+        dead = dead_of(missing) if dead_of else []
+        stuck = [r for r in missing if r not in dead]
+        if dead:
+            parts.append(f"rank(s) {dead} died (exit codes {[exitcode(r) for r in dead]})")
+        if stuck:
+            parts.append(f"rank(s) {stuck} did not finish" +
+                         (f" within {timeout:g} s of rank {first_done} finishing; a "
+                          "rank probably skipped a collective" if first_done is not None and not failed
+                          else " and were stopped"))
+    return "; ".join(parts)
 
 
 _pools = {}
@@ -307,24 +361,58 @@ def _check_importable(fn):
                          "console's functions cannot be imported.")
 
 
+def _check_unique(name):
+    """Two demos with one name cannot be told apart on the page: refuse the second."""
+    names = record.current().demo_names
+    if names is None:  # a notebook: re-running a cell repeats its demos on purpose
+        return
+    if name in names:
+        raise ValueError(f"a demo named {name!r} already ran in this lecture; give spawn() a "
+                         "name= that says what differs (e.g. the world size or the variant)")
+    names.add(name)
+
+
+def _pooled(backend, world_size):
+    """The pool for this backend, with `world_size` workers running current code."""
+    pool = _pools.get(backend)
+    changed = pool.sources.changed() if pool is not None else None
+    if changed:
+        print(f"  {', '.join(record.relpath(f) for f in changed)} changed on disk: restarting "
+              "the worker processes so the ranks run the new code", file=sys.stderr, flush=True)
+        _pools.pop(backend).close()
+        pool = None
+    if pool is None:
+        pool = _pools[backend] = Pool(backend)
+    try:
+        pool.grow(world_size)
+    except BaseException:
+        _pools.pop(backend, None)
+        pool.close()
+        raise
+    return pool
+
+
 def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, **kwargs):
     """Run `fn(rank, world_size, **kwargs)` on `world_size` ranks and record what they did.
 
     Returns a `Run`. A failed demo is recorded and raises `DemoFailed`, unless `expect_error`
     (then a failure is the lesson, and success is the error). `timeout` (seconds) overrides
-    the build's collective timeout for this demo.
+    the build's collective timeout for this demo. `name` (default: the function's name) must
+    be unique within the lecture.
     """
     world_size = world_size or settings.world_size
     timeout = float(timeout or settings.timeout)
     name = name or fn.__name__
     _check_importable(fn)
+    _check_unique(name)
     run = Run(name=name, world_size=world_size)
-    start = time.perf_counter()
     if in_torchrun():
+        start = time.perf_counter()
         results, error = _run_in_place(fn, world_size, kwargs, timeout, run)
     else:
         backend = choose_backend(world_size)
-        pool = _pools.get(backend) or _pools.setdefault(backend, Pool(backend))
+        pool = _pooled(backend, world_size)   # start-up is not the demo's time
+        start = time.perf_counter()
         error = "the launcher failed"
         try:
             results, error = pool.run(fn, kwargs, world_size, timeout)
@@ -333,22 +421,59 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, *
                 _pools.pop(backend, None)
                 pool.close()
     run.elapsed = time.perf_counter() - start
+    traceback_text = None
     if run.status != "skipped":
-        _finish(run, results, error, expect_error)
+        traceback_text = _finish(run, results, error, expect_error)
     recorder = record.current()
     recorder.add("demo", name=name, world_size=world_size, status=run.status,
                  elapsed=round(run.elapsed, 3), error=run.error,
+                 returns=[summarize(v) for v in run.returns or []],
                  function=recorder.remember(fn.__code__), records=run.records)
     demos.append((name, world_size, run.status, run.elapsed))
-    if settings.verbose:
-        print(f"  demo {len(demos):>3}  {name:<34} ranks={world_size}  {run.elapsed:7.2f} s  "
-              f"{STATUS_WORDS[run.status]}", file=sys.stderr, flush=True)
+    if settings.progress:
+        _status_line(run, traceback_text)
     if run.status == "failed":
         raise DemoFailed(run)
     return run
 
 
+def _status_line(run, traceback_text):
+    """`  demo  12  name ...  ranks=4   0.31 s  ok`; a failure's traceback follows its line
+    (an expected failure's only with --verbose: it is the lesson, not a crash)."""
+    shown = run.name if len(run.name) <= NAME_WIDTH else run.name[:NAME_WIDTH - 1] + "…"
+    print(f"  demo {len(demos):>3}  {shown:<{NAME_WIDTH}}  ranks={run.world_size:<2} "
+          f"{run.elapsed:7.2f} s  {STATUS_WORDS[run.status]}", file=sys.stderr, flush=True)
+    if run.status == "skipped":
+        print(f"           {run.error}", file=sys.stderr, flush=True)
+    elif run.status == "failed" or (run.status == "expected_failure" and settings.verbose):
+        print("\n".join("           " + line for line in run.error.splitlines()),
+              file=sys.stderr, flush=True)
+        if traceback_text:
+            print(traceback_text, file=sys.stderr, flush=True)
+
+
+def summarize(value, limit=160):
+    """A short, readable description of what a rank returned (the page shows it)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, float)):
+        return repr(value)
+    name = type(value).__name__
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{name}{tuple(value.shape)} {value.dtype}" if value.numel() > 8 else repr(value)
+    if isinstance(value, dict):
+        keys = ", ".join(str(k) for k in value)
+        text = f"dict with keys: {keys}"
+    elif isinstance(value, (list, tuple)) and not all(isinstance(v, (bool, int, float, str)) for v in value):
+        text = f"{name} of {len(value)}: " + ", ".join(summarize(v, 40) or "None" for v in value[:4]) \
+            + (", …" if len(value) > 4 else "")
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _finish(run, results, error, expect_error):
+    """Fill `run` from the ranks' results; returns the first failing rank's traceback."""
     recorder = record.current()
     t0 = min((m["start"] for m in results.values() if m.get("start")), default=0.0)
     for rank in sorted(results):
@@ -360,6 +485,7 @@ def _finish(run, results, error, expect_error):
                 run.spans.append(rec)
             run.records.append(rec)
     run.returns = [results[r]["returns"] if r in results else None for r in range(run.world_size)]
+    first = None
     if error:
         errors = [results[r]["error"] for r in sorted(results) if not results[r]["ok"]]
         # A timeout is the cause; "connection closed by peer" on another rank is its echo.
@@ -373,34 +499,72 @@ def _finish(run, results, error, expect_error):
             if "imed out" in last and finished:
                 run.error += (f"\nrank(s) {finished} had already finished: a rank probably "
                               "skipped a collective that the others were waiting in")
-            if settings.verbose:
-                print(first, file=sys.stderr)
         run.status = "expected_failure" if expect_error else "failed"
     elif expect_error:
         run.status, run.error = "failed", f"demo {run.name!r} was expected to fail, but succeeded"
+    return first
+
+
+# --- under torchrun ------------------------------------------------------------------------
+
+class _Job:
+    """This process's place in a torchrun job. Each demo runs in a process group of its own,
+    formed over the job's rendezvous store on the first k ranks (the rest wait), so a demo that
+    fails — even one that leaves a collective hanging — stays inside that demo. Results travel
+    through the store, not through a process group a demo might have broken."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        global _device
+        self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.store = next(dist.rendezvous("env://"))[0]
+        self.backend = choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", self.size)))
+        if self.backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            _device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        self.demo = 0
+
+    def run(self, fn, world_size, kwargs, timeout):
+        import torch.distributed as dist
+        self.demo += 1
+        prefix = f"course/demo{self.demo}/"
+        self.store.set_timeout(datetime.timedelta(seconds=timeout + 30))
+        if self.rank < world_size:
+            threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            try:
+                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
+                                        rank=self.rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+                mine = _run_task(self.rank, world_size, fn, kwargs, threads)
+            except Exception:
+                mine = _error_result(self.rank)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            self.store.set(f"{prefix}result{self.rank}", _dumps(mine))
+        got = {}
+        for r in range(world_size):
+            try:
+                got[r] = pickle.loads(self.store.get(f"{prefix}result{r}"))
+            except Exception:  # that rank never reported within the timeout
+                pass
+        done = [r for r, m in got.items() if m["ok"]]
+        return got, _describe_failure(got, range(world_size), timeout, done[0] if done else None)
+
+
+_job = None
 
 
 def _run_in_place(fn, world_size, kwargs, timeout, run):
-    """torchrun: this process is already one rank of the job; run the demo here."""
-    import torch
-    import torch.distributed as dist
-    global _device
+    """torchrun: this process is one rank of the job; demos for k <= the job's ranks run on
+    ranks 0..k-1, larger ones are skipped with the reason."""
+    global _job
     have = int(os.environ["WORLD_SIZE"])
-    if world_size != have:
+    if world_size > have:
         run.status = "skipped"
         run.error = (f"needs {world_size} ranks, but torchrun started {have}; run it with "
-                     f"--nproc-per-node/--nnodes giving {world_size} ranks, or without torchrun")
+                     f"--nproc-per-node/--nnodes giving at least {world_size} ranks, or without torchrun")
         return {}, None
-    if not dist.is_initialized():
-        backend = choose_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            _device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    mine = _run_task(dist.get_rank(), world_size, fn, kwargs, threads)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, pickle.loads(_dumps(mine)))
-    results = {m["rank"]: m for m in everyone}
-    failed = [r for r, m in results.items() if not m["ok"]]
-    return results, (f"rank(s) {failed} raised" if failed else None)
+    _job = _job or _Job()
+    return _job.run(fn, world_size, kwargs, timeout)

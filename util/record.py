@@ -9,7 +9,7 @@ A record is a dict with at least:
 
 `key` names an entry of the recorder's `functions` table, which keeps the source of every
 function that produced a record, so a page can show the code beside what it produced.
-The file schema that wraps these records is documented in `util/run.py` (`write_recording`).
+The file that wraps these records (the recording) is documented in `util/recording.py`.
 """
 import contextlib
 import inspect
@@ -36,6 +36,7 @@ class Recorder:
         self.rank = rank
         self.records = []
         self.functions = {}
+        self.demo_names = None  # a build sets a set() here: demo names must then be unique
         self.t0 = time.perf_counter()
 
     def add(self, kind, source=None, **content):

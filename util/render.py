@@ -1,4 +1,4 @@
-"""Rendering: a lecture recording (JSON, schema "course-lecture/1") becomes an offline web page.
+"""Rendering: a lecture recording (util/recording.py) becomes an offline web page.
 
     render_lecture("content/lecture_02_communication.json")  -> content/lecture_02_communication.html
     render_index("content")                                   -> content/index.html
@@ -7,7 +7,9 @@ A page works from file:// with no network request at all: figures and local imag
 beside it (`<lecture>_files/`), the shared CSS/JS and the Pygments colours live in `static/`,
 code is highlighted here (Pygments), Markdown is rendered here (markdown-it-py, raw HTML off, so
 a note containing <script> shows as text) and LaTeX math becomes MathML (latex2mathml), which
-browsers display natively. Everything that came from a recording is escaped.
+browsers display natively. The markup lives in Jinja2 templates (util/templates/) with
+autoescaping on: everything that came from a recording is escaped unless this module produced
+it as HTML (Markdown, highlighted code, MathML) and marked it safe.
 
 Every file is written atomically (temporary file + rename), so a crash never leaves half a page;
 files left over from an earlier render of the same lecture are removed once the new page is in.
@@ -20,9 +22,13 @@ import re
 import shutil
 import xml.etree.ElementTree as ET
 
-from util.run import SCHEMA, write_atomic
+from markupsafe import Markup
 
-STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+from util.recording import load, write_atomic
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STATIC = os.path.join(HERE, "static")
+TEMPLATES = os.path.join(HERE, "templates")
 _RESERVED_IDS = {"content", "sidebar", "menu", "toc", "top", "page-header", "intro"}
 # The page may load only local files; remote pictures (shown only when online) are the exception.
 _CSP = ("default-src 'none'; script-src file: 'self'; style-src file: 'self'; "
@@ -115,15 +121,16 @@ def highlight(code, start=1, lang="python", inline_styles=False):
         lexer = get_lexer_by_name("text")
     fmt = HtmlFormatter(cssclass="hl", linenos="inline" if start else False, linenostart=start or 1,
                         noclasses=inline_styles)
-    return pyg(code, lexer, fmt)
-
-
-def code_figure(name, file, start, code):
-    """Highlighted source under a caption naming it and the lines of the file it came from."""
-    end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
-    return (f'<figure class="code"><figcaption><code>{esc(name)}</code> '
-            f'<span class="where">{esc(str(file))}:{start}–{end}</span></figcaption>'
-            f'{highlight(code, start)}</figure>')
+    out = pyg(code, lexer, fmt)
+    if start and not inline_styles:
+        # one element per source line, so a long line wraps under its code, not its number
+        head, sep, rest = out.partition("<pre>")
+        body, sep2, tail = rest.rpartition("</pre>")
+        lines = body.split("\n")
+        last = lines.pop() if lines and lines[-1] == "" else None
+        body = "".join(f'<span class="line">{line}\n</span>' for line in lines) + (last or "")
+        out = head + sep + body + sep2 + tail
+    return Markup(out)
 
 
 def pygments_css():
@@ -164,9 +171,9 @@ def latex_to_mathml(latex, display=False):
     import latex2mathml.converter
     try:
         out = latex2mathml.converter.convert(latex, display="block" if display else "inline")
-        return _mathml_clean(ET.fromstring(out))
+        return Markup(_mathml_clean(ET.fromstring(out)))
     except Exception:
-        return f'<code class="math-source" title="could not convert this LaTeX">{esc(latex)}</code>'
+        return Markup(f'<code class="math-source" title="could not convert this LaTeX">{esc(latex)}</code>')
 
 
 _md = None
@@ -187,12 +194,12 @@ def markdown(text):
         _md = md
     out = _md.render(text)
     # raw HTML is off, so every "<table>" here is one markdown-it made: let wide ones scroll
-    return out.replace("<table>", '<div class="scroll"><table>').replace("</table>", "</table></div>")
+    return Markup(out.replace("<table>", '<div class="scroll"><table>').replace("</table>", "</table></div>"))
 
 
 def markdown_inline(text):
     markdown("")  # builds the parser
-    return _md.renderInline(text)
+    return Markup(_md.renderInline(text))
 
 
 # --- the page ----------------------------------------------------------------------------
@@ -227,7 +234,8 @@ def _plain_text(md_inline):
 
 
 class Page:
-    """Turns the records of one recording into HTML, writing figures/images as it goes."""
+    """Turns the records of one recording into sections of parts (plain dicts the templates
+    draw), collecting figure and image files as it goes."""
 
     def __init__(self, recording, files_dir_name):
         self.rec = recording
@@ -237,10 +245,9 @@ class Page:
         self.ids = set()
         self.sections = []       # {"id", "title_html", "title_text", "parts", "keys", "failed"}
         self.demo_count = 0
-        self.failed_demos = []   # (id, name)
+        self.failed_demos = []   # {"id", "name"}
         self._new_section(None, None)
 
-    # sections
     def _new_section(self, sid, title_html, title_text=""):
         self.sections.append({"id": sid, "title_html": title_html, "title_text": title_text,
                               "parts": [], "keys": [], "failed": False})
@@ -257,7 +264,9 @@ class Page:
         """A record of the lecture's own process: may open sections (notes with headings)."""
         if r.get("kind") != "note":
             self._key((r.get("source") or {}).get("key"))
-            self.cur["parts"].append(self.record(r))
+            part = self.part(r)
+            if part:
+                self.cur["parts"].append(part)
             return
         for level, title, body in split_note(r.get("text", "")):
             if level == 1 and self.title is None:
@@ -266,197 +275,178 @@ class Page:
                 sid = _slug(_plain_text(title), self.ids)
                 self._new_section(sid, markdown_inline(title), _plain_text(title))
             if body.strip():
-                self.cur["parts"].append(f'<div class="note">{markdown(body)}</div>')
+                self.cur["parts"].append({"kind": "note", "html": markdown(body)})
         self._key((r.get("source") or {}).get("key"))
 
-    # records
-    def record(self, r):
+    def part(self, r):
+        """The template's view of one record (None for records the page does not show)."""
         kind = r.get("kind")
-        method = getattr(self, "r_" + str(kind), None)
+        method = getattr(self, "p_" + str(kind), None)
         if method is None:
-            return f'<pre class="unknown">{esc(json.dumps(r, indent=1, default=str))}</pre>'
+            return {"kind": "unknown", "text": json.dumps(r, indent=1, default=str)}
         return method(r)
 
-    def r_note(self, r):
-        return f'<div class="note">{markdown(r.get("text", ""))}</div>'
+    def p_note(self, r):
+        return {"kind": "note", "html": markdown(r.get("text", ""))}
 
-    def r_span(self, r):
-        return ""  # spans are drawn by timeline figures
+    def p_span(self, r):
+        return None  # spans are drawn by timeline figures
 
-    def r_output(self, r):
-        stream = r.get("stream", "stdout")
-        return (f'<div class="output {esc(stream)}"><span class="label">{esc(stream)}</span>'
-                f'<pre>{esc(r.get("text", ""))}</pre></div>')
+    def p_output(self, r):
+        return {"kind": "output", "stream": r.get("stream", "stdout"), "text": r.get("text", "")}
 
-    def r_error(self, r):
-        return (f'<div class="error-box"><span class="label">error</span>'
-                f'<pre>{esc(r.get("text", ""))}</pre></div>')
+    def p_error(self, r):
+        return {"kind": "error", "text": r.get("text", "")}
 
-    def r_link(self, r):
-        url, title = r.get("url", ""), r.get("title") or r.get("url", "")
-        if not _safe_url(url):
-            return f'<p class="reference">Reference: {esc(title)} <code>{esc(url)}</code></p>'
-        return (f'<p class="reference"><span class="label">reference</span> '
-                f'<a href="{esc(url)}" rel="noreferrer">{esc(title)}</a> '
-                f'<span class="host">{esc(_host(url))}</span></p>')
+    def p_link(self, r):
+        url = r.get("url", "")
+        return {"kind": "link", "url": url, "title": r.get("title") or url,
+                "safe": _safe_url(url), "host": _host(url)}
 
-    def r_code(self, r):
-        return code_figure(r.get("name", ""), r.get("file", ""), r.get("start") or 1, r.get("code", ""))
+    def p_code(self, r):
+        return code_part(r.get("name", ""), r.get("file", ""), r.get("start") or 1, r.get("code", ""))
 
-    def r_table(self, r):
+    def p_table(self, r):
         header, rows = r.get("header"), r.get("rows") or []
         ncols = max([len(header or [])] + [len(row) for row in rows])
         numeric = [all(_is_number(row[c]) for row in rows if c < len(row) and row[c] is not None)
                    and any(c < len(row) and _is_number(row[c]) for row in rows)
                    for c in range(ncols)]
-        out = ['<figure class="table"><div class="scroll"><table>']
-        if header:
-            out.append("<thead><tr>" + "".join(
-                f'<th{" class=num" if c < ncols and numeric[c] else ""}>{esc(str(h))}</th>'
-                for c, h in enumerate(header)) + "</tr></thead>")
-        out.append("<tbody>")
-        for row in rows:
-            cells = []
-            for v in row:
-                if _is_number(v):
-                    cells.append(f'<td class="num" title="{esc(repr(v))}">{esc(format_number(v))}</td>')
-                else:
-                    cells.append(f"<td>{esc('' if v is None else str(v))}</td>")
-            out.append("<tr>" + "".join(cells) + "</tr>")
-        out.append("</tbody></table></div>")
-        if r.get("caption"):
-            out.append(f'<figcaption>{markdown_inline(r["caption"])}</figcaption>')
-        out.append("</figure>")
-        return "".join(out)
+        cell = lambda v: ({"num": True, "text": format_number(v), "title": repr(v)} if _is_number(v)
+                          else {"num": False, "text": "" if v is None else str(v)})
+        return {"kind": "table",
+                "header": [{"text": str(h), "num": c < ncols and numeric[c]} for c, h in enumerate(header)]
+                if header else None,
+                "rows": [[cell(v) for v in row] for row in rows],
+                "caption": markdown_inline(r["caption"]) if r.get("caption") else None}
 
     def _file(self, name, data):
         self.files[name] = data
         return f"{self.files_name}/{name}"
 
-    def r_figure(self, r):
+    def p_figure(self, r):
         n = sum(1 for f in self.files if f.startswith("fig-")) + 1
-        src = self._file(f"fig-{n:02d}.svg", r.get("svg", "").encode("utf-8"))
+        svg = r.get("svg", "")
         cap = r.get("caption") or ""
-        return (f'<figure class="plot"><img src="{esc(src)}" alt="{esc(cap or "figure")}">'
-                + (f"<figcaption>{markdown_inline(cap)}</figcaption>" if cap else "") + "</figure>")
+        return {"kind": "figure", "src": self._file(f"fig-{n:02d}.svg", svg.encode("utf-8")),
+                "size": figure_size_class(svg), "caption_text": cap,
+                "caption": markdown_inline(cap) if cap else None}
 
-    def r_image(self, r):
+    def p_image(self, r):
         src, cap, width = str(r.get("src", "")), r.get("caption") or "", r.get("width")
-        wattr = f' width="{int(width)}"' if isinstance(width, (int, float)) and width > 0 else ""
-        capt = f"<figcaption>{markdown_inline(cap)}</figcaption>" if cap else ""
+        part = {"kind": "image", "src": src, "caption_text": cap,
+                "caption": markdown_inline(cap) if cap else None,
+                "width": int(width) if isinstance(width, (int, float)) and width > 0 else None}
         if _safe_url(src):
-            data_w = f' data-width="{int(width)}"' if wattr else ""
-            return (f'<figure class="image remote" data-src="{esc(src)}" data-alt="{esc(cap)}"{data_w}>'
-                    f'<a class="card" href="{esc(src)}" rel="noreferrer">{_PICTURE_ICON}'
-                    f'<span class="card-text"><span class="card-title">Picture at {esc(_host(src))}</span>'
-                    f'<span class="card-url">{esc(src)}</span><span class="card-note">'
-                    f'shown here when you are online; open the link to see it</span></span></a>'
-                    f'{capt}</figure>')
+            return {**part, "remote": True, "host": _host(src), "icon": Markup(_PICTURE_ICON)}
         if not os.path.isfile(src):
-            return (f'<figure class="image missing"><div class="error-box"><span class="label">'
-                    f'missing image</span><pre>{esc(src)}</pre></div>{capt}</figure>')
+            return {**part, "missing": True}
         n = sum(1 for f in self.files if f.startswith("img-")) + 1
         base = re.sub(r"[^\w.-]+", "_", os.path.basename(src))
         with open(src, "rb") as f:
-            rel = self._file(f"img-{n:02d}-{base}", f.read())
-        return f'<figure class="image"><img src="{esc(rel)}" alt="{esc(cap)}"{wattr}>{capt}</figure>'
+            part["src"] = self._file(f"img-{n:02d}-{base}", f.read())
+        return part
 
-    def r_demo(self, r):
+    def p_demo(self, r):
         self.demo_count += 1
         did = f"demo-{self.demo_count}"
         status = r.get("status", "ok")
         self._key(r.get("function"))
         for sub in r.get("records") or []:
             self._key((sub.get("source") or {}).get("key"))
-        label = {"ok": "ok", "failed": "failed", "skipped": "skipped",
-                 "expected_failure": "expected failure — this is the lesson"}.get(status, status)
         if status == "failed":
             self.cur["failed"] = True
-            self.failed_demos.append((did, r.get("name", "")))
+            self.failed_demos.append({"id": did, "name": r.get("name", "")})
         ws = r.get("world_size") or 0
-        head = (f'<header class="demo-head"><span class="demo-kind">demo</span> '
-                f'<span class="demo-name">{esc(str(r.get("name", "")))}</span>'
-                f'<span class="pill">{ws} rank{"s" if ws != 1 else ""}</span>'
-                f'<span class="pill">{esc(format_seconds(r.get("elapsed")))}</span>'
-                f'<span class="status status-{esc(status)}">{esc(label)}</span></header>')
-        parts = [head]
-        if r.get("error"):
-            cls = {"failed": "error-box", "expected_failure": "expected-box"}.get(status, "skip-box")
-            parts.append(f'<div class="{cls}"><pre>{esc(r["error"])}</pre></div>')
+        # Per rank: what it recorded, then what it returned. A demo whose ranks neither recorded
+        # nor returned anything gets no columns at all (its results are in the tables below it).
         by_rank = {}
         for sub in r.get("records") or []:
-            by_rank.setdefault(sub.get("rank"), []).append(sub)
-        visible = {k: [s for s in v if s.get("kind") != "span"] for k, v in by_rank.items()}
-        nspans = sum(len(v) - len(visible[k]) for k, v in by_rank.items())
-        if any(visible.values()):
+            if sub.get("kind") != "span":
+                by_rank.setdefault(sub.get("rank"), []).append(self.part(sub))
+        for rank, text in enumerate(r.get("returns") or []):
+            if text is not None:
+                by_rank.setdefault(rank, []).append({"kind": "returned", "text": text})
+        columns = []
+        if any(by_rank.values()):
             ranks = sorted(set(range(ws)) | {k for k in by_rank if isinstance(k, int)})
-            cols = []
             for rank in ranks:
-                body = "".join(self.record(s) for s in visible.get(rank, []))
-                err = any(s.get("kind") == "error" for s in visible.get(rank, []))
-                cols.append(f'<section class="rank{" rank-error" if err else ""}">'
-                            f'<h4>rank {rank}</h4>{body or "<p class=quiet>nothing recorded</p>"}</section>')
-            for k in by_rank:  # records without an integer rank, if any
-                if not isinstance(k, int) and visible[k]:
-                    cols.append(f'<section class="rank"><h4>{esc(str(k))}</h4>'
-                                + "".join(self.record(s) for s in visible[k]) + "</section>")
-            parts.append(f'<div class="ranks">{"".join(cols)}</div>')
-        elif status in ("ok", "expected_failure"):
-            extra = f"; {nspans} timing spans (drawn as timelines)" if nspans else ""
-            parts.append(f'<p class="quiet">The ranks printed nothing{extra}.</p>')
-        return f'<article class="demo demo-{esc(status)}" id="{did}">{"".join(parts)}</article>'
+                parts = [q for q in by_rank.get(rank, []) if q]
+                columns.append({"title": f"rank {rank}", "parts": parts or [
+                    {"kind": "note", "html": Markup('<p class="quiet">nothing recorded</p>')}],
+                                "error": any(q["kind"] == "error" for q in parts)})
+            columns += [{"title": str(k), "parts": v, "error": False}
+                        for k, v in by_rank.items() if not isinstance(k, int) and v]
+        return {"kind": "demo", "id": did, "status": status, "name": str(r.get("name", "")),
+                "world_size": ws, "elapsed": format_seconds(r.get("elapsed")),
+                "label": {"ok": "ok", "failed": "failed", "skipped": "skipped",
+                          "expected_failure": "expected failure — this is the lesson"}.get(status, status),
+                "error": r.get("error"),
+                "error_class": {"failed": "error-box", "expected_failure": "expected-box"}.get(status, "skip-box"),
+                "columns": columns}
 
-    # show code
     def code_for(self, keys):
+        """The functions behind a section ("show code"), leaving out library code."""
         funcs = self.rec.get("functions", {})
-        blocks = []
-        for key in keys:
-            f = funcs[key]
-            if os.path.isabs(str(f.get("file", ""))):
-                continue  # library code (e.g. multiprocessing), not the lecture's
-            blocks.append(code_figure(f.get("name", ""), f.get("file", ""), f.get("start", 1),
-                                      f.get("code", "")))
-        if not blocks:
-            return ""
-        names = ", ".join(esc(funcs[k].get("name", "")) for k in keys
-                          if not os.path.isabs(str(funcs[k].get("file", ""))))
-        return (f'<details class="show-code"><summary>show code <span class="fnames">{names}'
-                f'</span></summary>{"".join(blocks)}</details>')
+        return [code_part(f.get("name", ""), f.get("file", ""), f.get("start", 1), f.get("code", ""))
+                for f in (funcs[k] for k in keys) if not os.path.isabs(str(f.get("file", "")))]
+
+
+def code_part(name, file, start, code):
+    end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
+    return {"kind": "code", "name": name, "file": str(file), "start": start, "end": end,
+            "html": highlight(code, start)}
+
+
+def figure_size_class(svg):
+    """fig-wide / fig-medium / fig-small from the SVG's width (matplotlib writes points): on a
+    phone a wide figure keeps a legible minimum width and scrolls instead of shrinking."""
+    m = re.search(r'<svg[^>]*\swidth="([\d.]+)(pt|px)?"', svg[:2000])
+    if not m:
+        return "fig-small"
+    px = float(m.group(1)) * (4 / 3 if m.group(2) == "pt" else 1)
+    return "fig-wide" if px > 700 else "fig-medium" if px > 450 else "fig-small"
 
 
 def _demo_counts(d):
     """'35 demos, 1 failed, ...' (HTML) from a recording's "demos" counts."""
-    return (f'{d.get("total", 0)} demos'
-            + (f', <b class="bad">{d["failed"]} failed</b>' if d.get("failed") else "")
-            + (f', {d["expected_failures"]} failed as expected' if d.get("expected_failures") else "")
-            + (f', {d["skipped"]} skipped' if d.get("skipped") else ""))
+    return Markup(f'{d.get("total", 0)} demos'
+                  + (f', <b class="bad">{d["failed"]} failed</b>' if d.get("failed") else "")
+                  + (f', {d["expected_failures"]} failed as expected' if d.get("expected_failures") else "")
+                  + (f', {d["skipped"]} skipped' if d.get("skipped") else ""))
+
+
+def _built(rec):
+    return Markup('built <time datetime="{}">{}</time>').format(rec.get("built", ""),
+                                                               format_built(rec.get("built")))
 
 
 def _meta_line(rec):
     env = rec.get("environment") or {}
-    d = rec.get("demos") or {}
-    items = [f'built <time datetime="{esc(rec.get("built", ""))}">{esc(format_built(rec.get("built")))}</time>',
-             f'device <b>{esc(str(env.get("device", "unknown")))}</b>',
-             f'backend <b>{esc(str(env.get("backend", "?")))}</b>',
-             f'launcher <b>{esc(str(env.get("launcher", "?")))}</b>',
-             f'{esc(str(env.get("world_size", "?")))} ranks by default',
-             "quick sizes" if env.get("quick") else "full sizes",
-             f'total {esc(format_seconds(rec.get("elapsed")))}',
-             _demo_counts(d),
-             f'Python {esc(str(env.get("python", "?")))}, torch {esc(str(env.get("torch", "?")))}']
-    return '<p class="meta">' + '<span class="sep"> · </span>'.join(f"<span>{i}</span>" for i in items) + "</p>"
+    startup = (rec.get("startup") or {}).get("seconds")
+    b = lambda label, value: Markup("{} <b>{}</b>").format(label, value)
+    return [_built(rec), b("device", env.get("device", "unknown")), b("backend", env.get("backend", "?")),
+            b("launcher", env.get("launcher", "?")), f'{env.get("world_size", "?")} ranks by default',
+            "quick sizes" if env.get("quick") else "full sizes",
+            f'total {format_seconds(rec.get("elapsed"))}'
+            + (f" (worker start-up {format_seconds(startup)})" if startup else ""),
+            _demo_counts(rec.get("demos") or {}),
+            f'Python {env.get("python", "?")}, torch {env.get("torch", "?")}']
 
 
-def _head(title, body_class):
-    return (f'<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
-            f'<meta name="referrer" content="no-referrer">\n'
-            f'<title>{esc(title)}</title>\n'
-            f'<link rel="stylesheet" href="static/course.css">\n'
-            f'<link rel="stylesheet" href="static/pygments.css">\n'
-            f'<script src="static/course.js" defer></script>\n'
-            f'</head>\n<body class="{body_class}">\n')
+_env = None
+
+
+def templates():
+    """The Jinja2 environment (autoescape on for every template)."""
+    global _env
+    if _env is None:
+        import jinja2
+        _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
+                                  autoescape=True,
+                                  keep_trailing_newline=True)
+        _env.globals["csp"] = _CSP
+    return _env
 
 
 def write_static(out_dir):
@@ -468,51 +458,34 @@ def write_static(out_dir):
     write_atomic(os.path.join(dst, "pygments.css"), pygments_css())
 
 
-def lecture_html(rec, files_dir_name):
+def _neighbours(out_dir, name):
+    """The lectures before and after `name` among the recordings in `out_dir` (by name)."""
+    names = [(stem, rec) for stem, rec in _load_recordings(out_dir)]
+    stems = [s for s, _ in names]
+    if name not in stems:
+        return None, None
+    i = stems.index(name)
+    link = lambda j: ({"page": f"{stems[j]}.html", "title": names[j][1].get("title") or stems[j]}
+                      if 0 <= j < len(stems) else None)
+    return link(i - 1), link(i + 1)
+
+
+def lecture_html(rec, files_dir_name, previous=None, next=None):
     """(page HTML, {file name: bytes}) for a recording."""
     page = Page(rec, files_dir_name)
     for r in rec.get("records") or []:
         page.add_top(r)
+    for s in page.sections:
+        s["code"] = page.code_for(s["keys"])
     title = page.title or rec.get("title") or rec.get("lecture", "lecture")
     status = rec.get("status", "ok")
-    toc = "".join(
-        f'<li><a href="#{s["id"]}"{" class=has-failure" if s["failed"] else ""}>{s["title_html"]}</a></li>'
-        for s in page.sections if s["id"])
-    out = [_head(title, "lecture" + (" build-failed" if status != "ok" else "")),
-           '<header class="topbar"><button type="button" id="menu" class="menu-button" '
-           'aria-controls="sidebar" aria-expanded="false">☰ Contents</button>'
-           f'<span class="topbar-title">{esc(_plain_text(title))}</span></header>\n',
-           '<nav id="sidebar" class="sidebar" aria-label="Contents">'
-           '<a class="home" href="index.html">← All lectures</a>'
-           f'<p class="toc-title"><a href="#top">{markdown_inline(title)}</a></p>'
-           f'<ol class="toc" id="toc">{toc}</ol>'
-           '<p class="keys">Keys: <kbd>j</kbd> or <kbd>→</kbd> next section, <kbd>k</kbd> or '
-           '<kbd>←</kbd> previous, <kbd>t</kbd> contents</p></nav>\n',
-           '<main id="content">\n<header class="page-header" id="top">'
-           f'<h1>{markdown_inline(title)}</h1>']
-    if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title):
-        out.append(f'<p class="subtitle">{esc(rec["title"])}</p>')
-    out.append(_meta_line(rec))
-    out.append(f'<p class="source">from <code>{esc(str(rec.get("file", "")))}</code></p>')
-    if status != "ok":
-        links = ", ".join(f'<a href="#{i}">{esc(n)}</a>' for i, n in page.failed_demos)
-        out.append('<div class="banner-failed"><b>This build failed.</b> '
-                   + (f"Failed demos: {links}." if links else "The lecture stopped with an error; see below.")
-                   + "</div>")
-    out.append("</header>\n")
-    for s in page.sections:
-        code = page.code_for(s["keys"])
-        body = "".join(s["parts"])
-        if s["id"] is None:
-            if body or code:
-                out.append(f'<section class="intro" id="intro">{code}{body}</section>\n')
-            continue
-        out.append(f'<section class="section{" has-failure" if s["failed"] else ""}" id="{s["id"]}">'
-                   f'<h2><a class="anchor" href="#{s["id"]}">{s["title_html"]}</a></h2>'
-                   f"{code}{body}</section>\n")
-    out.append('<footer class="page-footer">Every number on this page was measured by the run '
-               'that built it (see the header for the hardware).</footer>\n</main>\n</body>\n</html>\n')
-    return "".join(out), page.files
+    subtitle = rec.get("title") if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title) else None
+    text = templates().get_template("lecture.html").render(
+        page_title=title, body_class="lecture" + (" build-failed" if status != "ok" else ""),
+        title_html=markdown_inline(title), title_text=_plain_text(title), subtitle=subtitle,
+        meta=_meta_line(rec), file=str(rec.get("file", "")), failed=status != "ok",
+        failed_demos=page.failed_demos, sections=page.sections, previous=previous, next=next)
+    return text, page.files
 
 
 def render_lecture(json_path):
@@ -523,7 +496,7 @@ def render_lecture(json_path):
         rec = json.load(f)
     name = rec.get("lecture") or os.path.splitext(os.path.basename(json_path))[0]
     files_name = f"{name}_files"
-    text, files = lecture_html(rec, files_name)
+    text, files = lecture_html(rec, files_name, *_neighbours(out_dir, name))
     write_static(out_dir)
     files_dir = os.path.join(out_dir, files_name)
     for fname, data in files.items():
@@ -544,56 +517,54 @@ def render_lecture(json_path):
 # --- the index ---------------------------------------------------------------------------
 
 def _load_recordings(out_dir):
+    """(name, recording) of every lecture recording in `out_dir`, in name order."""
     recs = []
     for fname in sorted(os.listdir(out_dir)):
-        if not fname.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(out_dir, fname), encoding="utf-8") as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
-            recs.append((fname[:-5], rec))
+        if fname.endswith(".json"):
+            rec = load(os.path.join(out_dir, fname))
+            if rec is not None:
+                recs.append((fname[:-5], rec))
     return recs
 
 
 def render_index(out_dir):
-    """Write <out>/index.html listing every lecture recording in <out>."""
+    """Write <out>/index.html listing every lecture recording in <out>, in order, each with
+    its one-line summary, and link each lecture page to its neighbours (re-rendering a page
+    whose previous/next changed, so building lectures one by one keeps the links right)."""
     out_dir = os.path.abspath(out_dir)
     write_static(out_dir)
-    items = []
+    lectures = []
     for stem, rec in _load_recordings(out_dir):
         name = rec.get("lecture") or stem
-        env, d = rec.get("environment") or {}, rec.get("demos") or {}
-        status = rec.get("status", "ok")
+        env = rec.get("environment") or {}
         page = f"{name}.html"
-        links = [f'<a href="{esc(page)}">read the lecture</a>'] if os.path.isfile(os.path.join(out_dir, page)) else []
-        nb = os.path.join("notebooks", f"{name}.html")
-        if os.path.isfile(os.path.join(out_dir, nb)):
-            links.append(f'<a class="notebook" href="{esc(nb)}">companion notebook</a>')
-        title = rec.get("title") or name
-        head = (f'<a href="{esc(page)}">{esc(title)}</a>' if links and "read the lecture" in links[0]
-                else esc(title))
-        items.append(
-            f'<li class="lecture-card status-{esc(status)}"><h2>{head}</h2>'
-            f'<p class="lecture-name"><code>{esc(name)}</code>'
-            + (' <span class="status status-failed">build failed</span>' if status != "ok" else "")
-            + "</p>"
-            f'<p class="meta"><span>built <time datetime="{esc(rec.get("built", ""))}">'
-            f'{esc(format_built(rec.get("built")))}</time></span><span class="sep"> · </span>'
-            f'<span>{esc(str(env.get("device", "unknown device")))}</span><span class="sep"> · </span>'
-            f'<span>backend {esc(str(env.get("backend", "?")))}</span><span class="sep"> · </span>'
-            f'<span>{_demo_counts(d)}</span><span class="sep"> · </span>'
-            f'<span>{esc(format_seconds(rec.get("elapsed")))}{" (quick sizes)" if env.get("quick") else ""}</span></p>'
-            f'<p class="links">{" · ".join(links)}</p></li>')
-    body = ("<ol class=\"lectures\">" + "".join(items) + "</ol>") if items else \
-        '<p class="quiet">No lectures built yet: run <code>make</code>.</p>'
-    text = (_head("Distributed training, executable course", "index")
-            + '<main id="content" class="index-main"><header class="page-header" id="top">'
-            '<h1>Distributed training, an executable course</h1>'
-            '<p class="subtitle">Every page below was produced by running its lecture; every number '
-            'on it was measured by that run.</p></header>' + body + "</main>\n</body>\n</html>\n")
+        nb = f"notebooks/{name}.html"
+        lectures.append({
+            "name": name, "title": rec.get("title") or name, "summary": rec.get("summary"),
+            "status": rec.get("status", "ok"),
+            "page": page if os.path.isfile(os.path.join(out_dir, page)) else None,
+            "notebook": nb if os.path.isfile(os.path.join(out_dir, nb)) else None,
+            "meta": [_built(rec), env.get("device", "unknown device"),
+                     f'backend {env.get("backend", "?")}', _demo_counts(rec.get("demos") or {}),
+                     format_seconds(rec.get("elapsed")) + (" (quick sizes)" if env.get("quick") else "")]})
+    text = templates().get_template("index.html").render(
+        page_title="Distributed training, executable course", body_class="index", lectures=lectures)
     path = os.path.join(out_dir, "index.html")
     write_atomic(path, text)
+    _relink(out_dir)
     return path
+
+
+def _relink(out_dir):
+    """Re-render lecture pages whose previous/next links are out of date."""
+    for stem, rec in _load_recordings(out_dir):
+        page = os.path.join(out_dir, f"{stem}.html")
+        if not os.path.isfile(page):
+            continue
+        previous, following = _neighbours(out_dir, stem)
+        with open(page, encoding="utf-8") as f:
+            html_text = f.read()
+        want = [x["page"] for x in (previous, following) if x]
+        have = re.findall(r'<a class="(?:prev|next)" href="([^"]+)"', html_text)
+        if have != want:
+            render_lecture(os.path.join(out_dir, f"{stem}.json"))

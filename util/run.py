@@ -1,39 +1,28 @@
 """Build one lecture: run its main(), record everything, write content/<lecture>.json and its page.
 
     python -m util.run NAME [--quick] [--world-size N] [--backend gloo|nccl]
-                            [--launcher pool|spawn] [--timeout S] [--out DIR]
+                            [--launcher pool|spawn] [--timeout S] [--verbose] [--out DIR]
 
 NAME is a lecture in lectures/ (lecture_02_communication), a dotted module
-(tests.fixture_lecture) or a path to a .py file. Exit status: 0 built, 1 a demo or the lecture
-failed (the page is still written and shows the failure), 2 bad command line.
+(tests.fixture_lecture) or a path to a .py file. Exit status: 0 built (demos that failed as
+expected are lessons, not failures), 1 a demo or the lecture failed (the page is still written
+and shows the failure), 2 bad command line.
 
-Under torchrun every rank runs this; rank 0 writes the files.
-
-The recording (schema "course-lecture/1") is one JSON object:
-    schema, lecture, title, module, file        what was built
-    built (UTC ISO time), elapsed (s), status    ok | failed
-    environment                                  python, torch, backend, launcher, world_size,
-                                                 quick, device (which hardware measured it)
-    demos                                        {total, failed, expected_failures, skipped}
-    functions                                    key -> {file, name, start, code}
-    records                                      see util/record.py; a "demo" record holds the
-                                                 records its ranks made under "records"
+Under torchrun every rank runs this; rank 0 writes the files. The recording's format is
+documented in util/recording.py.
 """
 import argparse
 import datetime
 import importlib
-import json
 import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 import traceback
 
-from util import launch, record
-
-SCHEMA = "course-lecture/1"
+from util import launch, record, recording
+from util.measure import usable_cores
 
 
 class Parser(argparse.ArgumentParser):
@@ -53,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--launcher", choices=["pool", "spawn"], default="pool",
                    help="pool reuses worker processes; spawn starts new ones per demo")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a waiting collective fails")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the traceback of demos that fail as expected")
     p.add_argument("--out", default=os.path.join(record.ROOT, "content"), help="output folder")
     args = p.parse_args(argv)
     if args.world_size < 1:
@@ -96,23 +87,15 @@ def describe_device():
             cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"CPU: {cpu}, {os.cpu_count()} cores"
+    return f"CPU: {cpu}, {usable_cores()} usable cores"
 
 
-def write_atomic(path, data):
-    """Write text or bytes to a temporary file beside `path`, then rename: readers never see
-    half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; pages are for reading
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def describe_module(module, name):
+    """(title, summary): the docstring's first line, and its first paragraph after that."""
+    doc = (module.__doc__ or name).strip()
+    title, _, rest = doc.partition("\n")
+    summary = " ".join(rest.strip().split("\n\n")[0].split())
+    return title.strip(), summary
 
 
 def build(args):
@@ -120,14 +103,15 @@ def build(args):
     import torch
     s = launch.settings
     s.quick, s.world_size, s.backend = args.quick, args.world_size, args.backend
-    s.launcher, s.timeout = args.launcher, args.timeout
-    s.verbose = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports progress
+    s.launcher, s.timeout, s.verbose = args.launcher, args.timeout, args.verbose
+    s.progress = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports progress
     recorder = record.Recorder()
+    recorder.demo_names = set()
     record.use(recorder)
     module = importlib.import_module(args.module)
     name = args.module.rsplit(".", 1)[-1]
-    title = (module.__doc__ or name).strip().splitlines()[0]
-    if s.verbose:
+    title, summary = describe_module(module, name)
+    if s.progress:
         print(f"building {name}: {title}", file=sys.stderr, flush=True)
     start, status = time.perf_counter(), "ok"
     try:
@@ -145,16 +129,19 @@ def build(args):
     if "failed" in statuses:
         status = "failed"
     return {
-        "schema": SCHEMA, "lecture": name, "title": title, "module": args.module,
+        "schema": recording.SCHEMA, "lecture": name, "title": title, "summary": summary,
+        "module": args.module,
         "file": record.relpath(module.__file__),
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "elapsed": round(time.perf_counter() - start, 3), "status": status,
+        "startup": {"workers": sum(n for n, _ in launch.startups),
+                    "seconds": round(sum(t for _, t in launch.startups), 3)},
         "environment": {
             "python": platform.python_version(), "torch": torch.__version__,
             "backend": args.backend or launch.choose_backend(args.world_size),
             "launcher": "torchrun" if launch.in_torchrun() else args.launcher,
             "world_size": args.world_size, "quick": args.quick,
-            "device": describe_device(), "host": socket.gethostname()},
+            "device": describe_device(), "cores": usable_cores(), "host": socket.gethostname()},
         "demos": {"total": len(statuses), "failed": statuses.count("failed"),
                   "expected_failures": statuses.count("expected_failure"),
                   "skipped": statuses.count("skipped")},
@@ -165,19 +152,20 @@ def build(args):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    recording = build(args)
+    rec = build(args)
     if launch.in_torchrun() and int(os.environ["RANK"]) != 0:
-        return 0 if recording["status"] == "ok" else 1
-    path = os.path.join(args.out, recording["lecture"] + ".json")
-    write_atomic(path, json.dumps(recording, indent=1))
+        return 0 if rec["status"] == "ok" else 1
+    path = os.path.join(args.out, rec["lecture"] + ".json")
+    recording.save(path, rec)
     from util import render
     page = render.render_lecture(path)
     render.render_index(args.out)
-    d = recording["demos"]
-    print(f"{recording['lecture']}: {d['total']} demos, {d['failed']} failed, "
+    d = rec["demos"]
+    print(f"{rec['lecture']}: {d['total']} demos, {d['failed']} failed, "
           f"{d['expected_failures']} failed as expected, {d['skipped']} skipped; "
-          f"{recording['elapsed']:.1f} s -> {os.path.relpath(page)}", file=sys.stderr)
-    return 0 if recording["status"] == "ok" else 1
+          f"{rec['elapsed']:.1f} s (of which worker start-up {rec['startup']['seconds']:.1f} s) "
+          f"-> {os.path.relpath(page)}", file=sys.stderr)
+    return 0 if rec["status"] == "ok" else 1
 
 
 if __name__ == "__main__":
