@@ -246,6 +246,62 @@ def _take(t, dim, group):
     return None if t is None else _split(t.detach(), dim, group)
 
 
+class ColumnParallelLinearFunction(torch.autograd.Function):
+    """f (or the sequence all-gather) fused with the matmul, so that backward can overlap:
+
+        before:  dX = dY·W  ->  all-reduce(dX) ........ wait  ->  dW = dYᵀ·X
+        now:     dX = dY·W  ->  all-reduce(dX) starts  ->  dW = dYᵀ·X  ->  wait
+
+    The all-reduce (reduce-scatter under sequence parallelism) of the input gradient travels
+    while the weight gradient is computed. Under sequence parallelism only this rank's slice of
+    the input is saved, and backward all-gathers it again (Megatron-LM does the same): one more
+    all-gather instead of a full-sequence activation kept for the whole step."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.save_for_backward(x, weight)
+        full = _all_gather(x, SEQ_DIM, group) if sequence_parallel else x
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        full = _all_gather(x, SEQ_DIM, group) if ctx.sp else x
+        grad = grad.contiguous()
+        grad_full_input = grad @ weight
+        work, n = None, dist.get_world_size(group)
+        if n > 1 and ctx.needs_input_grad[0]:
+            if ctx.sp:
+                _check_divisible(grad_full_input, SEQ_DIM, n, "reduce-scatter")
+                src = grad_full_input.movedim(SEQ_DIM, 0).contiguous()
+                grad_input = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+                start = time.perf_counter()
+                work = dist.reduce_scatter_tensor(grad_input, src, group=group, async_op=True)
+                label = "reduce-scatter (async)"
+            else:
+                grad_input = grad_full_input
+                start = time.perf_counter()
+                work = dist.all_reduce(grad_input, group=group, async_op=True)
+                label = "all-reduce (async)"
+        else:
+            grad_input = grad_full_input
+        # ... while it travels, the weight gradient
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        if work is not None:
+            if _trace:   # the span ends when the collective completes, seen from gloo's thread
+                done = []
+                work.get_future().then(lambda _: done.append(time.perf_counter()))
+            work.wait()
+            if _trace:
+                span_at(label, start, done[0] if done else time.perf_counter())
+            if ctx.sp:
+                grad_input = grad_input.movedim(0, SEQ_DIM).contiguous()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ + b with A's output rows (the columns of the math's XA) split over the ranks:
     this rank computes its slice of the output features and nothing needs summing.
@@ -291,8 +347,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.enter_region:
-            x = all_gather_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = ColumnParallelLinearFunction.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def full_tensors(self, grad=False):
@@ -644,7 +701,102 @@ def full_parameters(model, grad=False):
 
 
 # =========================================================================================
-# 5. Rank functions: train the split GPT, and the single-process reference
+# 5. The same split with PyTorch's DTensor: a plan of sharding annotations
+# =========================================================================================
+
+def dtensor_plan(sequence_parallel=False):
+    """torch.distributed.tensor.parallel's plan for the GPT, module pattern -> ParallelStyle.
+    Each style says how the module's weights are laid out (Colwise: Shard(0) of the weight,
+    Rowwise: Shard(1)) and how its inputs and outputs are laid out on the mesh; DTensor derives
+    the collectives (and their backward) from the layouts."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()     # how the residual stream is laid out
+    plan = {
+        # vocabulary-parallel embedding: rows of the table sharded, partial sums reduced
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.q_proj": ColwiseParallel(),
+        "blocks.*.attn.k_proj": ColwiseParallel(),
+        "blocks.*.attn.v_proj": ColwiseParallel(),
+        "blocks.*.attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp.fc_in": ColwiseParallel(),
+        "blocks.*.mlp.fc_out": RowwiseParallel(output_layouts=residual),
+        # use_local_output=False: the logits stay a DTensor sharded on the vocabulary, which
+        # loss_parallel() reads without gathering them
+        "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        plan.update({
+            # positions: rows sharded like the vocabulary, the sum reduce-scattered over the
+            # sequence so it adds to the sequence-parallel token embedding
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "blocks.*.ln1": SequenceParallel(),
+            "blocks.*.ln2": SequenceParallel(),
+            "ln_f": SequenceParallel(),
+        })
+    return plan
+
+
+def parallelize_gpt_dtensor(model, mesh, sequence_parallel=False):
+    """A copy of the GPT split by torch's parallelize_module on a 1-D DeviceMesh."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    cfg, tp = model.cfg, mesh.size()
+    check_splittable(cfg, tp)
+    if cfg.kv_heads % tp:
+        raise ValueError(f"this DTensor plan splits KV heads too: tp={tp} must divide {cfg.kv_heads}")
+    if cfg.tie_embeddings:
+        raise ValueError("this DTensor plan does not tie the embedding (Rowwise) and head (Colwise) layouts")
+    model = parallelize_module(copy.deepcopy(model), mesh, dtensor_plan(sequence_parallel))
+    for block in model.blocks:
+        # parallelize_module shards the weights but leaves nn.Linear's out_features at the full
+        # width; the attention reads its local head count from it (torchtitan likewise sets
+        # n_heads //= tp on each layer).
+        for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+            proj.out_features //= tp
+    return model
+
+
+def dtensor_loss(model, tokens, targets):
+    """Vocabulary-parallel loss the DTensor way: inside loss_parallel(), cross_entropy on logits
+    sharded on the vocabulary never gathers them. Backward must run inside it too."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    logits = model(tokens)
+    with loss_parallel():
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train_dtensor(rank, world_size, cfg, steps=3, batch_size=5, lr=3e-3, seed=0, sequence_parallel=False):
+    """train_tp's run with parallelize_module instead of parallelize_gpt."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("tp",))
+    model = parallelize_gpt_dtensor(GPT(cfg).to(device()), mesh, sequence_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    out = {"losses": []}
+    for step in range(steps):
+        tokens, targets = (t.to(device()) for t in batch(cfg, batch_size, step, seed))
+        logits = model(tokens)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        if step == 0:
+            out["logits"] = full(logits.detach()).cpu()
+            out["grads"] = {k: full(p.grad).detach().cpu() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(full(loss).item())
+    out["params"] = {k: full(p.detach()).cpu() for k, p in model.named_parameters()}
+    return out
+
+
+# =========================================================================================
+# 6. Rank functions: train the split GPT, and the single-process reference
 # =========================================================================================
 
 def tp_group(world_size, tp):

@@ -240,3 +240,19 @@ def test_refuses_what_it_cannot_split():
 
 def test_quick_build(tmp_path):
     build("lecture_04_tensor_parallel", tmp_path, "--quick")
+
+
+def both(rank, world_size, cfg, sequence_parallel, batch_size):
+    return {"dtensor": L.train_dtensor(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel),
+            "ours": L.train_tp(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel)}
+
+
+@pytest.mark.parametrize("world_size,sp,overrides", [(2, False, dict(seq_len=7)), (4, True, dict(seq_len=8, n_heads=8, n_kv_heads=4))])
+def test_dtensor_parallelize_module_equals_ours(world_size, sp, overrides):
+    cfg = _cfg(overrides)
+    ref = L.train_reference(cfg, steps=3, batch_size=3)
+    run = spawn(both, world_size, cfg=cfg, sequence_parallel=sp, batch_size=3).returns[0]
+    for k in ref["params"]:
+        torch.testing.assert_close(run["dtensor"]["grads"][k], ref["grads"][k], rtol=1e-10, atol=1e-12, msg=k)
+        torch.testing.assert_close(run["dtensor"]["params"][k], run["ours"]["params"][k], rtol=1e-9, atol=1e-10, msg=k)
+    torch.testing.assert_close(run["dtensor"]["logits"], run["ours"]["logits"], rtol=1e-12, atol=1e-12)
