@@ -278,9 +278,9 @@ def _gather_lengths(local_len, group, n, dev):
 TRACE = None  # set to a list to record (label, start, end) of ring compute and transfers
 
 
-def _trace(label, start, end):
+def _trace(label, start, end, work=0):
     if TRACE is not None:
-        TRACE.append((label, start, end))
+        TRACE.append((label, start, end, work))
 
 
 class _Transfer:
@@ -294,9 +294,12 @@ class _Transfer:
         self.label, self.start = label, time.perf_counter()
 
     def wait(self):
+        waiting = time.perf_counter()
         for op in self.ops:
             op.wait()
-        _trace(self.label, self.start, time.perf_counter())
+        end = time.perf_counter()
+        _trace(self.label, self.start, end)        # posted -> seen complete (at the latest)
+        _trace("waiting", waiting, end)            # the part not hidden under compute
         return self.buf
 
 
@@ -322,14 +325,13 @@ class RingAttention(torch.autograd.Function):
             src = (r - step) % n
             nxt = _Transfer(kv, (b, h, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
                             "K/V transfer") if step < n - 1 else None
-            start = time.perf_counter()
+            start, before = time.perf_counter(), len(work)
             segments_forward(q_, kv[..., :d], kv[..., d:], segs[r], segs[src], causal, scale, out, lse, work)
-            _trace("block compute", start, time.perf_counter())
+            _trace("block compute", start, time.perf_counter(), sum(work[before:]))
             if nxt is not None:
                 kv = nxt.wait()
         ctx.save_for_backward(q_, k_, v_, out, lse)
         ctx.meta = (causal, group, n, r, lengths, segs, scale, q.dtype)
-        ctx.work = sum(work)
         return out.to(q.dtype)
 
     @staticmethod
@@ -348,9 +350,10 @@ class RingAttention(torch.autograd.Function):
                             "K/V transfer") if step < n - 1 else None
             start = time.perf_counter()
             dkv = torch.zeros(b, h, lengths[src], 2 * d, dtype=q.dtype, device=q.device)
+            work = sum(qs[1] * ks[1] for qs in segs[r] for ks in segs[src] if pair_kind(qs, ks, causal) != "empty")
             segments_backward(q, kv[..., :d], kv[..., d:], dout, lse, delta, segs[r], segs[src], causal,
                               scale, dq, dkv[..., :d], dkv[..., d:])
-            _trace("block compute", start, time.perf_counter())
+            _trace("block compute (backward)", start, time.perf_counter(), work)
             if grad_in is not None:
                 dkv += grad_in.wait()
             # Pass the accumulator on; after n hops it is back with the block's owner.
@@ -535,6 +538,67 @@ def attention_shards(rank, world_size, cases, seq_len, heads, head_dim=8, batch=
         out.backward(shard_sequence(dout, rank, world_size, 2, layout))
         results[variant, layout, causal] = [t.detach().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
     return results
+
+
+# --- PyTorch's own context parallelism, with a CPU shim --------------------------------------
+
+def install_cpu_context_parallel_shim():
+    """SHIM (torch 2.13, CPU only): PyTorch's `context_parallel` registers ring handlers for the
+    CUDA SDPA kernels only; on CPU, SDPA dispatches to `_scaled_dot_product_flash_attention_for_cpu`
+    and fails with "does not have a sharding strategy registered". This registers a handler for
+    that op and its backward that calls PyTorch's own `_templated_ring_attention(_backward)`.
+    Private names: kept in this one tested function so a torch upgrade breaks here, loudly."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if fwd in cp.custom_ops:
+        return
+
+    def wrap(local, like):                      # a local shard -> DTensor sharded on dim 2
+        shape = list(local.shape)
+        shape[2] *= like.device_mesh.size()
+        meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), local.dtype)
+        return DTensor(local, DTensorSpec(like.device_mesh, like.placements, tensor_meta=meta),
+                       requires_grad=False)
+
+    def handler(op, args, kwargs):
+        spec = (args[0] if op is fwd else args[1])._spec
+        a = [x.to_local() if isinstance(x, DTensor) else x for x in args]
+        kw = dict(kwargs)
+        group = spec.device_mesh.get_group()
+        if op is fwd:
+            q, k, v, *rest = a
+            dropout_p, causal = (rest + [kw.pop("dropout_p", 0.0), kw.pop("is_causal", False)])[:2] \
+                if len(rest) < 2 else rest[:2]
+            out, lse = cp._templated_ring_attention(group, 2, fwd, q, k, v, is_causal=causal,
+                                                    dropout_p=dropout_p, **kw)
+            return wrap(out, spec), wrap(lse, spec)
+        g, q, k, v, out, lse, dropout_p, causal = a[:8]
+        grads = cp._templated_ring_attention_backward(group, 2, bwd, g, "grad_out", q, k, v, out, lse,
+                                                      causal, dropout_p=dropout_p, **kw)
+        return tuple(wrap(x, spec) for x in grads[:3])
+
+    cp.custom_ops[fwd] = cp.custom_ops[bwd] = handler
+
+
+def pytorch_context_parallel_attention(rank, world_size, seq_len, heads, head_dim=8, batch=2,
+                                       dtype="float64", causal=True):
+    """PyTorch's `context_parallel` around plain F.scaled_dot_product_attention (its head-tail
+    layout, i.e. zig-zag, for causal); returns this rank's output and gradients in our zig-zag
+    order, to compare with one process exactly as our own variants are."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    if device().type == "cpu":
+        install_cpu_context_parallel_shim()
+    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
+    q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, batch, dtype))
+    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
+        ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
+        out.backward(dout)
+    return [t.detach().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
 
 
 def attention_in_subgroups(rank, world_size, seq_len, heads, layout="zigzag"):
@@ -839,5 +903,634 @@ def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0):
             "grads": grads}
 
 
+# =========================================================================================
+# 8. Rank functions for the measurements
+# =========================================================================================
+
+def saved_bytes(fn):
+    """Run fn() and return (its result, bytes of the distinct tensors autograd saved for backward),
+    measured with a saved-tensors hook: the activation memory a training step holds."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def activation_memory(rank, world_size, seq_lens, layout="zigzag", batch_size=2):
+    """Bytes a context-parallel GPT step keeps for backward on this rank, for each sequence length.
+    One rank = the whole sequence (ring attention on a group of one is plain block attention)."""
+    from lectures.lecture_01_memory_and_precision import GPT
+    rows = {}
+    for S in seq_lens:
+        cfg = gpt_config("float32", seq_len=S)
+        model = context_parallel_gpt(GPT(cfg).to(device()), layout=layout)
+        tokens = torch.randint(cfg.vocab_size, (batch_size, S), generator=torch.Generator().manual_seed(S))
+        pos = sequence_positions(S, rank, world_size, layout).to(device())
+        _, held = saved_bytes(lambda: model(tokens.to(device())[:, pos], positions=pos))
+        rows[S] = held
+    return rows
+
+
+def _inputs(seq_len, heads, head_dim, rank, world_size, layout, dtype="float32", batch=1):
+    full = attention_inputs(seq_len, heads, head_dim, batch, dtype)
+    return [shard_sequence(t, rank, world_size, 2, layout).to(device()).contiguous() for t in full]
+
+
+def fwd_bwd(fn, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fn(q, k, v).backward(dout)
+
+
+def ring_trace(rank, world_size, seq_len, heads, head_dim, layout="contiguous", causal=False, repeats=5):
+    """Ring attention forward+backward with its compute blocks, waits and transfers traced: the last
+    repetition goes on the timeline; medians over the repetitions are returned, per rank."""
+    global TRACE
+    q, k, v, dout = _inputs(seq_len, heads, head_dim, rank, world_size, layout)
+    fn = functools.partial(ring_attention, causal=causal, layout=layout)
+    fwd_bwd(fn, q, k, v, dout)                                       # warm-up
+    per = []
+    for i in range(repeats):
+        dist.barrier()
+        TRACE = []
+        t0 = time.perf_counter()
+        fwd_bwd(fn, q, k, v, dout)
+        wall = time.perf_counter() - t0
+        events, TRACE = TRACE, None
+        total = lambda pred: sum(e - s for label, s, e, _ in events if pred(label))
+        per.append({"wall": wall, "compute": total(lambda l: l.startswith("block compute")),
+                    "waiting": total(lambda l: l == "waiting"),
+                    "work": sum(w for label, _, _, w in events if label.startswith("block compute"))})
+    for label, start, end, _ in events:
+        span_at(label, start, end)
+    med = lambda key: sorted(p[key] for p in per)[len(per) // 2]
+    return {key: med(key) for key in per[0]}
+
+
+def transfer_alone(rank, world_size, seq_len, heads, head_dim):
+    """One K/V block sent around the ring with nothing else to do: what the transfers cost alone."""
+    from util.measure import measure
+    group, n, r = _group_info(None)
+    kv = torch.randn(1, heads, seq_len // world_size, 2 * head_dim, device=device())
+    t = measure(lambda: _Transfer(kv, kv.shape, group, n, r, 0, "alone").wait(), warmup=2, repeats=9)
+    return t
+
+
+def compare_variants(rank, world_size, seq_len, heads, head_dim, variants, causal=True, repeats=7):
+    """For each attention variant on the same shapes: forward+backward time (slowest rank), the bytes
+    this rank sent, and the bytes autograd saved for backward on this rank."""
+    from util.measure import bytes_sent, measure
+    out = {}
+    for name in variants:
+        layout = "zigzag" if causal and name != "ulysses" else "contiguous"
+        q, k, v, dout = _inputs(seq_len, heads, head_dim, rank, world_size, layout)
+        fn = functools.partial(ATTENTION[name], causal=causal, layout=layout)
+        fwd_bwd(fn, q, k, v, dout)
+        dist.barrier()
+        with bytes_sent() as sent:
+            _, held = saved_bytes(lambda: fn(*(t.detach().requires_grad_() for t in (q, k, v))))
+        dist.barrier()
+        with bytes_sent() as sent_all:
+            fwd_bwd(fn, q, k, v, dout)
+        timing = measure(lambda: fwd_bwd(fn, q, k, v, dout), warmup=1, repeats=repeats)
+        out[name] = {"time": timing, "held": held, "sent_forward": sent.bytes, "sent": sent_all.bytes,
+                     "shard_bytes": q.numel() * q.element_size()}
+    return out
+
+
+def ulysses_refusal(rank, world_size, heads):
+    """Ulysses with fewer heads than ranks: the error it gives."""
+    q = torch.randn(1, heads, 4, 8, device=device())
+    try:
+        ulysses_attention(q, q, q)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
+    """PyTorch's context_parallel (ring, head-tail layout) vs our zig-zag ring, same shapes, float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from util.measure import measure
+    if device().type == "cpu":
+        install_cpu_context_parallel_shim()
+    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
+    full = [t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32")]
+    q, k, v, dout = (t.clone() for t in full)
+    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
+        theirs = measure(lambda: fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True),
+                                         q, k, v, dout), warmup=2, repeats=repeats)
+        ql = q.detach().requires_grad_()
+        their_out = F.scaled_dot_product_attention(ql, k, v, is_causal=True).detach()
+    mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
+    ours = measure(lambda: fwd_bwd(functools.partial(ring_attention, causal=True, layout="zigzag"), *mine),
+                   warmup=2, repeats=repeats)
+    our_out = ring_attention(*mine[:3], causal=True, layout="zigzag")
+    return {"theirs": theirs, "ours": ours, "same_layout": bool(torch.equal(q, mine[0])),
+            "max_diff": (their_out - our_out).abs().max().item()}
+
+
+def moe_gpt(cfg, n_experts, top_k, capacity_factor):
+    """Lecture 01's GPT with every MLP replaced by a mixture of experts of the same width."""
+    from lectures.lecture_01_memory_and_precision import GPT
+    model = GPT(cfg)
+    torch.manual_seed(cfg.seed)
+    for block in model.blocks:
+        block.mlp = MoE(cfg.d_model, cfg.ff, n_experts, top_k, capacity_factor).to(cfg.torch_dtype)
+    return model
+
+
+def train_moe_gpt(rank, world_size, aux_weights, steps, n_experts=4, top_k=1, capacity_factor=1.25,
+                  batch_size=16, lr=3e-3):
+    """Rank r trains its own copy with balance-loss weight aux_weights[r] (independent runs side by
+    side, no communication). Returns per-step loss, expert load and dropped fraction."""
+    from lectures.lecture_01_memory_and_precision import batch, loss_fn
+    cfg = gpt_config("float32")
+    model = moe_gpt(cfg, n_experts, top_k, capacity_factor).to(device())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    alpha = aux_weights[rank]
+    log = {"loss": [], "aux": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
+    for step in range(steps):
+        tokens, targets = batch(cfg, batch_size, step)
+        loss = loss_fn(model(tokens.to(device())), targets.to(device()))
+        moes = [b.mlp for b in model.blocks]
+        aux = sum(m.aux_loss for m in moes) / len(moes)
+        (loss + alpha * aux).backward()
+        opt.step()
+        opt.zero_grad()
+        counts = torch.tensor([m.stats["tokens_per_expert"] for m in moes], dtype=torch.float64)
+        log["loss"].append(loss.item())
+        log["aux"].append(aux.item())
+        log["max_load"].append((counts.max(1).values / counts.mean(1)).mean().item())
+        log["dropped"].append(sum(m.stats["dropped"] for m in moes) / sum(m.stats["assignments"] for m in moes))
+        if step == 0:
+            log["first_tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
+    log["tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
+    return log
+
+
+def expert_parallel_traffic(rank, world_size, tokens, d_model, d_ff, n_experts, top_k, capacity_factor,
+                            repeats=5):
+    """The expert-parallel layer on `tokens` tokens per rank: equality with the one-process layer on
+    all ranks' tokens, the bytes this rank sent in one forward+backward, rows sent and received, time."""
+    from util.measure import bytes_sent, measure
+    kw = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor,
+              dtype="float32")
+    check = expert_parallel_check(rank, world_size, dict(kw, dtype="float64"), [tokens] * world_size)
+    moe = moe_layer(**kw)
+    ep = ExpertParallelMoE.from_full(moe).to(device())
+    xs, ws = moe_inputs(world_size, [tokens] * world_size, d_model, dtype="float32")
+    x, w = xs[rank].to(device()), ws[rank].to(device())
+
+    def step():
+        xx = x.detach().requires_grad_()
+        ((ep(xx) * w).sum() + AUX_WEIGHT * ep.aux_loss).backward()
+    step()
+    dist.barrier()
+    with bytes_sent() as sent:
+        step()
+    stats = {k: v for k, v in ep.stats.items() if k != "keep"}
+    t = measure(step, warmup=1, repeats=repeats)
+    return {"check": check, "sent": sent.bytes, "stats": stats, "time": t}
+
+
+# =========================================================================================
+# The lecture
+# =========================================================================================
+
+def attention_sizes():
+    """Shapes for the timings: (sequence, heads, head dim)."""
+    return (512, 4, 32) if settings.quick else (1024, 8, 32)
+
+
+def intro():
+    note("""
+        # Context parallelism and expert parallelism
+        Two ways to split a transformer that the earlier lectures did not cover. **Context
+        parallelism** (CP) splits the *sequence*: every rank holds all the weights and a slice of
+        the tokens, for the whole model, so activation memory per rank falls as 1/n and sequences
+        longer than one device's memory become trainable. **Expert parallelism** (EP) splits a
+        mixture-of-experts layer's experts across ranks and moves the tokens to them.
+
+        Both are built here from `send`/`recv` and `all_to_all_single`, as `torch.autograd.Function`s
+        with hand-written backward passes, and every one is compared with one process: the same
+        outputs and the same gradients. The model is lecture 01's GPT.
+    """)
+
+
+def what_needs_other_ranks():
+    from lectures.lecture_01_memory_and_precision import GPT
+    note("""
+        ## Only attention needs the other ranks
+        Split a sequence of s tokens over n ranks. Embeddings, LayerNorms, the MLPs, the LM head
+        and the loss act on each token by itself: rank r computes them for its tokens alone, with
+        its copy of the weights (each token embeds at its *global* position, which lecture 01's
+        `GPT.embed(tokens, positions)` allows). Attention is the exception: a query at position i
+        needs the keys and values of every position j ≤ i, and most of those live on other ranks.
+        So context parallelism replaces one function, `CausalSelfAttention.attend`, and the
+        weights' gradients are summed over the ranks, as in data parallelism.
+    """)
+    see(context_parallel_gpt)
+    see(sequence_positions)
+    ref = reference_gpt_gradients()
+    rows = []
+    for n, attention, layout in [(2, "ring", "zigzag"), (4, "ring", "contiguous"), (4, "ulysses", "zigzag")]:
+        r = spawn(cp_gpt_gradients, n, attention=attention, layout=layout,
+                  name=f"context-parallel GPT, {attention} attention, {layout}, {n} ranks").returns
+        logit_diff = max((x["logits"] - ref["logits"][:, x["positions"]]).abs().max().item() for x in r)
+        grad_diff = max((r[0]["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items())
+        rows.append([n, attention, layout, r[0]["loss"], logit_diff, grad_diff])
+    table(rows, header=["ranks", "attention", "layout", "loss", "max |Δ logits|", "max |Δ gradient|"],
+          caption=f"lecture 01's GPT (float64) with the sequence split over the ranks, against one process "
+                  f"(loss {ref['loss']:.10f})")
+    lens = [64, 128, 256] if settings.quick else [64, 128, 256, 512]
+    one = spawn(activation_memory, 1, seq_lens=lens, name="activation memory, whole sequence").returns[0]
+    per = {n: spawn(activation_memory, n, seq_lens=lens, name=f"activation memory, CP over {n} ranks").returns
+           for n in (2, 4)}
+    table([[S, one[S] / 2**20] + [max(x[S] for x in per[n]) / 2**20 for n in (2, 4)] +
+           [one[S] / max(x[S] for x in per[4])] for S in lens],
+          header=["sequence length", "1 rank (MiB)", "CP=2, per rank", "CP=4, per rank", "1 rank / CP=4"],
+          caption="bytes the GPT (batch 2, float32) keeps for backward per rank, measured with a "
+                  "saved-tensors hook; attention here never stores the s×s score matrix (it is "
+                  "recomputed block by block in backward, as FlashAttention does), so everything "
+                  "scales as s/n")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
+    for n in (2, 4):
+        ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("activations kept for backward (MiB)")
+    ax.legend()
+    figure(fig, caption="activation memory per rank falls as 1/n: the point of context parallelism")
+
+
+def ring_attention_section():
+    note("""
+        ## Ring attention
+        Ring attention (Liu et al. 2023) never gathers the whole sequence. At step t, rank r attends
+        with its queries to the K/V block of rank r−t, while it already sends that block on to
+        rank r+1 and receives the next one from r−1: after n steps every query has seen every
+        block, and the transfer of the next block hides under the compute of the current one.
+
+        The partial results combine exactly, because softmax over a union of key sets can be
+        assembled from its parts: keep, for every query row, the output `o` and the log-sum-exp
+        $\ell = \log\sum_j e^{s_j}$ of its block; two partials merge as
+        $\ell = \log(e^{\ell_1} + e^{\ell_2})$ and $o = o_1 e^{\ell_1-\ell} + o_2 e^{\ell_2-\ell}$ —
+        the online softmax of Milakov & Gimelshein, and the heart of FlashAttention.
+    """)
+    see("https://arxiv.org/abs/2310.01889", "Liu, Zaharia, Abbeel 2023: Ring Attention with Blockwise Transformers for Near-Infinite Context")
+    see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018: Online normalizer calculation for softmax")
+    see(merge_partials)
+    note("""
+        Backward needs, for each block, dQ (which stays with the queries) and dK, dV (which belong
+        to the block's owner). With the final ℓ and $D = \mathrm{rowsum}(dO \circ O)$ saved from
+        forward, each block's gradients follow without the other blocks (FlashAttention-2's
+        backward). So the K/V blocks go around the ring once more, and each block's dK/dV
+        accumulator travels one hop behind it, picking up every rank's contribution, and arrives
+        home after n hops. Autograd never sees the communication: the backward is written out.
+    """)
+    see("https://arxiv.org/abs/2307.08691", "Dao 2023: FlashAttention-2 (the block backward)")
+    see(_block_backward)
+    see(RingAttention)
+    rows = []
+    S, h = (24, 4) if settings.quick else (37, 4)
+    cases = [("ring", layout, causal) for layout in ("contiguous", "zigzag") for causal in (False, True)]
+    q, k, v, dout = attention_inputs(S, h)
+    for n in (2, 4):
+        r = spawn(attention_shards, n, cases=cases, seq_len=S, heads=h, name=f"ring attention vs one process, {n} ranks").returns
+        for case in cases:
+            ref = reference_attention(q, k, v, dout, case[2])
+            diffs = [(unshard_sequence([x[case][i] for x in r], 2, case[1]) - ref[i]).abs().max().item() for i in range(4)]
+            rows.append([n, case[1], "causal" if case[2] else "full"] + diffs)
+    table(rows, header=["ranks", "layout", "mask", "max |Δ output|", "|Δ dQ|", "|Δ dK|", "|Δ dV|"],
+          caption=f"ring attention against PyTorch's scaled_dot_product_attention on the whole sequence "
+                  f"(float64, s = {S}: no layout splits it evenly)")
+    from util.measure import machine, timing_ranks
+    n = timing_ranks(4)
+    S, h, d = attention_sizes()
+    run = spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, name=f"ring attention timeline, {n} ranks")
+    alone = spawn(transfer_alone, n, seq_len=S, heads=h, head_dim=d, name=f"K/V block transfer alone, {n} ranks").returns[0]
+    figure(timeline(run.spans, title=f"ring attention forward + backward, s = {S}, {h} heads, head dim {d}"),
+           caption="measured spans per rank: block compute, the K/V (and dK/dV) transfers from posting to "
+                   "when `wait` saw them done, and the time actually spent waiting")
+    st = run.returns
+    comp = max(x["compute"] for x in st)
+    wait = max(x["waiting"] for x in st)
+    wall = max(x["wall"] for x in st)
+    transfers = (n - 1) + (n - 1) + n      # K/V forward, K/V backward, dK/dV backward
+    note(f"""
+        Medians of {len(st)} ranks' repetitions, {machine(n)}: one forward+backward takes
+        {wall * 1e3:.1f} ms, of which {comp * 1e3:.1f} ms is block compute and {wait * 1e3:.2f} ms is
+        waiting for transfers. One K/V block sent around the ring *alone* takes {alone.ms()}, so the
+        {transfers} transfers of a step would cost about {transfers * alone.median * 1e3:.1f} ms if
+        they were not overlapped; the waits show how much of that was not hidden. On GPUs NCCL
+        moves the data on its own engines; on this CPU gloo's threads compete with the compute for
+        the same cores, so hiding is less perfect.
+    """)
+
+
+def ring_work(lengths, layout, causal):
+    """Score entries each rank computes in the ring (the planner the implementation uses)."""
+    segs = layout_segments(lengths, layout)
+    return [sum(qs[1] * ks[1] for src in range(len(lengths)) for qs in segs[r] for ks in segs[src]
+                if pair_kind(qs, ks, causal) != "empty") for r in range(len(lengths))]
+
+
+def load_balance_section():
+    import matplotlib.pyplot as plt
+    from util.measure import machine, timing_ranks
+    note("""
+        ## Causal masking unbalances the ring; zig-zag fixes it
+        With causal attention, a query sees only earlier keys. Split the sequence into contiguous
+        chunks and rank 0's queries need only its own block, while the last rank's need all n:
+        rank 0 idles most of the ring, and the step lasts as long as the busiest rank. Cut the
+        sequence into 2n chunks instead and give rank r chunks r and 2n−1−r, one early and one
+        late (the "zig-zag" or head-tail layout of Llama 3 and ring-flash-attention): every rank
+        now does the same work.
+    """)
+    see(zigzag_shard)
+    see(layout_segments)
+    see(pair_kind)
+    n = timing_ranks(4)
+    S, h, d = attention_sizes()
+    rows, measured = [], {}
+    for layout in ("contiguous", "zigzag"):
+        counted = ring_work(split_sizes(S, n) if layout == "contiguous" else
+                            [len(sequence_positions(S, r, n, layout)) for r in range(n)], layout, True)
+        st = spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, layout=layout, causal=True,
+                   name=f"causal ring, {layout}, {n} ranks").returns
+        measured[layout] = (counted, st)
+        for r in range(n):
+            flops = 14 * d * h * st[r]["work"] // 2      # fwd 4·d, bwd 10·d per score entry (work counts both passes)
+            rows.append([layout, r, counted[r], st[r]["work"] // 2, flops / 1e6, st[r]["compute"] * 1e3])
+    table(rows, header=["layout", "rank", "score entries (planner)", "score entries (counted in the run)",
+                        "MFLOP fwd+bwd", "compute time (ms)"],
+          caption=f"causal ring attention, s = {S}, {h} heads, head dim {d}; {machine(n)}")
+    ratio = lambda xs: max(xs) / max(min(xs), 1e-12)
+    summary = [[layout, ratio(c), ratio([x["compute"] for x in st]), max(x["wall"] for x in st) * 1e3]
+               for layout, (c, st) in measured.items()]
+    table(summary, header=["layout", "max/min work (counted)", "max/min compute time (measured)", "step time (ms)"],
+          caption="the imbalance, counted and measured")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, (layout, (c, st)) in zip(axes, measured.items()):
+        ax.bar([r - 0.2 for r in range(n)], [x / max(c) for x in c], width=0.4, label="work counted")
+        ax.bar([r + 0.2 for r in range(n)], [x["compute"] / max(y["compute"] for y in st) for x in st],
+               width=0.4, label="compute time measured")
+        ax.set_title(layout)
+        ax.set_xlabel("rank")
+        ax.set_xticks(range(n))
+    axes[0].set_ylabel("relative to the busiest rank")
+    axes[0].legend()
+    figure(fig, caption="per-rank work of causal ring attention: contiguous chunks vs zig-zag")
+    note("""
+        The zig-zag layout is a different order of the tokens, nothing more: the model embeds each
+        token at its true position and the loss is a sum over tokens, so training is unchanged
+        (the GPT check above ran with zig-zag).
+    """)
+
+
+def allgather_section():
+    from util.measure import machine, timing_ranks
+    note("""
+        ## The all-gather variant: simpler, more memory
+        Instead of a ring, every rank can all-gather all keys and values first and then attend
+        locally (backward: reduce-scatter dK, dV to their owners). Two collectives, no ring
+        bookkeeping — Llama 3 trained long context this way — but every rank holds the whole
+        sequence's K/V during attention and for backward, where the ring holds its own block plus
+        one in flight.
+    """)
+    see(AllGatherAttention)
+    n = timing_ranks(4)
+    S, h, d = attention_sizes()
+    r = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d, variants=["ring", "all-gather"],
+              name=f"ring vs all-gather, {n} ranks").returns
+    table([[name, r[0][name]["time"].ms(), max(x[name]["held"] for x in r) / 2**20,
+            r[0][name]["shard_bytes"] / 2**20] for name in ("ring", "all-gather")],
+          header=["variant", "forward+backward", "held for backward per rank (MiB)", "one q shard (MiB)"],
+          caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}. "
+                  "Held bytes measured with a saved-tensors hook")
+
+
+def ulysses_section():
+    from util.measure import machine, timing_ranks
+    note("""
+        ## Ulysses: trade the sequence split for a head split
+        DeepSpeed-Ulysses (Jacobs et al. 2023) notices that attention heads are independent. One
+        all-to-all turns each rank's (all heads, s/n positions) into (h/n heads, all s positions);
+        each rank then runs ordinary attention on its heads, and a second all-to-all turns the
+        output back. Per rank it sends 3 + 1 tensors of (n−1)/n of its shard in forward — a volume
+        that does not grow with n — where the ring sends its K/V shard n−1 times. The limit: the
+        heads must split over the ranks, so CP degree ≤ heads (fewer still with grouped-query
+        attention's K/V heads).
+    """)
+    see("https://arxiv.org/abs/2309.14509", "Jacobs et al. 2023: DeepSpeed Ulysses")
+    see(SeqToHeads)
+    see(ulysses_attention)
+    n = timing_ranks(4)
+    S, h, d = attention_sizes()
+    rows = []
+    for ranks in sorted({2, 4, n}):
+        r = spawn(compare_variants, ranks, seq_len=S, heads=h, head_dim=d, variants=["ring", "ulysses", "all-gather"],
+                  repeats=3, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks").returns
+        shard = r[0]["ring"]["shard_bytes"]
+        for name in ("ring", "ulysses", "all-gather"):
+            model = {"ring": (2 * (ranks - 1) + 2 * (ranks - 1) + 2 * ranks) * shard,
+                     "ulysses": 2 * 4 * (ranks - 1) / ranks * shard,
+                     "all-gather": (2 * (ranks - 1) + 2 * (ranks - 1)) * shard}[name]
+            rows.append([ranks, name, r[0][name]["sent_forward"] / 2**20, r[0][name]["sent"] / 2**20, model / 2**20,
+                         r[0][name]["time"].ms() + ("" if ranks <= n else " (oversubscribed)")])
+    table(rows, header=["ranks", "variant", "sent in forward (MiB, measured)", "forward+backward (MiB, measured)",
+                        "forward+backward (model)", "time"],
+          caption=f"bytes rank 0 wrote to its sockets (/proc/self/io), s = {S}, {h} heads, head dim {d}, float32; "
+                  f"model: ring 2(n−1) K/V forward + 2(n−1) K/V and 2n dK/dV backward shards; Ulysses 4 all-to-alls "
+                  f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings. {machine(n)}")
+    msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
+    note(f"With 2 heads on 4 ranks Ulysses refuses: *{msg}*")
+
+
+def pytorch_context_parallel():
+    from util.measure import machine, timing_ranks
+    note("""
+        ## PyTorch's own: `context_parallel`
+        `torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`
+        shards the given tensors along the sequence (head-tail order for causal attention: the
+        same zig-zag) and patches `F.scaled_dot_product_attention` to run a ring. In torch 2.13 its
+        handlers cover the CUDA kernels only; on CPU it fails with "aten._scaled_dot_product_flash_
+        attention_for_cpu.default does not have a sharding strategy registered". The shim below
+        registers that op (and its backward) with PyTorch's own ring functions; on a GPU it is not
+        used. It is tested against one process like our variants.
+    """)
+    see(install_cpu_context_parallel_shim)
+    n = timing_ranks(4)
+    S, h, d = attention_sizes()
+    Sc = 24
+    q, k, v, dout = attention_inputs(Sc, 4)
+    ref = reference_attention(q, k, v, dout, True)
+    r = spawn(pytorch_context_parallel_attention, 2, seq_len=Sc, heads=4, name="PyTorch context_parallel vs one process, 2 ranks").returns
+    diffs = [(zigzag_unshard([x[i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
+    t = spawn(pytorch_vs_ours, n, seq_len=S, heads=h, head_dim=d, name=f"PyTorch context_parallel vs our ring, {n} ranks").returns[0]
+    table([["max |Δ| vs one process (float64, s=24): output, dQ, dK, dV", ", ".join(f"{x:.1e}" for x in diffs)],
+           ["PyTorch's layout equals our zig-zag", t["same_layout"]],
+           ["max |Δ| PyTorch vs ours (float32 outputs)", t["max_diff"]],
+           ["PyTorch context_parallel, forward+backward", t["theirs"].ms()],
+           ["our ring (zig-zag), forward+backward", t["ours"].ms()],
+           ["ours / PyTorch", t["ours"].median / t["theirs"].median]],
+          header=["what", "value"], caption=f"causal attention, s = {S}, {h} heads, head dim {d}; {machine(n)}. "
+                                            "PyTorch merges partials in float32 (`convert_to_f32`), hence ~1e-7 in float64")
+
+
+def mixture_of_experts():
+    import matplotlib.pyplot as plt
+    note("""
+        ## Mixture of experts: router, capacity, balance loss
+        A mixture-of-experts layer replaces the MLP by E expert MLPs and a router, a linear layer
+        giving each token a probability for each expert. A token goes to its top-k experts (Switch
+        Transformer: k = 1; GShard: k = 2) and its output is their gate-weighted sum, so the
+        parameters grow E-fold while the compute per token grows k-fold.
+
+        Experts run on fixed-size buffers, so each takes at most C = ⌈capacity factor · T · k / E⌉
+        of the T tokens; the rest of its queue is **dropped** (that choice contributes nothing and
+        the residual connection carries the token on). First choices queue before second choices.
+        Left alone, routers collapse onto a few experts; the **auxiliary balance loss** of the
+        Switch Transformer, $E \sum_e f_e P_e$ with $f_e$ the fraction of tokens whose first choice
+        is e and $P_e$ the mean router probability of e, is 1 when routing is uniform and grows as
+        it concentrates; only $P$ carries a gradient.
+    """)
+    see("https://arxiv.org/abs/2101.03961", "Fedus, Zoph, Shazeer 2021: Switch Transformers")
+    see("https://arxiv.org/abs/2006.16668", "Lepikhin et al. 2020: GShard")
+    see(route)
+    see(balance_loss)
+    see(MoE)
+    torch.manual_seed(0)
+    moe = moe_layer(d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=None, dtype="float32")
+    x = torch.randn(512, 32)
+    rows = []
+    for cf in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, None):
+        moe.capacity_factor = cf
+        with torch.no_grad():
+            moe(x)
+        st = moe.stats
+        rows.append(["no limit" if cf is None else cf, st["capacity"], st["dropped"], st["dropped"] / st["assignments"]])
+    counts = st["tokens_per_expert"]
+    table(rows, header=["capacity factor", "capacity C (slots per expert)", "dropped choices", "fraction dropped"],
+          caption="an untrained top-2 router over 8 experts, 512 tokens: dropped choices vs capacity factor")
+    steps = 60 if settings.quick else 300
+    weights = [0.0, 0.01]
+    r = spawn(train_moe_gpt, 2, aux_weights=weights, steps=steps,
+              name="MoE GPT training: rank 0 without, rank 1 with the balance loss").returns
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    axes[0].bar(range(8), counts)
+    axes[0].set_xlabel("expert")
+    axes[0].set_ylabel("tokens routed (both choices)")
+    axes[0].set_title("untrained router, 512 tokens")
+    for w, log in zip(weights, r):
+        axes[1].plot(log["max_load"], label=f"balance weight {w}")
+        axes[2].plot(log["loss"], label=f"balance weight {w}")
+    axes[1].axhline(1, color="gray", lw=0.5)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("busiest expert / mean load")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("training loss")
+    axes[1].legend()
+    figure(fig, caption=f"lecture 01's GPT with 4-expert top-1 MoE MLPs (capacity factor 1.25), {steps} steps "
+                        "of AdamW; each setting trained on its own rank, side by side")
+    tail = max(1, steps // 10)
+    mean = lambda xs: sum(xs[-tail:]) / tail
+    table([[w, mean(log["loss"]), mean(log["aux"]), mean(log["max_load"]), mean(log["dropped"]),
+            str(log["tokens_per_expert"])] for w, log in zip(weights, r)],
+          header=["balance weight α", "loss", "balance loss", "busiest / mean load", "dropped fraction",
+                  "tokens per expert (last step, per layer)"],
+          caption=f"means over the last {tail} steps")
+
+
+def expert_parallelism():
+    from util.measure import machine, timing_ranks
+    note("""
+        ## Expert parallelism: all-to-all dispatch and combine
+        Put E/n experts on each of n ranks; each rank routes its own tokens. Two rounds of
+        `all_to_all_single` move the tokens: *dispatch* sends each kept (token, choice) row to the
+        rank owning that expert, the experts run, and *combine* sends the results back, to be
+        weighted by the gates. The splits are uneven and change every step, so the ranks first
+        exchange how many rows each will send (a small all-to-all of counts) to size the buffers.
+        Here the choice counts are also all-gathered first, so every rank knows the global queue
+        positions and drops exactly the tokens one process would; the layer then equals the
+        one-process `MoE` on all ranks' tokens: outputs, gradients, dropped tokens.
+    """)
+    see(AllToAll)
+    see(ExpertParallelMoE)
+    tokens, d_model, d_ff, E, k = (256, 64, 128, 8, 2) if settings.quick else (1024, 64, 256, 8, 2)
+    rows, imbalance = [], []
+    for n in (2, 4):
+        r = spawn(expert_parallel_traffic, n, tokens=tokens, d_model=d_model, d_ff=d_ff, n_experts=E, top_k=k,
+                  capacity_factor=1.25, name=f"expert parallelism, {n} ranks").returns
+        ref = moe_reference(dict(d_model=d_model, d_ff=d_ff, n_experts=E, top_k=k, capacity_factor=1.25),
+                            [tokens] * n)
+        out = torch.cat([x["check"]["out"] for x in r])
+        same_drops = torch.equal(torch.cat([x["check"]["keep"] for x in r]), ref["keep"])
+        for rank, x in enumerate(r):
+            st = x["stats"]
+            remote = sum(c for j, c in enumerate(st["rows_sent"]) if j != rank)
+            rows.append([n, rank, st["rows_sent"], st["rows_received"], sum(st["rows_received"]), x["sent"] / 2**10,
+                         2 * remote * d_model * 4 / 2**10])
+        recv = [sum(x["stats"]["rows_received"]) for x in r]
+        imbalance.append([n, (out - ref["out"]).abs().max().item(), same_drops, max(recv) / (sum(recv) / n),
+                          r[0]["time"].ms() + ("" if n <= timing_ranks(4) else " (oversubscribed)")])
+    table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
+                        "KiB sent fwd+bwd (measured)", "KiB of remote rows, dispatch+combine (forward)"],
+          caption=f"{tokens} tokens per rank, d_model {d_model}, {E} experts, top-{k}, capacity factor 1.25, float32")
+    table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
+                             "busiest rank's rows / mean", "layer forward+backward"],
+          caption=f"equality and imbalance; {machine(timing_ranks(4))}")
+    note("""
+        Measured bytes include the backward pass, which repeats both all-to-alls in reverse, and
+        the small count exchanges. The busiest rank sets the pace: the balance loss that evens
+        out experts also evens out the ranks.
+
+        **Why DeepSeek-V3 limits each token to 4 nodes.** With hundreds of fine-grained experts
+        and top-8 routing, a token's experts could sit on up to 8 different nodes, and every copy
+        crosses the slow inter-node network (InfiniBand) both ways. DeepSeek-V3 first picks at
+        most 4 nodes per token (by the best expert scores on each node), then the experts within
+        them, so each token crosses IB at most 4 times and is forwarded to its experts over the
+        fast intra-node NVLink — bounding the all-to-all traffic that dominates EP's cost.
+    """)
+    see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (node-limited routing)")
+
+
 def main():
-    pass
+    intro()                      # what the two splits are
+    what_needs_other_ranks()     # CP touches only attention; memory per rank ~ s/n
+    ring_attention_section()     # the ring, its merge, its backward, the overlap measured
+    load_balance_section()       # causal masking unbalances contiguous chunks; zig-zag
+    allgather_section()          # the simpler variant and what it costs in memory
+    ulysses_section()            # all-to-all to head shards: bytes compared, its limit
+    pytorch_context_parallel()   # PyTorch's own ring, with a small CPU shim
+    mixture_of_experts()         # router, capacity, balance loss, in training
+    expert_parallelism()         # experts across ranks, tokens by all-to-all
+
+
+def bench():
+    """Ring vs all-gather vs Ulysses (fwd+bwd) side by side; zig-zag's work balance vs contiguous."""
+    from util.measure import timing_ranks
+    n = timing_ranks(4)
+    S, h, d = 1024, 8, 32
+    r = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d, variants=["ring", "all-gather", "ulysses"],
+              name="bench: ring vs all-gather vs Ulysses").returns[0]
+    t = {k: v["time"].median for k, v in r.items()}
+    balance = {}
+    for layout in ("contiguous", "zigzag"):
+        st = spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, layout=layout, causal=True,
+                   name=f"bench: causal ring, {layout}").returns
+        c = [x["compute"] for x in st]
+        balance[layout] = (max(c) / min(c), max(x["wall"] for x in st))
+    return [f"lecture_06: ring {t['ring'] * 1e3:.1f} ms vs all-gather {t['all-gather'] * 1e3:.1f} ms: ratio "
+            f"{t['ring'] / t['all-gather']:.2f}; vs Ulysses {t['ulysses'] * 1e3:.1f} ms: ratio {t['ring'] / t['ulysses']:.2f} "
+            f"(causal fwd+bwd, s={S}, {n} ranks)",
+            f"lecture_06: causal ring max/min compute per rank: contiguous {balance['contiguous'][0]:.2f}, zig-zag "
+            f"{balance['zigzag'][0]:.2f}; step {balance['contiguous'][1] * 1e3:.1f} ms vs {balance['zigzag'][1] * 1e3:.1f} ms "
+            f"(zig-zag / contiguous {balance['zigzag'][1] / balance['contiguous'][1]:.2f})"]
