@@ -33,8 +33,12 @@ VARIANTS = {
 }
 
 
-def train_all_variants(rank, world_size, task):
-    return {name: fn(rank, world_size, task, **kw) for name, (fn, kw) in VARIANTS.items()}
+# The misuse variants (accumulation and a no_grad forward under ZeRO) run on fewer cases.
+MISUSE = [name for name in VARIANTS if "accumulation" in name and "zero" in name or "no_grad" in name]
+
+
+def train_all_variants(rank, world_size, task, names):
+    return {name: VARIANTS[name][0](rank, world_size, task, **VARIANTS[name][1]) for name in names}
 
 
 TASKS = {
@@ -43,6 +47,9 @@ TASKS = {
     "tiny": (L.Task(sizes=(5, 3, 11, 2), batch=24, steps=5, dtype="float64"), 1e-10),
 }
 CASES = [(2, "float64"), (4, "float64"), (4, "float32"), (2, "tiny"), (4, "tiny")]
+MISUSE_CASES = [(2, "float64"), (4, "float32"), (4, "tiny")]
+COMBOS = [(ws, name, v) for ws, name in CASES for v in VARIANTS
+          if v not in MISUSE or (ws, name) in MISUSE_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +58,13 @@ def results():
     out = {}
     for world_size, name in CASES:
         task, _ = TASKS[name]
+        names = [v for c_ws, c_name, v in COMBOS if (c_ws, c_name) == (world_size, name)]
         out[world_size, name] = (L.reference_train(task),
-                                 spawn(train_all_variants, world_size, task=task).returns)
+                                 spawn(train_all_variants, world_size, task=task, names=names).returns)
     return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("world_size,task_name", CASES)
+@pytest.mark.parametrize("world_size,task_name,variant", COMBOS)
 def test_variant_equals_single_process(results, world_size, task_name, variant):
     ref, per_rank = results[world_size, task_name]
     tol = TASKS[task_name][1]
@@ -202,10 +209,10 @@ def test_bucket_count_comes_from_the_real_bucketing():
     assert len(L.plan_buckets(big, 25.0)) == 1
     task = L.Task(sizes=(32,) + (128,) * 24 + (10,))
     params = list(L.make_model(task, 0).parameters())
-    counts = [len(L.plan_buckets(params, mb)) for mb in (1e-4, 0.03, 0.25, 1.0, 25.0)]
+    counts = [len(L.plan_buckets(params, mb)) for mb in (1e-6, 0.03, 0.25, 1.0, 25.0)]
     assert counts[0] == len(params) and counts[-1] == 1
     assert counts == sorted(counts, reverse=True) and len(set(counts)) == len(counts)
-    for mb in (1e-4, 0.03, 0.25):
+    for mb in (1e-6, 0.03, 0.25):
         buckets = L.plan_buckets(params, mb)
         flat = [id(p) for b in buckets for p in b]
         assert sorted(flat) == sorted(id(p) for p in params)           # each exactly once
@@ -252,6 +259,81 @@ def test_learning_rate_rules_and_budget_probe():
         assert probe[0][key].samples == probe[1][key].samples and probe[0][key].median > 0
 
 
+# --- compression ------------------------------------------------------------------------
+
+def powersgd_full_rank(rank, world_size):
+    """With rank = rows the projection P Pᵀ is the identity: PowerSGD must give the exact mean."""
+    torch.manual_seed(rank)
+    w = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    w.grad, b.grad = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    exact = [w.grad.clone(), b.grad.clone()]
+    for t in exact:
+        torch.distributed.all_reduce(t)
+        t.div_(world_size)
+    comp = L.PowerSGD([w, b], L.Collectives(world_size), rank=3, start_iter=0, min_rate=0)
+    comp.sync()
+    return [w.grad, b.grad], exact, comp.error[w]
+
+
+def test_powersgd_is_exact_at_full_rank():
+    for got, exact, error in spawn(powersgd_full_rank, 3).returns:
+        for g, e in zip(got, exact):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
+def test_powersgd_ours_close_to_pytorch_hook_and_cheaper_than_exact():
+    task = L.Task(sizes=(32, 128, 128, 10), batch=16)
+    runs = {impl: spawn(L.powersgd_train, 2, task=task, impl=impl, steps=20, every=10).returns
+            for impl in ("exact", "pytorch", "ours")}
+    for impl, r in runs.items():
+        assert len({x["checksum"] for x in r}) == 1, impl           # replicas stay identical
+    loss = {impl: r[0]["curve"][-1][1] for impl, r in runs.items()}
+    assert all(math.isfinite(v) for v in loss.values())
+    assert loss["ours"] < 1.5 * loss["exact"] and loss["pytorch"] < 1.5 * loss["exact"]
+    assert abs(loss["ours"] - loss["pytorch"]) < 0.25 * loss["exact"]
+    bytes_ = {impl: r[0]["wire_per_step"] for impl, r in runs.items()}
+    assert bytes_["ours"] < 0.5 * bytes_["exact"] and bytes_["pytorch"] < 0.5 * bytes_["exact"]
+
+
+def test_local_sgd_and_diloco_keep_ranks_identical():
+    task = L.Task(batch=16)
+    run = spawn(L.local_sgd_sweep, 2, task=task, variants=[(4, "", None), (4, "int8", "nesterov")],
+                steps=8).returns
+    for k in run[0]:
+        assert len({r[k]["checksum"] for r in run}) == 1, k
+
+
+def _walk(records):
+    for rec in records:
+        yield rec
+        if rec["kind"] == "demo":
+            yield from _walk(rec["records"])
+
+
 def test_quick_build(tmp_path):
+    import json
+    from util.measure import usable_cores
     build("lecture_03_data_parallel", tmp_path, "--quick")
-    assert (tmp_path / "lecture_03_data_parallel.json").exists()
+    page = json.loads((tmp_path / "lecture_03_data_parallel.json").read_text())
+    assert page["status"] == "ok" and page["demos"]["failed"] == 0
+    records = list(_walk(page["records"]))
+    notes = "\n".join(r["text"] for r in records if r["kind"] == "note")
+    for heading in ["## Data sharding", "## Can data parallelism hide the all-reduce?",
+                    "## Batch size and learning rate", "## FSDP2's knobs", "PowerSGD"]:
+        assert heading in notes, heading
+    assert "2 cores" not in notes and "measured on" in notes
+    assert "74.7 seconds" in notes and "Goyal et al. 2017" in notes and "Shard(0)" in notes
+    demos = [r for r in page["records"] if r["kind"] == "demo"]
+    names = [d["name"] for d in demos]
+    assert len(names) == len(set(names)), names
+    for d in demos:                     # timing demos never oversubscribe the cores
+        if d["name"].startswith(("step time", "bucket-size sweep", "timeline of", "overlap budget")):
+            assert d["world_size"] <= max(2, usable_cores()), d["name"]
+    tables = [r for r in records if r["kind"] == "table"]
+    buckets = next(t for t in tables if "buckets (counted)" in t["header"])
+    counts = [row[1] for row in buckets["rows"]]
+    assert counts[-1] == 1 and len(set(counts)) >= 4          # the sweep really varies the count
+    traffic = next(t for t in tables if "measured: written to sockets" in t["header"])
+    for row in traffic["rows"]:
+        assert row[3] >= row[2] > 0                            # measured includes headers
