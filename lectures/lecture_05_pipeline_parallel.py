@@ -19,7 +19,7 @@ from torch import nn
 
 from lectures.lecture_01_memory_and_precision import GPT, GPTConfig, batch, loss_fn
 from util import device, figure, note, quiet, see, settings, span_at, spawn, table
-from util.measure import machine, measure, usable_cores
+from util.measure import machine, measure
 
 # =========================================================================================
 # 1. Schedules as data: one ordered list of actions per rank
@@ -440,8 +440,8 @@ class PipelineExecutor:
     receive the next action needs, and waited for at the end of the step. The only waits are
     for inputs, so any schedule the simulator can finish runs without deadlock.
 
-    `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action: sleep mode, for more
-    ranks than cores. `checkpoint` re-runs each stage's forward during its backward instead of
+    `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
+    B + W): sleep mode, for more ranks than cores. `checkpoint` re-runs each stage's forward during its backward instead of
     keeping its activations."""
 
     def __init__(self, schedule, modules, rank, boundary_shape, *, group=None, loss_fn=loss_fn,
@@ -517,13 +517,16 @@ class PipelineExecutor:
         for n, a in enumerate(self.actions):
             s = self.layout.stage(self.rank, a.chunk)
             key_in = self._incoming(a)
-            t0 = time.perf_counter()
             ops = []
+            # Wait for this action's input first: the span below is compute only, so idle time
+            # (the bubble) shows as a gap in the timeline.
             if a.kind == "F":
-                if s == 0:
-                    x = inputs[a.microbatch].to(device())
-                else:
-                    x = self._take(key_in[0] if key_in else ("act", s, a.microbatch)).requires_grad_()
+                x = (inputs[a.microbatch].to(device()) if s == 0 else
+                     self._take(key_in[0] if key_in else ("act", s, a.microbatch)).requires_grad_())
+            elif a.kind == "B":
+                g = None if s == S - 1 else self._take(key_in[0] if key_in else ("grad", s, a.microbatch))
+            t0 = time.perf_counter()
+            if a.kind == "F":
                 counter = {}
                 with memory.hooks(counter):
                     ys = self._forward(a.chunk, x)
@@ -532,17 +535,12 @@ class PipelineExecutor:
                     loss = self.loss_fn(out, targets[a.microbatch].to(device()))
                     loss_sum = (loss_sum or 0.0) + loss.item()
                     out = loss / m
-                else:
-                    self._send("act", s + 1, a.microbatch, out.detach(), ops)
                 nbytes = sum(counter.values())
                 memory.hold(nbytes)
                 state[a.microbatch, a.chunk] = {"x": x, "out": out, "leaves": ys, "bytes": nbytes}
             elif a.kind == "B":
                 st = state[a.microbatch, a.chunk]
-                g = None if s == S - 1 else self._take(key_in[0] if key_in else ("grad", s, a.microbatch))
                 dx = self._backward(st, g)
-                if s > 0:
-                    self._send("grad", s - 1, a.microbatch, dx, ops)
                 if not self.split:
                     memory.free(st["bytes"])
                     del state[a.microbatch, a.chunk]
@@ -551,15 +549,20 @@ class PipelineExecutor:
                 for module, y, dy in st["weight_work"]:
                     torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
                 memory.free(st["bytes"])
-            if a.kind in self.delay:
-                time.sleep(self.delay[a.kind])
-            if n + 1 < len(self.actions):
-                self._post_recv(self.actions[n + 1], ops)
-            self._launch(ops)
+            pause = self.delay.get(a.kind, 0) + (self.delay.get("W", 0) if a.kind == "B" and not self.split else 0)
+            if pause:
+                time.sleep(pause)
             t1 = time.perf_counter()
             events.append((a, t0, t1))
             if record:
                 span_at(a.kind, t0, t1)
+            if a.kind == "F" and s < S - 1:
+                self._send("act", s + 1, a.microbatch, out.detach(), ops)
+            elif a.kind == "B" and s > 0:
+                self._send("grad", s - 1, a.microbatch, dx, ops)
+            if n + 1 < len(self.actions):
+                self._post_recv(self.actions[n + 1], ops)
+            self._launch(ops)
         for work, _ in self.sending:
             work.wait()
         return {"loss": None if loss_sum is None else loss_sum / m, "events": events, "peak_saved_bytes": memory.peak,
@@ -637,6 +640,8 @@ def build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks=1, delay=None
     check_schedule(sched)
     _, stages = split_gpt(cfg, sched.layout)
     mine = {c: stages[sched.layout.stage(rank, c)] for c in range(sched.layout.chunks)}
+    if delay:   # sleep mode: an action of a chunk holding 1/v of the rank's layers waits 1/v as long
+        delay = {k: d / sched.layout.chunks for k, d in delay.items()}
     executor = PipelineExecutor(sched, mine, rank, (mb_size, cfg.seq_len, cfg.d_model), group=group,
                                 dtype=cfg.torch_dtype, delay=delay, checkpoint=checkpoint)
     return executor, {sched.layout.stage(rank, c): mod for c, mod in mine.items()}
@@ -683,3 +688,632 @@ def reference_train(cfg, m, mb_size, steps=1, lr=3e-3):
         opt.zero_grad()
     return {"losses": losses, "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# =========================================================================================
+# 6. Measuring schedules on real ranks
+# =========================================================================================
+
+SLEEP = {"F": 0.006, "B": 0.006, "W": 0.006}   # sleep mode: what each action also waits (s)
+
+
+def measured_bubble(per_rank_events):
+    """1 − busy / (ranks × makespan) from measured (action, start, end) spans of one step."""
+    start = min(t0 for ev in per_rank_events for _, t0, _ in ev)
+    end = max(t1 for ev in per_rank_events for _, _, t1 in ev)
+    busy = sum(t1 - t0 for ev in per_rank_events for _, t0, t1 in ev)
+    return 1 - busy / (len(per_rank_events) * (end - start))
+
+
+def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=5, warmup=1):
+    """Each run ({"name", "m", "v", "checkpoint"}) timed as whole steps with `measure`; every
+    timed step's spans are kept so the page can compute its bubble. Returns, per run label:
+    the step Timing, the spans of every timed step, peak saved bytes and messages sent."""
+    results = {}
+    for run in runs:
+        executor, stages = build_rank(rank, world_size, cfg, run["name"], run["m"], mb_size, run.get("v", 1),
+                                      delay=delay, checkpoint=run.get("checkpoint", False))
+        inputs, targets = microbatches(cfg, run["m"], mb_size, 0)
+        steps = []
+
+        def one_step():
+            out = executor.step(inputs, targets)
+            for mod in stages.values():
+                mod.zero_grad(set_to_none=True)
+            steps.append(out)
+
+        timing = measure(one_step, warmup=warmup, repeats=repeats)
+        timed = steps[warmup:]
+        results[run["label"]] = {
+            "timing": timing, "events": [[(tuple(a), t0, t1) for a, t0, t1 in s["events"]] for s in timed],
+            "peak_saved_bytes": timed[-1]["peak_saved_bytes"], "messages": timed[-1]["messages"],
+            "loss": timed[-1]["loss"]}
+    return results
+
+
+def gather_runs(returns, label):
+    """Per timed step: the per-rank event lists of run `label`, from every rank's return."""
+    n_steps = len(returns[0][label]["events"])
+    return [[[(Action(*a), t0, t1) for a, t0, t1 in r[label]["events"][k]] for r in returns]
+            for k in range(n_steps)]
+
+
+# =========================================================================================
+# 7. Deadlock: both neighbours send first
+# =========================================================================================
+
+def both_send_first(rank, world_size, numel, batched=False):
+    """Two stages exchange activations and gradients. With blocking sends posted first, each
+    waits for the other to receive: a deadlock (gloo's send of a large tensor returns only once
+    the peer has taken it). Posting the send and the receive together in one
+    `batch_isend_irecv` lets both complete."""
+    other = 1 - rank
+    mine, theirs = torch.full((numel,), float(rank), device=device()), torch.empty(numel, device=device())
+    if batched:
+        ops = [dist.P2POp(dist.isend, mine, other), dist.P2POp(dist.irecv, theirs, other)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    else:
+        dist.send(mine, other)          # blocks until rank `other` receives ... which it never does
+        dist.recv(theirs, other)
+    return theirs[0].item()
+
+
+# =========================================================================================
+# 8. PyTorch's own: torch.distributed.pipelining
+# =========================================================================================
+
+PYTORCH_SCHEDULES = {   # PyTorch's class: (chunks per rank, our closest schedule, its chunks)
+    "ScheduleGPipe": (1, "gpipe", 1),
+    "Schedule1F1B": (1, "1f1b", 1),
+    "ScheduleInterleaved1F1B": (2, "interleaved-1f1b", 2),
+    "ScheduleInterleavedZeroBubble": (2, "zb-h1", 1),
+    "ScheduleZBVZeroBubble": (2, "zb-h2", 1),
+    "ScheduleDualPipeV": (2, "dualpipev", 2),
+}
+
+
+def pytorch_pipeline(rank, world_size, cfg, schedule_class, chunks, m, mb_size, group=None):
+    """A step function running PyTorch's `schedule_class` on our GPTStage pieces (V layout for
+    the V schedules, looped otherwise), and this rank's {stage: module}."""
+    from torch.distributed import pipelining
+    style = "v" if schedule_class in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "looped"
+    layout = Layout(world_size, chunks, style)
+    _, stages = split_gpt(cfg, layout)
+    mine = {layout.stage(rank, c): stages[layout.stage(rank, c)] for c in range(chunks)}
+    pipe_stages = [pipelining.PipelineStage(mod, s, layout.stages, device(), group=group)
+                   for s, mod in sorted(mine.items())]
+    cls = getattr(pipelining, schedule_class)
+    sched = (cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn) if chunks == 1 else
+             cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn))
+    has_first, has_last = 0 in mine, layout.stages - 1 in mine
+
+    def step(tokens, targets):
+        losses = []
+        args = (tokens.to(device()),) if has_first else ()
+        kwargs = {"target": targets.to(device()), "losses": losses} if has_last else {}
+        sched.step(*args, **kwargs)
+        return sum(l.item() for l in losses) / m if has_last else None
+    return step, mine
+
+
+def compare_with_pytorch(rank, world_size, cfg, m, mb_size, classes, repeats=5, warmup=2):
+    """PyTorch's schedules `classes` and our closest ones on the same model and batch: loss,
+    this rank's gradients (by full-model name) and the step time, measured in the same
+    processes."""
+    tokens, targets = batch(cfg, m * mb_size, 0)
+    inputs, target_list = list(tokens.chunk(m)), list(targets.chunk(m))
+    steps = {}
+    for cls in classes:
+        chunks, ours, our_chunks = PYTORCH_SCHEDULES[cls]
+        if "ours: " + ours not in steps:
+            executor, mine = build_rank(rank, world_size, cfg, ours, m, mb_size, our_chunks)
+            steps["ours: " + ours] = (lambda ex=executor: ex.step(inputs, target_list)["loss"], mine)
+        fn, mine = pytorch_pipeline(rank, world_size, cfg, cls, chunks, m, mb_size)
+        steps["PyTorch " + cls] = (lambda f=fn: f(tokens, targets), mine)
+    losses, grads, times = {}, {}, {}
+    for label, (fn, mine) in steps.items():
+        with quiet():
+            losses[label] = fn()
+        grads[label] = gradients_by_name(mine)
+        for mod in mine.values():
+            mod.zero_grad(set_to_none=True)
+    for label, (fn, mine) in steps.items():
+        with quiet():
+            times[label] = measure(fn, warmup=warmup, repeats=repeats)
+    return {"losses": losses, "grads": grads, "times": times}
+
+
+def train_schedules(rank, world_size, cfg, runs, mb_size, steps):
+    """`train_pipeline` for every (name, m, v) in `runs`, in one process group."""
+    return {(name, m, v): train_pipeline(rank, world_size, cfg, name, m, mb_size, chunks=v, steps=steps)
+            for name, m, v in runs}
+
+
+# =========================================================================================
+# 9. Drawing
+# =========================================================================================
+
+COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
+
+
+def draw_rows(ax, rows, title, unit="ms", scale=1e3):
+    """A schedule's timeline: one row per rank, F blue, B orange, W green, the micro-batch
+    number on each bar, later chunks hatched. `rows[r]` = [(Action, start, end)]."""
+    t0 = min(s for row in rows for _, s, _ in row)
+    for r, row in enumerate(rows):
+        for a, start, end in row:
+            left, width = (start - t0) * scale, (end - start) * scale
+            ax.barh(r, width, left=left, height=0.8, color=COLOURS[a.kind], edgecolor="black",
+                    linewidth=0.3, hatch="//" if a.chunk else None)
+            ax.text(left + width / 2, r, str(a.microbatch), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(unit, fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def side_by_side(pairs, caption_unit="ms"):
+    """One row per schedule: simulated (left) and measured (right) timelines."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(11, 1.3 + 1.25 * len(pairs)), squeeze=False)
+    for (title, sim_rows, measured_rows, sim_unit), (left, right) in zip(pairs, axes):
+        draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1)
+        if measured_rows is not None:
+            draw_rows(right, measured_rows, f"{title}: measured")
+        else:
+            right.set_axis_off()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()] +
+               [Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")],
+               loc="lower center", ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def merged(returns, key):
+    """Union over ranks of each rank's dict `key` (every parameter lives on one rank)."""
+    out = {}
+    for r in returns:
+        out.update(r[key])
+    return out
+
+
+def pct(x):
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+# =========================================================================================
+# 10. The lecture
+# =========================================================================================
+
+def sleep_cfg():
+    return GPTConfig(n_layers=8, d_model=32, n_heads=2, seq_len=16)
+
+
+def compute_cfg():
+    return GPTConfig(n_layers=8, d_model=64, n_heads=4, seq_len=32)
+
+
+SLEEP_RANKS = 4
+
+
+def intro():
+    note("""
+        # Pipeline parallelism
+        When the model no longer fits on one device, or data parallelism has run out of batch,
+        cut the model by layers: rank $r$ holds stage $r$, sends its activations to rank $r+1$
+        and receives gradients back. One batch through such a pipeline keeps one stage busy at
+        a time. The fix is to cut the batch into $m$ micro-batches so that stages work on
+        different micro-batches at once; what remains idle is the *bubble*. The order in which
+        each rank runs its forwards and backwards — the schedule — decides the bubble, the
+        number of activations each rank holds, and the number of messages.
+
+        This lecture treats a schedule as data: one ordered list of actions per rank (F: a
+        micro-batch's forward through a stage, B: its backward, W: its weight-gradient half
+        when the backward is split). A simulator runs the lists against a cost model; one
+        executor runs any list on real ranks with lecture 01's GPT, and every schedule's loss
+        and gradients equal one process's. The model is lecture 01's GPT cut by layers: the
+        first stage also holds the embeddings, the last the final LayerNorm and the LM head.
+    """)
+    see(make_schedule, "make_schedule: every schedule of this lecture as action lists")
+    see(Layout, "Layout: where each chunk's stage lives (looped or V)")
+
+
+def schedules_as_data():
+    p, m = 4, 8
+    note(f"""
+        ## Schedules as data
+        Here are the action lists for {p} ranks and {m} micro-batches under 1F1B. A forward
+        `F3` needs stage $s-1$'s `F3`; a backward `B3` needs the stage's own `F3` and stage
+        $s+1$'s `B3`; a `W3` needs the stage's `B3`. `F3.1` is micro-batch 3 on the rank's chunk
+        1. Nothing else is needed to check a schedule: `check_schedule` verifies that every
+        (stage, micro-batch) appears once per kind, `simulate` runs the lists and reports a
+        deadlock if every rank waits.
+    """)
+    sched = make_schedule("1f1b", p, m)
+    table([[f"rank {r}", " ".join(map(str, acts))] for r, acts in enumerate(sched)],
+          header=["rank", "1F1B actions, in order"])
+    see(simulate, "simulate: the list scheduler that checks and times a schedule")
+    unit, zb_unit = {"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1}
+    rows, pairs = [], []
+    for name, v in [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                    ("zb-h1", 1), ("zb-h2", 1), ("dualpipev", 2)]:
+        sch = make_schedule(name, p, m, v)
+        check_schedule(sch)
+        a, b = simulate(sch, unit), simulate(sch, zb_unit)
+        rows.append([name, v, pct(theory_bubble(name, p, m, v)), pct(a.bubble), pct(b.bubble),
+                     f"{b.makespan:g}"])
+        pairs.append((f"{name} (v={v})", b.timeline, None, "time units"))
+    table(rows, header=["schedule", "chunks v", "theory (F=B, W=0)", "simulated, F=B, W=0",
+                        "simulated, F=B=W", "makespan, F=B=W"],
+          caption=f"{p} ranks, {m} micro-batches. With W = 0 splitting the backward gains "
+                  "nothing; once W costs as much as B, postponed Ws fill the idle slots.")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(10, 1.2 * len(pairs) + 0.8))
+    for (title, rows_, _, u), ax in zip(pairs, axes):
+        draw_rows(ax, rows_, title, unit=u, scale=1)
+    fig.tight_layout()
+    figure(fig, caption=f"Every schedule simulated with F = B = W = 1 time unit, no communication "
+                        f"cost ({p} ranks, {m} micro-batches; blue F, orange B, green W, hatched: chunk 1). "
+                        "Without a split the backward (orange) costs 2.")
+
+
+def executor_matches():
+    n = settings.world_size
+    cfg = GPTConfig(n_layers=2 * n, d_model=32, n_heads=2, seq_len=16, dtype="float64")
+    mb_size, steps = 2, 2
+    runs = [(name, 2 * n + 1 if name == "dualpipev" else n + 1, 2 if name in ("interleaved-1f1b", "dualpipev") else 1)
+            for name in SCHEDULES]
+    note(f"""
+        ## One executor for every schedule
+        `PipelineExecutor` runs one rank's list. Before an action it waits for that action's
+        input (a receive posted earlier, or a local hand-over at the turn of a V); after it, it
+        posts in one `batch_isend_irecv` the send of what it produced together with the receive
+        the next action needs. Sends never block, so the only waits are for data, and any
+        schedule that the simulator can finish cannot deadlock. The split backward asks autograd
+        only for the gradients of the stage input and of each parameter-owning module's output
+        (`torch.autograd.grad` skips the weight-gradient products it was not asked for); W
+        later turns those into weight gradients one module at a time.
+
+        The check: {steps} AdamW steps of lecture 01's GPT ({cfg.n_layers} layers) on {n} ranks
+        with every schedule, against one process on the whole batch.
+    """)
+    see(PipelineExecutor, "PipelineExecutor: one rank's actions on real ranks")
+    run = spawn(train_schedules, n, cfg=cfg, runs=runs, mb_size=mb_size, steps=steps,
+                name=f"every schedule vs one process, {n} ranks")
+    rows, ok = [], True
+    for name, m, v in runs:
+        ref = reference_train(cfg, m, mb_size, steps)
+        per = [r[name, m, v] for r in run.returns]
+        loss = next(r["losses"] for r in per if r["losses"][0] is not None)
+        grads, params = merged(per, "grads"), merged(per, "params")
+        gd = max((grads[k] - ref["grads"][k]).abs().max().item() for k in ref["grads"])
+        pd = max((params[k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+        ld = max(abs(a - b) for a, b in zip(loss, ref["losses"]))
+        ok &= gd < 1e-9 and pd < 1e-9 and ld < 1e-6   # the loss itself is computed in float32
+        rows.append([name, m, v, f"{ld:.1e}", f"{gd:.1e}", f"{pd:.1e}"])
+    table(rows, header=["schedule", "m", "chunks v", "max |Δ loss|", "max |Δ gradient|",
+                        f"max |Δ parameter| after {steps} steps"],
+          caption="Differences from one process (float64 model; lecture 01's loss is computed in "
+                  "float32). " + ("All gradients and parameters within 1e-9, losses within 1e-6." if ok
+                                  else "**Some differ by more than that.**"))
+
+
+def sleep_runs(ms):
+    runs = [{"label": "naive", "name": "naive", "m": 4}]
+    for name in ("gpipe", "1f1b"):
+        runs += [{"label": f"{name} m={m}", "name": name, "m": m} for m in ms]
+    runs += [{"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
+             {"label": "zb-h1", "name": "zb-h1", "m": 8}, {"label": "zb-h2", "name": "zb-h2", "m": 8},
+             {"label": "dualpipev", "name": "dualpipev", "m": 8, "v": 2}]
+    return runs
+
+
+def measured_bubbles(returns, label):
+    steps = gather_runs(returns, label)
+    return [measured_bubble(rows) for rows in steps], steps
+
+
+def median_step(steps, bubbles):
+    """The timed step whose bubble is the median one (for drawing)."""
+    order = sorted(range(len(bubbles)), key=bubbles.__getitem__)
+    return steps[order[len(order) // 2]]
+
+
+def run_sleep_mode():
+    """One spawn, every schedule in sleep mode on SLEEP_RANKS ranks; returns its Run."""
+    ms = [2, 8] if settings.quick else [1, 2, 4, 8]
+    runs = sleep_runs(ms)
+    return ms, runs, spawn(measure_schedules, SLEEP_RANKS, cfg=sleep_cfg(), runs=runs, mb_size=2,
+                           delay=SLEEP, repeats=3 if settings.quick else 5,
+                           name=f"every schedule in sleep mode, {SLEEP_RANKS} ranks")
+
+
+def bubble_row(returns, label, name, m, v, p):
+    bubbles, _ = measured_bubbles(returns, label)
+    sleep_cost = {"F": SLEEP["F"] / v, "B": SLEEP["B"] / v, "W": SLEEP["W"] / v}
+    sim = simulate(make_schedule(name, p, m, v), sleep_cost)
+    q = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
+    return {"theory": theory_bubble(name, p, m, v), "simulated": sim.bubble,
+            "measured": statistics.median(bubbles), "iqr": (q[0], q[2]), "sim": sim}
+
+
+def measured_schedules():
+    p = SLEEP_RANKS
+    ms, runs, run = run_sleep_mode()
+    R = run.returns
+    mode = (f"**Sleep mode**: {p} ranks, each action also waits a fixed {SLEEP['F'] * 1e3:.0f} ms "
+            f"(F, B and W alike, an unsplit backward {(SLEEP['B'] + SLEEP['W']) * 1e3:.0f} ms, a chunk's "
+            f"action that share of it), so the timeline shows the schedule rather than {p} "
+            f"ranks time-slicing; {machine(p)}")
+    note(f"""
+        ## Naive model parallelism
+        {mode}. Naive model parallelism runs one micro-batch through all stages, forward then
+        backward, before the next: exactly one rank works at any time, and the bubble is
+        $1 - 1/p$ = {pct(1 - 1 / p)}.
+    """)
+    b = bubble_row(R, "naive", "naive", 4, 1, p)
+    bubbles, steps = measured_bubbles(R, "naive")
+    figure(side_by_side([("naive, m=4", b["sim"].timeline, median_step(steps, bubbles), "s")]),
+           caption=f"Naive: simulated (left) and measured (right, sleep mode). Measured bubble "
+                   f"{pct(b['measured'])} (theory {pct(b['theory'])}).")
+
+    note(f"""
+        ## GPipe: all forwards, then all backwards
+        With $m$ micro-batches the first stage can start micro-batch 2 while stage 2 works on
+        micro-batch 1 (Huang et al. 2019). Every rank is idle for $p-1$ slots at the start and
+        at the end, so the bubble is $\\frac{{p-1}}{{m+p-1}}$: it shrinks as $m$ grows. The price:
+        a rank holds the activations of all $m$ micro-batches until their backward.
+    """)
+    rows, mem = [], {}
+    for name in ("gpipe", "1f1b"):
+        for m in ms:
+            b = bubble_row(R, f"{name} m={m}", name, m, 1, p)
+            peak = max(r[f"{name} m={m}"]["peak_saved_bytes"] for r in R)
+            mem[name, m] = peak
+            rows.append([name, m, pct(b["theory"]), pct(b["simulated"]),
+                         f"{pct(b['measured'])} ({pct(b['iqr'][0])}–{pct(b['iqr'][1])})",
+                         f"{peak / 2**10:.0f} KiB", R[0][f"{name} m={m}"]["timing"].ms()])
+    table(rows, header=["schedule", "m", "theory", "simulated", "measured (IQR)",
+                        "peak activations held (rank max)", "step time"],
+          caption=f"{mode}. Activations: bytes autograd saved for backward, measured with "
+                  "saved-tensor hooks, the most any rank held at once.")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    xs = list(ms)
+    for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
+        a1.plot(xs, [bubble_row(R, f"{name} m={m}", name, m, 1, p)["measured"] for m in xs], style, label=f"{name} measured")
+        a2.plot(xs, [mem[name, m] / 2**10 for m in xs], style, label=name)
+    a1.plot(xs, [(p - 1) / (m + p - 1) for m in xs], "k:", label="(p−1)/(m+p−1)")
+    a1.set(xlabel="micro-batches m", ylabel="bubble fraction", xscale="log", title="bubble")
+    a2.set(xlabel="micro-batches m", ylabel="KiB", xscale="log", title="peak activations held")
+    a1.legend(fontsize=8), a2.legend(fontsize=8)
+    fig.tight_layout()
+    figure(fig, caption=f"Bubble and activation memory against m ({mode}).")
+    top = max(ms)
+    note(f"""
+        ## 1F1B: the same bubble, bounded memory
+        1F1B (PipeDream-Flush, Narayanan et al. 2021) starts the backward of micro-batch 0 as
+        soon as it can and then alternates one forward with one backward. Rank $r$ holds at
+        most $p - r$ micro-batches, whatever $m$: at m = {top} the measured peak is
+        **{mem['1f1b', top] / 2**10:.0f} KiB** against GPipe's **{mem['gpipe', top] / 2**10:.0f} KiB**
+        (ratio {mem['gpipe', top] / mem['1f1b', top]:.1f}; $m/p$ = {top / p:g}), with the same
+        bubble. So $m$ can grow to shrink the bubble without running out of memory.
+    """)
+
+    v = 2
+    inter = bubble_row(R, "interleaved-1f1b", "interleaved-1f1b", 8, v, p)
+    one = bubble_row(R, "1f1b m=8", "1f1b", 8, 1, p)
+    msgs = {k: sum(r[k]["messages"] for r in R) for k in ("1f1b m=8", "interleaved-1f1b")}
+    note(f"""
+        ## Interleaved 1F1B: v chunks per rank
+        Give each rank $v$ smaller chunks, looped: rank $r$ holds stages $r, r+p, \\dots$
+        (Narayanan et al. 2021). A micro-batch passes through every rank $v$ times, each visit
+        $1/v$ as long, so the fill and drain shrink $v$-fold: bubble/ideal $= \\frac{{p-1}}{{v\\,m}}$,
+        a bubble fraction of $\\frac{{p-1}}{{v m + p - 1}}$ = {pct(inter['theory'])} here
+        (m = 8, v = {v}), measured **{pct(inter['measured'])}** against 1F1B's {pct(one['measured'])}.
+        The cost is messages: a micro-batch crosses $vp - 1$ stage boundaries instead of
+        $p - 1$, each way. Counted in this step: **{msgs['interleaved-1f1b']}** messages against
+        **{msgs['1f1b m=8']}** ({msgs['interleaved-1f1b'] / msgs['1f1b m=8']:.2f}×; $(vp-1)/(p-1)$ =
+        {(v * p - 1) / (p - 1):.2f}). Megatron requires $m$ to be a multiple of $p$ (micro-batches
+        go in groups of $p$, chunk after chunk: depth-first); with other $m$ our lists still run
+        but the simulator shows a larger bubble. Lamy-Poirier (2023) compares this depth-first
+        order with breadth-first (all micro-batches through chunk 0 first: `gpipe` with
+        chunks > 1 here), which suits data-parallel sharding better; Llama 3 trained with an
+        interleaved schedule whose mix of the two is tunable.
+    """)
+
+    zb = {k: bubble_row(R, k, k, 8, 2 if k == "dualpipev" else 1, p) for k in ("zb-h1", "zb-h2", "dualpipev")}
+    note(f"""
+        ## Zero bubble: split the backward
+        A backward computes two things: the gradient with respect to the stage's input (B, which
+        the previous stage is waiting for) and the gradients of the weights (W, which nobody
+        waits for until the optimizer step). Qi et al. (2023) run B at once and postpone W into
+        the slots where the rank would otherwise idle. ZB-H1 keeps 1F1B's memory and fills the
+        drain; ZB-H2 also lets ranks run more forwards in the warm-up and fills the start too.
+        Our ZB lists are built by a small greedy scheduler (B first, then F within a memory
+        limit, W when a rank would idle; see `_greedy`), not the paper's hand-made ones. In sleep
+        mode F, B and W each wait {SLEEP['F'] * 1e3:.0f} ms, so 1F1B's backward is twice a
+        forward. Measured bubble at m = 8: 1F1B **{pct(one['measured'])}**, ZB-H1
+        **{pct(zb['zb-h1']['measured'])}**, ZB-H2 **{pct(zb['zb-h2']['measured'])}**.
+
+        DualPipeV (DeepSeek-AI 2025) is the V-shaped half of DeepSeek-V3's DualPipe: rank $r$
+        holds stage $r$ and stage $2p-1-r$, so the first and last stages share rank 0 and
+        micro-batches go down the ranks and come back up. Its list here is transcribed from the
+        eight phases of the reference schedule; on GPUs each "F of one chunk + B of the other"
+        pair overlaps its compute with the other pair's communication, which a CPU rank cannot
+        do, so we run the pair one after the other. Measured bubble **{pct(zb['dualpipev']['measured'])}**.
+    """)
+
+    note("""
+        ## Every schedule, simulated and measured
+        The simulator's timeline (left, the sleep durations as costs, no communication cost)
+        beside the spans measured on the ranks (right) for the same action lists.
+    """)
+    rows, pairs = [], []
+    for label, name, m, v in [("naive", "naive", 4, 1), ("gpipe m=8", "gpipe", 8, 1), ("1f1b m=8", "1f1b", 8, 1),
+                              ("interleaved-1f1b", "interleaved-1f1b", 8, 2), ("zb-h1", "zb-h1", 8, 1),
+                              ("zb-h2", "zb-h2", 8, 1), ("dualpipev", "dualpipev", 8, 2)]:
+        b = bubble_row(R, label, name, m, v, p)
+        bubbles, steps = measured_bubbles(R, label)
+        rows.append([name, m, v, pct(b["theory"]), pct(b["simulated"]),
+                     f"{pct(b['measured'])} ({pct(b['iqr'][0])}–{pct(b['iqr'][1])})",
+                     R[0][label]["timing"].ms(), f"{b['sim'].makespan * 1e3:.0f} ms"])
+        pairs.append((f"{name} (m={m}, v={v})", b["sim"].timeline, median_step(steps, bubbles), "s"))
+    table(rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
+                        "measured step", "simulated step"],
+          caption=f"{mode}. Measured bubble: 1 − Σ compute spans / (ranks × step span), per timed "
+                  "step; median and interquartile range.")
+    figure(side_by_side(pairs), caption=f"Simulated (left, seconds) and measured (right, ms) "
+                                        f"timelines. {mode}.")
+    return R
+
+
+def real_compute():
+    p = timing_ranks_here()
+    cfg, m, mb = compute_cfg(), 4 if settings.quick else 8, 4
+    runs = [{"label": "gpipe", "name": "gpipe", "m": m}, {"label": "1f1b", "name": "1f1b", "m": m},
+            {"label": "gpipe + checkpointing", "name": "gpipe", "m": m, "checkpoint": True},
+            {"label": "zb-h1", "name": "zb-h1", "m": m}]
+    run = spawn(measure_schedules, p, cfg=cfg, runs=runs, mb_size=mb, repeats=3 if settings.quick else 7,
+                name=f"schedules with real compute, {p} ranks")
+    R = run.returns
+    rows = []
+    for r in runs:
+        bubbles, _ = measured_bubbles(R, r["label"])
+        peak = max(x[r["label"]]["peak_saved_bytes"] for x in R)
+        rows.append([r["label"], pct(statistics.median(bubbles)), f"{peak / 2**20:.2f} MiB",
+                     R[0][r["label"]]["timing"].ms()])
+    g, c = R[0]["gpipe"]["timing"].median, R[0]["gpipe + checkpointing"]["timing"].median
+    gm = max(x["gpipe"]["peak_saved_bytes"] for x in R)
+    cm = max(x["gpipe + checkpointing"]["peak_saved_bytes"] for x in R)
+    note(f"""
+        ## Real compute, and GPipe with activation checkpointing
+        **Real-compute mode**: no sleeping, {p} ranks ({machine(p)}), lecture 01's GPT with
+        {cfg.n_layers} layers of width {cfg.d_model}, {m} micro-batches of {mb} sequences.
+        GPipe itself re-materialises activations: each stage keeps only its input per
+        micro-batch and recomputes the rest during the backward. Here: peak activations held
+        **{gm / 2**20:.2f} MiB → {cm / 2**20:.2f} MiB** ({gm / max(cm, 1):.1f}× less) for a step
+        time of {g * 1e3:.1f} → {c * 1e3:.1f} ms ({c / g:.2f}×: every forward runs twice).
+    """)
+    table(rows, header=["schedule", "measured bubble", "peak activations (rank max)", "step time (IQR)"],
+          caption=f"Real compute, {machine(p)}. The bubble includes communication and Python "
+                  "overhead between actions.")
+
+
+def timing_ranks_here():
+    from util.measure import timing_ranks
+    return timing_ranks(4)
+
+
+def deadlock():
+    note("""
+        ## Deadlock, and how batched send/receive avoids it
+        Two neighbours each hold something for the other (activations going forward,
+        gradients coming back). If both first call a blocking `send`, each waits for the other
+        to receive, and neither gets to its `recv`. The demo below does that with a 16 MiB
+        tensor and a 3-second timeout: it is expected to fail.
+    """)
+    spawn(both_send_first, 2, numel=2**22, expect_error=True, timeout=3,
+          name="both stages send first: deadlock (expected)")
+    run = spawn(both_send_first, 2, numel=2**22, batched=True, name="send and receive batched")
+    note(f"""
+        Posting the send and the receive together with `batch_isend_irecv` (or any non-blocking
+        send before the blocking receive) lets both complete: rank 0 received
+        {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The executor above never blocks
+        on a send for the same reason.
+    """)
+
+
+def pytorch_schedules():
+    p = timing_ranks_here()
+    cfg, m, mb = GPTConfig(n_layers=2 * p, d_model=64, n_heads=4, seq_len=32), 2 * p, 4
+    classes = list(PYTORCH_SCHEDULES)
+    note(f"""
+        ## PyTorch's own: torch.distributed.pipelining
+        The same `GPTStage` pieces wrapped in `PipelineStage` and run by each of PyTorch's
+        schedules (V-shaped ones with the V layout), on {p} ranks with {m} micro-batches, beside
+        our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` and
+        `ScheduleZBVZeroBubble` run two chunks per rank; our ZB-H1/H2 one. One caution when
+        reading PyTorch's action lists: in torch 2.13 `Schedule1F1B.pipeline_order` names the
+        wrong micro-batches for the last rank (its training is correct), so we draw nothing
+        from it.
+    """)
+    run = spawn(compare_with_pytorch, p, cfg=cfg, m=m, mb_size=mb, classes=classes,
+                repeats=3 if settings.quick else 7, warmup=1 if settings.quick else 2,
+                name=f"our schedules and PyTorch's, {p} ranks")
+    R = run.returns
+    labels = list(R[0]["losses"])
+    ref = reference_train(cfg, m, mb, 1)
+    rows = []
+    for label in labels:
+        loss = next(r["losses"][label] for r in R if r["losses"][label] is not None)
+        grads = {k: v for r in R for k, v in r["grads"][label].items()}
+        gd = max((grads[k] - ref["grads"][k]).abs().max().item() for k in ref["grads"])
+        rows.append([label, f"{loss:.6f}", f"{abs(loss - ref['losses'][0]):.1e}", f"{gd:.1e}",
+                     R[0]["times"][label].ms()])
+    table(rows, header=["schedule", "loss", "|Δ loss| vs one process", "max |Δ gradient|", "step time (IQR)"],
+          caption=f"Real compute, {machine(p)}; one process's loss {ref['losses'][0]:.6f}.")
+    return R
+
+
+def notes():
+    note("""
+        ## Notes
+        Pipeline parallelism sends only activations between neighbours — far less than data or
+        tensor parallelism — which is why it spans nodes. Its costs are the bubble (fewer with
+        more micro-batches, interleaving or zero-bubble schedules), memory (1F1B bounds it;
+        checkpointing trades it for compute), and load balance: the first and last stages also
+        hold the embeddings and the LM head, so real systems give them fewer layers.
+    """)
+    for url, title in [
+        ("https://arxiv.org/abs/1811.06965", "Huang et al. 2019, GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism"),
+        ("https://arxiv.org/abs/1806.03377", "Harlap et al. 2018, PipeDream: Fast and Efficient Pipeline Parallel DNN Training"),
+        ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
+        ("https://arxiv.org/abs/2211.05953", "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
+        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2023, Zero Bubble Pipeline Parallelism"),
+        ("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),
+        ("https://github.com/deepseek-ai/DualPipe", "DeepSeek-AI, DualPipe and DualPipeV reference schedules"),
+        ("https://arxiv.org/abs/2407.21783", "Llama Team 2024, The Llama 3 Herd of Models"),
+        ("https://docs.pytorch.org/docs/stable/distributed.pipelining.html", "PyTorch: torch.distributed.pipelining"),
+    ]:
+        see(url, title=title)
+
+
+def main():
+    intro()                  # why cut by layers, and what a schedule is
+    schedules_as_data()      # every schedule as action lists, checked and simulated
+    executor_matches()       # one executor runs them all; equal to one process
+    measured_schedules()     # naive, GPipe, 1F1B, interleaved, zero bubble: measured bubbles and memory
+    real_compute()           # real compute at ranks <= cores; checkpointing's memory and time
+    deadlock()               # why the executor batches its sends and receives
+    pytorch_schedules()      # PyTorch's schedules on the same model
+    notes()                  # what else decides a pipeline, and the papers
+
+
+def bench():
+    """Measured bubble / theory for GPipe, 1F1B and interleaved (sleep mode), ZB-H1 vs 1F1B,
+    and our 1F1B step vs PyTorch's Schedule1F1B (real compute)."""
+    p = SLEEP_RANKS
+    runs = [{"label": "gpipe", "name": "gpipe", "m": 8}, {"label": "1f1b", "name": "1f1b", "m": 8},
+            {"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
+            {"label": "zb-h1", "name": "zb-h1", "m": 8}]
+    R = spawn(measure_schedules, p, cfg=sleep_cfg(), runs=runs, mb_size=2, delay=SLEEP, repeats=5,
+              name="bench: bubbles in sleep mode").returns
+    lines = []
+    for r in runs[:3]:
+        got = statistics.median(measured_bubbles(R, r["label"])[0])
+        want = theory_bubble(r["name"], p, 8, r.get("v", 1))
+        lines.append(f"lecture_05: {r['label']} bubble measured {pct(got)} vs theory {pct(want)}: "
+                     f"ratio {got / want:.2f} (target 0.8–1.2)")
+    zb, one = (statistics.median(measured_bubbles(R, k)[0]) for k in ("zb-h1", "1f1b"))
+    lines.append(f"lecture_05: ZB-H1 bubble {pct(zb)} vs 1F1B {pct(one)}: ratio {zb / one:.2f} (target < 1)")
+    q = timing_ranks_here()
+    t = spawn(compare_with_pytorch, q, cfg=GPTConfig(n_layers=2 * q, d_model=64, n_heads=4, seq_len=32),
+              m=2 * q, mb_size=4, classes=["Schedule1F1B"], repeats=9, name="bench: 1F1B vs Schedule1F1B").returns[0]["times"]
+    ours, theirs = t["ours: 1f1b"].median, t["PyTorch Schedule1F1B"].median
+    lines.append(f"lecture_05: our 1F1B {ours * 1e3:.1f} ms/step vs Schedule1F1B {theirs * 1e3:.1f} ms/step: "
+                 f"ratio {ours / theirs:.2f} (target <= 1.1)")
+    return lines

@@ -116,3 +116,40 @@ def test_executor_equals_one_process(executed, p, name, v, m):
     for k in ref["grads"]:
         torch.testing.assert_close(grads[k], ref["grads"][k], rtol=1e-9, atol=1e-12, msg=k)
         torch.testing.assert_close(params[k], ref["params"][k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_building_blocks_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="tied"):
+        L.split_gpt(GPTConfig(tie_embeddings=True), L.Layout(2))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        L.make_schedule("pipedream-2bw", 2, 4)
+    sched = L.make_schedule("zb-h1", 2, 3)
+    _, stages = L.split_gpt(CFG, sched.layout)
+    with pytest.raises(ValueError, match="checkpointing"):
+        L.PipelineExecutor(sched, {0: stages[0]}, 0, (3, 8, 16), checkpoint=True)
+
+
+def test_layouts_place_every_stage_once():
+    for layout in (L.Layout(4, 2, "looped"), L.Layout(4, 2, "v"), L.Layout(3, 1)):
+        placed = {layout.stage(r, c) for r in range(layout.ranks) for c in range(layout.chunks)}
+        assert placed == set(range(layout.stages))
+        for s in range(layout.stages):
+            assert layout.stage(*layout.place(s)) == s
+    v = L.Layout(4, 2, "v")
+    assert v.place(0) == (0, 0) and v.place(7) == (0, 1) and v.place(3) == (3, 0) and v.place(4) == (3, 1)
+
+
+def test_sleep_mode_measures_the_schedule():
+    """In sleep mode the measured bubble of 1F1B is near (p-1)/(m+p-1), and GPipe holds more."""
+    cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8)
+    runs = [{"label": "1f1b", "name": "1f1b", "m": 4}, {"label": "gpipe", "name": "gpipe", "m": 4}]
+    R = spawn(L.measure_schedules, 2, cfg=cfg, runs=runs, mb_size=2, delay={"F": 0.01, "B": 0.01, "W": 0.01},
+              repeats=3).returns
+    got = L.statistics.median(L.measured_bubbles(R, "1f1b")[0])
+    assert got == pytest.approx(1 / 5, abs=0.1)
+    assert max(r["gpipe"]["peak_saved_bytes"] for r in R) > max(r["1f1b"]["peak_saved_bytes"] for r in R) > 0
+
+
+def test_quick_build(tmp_path):
+    build("lecture_05_pipeline_parallel", tmp_path, "--quick")
+    assert (tmp_path / "lecture_05_pipeline_parallel.json").exists()
