@@ -230,6 +230,10 @@ class ModelShape:
         replicated = b * (h + h) + 2 * self.norm_params * h
         return sharded / tp, replicated
 
+    def tensors_per_layer(self):
+        """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
+        return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
+
     def embedding_params(self):
         return self.vocab * self.hidden + self.learned_positions * self.seq * self.hidden
 
@@ -289,6 +293,8 @@ class Layout:
             parts.append("SP")
         if self.recompute != "none":
             parts.append("recompute")
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts.append(self.schedule)
         parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
         return " ".join(parts)
 
@@ -394,6 +400,7 @@ class Hardware:
     step_overhead: float = 0.0   # fixed seconds per step (optimizer, Python)
     overlap: float = 0.0         # fraction of backward that data-parallel traffic can hide under
     peak: float = None           # peak FLOP/s for MFU (defaults to `flops`)
+    bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
     p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
 
 
@@ -467,7 +474,10 @@ def step_time(model, layout, hw):
     flops = tokens * (n_layers * layer_flops + head_flops) / layout.tp
     compute = flops / hw.flops + n_layers * hw.overhead
     act = tokens * model.hidden * B["act"]
-    tp = 4 * n_layers * all_reduce_time(layout.tp, act, axis_link(hw, layout, "tp"))
+    tp_link = axis_link(hw, layout, "tp")
+    tp = 4 * n_layers * all_reduce_time(layout.tp, act, tp_link)
+    if layout.tp > 1 and worst == layout.pp - 1:   # vocabulary-parallel head and loss
+        tp += 2 * all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
     kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
     cp = 3 * n_layers * (layout.cp - 1) * p2p_time(kv, p2p_link(hw, layout, "cp")) if layout.cp > 1 else 0.0
     slot = compute + tp + cp
@@ -479,10 +489,12 @@ def step_time(model, layout, hw):
     n_sync = layout.dp * layout.cp
     link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
     grad_bytes = stage_params(model, layout, worst) * B["grads"]
+    # One message for all gradients (bucketed), or one per parameter tensor.
+    messages = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (worst == 0) + 3 * (worst == layout.pp - 1))
     if layout.zero == 0:
-        dp = all_reduce_time(n_sync, grad_bytes, link)
+        dp = messages * all_reduce_time(n_sync, grad_bytes / messages, link)
     else:
-        dp = 2 * gather_time(n_sync, grad_bytes, link)
+        dp = 2 * messages * gather_time(n_sync, grad_bytes / messages, link)
     # Gradient traffic can hide under backward (≈ 2/3 of the compute), ZeRO-3's forward
     # gathers under forward (≈ 1/3), as far as `hw.overlap` allows.
     exposed_dp = max(0.0, dp - hw.overlap * m * compute * 2 / 3)
@@ -772,7 +784,7 @@ def this_machine(cal, cfg, world_size):
     return Hardware("this machine", flops=1 / per_flop, memory=float("inf"), ranks_per_node=10 ** 6,
                     intra=link, inter=link, overhead=overhead / cfg.n_layers,
                     step_overhead=cal["optimizer"].median, overlap=0.0, peak=cal["matmul"]["flops"],
-                    p2p=cal["fit_p2p"])
+                    p2p=cal["fit_p2p"], bucketed=False)
 
 
 # =========================================================================================
@@ -1010,3 +1022,727 @@ def train_layout(rank, world_size, run, layout):
         losses.append(global_loss(trainer, loss))
     return {"losses": losses, "coords": mesh.coords, "params": trainer.full_parameters(),
             "memory": {**held, "activations": act}}
+
+
+def time_layouts(rank, world_size, run, layouts, repeats=5):
+    """Measured seconds per training step of every layout (slowest rank, median of `repeats`
+    after two warm-up steps), one layout after another in the same processes."""
+    out = []
+    for lay in layouts:
+        trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp))
+        out.append(measure(lambda: trainer.train_step(0), warmup=2, repeats=repeats))
+    return out
+
+
+def rank_correlation(xs, ys):
+    """Spearman's ρ: the Pearson correlation of the ranks (ties get their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    var = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return cov / var if var else float("nan")
+
+
+# =========================================================================================
+# 8. Narration
+# =========================================================================================
+
+LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in every one
+    ("dp×tp", Layout(dp=2, tp=2, micro_batch=4)),
+    ("dp×pp", Layout(dp=2, pp=2, micro_batch=2, micro_batches=2)),
+    ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4)),
+    ("dp×cp", Layout(dp=2, cp=2, micro_batch=4)),
+    ("dp×tp + ZeRO-1", Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2)),
+    ("dp + ZeRO-1", Layout(dp=4, zero=1, micro_batch=2)),
+    ("pp (1F1B)", Layout(pp=4, micro_batch=1, micro_batches=8)),
+    ("pp (GPipe)", Layout(pp=4, micro_batch=1, micro_batches=8, schedule="gpipe")),
+]
+LAYOUT_8 = ("dp×pp×tp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=2))
+ACT_TOLERANCE = 0.08      # saved activations: the formula leaves out a few bytes per token
+_RESULTS = {}             # what the sections measured, for the ones after them
+
+
+def small_run():
+    return Run(steps=4 if settings.quick else 10)
+
+
+def max_param_diff(returns, reference):
+    params = {}
+    for r in returns:
+        params.update(r["params"])
+    if set(params) != set(reference):
+        raise AssertionError(f"parameters missing or extra: {set(params) ^ set(reference)}")
+    return max((params[k] - v).abs().max().item() for k, v in reference.items())
+
+
+def intro():
+    note("""
+        # Putting it together: 4D parallelism, memory, and choosing a layout
+        The earlier lectures each split one thing: the batch (data parallelism and ZeRO,
+        lecture 03), the matrices (tensor parallelism, lecture 04), the layers (pipelines,
+        lecture 05), the sequence (context parallelism, lecture 06). Real training runs use
+        several at once, on one *device mesh*. This lecture builds the mesh, trains lecture 01's
+        GPT under many combinations — each checked against one process — and then turns the
+        formulas of those lectures into two predictions: **how many bytes each rank holds** and
+        **how long a step takes**. Both are checked where we can run them and then used where we
+        cannot: an 8B and a 70B model on 64 to 512 H100s.
+    """)
+
+
+def the_mesh():
+    note("""
+        ## The device mesh
+        Lay the ranks out on a grid of shape (dp, pp, cp, tp). Global rank
+        $r = ((d\\cdot PP + p)\\cdot CP + c)\\cdot TP + t$: the tensor-parallel index varies
+        fastest, so a tensor-parallel group is a run of consecutive ranks — on a GPU cluster,
+        GPUs of one node joined by NVLink, because tensor parallelism talks in every layer.
+        Context parallelism comes next (a ring exchange per attention layer), then the
+        pipeline (one activation per micro-batch and stage boundary), and data parallelism,
+        which talks once per step, spans the farthest ranks. An axis' *groups* are the sets of
+        ranks that differ only in that coordinate; every rank belongs to exactly one group of
+        each axis, and `dist.new_group` must be called by every rank for every group, in the
+        same order.
+    """)
+    see(mesh_coords)
+    see(axis_groups)
+    see(make_mesh)
+    shape = (2, 2, 1, 2)
+    figure(draw_mesh(shape, highlight=5),
+           caption="8 ranks as dp=2 × pp=2 × cp=1 × tp=2. Rank 5's groups are outlined: its tp "
+                   "group {4, 5} (neighbours), its pp group {5, 7}, its dp group {1, 5} (the "
+                   "farthest apart).")
+    rows, agree = [], True
+    for shape in [(2, 1, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1), (1, 1, 2, 2)]:
+        got = spawn(compare_meshes, 4, shape=shape,
+                    name=f"mesh dp{shape[0]} pp{shape[1]} cp{shape[2]} tp{shape[3]}: ours vs init_device_mesh").returns
+        for r, g in enumerate(got):
+            same = all(g["ours"][a] == g["torch"][a] for a in MESH_AXES)
+            counted = all(g.get("sums", {}).get(a, 1) == len(g["ours"][a]) for a in MESH_AXES)
+            agree &= same and counted
+            rows.append(["×".join(map(str, shape)), r, " ".join(f"{a}{g['coords'][a]}" for a in MESH_AXES)]
+                        + [str(g["ours"][a]) + ("" if g["ours"][a] == g["torch"][a] else f" ≠ {g['torch'][a]}")
+                           for a in MESH_AXES])
+    assert agree, "our groups differ from init_device_mesh's"
+    table(rows, header=["dp×pp×cp×tp", "rank", "coordinates", "dp group", "pp group", "cp group", "tp group"],
+          caption="Each rank's group on every axis, from our make_mesh; PyTorch's init_device_mesh "
+                  "with mesh_dim_names=('dp', 'pp', 'cp', 'tp') gives the same lists on every rank "
+                  "(checked, and an all-reduce over each group counts its members).")
+    _RESULTS["mesh_agrees"] = agree
+
+
+def many_layouts():
+    import matplotlib.pyplot as plt
+    run = small_run()
+    cfg = run.cfg
+    note(f"""
+        ## One model, many layouts
+        Lecture 01's GPT ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads,
+        sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}; Ψ = {L1.param_count(cfg):,})
+        on its Markov-chain task, global batch {run.global_batch} sequences, AdamW, {run.steps}
+        steps. Each layout applies the earlier lectures' pieces to the same seeded model, in a
+        fixed order: tensor parallelism (lecture 04's `parallelize_gpt` on the mesh's tp group;
+        vocabulary-parallel embedding, head and loss), context parallelism (lecture 06's ring
+        attention on zig-zag token shards, the cp group), pipeline stages (lecture 05's
+        `GPTStage` and executor with the pp group), then the gradient average over the *weight
+        replicas* — the dp × cp ranks with the same pp and tp coordinates, since context
+        parallelism splits tokens, not weights — and AdamW or lecture 03's ZeRO-1 on that group.
+        Two thin adapters are written here: lecture 03's collectives and ZeRO-1 run on the whole
+        world, so `GroupCollectives` and `GroupZero1` give them an explicit group.
+    """)
+    see(LayoutTrainer)
+    see(GroupZero1)
+    ref = reference_run(run)
+    runs = []
+    cases = list(LAYOUTS_4)
+    if not settings.quick:
+        cases.append(LAYOUT_8)
+    for name, lay in cases:
+        got = spawn(train_layout, lay.world, run=run, layout=lay,
+                    name=f"layout {name}: {lay.label()}, {lay.world} ranks").returns
+        runs.append((name, lay, got))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    steps = range(1, run.steps + 1)
+    ax.plot(steps, ref["losses"], color="black", lw=6, alpha=0.25, label="one process")
+    markers = "os^vD<>xP*"
+    rows = []
+    for (name, lay, got), mk in zip(runs, markers):
+        ax.plot(steps, got[0]["losses"], marker=mk, ms=4, lw=0.8, label=f"{name} ({lay.world} ranks)")
+        loss_diff = max(abs(a - b) for a, b in zip(got[0]["losses"], ref["losses"]))
+        pdiff = max_param_diff(got, ref["params"])
+        rows.append([name, lay.label(), lay.world, got[0]["losses"][-1], loss_diff, pdiff])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (whole global batch)")
+    ax.legend(fontsize=7, ncol=2)
+    figure(fig, caption="Every layout's loss curve on the single-process one (the wide grey line).")
+    table(rows, header=["layout", "mesh and micro-batching", "ranks", "last loss",
+                        "max |Δ loss| vs one process", "max |Δ parameter| vs one process"],
+          caption=f"After {run.steps} AdamW steps, every parameter (tensor-parallel slices gathered, "
+                  f"pipeline stages merged) against the one-process run; float32, so differences of "
+                  f"~1e-6 are summation order. One-process last loss {ref['losses'][-1]:.6f}.")
+    worst = max(r[-1] for r in rows)
+    assert worst < 1e-4, f"a layout drifted from one process: {worst}"
+    _RESULTS["layouts"] = runs
+    _RESULTS["layout_worst_diff"] = worst
+    return runs
+
+
+def memory_estimator():
+    import matplotlib.pyplot as plt
+    runs = _RESULTS.get("layouts") or many_layouts()
+    cfg = small_run().cfg
+    shape = ModelShape.from_gpt(cfg)
+    note("""
+        ## Memory per rank: the formulas together
+        For each rank, from the earlier lectures:
+
+        * **weights** $= b_w\\,\\Psi_\\text{stage}/\\text{tp}$ for the split matrices plus the
+          replicated norms and row-parallel biases; the first stage adds the embeddings
+          (vocabulary-parallel: $v h/\\text{tp}$), the last the final norm and head; ZeRO-3
+          divides by dp;
+        * **gradients** the same count at $b_g$ bytes, divided by dp under ZeRO-2/3;
+        * **optimizer** $K$ bytes per parameter (AdamW in fp32: two moments, $K = 8$; mixed
+          precision: master weights too, $K = 12$), divided by dp under ZeRO-1/2/3;
+        * **activations** per block and token: the block input, both norm outputs, the residual
+          after attention and the norm statistics stay whole ($4h + 4$ elements), while Q, K, V,
+          the attention output and log-sum-exp and the MLP's $2f$ split over tp
+          ($(2h + 2h_{kv} + a + 2f)/\\text{tp}$; sequence parallelism splits the rest too); times
+          $b\\cdot s/\\text{cp}$ tokens per micro-batch, times the micro-batches a stage holds at
+          once (all $m$ under GPipe, $\\text{pp} - \\text{stage}$ under 1F1B); full
+          recomputation keeps only each block's input, plus one block while it is recomputed.
+
+        Measured on every rank of every run above: the bytes of the parameters, gradients and
+        optimizer-state tensors the rank holds, and the peak bytes autograd kept for backward
+        (a saved-tensors hook, counting each storage once and releasing it when autograd does;
+        the pipeline executor of lecture 05 counts its stages' own).
+    """)
+    see(ModelShape.act_elements_per_token)
+    see(estimate_memory)
+    rows, worst = [], {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0}
+    for name, lay, got in runs:
+        seen = set()
+        for r in got:
+            key = r["coords"]["pp"]
+            if key in seen:
+                continue              # equal ranks (replicas, tp peers) say the same
+            seen.add(key)
+            est = estimate_memory(shape, lay, r["coords"]["pp"])
+            m = r["memory"]
+            errs = {}
+            for k in worst:
+                e = est["stored activations" if k == "activations" else k]
+                errs[k] = (m[k] - e) / e
+                worst[k] = max(worst[k], abs(errs[k]))
+            rows.append([name, f"pp stage {r['coords']['pp']}" if lay.pp > 1 else "every rank"]
+                        + [x for k in worst for x in (m[k], est["stored activations" if k == "activations" else k])]
+                        + [f"{100 * errs['activations']:+.1f}%"])
+    table(rows, header=["layout", "rank", "weights measured", "predicted", "grads measured", "predicted",
+                        "optimizer measured", "predicted", "activations measured", "predicted",
+                        "activation error"],
+          caption="Bytes per rank, measured vs the estimator (float32 runs).")
+    note(f"""
+        Weights, gradients and optimizer state are predicted to within
+        {100 * max(worst['weights'], worst['grads'], worst['optimizer']):.2f}% (exact counts:
+        the tensors are what the formulas say). Saved activations are within
+        {100 * worst['activations']:.1f}% (tolerance {100 * ACT_TOLERANCE:.0f}%): what the
+        formula leaves out are a few bytes per token — the vocabulary-parallel loss's masks and
+        indices, a stage's received input.
+    """)
+    _RESULTS["memory_worst"] = worst
+    # How the parts scale, for a model we cannot run: the estimator at published scale.
+    lays = [("dp", Layout(dp=64, micro_batch=1, precision="bf16")),
+            ("dp + ZeRO-1", Layout(dp=64, zero=1, micro_batch=1, precision="bf16")),
+            ("dp + ZeRO-3", Layout(dp=64, zero=3, micro_batch=1, precision="bf16")),
+            ("tp8 + SP", Layout(dp=8, tp=8, sp=True, zero=1, micro_batch=1, precision="bf16")),
+            ("tp8 pp4 + SP", Layout(dp=2, tp=8, pp=4, sp=True, zero=1, micro_batch=1, micro_batches=8, precision="bf16")),
+            ("tp8 pp4 + SP + recompute", Layout(dp=2, tp=8, pp=4, sp=True, zero=1, micro_batch=1, micro_batches=8,
+                                                recompute="full", precision="bf16"))]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    colours = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+    for i, (label, lay) in enumerate(lays):
+        est = estimate_memory(LLAMA3_70B, lay)
+        bottom = 0
+        for k, c in colours.items():
+            ax.bar(i, est[k] / 1e9, bottom=bottom, color=c, label=k if i == 0 else None)
+            bottom += est[k] / 1e9
+    ax.axhline(H100_MEMORY / 1e9, color="black", ls="--", lw=1, label="H100: 80 GB")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(lays)), [l for l, _ in lays], fontsize=8, rotation=15)
+    ax.set_ylabel("GB per GPU (log)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.set_title("Llama 3 70B, 64 GPUs, bf16 mixed precision, sequences of 8192, micro-batch 1")
+    figure(fig, caption="The same estimator at published scale: each split removes one of the bars.")
+
+
+def runnable(layouts):
+    """The layouts this lecture's trainer wires up (pipelines with context parallelism and
+    ZeRO-2/3 on a mesh are left out)."""
+    return [l for l in layouts if not (l.pp > 1 and l.cp > 1) and l.zero in (0, 1) and not l.sp
+            and l.recompute == "none"]
+
+
+def timing_layouts(run, ranks):
+    layouts = runnable(valid_layouts(ModelShape.from_gpt(run.cfg), ranks, run.global_batch))
+    if settings.quick:     # the extremes of micro-batching for each mesh: still ≥ 6 layouts
+        keep, seen = [], {}
+        for l in layouts:
+            seen.setdefault((l.dp, l.pp, l.cp, l.tp, l.zero), []).append(l)
+        for group in seen.values():
+            keep += [group[0]] if len(group) == 1 else [group[0], group[-1]]
+        layouts = keep
+    return layouts
+
+
+def step_time_model():
+    import matplotlib.pyplot as plt
+    run = small_run()
+    ranks = timing_ranks(4)
+    shape = ModelShape.from_gpt(run.cfg)
+    quick = settings.quick
+    note(f"""
+        ## Predicting the step time
+        The cost model adds up, for the slowest pipeline stage: compute (its FLOPs over the
+        measured rate, plus a fixed cost per block that dominates a model this small), the
+        tensor-parallel all-reduces (4 per block and micro-batch), the ring-attention
+        transfers, the pipeline's $m + \\text{{pp}} - 1$ slots (the bubble is $\\text{{pp}}-1$
+        of them), and the gradient sync over the weight replicas. Collectives use lecture 02's
+        α–β model per ring step. Every constant is measured in this build, {machine(ranks)}:
+        one rank per core, every rank busy at once, as in the runs being predicted.
+    """)
+    see(step_time)
+    sizes = [4096 * 4 ** k for k in range(4 if quick else 6)]
+    cal = spawn(calibrate, ranks, cfg=run.cfg, batch_sizes=[1, 2, 4, 8], sizes=sizes,
+                repeats=5 if quick else 9, name=f"calibration: matmul, model compute, all-reduce and send/recv, {ranks} ranks").returns[0]
+    hw = this_machine(cal, run.cfg, ranks)
+    a_ar, b_ar = cal["fit_all_reduce"]
+    a_p, b_p = cal["fit_p2p"]
+    table([["matmul FLOP/s (one rank, {0}×{0} fp32)".format(cal["matmul"]["n"]), f"{cal['matmul']['flops'] / 1e9:.2f} GFLOP/s", cal["matmul"]["timing"].ms()],
+           ["model compute rate (fit over micro-batches 1–8)", f"{hw.flops / 1e9:.2f} GFLOP/s", ""],
+           ["fixed cost per block and micro-batch", f"{hw.overhead * 1e3:.3f} ms", ""],
+           ["optimizer step (whole model)", f"{hw.step_overhead * 1e3:.3f} ms", cal["optimizer"].ms()],
+           [f"all-reduce on {ranks} ranks: α, β", f"{a_ar * 1e6:.0f} µs, {b_ar / 1e9:.2f} GB/s", ""],
+           ["send/recv: α, β", f"{a_p * 1e6:.0f} µs, {b_p / 1e9:.2f} GB/s", ""]],
+          header=["constant", "value", "measured (median, IQR)"],
+          caption="The cost model's constants, all measured by this build.")
+    layouts = timing_layouts(run, ranks)
+    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=5 if quick else 9,
+                  name=f"step time of {len(layouts)} layouts, {ranks} ranks").returns[0]
+    pred = [step_time(shape, l, hw)["total"] for l in layouts]
+    meas = [t.median for t in times]
+    rho = rank_correlation(pred, meas)
+    rows = []
+    for l, p, t in sorted(zip(layouts, pred, times), key=lambda x: x[1]):
+        parts = step_time(shape, l, hw)
+        rows.append([l.label(), p * 1e3, t.ms(), t.median / p,
+                     ", ".join(f"{k} {parts[k] * 1e3:.1f}" for k in ("compute", "tp", "cp", "bubble", "dp") if parts[k] > 0)])
+    table(rows, header=["layout", "predicted (ms)", "measured (median, IQR)", "measured / predicted",
+                        "predicted parts (ms)"],
+          caption=f"Every valid layout{' (quick build: a subset)' if quick else ''} of the "
+                  f"{ranks}-rank search, predicted and measured; Spearman rank correlation "
+                  f"ρ = {rho:.2f}.")
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for l, p, t in zip(layouts, pred, times):
+        ax.errorbar([p * 1e3], [t.median * 1e3], yerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]],
+                    fmt="o", ms=4, capsize=2, color="#4c72b0")
+    lo, hi = min(pred + meas) * 1e3 * 0.8, max(pred + meas) * 1e3 * 1.2
+    ax.plot([lo, hi], [lo, hi], color="0.6", ls="--", lw=1, label="measured = predicted")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.legend(fontsize=8)
+    figure(fig, caption=f"Predicted vs measured, {len(layouts)} layouts (median and IQR), {machine(ranks)}. "
+                        f"Rank correlation ρ = {rho:.2f}.")
+    best_pred, best_meas = layouts[pred.index(min(pred))], layouts[meas.index(min(meas))]
+    note(f"""
+        The model ranks the layouts with Spearman ρ = **{rho:.2f}**. It predicts
+        **{best_pred.label()}** fastest; the fastest measured was **{best_meas.label()}**. On a
+        model this small the step is mostly fixed costs — per block, per message — which is
+        why the cost model carries a per-block term and counts messages, not only bytes; at
+        published scale the FLOP and byte terms take over.
+    """)
+    _RESULTS.update(hw=hw, cal=cal, rho=rho, timed=list(zip(layouts, pred, times)))
+    return rho
+
+
+def search_here():
+    run = small_run()
+    shape = ModelShape.from_gpt(run.cfg)
+    note(f"""
+        ## Every valid configuration
+        A configuration is valid when the four axes multiply to the rank count and each
+        axis can split what it splits: tp divides the heads and the K/V heads, pp divides the
+        layers (equal stages), the sequence splits into 2·cp zig-zag chunks, dp divides the
+        global batch, and a pipeline gets at least pp micro-batches. For this GPT
+        ({shape.layers} layers, {shape.heads} heads, sequence {shape.seq}, global batch
+        {run.global_batch}):
+    """)
+    see(valid_layouts)
+    rows = []
+    for world in (1, 2, 4, 8):
+        ls = valid_layouts(shape, world, run.global_batch)
+        meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
+        rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
+    table(rows, header=["ranks", "meshes", "configurations (with micro-batching, ZeRO-1)", "meshes dp×pp×cp×tp"],
+          caption="The search space grows fast: each mesh multiplies by the ways to cut the batch.")
+
+
+def published_scale():
+    import matplotlib.pyplot as plt
+    hw = h100_cluster()
+    a = ASSUMED
+    note(f"""
+        ## At published scale: an 8B and a 70B model on 64–512 H100s
+        The same estimator and cost model, with published hardware numbers instead of
+        measured ones: an H100 SXM does {H100_PEAK_BF16 / 1e12:.0f} TFLOP/s of dense BF16 and
+        holds {H100_MEMORY / 1e9:.0f} GB; NVLink 4 gives each GPU 900 GB/s counting both
+        directions ({NVLINK_BW / 1e9:.0f} GB/s each way); a DGX H100 node has 8 GPUs and one
+        400 Gb/s InfiniBand NDR port per GPU ({IB_BW / 1e9:.0f} GB/s). Assumed, not cited:
+        {', '.join(f'{k} {v}' for k, v in a.items())}. Models: Llama 3 8B and 70B (grouped-query
+        attention with 8 K/V heads, SwiGLU, vocabulary 128,256), sequences of 8192, a global
+        batch of 512 sequences (4M tokens, Llama 3's batch early in training), bf16 mixed
+        precision. The search covers tp ≤ 8 (one node), any pp dividing the layers, cp, ZeRO
+        0–3, full recomputation or none, sequence parallelism or not, micro-batches of 1, 2, 4.
+    """)
+    see(decision_procedure)
+    rows = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
+        for world in (64, 512):
+            found = search(model, world, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
+                           precision="bf16", max_tp=8, micro_batch_sizes=(1, 2, 4), sp=(False, True))
+            fitting = [r for r in found if r["fits"]]
+            rule, why = decision_procedure(model, world, 512, hw)
+            tokens = 512 * model.seq
+            for tag, r in [("search: fastest that fits", fitting[0] if fitting else None),
+                           ("search: runner-up", fitting[1] if len(fitting) > 1 else None)]:
+                if r is None:
+                    continue
+                t = r["time"]["total"]
+                rows.append([model.name, world, tag, r["layout"].label(), r["memory"]["total"] / 1e9, t,
+                             mfu(model, tokens / t, world * H100_PEAK_BF16), ""])
+            if rule is not None:
+                t = step_time(model, rule, hw)["total"]
+                rows.append([model.name, world, "decision procedure", rule.label(),
+                             estimate_memory(model, rule)["total"] / 1e9, t,
+                             mfu(model, tokens / t, world * H100_PEAK_BF16), "; ".join(why)])
+            if world == 512:
+                xs = [r["memory"]["total"] / 1e9 for r in found]
+                ys = [r["time"]["total"] for r in found]
+                ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
+                if fitting:
+                    ax.scatter([fitting[0]["memory"]["total"] / 1e9], [fitting[0]["time"]["total"]],
+                               marker="*", s=150, color="#c44e52", label="fastest that fits")
+                if rule is not None:
+                    ax.scatter([estimate_memory(model, rule)["total"] / 1e9], [step_time(model, rule, hw)["total"]],
+                               marker="D", s=50, color="#55a868", label="decision procedure")
+                ax.axvline(hw.memory / 1e9, color="black", ls="--", lw=1)
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+                ax.set_xlabel("predicted GB per GPU")
+                ax.set_ylabel("predicted s per step")
+                ax.set_title(f"{model.name}, 512 GPUs: {len(found)} configurations", fontsize=9)
+                ax.legend(fontsize=7)
+    figure(fig, caption="Every configuration of the search at 512 GPUs: grey ones exceed the memory "
+                        "limit (dashed line).")
+    table(rows, header=["model", "GPUs", "chosen by", "layout", "GB per GPU", "s per step", "MFU", "why"],
+          caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
+    note("""
+        The rule of thumb lands on layouts the search also rates well, but not on the fastest:
+        it stops at the first layout that fits, while the search weighs, for instance, ZeRO-2
+        or -3 (free in bandwidth when the gradient traffic hides under backward) against
+        tensor parallelism (which pays an all-reduce per block that cannot hide). Its value is
+        that it needs no cost model; the search's is that it can compare the thousands of
+        configurations that fit. The predicted MFU is an upper bound: the model knows nothing
+        of kernel efficiency below the assumed GEMM rate, memory-bound operations, stragglers
+        or failures.
+    """)
+    _RESULTS["published"] = rows
+
+
+def mfu_section():
+    run = small_run()
+    shape = ModelShape.from_gpt(run.cfg)
+    hw, timed = _RESULTS.get("hw"), _RESULTS.get("timed")
+    note("""
+        ## Model FLOPs utilisation
+        MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
+        per token for forward and backward, plus $12 L h s$ for attention — by what the
+        hardware could do in that time. Recomputation does not count: it is work the model
+        did not need.
+    """)
+    see(flops_per_token)
+    if hw is not None and timed:
+        ranks = timing_ranks(4)
+        tokens = run.global_batch * shape.seq
+        best = min(timed, key=lambda x: x[2].median)
+        u = mfu(shape, tokens / best[2].median, ranks * hw.peak)
+        note(f"""
+            Here: {flops_per_token(shape)[0]:,} FLOPs per token; the fastest layout measured
+            ({best[0].label()}) trains {tokens / best[2].median:,.0f} tokens/s, against
+            a peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul) —
+            **MFU {100 * u:.2f}%**, {machine(ranks)}. A model this small spends its time in
+            fixed per-operation costs, not in matmuls.
+        """)
+        _RESULTS["mfu_here"] = u
+    published = _RESULTS.get("published") or []
+    if published:
+        best = [r for r in published if r[2] == "search: fastest that fits"]
+        table([[r[0], r[1], r[3], f"{100 * r[6]:.0f}%"] for r in best],
+              header=["model", "GPUs", "layout", "predicted MFU"],
+              caption="Predicted at published scale (bounded by the assumed GEMM efficiency).")
+    note("""
+        Public reference points: PaLM 540B trained at 46.2% MFU on 6144 TPU v4 chips
+        (Chowdhery et al. 2022); Megatron-LM reached 52% of A100 peak for a 1T-parameter model
+        on 3072 GPUs (Narayanan et al. 2021); Llama 3 405B ran at 38–43% BF16 MFU on 8K–16K
+        H100s (Llama 3 report, table 4); small open 4D frameworks report roughly 38–50% for
+        1–7B models on 8–64 H100s, and the Ultrascale Playbook swept more than 4,000
+        configurations up to 512 GPUs to find theirs.
+    """)
+    for url, title in [
+        ("https://arxiv.org/abs/2204.02311", "Chowdhery et al. 2022, PaLM: Scaling Language Modeling with Pathways (MFU)"),
+        ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
+        ("https://arxiv.org/abs/2407.21783", "Llama Team 2024, The Llama 3 Herd of Models"),
+        ("https://huggingface.co/spaces/nanotron/ultrascale-playbook", "Tazi et al. 2025, The Ultra-Scale Playbook: Training LLMs on GPU Clusters"),
+        ("https://arxiv.org/abs/2205.05198", "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models"),
+        ("https://www.nvidia.com/en-us/data-center/h100/", "NVIDIA H100 Tensor Core GPU (datasheet: 989 TFLOP/s dense BF16, 80 GB, NVLink 900 GB/s)"),
+        ("https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html", "NVIDIA DGX H100 User Guide (8 GPUs, ConnectX-7 400 Gb/s InfiniBand)"),
+    ]:
+        see(url, title=title)
+
+
+def cal_n():
+    cal = _RESULTS.get("cal")
+    return cal["matmul"]["n"] if cal else 0
+
+
+# =========================================================================================
+# 9. The same layouts from PyTorch's own pieces
+# =========================================================================================
+
+def pytorch_tp_plan():
+    """parallelize_module's plan for lecture 01's GPT: Megatron's column → row pairs, the
+    embedding split by vocabulary (RowwiseParallel on an Embedding), the LM head column-wise
+    with its output left as a vocabulary-sharded DTensor for loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    block = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+             "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+             "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    return plan, block
+
+
+def pytorch_layout(cfg, layout, lr):
+    """(modules, step function, parameters) of `layout` built from PyTorch's pieces:
+    parallelize_module on the tp mesh dimension, fully_shard (FSDP2) on dp, and for pp a
+    PipelineStage per rank driven by Schedule1F1B. dp × tp and dp × pp (and tp × pp)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    mesh = torch_mesh(layout.dp, layout.pp, 1, layout.tp)
+    model = L1.GPT(cfg).to(device())
+    if layout.tp > 1:
+        plan, block_plan = pytorch_tp_plan()
+        parallelize_module(model, mesh["tp"], plan)
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], block_plan)
+            # Adapter: lecture 01's attention reads its head count from the projection's
+            # out_features, which a Colwise-sharded nn.Linear keeps at the global width.
+            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                proj.out_features //= layout.tp
+    if layout.pp > 1:
+        from lectures.lecture_05_pipeline_parallel import GPTStage
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        stage_idx = mesh["pp"].get_local_rank()
+        module = GPTStage(model, stage_idx, layout.pp)
+    else:
+        module = model
+    if layout.dp > 1:
+        for block in getattr(module, "blocks", []):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    loss_ctx = loss_parallel if layout.tp > 1 else contextlib_nullcontext
+
+    def loss_of(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    if layout.pp > 1:
+        stage = PipelineStage(module, stage_idx, layout.pp, device(), group=mesh["pp"].get_group())
+        sched = Schedule1F1B(stage, n_microbatches=layout.micro_batches, loss_fn=loss_of)
+
+    def step(tokens, targets):
+        with loss_ctx():
+            if layout.pp > 1:
+                losses = []
+                if stage_idx == 0:
+                    sched.step(tokens)
+                elif stage_idx == layout.pp - 1:
+                    sched.step(target=targets, losses=losses)
+                else:
+                    sched.step()
+                loss = torch.stack(losses).mean().item() if losses else None
+            else:
+                loss = 0.0
+                for x, y in zip(tokens.chunk(layout.micro_batches), targets.chunk(layout.micro_batches)):
+                    l = loss_of(module(x), y) / layout.micro_batches
+                    l.backward()
+                    loss += l.item()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return module, step
+
+
+class contextlib_nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _dp_rows(run, layout, step):
+    mesh_dp = mesh_coords(dist.get_rank(), (layout.dp, layout.pp, 1, layout.tp))["dp"]
+    tokens, targets = L1.batch(run.cfg, run.global_batch, step)
+    rows = run.global_batch // layout.dp
+    return (tokens[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()),
+            targets[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()))
+
+
+def train_pytorch_layout(rank, world_size, run, layout):
+    """`run` under `layout` from PyTorch's pieces; returns the losses and full parameters."""
+    module, step = pytorch_layout(run.cfg, layout, run.lr)
+    losses = []
+    for s in range(run.steps):
+        loss = step(*_dp_rows(run, layout, s))
+        t = torch.tensor([loss if loss is not None and mesh_coords(rank, (layout.dp, layout.pp, 1, layout.tp))["tp"] == 0 else 0.0],
+                         dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(t.item() / layout.dp)
+    params = {}
+    for k, p in module.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        name = module.global_name(k) if hasattr(module, "global_name") else k
+        params[name] = full.detach().cpu().clone()
+    return {"losses": losses, "params": params}
+
+
+def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
+    """Seconds per step of each layout, ours and PyTorch's, alternating in the same processes."""
+    out = []
+    for lay in layouts:
+        ours = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp))
+        _, theirs = pytorch_layout(run.cfg, lay, run.lr)
+        batch = _dp_rows(run, lay, 0)
+        t_ours = measure(lambda: ours.train_step(0), warmup=2, repeats=repeats)
+        t_theirs = measure(lambda: theirs(*batch), warmup=2, repeats=repeats)
+        out.append((t_ours, t_theirs))
+    return out
+
+
+PYTORCH_LAYOUTS = [("dp×pp", Layout(dp=2, pp=2, micro_batch=2, micro_batches=2)),
+                   ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4))]
+
+
+def pytorch_pieces():
+    run = small_run()
+    note("""
+        ## The same layouts from PyTorch's own pieces
+        PyTorch ships every piece: `init_device_mesh` for the mesh, `parallelize_module`
+        with `ColwiseParallel` / `RowwiseParallel` for tensor parallelism (DTensor
+        parameters; `loss_parallel()` computes the loss on vocabulary-sharded logits),
+        `fully_shard` (FSDP2) on the dp dimension, and `PipelineStage` with `Schedule1F1B`
+        on the pp dimension's group. Built on the same lecture-01 GPT (lecture 05's
+        `GPTStage` cuts the stages), with one adapter: the attention module reads its head
+        count from its projections' `out_features`, which a column-sharded `nn.Linear`
+        keeps at the global width. FSDP2 on top of tensor parallelism (2D DTensor
+        parameters) also runs on CPU but takes far longer than this build's budget allows,
+        so the comparison uses dp×pp (FSDP2 + pipeline) and tp×pp (TP + pipeline), 4 ranks.
+    """)
+    see(pytorch_layout)
+    ref = reference_run(run)
+    rows = []
+    for name, lay in PYTORCH_LAYOUTS:
+        got = spawn(train_pytorch_layout, lay.world, run=run, layout=lay,
+                    name=f"PyTorch pieces: {name}, {lay.label()}").returns
+        diff = max_param_diff(got, ref["params"])
+        rows.append([name, lay.label(), got[0]["losses"][-1], diff])
+        assert diff < 1e-4, (name, diff)
+    table(rows, header=["layout", "mesh", "last loss", "max |Δ parameter| vs one process"],
+          caption=f"PyTorch's pieces train the same model to the same parameters (one process: "
+                  f"last loss {ref['losses'][-1]:.6f}).")
+    ranks = 4
+    times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in PYTORCH_LAYOUTS],
+                  repeats=3 if settings.quick else 7, name="step time: ours vs PyTorch's pieces").returns[0]
+    table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
+           for (name, lay), (a, b) in zip(PYTORCH_LAYOUTS, times)],
+          header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
+          caption=f"Seconds per step, median and IQR, {machine(ranks)}.")
+    _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(PYTORCH_LAYOUTS, times)]
+
+
+def notes():
+    note("""
+        ## Notes: launching across nodes, NCCL, and what to check first
+        **Launch.** Every rank runs the same program; `torchrun` starts one process per GPU on
+        each node and they meet at a rendezvous endpoint:
+        `torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER:29500
+        --rdzv-id $JOB -m util.run lecture_07_putting_it_together --world-size 16`. Under Slurm,
+        one `srun` task per node runs that command with `$MASTER` taken from
+        `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1` (the course README has the
+        script). The mesh's order matters then: with 8 GPUs per node, tp = 8 keeps every
+        tensor-parallel group inside a node.
+
+        **NCCL's environment.** `NCCL_DEBUG=INFO` prints the transports and rings it picked
+        (check that InfiniBand, not TCP sockets, carries inter-node traffic);
+        `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` choose the interfaces; `NCCL_ALGO` and
+        `NCCL_PROTO` force ring/tree and LL/LL128/Simple for experiments;
+        `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` and a process-group timeout turn a hang into an
+        error.
+
+        **A big run is slow: check, in order,** (1) the MFU against the 35–50% that published
+        runs reach; (2) one node alone at the same per-GPU batch — if it is fast, the network
+        or the layout across nodes is the problem (run nccl-tests across nodes and compare
+        bus bandwidth with the link's); (3) the profile of one step: exposed communication
+        (tensor parallelism crossing nodes, data-parallel traffic not overlapped), the pipeline
+        bubble ((pp − 1)/m), recomputation you do not need; (4) stragglers: one slow GPU or
+        link sets everyone's pace, so compare per-rank step times; (5) the data loader and
+        host-side stalls.
+    """)
+
+
+def main():
+    intro()
+    the_mesh()              # where each rank sits, and its group on each axis
+    many_layouts()          # the same training under every combination, against one process
+    memory_estimator()      # bytes per rank predicted, checked on every run above
+    search_here()           # the space of valid configurations
+    step_time_model()       # time per step predicted from measured constants, checked on ≥ 6 layouts
+    published_scale()       # the same search for an 8B and a 70B model on H100s
+    mfu_section()           # how much of the hardware a step uses
+    pytorch_pieces()        # the same layouts from PyTorch's own building blocks
+    notes()                 # multi-node launch, NCCL, and what to check first
+
+
+def bench():
+    """Predicted vs measured step time (rank correlation) and ours vs PyTorch's pieces."""
+    rho = step_time_model()
+    pytorch_pieces()
+    lines = [f"lecture_07: step-time model vs measured over {len(_RESULTS['timed'])} layouts: "
+             f"rank correlation {rho:.2f} (target >= 0.8)"]
+    for name, ratio in _RESULTS["vs_pytorch"]:
+        lines.append(f"lecture_07: {name} step, ours / PyTorch's pieces: ratio {ratio:.2f} (target <= 1.2)")
+    return lines
