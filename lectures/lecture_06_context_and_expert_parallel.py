@@ -87,6 +87,15 @@ def _seg(t, seg):
     return t[:, :, seg[0]:seg[0] + seg[1]]
 
 
+FUSED = True  # blocks use PyTorch's fused CPU flash-attention kernel where the mask allows
+
+
+def _fused(q, qs, ks, kind):
+    """Can PyTorch's CPU flash kernel (which returns the lse we need) compute this block? Yes for
+    unmasked blocks and for square diagonal ones (its causal mask is top-left aligned)."""
+    return FUSED and q.device.type == "cpu" and (kind == "full" or (qs[1] == ks[1] and qs[2] == ks[2]))
+
+
 def segments_forward(q, k, v, qsegs, ksegs, causal, scale, out=None, lse=None, work=None):
     """Attention of q's segments over k's segments, merged into (out, lse) if given. Skips empty
     pairs; `work` (a list) gets the number of score entries computed per pair."""
@@ -98,8 +107,13 @@ def segments_forward(q, k, v, qsegs, ksegs, causal, scale, out=None, lse=None, w
             kind = pair_kind(qs, ks, causal)
             if kind == "empty":
                 continue
-            mask = _causal_mask(qs, ks, q.device) if kind == "partial" else None
-            o_b, l_b = _block_forward(_seg(q, qs), _seg(k, ks), _seg(v, ks), scale, mask)
+            if _fused(q, qs, ks, kind):
+                o_b, l_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *(_seg(t, sg).contiguous() for t, sg in ((q, qs), (k, ks), (v, ks))), 0.0,
+                    kind == "partial", scale=scale)
+            else:
+                mask = _causal_mask(qs, ks, q.device) if kind == "partial" else None
+                o_b, l_b = _block_forward(_seg(q, qs), _seg(k, ks), _seg(v, ks), scale, mask)
             a, n = qs[0], qs[1]
             o, l = merge_partials(out[:, :, a:a + n], lse[:, :, a:a + n], o_b, l_b)
             out[:, :, a:a + n], lse[:, :, a:a + n] = o, l
@@ -108,17 +122,22 @@ def segments_forward(q, k, v, qsegs, ksegs, causal, scale, out=None, lse=None, w
     return out, lse
 
 
-def segments_backward(q, k, v, dout, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv):
+def segments_backward(q, k, v, dout, out, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv):
     """Add the gradients of q's segments over k's segments into dq, dk, dv (in place)."""
     for qs in qsegs:
         for ks in ksegs:
             kind = pair_kind(qs, ks, causal)
             if kind == "empty":
                 continue
-            mask = _causal_mask(qs, ks, q.device) if kind == "partial" else None
             a, n = qs[0], qs[1]
-            g_q, g_k, g_v = _block_backward(_seg(q, qs), _seg(k, ks), _seg(v, ks), dout[:, :, a:a + n],
-                                            lse[:, :, a:a + n], delta[:, :, a:a + n], scale, mask)
+            if _fused(q, qs, ks, kind):    # the kernel recomputes delta from the (final) out
+                g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout[:, :, a:a + n].contiguous(), *(_seg(t, sg).contiguous() for t, sg in ((q, qs), (k, ks), (v, ks))),
+                    out[:, :, a:a + n].contiguous(), lse[:, :, a:a + n].contiguous(), 0.0, kind == "partial", scale=scale)
+            else:
+                mask = _causal_mask(qs, ks, q.device) if kind == "partial" else None
+                g_q, g_k, g_v = _block_backward(_seg(q, qs), _seg(k, ks), _seg(v, ks), dout[:, :, a:a + n],
+                                                lse[:, :, a:a + n], delta[:, :, a:a + n], scale, mask)
             dq[:, :, a:a + n] += g_q
             dk[:, :, ks[0]:ks[0] + ks[1]] += g_k
             dv[:, :, ks[0]:ks[0] + ks[1]] += g_v
@@ -157,7 +176,7 @@ class SegmentAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)
         delta = (dout * out).sum(-1)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        segments_backward(q, k, v, dout, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
+        segments_backward(q, k, v, dout, out, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
@@ -351,7 +370,7 @@ class RingAttention(torch.autograd.Function):
             start = time.perf_counter()
             dkv = torch.zeros(b, h, lengths[src], 2 * d, dtype=q.dtype, device=q.device)
             work = sum(qs[1] * ks[1] for qs in segs[r] for ks in segs[src] if pair_kind(qs, ks, causal) != "empty")
-            segments_backward(q, kv[..., :d], kv[..., d:], dout, lse, delta, segs[r], segs[src], causal,
+            segments_backward(q, kv[..., :d], kv[..., d:], dout, out, lse, delta, segs[r], segs[src], causal,
                               scale, dq, dkv[..., :d], dkv[..., d:])
             _trace("block compute (backward)", start, time.perf_counter(), work)
             if grad_in is not None:
@@ -415,7 +434,7 @@ class AllGatherAttention(torch.autograd.Function):
         dout = dout.to(q.dtype)
         delta = (dout * out).sum(-1)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        segments_backward(q, k, v, dout, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
+        segments_backward(q, k, v, dout, out, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
         m = max(lengths)
         full = torch.cat([F.pad(t, (0, 0, 0, m - t.shape[2]))
                           for t in torch.split(torch.cat([dk, dv], -1), lengths, dim=2)], dim=2)

@@ -36,7 +36,9 @@ def everything(rank, world_size):
             "gpt": {case: L.cp_gpt_gradients(rank, world_size, *case) for case in GPT_CASES[world_size]},
             "moe": {name: L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size])
                     for name, (kw, tokens) in MOE_CASES.items()},
-            "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None}
+            "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
+            "pytorch": L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4)
+            if world_size != 3 else None}
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +196,36 @@ def test_balance_loss_has_the_published_form():
     uniform = L.balance_loss(torch.full((E,), 32 / E, dtype=torch.float64), torch.full((E,), 8), 32, E)
     collapsed = L.balance_loss(torch.tensor([32.0, 0, 0, 0], dtype=torch.float64), torch.tensor([32, 0, 0, 0]), 32, E)
     assert uniform.item() == pytest.approx(1.0) and collapsed.item() == pytest.approx(E)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pytorch_context_parallel_with_the_cpu_shim(runs, world_size):
+    """PyTorch's ring (through our shim) equals one process; it merges partials in float32."""
+    S = 8 * world_size
+    q, k, v, dout = L.attention_inputs(S, 4)
+    reference = L.reference_attention(q, k, v, dout, causal=True)
+    per_rank = [r["pytorch"] for r in runs[world_size]]
+    for i, ref in enumerate(reference):
+        got = L.zigzag_unshard([x[i] for x in per_rank], dim=2)   # head-tail = our zig-zag
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_block_math_with_and_without_the_fused_kernel(monkeypatch, fused):
+    """Our own block math and PyTorch's fused CPU kernel give the same attention, on segments
+    whose causal blocks are square, and on uneven ones that need our mask."""
+    monkeypatch.setattr(L, "FUSED", fused)
+    q, k, v, dout = L.attention_inputs(13, 3)
+    for segs in ([(0, 13, 0)], [(0, 5, 0), (5, 4, 5), (9, 4, 9)], [(0, 6, 0), (6, 7, 6)]):
+        for causal in (False, True):
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            out = L.SegmentAttention.apply(ql, kl, vl, segs, segs, causal)
+            out.backward(dout)
+            ref = L.reference_attention(q, k, v, dout, causal)
+            for got, want in zip((out, ql.grad, kl.grad, vl.grad), ref):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_quick_build(tmp_path):
+    build("lecture_06_context_and_expert_parallel", tmp_path, "--quick")
+    assert (tmp_path / "lecture_06_context_and_expert_parallel.json").exists()
