@@ -28,6 +28,28 @@ def build(lecture, out, *flags, check=True):
     return proc
 
 
+LECTURES = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "lectures"))
+                  if f.startswith("lecture_") and f.endswith(".py"))
+
+
+@pytest.fixture(scope="session")
+def course_site(tmp_path_factory):
+    """Every lecture built once per test session, quick, into one content folder (so pages link
+    their neighbours): (folder, {lecture: CompletedProcess}). Lecture tests and page tests
+    share it instead of building each lecture again."""
+    out = tmp_path_factory.mktemp("course")
+    return out, {name: build(name, out, "--quick", check=False) for name in LECTURES}
+
+
+def built(course_site, name):
+    """The content folder holding `name`'s page; fails with the build's own error output."""
+    out, procs = course_site
+    proc = procs[name]
+    if proc.returncode != 0:
+        raise AssertionError(f"building {name} --quick exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return out
+
+
 @pytest.fixture(scope="session")
 def fixture_site(tmp_path_factory):
     """The fixture lecture built once (quick) into a temporary content folder."""
@@ -61,6 +83,10 @@ class Watched:
 
     def __init__(self, browser, **context_args):
         self.context = browser.new_context(offline=True, **context_args)
+        # Chromium's offline emulation leaves navigator.onLine true for file:// pages; a reader
+        # who is really offline has it false, and the page relies on that.
+        self.context.add_init_script(
+            "Object.defineProperty(Navigator.prototype, 'onLine', {get: () => false})")
         self.page = self.context.new_page()
         self.requests, self.errors = [], []
         self.page.on("request", lambda r: self.requests.append(r.url))

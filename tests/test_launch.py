@@ -187,3 +187,25 @@ def test_one_pool_serves_every_world_size_and_timeout():
     pids = [p for p, _, _ in four]
     assert [p for p, _, _ in two] == pids[:2] and one[0][0] == pids[0]  # no new processes
     assert [p for p, _, _ in again] == pids
+
+
+def test_workers_notice_a_module_changed_on_disk_and_run_the_new_code():
+    """A notebook user edits a lecture and re-runs a cell: the ranks must run the new code,
+    not what the reused workers imported before."""
+    import importlib
+    import sys
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_changing_module.py")
+    try:
+        with open(path, "w") as f:
+            f.write("def answer(rank, world_size):\n    return 1\n")
+        importlib.invalidate_caches()
+        module = importlib.import_module("tests._changing_module")
+        assert spawn(module.answer, 2).returns == [1, 1]
+        with open(path, "w") as f:
+            f.write("def answer(rank, world_size):\n    return 2  # edited\n")
+        module = importlib.reload(module)
+        assert module.answer(0, 1) == 2                      # the lecture process has it...
+        assert spawn(module.answer, 2).returns == [2, 2]     # ...and so do the ranks
+    finally:
+        os.unlink(path)
+        sys.modules.pop("tests._changing_module", None)
