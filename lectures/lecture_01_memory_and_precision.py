@@ -512,3 +512,361 @@ def accumulated_gradients(cfg, batch_size, micro_batches, step=0):
             held = max(held, live.now)
             loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}, held
+
+
+# =========================================================================================
+# 6. Number formats, loss scaling, master weights
+# =========================================================================================
+
+FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "fp8 e4m3fn": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
+
+
+def round_to(x, dtype):
+    """x rounded to `dtype` (round to nearest even) and back to fp32. fp8 e4m3fn has no
+    infinity: values past its 448 saturate to ±448 here rather than becoming NaN."""
+    if dtype == torch.float8_e4m3fn:
+        m = torch.finfo(dtype).max
+        x = x.clamp(-m, m)
+    return x.to(dtype).to(torch.float32)
+
+
+def format_properties(name, dtype, n=200_001):
+    """What finfo says, and what rounding `n` evenly spaced values in [1, 2] measures: the
+    largest relative error is half the spacing between neighbours there (eps/2)."""
+    fi = torch.finfo(dtype)
+    x = torch.linspace(1, 2, n, dtype=torch.float64)
+    err = ((round_to(x.float(), dtype).double() - x).abs() / x).max().item()
+    distinct = round_to(x.float(), dtype).unique().numel()
+    bits = dtype.itemsize * 8
+    return {"format": name, "bits": bits, "max": fi.max, "smallest normal": fi.smallest_normal,
+            "eps (spacing at 1)": fi.eps, "values in [1, 2]": distinct,
+            "max rel. error in [1, 2] (measured)": err}
+
+
+def relative_error_across_magnitudes(dtype, exponents, per_decade=200, seed=0):
+    """Median relative rounding error of random values at each magnitude 10^e; 1.0 means the
+    value flushed to zero, a NaN/inf counts as 1 too."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for e in exponents:
+        x = (10.0 ** e) * (1 + torch.rand(per_decade, generator=g, dtype=torch.float64) * 9)
+        r = round_to(x.float(), dtype).double()
+        rel = ((r - x).abs() / x).nan_to_num(1.0, 1.0, 1.0).clamp(max=1.0)
+        out.append(rel.median().item())
+    return out
+
+
+def fp16_gradients(cfg, batch_size, scale=None):
+    """The GPT's gradients when every gradient is *stored* in fp16: each module's incoming
+    gradient and each parameter's gradient are rounded to fp16 (the arithmetic stays fp32: on
+    this CPU fp16 matmuls are far slower, and the loss of information is in the storage).
+    With `scale`, a real `torch.amp.GradScaler` multiplies the loss by it before backward, then
+    divides the gradients by it (`unscale_`) and refuses the step if any became inf/NaN.
+    Returns gradients, counts of activation-gradient elements (total, flushed to zero,
+    subnormal) and whether the scaler would skip this step."""
+    f16 = torch.finfo(torch.float16)
+    model = GPT(cfg)
+    tokens, targets = batch(cfg, batch_size, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10**6,
+                                  enabled=scale is not None)
+    count = {"elements": 0, "flushed to zero": 0, "subnormal": 0}
+
+    def to_fp16(module, grad_output):
+        g = grad_output[0]
+        r = round_to(g, torch.float16)
+        count["elements"] += g.numel()
+        count["flushed to zero"] += ((r == 0) & (g != 0)).sum().item()
+        count["subnormal"] += ((r != 0) & (r.abs() < f16.smallest_normal)).sum().item()
+        return (r,)
+
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.register_full_backward_pre_hook(to_fp16)
+    for p in model.parameters():
+        p.register_hook(lambda g: round_to(g, torch.float16))
+    scaler.scale(loss_fn(model(tokens), targets)).backward()
+    scaler.unscale_(opt)                 # grads /= scale, in fp32, and look for inf/NaN
+    scaler.step(opt)                     # lr = 0: nothing moves; skipped if inf/NaN found
+    before = scaler.get_scale() if scale else None
+    scaler.update()
+    skipped = scale is not None and scaler.get_scale() < before
+    return {n: p.grad for n, p in model.named_parameters()}, count, skipped
+
+
+def fp32_gradients(cfg, batch_size):
+    model = GPT(cfg)
+    tokens, targets = batch(cfg, batch_size, 0)
+    loss_fn(model(tokens), targets).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def gradient_error(grads, reference):
+    """‖g − g_ref‖ / ‖g_ref‖ over all parameters together (inf/NaN count as total loss)."""
+    num = sum((grads[k].double() - reference[k].double()).pow(2).sum() for k in reference)
+    den = sum(reference[k].double().pow(2).sum() for k in reference)
+    err = (num / den).sqrt().item()
+    return err if math.isfinite(err) else float("inf")
+
+
+class MasterWeights:
+    """Mixed precision by hand: the model computes in bf16 (parameters and gradients bf16), the
+    optimizer updates an fp32 master copy and writes it back rounded to bf16. With
+    `fp32_accumulation`, gradients are summed over micro-batches in an fp32 buffer."""
+
+    def __init__(self, model, lr, fp32_accumulation=False, weight_decay=0.01):
+        self.model = model
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+        self.acc = [torch.zeros_like(m) for m in self.master] if fp32_accumulation else None
+
+    def accumulate(self):
+        """After a micro-batch's backward: move bf16 gradients into the fp32 buffer."""
+        if self.acc is None:
+            raise RuntimeError("MasterWeights(fp32_accumulation=False) has no accumulation buffer")
+        for a, p in zip(self.acc, self.params):
+            a.add_(p.grad.float())
+            p.grad = None
+
+    def step(self):
+        for i, (m, p) in enumerate(zip(self.master, self.params)):
+            m.grad = self.acc[i].clone() if self.acc is not None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)                 # round the fp32 master to the bf16 compute copy
+                m.grad = None
+        if self.acc is not None:
+            for a in self.acc:
+                a.zero_()
+
+    def held(self):
+        """Bytes by role, from the tensors this setup holds."""
+        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        out = {"bf16 parameters": sum(p.nbytes for p in self.params),
+               "bf16 gradients": sum(p.grad.nbytes for p in self.params if p.grad is not None),
+               "fp32 master parameters": sum(m.nbytes for m in self.master),
+               "fp32 Adam m and v": sum(v.nbytes for v in state)}
+        if self.acc is not None:
+            out["fp32 gradient accumulation"] = sum(a.nbytes for a in self.acc)
+        return out
+
+
+def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
+    """Loss every `log_every` steps of AdamW training, for `variant` in
+    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of weight elements the last
+    step left unchanged (an update smaller than half a bf16 spacing rounds away)."""
+    if variant == "fp32":
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        step = opt.step
+    elif variant == "bf16 weights":
+        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        step = opt.step
+    elif variant == "bf16 + fp32 master":
+        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
+        step = MasterWeights(model, lr=lr).step
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    curve, unchanged = [], 0.0
+    for t in range(steps):
+        tokens, targets = batch(cfg, batch_size, t)
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()] if t == steps - 1 else None
+        step()
+        for p in model.parameters():
+            p.grad = None
+        if before is not None:
+            same = sum((p == b).sum().item() for p, b in zip(model.parameters(), before))
+            unchanged = same / sum(p.numel() for p in model.parameters())
+        if t % log_every == 0 or t == steps - 1:
+            curve.append((t, loss.item()))
+    return curve, unchanged
+
+
+# =========================================================================================
+# 7. FP8 with scaling: one scale per tensor, or one per tile (DeepSeek-V3)
+# =========================================================================================
+
+def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn):
+    """x (2-D) to fp8 with scales chosen so each group's largest |value| maps to the format's
+    max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
+    (DeepSeek-V3: 1×128 for activations, 128×128 for weights). Returns (fp8 values, scales),
+    scales shaped (rows/r, cols/c)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")
+    m, n = x.shape
+    r, c = tile or (m, n)
+    if m % r or n % c:
+        raise ValueError(f"tile {r}×{c} does not divide the {m}×{n} matrix")
+    tiles = x.float().reshape(m // r, r, n // c, c)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12)
+    scale = amax / torch.finfo(dtype).max
+    q = (tiles / scale).to(dtype).reshape(m, n)
+    return q, scale.reshape(m // r, n // c)
+
+
+def dequantize_fp8(q, scale):
+    m, n = q.shape
+    gr, gc = scale.shape
+    tiles = q.float().reshape(gr, m // gr, gc, n // gc)
+    return (tiles * scale.reshape(gr, 1, gc, 1)).reshape(m, n)
+
+
+def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn):
+    """Relative error ‖Q(a)·Q(w) − a·w‖ / ‖a·w‖ of an fp8 matmul simulated on the CPU:
+    quantize both operands, dequantize, multiply in fp32 (as the tensor core accumulates)."""
+    exact = a.double() @ w.double()
+    approx = dequantize_fp8(*quantize_fp8(a, a_tile, dtype)) @ dequantize_fp8(*quantize_fp8(w, w_tile, dtype))
+    return ((approx.double() - exact).norm() / exact.norm()).item()
+
+
+def scaled_mm_error(a, w, rowwise=False):
+    """The same with PyTorch's fp8 matmul `torch._scaled_mm` (e4m3, tensor-wise or row-wise
+    scales: a per row of a, one per column of w). None if this build cannot run it."""
+    exact = a.double() @ w.double()
+    try:
+        if rowwise:
+            qa, sa = quantize_fp8(a, (1, a.shape[1]))
+            qw, sw = quantize_fp8(w.t().contiguous(), (1, w.shape[0]))
+            out = torch._scaled_mm(qa, qw.t(), sa.float(), sw.float().t(), out_dtype=torch.bfloat16)
+        else:
+            qa, sa = quantize_fp8(a)
+            qw, sw = quantize_fp8(w.t().contiguous())
+            out = torch._scaled_mm(qa, qw.t(), sa.reshape(()), sw.reshape(()), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ((out.double() - exact).norm() / exact.norm()).item()
+
+
+def outlier_matrices(m, k, n, outlier=1000.0, frac=0.001, seed=0):
+    """Activations (m×k) with a few huge entries, as LLM activations have, and Gaussian weights
+    (k×n) with a few large ones."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g)
+    hit = torch.rand(m, k, generator=g) < frac
+    a[hit] *= outlier
+    w = torch.randn(k, n, generator=g) * 0.02
+    w[torch.rand(k, n, generator=g) < frac] *= 50
+    return a, w
+
+
+# =========================================================================================
+# 8. FlashAttention's idea: attention by key/value blocks with an online softmax
+# =========================================================================================
+
+def attention_with_lse(q, k, v, causal=False, q_offset=0, k_offset=0, scale=None):
+    """softmax(q kᵀ·scale) v for one block of keys, and the log-sum-exp of each query's scores
+    (b, heads, s_q). Positions are q_offset + i and k_offset + j, so a rank holding a slice of
+    the sequence masks correctly (causal: key j visible to query i iff k_offset+j <= q_offset+i).
+    A query that sees no key here gets output 0 and lse −inf, which `merge_attention` ignores.
+    Plain tensor operations: autograd differentiates it."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics in fp32 at least
+    scores = (q @ k.transpose(-2, -1)).to(acc) * scale
+    if causal:
+        qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
+        kj = torch.arange(k.shape[-2], device=q.device)[None, :] + k_offset
+        scores = scores.masked_fill(kj > qi, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe[..., None])          # exp(−inf) = 0 for masked keys
+    return (p.to(v.dtype) @ v), lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine attention over two disjoint sets of keys: with m = max(lse_a, lse_b), the
+    weights are exp(lse − m) — the running-max rescaling of the online softmax. Returns
+    (out, lse) over the union. Safe when a side saw no keys (lse −inf)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - safe)[..., None]
+    wb = torch.exp(lse_b - safe)[..., None]
+    return (out_a * wa + out_b * wb).to(out_a.dtype), lse
+
+
+def _blocked_forward(q, k, v, block_size, causal, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    for start in range(0, k.shape[-2], block_size):
+        if causal and start > q.shape[-2] - 1:
+            break                                   # every later key is in every query's future
+        o_b, l_b = attention_with_lse(q, k[..., start:start + block_size, :], v[..., start:start + block_size, :],
+                                      causal=causal, k_offset=start, scale=scale)
+        out, lse = merge_attention(out, lse, o_b, l_b)
+    return out.to(q.dtype), lse
+
+
+class OnlineSoftmaxAttention(torch.autograd.Function):
+    """Forward: keys and values in blocks, a running (out, lse) merged block by block; only a
+    (s_q × block) score tile exists at a time. Backward (FlashAttention-2's): recompute each
+    tile's probabilities from the saved lse, P = exp(S − lse); dV += Pᵀ dO; dP = dO Vᵀ;
+    dS = P ∘ (dP − rowsum(dO ∘ O)); dQ += dS K·scale; dK += dSᵀ Q·scale. Saves only q, k, v,
+    out and lse: O(s), not O(s²)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_size, causal, scale):
+        with torch.no_grad():
+            out, lse = _blocked_forward(q, k, v, block_size, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.block_size, ctx.causal, ctx.scale = block_size, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        bs, scale = ctx.block_size, ctx.scale
+        acc = lse.dtype
+        d_out = d_out.contiguous()
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)     # rowsum(dO ∘ O)
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
+        dq, dk, dv = torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), \
+            torch.zeros_like(v, dtype=acc)
+        qi = torch.arange(q.shape[-2], device=q.device)[:, None]
+        for start in range(0, k.shape[-2], bs):
+            if ctx.causal and start > q.shape[-2] - 1:
+                break
+            kb, vb = k[..., start:start + bs, :].to(acc), v[..., start:start + bs, :].to(acc)
+            s = (q.to(acc) @ kb.transpose(-2, -1)) * scale
+            if ctx.causal:
+                kj = torch.arange(kb.shape[-2], device=q.device)[None, :] + start
+                s = s.masked_fill(kj > qi, float("-inf"))
+            p = torch.exp(s - safe)
+            dv[..., start:start + bs, :] += p.transpose(-2, -1) @ d_out.to(acc)
+            ds = p * (d_out.to(acc) @ vb.transpose(-2, -1) - delta)
+            dq += (ds @ kb) * scale
+            dk[..., start:start + bs, :] += (ds.transpose(-2, -1) @ q.to(acc)) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def online_softmax_attention(q, k, v, block_size, causal=False, scale=None):
+    """Attention on (batch, heads, seq, head_dim) tensors computed `block_size` keys at a time
+    with an online softmax; equals F.scaled_dot_product_attention in values and gradients
+    (tested, including block sizes that do not divide the sequence). Causal needs equal query
+    and key lengths (queries and keys at the same positions)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError("causal online_softmax_attention needs as many queries as keys; "
+                         "use attention_with_lse with offsets for a slice of the sequence")
+    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return OnlineSoftmaxAttention.apply(q, k, v, int(block_size), bool(causal), float(scale))
+
+
+def attention_peak_bytes(attend, b, heads, s, d, backward=False, seed=0):
+    """Most bytes alive at once while `attend(q, k, v)` runs (and its backward, if asked),
+    beyond the inputs, measured with LiveBytes."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, heads, s, d, generator=g, requires_grad=backward) for _ in range(3))
+    with LiveBytes() as live:
+        out = attend(q, k, v)
+        if backward:
+            out.sum().backward()
+    return live.peak
