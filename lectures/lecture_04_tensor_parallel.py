@@ -842,11 +842,18 @@ def train_reference(cfg, steps=3, batch_size=5, lr=3e-3, seed=0):
 
 
 def train_tp(rank, world_size, cfg, steps=3, batch_size=5, lr=3e-3, seed=0, tp=None,
-             sequence_parallel=False, plan=None):
+             sequence_parallel=False, sync_layernorm_grads=True):
     """The same run, split over a tensor-parallel group of `tp` ranks (default: all of them).
     With tp < world_size the other groups train the same model independently: every group must
-    equal the reference, which checks that nothing leaked across groups."""
+    equal the reference, which checks that nothing leaked across groups.
+    `sync_layernorm_grads=False` (with sequence parallelism) leaves out the all-reduce of the
+    LayerNorms' partial gradients: the demo of what goes wrong without it."""
     group = tp_group(world_size, tp or world_size)
+    plan = None
+    if not sync_layernorm_grads:
+        plan = gpt_plan(cfg, sequence_parallel)
+        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[name] = functools.partial(SequenceParallelLayerNorm.from_full, sync_grads=False)
     model = parallelize_gpt(GPT(cfg).to(device()), group, sequence_parallel=sequence_parallel, plan=plan)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     out = {"losses": []}
@@ -866,5 +873,741 @@ def train_tp(rank, world_size, cfg, steps=3, batch_size=5, lr=3e-3, seed=0, tp=N
     return out
 
 
+# =========================================================================================
+# 7. Rank functions of the demos
+# =========================================================================================
+
+def _collective_name(op):
+    s = str(op).lower()
+    for key, name in (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather"),
+                      ("all_gather", "all-gather"), ("allreduce", "all-reduce"),
+                      ("all_reduce", "all-reduce"), ("alltoall", "all-to-all"),
+                      ("all_to_all", "all-to-all"), ("broadcast", "broadcast")):
+        if key in s:
+            return name
+    return s
+
+
+def count_collectives(fn):
+    """(fn(), {collective: count}) as seen by torch's CommDebugMode, which intercepts both
+    c10d calls (ours) and DTensor's functional collectives."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    with CommDebugMode() as mode:
+        result = fn()
+    counts = {}
+    for op, c in mode.get_comm_counts().items():
+        name = _collective_name(op)
+        counts[name] = counts.get(name, 0) + c
+    return result, counts
+
+
+def _seeded(seed):
+    torch.manual_seed(seed)   # the same on every rank: the demos' full tensors agree
+    return seed
+
+
+def linear_demo(rank, world_size, b=3, s=5, h=8, h_out=12):
+    """A column-parallel then a row-parallel layer against the unsplit nn.Linear pair: what each
+    rank holds, and the largest difference in every output and gradient."""
+    group, diff = dist.group.WORLD, lambda a, c: (a - c).abs().max().item()
+    _seeded(0)
+    a, c = nn.Linear(h, h_out).to(device()), nn.Linear(h_out, h).to(device())
+    x = torch.randn(b, s, h, device=device())
+    G = torch.randn(b, s, h, device=device())
+    xr = x.clone().requires_grad_(True)
+    ref = c(a(xr))
+    (ref * G).sum().backward()
+    col = ColumnParallelLinear.from_full(a, group)
+    row = RowParallelLinear.from_full(c, group, input_is_parallel=True)
+    xt = x.clone().requires_grad_(True)
+    mid = col(xt)
+    y = row(mid)
+    (y * G).sum().backward()
+    return {
+        "shapes": {"x": tuple(x.shape), "column weight": tuple(col.weight.shape),
+                   "column output (kept split)": tuple(mid.shape), "row weight": tuple(row.weight.shape),
+                   "row output (summed)": tuple(y.shape)},
+        "diffs": {"output": diff(y, ref), "input gradient": diff(xt.grad, xr.grad),
+                  "column weight gradient": diff(col.full_tensors(grad=True)["weight"], a.weight.grad),
+                  "row weight gradient": diff(row.full_tensors(grad=True)["weight"], c.weight.grad),
+                  "biases' gradients": max(diff(col.full_tensors(grad=True)["bias"], a.bias.grad),
+                                           diff(row.bias.grad, c.bias.grad))},
+    }
+
+
+def mlp_comms(rank, world_size, b=4, s=8, h=16, sequence_parallel=False):
+    """The Megatron MLP, ours and DTensor's: collectives counted forward and backward, and the
+    two outputs compared."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from util.measure import bytes_sent
+    group, sp = dist.group.WORLD, sequence_parallel
+    _seeded(1)
+    full = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)).to(device())
+    x = torch.randn(b, s, h, device=device())
+    G = torch.randn(b, s, h, device=device())
+    xin = _split(x, 1, group) if sp else x
+    Gin = _split(G, 1, group) if sp else G
+    ours = nn.Sequential(ColumnParallelLinear.from_full(full[0], group, sequence_parallel=sp), nn.GELU(),
+                         RowParallelLinear.from_full(full[2], group, sequence_parallel=sp))
+    mesh = init_device_mesh(device().type, (world_size,))
+    plan = ({"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
+            if sp else {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    theirs = parallelize_module(copy.deepcopy(full), mesh, plan)
+    out = {}
+    for name, model in (("ours", ours), ("DTensor", theirs)):
+        xx = xin.clone().requires_grad_(True)
+        for _ in range(2):   # warm-up, so the bytes below are the steady state
+            (model(xx) * Gin).sum().backward()
+        with bytes_sent() as sent:
+            y, fwd = count_collectives(lambda: model(xx))
+            _, bwd = count_collectives(lambda: (y * Gin).sum().backward())
+        out[name] = {"forward": fwd, "backward": bwd, "y": y.detach(), "bytes": sent.bytes}
+    out["max |ours - DTensor|"] = (out["ours"]["y"] - out["DTensor"]["y"]).abs().max().item()
+    return out
+
+
+def attention_cases(rank, world_size, cases):
+    """One training step of a one-layer GPT per (heads, KV heads) case: the logits and gradients
+    (for comparing with one process) and what each rank keeps of Q and K."""
+    out = []
+    for cfg in cases:
+        r = train_tp(rank, world_size, cfg, steps=1, batch_size=3)
+        model = parallelize_gpt(GPT(cfg), dist.group.WORLD)
+        attn = model.blocks[0].attn
+        out.append({"logits": r["logits"], "grads": r["grads"],
+                    "q heads": attn.q_proj.out_features // cfg.head_dim,
+                    "kv heads": attn.k_proj.out_features // cfg.head_dim,
+                    "kv kind": "split" if isinstance(attn.k_proj, ColumnParallelLinear) else
+                               f"replicated, reads KV heads {attn.k_proj.kv_heads_read}"})
+    return out
+
+
+def refuse_split(rank, world_size, cfg):
+    """parallelize_gpt's message for a model it cannot split."""
+    try:
+        parallelize_gpt(GPT(cfg), dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def vocab_demo(rank, world_size, vocab=4096, b=4, s=32, h=32):
+    """Vocabulary-parallel embedding, LM head and cross-entropy vs the unsplit ones: the loss, and
+    the largest tensor this rank holds (saved for backward, or the logits) vs the full logits."""
+    group = dist.group.WORLD
+    _seeded(2)
+    emb, head = nn.Embedding(vocab, h).to(device()), nn.Linear(h, vocab, bias=False).to(device())
+    tokens = torch.randint(vocab, (b, s), device=device())
+    targets = torch.randint(vocab, (b, s), device=device())
+    ref = F.cross_entropy(head(emb(tokens)).flatten(0, 1), targets.flatten())
+    ref.backward()
+    pemb = VocabParallelEmbedding.from_full(emb, group)
+    phead = ColumnParallelLinear.from_full(head, group)
+    largest = [0]
+
+    def pack(t):
+        largest[0] = max(largest[0], t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = phead(pemb(tokens))
+        loss = vocab_parallel_cross_entropy(logits, targets, group)
+    loss.backward()
+    largest[0] = max(largest[0], logits.numel() * logits.element_size())
+    return {"loss": loss.item(), "ref": ref.item(),
+            "grad diff": (pemb.full_tensors(grad=True)["weight"] - emb.weight.grad).abs().max().item(),
+            "largest": largest[0], "full logits": b * s * vocab * logits.element_size(),
+            "local logits": tuple(logits.shape)}
+
+
+def _block_input(cfg, b, group, sp):
+    _seeded(3)
+    x = torch.randn(b, cfg.seq_len, cfg.d_model, device=device())
+    G = torch.randn(b, cfg.seq_len, cfg.d_model, device=device())
+    return (_split(x, 1, group), _split(G, 1, group)) if sp else (x, G)
+
+
+def sp_traffic(rank, world_size, cfg, b=4):
+    """One block's forward and backward with sequence parallelism off and on: the collectives
+    (CommDebugMode) and the bytes this rank wrote (median of 5)."""
+    import statistics
+    from util.measure import bytes_sent
+    group, out = dist.group.WORLD, {}
+    for sp in (False, True):
+        block = parallelize_gpt(GPT(cfg).to(device()), group, sequence_parallel=sp).blocks[0]
+        x, G = _block_input(cfg, b, group, sp)
+        x.requires_grad_(True)
+        for _ in range(2):
+            (block(x) * G).sum().backward()
+        sizes = []
+        for _ in range(5):
+            with bytes_sent() as sent:
+                (block(x) * G).sum().backward()
+            sizes.append(sent.bytes)
+        y, fwd = count_collectives(lambda: block(x))
+        _, bwd = count_collectives(lambda: (y * G).sum().backward())
+        out[sp] = {"forward": fwd, "backward": bwd, "bytes": statistics.median(sizes)}
+    # The collectives alone, on one (b, s, h) activation: all-reduce vs reduce-scatter + all-gather
+    x = torch.randn(b, cfg.seq_len, cfg.d_model, device=device())
+    prims = {"all-reduce": lambda: _all_reduce(x, group),
+             "reduce-scatter": lambda: _reduce_scatter(x, 1, group),
+             "all-gather": lambda: _all_gather(_split(x, 1, group), 1, group)}
+    out["activation bytes"] = x.numel() * x.element_size()
+    for name, fn in prims.items():
+        fn()
+        sizes = []
+        for _ in range(5):
+            with bytes_sent() as sent:
+                fn()
+            sizes.append(sent.bytes)
+        out[name] = statistics.median(sizes)
+    return out
+
+
+def saved_activation_bytes(block, x):
+    """Bytes autograd saves for backward in block(x), each storage counted once, parameters
+    excluded: the activation memory of one layer."""
+    params = {p.data_ptr() for p in block.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x)
+    return sum(seen.values()), y
+
+
+def activation_memory(rank, world_size, cfg, b=4):
+    """Activation bytes of one block on this rank, sequence parallelism off and on."""
+    group, out = dist.group.WORLD, {}
+    for sp in (False, True):
+        block = parallelize_gpt(GPT(cfg).to(device()), group, sequence_parallel=sp).blocks[0]
+        x, _ = _block_input(cfg, b, group, sp)
+        out[sp] = saved_activation_bytes(block, x.requires_grad_(True))[0]
+    return out
+
+
+def traced_block(rank, world_size, cfg, b=8, sequence_parallel=False, steps=2):
+    """A per-rank timeline of one block's forward and backward: compute spans around the
+    collectives, which record their own spans (traced())."""
+    group = dist.group.WORLD
+    block = parallelize_gpt(GPT(cfg).to(device()), group, sequence_parallel=sequence_parallel).blocks[0]
+    x, G = _block_input(cfg, b, group, sequence_parallel)
+    x.requires_grad_(True)
+    with quiet():
+        (block(x) * G).sum().backward()   # warm-up
+    with traced():
+        for _ in range(steps):
+            with span("forward"):
+                y = block(x)
+            with span("backward"):
+                (y * G).sum().backward()
+
+
+def _make_step(model, opt, cfg, batch_size, loss):
+    tokens, targets = (t.to(device()) for t in batch(cfg, batch_size, 0))
+
+    def step():
+        loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def time_steps(rank, world_size, cfg, batch_size=16, kinds=("ours",), repeats=7):
+    """Median training-step times (util.measure) of the kinds asked for, on the same ranks, with
+    their repeats interleaved so that machine noise hits them alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from util.measure import Timing, measure
+    steps = {}
+    for kind in kinds:
+        if kind == "one process":
+            model = GPT(cfg).to(device())
+            steps[kind] = _make_step(model, torch.optim.AdamW(model.parameters()), cfg, batch_size,
+                                     lambda m, t, y: reference_loss(m(t), y))
+        elif kind.startswith("ours"):
+            model = parallelize_gpt(GPT(cfg).to(device()), dist.group.WORLD, sequence_parallel="SP" in kind)
+            steps[kind] = _make_step(model, torch.optim.AdamW(model.parameters()), cfg, batch_size, tp_loss)
+        else:
+            mesh = init_device_mesh(device().type, (world_size,))
+            model = parallelize_gpt_dtensor(GPT(cfg).to(device()), mesh, "SP" in kind)
+
+            def dt_step(model=model, opt=torch.optim.AdamW(model.parameters())):
+                from torch.distributed.tensor.parallel import loss_parallel
+                tokens, targets = (t.to(device()) for t in batch(cfg, batch_size, 0))
+                logits = model(tokens)
+                with loss_parallel():
+                    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            steps[kind] = dt_step
+    samples = {k: [] for k in kinds}
+    with quiet():
+        for k in kinds:
+            measure(steps[k], warmup=2, repeats=1)
+        for _ in range(repeats):
+            for k in kinds:
+                samples[k] += measure(steps[k], warmup=0, repeats=1).samples
+    return {k: Timing(v) for k, v in samples.items()}
+
+
+def redistribute_table(rank, world_size):
+    """DTensor layouts on a 1-D mesh: for each (from, to), the collective CommDebugMode saw, the
+    local shape, and whether the values are still the full tensor's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("tp",))
+    full = torch.arange(4 * world_size * 2 * world_size, dtype=torch.float32,
+                        device=device()).reshape(4 * world_size, 2 * world_size)
+    rows = []
+    cases = [(Shard(0), Replicate()), (Shard(0), Shard(1)), (Replicate(), Shard(0)),
+             (Partial(), Replicate()), (Partial(), Shard(0))]
+    for src, dst in cases:
+        if isinstance(src, Partial):   # each rank holds full / N: the sum over ranks is `full`
+            dt = DTensor.from_local(full / world_size, mesh, [src], run_check=False)
+        else:
+            dt = distribute_tensor(full, mesh, [src])
+        moved, counts = count_collectives(lambda: dt.redistribute(mesh, [dst]))
+        ok = torch.allclose(moved.full_tensor(), full)
+        rows.append([str(src), str(dst), ", ".join(f"{k} ×{v}" for k, v in counts.items()) or "none",
+                     str(tuple(dt.to_local().shape)), str(tuple(moved.to_local().shape)), ok])
+    return rows
+
+
+def compare_with_dtensor(rank, world_size, cfg, batch_size=4, steps=3, sequence_parallel=False):
+    """Ours and DTensor's parallelize_module trained side by side from the same GPT; also the
+    collectives of one step of each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    out = {"ours": train_tp(rank, world_size, cfg, steps, batch_size, sequence_parallel=sequence_parallel),
+           "DTensor": train_dtensor(rank, world_size, cfg, steps, batch_size, sequence_parallel=sequence_parallel)}
+    tokens, targets = (t.to(device()) for t in batch(cfg, batch_size, 0))
+    model = parallelize_gpt(GPT(cfg).to(device()), dist.group.WORLD, sequence_parallel=sequence_parallel)
+    out["ours counts"] = count_collectives(lambda: tp_loss(model, tokens, targets).backward())[1]
+    mesh = init_device_mesh(device().type, (world_size,))
+    dmodel = parallelize_gpt_dtensor(GPT(cfg).to(device()), mesh, sequence_parallel)
+
+    def dstep():
+        logits = dmodel(tokens)
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    out["DTensor counts"] = count_collectives(dstep)[1]
+    return out
+
+
+# =========================================================================================
+# 8. The lecture
+# =========================================================================================
+
+def demo_cfg():
+    """Lecture 01's GPT as it trains there (quick: a shorter sequence)."""
+    return GPTConfig(seq_len=16) if settings.quick else GPTConfig()
+
+
+def max_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def fmt_counts(counts):
+    return ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items())) or "none"
+
+
+def intro():
+    note("""
+        # Tensor and sequence parallelism
+        Data parallelism (lecture 03) copies the model and splits the batch; it stops helping when
+        one layer no longer fits or is too slow on one device. Tensor parallelism splits the
+        layer itself: every weight matrix is cut into slices, one per rank, and each rank
+        computes its slice of every product. Megatron-LM (Shoeybi et al. 2019) showed that for a
+        transformer the cuts can be placed so that a whole MLP or attention block needs a single
+        all-reduce forward and a single one backward. Sequence parallelism (Korthikanti et al.
+        2022) then splits what is left over (LayerNorms, residual stream) along the sequence.
+
+        Every building block below is a few lines of PyTorch with its backward written out; each
+        is checked against one process on real ranks (gloo on CPU, NCCL on GPUs), and the same
+        split is then expressed with PyTorch's DTensor sharding annotations.
+    """)
+    see("https://arxiv.org/abs/1909.08053", "Shoeybi et al. 2019, Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism")
+    see("https://arxiv.org/abs/2205.05198", "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models")
+
+
+def conjugate_operators():
+    note("""
+        ## The conjugate operators f and g
+        A tensor-parallel region starts where a replicated tensor is used by split weights and
+        ends where split partial results are summed. Two operators mark the borders, each the
+        other's transpose: **f** is the identity forward (every rank already has the input) and an
+        all-reduce backward (each rank's slice of the weights contributes part of the input's
+        gradient); **g** is an all-reduce forward (the partial sums are added) and the identity
+        backward (the summed output's gradient is already on every rank). Each is an
+        `autograd.Function` that takes its process group explicitly and never changes its input.
+    """)
+    see(CopyToRegion)
+    see(ReduceFromRegion)
+    note("Gathering or splitting the last dimension are a conjugate pair too, and so are the "
+         "sequence-parallel all-gather and reduce-scatter (further down):")
+    see(GatherFromRegion)
+    see(ScatterToRegion)
+
+
+def column_and_row():
+    note("""
+        ## Column- and row-parallel linear
+        Write a linear layer as $Y = XA$ with $A$ of shape $h_{in} \\times h_{out}$. Split $A$ by
+        **columns**, $A = [A_1, \\dots, A_N]$: rank $r$ computes $Y_r = XA_r$, its slice of the output
+        features, and nothing needs adding (gather the slices only if someone needs all of $Y$).
+        Split $A$ by **rows** and $X$ by columns to match: rank $r$ computes $X_r A_r$, a full-size
+        *partial* result, and $Y = \\sum_r X_r A_r$ takes an all-reduce. A column-parallel layer
+        followed by a row-parallel one needs no communication in between: the split output of the
+        first is exactly the split input of the second. (`nn.Linear` stores $A^T$, so a column
+        slice of $A$ is a slice of the weight's rows.)
+    """)
+    see(ColumnParallelLinear)
+    see(RowParallelLinear)
+    ref_shapes = None
+    for n in (2, 4):
+        run = spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks")
+        r = run.returns[0]
+        if ref_shapes is None:
+            ref_shapes = {"x": r["shapes"]["x"]}
+        table([[k, str(v)] for k, v in r["shapes"].items()] + [[f"max |ours − one process|: {k}", v] for k, v in r["diffs"].items()],
+              header=["", f"{n} ranks (rank 0)"],
+              caption=f"what each of {n} ranks holds, and the largest difference from nn.Linear in one process")
+    note("""
+        The differences are float32 rounding (the sums are added in another order). The input
+        gradient is the interesting one: each rank's column slice contributes $dY_r A_r^T$, and
+        f's all-reduce adds them.
+    """)
+
+
+def megatron_mlp():
+    note("""
+        ## The Megatron MLP: one all-reduce each way
+        $\\mathrm{MLP}(X) = \\mathrm{GELU}(XA)B$ with $A$ column-parallel and $B$ row-parallel: the
+        GELU is elementwise, so it runs on each rank's slice. Forward: f (nothing), two local
+        matmuls, g (one all-reduce). Backward: g (nothing), two local matmuls, f (one all-reduce).
+        Splitting $A$ by rows instead would need an all-reduce *before* the GELU, which does not
+        commute with the sum. Counted below with PyTorch's `CommDebugMode`, for ours and for the
+        same MLP split by DTensor's `ColwiseParallel`/`RowwiseParallel`:
+    """)
+    n = settings.world_size if settings.world_size in (2, 4) else 2
+    rows = []
+    for sp in (False, True):
+        r = spawn(mlp_comms, n, sequence_parallel=sp,
+                  name=f"Megatron MLP collectives, {'SP' if sp else 'no SP'}, {n} ranks").returns[0]
+        for who in ("ours", "DTensor"):
+            rows.append(["with SP" if sp else "without SP", who, fmt_counts(r[who]["forward"]),
+                         fmt_counts(r[who]["backward"]), r[who]["bytes"]])
+        rows.append(["with SP" if sp else "without SP", "max |ours − DTensor| (output)", r["max |ours - DTensor|"], "", ""])
+    table(rows, header=["", "", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
+          caption=f"collectives in one MLP forward and backward, {n} ranks (CommDebugMode; bytes from /proc/self/io)")
+    note("""
+        One all-reduce forward, one backward, for both. With sequence parallelism (below) each
+        all-reduce becomes an all-gather on the way in and a reduce-scatter on the way out; ours
+        also all-gathers the input a second time in backward, because it keeps only its slice of
+        the input for the weight gradient (Megatron-LM does the same to save memory); DTensor keeps
+        the gathered input instead. Our column-parallel backward also starts the input
+        gradient's all-reduce before it computes the weight gradient, so the two overlap:
+    """)
+    see(ColumnParallelLinearFunction)
+
+
+def attention_heads():
+    note("""
+        ## Attention: whole heads per rank
+        Heads are independent until the output projection, so Q, K and V are column-parallel
+        (each rank keeps $a/t$ whole heads), attention runs locally on those heads, and the output
+        projection is row-parallel: again one all-reduce each way. This needs $t \\mid a$. With
+        grouped-query attention there are fewer K/V heads ($a_{kv}$): when $t \\mid a_{kv}$ they
+        are split like the queries; otherwise each rank keeps the K/V projection whole and
+        computes just the K/V heads its query heads read, and f on those weights sums the
+        gradient contributions of the ranks that share a head. Lecture 01's attention reads its
+        head counts from the projection widths, so the same code runs on a rank's share.
+    """)
+    see(ReplicatedKVLinear)
+    base = GPTConfig(n_layers=1, seq_len=8, d_model=32)
+    cases = {2: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2)],
+             4: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]}
+    rows = []
+    for n, overrides in cases.items():
+        cfgs = [dataclasses_replace(base, **o) for o in overrides]
+        got = spawn(attention_cases, n, cases=cfgs, name=f"attention heads split, {n} ranks").returns[0]
+        for cfg, g in zip(cfgs, got):
+            ref = train_reference(cfg, steps=1, batch_size=3)
+            rows.append([n, cfg.n_heads, cfg.kv_heads, g["q heads"], g["kv heads"], g["kv kind"],
+                         (g["logits"] - ref["logits"]).abs().max().item(), max_diff(g["grads"], ref["grads"])])
+    table(rows, header=["tp", "heads", "KV heads", "Q heads per rank", "K/V heads computed per rank",
+                        "K/V projection", "max |Δ logits|", "max |Δ gradient|"],
+          caption="one step of a one-layer GPT against one process")
+    bad = dataclasses_replace(base, n_heads=2)
+    msg = spawn(refuse_split, 4, cfg=bad, name="attention heads: tp=4 does not divide 2 heads").returns[0]
+    note(f"With 2 heads and 4 ranks there is no way to give each rank whole heads, and "
+         f"`parallelize_gpt` says so: *{msg}*")
+
+
+def dataclasses_replace(cfg, **changes):
+    import dataclasses
+    return dataclasses.replace(cfg, **changes)
+
+
+def vocab_parallel():
+    note("""
+        ## Vocabulary-parallel embedding and cross-entropy
+        The embedding table and the LM head are $v \\times h$, the largest matrices of a small
+        model. Split the vocabulary: rank $r$ owns token ids $[rv/t, (r+1)v/t)$. The embedding
+        looks up the tokens it owns, writes zeros for the rest, and g sums the ranks' rows. The
+        LM head is column-parallel and keeps its slice of the logits; the loss is then computed
+        from the slices: the max, the sum of exponentials and the target's logit are each
+        all-reduced (one number per token each), and the $(b, s, v)$ logits never exist anywhere.
+    """)
+    see(VocabParallelEmbedding)
+    see(vocab_parallel_cross_entropy)
+    vocab = 1024 if settings.quick else 8192
+    rows = []
+    for n in (2, 4):
+        r = spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
+        rows.append([n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"]),
+                     r["largest"], r["full logits"]])
+    table(rows, header=["tp", "loss", "one process", "|Δ loss|", "max |Δ embedding grad|", "local logits",
+                        "largest tensor a rank holds (bytes)", "full logits (bytes)"],
+          caption=f"vocabulary {vocab}, batch 4 × 32 tokens, h = 32")
+    note("The largest tensor a rank holds shrinks with tp: the logits it keeps are 1/tp of the full ones.")
+
+
+def training():
+    cfg, steps = demo_cfg(), (20 if settings.quick else 150)
+    note(f"""
+        ## A tensor-parallel GPT trains on lecture 01's task
+        `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
+        PyTorch, and a dict from module names to how each is split is applied afterwards. It
+        returns a copy, so the unsplit model stays available for comparison. Every module that
+        owns parameters must be in the plan, or it refuses. Below, lecture 01's GPT
+        ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.seq_len})
+        trains for {steps} AdamW steps (batch 16) split over 2 and 4 ranks, beside one process.
+    """)
+    see(gpt_plan)
+    see(parallelize_gpt)
+    ref = train_reference(cfg, steps=steps, batch_size=16)
+    runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}").returns
+            for n in (2, 4)}
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
+    for n, style in ((2, "-"), (4, "--")):
+        ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    figure(fig, caption="training loss, tensor-parallel on top of one process")
+    rows = []
+    for n, r in runs.items():
+        spread = max(max_diff(x["params"], r[0]["params"]) for x in r)
+        rows.append([n, r[0]["losses"][-1], ref["losses"][-1], max_diff(r[0]["params"], ref["params"]), spread])
+    table(rows, header=["tp", "final loss", "one process", "max |Δ parameter| vs one process",
+                        "max |Δ| between ranks' gathered parameters"],
+          caption=f"after {steps} steps (float32: the differences are rounding, amplified a little by Adam)")
+
+
+def sequence_parallelism():
+    cfg = demo_cfg()
+    note("""
+        ## Sequence parallelism
+        Tensor parallelism leaves the LayerNorms, the residual adds (and dropout) replicated: every
+        rank computes them on the whole $(b, s, h)$ activation and keeps the whole thing for
+        backward. Korthikanti et al. split those along the sequence instead: each rank owns $s/t$
+        positions there. Entering a tensor-parallel region then takes an **all-gather** along the
+        sequence (backward: reduce-scatter), and leaving it a **reduce-scatter** (backward:
+        all-gather). A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the
+        bytes are the same.
+    """)
+    see(AllGatherSequence)
+    see(ReduceScatterSequence)
+    n = 2
+    r = spawn(sp_traffic, n, cfg=cfg, name=f"sequence parallelism: one block's collectives, {n} ranks").returns[0]
+    table([["off" if not sp else "on", fmt_counts(r[sp]["forward"]), fmt_counts(r[sp]["backward"]), r[sp]["bytes"]]
+           for sp in (False, True)],
+          header=["SP", "forward", "backward", "bytes this rank wrote, fwd + bwd (median of 5)"],
+          caption=f"one transformer block, {n} ranks, b = 4, s = {cfg.seq_len}, h = {cfg.d_model} (CommDebugMode; /proc/self/io)")
+    ring = lambda k: (n - 1) / n * r["activation bytes"] * k
+    table([["all-reduce", r["all-reduce"], ring(2)],
+           ["reduce-scatter", r["reduce-scatter"], ring(1)],
+           ["all-gather", r["all-gather"], ring(1)],
+           ["reduce-scatter + all-gather", r["reduce-scatter"] + r["all-gather"], ring(2)]],
+          header=["collective on one (b, s, h) activation", "bytes this rank wrote (measured)", "ring algorithm (formula)"],
+          caption=f"{n} ranks, gloo on this machine, activation {r['activation bytes']} bytes")
+    note(f"""
+        In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly the bytes of one
+        all-reduce. gloo on CPU does not: its reduce-scatter wrote {r['reduce-scatter'] / r['all-reduce']:.2f}×
+        the bytes of its all-reduce (it reduces everything, then keeps a slice), so here the block
+        with SP wrote {r[True]['bytes'] / r[False]['bytes']:.2f}× the bytes of the block without. The
+        rest of the extra is ours: the MLP's input all-gathered again in backward (the price of
+        keeping only its slice) and six small all-reduces of the LayerNorm and row-parallel bias
+        gradients, which under SP each rank computes from its positions only.
+    """)
+    note("""
+        **Activation memory.** For one block, autograd saves (units of $bsh$ values, from counting
+        what this code saves): the block input and the attention residual (LayerNorm inputs, 2),
+        the two LayerNorm outputs read by the projections (2), Q, K, V (3), the attention output
+        (1), the MLP's hidden layer before and after GELU (4 + 4). Tensor parallelism splits the
+        last 12 but not the first 4: $4 + 12/t$. With sequence parallelism the LayerNorm inputs
+        and the MLP input are slices, and only the all-gathered attention input (shared by Q, K,
+        V) is whole: $1 + 15/t$. (Plus per-token LayerNorm statistics and the attention's
+        log-sum-exp; CPU SDPA's flash kernel keeps no $s \\times s$ matrix, so the paper's
+        $5as/h$ term is absent. The paper's Megatron with a fused QKV reaches $16/t$.)
+    """)
+    see(saved_activation_bytes)
+    b = 4
+    rows = []
+    unit = b * cfg.seq_len * cfg.d_model * 4
+    small = lambda t, sp: 4 * (4 * b * cfg.seq_len / (t if sp else 1) + b * cfg.n_heads * cfg.seq_len / t)
+    one = saved_activation_bytes(GPT(cfg).blocks[0], torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True))[0]
+    rows.append([1, "—", one, unit * 16 + small(1, False), one / (unit * 16 + small(1, False))])
+    for t in (2, 4):
+        m = spawn(activation_memory, t, cfg=cfg, b=b, name=f"sequence parallelism: activation bytes, {t} ranks").returns[0]
+        for sp in (False, True):
+            formula = unit * ((1 + 15 / t) if sp else (4 + 12 / t)) + small(t, sp)
+            rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
+    table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
+          caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
+    note("""
+        **The LayerNorm gradients.** Under SP each rank's LayerNorm sees only its positions, so the
+        gradient of its (replicated) weight and bias is a partial sum. They must be all-reduced —
+        here, by passing the weights through f — or the replicas drift apart and none equals the
+        one-process model:
+    """)
+    see(SequenceParallelLayerNorm)
+    steps = 5
+    ref = train_reference(cfg, steps=steps, batch_size=8)
+    rows = []
+    for sync in (True, False):
+        rr = spawn(train_tp, 2, cfg=cfg, steps=steps, batch_size=8, sequence_parallel=True, sync_layernorm_grads=sync,
+                   name=f"SP LayerNorm gradients {'all-reduced' if sync else 'not all-reduced'}").returns
+        ln = [k for k in ref["params"] if ".ln" in k or k.startswith("ln_f")]
+        rows.append(["all-reduced (f)" if sync else "left out", max_diff(rr[0]["params"], ref["params"]),
+                     max((rr[0]["params"][k] - rr[1]["params"][k]).abs().max().item() for k in ln)])
+    table(rows, header=["LayerNorm gradients", f"max |Δ parameter| vs one process after {steps} steps",
+                        "max |rank 0 − rank 1| of the LayerNorm weights"],
+          caption="sequence parallelism, 2 ranks")
+
+
+def critical_path():
+    from util.measure import machine, timing_ranks
+    cfg = demo_cfg()
+    note("""
+        ## Communication on the critical path
+        Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
+        Tensor parallelism's cannot, mostly: the next matmul needs the all-reduced activation.
+        Only the input-gradient all-reduce of a column-parallel layer has work to hide behind (the
+        weight gradient). The timeline of one block on 2 ranks shows it:
+    """)
+    run = spawn(traced_block, 2, cfg=cfg, b=8, name="TP block timeline, 2 ranks")
+    figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
+           caption="per-rank spans measured on the ranks; the async all-reduce overlaps the weight-gradient matmul")
+    ranks = timing_ranks(4)
+    tps = [t for t in (1, 2, 4, 8) if t <= ranks]
+    rows, times = [], {}
+    for t in tps:
+        kind = "one process" if t == 1 else "ours"
+        times[t] = spawn(time_steps, t, cfg=cfg, batch_size=16, kinds=(kind,), repeats=5 if settings.quick else 9,
+                         name=f"TP step time, tp={t}").returns[0][kind]
+        rows.append([t, times[t].ms()])
+    table(rows, header=["tp", "training step, median (IQR)"], caption=f"lecture 01's GPT, batch 16, {machine(ranks)}")
+    note(f"""
+        On this machine ({machine(ranks)}) a step at tp={tps[-1]} takes
+        {times[tps[-1]].median / times[1].median:.2f}× the one-process time: the model is tiny, so
+        the collectives' fixed latency over TCP dominates the split matmuls.
+
+        On real hardware the question is bandwidth. Per layer, forward and backward, tensor
+        parallelism all-reduces the $(b, s, h)$ activation 4 times (2 with SP as all-gather +
+        reduce-scatter pairs, the same bytes); a ring all-reduce moves $2(t-1)/t$ of it per rank.
+        For a GPT-3-sized layer in bf16 against the link speeds of lecture 02:
+    """)
+    rows = []
+    for name, h, s_, t in (("GPT-3 175B layer", 12288, 2048, 8), ("Llama-2 70B-like layer", 8192, 4096, 8)):
+        act = 1 * s_ * h * 2
+        per_rank = 4 * 2 * (t - 1) / t * act
+        flops = 72 * s_ * h * h / t                # fwd + bwd ≈ 3 × 24·b·s·h² per layer, split t ways
+        compute = flops / 989e12                   # H100 SXM dense bf16 peak
+        rows.append([name, f"h={h}, s={s_}, b=1, t={t}", per_rank / 1e6, compute * 1e3,
+                     per_rank / 450e9 * 1e3, per_rank / 50e9 * 1e3])
+    table(rows, header=["", "shape", "MB per rank per layer (fwd + bwd)", "compute ms at peak",
+                        "NVLink 450 GB/s: ms", "InfiniBand NDR 50 GB/s: ms"],
+          caption="computed, not measured: H100 peak 989 TFLOP/s bf16; link speeds per direction as in lecture 02")
+    note("""
+        Over NVLink the communication is a fraction of the compute; over InfiniBand it would be
+        several times the compute, and nothing can hide it. Hence tensor parallelism stays inside
+        a node (tp ≤ 8) and data/pipeline parallelism span nodes.
+    """)
+
+
+def dtensor_section():
+    note("""
+        ## Sharding annotations: DTensor
+        GShard and GSPMD (Lepikhin et al. 2020; Xu et al. 2021) turned tensor parallelism into
+        annotations: say how a few tensors are laid out over a mesh of devices, and the compiler
+        propagates layouts and inserts the collectives. PyTorch's DTensor is the eager version: a
+        tensor carries a `DeviceMesh` and a placement per mesh dimension — `Shard(d)`,
+        `Replicate()`, or `Partial()` (each rank holds a summand) — and changing placement runs the
+        collective that does it:
+    """)
+    see("https://arxiv.org/abs/2006.16668", "Lepikhin et al. 2020, GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding")
+    see("https://arxiv.org/abs/2105.04663", "Xu et al. 2021, GSPMD: General and Scalable Parallelization for ML Computation Graphs")
+    see("https://pytorch.org/docs/stable/distributed.tensor.html", "PyTorch DTensor documentation")
+    n = 2
+    rows = spawn(redistribute_table, n, name=f"DTensor redistribute table, {n} ranks").returns[0]
+    table(rows, header=["from", "to", "collective (CommDebugMode)", "local shape before", "after", "values equal the full tensor"],
+          caption=f"a {4 * n}×{2 * n} tensor on a mesh of {n} ranks")
+    note("""
+        `parallelize_module` applies a plan of such layouts to modules: `ColwiseParallel` shards a
+        Linear's weight on dim 0, `RowwiseParallel` on dim 1, `SequenceParallel` runs a LayerNorm
+        on sequence shards, `PrepareModuleInput` redistributes a module's input, and
+        `loss_parallel()` computes cross-entropy on logits sharded on the vocabulary. The plan for
+        the same GPT:
+    """)
+    see(dtensor_plan)
+    cfg = GPTConfig(seq_len=8, d_model=32, n_heads=4, dtype="float64")
+    rows = []
+    for n, sp in ((2, False), (4, True)):
+        r = spawn(compare_with_dtensor, n, cfg=cfg, sequence_parallel=sp,
+                  name=f"ours vs DTensor parallelize_module, {n} ranks, {'SP' if sp else 'no SP'}").returns[0]
+        rows.append([n, "on" if sp else "off", (r["ours"]["logits"] - r["DTensor"]["logits"]).abs().max().item(),
+                     max_diff(r["ours"]["grads"], r["DTensor"]["grads"]),
+                     max_diff(r["ours"]["params"], r["DTensor"]["params"]),
+                     fmt_counts(r["ours counts"]), fmt_counts(r["DTensor counts"])])
+    table(rows, header=["tp", "SP", "max |Δ logits|", "max |Δ gradient|", "max |Δ parameter| after 3 AdamW steps",
+                        "ours: collectives per step", "DTensor: collectives per step"],
+          caption="float64, the same GPT split both ways")
+    note("""
+        The two agree to rounding. The collective counts differ in the details: we all-gather the
+        MLP input again in backward (keeping only a slice), DTensor's loss_parallel and ours
+        reduce the per-token statistics differently, and DTensor's SP plan reduce-scatters the
+        position embedding. Both are the same algorithm; ours is a few hundred lines you can
+        read, DTensor's is a general layout algebra.
+    """)
+
+
 def main():
-    pass
+    intro()
+    conjugate_operators()       # the two operators everything else is built from
+    column_and_row()            # the two ways to split one matrix
+    megatron_mlp()              # composing them: one all-reduce per direction
+    attention_heads()           # the same for attention, including GQA
+    vocab_parallel()            # the biggest matrices: embedding, head and the loss
+    training()                  # the whole GPT, split and trained, equal to one process
+    sequence_parallelism()      # what TP leaves replicated, split along the sequence
+    critical_path()             # why TP stays inside a node
+    dtensor_section()           # the same thing as sharding annotations
+
+
+def bench():
+    """Our TP GPT step vs DTensor's parallelize_module step, same model and ranks, interleaved."""
+    from util.measure import timing_ranks
+    n = timing_ranks(2)
+    t = spawn(time_steps, n, cfg=GPTConfig(), batch_size=16, kinds=("ours", "DTensor"), repeats=15,
+              name="bench: ours vs DTensor TP").returns[0]
+    return [f"lecture_04: TP GPT step (tp={n}) {t['ours'].median * 1e3:.1f} ms vs DTensor parallelize_module "
+            f"{t['DTensor'].median * 1e3:.1f} ms: ratio {t['ours'].median / t['DTensor'].median:.2f} (target <= 1.1)"]
