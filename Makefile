@@ -1,10 +1,12 @@
 # The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
-#   make                 build the whole course: every lecture (pages + index), then the notebooks
+#   make                 build the whole course: every lecture (pages + index), then the notebooks (quick)
 #   make test            run the whole test suite
 #   make lecture L=lecture_02_communication   build one lecture
-#   make notebooks       execute the companion notebooks into content/notebooks/
-#   make bench           side-by-side timings (pooled vs naive launch, ours vs PyTorch's)
-# Knobs: QUICK=1 (small sizes), LAUNCHER=pool|spawn, WORLD_SIZE=N, TIMEOUT=S, BACKEND=gloo|nccl.
+#   make notebooks       execute the companion notebooks into content/notebooks/ (full sizes)
+#   make jupyter         open the notebooks in JupyterLab with the course's kernel
+#   make bench           side-by-side timings (pooled vs naive launch, ours vs PyTorch's, build times)
+# Knobs: QUICK=1 (small sizes), LAUNCHER=pool|spawn, WORLD_SIZE=N, TIMEOUT=S, BACKEND=gloo|nccl,
+#        VERBOSE=1 (also print the tracebacks of demos that fail as expected).
 
 PYTHON  ?= python3
 VENV    := .venv
@@ -13,42 +15,50 @@ STAMP   := $(VENV)/.installed
 LECTURES := $(sort $(basename $(notdir $(wildcard lectures/lecture_*.py))))
 RUNFLAGS := $(if $(QUICK),--quick) $(if $(LAUNCHER),--launcher $(LAUNCHER)) \
             $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(TIMEOUT),--timeout $(TIMEOUT)) \
-            $(if $(BACKEND),--backend $(BACKEND))
+            $(if $(BACKEND),--backend $(BACKEND)) $(if $(VERBOSE),--verbose)
+NBFLAGS  := $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(BACKEND),--backend $(BACKEND))
 export PYTHONUNBUFFERED := 1
 export MPLBACKEND := Agg
 
-.PHONY: all content lecture test notebooks bench clean venv
+.PHONY: all content lecture test notebooks jupyter bench clean venv
 
-all: content notebooks
+# The notebooks run the same demos as the pages, so `make` runs them at quick sizes: the full
+# numbers are on the pages, and the notebooks are there to change the knobs and re-run.
+all: content
+	@$(PY) -m util.build_notebooks --quick $(NBFLAGS) || { echo "a notebook failed"; exit 1; }
+	@echo "open content/index.html in a browser"
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
 	@echo "setting up $(VENV) from requirements.txt (first time: a few minutes)"
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet -r requirements.txt
 	@touch $@
 
 content: $(STAMP)
 	@failed=""; for l in $(LECTURES); do \
 	  $(PY) -m util.run $$l $(RUNFLAGS) || failed="$$failed $$l"; \
 	done; \
-	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi; \
-	echo "open content/index.html in a browser"
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
 
 lecture: $(STAMP)
 	@test -n "$(L)" || { echo "usage: make lecture L=lecture_02_communication"; exit 2; }
-	$(PY) -m util.run $(L) $(RUNFLAGS)
+	@$(PY) -m util.run $(L) $(RUNFLAGS)
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	@$(PY) -m pytest tests
 
 notebooks: $(STAMP)
-	$(PY) -m util.build_notebooks $(if $(QUICK),--quick) $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) \
-	      $(if $(BACKEND),--backend $(BACKEND))
+	@$(PY) -m util.build_notebooks $(if $(QUICK),--quick) $(NBFLAGS)
+
+jupyter: $(STAMP)
+	@$(PY) -c "from util.build_notebooks import register_kernel; register_kernel()"
+	@echo "opening JupyterLab on lectures/notebooks/ (kernel: 'Python (course .venv)'); Ctrl-C to stop"
+	@$(VENV)/bin/jupyter lab --notebook-dir=lectures/notebooks
 
 bench: $(STAMP)
-	$(PY) -m tests.bench
+	@$(PY) -m tests.bench
 
 clean:
-	find content -mindepth 1 ! -name README.md -exec rm -rf {} +
+	@find content -mindepth 1 ! -name README.md -exec rm -rf {} +

@@ -55,10 +55,11 @@ def timeline(spans, title="", ax=None):
 
 
 def progress(iterable, desc="", total=None):
-    """A progress bar on the terminal (the lecture process or rank 0 only), never on the page."""
+    """A progress bar on a terminal (the lecture process or rank 0 only): never on the page, and
+    never in a log file or pipe, where its carriage returns would be garbage."""
     from tqdm import tqdm
     from util.record import current
     rank = current().rank
     return tqdm(iterable, desc=desc, total=total, file=sys.__stderr__, leave=False,
-                disable=bool(rank) or not sys.__stderr__.isatty() and "CI" in os.environ,
+                disable=bool(rank) or not sys.__stderr__.isatty(),
                 mininterval=0.5, dynamic_ncols=True)
