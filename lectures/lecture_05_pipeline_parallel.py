@@ -888,15 +888,17 @@ def pct(x):
 # 10. The lecture
 # =========================================================================================
 
-def sleep_cfg():
-    return GPTConfig(n_layers=8, d_model=32, n_heads=2, seq_len=16)
+def sleep_cfg(p):
+    return GPTConfig(n_layers=max(8, 2 * p), d_model=32, n_heads=2, seq_len=16)
 
 
 def compute_cfg():
     return GPTConfig(n_layers=8, d_model=64, n_heads=4, seq_len=32)
 
 
-SLEEP_RANKS = 4
+def sleep_ranks():
+    """Sleep mode runs the build's world size (4 by default): sleeping ranks share cores fine."""
+    return max(2, settings.world_size)
 
 
 def intro():
@@ -1023,12 +1025,13 @@ def median_step(steps, bubbles):
 
 
 def run_sleep_mode():
-    """One spawn, every schedule in sleep mode on SLEEP_RANKS ranks; returns its Run."""
+    """One spawn, every schedule in sleep mode on `sleep_ranks()` ranks; returns its Run."""
     ms = [2, 8] if settings.quick else [1, 2, 4, 8]
     runs = sleep_runs(ms)
-    return ms, runs, spawn(measure_schedules, SLEEP_RANKS, cfg=sleep_cfg(), runs=runs, mb_size=2,
+    p = sleep_ranks()
+    return ms, runs, spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
                            delay=SLEEP, repeats=3 if settings.quick else 5,
-                           name=f"every schedule in sleep mode, {SLEEP_RANKS} ranks")
+                           name=f"every schedule in sleep mode, {p} ranks")
 
 
 def bubble_row(returns, label, name, m, v, p):
@@ -1041,7 +1044,7 @@ def bubble_row(returns, label, name, m, v, p):
 
 
 def measured_schedules():
-    p = SLEEP_RANKS
+    p = sleep_ranks()
     ms, runs, run = run_sleep_mode()
     R = run.returns
     mode = (f"**Sleep mode**: {p} ranks, each action also waits a fixed {SLEEP['F'] * 1e3:.0f} ms "
@@ -1296,11 +1299,11 @@ def main():
 def bench():
     """Measured bubble / theory for GPipe, 1F1B and interleaved (sleep mode), ZB-H1 vs 1F1B,
     and our 1F1B step vs PyTorch's Schedule1F1B (real compute)."""
-    p = SLEEP_RANKS
+    p = sleep_ranks()
     runs = [{"label": "gpipe", "name": "gpipe", "m": 8}, {"label": "1f1b", "name": "1f1b", "m": 8},
             {"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
             {"label": "zb-h1", "name": "zb-h1", "m": 8}]
-    R = spawn(measure_schedules, p, cfg=sleep_cfg(), runs=runs, mb_size=2, delay=SLEEP, repeats=5,
+    R = spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2, delay=SLEEP, repeats=5,
               name="bench: bubbles in sleep mode").returns
     lines = []
     for r in runs[:3]:
