@@ -1054,6 +1054,12 @@ def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
             "max_diff": (their_out - our_out).abs().max().item()}
 
 
+def pytorch_cp_demo(rank, world_size, check_len, seq_len, heads, head_dim):
+    """Both PyTorch comparisons in one run: equality with one process, then speed against ours."""
+    return {"check": pytorch_context_parallel_attention(rank, world_size, check_len, 4),
+            "timing": pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim)}
+
+
 def moe_gpt(cfg, n_experts, top_k, capacity_factor):
     """Lecture 01's GPT with every MLP replaced by a mixture of experts of the same width."""
     from lectures.lecture_01_memory_and_precision import GPT
@@ -1190,7 +1196,7 @@ def what_needs_other_ranks():
 
 
 def ring_attention_section():
-    note("""
+    note(r"""
         ## Ring attention
         Ring attention (Liu et al. 2023) never gathers the whole sequence. At step t, rank r attends
         with its queries to the K/V block of rank r−t, while it already sends that block on to
@@ -1206,7 +1212,7 @@ def ring_attention_section():
     see("https://arxiv.org/abs/2310.01889", "Liu, Zaharia, Abbeel 2023: Ring Attention with Blockwise Transformers for Near-Infinite Context")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018: Online normalizer calculation for softmax")
     see(merge_partials)
-    note("""
+    note(r"""
         Backward needs, for each block, dQ (which stays with the queries) and dK, dV (which belong
         to the block's owner). With the final ℓ and $D = \mathrm{rowsum}(dO \circ O)$ saved from
         forward, each block's gradients follow without the other blocks (FlashAttention-2's
@@ -1391,9 +1397,10 @@ def pytorch_context_parallel():
     Sc = 24
     q, k, v, dout = attention_inputs(Sc, 4)
     ref = reference_attention(q, k, v, dout, True)
-    r = spawn(pytorch_context_parallel_attention, 2, seq_len=Sc, heads=4, name="PyTorch context_parallel vs one process, 2 ranks").returns
-    diffs = [(zigzag_unshard([x[i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
-    t = spawn(pytorch_vs_ours, n, seq_len=S, heads=h, head_dim=d, name=f"PyTorch context_parallel vs our ring, {n} ranks").returns[0]
+    r = spawn(pytorch_cp_demo, n, check_len=Sc, seq_len=S, heads=h, head_dim=d,
+              name=f"PyTorch context_parallel vs one process and vs our ring, {n} ranks").returns
+    diffs = [(zigzag_unshard([x["check"][i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
+    t = r[0]["timing"]
     table([["max |Δ| vs one process (float64, s=24): output, dQ, dK, dV", ", ".join(f"{x:.1e}" for x in diffs)],
            ["PyTorch's layout equals our zig-zag", t["same_layout"]],
            ["max |Δ| PyTorch vs ours (float32 outputs)", t["max_diff"]],
@@ -1406,7 +1413,7 @@ def pytorch_context_parallel():
 
 def mixture_of_experts():
     import matplotlib.pyplot as plt
-    note("""
+    note(r"""
         ## Mixture of experts: router, capacity, balance loss
         A mixture-of-experts layer replaces the MLP by E expert MLPs and a router, a linear layer
         giving each token a probability for each expert. A token goes to its top-k experts (Switch
@@ -1439,9 +1446,9 @@ def mixture_of_experts():
     counts = st["tokens_per_expert"]
     table(rows, header=["capacity factor", "capacity C (slots per expert)", "dropped choices", "fraction dropped"],
           caption="an untrained top-2 router over 8 experts, 512 tokens: dropped choices vs capacity factor")
-    steps = 60 if settings.quick else 300
-    weights = [0.0, 0.01]
-    r = spawn(train_moe_gpt, 2, aux_weights=weights, steps=steps,
+    steps = 40 if settings.quick else 200
+    weights = [0.0, 0.1]
+    r = spawn(train_moe_gpt, 2, aux_weights=weights, steps=steps, batch_size=8,
               name="MoE GPT training: rank 0 without, rank 1 with the balance loss").returns
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     axes[0].bar(range(8), counts)
