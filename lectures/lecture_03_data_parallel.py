@@ -14,10 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from util import device, figure, note, quiet, see, settings, span, span_at, spawn, table, timeline
+from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
 from util.measure import Timing, bytes_sent, errorbar, machine, measure, timing_ranks
 
 from lectures.compression import NesterovOuter, PowerSGD, average_update
+from lectures.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
+                          OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
 from lectures.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
 
 # =========================================================================================
@@ -102,187 +104,10 @@ def reference_train(task):
 
 
 # =========================================================================================
-# 2. Collectives that count what they send
+# 2-3. Collectives that count what they send; DDP from scratch
 # =========================================================================================
-
-class Collectives:
-    """The collectives this lecture uses, counting the bytes this rank sends when each runs as
-    a ring (NCCL's algorithm for large messages): all-reduce 2(N-1)/N of the tensor, reduce-scatter
-    and all-gather (N-1)/N of the full tensor. With `trace`, async operations record when they
-    were launched and when they completed, for timelines."""
-
-    def __init__(self, world_size, trace=False):
-        self.n, self.sent, self.calls, self.trace, self.events = world_size, 0, 0, trace, []
-
-    def _async(self, work, label, nbytes):
-        self.calls += 1
-        if self.trace and work is not None:
-            start = time.perf_counter()
-            work.get_future().then(lambda _: self.events.append((label, start, time.perf_counter())))
-        return work
-
-    def broadcast(self, t, src=0):
-        self.sent += t.numel() * t.element_size() if dist.get_rank() == src and self.n > 1 else 0
-        self.calls += 1
-        dist.broadcast(t, src)
-
-    def all_reduce(self, t, async_op=False, label="all-reduce"):
-        nbytes = t.numel() * t.element_size()
-        self.sent += 2 * (self.n - 1) * nbytes // self.n
-        return self._async(dist.all_reduce(t, async_op=async_op), label, nbytes)
-
-    def reduce_scatter(self, out, full, async_op=False, label="reduce-scatter"):
-        nbytes = full.numel() * full.element_size()
-        self.sent += (self.n - 1) * nbytes // self.n
-        return self._async(dist.reduce_scatter_single(out, full, async_op=async_op), label, nbytes)
-
-    def all_gather(self, full, shard, async_op=False, label="all-gather"):
-        nbytes = full.numel() * full.element_size()
-        self.sent += (self.n - 1) * nbytes // self.n
-        return self._async(dist.all_gather_single(full, shard, async_op=async_op), label, nbytes)
-
-    def record_spans(self):
-        """Hand the async operations' measured lifetimes to the page's timeline."""
-        for label, start, end in self.events:
-            span_at(label, start, end)
-        self.events.clear()
-
-
-# =========================================================================================
-# 3. DDP from scratch: broadcast once, all-reduce gradients every step
-# =========================================================================================
-
-def broadcast_parameters(model, comm):
-    """Replicas must start equal: everyone takes rank 0's initial weights."""
-    for p in model.parameters():
-        comm.broadcast(p.data, src=0)
-
-
-class AllReduceAfterBackward:
-    """The naive gradient sync: wait for the whole backward, then one all-reduce per parameter.
-
-    A parameter may get no gradient (a frozen embedding, a branch this batch did not take), and
-    on some ranks only. Every rank must still issue the same all-reduces, so the ranks first
-    agree, with one small all-reduce of flags, on which parameters got a gradient *anywhere*:
-    those are all-reduced (a rank without one contributes zeros, which is its true gradient),
-    the others keep `grad = None`, exactly as in one process (the optimizer skips them)."""
-
-    def __init__(self, model, comm):
-        self.params, self.comm, self.sync = list(model.parameters()), comm, True
-
-    def finish(self):
-        has = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
-        dist.all_reduce(has)                       # bookkeeping: not counted as gradient traffic
-        for p, anywhere in zip(self.params, has.tolist()):
-            if not anywhere:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.comm.all_reduce(p.grad)
-            p.grad.div_(self.comm.n)   # sum of per-rank mean gradients / N = mean over the batch
-
-
-class OverlappedAllReduce:
-    """Start each parameter's all-reduce the moment autograd has finished its gradient, while
-    backward keeps computing the earlier layers; wait for all of them before the optimizer."""
-
-    def __init__(self, model, comm):
-        self.comm, self.sync, self.pending = comm, True, []
-        self.count = len(list(model.parameters()))
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def _ready(self, p):
-        if self.sync:                  # False on the micro-batches where we only accumulate
-            p.grad.div_(self.comm.n)
-            self.pending.append(self.comm.all_reduce(p.grad, async_op=True, label="all-reduce (async)"))
-
-    def finish(self):
-        for work in self.pending:
-            work.wait()
-        launched, self.pending = len(self.pending), []
-        if launched != self.count:     # ranks may now disagree on which collectives ran
-            raise RuntimeError(f"{self.count - launched} of {self.count} parameters got no gradient "
-                               "in this backward, so their all-reduces never started; use "
-                               "AllReduceAfterBackward (agrees on them first) or give every "
-                               "parameter a gradient (PyTorch DDP: find_unused_parameters=True)")
-
-
-def plan_buckets(params, bucket_mb):
-    """Group parameters into buckets in the order backward produces their gradients (reverse
-    of definition): a bucket closes as soon as it holds at least `bucket_mb` MB. A tensor is
-    never split, so a tensor bigger than the limit is a bucket of its own, and a limit smaller
-    than every tensor gives one bucket per parameter."""
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-class BucketedAllReduce:
-    """Many small all-reduces pay the per-message latency many times. Pack gradients, in the
-    order backward produces them (last layer first), into buckets of about `bucket_mb`, and
-    all-reduce a bucket as soon as all its gradients are in. Buckets launch in order, so every
-    rank issues the same collectives in the same order."""
-
-    def __init__(self, model, comm, bucket_mb=1.0):
-        self.comm, self.sync = comm, True
-        self.buckets = plan_buckets(list(model.parameters()), bucket_mb)
-        self.where = {}               # parameter -> (bucket index, offset in its flat buffer)
-        self.flat = []
-        for b, params in enumerate(self.buckets):
-            offset = 0
-            for p in params:
-                self.where[p] = (b, offset)
-                offset += p.numel()
-            self.flat.append(torch.zeros(offset, dtype=params[0].dtype, device=params[0].device))
-        self.ready = [0] * len(self.buckets)
-        self.next, self.pending = 0, []
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def _ready(self, p):
-        if not self.sync:
-            return
-        b, offset = self.where[p]
-        self.flat[b][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-        self.ready[b] += 1
-        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next]):
-            flat = self.flat[self.next].div_(self.comm.n)
-            self.pending.append(self.comm.all_reduce(flat, async_op=True, label="bucket all-reduce"))
-            self.next += 1
-
-    def finish(self):
-        if self.next != len(self.buckets):
-            raise RuntimeError("some parameters received no gradient: their bucket never launched")
-        for work in self.pending:
-            work.wait()
-        for params, flat in zip(self.buckets, self.flat):
-            offset = 0
-            for p in params:      # the averaged bucket *becomes* the gradient: no copy back
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-        self.pending.clear()
-        self.ready = [0] * len(self.buckets)
-        self.next = 0
-
-
-GRAD_SYNCS = {"naive": AllReduceAfterBackward, "overlapped": OverlappedAllReduce,
-              "bucketed": BucketedAllReduce}
-
-
-def make_grad_sync(kind, model, comm, bucket_mb):
-    if kind == "bucketed":
-        return BucketedAllReduce(model, comm, bucket_mb)
-    return GRAD_SYNCS[kind](model, comm)
-
+# The building blocks (Collectives, broadcast_parameters, the three gradient syncs and
+# plan_buckets) live in lectures/ddp.py; the training step and the rank functions are here.
 
 def data_parallel_step(model, grad_sync, opt, x, y, micro_batches=1):
     """One optimizer step on this rank's rows, split into micro-batches. The gradient sync is
@@ -1439,7 +1264,8 @@ def fsdp2_knobs():
     default = got["FSDP2, reshard_after_forward=True"]["wire_per_step"]
     keep = got["FSDP2, reshard_after_forward=False"]["wire_per_step"]
     bf16 = got["FSDP2, bf16 params, fp32 reduce"]["wire_per_step"]
-    hsdp_note = ("" if n != 4 else
+    hsdp_note = (f" *HSDP skipped on this build:* its 2×2 mesh needs exactly 4 ranks, and this "
+                 f"build ran {n}." if n != 4 else
                  f" HSDP holds {got[variants[-1][0]]['held']:,} bytes per rank (Ψ/2 in fp32) and "
                  "still trains the single-process model.")
     note(f"""
@@ -1508,12 +1334,17 @@ def local_sgd_section():
           caption=f"{n} ranks, {steps} local steps each on non-IID shards; ranks hold identical "
                   "models after every sync (checked)")
     h1, h16, dl = final["H=1 fp32"][2], final["H=16 fp32"][2], final["H=16 fp32 nesterov"][2]
+    best = min(final, key=lambda k: final[k][2])
+    drift = ("worse: between syncs each rank drifts towards its own data" if h16 > h1 * 1.02 else
+             "about the same: on this task the drift between syncs costs little")
+    outer = "recovers" if dl < h16 else "does not recover"
     note(f"""
-        Per step, syncing every step is {'best' if h1 <= min(v[2] for v in final.values()) else 'not the best here'}
-        (final loss {h1:.4f}); H = 16 ends at {h16:.4f} with 1/16 of the syncs, and DiLoCo's
-        outer Nesterov step at {dl:.4f}. Per byte, the ordering flips: the curves on the right
-        that reach a given loss with the fewest megabytes are the ones with rare or compressed
-        syncs. Which side wins depends on what is scarce: across datacentres it is bytes,
+        Per step: syncing every step ends at {h1:.4f}; syncing every 16 steps, with 1/16 of the
+        traffic, at {h16:.4f} ({drift}); DiLoCo's outer Nesterov step on the same 16-step
+        averages at {dl:.4f}, so momentum across rounds {outer} the loss of syncing rarely.
+        The lowest final loss here is {best} ({final[best][2]:.4f}). Per byte the picture
+        changes: the curves on the right that reach a given loss with the fewest megabytes
+        are the ones with rare or compressed syncs. Which side wins depends on what is scarce: across datacentres it is bytes,
         inside an NVLink node it is steps.
 
         Int8 arrives via all-gather, not all-reduce: 8-bit numbers cannot be added on the way
@@ -1559,11 +1390,72 @@ def powersgd_section():
           header=["all-reduce", "bytes written per step (measured)", "relative to exact",
                   "final held-out loss", "replicas identical"],
           caption=f"rank 0, {n} ranks; bytes include the first uncompressed steps and gloo's headers")
+    ours_b, theirs_b = run["ours"][0]["wire_per_step"], run["pytorch"][0]["wire_per_step"]
+    note(f"""
+        Both compressors train like the exact all-reduce on this task, at a fraction of its
+        bytes. Ours writes {ours_b / theirs_b:.2f}× the bytes of PyTorch's hook: ours issues
+        two all-reduces per matrix and one per vector, each with its own headers, where the
+        hook works on DDP's bucket and packs all the bucket's P matrices into one all-reduce,
+        all its Q matrices into another, and the uncompressed vectors into a third. The numbers
+        sent are the same; the number of messages is not (lecture 02's α per message).
+    """)
     see("https://arxiv.org/abs/1905.13727", title="Vogels et al. 2019, PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization")
     see("https://arxiv.org/abs/1901.09847", title="Karimireddy et al. 2019, Error Feedback Fixes SignSGD and other Gradient Compression Schemes")
     see("https://www.microsoft.com/en-us/research/publication/1-bit-stochastic-gradient-descent-and-application-to-data-parallel-distributed-training-of-speech-dnns/",
         title="Seide et al. 2014, 1-Bit Stochastic Gradient Descent and its Application to Data-Parallel Distributed Training of Speech DNNs")
     see("https://arxiv.org/abs/2311.08105", title="Douillard et al. 2023, DiLoCo: Distributed Low-Communication Training of Language Models")
+
+
+def batch_and_learning_rate():
+    import matplotlib.pyplot as plt
+    ranks = timing_world()
+    base_batch, base_lr = 8, 0.05
+    batches = [8, 32, 128] if settings.quick else [8, 32, 128, 512]
+    samples = base_batch * (100 if settings.quick else 300)
+    rules = ["none", "sqrt", "linear"]
+    note(f"""
+        ## Batch size and learning rate
+        Data parallelism grows the global batch with the number of ranks (times micro-batch
+        times accumulation). With a fixed budget of samples a bigger batch means fewer steps,
+        and each step must then move further: the learning rate has to grow. Goyal et al.
+        (2017) scale it *linearly* with the batch (k times the batch, k times the rate), after
+        a warm-up; the *square-root* rule (Krizhevsky 2014; Hoffer et al. 2017) scales it by
+        √k, which keeps the variance of each update constant: a batch k times larger divides
+        the gradient noise's variance by k, and a rate √k times larger multiplies the update's
+        variance by k. A small experiment: plain SGD on the teacher task, {samples:,} samples
+        in all, batch {base_batch} at rate {base_lr} as the base, a linear warm-up over the
+        first tenth of the steps, the held-out loss at the end (one run per point).
+    """)
+    see(train_at_batch)
+    configs = [(b, r) for b in batches for r in rules]
+    got = {}
+    run = spawn(lr_scaling, ranks, configs=configs, base_batch=base_batch, base_lr=base_lr,
+                samples=samples, name=f"learning-rate scaling, {len(configs)} SGD runs over {ranks} ranks")
+    for part in run.returns:
+        got.update(part)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for rule, style in zip(rules, ["s:", "o--", "^-"]):
+        ax.plot(batches, [got[b, rule] for b in batches], style, label=f"{rule} scaling")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("global batch (same number of samples in all)")
+    ax.set_ylabel("held-out loss at the end")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    figure(fig, caption="final held-out loss against batch size for three learning-rate rules")
+    table([[b, samples // b, *(got[b, r] for r in rules)] for b in batches],
+          header=["global batch", "steps", *(f"loss, {r} scaling" for r in rules)])
+    best = {b: min(rules, key=lambda r: got[b, r] if math.isfinite(got[b, r]) else float("inf"))
+            for b in batches}
+    note(f"""
+        Best rule per batch size here: {', '.join(f'{b}: {best[b]}' for b in batches)}.
+        Keeping the rate fixed ("none") wastes the larger batches: the same samples buy fewer
+        and equally small steps. Linear scaling keeps the loss close to the small-batch result
+        as long as the scaled rate stays stable; past some batch size (the "critical batch
+        size" of the task) it no longer does, and the square-root rule, or LARS/LAMB's
+        per-layer rates, take over. What holds for this small regression need not hold for a
+        transformer; the experiment is the method.
+    """)
 
 
 def scaling_notes():

@@ -318,7 +318,7 @@ def test_quick_build(tmp_path):
     page = json.loads((tmp_path / "lecture_03_data_parallel.json").read_text())
     assert page["status"] == "ok" and page["demos"]["failed"] == 0
     records = list(_walk(page["records"]))
-    notes = "\n".join(r["text"] for r in records if r["kind"] == "note")
+    notes = " ".join(" ".join(r["text"] for r in records if r["kind"] == "note").split())
     for heading in ["## Data sharding", "## Can data parallelism hide the all-reduce?",
                     "## Batch size and learning rate", "## FSDP2's knobs", "PowerSGD"]:
         assert heading in notes, heading
