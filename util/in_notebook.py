@@ -250,7 +250,8 @@ def setup(quick=False, world_size=None, backend=None, timeout=None, verbose=Fals
         if not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA GPUs, and none are visible; use 'gloo'")
     s = launch.settings
-    s.quick, s.backend, s.verbose = bool(quick), backend, bool(verbose)
+    s.quick, s.backend = bool(quick), backend
+    s.progress = s.verbose = bool(verbose)  # status lines (and expected tracebacks) on stderr
     if world_size is not None:
         if int(world_size) < 1:
             raise ValueError(f"world_size must be at least 1, not {world_size!r}")
