@@ -926,14 +926,16 @@ def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0):
 # 8. Rank functions for the measurements
 # =========================================================================================
 
-def saved_bytes(fn):
+def saved_bytes(fn, params=()):
     """Run fn() and return (its result, bytes of the distinct tensors autograd saved for backward),
-    measured with a saved-tensors hook: the activation memory a training step holds."""
-    seen = {}
+    measured with a saved-tensors hook: the activation memory a training step holds. Tensors that
+    share storage with `params` (weights saved by Linear layers) are not activations: left out."""
+    seen, weights = {}, {p.untyped_storage().data_ptr() for p in params}
 
     def pack(t):
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        if st.data_ptr() not in weights:
+            seen[st.data_ptr()] = st.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
@@ -950,7 +952,7 @@ def activation_memory(rank, world_size, seq_lens, layout="zigzag", batch_size=2)
         model = context_parallel_gpt(GPT(cfg).to(device()), layout=layout)
         tokens = torch.randint(cfg.vocab_size, (batch_size, S), generator=torch.Generator().manual_seed(S))
         pos = sequence_positions(S, rank, world_size, layout).to(device())
-        _, held = saved_bytes(lambda: model(tokens.to(device())[:, pos], positions=pos))
+        _, held = saved_bytes(lambda: model(tokens.to(device())[:, pos], positions=pos), model.parameters())
         rows[S] = held
     return rows
 
@@ -1040,17 +1042,20 @@ def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
         install_cpu_context_parallel_shim()
     mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
     full = [t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32")]
+    from util.measure import Timing
     q, k, v, dout = (t.clone() for t in full)
+    mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
+    run_theirs = lambda: fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, dout)
+    run_ours = lambda: fwd_bwd(functools.partial(ring_attention, causal=True, layout="zigzag"), *mine)
     with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
-        theirs = measure(lambda: fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True),
-                                         q, k, v, dout), warmup=2, repeats=repeats)
+        theirs, ours = [], []
+        for i in range(repeats):       # alternate, so drift on a busy machine hits both alike
+            theirs += measure(run_theirs, warmup=2 if i == 0 else 0, repeats=1).samples
+            ours += measure(run_ours, warmup=2 if i == 0 else 0, repeats=1).samples
         ql = q.detach().requires_grad_()
         their_out = F.scaled_dot_product_attention(ql, k, v, is_causal=True).detach()
-    mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
-    ours = measure(lambda: fwd_bwd(functools.partial(ring_attention, causal=True, layout="zigzag"), *mine),
-                   warmup=2, repeats=repeats)
     our_out = ring_attention(*mine[:3], causal=True, layout="zigzag")
-    return {"theirs": theirs, "ours": ours, "same_layout": bool(torch.equal(q, mine[0])),
+    return {"theirs": Timing(theirs), "ours": Timing(ours), "same_layout": bool(torch.equal(q, mine[0])),
             "max_diff": (their_out - our_out).abs().max().item()}
 
 
@@ -1180,10 +1185,10 @@ def what_needs_other_ranks():
     table([[S, one[S] / 2**20] + [max(x[S] for x in per[n]) / 2**20 for n in (2, 4)] +
            [one[S] / max(x[S] for x in per[4])] for S in lens],
           header=["sequence length", "1 rank (MiB)", "CP=2, per rank", "CP=4, per rank", "1 rank / CP=4"],
-          caption="bytes the GPT (batch 2, float32) keeps for backward per rank, measured with a "
-                  "saved-tensors hook; attention here never stores the s×s score matrix (it is "
-                  "recomputed block by block in backward, as FlashAttention does), so everything "
-                  "scales as s/n")
+          caption="activation bytes the GPT (batch 2, float32) keeps for backward per rank (weights "
+                  "excluded), measured with a saved-tensors hook; attention here never stores the s×s "
+                  "score matrix (backward recomputes it block by block, as FlashAttention does), so the "
+                  "activations scale as s/n")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
@@ -1330,6 +1335,7 @@ def allgather_section():
         sequence's K/V during attention and for backward, where the ring holds its own block plus
         one in flight.
     """)
+    see("https://arxiv.org/abs/2407.21783", "Llama Team 2024: The Llama 3 Herd of Models (all-gather context parallelism, §3.3.2)")
     see(AllGatherAttention)
     n = timing_ranks(4)
     S, h, d = attention_sizes()
@@ -1359,11 +1365,11 @@ def ulysses_section():
     see(ulysses_attention)
     n = timing_ranks(4)
     S, h, d = attention_sizes()
-    rows = []
+    rows, shards = [], {}
     for ranks in sorted({2, 4, n}):
         r = spawn(compare_variants, ranks, seq_len=S, heads=h, head_dim=d, variants=["ring", "ulysses", "all-gather"],
                   repeats=3, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks").returns
-        shard = r[0]["ring"]["shard_bytes"]
+        shard = shards[ranks] = r[0]["ring"]["shard_bytes"]
         for name in ("ring", "ulysses", "all-gather"):
             model = {"ring": (2 * (ranks - 1) + 2 * (ranks - 1) + 2 * ranks) * shard,
                      "ulysses": 2 * 4 * (ranks - 1) / ranks * shard,
@@ -1375,6 +1381,14 @@ def ulysses_section():
           caption=f"bytes rank 0 wrote to its sockets (/proc/self/io), s = {S}, {h} heads, head dim {d}, float32; "
                   f"model: ring 2(n−1) K/V forward + 2(n−1) K/V and 2n dK/dV backward shards; Ulysses 4 all-to-alls "
                   f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings. {machine(n)}")
+    extra = [(row[0], (row[3] - row[2]) / (2 * (row[0] - 1) * shards[row[0]] / 2**20)) for row in rows if row[1] == "all-gather"]
+    note(f"""
+        The ring and Ulysses send what the model says, plus small headers. The all-gather
+        variant's backward sent {", ".join(f"{x:.1f}× ({n} ranks)" for n, x in extra)} the bytes a
+        ring reduce-scatter of dK/dV needs: gloo's reduce-scatter on CPU sends more than the ring
+        bound (NCCL's is a ring). Ulysses' volume per rank falls as n grows, the ring's grows:
+        at large n that is Ulysses' advantage, and its head limit is the price.
+    """)
     msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
     note(f"With 2 heads on 4 ranks Ulysses refuses: *{msg}*")
 
@@ -1407,8 +1421,15 @@ def pytorch_context_parallel():
            ["PyTorch context_parallel, forward+backward", t["theirs"].ms()],
            ["our ring (zig-zag), forward+backward", t["ours"].ms()],
            ["ours / PyTorch", t["ours"].median / t["theirs"].median]],
-          header=["what", "value"], caption=f"causal attention, s = {S}, {h} heads, head dim {d}; {machine(n)}. "
-                                            "PyTorch merges partials in float32 (`convert_to_f32`), hence ~1e-7 in float64")
+          header=["what", "value"], caption=f"causal attention, s = {S}, {h} heads, head dim {d}; {machine(n)}; "
+                                            "the two alternate, repetition by repetition. PyTorch merges partials in "
+                                            "float32 (`convert_to_f32`), hence ~1e-7 in float64")
+    note(f"""
+        Both run the same fused CPU kernel on the blocks. Ours takes {t["ours"].median / t["theirs"].median:.2f}×
+        PyTorch's time here: it calls the kernel once per pair of segments (up to four per step under
+        zig-zag, where PyTorch halves the query or key block instead: one call) and merges the
+        partials with a few tensor operations per pair, all in Python.
+    """)
 
 
 def mixture_of_experts():
@@ -1501,14 +1522,15 @@ def expert_parallelism():
         same_drops = torch.equal(torch.cat([x["check"]["keep"] for x in r]), ref["keep"])
         for rank, x in enumerate(r):
             st = x["stats"]
-            remote = sum(c for j, c in enumerate(st["rows_sent"]) if j != rank)
+            remote = sum(c for j, c in enumerate(st["rows_sent"]) if j != rank)       # dispatch out
+            returned = sum(c for j, c in enumerate(st["rows_received"]) if j != rank)  # combine out
             rows.append([n, rank, st["rows_sent"], st["rows_received"], sum(st["rows_received"]), x["sent"] / 2**10,
-                         2 * remote * d_model * 4 / 2**10])
+                         2 * (remote + returned) * d_model * 4 / 2**10])
         recv = [sum(x["stats"]["rows_received"]) for x in r]
         imbalance.append([n, (out - ref["out"]).abs().max().item(), same_drops, max(recv) / (sum(recv) / n),
                           r[0]["time"].ms() + ("" if n <= timing_ranks(4) else " (oversubscribed)")])
     table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
-                        "KiB sent fwd+bwd (measured)", "KiB of remote rows, dispatch+combine (forward)"],
+                        "KiB sent fwd+bwd (measured)", "KiB model: remote rows × 2 passes × 2 all-to-alls"],
           caption=f"{tokens} tokens per rank, d_model {d_model}, {E} experts, top-{k}, capacity factor 1.25, float32")
     table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
                              "busiest rank's rows / mean", "layer forward+backward"],
