@@ -179,7 +179,7 @@ def _cfg(overrides):
 def everything(rank, world_size, gpt_cases):
     out = {"blocks": block_checks(rank, world_size), "gpt": {}}
     for name, cfg, options, batch_size in gpt_cases:
-        out["gpt"][name] = L.train_tp(rank, world_size, cfg, steps=3, batch_size=batch_size, **options)
+        out["gpt"][name] = L.train_tp(rank, world_size, cfg, steps=2, batch_size=batch_size, **options)
     return out
 
 
@@ -203,7 +203,7 @@ def test_building_blocks_equal_one_process(results, world_size):
 @pytest.mark.parametrize("case", GPT_CASES, ids=[c[0] for c in GPT_CASES])
 def test_split_gpt_equals_one_process(results, case):
     name, world_size, overrides, _, batch_size = case
-    ref = L.train_reference(_cfg(overrides), steps=3, batch_size=batch_size)
+    ref = L.train_reference(_cfg(overrides), steps=2, batch_size=batch_size)
     for rank, ours in enumerate(r["gpt"][name] for r in results[world_size]):
         torch.testing.assert_close(ours["logits"], ref["logits"], rtol=1e-12, atol=1e-12)
         assert set(ours["grads"]) >= set(ref["grads"])
