@@ -272,7 +272,7 @@ class Layout:
     micro_batch: int = 1           # sequences per micro-batch on one dp rank
     micro_batches: int = 1         # m: micro-batches per step (pipeline / accumulation)
     recompute: str = "none"        # "none" or "full" (keep only each block's input)
-    precision: str = "fp32"        # "fp32" or "bf16" (mixed: bf16 weights/grads, fp32 master + Adam)
+    precision: str = "fp32"        # "fp32", "bf16" (mixed: bf16 weights/grads, fp32 master + Adam), "fp64"
     sp: bool = False               # sequence parallelism with tp
     schedule: str = "1f1b"         # "1f1b" or "gpipe"
     vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
@@ -300,6 +300,7 @@ class Layout:
 
 
 PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
+    "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
     # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
     "fp32": {"weights": 4, "grads": 4, "optimizer": 8, "act": 4},
     # mixed precision (ZeRO paper's accounting): bf16 weights and grads; fp32 master weights
@@ -309,8 +310,9 @@ PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and
 
 
 def stage_layers(layers, pp):
-    """How many blocks each pipeline stage holds (contiguous, the first stages take the extra)."""
-    return [layers // pp + (i < layers % pp) for i in range(pp)]
+    """How many blocks each pipeline stage holds: lecture 05's GPTStage cuts at k·L/pp, so
+    sizes differ by at most one and the later stages take the extra."""
+    return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
 
 
 def in_flight(layout, stage):
@@ -1070,7 +1072,8 @@ LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in 
     ("pp (GPipe)", Layout(pp=4, micro_batch=1, micro_batches=8, schedule="gpipe")),
 ]
 LAYOUT_8 = ("dp×pp×tp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=2))
-ACT_TOLERANCE = 0.08      # saved activations: the formula leaves out a few bytes per token
+ACT_TOLERANCE = 0.08      # saved activations: the formula leaves out a few bytes per token,
+ACT_SLACK_PER_TOKEN = 32  # which matter only on a stage that holds almost nothing (no blocks)
 _RESULTS = {}             # what the sections measured, for the ones after them
 
 
@@ -1416,7 +1419,7 @@ def published_scale():
         0–3, full recomputation or none, sequence parallelism or not, micro-batches of 1, 2, 4.
     """)
     see(decision_procedure)
-    rows = []
+    rows, agree = [], []
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
         for world in (64, 512):
@@ -1424,6 +1427,7 @@ def published_scale():
                            precision="bf16", max_tp=8, micro_batch_sizes=(1, 2, 4), sp=(False, True))
             fitting = [r for r in found if r["fits"]]
             rule, why = decision_procedure(model, world, 512, hw)
+            agree.append(bool(fitting) and rule == fitting[0]["layout"])
             tokens = 512 * model.seq
             for tag, r in [("search: fastest that fits", fitting[0] if fitting else None),
                            ("search: runner-up", fitting[1] if len(fitting) > 1 else None)]:
@@ -1458,9 +1462,9 @@ def published_scale():
                         "limit (dashed line).")
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GB per GPU", "s per step", "MFU", "why"],
           caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
-    note("""
-        The rule of thumb lands on layouts the search also rates well, but not on the fastest:
-        it stops at the first layout that fits, while the search weighs, for instance, ZeRO-2
+    note(f"""
+        The rule of thumb picks the search's fastest layout in {sum(agree)} of the {len(agree)} cases. Where
+        they differ, the rule stopped at the first layout that fits, while the search weighs, for instance, ZeRO-2
         or -3 (free in bandwidth when the gradient traffic hides under backward) against
         tensor parallelism (which pays an all-reduce per block that cannot hide). Its value is
         that it needs no cost model; the search's is that it can compare the thousands of
@@ -1669,8 +1673,8 @@ def pytorch_pieces():
         `GPTStage` cuts the stages), with one adapter: the attention module reads its head
         count from its projections' `out_features`, which a column-sharded `nn.Linear`
         keeps at the global width. FSDP2 on top of tensor parallelism (2D DTensor
-        parameters) also runs on CPU but takes far longer than this build's budget allows,
-        so the comparison uses dp×pp (FSDP2 + pipeline) and tp×pp (TP + pipeline), 4 ranks.
+        parameters) also runs on CPU but is much slower to start than the rest, so this build
+        compares dp×pp (FSDP2 + pipeline) and tp×pp (TP + pipeline), 4 ranks.
     """)
     see(pytorch_layout)
     ref = reference_run(run)

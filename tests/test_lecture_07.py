@@ -1,0 +1,177 @@
+"""Lecture 07: every layout of the combined trainer equals one process; the memory estimator
+matches what the ranks hold; the search enumerates exactly the valid configurations.
+
+One spawn trains every 4-rank layout on the same ranks, the single-process reference runs
+here. The model is float64, but lecture 01's loss (and lecture 04's vocabulary-parallel one)
+compute the cross-entropy in float32, so "equal" means ~1e-8, not 1e-15. Awkward on purpose: 3 layers cut into 2 pipeline
+stages of unequal size, a sequence of 12 tokens (zig-zag chunks of 3)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lectures import lecture_01_memory_and_precision as L1
+from lectures import lecture_07_putting_it_together as L
+from util import spawn
+from tests.conftest import build
+
+RUN = L.Run(cfg=L1.GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4,
+                             dtype="float64"), global_batch=8, steps=2)
+LAYOUTS = {
+    "dp×tp": L.Layout(dp=2, tp=2, micro_batch=4),
+    "dp×pp": L.Layout(dp=2, pp=2, micro_batch=2, micro_batches=2),
+    "tp×pp": L.Layout(pp=2, tp=2, micro_batch=1, micro_batches=8),
+    "dp×cp": L.Layout(dp=2, cp=2, micro_batch=2, micro_batches=2),
+    "cp×tp": L.Layout(cp=2, tp=2, micro_batch=8),
+    "dp×tp + ZeRO-1": L.Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
+    "dp + ZeRO-1": L.Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
+    "pp GPipe": L.Layout(pp=4, micro_batch=2, micro_batches=4, schedule="gpipe"),
+}
+
+
+def train_all_layouts(rank, world_size, run, layouts):
+    return {name: L.train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    run4 = L.Run(cfg=RUN.cfg, global_batch=8, steps=RUN.steps)
+    ref = L.reference_run(run4)
+    got = spawn(train_all_layouts, 4, run=run4, layouts=LAYOUTS).returns
+    return ref, got
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_one_process(trained, name):
+    ref, got = trained
+    per_rank = [g[name] for g in got]
+    assert L.max_param_diff(per_rank, ref["params"]) < 1e-6
+    for r in per_rank:                       # every rank reports the global loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-6, atol=1e-6)
+    # the check can fail: the parameters moved away from their initial values
+    init = {k: p.detach() for k, p in L1.GPT(RUN.cfg).named_parameters()}
+    assert max((ref["params"][k] - v).abs().max().item() for k, v in init.items()) > 1e-4
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_estimator_matches_measured(trained, name):
+    _, got = trained
+    shape = L.ModelShape.from_gpt(RUN.cfg)
+    lay = dataclasses.replace(LAYOUTS[name], precision="fp64")
+    for g in got:
+        r = g[name]
+        est = L.estimate_memory(shape, lay, r["coords"]["pp"])
+        for k in ("weights", "grads", "optimizer"):
+            assert r["memory"][k] == pytest.approx(est[k], rel=1e-9), (k, r["coords"])
+        held = lay.micro_batch * RUN.cfg.seq_len / lay.cp * L.in_flight(lay, r["coords"]["pp"])
+        slack = L.ACT_TOLERANCE * est["stored activations"] + L.ACT_SLACK_PER_TOKEN * held
+        assert abs(r["memory"]["activations"] - est["stored activations"]) <= slack, r["coords"]
+
+
+def mesh_error(rank, world_size, shape):
+    try:
+        L.make_mesh(*shape)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_mesh_of_the_wrong_size_is_refused():
+    for msg in spawn(mesh_error, 4, shape=(2, 2, 1, 2)).returns:
+        assert msg is not None and "does not match the 4 ranks" in msg
+
+
+def test_mesh_groups_agree_with_init_device_mesh():
+    for shape in [(2, 1, 1, 2), (1, 2, 2, 1)]:
+        for g in spawn(L.compare_meshes, 4, shape=shape).returns:
+            assert all(g["ours"][a] == g["torch"][a] for a in L.MESH_AXES), shape
+            assert all(g["sums"][a] == len(g["ours"][a]) for a in g["sums"])
+
+
+def test_mesh_coordinates_by_hand():
+    shape = (2, 2, 1, 2)             # 8 ranks: tp fastest, then cp, pp, dp
+    assert L.mesh_coords(5, shape) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
+    assert all(L.mesh_rank(L.mesh_coords(r, shape), shape) == r for r in range(8))
+    assert L.axis_groups(shape, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert L.axis_groups(shape, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert L.axis_groups(shape, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert L.axis_groups(shape, "cp") == [[r] for r in range(8)]
+    assert L.replica_groups((2, 1, 2, 1)) == [[0, 1, 2, 3]]
+    assert L.replica_groups((2, 2, 1, 2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_search_enumerates_exactly_the_valid_configurations():
+    """Worked by hand: L = 2, 2 heads, s = 4, 4 ranks, global batch 2. tp, pp, cp, dp ∈ {1, 2}
+    with product 4: six meshes. dp=2 leaves 1 sequence per rank (m = 1), so dp2×pp2 has no
+    valid micro-batching; pp2 with dp1 needs m = 2 (micro-batch 1); cp2×tp2 takes micro-batch
+    1 or 2. ZeRO-1 adds a copy of each dp=2 configuration."""
+    model = L.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
+    got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches, l.zero)
+           for l in L.valid_layouts(model, 4, 2)}
+    assert got == {(2, 1, 2, 1, 1, 1, 0), (2, 1, 2, 1, 1, 1, 1), (2, 1, 1, 2, 1, 1, 0), (2, 1, 1, 2, 1, 1, 1),
+                   (1, 2, 2, 1, 1, 2, 0), (1, 2, 1, 2, 1, 2, 0), (1, 1, 2, 2, 1, 2, 0), (1, 1, 2, 2, 2, 1, 0)}
+    # 3 ranks, 3 layers, 3 heads, s = 6: every axis but one is 1
+    model = L.ModelShape("three", layers=3, hidden=9, heads=3, kv_heads=3, ffn=36, vocab=9, seq=6)
+    got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches)
+           for l in L.valid_layouts(model, 3, 3, zero_stages=(0,))}
+    assert got == {(3, 1, 1, 1, 1, 1), (1, 3, 1, 1, 1, 3), (1, 1, 3, 1, 1, 3), (1, 1, 3, 1, 3, 1),
+                   (1, 1, 1, 3, 1, 3), (1, 1, 1, 3, 3, 1)}
+
+
+def test_parameter_formulas():
+    for cfg in [L1.GPTConfig(), L1.GPTConfig(n_kv_heads=2, d_ff=96, n_layers=3),
+                L1.GPTConfig(tie_embeddings=True)]:
+        assert L.ModelShape.from_gpt(cfg).params() == L1.param_count(cfg)
+        assert sum(1 for _ in L1.GPT(cfg).blocks[0].parameters()) == L.ModelShape.from_gpt(cfg).tensors_per_layer()
+    assert L.LLAMA3_8B.params() == pytest.approx(8.03e9, rel=0.002)       # Llama 3 model card
+    assert L.LLAMA3_70B.params() == pytest.approx(70.55e9, rel=0.002)
+    # the per-rank shares add up to the whole model
+    model = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
+    lay = L.Layout(pp=2, tp=2)
+    total = sum(L.stage_params(model, lay, s) for s in range(2))
+    sharded, replicated = model.layer_params()
+    shared = 4 * replicated + model.seq * model.hidden + model.norm_params * model.hidden
+    assert 2 * total - shared == pytest.approx(model.params())
+
+
+def test_activation_formula_agrees_with_lecture_01():
+    cfg = L1.GPTConfig()
+    terms = L1.reconciled_bytes(cfg, 2, cfg.seq_len)
+    ours = L.ModelShape.from_gpt(cfg).act_elements_per_token() * 4 * 2 * cfg.seq_len
+    assert ours == pytest.approx(sum(terms.values()), rel=1e-9)
+
+
+def test_cost_model_bubble_and_collectives():
+    model = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
+    hw = L.Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=(0.0, 1e12), inter=(0.0, 1e12))
+    for pp, m in [(2, 2), (4, 4), (4, 16)]:
+        t = L.step_time(model, L.Layout(pp=pp, micro_batches=m), hw)
+        assert t["bubble"] / t["total"] == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
+    assert L.all_reduce_time(4, 1000, (1.0, 100.0)) == pytest.approx(6 + 1.5 * 10)
+    assert L.gather_time(4, 1000, (1.0, 100.0)) == pytest.approx(3 + 0.75 * 10)
+    # tp groups are intra-node, a dp group spanning 2 nodes is not
+    hw2 = L.Hardware("two", 1e9, 1e12, ranks_per_node=8, intra=(1, 2), inter=(3, 4))
+    lay = L.Layout(dp=2, tp=8)
+    assert L.axis_link(hw2, lay, "tp") == (1, 2) and L.axis_link(hw2, lay, "dp") == (3, 4)
+
+
+def test_rank_correlation():
+    assert L.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert L.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert L.rank_correlation([1, 2, 3], [1, 1, 2]) == pytest.approx(math.sqrt(3) / 2)
+
+
+def test_published_search_respects_memory():
+    hw = L.h100_cluster()
+    rows = L.search(L.LLAMA3_70B, 64, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
+                    precision="bf16", max_tp=8, micro_batch_sizes=(1,), sp=(True,))
+    assert rows[0]["fits"] and rows[0]["memory"]["total"] <= hw.memory
+    assert not any(r["fits"] for r in rows if r["layout"].dp == 64 and r["layout"].zero == 0)
+    rule, why = L.decision_procedure(L.LLAMA3_70B, 64, 512, hw)
+    assert rule is not None and rule.tp > 1 and L.estimate_memory(L.LLAMA3_70B, rule)["total"] <= hw.memory
+
+
+def test_quick_build(tmp_path):
+    build("lecture_07_putting_it_together", tmp_path, "--quick")
+    assert (tmp_path / "lecture_07_putting_it_together.json").exists()
