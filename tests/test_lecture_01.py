@@ -1,0 +1,265 @@
+"""Lecture 01: the model's parameter count, activation accounting, recomputation, accumulation,
+fp8 scaling and online-softmax attention, each against an independent reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lectures import lecture_01_memory_and_precision as L
+from tests.conftest import build
+
+CONFIGS = [L.GPTConfig(), L.GPTConfig(n_kv_heads=2), L.GPTConfig(n_kv_heads=1, tie_embeddings=True),
+           L.GPTConfig(tie_embeddings=True),
+           L.GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, n_layers=3, d_ff=200, vocab_size=101, seq_len=17),
+           L.GPTConfig(d_model=20, n_heads=5, n_layers=1, vocab_size=7, seq_len=3)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_param_count_equals_numel(cfg):
+    assert L.param_count(cfg) == sum(p.numel() for p in L.GPT(cfg).parameters())
+
+
+def test_param_count_estimate_for_plain_gpt():
+    """The syllabus' estimate is exact for untied heads once positions and the head are added."""
+    c = L.GPTConfig(d_model=32, n_heads=4, n_layers=3, vocab_size=50, seq_len=9)
+    h, v, n = c.d_model, c.vocab_size, c.n_layers
+    assert L.param_count(c) == h * v + n * (12 * h * h + 13 * h) + 2 * h + c.seq_len * h + h * v
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+@pytest.mark.parametrize("seq", [8, 33, 64])
+@pytest.mark.parametrize("cfg", [L.GPTConfig(), L.GPTConfig(d_model=48, n_heads=3, d_ff=100)], ids=str)
+def test_saved_activations_equal_reconciled_formula(cfg, seq, attention):
+    fn = L.causal_attention if attention == "sdpa" else L.naive_causal_attention
+    measured = L.block_activations(cfg, 3, seq, fn).bytes
+    assert measured == sum(L.reconciled_bytes(cfg, 3, seq, attention).values())
+
+
+def test_reconciled_formula_is_papers_without_dropout_in_fp32():
+    """Remove the small terms: what is left is 2 × (34 − 2)/34 of the paper's linear term."""
+    cfg, b, s = L.GPTConfig(), 2, 64
+    terms = L.reconciled_bytes(cfg, b, s, "sdpa")
+    big = sum(v for k, v in terms.items() if "mean" not in k and "log-sum-exp" not in k)
+    assert big == 2 * 32 * s * b * cfg.d_model
+
+
+def test_saved_activations_deduplicate_and_skip_parameters():
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with L.SavedActivations(exclude=lin.parameters()) as saved:
+        y = lin(x)
+        (y * y).sum()          # y saved twice by mul: one storage
+    assert saved.bytes == x.nbytes + y.nbytes
+
+
+def test_memory_timeline_step_one_grows_then_flat():
+    rows = L.memory_timeline(L.GPTConfig(), batch_size=4, steps=3)
+    after_step = [r["tracker"]["Total"] for r in rows if r["phase"] == "optimizer step"]
+    assert after_step[1] == after_step[2]
+    start = [r["tracker"]["Total"] for r in rows if r["phase"] == "zero_grad"]
+    psi = L.param_count(L.GPTConfig())
+    assert rows[0]["tracker"]["Optstate"] == 0 and start[0] - rows[0]["tracker"]["Parameter"] >= 8 * psi
+    for r in rows:
+        assert r["own"]["Parameter"] == r["tracker"]["Parameter"] == 4 * psi
+        if r["phase"] == "backward":
+            assert r["tracker"]["Gradient"] == r["own"]["Gradient"] == 4 * psi
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gradients_equal_and_memory_falls(mode):
+    cfg = L.GPTConfig(n_layers=3)
+    ref = L.recomputation_step(cfg, 4, "none")
+    got = L.recomputation_step(cfg, 4, mode)
+    for k in ref["grads"]:
+        torch.testing.assert_close(got["grads"][k], ref["grads"][k], rtol=1e-6, atol=1e-7)
+    assert got["held"] < ref["held"]
+
+
+def test_recomputation_full_below_selective():
+    cfg = L.GPTConfig(n_layers=3)
+    assert L.recomputation_step(cfg, 4, "full")["held"] < L.recomputation_step(cfg, 4, "selective")["held"]
+
+
+def test_recomputation_refuses_unknown_mode():
+    with pytest.raises(ValueError, match="recomputation mode"):
+        L.Recomputed(torch.nn.Identity(), "some")
+
+
+@pytest.mark.parametrize("k", [2, 3, 6])
+def test_accumulation_equals_big_batch(k):
+    cfg = L.GPTConfig(dtype="float64")
+    big, held_big = L.accumulated_gradients(cfg, 6, 1)
+    got, held = L.accumulated_gradients(cfg, 6, k)
+    for n in big:
+        torch.testing.assert_close(got[n], big[n], rtol=1e-10, atol=1e-12)
+    assert held < held_big
+
+
+def test_accumulation_refuses_uneven_split():
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        L.accumulated_gradients(L.GPTConfig(), 7, 2)
+
+
+def test_format_properties_match_finfo():
+    for name, dtype in L.FORMATS.items():
+        p = L.format_properties(name, dtype)
+        eps = torch.finfo(dtype).eps
+        assert p["max rel. error in [1, 2] (measured)"] <= eps / 2 * 1.0001
+        if dtype != torch.float32:
+            assert p["values in [1, 2]"] == round(1 / eps) + 1
+
+
+def test_loss_scaling_rescues_fp16_gradients():
+    cfg = L.GPTConfig()
+    ref = L.fp32_gradients(cfg, 16)
+    g0, c0, skip0 = L.fp16_gradients(cfg, 16)
+    g1, c1, skip1 = L.fp16_gradients(cfg, 16, scale=2.0 ** 16)
+    _, _, skip2 = L.fp16_gradients(cfg, 16, scale=2.0 ** 32)
+    assert c1["flushed to zero"] < c0["flushed to zero"] and c1["subnormal"] < c0["subnormal"] / 10
+    assert L.gradient_error(g1, ref) < L.gradient_error(g0, ref)
+    assert not skip0 and not skip1 and skip2
+
+
+def test_master_weights_bytes_per_parameter():
+    cfg = L.GPTConfig()
+    psi = L.param_count(cfg)
+    tokens, targets = L.batch(cfg, 4, 0)
+    for acc, total in [(False, 16), (True, 20)]:
+        model = L.GPT(cfg.__class__(dtype="bfloat16"))
+        mw = L.MasterWeights(model, lr=1e-3, fp32_accumulation=acc)
+        L.loss_fn(model(tokens), targets).backward()
+        if acc:
+            mw.accumulate()
+            L.loss_fn(model(tokens), targets).backward()
+        mw.step()
+        L.loss_fn(model(tokens), targets).backward()
+        assert sum(mw.held().values()) == total * psi
+
+
+def test_master_weights_keep_small_updates():
+    cfg = L.GPTConfig()
+    c32, _ = L.train_curve(cfg, "fp32", 30, 2e-4, batch_size=8, log_every=29)
+    cbf, unchanged_bf = L.train_curve(cfg, "bf16 weights", 30, 2e-4, batch_size=8, log_every=29)
+    cmw, unchanged_mw = L.train_curve(cfg, "bf16 + fp32 master", 30, 2e-4, batch_size=8, log_every=29)
+    assert unchanged_bf > 0.2 > unchanged_mw
+    assert abs(cmw[-1][1] - c32[-1][1]) < abs(cbf[-1][1] - c32[-1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_tile_scaling_beats_per_tensor_on_outliers(dtype):
+    a, w = L.outlier_matrices(128, 256, 128, outlier=1e4, seed=3)
+    per_tensor = L.fp8_matmul_error(a, w, None, None, dtype)
+    tiles = L.fp8_matmul_error(a, w, (1, 128), (128, 128), dtype)
+    assert tiles < 0.7 * per_tensor
+
+
+def test_fp8_quantize_roundtrip_and_refusal():
+    x = torch.randn(4, 256) * torch.logspace(-3, 3, 4)[:, None]
+    q, s = L.quantize_fp8(x, (1, 128))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 2)
+    assert ((L.dequantize_fp8(q, s) - x).abs() <= x.abs() * 2 ** -4 + 1e-30).all()
+    with pytest.raises(ValueError, match="does not divide"):
+        L.quantize_fp8(torch.randn(4, 100), (1, 128))
+
+
+def test_scaled_mm_per_tensor_matches_simulation():
+    a, w = L.outlier_matrices(64, 128, 32, outlier=100.0)
+    got = L.scaled_mm_error(a, w)
+    if got is None:
+        pytest.skip("torch._scaled_mm does not run on this build")
+    assert got == pytest.approx(L.fp8_matmul_error(a, w), rel=1e-3)
+
+
+CASES = [(causal, bs, s) for causal in (False, True) for bs, s in [(1, 5), (4, 37), (16, 37), (37, 37), (64, 37), (7, 50)]]
+
+
+@pytest.mark.parametrize("causal,block,seq", CASES)
+def test_online_softmax_attention_equals_sdpa(causal, block, seq):
+    g = torch.Generator().manual_seed(block * 100 + seq)
+    q, k, v = (torch.randn(2, 3, seq, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = L.online_softmax_attention(q, k, v, block, causal=causal)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    d_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(ref, (q, k, v), d_out)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_online_softmax_attention_fp32_noncontiguous_and_uneven_lengths():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 11, 3, 8, generator=g).transpose(1, 2).requires_grad_()   # non-contiguous
+    k = torch.randn(2, 3, 23, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 3, 23, 8, generator=g, requires_grad=True)
+    out = L.online_softmax_attention(q, k, v, 5)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(L.online_softmax_attention(q, k, v, 4), ref.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="causal"):
+        L.online_softmax_attention(q, k, v, 4, causal=True)
+
+
+def test_attention_with_lse_offsets_and_merge_give_causal_attention():
+    """Two halves of the keys attended separately at their true positions and merged (what a
+    ring of two ranks does) equal causal attention over the whole sequence, with gradients."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    half = 6
+    outs = []
+    for qs in (0, half):
+        qq = q[..., qs:qs + half, :]
+        a = L.attention_with_lse(qq, k[..., :half, :], v[..., :half, :], causal=True, q_offset=qs, k_offset=0)
+        b = L.attention_with_lse(qq, k[..., half:, :], v[..., half:, :], causal=True, q_offset=qs, k_offset=half)
+        outs.append(L.merge_attention(*a, *b)[0])      # query block 0 sees no key of block 1
+    out = torch.cat(outs, dim=-2)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_online_softmax_never_holds_the_score_matrix():
+    s, block = 512, 32
+    naive = L.attention_peak_bytes(L.naive_causal_attention, 1, 2, s, 8)
+    online = L.attention_peak_bytes(lambda q, k, v: L.online_softmax_attention(q, k, v, block, causal=True), 1, 2, s, 8)
+    assert naive >= 2 * s * s * 4               # at least the fp32 scores for 2 heads
+    assert online < naive / 4
+
+
+def test_the_task_loss_falls():
+    cfg = L.GPTConfig()
+    model = L.GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for t in range(80):
+        tokens, targets = L.batch(cfg, 16, t)
+        loss = L.loss_fn(model(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert abs(losses[0] - math.log(cfg.vocab_size)) < 0.1
+    assert sum(losses[-10:]) / 10 < losses[0] - 1.0
+    assert L.entropy_rate(cfg) < sum(losses[-10:]) / 10
+
+
+def test_batch_is_deterministic_and_step_dependent():
+    cfg = L.GPTConfig()
+    a, b, c = L.batch(cfg, 4, 3), L.batch(cfg, 4, 3), L.batch(cfg, 4, 4)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    assert torch.equal(a[0][:, 1:], a[1][:, :-1])
+
+
+def test_gpt_runs_under_fake_tensor_mode():
+    huge = L.GPTConfig(vocab_size=1000, seq_len=128, d_model=1024, n_layers=1, n_heads=8)
+    rows = L.fake_training_step(huge, batch_size=1)
+    assert rows["after optimizer step"]["Parameter"] == 2 * L.param_count(huge)
+
+
+def test_quick_build(tmp_path):
+    build("lecture_01_memory_and_precision", tmp_path, "--quick")
+    assert (tmp_path / "lecture_01_memory_and_precision.json").exists()
