@@ -156,12 +156,12 @@ def _one_forward_one_backward(layout, m, r):
     return out + backwards[len(forwards) - warmup:]
 
 
-def _greedy(layout, m, limit, postpone, eager_w=False, unit=1.0):
+def _greedy(layout, m, limit, postpone, unit=1.0):
     """Build action lists by simulating the pipeline with unit costs. Whenever a rank is free it
     takes, in this order: a ready B (oldest micro-batch first); a W if more than
     `postpone[rank]` are waiting; a ready F if fewer than `limit[rank]` micro-batches are
-    between their F and their B; any waiting W. Postponed Ws fill the gaps in which a rank
-    would otherwise wait. Orders made this way are dependency-correct by construction."""
+    between their F and their B; once it has no forwards left, any waiting W. Postponed Ws fill
+    the drain, where a rank would otherwise wait. Orders made this way are dependency-correct by construction."""
     p, S = layout.ranks, layout.stages
     done, ends = {}, []
     clock = [0.0] * p
@@ -194,7 +194,7 @@ def _greedy(layout, m, limit, postpone, eager_w=False, unit=1.0):
                     waiting_b[r].append((i, c))
                     choice = Action("F", i, c)
                     break
-        if choice is None and waiting_w[r] and (eager_w or all(i >= m for i in next_f[r])):
+        if choice is None and waiting_w[r] and all(i >= m for i in next_f[r]):   # the drain
             choice = waiting_w[r].popleft()
         if choice is None:            # idle until something ends or another rank moves on
             later = [e for e in ends if e > t] + [clock[q] for q in range(p) if clock[q] > t]
@@ -438,7 +438,10 @@ class PipelineExecutor:
 
     Sends never block: each is an `isend` posted in one `batch_isend_irecv` together with the
     receive the next action needs, and waited for at the end of the step. The only waits are
-    for inputs, so any schedule the simulator can finish runs without deadlock.
+    for inputs, so any schedule the simulator can finish runs without deadlock. Messages are
+    matched by tag (kind, stage, micro-batch) on gloo; NCCL ignores tags and matches each pair
+    of ranks in posting order, which these schedules keep only when one kind of message flows
+    per direction (one chunk per rank).
 
     `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
     B + W): sleep mode, for more ranks than cores. `checkpoint` re-runs each stage's forward during its backward instead of
@@ -499,6 +502,10 @@ class PipelineExecutor:
                     self.inbox[key][1] = work
 
     def step(self, inputs, targets, record=False):
+        with torch.enable_grad():         # a step trains, even if called under torch.no_grad()
+            return self._step(inputs, targets, record)
+
+    def _step(self, inputs, targets, record):
         """Run the action list once on micro-batches `inputs[i]`, `targets[i]`. Gradients
         accumulate into the modules' parameters (each micro-batch's loss is divided by m, so
         they are those of the mean loss). Returns the summed loss on the last stage's rank (else
@@ -578,8 +585,13 @@ class PipelineExecutor:
         if not self.split:
             return {"out": module(x)}
         seen = []
-        handles = [leaf.register_forward_hook(lambda mod, inp, y: seen.append((mod, y)))
-                   for leaf in self.leaves[chunk]]
+
+        def keep(mod, inp, y):
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(f"a split backward needs every module that owns parameters to return "
+                                f"one tensor; {type(mod).__name__} returned {type(y).__name__}")
+            seen.append((mod, y))
+        handles = [leaf.register_forward_hook(keep) for leaf in self.leaves[chunk]]
         try:
             out = module(x)
         finally:
@@ -1030,7 +1042,7 @@ def run_sleep_mode():
     runs = sleep_runs(ms)
     p = sleep_ranks()
     return ms, runs, spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
-                           delay=SLEEP, repeats=3 if settings.quick else 5,
+                           delay=SLEEP, repeats=2 if settings.quick else 5,
                            name=f"every schedule in sleep mode, {p} ranks")
 
 
@@ -1129,18 +1141,26 @@ def measured_schedules():
     """)
 
     zb = {k: bubble_row(R, k, k, 8, 2 if k == "dualpipev" else 1, p) for k in ("zb-h1", "zb-h2", "dualpipev")}
+    held = {k: max(r[k]["peak_saved_bytes"] for r in R) for k in ("1f1b m=8", "zb-h1", "zb-h2")}
     note(f"""
         ## Zero bubble: split the backward
         A backward computes two things: the gradient with respect to the stage's input (B, which
         the previous stage is waiting for) and the gradients of the weights (W, which nobody
         waits for until the optimizer step). Qi et al. (2023) run B at once and postpone W into
-        the slots where the rank would otherwise idle. ZB-H1 keeps 1F1B's memory and fills the
-        drain; ZB-H2 also lets ranks run more forwards in the warm-up and fills the start too.
-        Our ZB lists are built by a small greedy scheduler (B first, then F within a memory
-        limit, W when a rank would idle; see `_greedy`), not the paper's hand-made ones. In sleep
+        the slots where the rank would otherwise idle. ZB-H1 admits micro-batches as 1F1B does
+        and fills the drain with postponed Ws; ZB-H2 also runs more forwards in the warm-up and
+        fills the start too, for more memory. Our ZB lists are built by a small greedy
+        scheduler (B first, then F within a limit on micro-batches held, Ws in the drain; see
+        `_greedy`), not the paper's hand-made ones, which reach a smaller bubble still. In sleep
         mode F, B and W each wait {SLEEP['F'] * 1e3:.0f} ms, so 1F1B's backward is twice a
-        forward. Measured bubble at m = 8: 1F1B **{pct(one['measured'])}**, ZB-H1
-        **{pct(zb['zb-h1']['measured'])}**, ZB-H2 **{pct(zb['zb-h2']['measured'])}**.
+        forward. Measured at m = 8:
+
+        | | 1F1B | ZB-H1 | ZB-H2 |
+        |---|---|---|---|
+        | bubble | {pct(one['measured'])} | {pct(zb['zb-h1']['measured'])} | {pct(zb['zb-h2']['measured'])} |
+        | peak activations held (rank max) | {held['1f1b m=8'] / 2**10:.0f} KiB | {held['zb-h1'] / 2**10:.0f} KiB | {held['zb-h2'] / 2**10:.0f} KiB |
+
+        (A postponed W keeps its micro-batch's saved tensors until it runs.)
 
         DualPipeV (DeepSeek-AI 2025) is the V-shaped half of DeepSeek-V3's DualPipe: rank $r$
         holds stage $r$ and stage $2p-1-r$, so the first and last stages share rank 0 and
@@ -1245,7 +1265,7 @@ def pytorch_schedules():
         from it.
     """)
     run = spawn(compare_with_pytorch, p, cfg=cfg, m=m, mb_size=mb, classes=classes,
-                repeats=3 if settings.quick else 7, warmup=1 if settings.quick else 2,
+                repeats=1 if settings.quick else 7, warmup=0 if settings.quick else 2,
                 name=f"our schedules and PyTorch's, {p} ranks")
     R = run.returns
     labels = list(R[0]["losses"])

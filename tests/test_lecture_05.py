@@ -153,3 +153,43 @@ def test_sleep_mode_measures_the_schedule():
 def test_quick_build(tmp_path):
     build("lecture_05_pipeline_parallel", tmp_path, "--quick")
     assert (tmp_path / "lecture_05_pipeline_parallel.json").exists()
+
+
+def test_split_backward_refuses_modules_returning_tuples():
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w, x
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+
+        def forward(self, x):
+            return self.pair(x)[0]
+
+    sched = L.make_schedule("zb-h1", 1, 1)
+    ex = L.PipelineExecutor(sched, {0: Stage()}, 0, (2, 3), loss_fn=lambda y, t: (y - t).pow(2).mean())
+    with pytest.raises(TypeError, match="one tensor"):
+        ex.step([torch.ones(2, 3)], [torch.zeros(2, 3)])
+
+
+def test_one_stage_step_under_no_grad_equals_autograd():
+    """p = 1: the executor is plain gradient accumulation; it trains even under no_grad."""
+    lin = torch.nn.Linear(3, 2).double()
+    x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    loss = lambda y, t: (y - t).pow(2).mean()
+    loss(lin(x), t).backward()
+    want = [p.grad.clone() for p in lin.parameters()]
+    for name in ("1f1b", "zb-h1"):
+        lin.zero_grad()
+        ex = L.PipelineExecutor(L.make_schedule(name, 1, 2), {0: lin}, 0, (2, 2), loss_fn=loss,
+                                dtype=torch.float64)
+        with torch.no_grad():
+            ex.step(list(x.chunk(2)), list(t.chunk(2)))
+        for p, w in zip(lin.parameters(), want):
+            torch.testing.assert_close(p.grad, w)
