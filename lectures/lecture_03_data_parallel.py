@@ -812,7 +812,7 @@ def overlap_and_buckets():
     """)
     kinds = ["naive", "overlapped", "bucketed", "ddp"]
     times = spawn(time_variants, ranks, task=task, kinds=kinds, bucket_mb=bucket_mb,
-                  reps=5 if settings.quick else 7,
+                  reps=5,
                   name=f"step time: naive vs overlapped vs bucketed vs DDP, {ranks} ranks").returns[0]
     names = {"naive": "all-reduce after backward", "overlapped": "per-parameter async all-reduce",
              "bucketed": f"bucketed ({bucket_mb} MB)", "ddp": "PyTorch DistributedDataParallel"}
@@ -855,7 +855,7 @@ def bucket_sweep():
         only start when backward has finished).
     """)
     see(plan_buckets)
-    t = spawn(time_variants, ranks, task=task, kinds=kinds, reps=5 if settings.quick else 7,
+    t = spawn(time_variants, ranks, task=task, kinds=kinds, reps=5,
               name=f"bucket-size sweep, {len(params)} small tensors, {ranks} ranks").returns[0]
     label = {"overlapped": "per-parameter (no buckets)",
              **{f"bucketed:{mb}": f"{mb:g} MB" for mb in sizes}}
@@ -875,7 +875,8 @@ def bucket_sweep():
     one = f"bucketed:{sizes[-1]}"
     per_param = t["overlapped"].median
     verdict = []
-    verdict.append(f"The fastest setting here is {label[best]} ({nbuckets[best]} messages per step).")
+    verdict.append(f"The fastest setting here is {label[best]} ({nbuckets[best]} "
+                   f"message{'s' if nbuckets[best] != 1 else ''} per step).")
     if t[one].median > t[best].median * 1.05:
         verdict.append(f"A single bucket ({t[one].ms()}) is slower than the best: its all-reduce "
                        "cannot start until backward has produced the last gradient, so none of it "
@@ -1184,7 +1185,7 @@ def pytorch_versions():
     bucket_mb = 2.0 if not settings.quick else 0.25
     kinds = ["bucketed", "ddp", "zero1", "zero2", "zero3", "fsdp2"]
     t = spawn(time_variants, ranks, task=timed, kinds=kinds, bucket_mb=bucket_mb,
-              reps=5 if settings.quick else 7,
+              reps=5,
               name=f"step time: ours vs PyTorch, DDP and ZeRO-1/2/3 vs FSDP2, {ranks} ranks").returns[0]
     ratio = lambda a, b: t[a].median / t[b].median
     table([["DDP", t["bucketed"].ms(), t["ddp"].ms(), ratio("bucketed", "ddp")],
