@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lectures.lecture_01_memory_and_precision import merge_attention as merge_partials
 from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
 
 # =========================================================================================
@@ -24,20 +25,8 @@ from util import device, figure, note, see, settings, span, span_at, spawn, tabl
 # Contiguous sharding gives one segment per rank; zig-zag gives two. Causal masking then only
 # needs global positions, and a pair of segments is "full" (every key visible to every query),
 # "diagonal/partial" (a mask is needed) or "empty" (no key visible: skipped, no FLOPs).
-
-
-def merge_partials(out, lse, out_b, lse_b):
-    """Combine two partial attentions over disjoint key sets into the attention over their union.
-
-    Each partial is (out, lse): the softmax-weighted values over its keys and the log of its
-    softmax denominator, log Σ exp(s). The union's denominator is the sum, so
-    lse = log(e^lse + e^lse_b) and out = out·e^(lse−lse_new) + out_b·e^(lse_b−lse_new): the
-    running max / log-sum-exp merge of online softmax (Milakov & Gimelshein 2018). Rows that see
-    no key yet have lse = −inf and contribute nothing."""
-    new = torch.logaddexp(lse, lse_b)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1),
-            new)
+# Partials over disjoint key sets combine with lecture 01's online-softmax merge, `merge_partials`:
+# lse = log(e^lse_a + e^lse_b), out = out_a·e^(lse_a−lse) + out_b·e^(lse_b−lse).
 
 
 def pair_kind(qseg, kseg, causal):
@@ -308,8 +297,11 @@ class _Transfer:
     def __init__(self, send, recv_shape, group, n, r, tag, label):
         self.buf = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
         self.send = send.contiguous()            # kept alive until the send completes
-        self.ops = [dist.isend(self.send, _global(group, (r + 1) % n), group=group, tag=tag),
-                    dist.irecv(self.buf, _global(group, (r - 1) % n), group=group, tag=tag)]
+        # One batch: NCCL must see the send and the receive together (two ranks sending to each
+        # other with separate calls would each wait for a receive queued behind its own send).
+        self.ops = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, self.send, _global(group, (r + 1) % n), group=group, tag=tag),
+            dist.P2POp(dist.irecv, self.buf, _global(group, (r - 1) % n), group=group, tag=tag)])
         self.label, self.start = label, time.perf_counter()
 
     def wait(self):
@@ -1135,7 +1127,7 @@ def expert_parallel_traffic(rank, world_size, tokens, d_model, d_ff, n_experts, 
 
 def attention_sizes():
     """Shapes for the timings: (sequence, heads, head dim)."""
-    return (512, 4, 32) if settings.quick else (1024, 8, 32)
+    return (512, 4, 32) if settings.quick else (1024, 4, 32)
 
 
 def intro():
@@ -1212,7 +1204,8 @@ def ring_attention_section():
         assembled from its parts: keep, for every query row, the output `o` and the log-sum-exp
         $\ell = \log\sum_j e^{s_j}$ of its block; two partials merge as
         $\ell = \log(e^{\ell_1} + e^{\ell_2})$ and $o = o_1 e^{\ell_1-\ell} + o_2 e^{\ell_2-\ell}$ —
-        the online softmax of Milakov & Gimelshein, and the heart of FlashAttention.
+        the online softmax of Milakov & Gimelshein, the heart of FlashAttention, and lecture 01's
+        `merge_attention`, which this lecture imports.
     """)
     see("https://arxiv.org/abs/2310.01889", "Liu, Zaharia, Abbeel 2023: Ring Attention with Blockwise Transformers for Near-Infinite Context")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018: Online normalizer calculation for softmax")
