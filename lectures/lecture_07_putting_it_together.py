@@ -7,6 +7,7 @@ calibrated on this machine, used to search every valid layout — here, where we
 and at published scale, where we cannot.
 """
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -215,10 +216,11 @@ class ModelShape:
     def head_dim(self):
         return self.hidden // self.heads
 
-    @property
+    @functools.cached_property
     def kv_dim(self):
         return self.kv_heads * self.head_dim
 
+    @functools.cache
     def layer_params(self, tp=1):
         """(sharded over tp, replicated) parameters of one block. Column-parallel Q/K/V and the
         MLP's input matrices split their outputs (weights and biases), row-parallel O and the
@@ -230,21 +232,26 @@ class ModelShape:
         replicated = b * (h + h) + 2 * self.norm_params * h
         return sharded / tp, replicated
 
+    @functools.cache
     def tensors_per_layer(self):
         """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
         return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
 
+    @functools.cache
     def embedding_params(self):
         return self.vocab * self.hidden + self.learned_positions * self.seq * self.hidden
 
+    @functools.cache
     def head_params(self):
         """The final norm and (untied) LM head."""
         return self.norm_params * self.hidden + (0 if self.tied else self.vocab * self.hidden)
 
+    @functools.cache
     def params(self):
         """Ψ; equals lecture 01's param_count for its GPT (tested)."""
         return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
 
+    @functools.cache
     def act_elements_per_token(self, tp=1, sp=False):
         """Elements autograd keeps per token in one block (measured below, in float32):
         the block input x, the first norm's output, Q, K, V, the attention output and its
@@ -363,6 +370,7 @@ def activation_bytes(model, layout, stage):
     return tokens * stored * in_flight(layout, stage), transient
 
 
+@functools.cache
 def estimate_memory(model, layout, stage=None):
     """Per-rank bytes {weights, grads, optimizer, activations, total} for the most loaded
     pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the
@@ -465,9 +473,9 @@ def step_time(model, layout, hw):
               micro-batch's forward and backward), partly hidden under backward (`overlap`)."""
     B = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
-    worst = max(range(layout.pp), key=lambda s: stage_layers(model.layers, layout.pp)[s]
-                + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
-    n_layers = stage_layers(model.layers, layout.pp)[worst]
+    sizes = stage_layers(model.layers, layout.pp)
+    worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
+    n_layers = sizes[worst]
     sharded, _ = model.layer_params()
     layer_flops = 6 * sharded + 12 * model.hidden * model.seq
     if layout.recompute == "full":
@@ -878,7 +886,7 @@ class LayoutTrainer:
         model = L1.GPT(cfg).to(device())              # the same seeded weights on every rank
         self.tp_group = mesh.group["tp"]
         if layout.tp > 1:
-            model = L4.parallelize_gpt(model, self.tp_group)
+            model = L4.parallelize_gpt(model, self.tp_group, sequence_parallel=layout.sp)
         if layout.cp > 1:
             from lectures.lecture_06_context_and_expert_parallel import ring_attention
             attend = _RingAttend(ring_attention, mesh.group["cp"])
@@ -886,8 +894,8 @@ class LayoutTrainer:
                 block.attn.attend = attend
         self.model = model
         if layout.pp > 1:
-            if layout.cp > 1:
-                raise ValueError("pipeline stages with context parallelism are not wired up here")
+            if layout.cp > 1 or layout.sp:
+                raise ValueError("pipeline stages with context or sequence parallelism are not wired up here")
             stage = mesh.index("pp")
             self.stage = L5.GPTStage(model, stage, layout.pp)
             sched = L5.make_schedule(layout.schedule, layout.pp, layout.micro_batches)
@@ -1067,6 +1075,7 @@ LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in 
     ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4)),
     ("dp×cp", Layout(dp=2, cp=2, micro_batch=4)),
     ("dp×tp + ZeRO-1", Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2)),
+    ("dp×tp + SP", Layout(dp=2, tp=2, sp=True, micro_batch=4)),
     ("dp + ZeRO-1", Layout(dp=4, zero=1, micro_batch=2)),
     ("pp (1F1B)", Layout(pp=4, micro_batch=1, micro_batches=8)),
     ("pp (GPipe)", Layout(pp=4, micro_batch=1, micro_batches=8, schedule="gpipe")),
@@ -1263,6 +1272,28 @@ def memory_estimator():
         indices, a stage's received input.
     """)
     _RESULTS["memory_worst"] = worst
+    note("""
+        Two parts of the estimator are not covered by the runs above. **Sequence parallelism**
+        (the dp×tp + SP row): the estimator follows Megatron-LM, which splits every
+        residual-stream tensor over tp and re-gathers the norm outputs in backward; lecture
+        04's version keeps an all-gathered input for backward, which the error column shows.
+        **Full recomputation**, checked here in one process with lecture 01's `Recomputed`
+        blocks: only each block's input stays saved between forward and backward.
+    """)
+    rows = []
+    for mode in ("none", "full"):
+        model = L1.with_recomputation(cfg, mode)
+        meter = ActivationMeter(model.parameters())
+        tokens, targets = L1.batch(cfg, 4, 0)
+        with meter():
+            loss = L1.loss_fn(model(tokens), targets)
+        loss.backward()
+        est = estimate_memory(shape, Layout(micro_batch=4, recompute=mode))
+        rows.append([mode, meter.peak, est["stored activations"], est["activations"] - est["stored activations"],
+                     f"{100 * (meter.peak - est['stored activations']) / est['stored activations']:+.1f}%"])
+    table(rows, header=["recomputation", "saved (measured)", "saved (predicted)",
+                        "+ one block while recomputed (predicted)", "error"],
+          caption="One process, micro-batch of 4 sequences, float32.")
     # How the parts scale, for a model we cannot run: the estimator at published scale.
     lays = [("dp", Layout(dp=64, micro_batch=1, precision="bf16")),
             ("dp + ZeRO-1", Layout(dp=64, zero=1, micro_batch=1, precision="bf16")),

@@ -26,6 +26,7 @@ LAYOUTS = {
     "cp×tp": L.Layout(cp=2, tp=2, micro_batch=8),
     "dp×tp + ZeRO-1": L.Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
     "dp + ZeRO-1": L.Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
+    "dp×tp + SP": L.Layout(dp=2, tp=2, sp=True, micro_batch=2, micro_batches=2),
     "pp GPipe": L.Layout(pp=4, micro_batch=2, micro_batches=4, schedule="gpipe"),
 }
 
@@ -133,6 +134,21 @@ def test_parameter_formulas():
     sharded, replicated = model.layer_params()
     shared = 4 * replicated + model.seq * model.hidden + model.norm_params * model.hidden
     assert 2 * total - shared == pytest.approx(model.params())
+
+
+def test_recomputation_keeps_only_block_inputs():
+    cfg = RUN.cfg
+    shape = L.ModelShape.from_gpt(cfg)
+    for mode in ("none", "full"):
+        model = L1.with_recomputation(cfg, mode)
+        meter = L.ActivationMeter(model.parameters())
+        with meter():
+            loss = L1.loss_fn(model(L1.batch(cfg, 3, 0)[0]), L1.batch(cfg, 3, 0)[1])
+        assert meter.live == meter.peak > 0
+        loss.backward()
+        assert meter.live == 0                      # autograd released every saved tensor
+        est = L.estimate_memory(shape, L.Layout(micro_batch=3, recompute=mode, precision="fp64"))
+        assert abs(meter.peak - est["stored activations"]) <= 0.02 * est["stored activations"] + 32 * 3 * cfg.seq_len
 
 
 def test_activation_formula_agrees_with_lecture_01():
