@@ -242,6 +242,12 @@ def _value(p, grad):
     return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
 
 
+def _check_sequence_layout(x, sequence_parallel):
+    if sequence_parallel and x.dim() != 3:
+        raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of (batch, seq, hidden) "
+                         f"activations; got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+
+
 def _take(t, dim, group):
     """This rank's slice of a full parameter, detached (for from_full)."""
     return None if t is None else _split(t.detach(), dim, group)
@@ -348,6 +354,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
+        _check_sequence_layout(x, self.sequence_parallel and self.enter_region)
         if self.enter_region:
             y = ColumnParallelLinearFunction.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
         else:
@@ -405,6 +412,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
+        _check_sequence_layout(x, self.sequence_parallel)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
         partial = F.linear(x, self.weight)
@@ -483,6 +491,10 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
     rank then holds the same loss and back-propagates into its own slice."""
     n, r = _size_rank(group)
     per = local_logits.shape[-1]
+    if targets.shape != local_logits.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
+    if targets.numel() and (targets.min() < 0 or targets.max() >= per * n):
+        raise ValueError(f"targets must lie in [0, {per * n}) (no ignore_index here)")
     z = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))  # at least fp32
     m = _all_reduce(z.detach().amax(dim=-1), group, op=dist.ReduceOp.MAX)   # constant: no gradient
     shifted = z - m.unsqueeze(-1)
@@ -614,7 +626,7 @@ def gpt_plan(cfg, sequence_parallel=False):
     embedding before the LM head, so a tied head can share the embedding's slice)."""
     sp = sequence_parallel
     col, row = ColumnParallelLinear.from_full, RowParallelLinear.from_full
-    norm = functools.partial(SequenceParallelLayerNorm.from_full) if sp else _replicate
+    norm = SequenceParallelLayerNorm.from_full if sp else _replicate
     return {
         "tok_emb": functools.partial(VocabParallelEmbedding.from_full, sequence_parallel=sp),
         "pos_emb": SequenceParallelPositions.from_full if sp else _replicate,
@@ -1220,6 +1232,11 @@ def demo_cfg():
     return GPTConfig(seq_len=16) if settings.quick else GPTConfig()
 
 
+def tp_sizes():
+    """The tensor-parallel sizes the demos show: 2 and 4 (quick: 2; the tests cover 4)."""
+    return (2,) if settings.quick else (2, 4)
+
+
 def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
 
@@ -1281,7 +1298,7 @@ def column_and_row():
     see(ColumnParallelLinear)
     see(RowParallelLinear)
     ref_shapes = None
-    for n in (2, 4):
+    for n in tp_sizes():
         run = spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks")
         r = run.returns[0]
         if ref_shapes is None:
@@ -1342,10 +1359,9 @@ def attention_heads():
     """)
     see(ReplicatedKVLinear)
     base = GPTConfig(n_layers=1, seq_len=8, d_model=32)
-    cases = {2: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2)],
-             4: [dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]}
-    if not settings.quick:
-        cases[4].insert(0, dict(n_heads=4))
+    cases = {2: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)],
+             4: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]}
+    cases = {n: cases[n] for n in tp_sizes()}
     rows = []
     for n, overrides in cases.items():
         cfgs = [dataclasses_replace(base, **o) for o in overrides]
@@ -1357,9 +1373,10 @@ def attention_heads():
     table(rows, header=["tp", "heads", "KV heads", "Q heads per rank", "K/V heads computed per rank",
                         "K/V projection", "max |Δ logits|", "max |Δ gradient|"],
           caption="one step of a one-layer GPT against one process")
-    bad = dataclasses_replace(base, n_heads=2)
-    msg = spawn(refuse_split, 4, cfg=bad, name="attention heads: tp=4 does not divide 2 heads").returns[0]
-    note(f"With 2 heads and 4 ranks there is no way to give each rank whole heads, and "
+    n = tp_sizes()[-1]
+    bad = dataclasses_replace(base, n_heads=n - 1, d_model=8 * (n - 1))
+    msg = spawn(refuse_split, n, cfg=bad, name=f"attention heads: tp={n} does not divide {n - 1} head(s)").returns[0]
+    note(f"With {n - 1} head(s) and {n} ranks there is no way to give each rank whole heads, and "
          f"`parallelize_gpt` says so: *{msg}*")
 
 
@@ -1382,7 +1399,7 @@ def vocab_parallel():
     see(vocab_parallel_cross_entropy)
     vocab = 1024 if settings.quick else 8192
     rows = []
-    for n in (2, 4):
+    for n in tp_sizes():
         r = spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
         rows.append([n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"]),
                      r["largest"], r["full logits"]])
@@ -1401,17 +1418,17 @@ def training():
         returns a copy, so the unsplit model stays available for comparison. Every module that
         owns parameters must be in the plan, or it refuses. Below, lecture 01's GPT
         ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.seq_len})
-        trains for {steps} AdamW steps (batch 16) split over 2 and 4 ranks, beside one process.
+        trains for {steps} AdamW steps (batch 16) split over {" and ".join(map(str, tp_sizes()))} ranks, beside one process.
     """)
     see(gpt_plan)
     see(parallelize_gpt)
     ref = train_reference(cfg, steps=steps, batch_size=16)
     runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}").returns
-            for n in (2, 4)}
+            for n in tp_sizes()}
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
-    for n, style in ((2, "-"), (4, "--")):
+    for n, style in zip(tp_sizes(), ("-", "--")):
         ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -1480,7 +1497,7 @@ def sequence_parallelism():
     small = lambda t, sp: 4 * (4 * b * cfg.seq_len / (t if sp else 1) + b * cfg.n_heads * cfg.seq_len / t)
     one = saved_activation_bytes(GPT(cfg).blocks[0], torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True))[0]
     rows.append([1, "—", one, unit * 16 + small(1, False), one / (unit * 16 + small(1, False))])
-    for t in (2, 4):
+    for t in tp_sizes():
         m = spawn(activation_memory, t, cfg=cfg, b=b, name=f"sequence parallelism: activation bytes, {t} ranks").returns[0]
         for sp in (False, True):
             formula = unit * ((1 + 15 / t) if sp else (4 + 12 / t)) + small(t, sp)
@@ -1535,7 +1552,7 @@ def critical_path():
            "splitting the matmuls saves" if ratio > 1 else
            f"faster, but short of the ideal 1/{tps[-1]}: every block waits for its collectives")
     note(f"""
-        Each rank runs one thread. {machine(ranks).capitalize()}: a step at tp={tps[-1]} takes
+        Each rank runs one thread, {machine(ranks)}: a step at tp={tps[-1]} takes
         {ratio:.2f}× the one-process time, {why}.
 
         On real hardware the question is bandwidth. Per layer, forward and backward, tensor

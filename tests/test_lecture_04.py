@@ -238,6 +238,47 @@ def test_refuses_what_it_cannot_split():
     assert msgs[0] and "vocabulary of 50" in msgs[0]
 
 
+def misuse(rank, world_size):
+    """Each misuse must raise a ValueError that names the problem."""
+    g, msgs = dist.group.WORLD, []
+    model = L.parallelize_gpt(L.GPT(L.GPTConfig(seq_len=7)), g, sequence_parallel=True)
+    tokens, targets = L.batch(model.cfg, 2, 0)
+    for fn in (lambda: L.tp_loss(model, tokens, targets),                      # 7 positions, 2 ranks
+               lambda: L.ColumnParallelLinear.from_full(nn.Linear(4, 4), g, sequence_parallel=True)(torch.randn(3, 4)),
+               lambda: L.vocab_parallel_cross_entropy(torch.randn(3, 2), torch.tensor([0, 1, 9]), g),
+               lambda: L.ColumnParallelLinear.from_full(nn.Linear(4, 3), g)):
+        try:
+            fn()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_misuse_is_refused_clearly():
+    msgs = spawn(misuse, 2).returns[0]
+    assert "divide the sequence length 7" in msgs[0]
+    assert "(batch, seq, hidden)" in msgs[1]
+    assert "targets must lie in [0, 4)" in msgs[2]
+    assert "3 output features do not split over 2 ranks" in msgs[3]
+
+
+def test_inputs_are_not_modified():
+    """parallelize_gpt returns a copy: the model it was given is unchanged."""
+    model = L.GPT(L.GPTConfig(d_model=32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert spawn(parallelize_leaves_original, 2, model=model).returns[0]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def parallelize_leaves_original(rank, world_size, model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tp = L.parallelize_gpt(model, dist.group.WORLD)
+    types = {type(m).__name__ for m in model.modules()}
+    return (tp is not model and "ColumnParallelLinear" not in types
+            and all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
+
+
 def test_quick_build(tmp_path):
     build("lecture_04_tensor_parallel", tmp_path, "--quick")
 
