@@ -445,16 +445,17 @@ class PipelineExecutor:
 
     `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
     B + W): sleep mode, for more ranks than cores. `checkpoint` re-runs each stage's forward during its backward instead of
-    keeping its activations."""
+    keeping its activations. `track_memory` counts the bytes autograd saves (a Python hook per
+    saved tensor: turn it off when timing against another implementation)."""
 
     def __init__(self, schedule, modules, rank, boundary_shape, *, group=None, loss_fn=loss_fn,
-                 dtype=torch.float32, delay=None, checkpoint=False, layout=None):
+                 dtype=torch.float32, delay=None, checkpoint=False, layout=None, track_memory=True):
         self.actions = schedule[rank]
         self.layout = layout or schedule.layout
         self.split = any(a.kind == "W" for acts in schedule for a in acts)
         self.modules, self.rank, self.group = modules, rank, group
         self.shape, self.dtype, self.loss_fn = tuple(boundary_shape), dtype, loss_fn
-        self.delay, self.checkpoint = delay or {}, checkpoint
+        self.delay, self.checkpoint, self.track_memory = delay or {}, checkpoint, track_memory
         if self.split and checkpoint:
             raise ValueError("checkpointing with a split backward is not supported here")
         self.leaves = {c: param_leaves(mod) for c, mod in modules.items()}
@@ -535,7 +536,10 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             if a.kind == "F":
                 counter = {}
-                with memory.hooks(counter):
+                if self.track_memory:
+                    with memory.hooks(counter):
+                        ys = self._forward(a.chunk, x)
+                else:
                     ys = self._forward(a.chunk, x)
                 out = ys.pop("out")
                 if s == S - 1:
@@ -646,7 +650,8 @@ def microbatches(cfg, m, mb_size, step, seed=0):
     return list(tokens.chunk(m)), list(targets.chunk(m))
 
 
-def build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks=1, delay=None, checkpoint=False, group=None):
+def build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks=1, delay=None, checkpoint=False, group=None,
+               track_memory=True):
     """This rank's executor and stages for schedule `schedule` (a name or a Schedule)."""
     sched = schedule if isinstance(schedule, Schedule) else make_schedule(schedule, world_size, m, chunks)
     check_schedule(sched)
@@ -655,7 +660,8 @@ def build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks=1, delay=None
     if delay:   # sleep mode: an action of a chunk holding 1/v of the rank's layers waits 1/v as long
         delay = {k: d / sched.layout.chunks for k, d in delay.items()}
     executor = PipelineExecutor(sched, mine, rank, (mb_size, cfg.seq_len, cfg.d_model), group=group,
-                                dtype=cfg.torch_dtype, delay=delay, checkpoint=checkpoint)
+                                dtype=cfg.torch_dtype, delay=delay, checkpoint=checkpoint,
+                                track_memory=track_memory)
     return executor, {sched.layout.stage(rank, c): mod for c, mod in mine.items()}
 
 
@@ -819,7 +825,7 @@ def compare_with_pytorch(rank, world_size, cfg, m, mb_size, classes, repeats=5, 
     for cls in classes:
         chunks, ours, our_chunks = PYTORCH_SCHEDULES[cls]
         if "ours: " + ours not in steps:
-            executor, mine = build_rank(rank, world_size, cfg, ours, m, mb_size, our_chunks)
+            executor, mine = build_rank(rank, world_size, cfg, ours, m, mb_size, our_chunks, track_memory=False)
             steps["ours: " + ours] = (lambda ex=executor: ex.step(inputs, target_list)["loss"], mine)
         fn, mine = pytorch_pipeline(rank, world_size, cfg, cls, chunks, m, mb_size)
         steps["PyTorch " + cls] = (lambda f=fn: f(tokens, targets), mine)
@@ -1114,8 +1120,9 @@ def measured_schedules():
         soon as it can and then alternates one forward with one backward. Rank $r$ holds at
         most $p - r$ micro-batches, whatever $m$: at m = {top} the measured peak is
         **{mem['1f1b', top] / 2**10:.0f} KiB** against GPipe's **{mem['gpipe', top] / 2**10:.0f} KiB**
-        (ratio {mem['gpipe', top] / mem['1f1b', top]:.1f}; $m/p$ = {top / p:g}), with the same
-        bubble. So $m$ can grow to shrink the bubble without running out of memory.
+        (ratio {mem['gpipe', top] / mem['1f1b', top]:.1f}; $m/p$ = {top / p:g}), and the same
+        bubble in theory (the table above has both measured). So $m$ can grow to shrink the
+        bubble without running out of memory.
     """)
 
     v = 2
@@ -1323,8 +1330,9 @@ def bench():
     runs = [{"label": "gpipe", "name": "gpipe", "m": 8}, {"label": "1f1b", "name": "1f1b", "m": 8},
             {"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
             {"label": "zb-h1", "name": "zb-h1", "m": 8}]
-    R = spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2, delay=SLEEP, repeats=5,
-              name="bench: bubbles in sleep mode").returns
+    # Sleeps 3× the page's: Python's few hundred µs between actions matter less.
+    R = spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
+              delay={k: 3 * d for k, d in SLEEP.items()}, repeats=5, name="bench: bubbles in sleep mode").returns
     lines = []
     for r in runs[:3]:
         got = statistics.median(measured_bubbles(R, r["label"])[0])
