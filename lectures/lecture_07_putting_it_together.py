@@ -1370,7 +1370,7 @@ def step_time_model():
           header=["constant", "value", "measured (median, IQR)"],
           caption="The cost model's constants, all measured by this build.")
     layouts = timing_layouts(run, ranks)
-    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=5 if quick else 9,
+    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=3 if quick else 9,
                   name=f"step time of {len(layouts)} layouts, {ranks} ranks").returns[0]
     pred = [step_time(shape, l, hw)["total"] for l in layouts]
     meas = [t.median for t in times]
