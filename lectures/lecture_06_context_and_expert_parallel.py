@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lectures.lecture_01_memory_and_precision import merge_attention as merge_partials
-from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
+from util import device, figure, note, see, settings, span_at, spawn, table, timeline
 
 # =========================================================================================
 # 1. Attention on blocks: partial results and how to merge them
