@@ -154,7 +154,7 @@ def draw_mesh(shape, highlight=0):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
     dp, pp, cp, tp = shape
-    fig, ax = plt.subplots(figsize=(1.1 * cp * tp + 2.2, 0.75 * dp * pp + 1.4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * cp * tp + 3.4), 0.75 * dp * pp + 1.4))
     colours = {"dp": "#4c72b0", "pp": "#dd8452", "cp": "#55a868", "tp": "#c44e52"}
     here = mesh_coords(highlight, shape)
     for rank in range(math.prod(shape)):
@@ -180,7 +180,7 @@ def draw_mesh(shape, highlight=0):
     for s in ax.spines.values():
         s.set_visible(False)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}: global rank and coordinates")
+    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}: global rank, coordinates", fontsize=9)
     fig.tight_layout()
     return fig
 
