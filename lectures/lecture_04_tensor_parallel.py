@@ -1410,7 +1410,7 @@ def vocab_parallel():
 
 
 def training():
-    cfg, steps = demo_cfg(), (10 if settings.quick else 150)
+    cfg, steps = demo_cfg(), (10 if settings.quick else 100)
     note(f"""
         ## A tensor-parallel GPT trains on lecture 01's task
         `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
