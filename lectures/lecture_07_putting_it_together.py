@@ -490,9 +490,9 @@ def step_time(model, layout, hw):
         tp += 2 * all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
     kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
     cp = 3 * n_layers * (layout.cp - 1) * p2p_time(kv, p2p_link(hw, layout, "cp")) if layout.cp > 1 else 0.0
-    slot = compute + tp + cp
-    if layout.pp > 1:
-        slot += 2 * p2p_time(act, p2p_link(hw, layout, "pp"))
+    # a pipeline slot: one micro-batch's forward and backward on this stage, and its sends
+    sends = 2 * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
+    slot = compute + tp + cp + sends
     m = layout.micro_batches
     pipeline = (m + layout.pp - 1) * slot
     # Data-parallel traffic: the dp·cp ranks of one (pp, tp) position hold the same weights.
@@ -514,7 +514,7 @@ def step_time(model, layout, hw):
                       + max(0.0, gather - hw.overlap * m * compute / 3))
     total = pipeline + exposed_dp + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
-            "bubble": (layout.pp - 1) * slot, "pp": pipeline - m * slot + (m * 2 * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0),
+            "bubble": (layout.pp - 1) * slot, "pp": (m + layout.pp - 1) * sends,
             "dp": exposed_dp, "flops": flops * m}
 
 
@@ -1379,7 +1379,7 @@ def step_time_model():
     for l, p, t in sorted(zip(layouts, pred, times), key=lambda x: x[1]):
         parts = step_time(shape, l, hw)
         rows.append([l.label(), p * 1e3, t.ms(), t.median / p,
-                     ", ".join(f"{k} {parts[k] * 1e3:.1f}" for k in ("compute", "tp", "cp", "bubble", "dp") if parts[k] > 0)])
+                     ", ".join(f"{k} {parts[k] * 1e3:.1f}" for k in ("compute", "tp", "cp", "pp", "bubble", "dp") if parts[k] > 0)])
     table(rows, header=["layout", "predicted (ms)", "measured (median, IQR)", "measured / predicted",
                         "predicted parts (ms)"],
           caption=f"Every valid layout{' (quick build: a subset)' if quick else ''} of the "
