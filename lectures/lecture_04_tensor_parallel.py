@@ -774,17 +774,10 @@ def parallelize_gpt_dtensor(model, mesh, sequence_parallel=False):
     return model
 
 
-def dtensor_loss(model, tokens, targets):
-    """Vocabulary-parallel loss the DTensor way: inside loss_parallel(), cross_entropy on logits
-    sharded on the vocabulary never gathers them. Backward must run inside it too."""
-    from torch.distributed.tensor.parallel import loss_parallel
-    logits = model(tokens)
-    with loss_parallel():
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def train_dtensor(rank, world_size, cfg, steps=3, batch_size=5, lr=3e-3, seed=0, sequence_parallel=False):
-    """train_tp's run with parallelize_module instead of parallelize_gpt."""
+    """train_tp's run with parallelize_module instead of parallelize_gpt. The loss is computed
+    inside loss_parallel() (cross_entropy on logits sharded on the vocabulary never gathers
+    them), and backward must run inside it too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel

@@ -22,7 +22,7 @@ def _slice(t, dim, rank, n):
 
 
 def _grad_of(fn, *tensors):
-    """Run fn on fresh leaf copies of `tensors`; return (output, [grads])."""
+    """Run fn on fresh leaf copies of `tensors`; return (output, [the leaves]) (their .grad after backward)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
     out = fn(*leaves)
     return out, leaves
