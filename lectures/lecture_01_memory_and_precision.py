@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from util import figure, note, quiet, see, settings, table
-from util.measure import errorbar, machine, measure
+from util import figure, note, see, settings, table
+from util.measure import machine, measure, usable_cores
 
 # =========================================================================================
 # 1. The model every later lecture trains: a small GPT
@@ -656,19 +656,21 @@ class MasterWeights:
 
 def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
     """Loss every `log_every` steps of AdamW training, for `variant` in
-    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of weight elements the last
-    step left unchanged (an update smaller than half a bf16 spacing rounds away)."""
+    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of the weights the optimizer
+    updates (the fp32 master copy in the last variant) that the last step left unchanged: in
+    bf16, an update smaller than half the spacing between neighbours rounds away."""
     if variant == "fp32":
         model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        step = opt.step
+        step, updated = opt.step, list(model.parameters())
     elif variant == "bf16 weights":
         model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        step = opt.step
+        step, updated = opt.step, list(model.parameters())
     elif variant == "bf16 + fp32 master":
         model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
-        step = MasterWeights(model, lr=lr).step
+        mw = MasterWeights(model, lr=lr)
+        step, updated = mw.step, mw.master      # the weights the optimizer updates
     else:
         raise ValueError(f"unknown variant {variant!r}")
     curve, unchanged = [], 0.0
@@ -676,13 +678,13 @@ def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
         tokens, targets = batch(cfg, batch_size, t)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
-        before = [p.detach().clone() for p in model.parameters()] if t == steps - 1 else None
+        before = [p.detach().clone() for p in updated] if t == steps - 1 else None
         step()
         for p in model.parameters():
             p.grad = None
         if before is not None:
-            same = sum((p == b).sum().item() for p, b in zip(model.parameters(), before))
-            unchanged = same / sum(p.numel() for p in model.parameters())
+            same = sum((p == b).sum().item() for p, b in zip(updated, before))
+            unchanged = same / sum(p.numel() for p in updated)
         if t % log_every == 0 or t == steps - 1:
             curve.append((t, loss.item()))
     return curve, unchanged
@@ -904,6 +906,18 @@ def elementwise_rate(n, op="add", dev="cpu", repeats=7):
 # 10. The lecture
 # =========================================================================================
 
+@contextlib.contextmanager
+def threads(n):
+    """Run a block with `n` intra-op threads. The demos use one: their tensors are small, and
+    on a shared machine extra threads mostly wait for each other."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def fmt_bytes(n):
     for unit, k in [("GB", 1e9), ("MB", 1e6), ("kB", 1e3)]:
         if abs(n) >= k:
@@ -925,7 +939,7 @@ def intro():
 
 def the_model_and_task():
     cfg = GPTConfig()
-    steps = 60 if settings.quick else 200
+    steps = 60 if settings.quick else 150
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -1262,9 +1276,9 @@ def number_formats():
     see(fp16_gradients)
     table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
                         "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
-    steps = 80 if settings.quick else 300
+    steps = 50 if settings.quick else 150
     lr = 2e-4
-    curves = {v: train_curve(cfg, v, steps, lr, log_every=4 if settings.quick else 10)
+    curves = {v: train_curve(cfg, v, steps, lr, batch_size=8, log_every=2 if settings.quick else 5)
               for v in ("fp32", "bf16 weights", "bf16 + fp32 master")}
     note(f"""
         ### bf16 needs fp32 master weights
@@ -1280,7 +1294,7 @@ def number_formats():
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend(fontsize=8)
-    figure(fig, caption=f"AdamW lr {lr}, batch 16: bf16 compute with an fp32 master copy follows fp32; "
+    figure(fig, caption=f"AdamW lr {lr}, batch 8: bf16 compute with an fp32 master copy follows fp32; "
                         "bf16 weights updated in place fall behind")
     table([[v, c[-1][1], u] for v, (c, u) in curves.items()],
           header=["variant", f"loss after {steps} steps", "weights unchanged by the last step"])
@@ -1383,17 +1397,20 @@ def flash_attention_idea():
 def roofline():
     import matplotlib.pyplot as plt
     sizes = [64, 128, 256, 512] if settings.quick else [64, 128, 256, 512, 1024, 2048]
-    mm = {n: matmul_rate(n) for n in sizes}
+    cores = usable_cores()
+    mm_one = {n: matmul_rate(n) for n in sizes}          # the demos' setting: one thread
     nbytes = (16 if settings.quick else 64) * 2 ** 20
-    bw, bw_t = copy_rate(nbytes)
-    add = elementwise_rate(nbytes // 4, "add")
-    gelu = elementwise_rate(nbytes // 4, "gelu")
+    with threads(cores):                                  # the machine: every usable core
+        mm = {n: matmul_rate(n) for n in sizes}
+        bw, bw_t = copy_rate(nbytes)
+        add = elementwise_rate(nbytes // 4, "add")
+        gelu = elementwise_rate(nbytes // 4, "gelu")
     peak = max(r for r, _ in mm.values())
     note(f"""
         ## Notes: kernels and the roofline
         A kernel is limited either by arithmetic or by moving bytes. The roofline (Williams et
         al. 2009) plots attainable FLOP/s against arithmetic intensity (FLOP per byte moved):
-        min(peak FLOP/s, intensity × bandwidth). Measured here ({machine()}): the best fp32
+        min(peak FLOP/s, intensity × bandwidth). Measured here ({machine()}, {cores} thread(s)): the best fp32
         matmul reaches {peak / 1e9:.1f} GFLOP/s and copying {fmt_bytes(nbytes)} moves
         {bw / 1e9:.1f} GB/s ({bw_t.ms()}), so the ridge is at
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
@@ -1415,9 +1432,10 @@ def roofline():
         gpu_bw, _ = copy_rate(512 * 2 ** 20, "cuda")
         note(f"GPU ({torch.cuda.get_device_name(0)}): bf16 matmul {gpu_peak / 1e12:.0f} TFLOP/s, "
              f"copy {gpu_bw / 1e9:.0f} GB/s, ridge {gpu_peak / gpu_bw:.0f} FLOP/byte.")
-    table([[f"matmul {n}×{n}", n / 6, r / 1e9, t.ms()] for n, (r, t) in mm.items()]
-          + [["add", add[2], add[0] / 1e9, add[1].ms()], ["GELU", gelu[2], gelu[0] / 1e9, gelu[1].ms()]],
-          header=["kernel", "FLOP per byte", "GFLOP/s (measured)", "time"], caption=machine())
+    table([[f"matmul {n}×{n}", n / 6, r / 1e9, t.ms(), mm_one[n][0] / 1e9] for n, (r, t) in mm.items()]
+          + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
+          header=["kernel", "FLOP per byte", f"GFLOP/s, {cores} thread(s)", "time", "GFLOP/s, 1 thread"],
+          caption=f"fp32, {machine()}")
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     xs = [2 ** e for e in range(-5, 10)]
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
@@ -1446,6 +1464,11 @@ def references():
 
 
 def main():
+    with threads(1):
+        sections()
+
+
+def sections():
     intro()                    # what this lecture measures, and why it comes first
     the_model_and_task()       # the GPT and data every later lecture trains
     anatomy_of_a_step()        # what a training step holds, phase by phase

@@ -139,11 +139,10 @@ def test_master_weights_bytes_per_parameter():
 
 def test_master_weights_keep_small_updates():
     cfg = L.GPTConfig()
-    c32, _ = L.train_curve(cfg, "fp32", 30, 2e-4, batch_size=8, log_every=29)
-    cbf, unchanged_bf = L.train_curve(cfg, "bf16 weights", 30, 2e-4, batch_size=8, log_every=29)
-    cmw, unchanged_mw = L.train_curve(cfg, "bf16 + fp32 master", 30, 2e-4, batch_size=8, log_every=29)
-    assert unchanged_bf > 0.2 > unchanged_mw
-    assert abs(cmw[-1][1] - c32[-1][1]) < abs(cbf[-1][1] - c32[-1][1])
+    _, unchanged_32 = L.train_curve(cfg, "fp32", 20, 2e-4, batch_size=8, log_every=19)
+    _, unchanged_bf = L.train_curve(cfg, "bf16 weights", 20, 2e-4, batch_size=8, log_every=19)
+    _, unchanged_mw = L.train_curve(cfg, "bf16 + fp32 master", 20, 2e-4, batch_size=8, log_every=19)
+    assert unchanged_bf > 0.1 > max(unchanged_mw, unchanged_32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
