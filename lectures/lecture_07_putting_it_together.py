@@ -1087,7 +1087,7 @@ _RESULTS = {}             # what the sections measured, for the ones after them
 
 
 def small_run():
-    return Run(steps=4 if settings.quick else 10)
+    return Run(steps=4 if settings.quick else 6)
 
 
 def max_param_diff(returns, reference):
@@ -1370,7 +1370,7 @@ def step_time_model():
           header=["constant", "value", "measured (median, IQR)"],
           caption="The cost model's constants, all measured by this build.")
     layouts = timing_layouts(run, ranks)
-    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=3 if quick else 9,
+    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=3 if quick else 5,
                   name=f"step time of {len(layouts)} layouts, {ranks} ranks").returns[0]
     pred = [step_time(shape, l, hw)["total"] for l in layouts]
     meas = [t.median for t in times]
@@ -1721,7 +1721,7 @@ def pytorch_pieces():
                   f"last loss {ref['losses'][-1]:.6f}).")
     ranks = 4
     times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in PYTORCH_LAYOUTS],
-                  repeats=3 if settings.quick else 7, name="step time: ours vs PyTorch's pieces").returns[0]
+                  repeats=3 if settings.quick else 5, name="step time: ours vs PyTorch's pieces").returns[0]
     table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
            for (name, lay), (a, b) in zip(PYTORCH_LAYOUTS, times)],
           header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
