@@ -1081,6 +1081,7 @@ LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in 
     ("pp (GPipe)", Layout(pp=4, micro_batch=1, micro_batches=8, schedule="gpipe")),
 ]
 LAYOUT_8 = ("dp×pp×tp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=2))
+QUICK_SKIPS = ("dp + ZeRO-1", "dp×tp + SP")
 ACT_TOLERANCE = 0.08      # saved activations: the formula leaves out a few bytes per token,
 ACT_SLACK_PER_TOKEN = 32  # which matter only on a stage that holds almost nothing (no blocks)
 _RESULTS = {}             # what the sections measured, for the ones after them
@@ -1177,9 +1178,9 @@ def many_layouts():
     see(GroupZero1)
     ref = reference_run(run)
     runs = []
-    cases = list(LAYOUTS_4)
-    if not settings.quick:
-        cases.append(LAYOUT_8)
+    cases = list(LAYOUTS_4) + [LAYOUT_8]
+    if settings.quick:     # the tests run the rest; the quick build keeps one of each kind
+        cases = [c for c in LAYOUTS_4 if c[0] not in QUICK_SKIPS]
     for name, lay in cases:
         got = spawn(train_layout, lay.world, run=run, layout=lay,
                     name=f"layout {name}: {lay.label()}, {lay.world} ranks").returns
@@ -1328,12 +1329,12 @@ def runnable(layouts):
 
 def timing_layouts(run, ranks):
     layouts = runnable(valid_layouts(ModelShape.from_gpt(run.cfg), ranks, run.global_batch))
-    if settings.quick:     # the extremes of micro-batching for each mesh: still ≥ 6 layouts
+    if settings.quick:     # per mesh the fewest micro-batches; both extremes for tp and pp: ≥ 6
         keep, seen = [], {}
         for l in layouts:
             seen.setdefault((l.dp, l.pp, l.cp, l.tp, l.zero), []).append(l)
-        for group in seen.values():
-            keep += [group[0]] if len(group) == 1 else [group[0], group[-1]]
+        for (dp, pp, cp, tp, zero), group in seen.items():
+            keep += [group[-1]] if (tp == 1 and pp == 1) or len(group) == 1 else [group[0], group[-1]]
         layouts = keep
     return layouts
 
@@ -1447,7 +1448,8 @@ def published_scale():
         attention with 8 K/V heads, SwiGLU, vocabulary 128,256), sequences of 8192, a global
         batch of 512 sequences (4M tokens, Llama 3's batch early in training), bf16 mixed
         precision. The search covers tp ≤ 8 (one node), any pp dividing the layers, cp, ZeRO
-        0–3, full recomputation or none, sequence parallelism or not, micro-batches of 1, 2, 4.
+        0–3, full recomputation or none, sequence parallelism or not, micro-batches of 1, 2
+        (and 4 in the full build).
     """)
     see(decision_procedure)
     rows, agree = [], []
@@ -1455,7 +1457,8 @@ def published_scale():
     for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
         for world in (64, 512):
             found = search(model, world, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
-                           precision="bf16", max_tp=8, micro_batch_sizes=(1, 2, 4), sp=(False, True))
+                           precision="bf16", max_tp=8, sp=(False, True),
+                           micro_batch_sizes=(1, 2) if settings.quick else (1, 2, 4))
             fitting = [r for r in found if r["fits"]]
             rule, why = decision_procedure(model, world, 512, hw)
             agree.append(bool(fitting) and rule == fitting[0]["layout"])
@@ -1720,13 +1723,14 @@ def pytorch_pieces():
           caption=f"PyTorch's pieces train the same model to the same parameters (one process: "
                   f"last loss {ref['losses'][-1]:.6f}).")
     ranks = 4
-    times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in PYTORCH_LAYOUTS],
+    timed = PYTORCH_LAYOUTS[:1] if settings.quick else PYTORCH_LAYOUTS
+    times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in timed],
                   repeats=3 if settings.quick else 5, name="step time: ours vs PyTorch's pieces").returns[0]
     table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
-           for (name, lay), (a, b) in zip(PYTORCH_LAYOUTS, times)],
+           for (name, lay), (a, b) in zip(timed, times)],
           header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
           caption=f"Seconds per step, median and IQR, {machine(ranks)}.")
-    _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(PYTORCH_LAYOUTS, times)]
+    _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(timed, times)]
 
 
 def notes():
