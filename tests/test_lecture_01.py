@@ -9,6 +9,13 @@ import torch.nn.functional as F
 from lectures import lecture_01_memory_and_precision as L
 from tests.conftest import build
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """As the lecture does: tiny tensors, and cores shared with other work."""
+    with L.threads(1):
+        yield
+
+
 CONFIGS = [L.GPTConfig(), L.GPTConfig(n_kv_heads=2), L.GPTConfig(n_kv_heads=1, tie_embeddings=True),
            L.GPTConfig(tie_embeddings=True),
            L.GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, n_layers=3, d_ff=200, vocab_size=101, seq_len=17),
@@ -145,12 +152,18 @@ def test_master_weights_keep_small_updates():
     assert unchanged_bf > 0.1 > max(unchanged_mw, unchanged_32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_tile_scaling_beats_per_tensor_on_outliers(dtype):
-    a, w = L.outlier_matrices(128, 256, 128, outlier=1e4, seed=3)
-    per_tensor = L.fp8_matmul_error(a, w, None, None, dtype)
-    tiles = L.fp8_matmul_error(a, w, (1, 128), (128, 128), dtype)
-    assert tiles < 0.7 * per_tensor
+@pytest.mark.parametrize("outlier", [1e4, 1e5])
+def test_fp8_tile_scaling_beats_per_tensor_on_outliers(outlier):
+    a, w = L.outlier_matrices(128, 256, 128, outlier=outlier, seed=3)
+    per_tensor = L.fp8_matmul_error(a, w)
+    tiles = L.fp8_matmul_error(a, w, (1, 128), (128, 128))
+    assert tiles < 0.8 * per_tensor
+    assert tiles < 0.05                       # about e4m3's own rounding, whatever the outliers
+
+
+def test_fp8_scaling_choice_does_not_matter_without_outliers():
+    a, w = L.outlier_matrices(128, 256, 128, outlier=1.0, seed=3)
+    assert L.fp8_matmul_error(a, w) == pytest.approx(L.fp8_matmul_error(a, w, (1, 128), (128, 128)), rel=0.15)
 
 
 def test_fp8_quantize_roundtrip_and_refusal():
