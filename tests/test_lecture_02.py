@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lectures import lecture_02_communication as L
-from tests.conftest import build
+from tests.conftest import built
 from util import spawn
 
 SECTIONS = [
@@ -331,9 +331,9 @@ def _walk(records):
             yield from _walk(rec["records"])
 
 
-def test_quick_build_has_every_section_and_figure(tmp_path):
-    build("lecture_02_communication", tmp_path, "--quick")
-    page = json.loads((tmp_path / "lecture_02_communication.json").read_text())
+def test_quick_build_has_every_section_and_figure(course_site):
+    site = built(course_site, "lecture_02_communication")    # the session's one quick build
+    page = json.loads((site / "lecture_02_communication.json").read_text())
     assert page["status"] == "ok"
     assert page["demos"]["failed"] == 0
     assert page["demos"]["expected_failures"] == 1          # the hang demo, and only it

@@ -11,7 +11,7 @@ import torch
 
 from lectures import lecture_03_data_parallel as L
 from util import spawn
-from tests.conftest import build
+from tests.conftest import built
 
 VARIANTS = {
     "naive": (L.train_data_parallel, {}),
@@ -311,11 +311,11 @@ def _walk(records):
             yield from _walk(rec["records"])
 
 
-def test_quick_build(tmp_path):
+def test_quick_build(course_site):
     import json
     from util.measure import usable_cores
-    build("lecture_03_data_parallel", tmp_path, "--quick")
-    page = json.loads((tmp_path / "lecture_03_data_parallel.json").read_text())
+    site = built(course_site, "lecture_03_data_parallel")    # the session's one quick build
+    page = json.loads((site / "lecture_03_data_parallel.json").read_text())
     assert page["status"] == "ok" and page["demos"]["failed"] == 0
     records = list(_walk(page["records"]))
     notes = " ".join(" ".join(r["text"] for r in records if r["kind"] == "note").split())

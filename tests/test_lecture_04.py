@@ -12,7 +12,7 @@ from torch import nn
 
 from lectures import lecture_04_tensor_parallel as L
 from util import spawn
-from tests.conftest import build
+from tests.conftest import built
 
 F64 = torch.float64
 
@@ -279,8 +279,8 @@ def parallelize_leaves_original(rank, world_size, model):
             and all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
 
 
-def test_quick_build(tmp_path):
-    build("lecture_04_tensor_parallel", tmp_path, "--quick")
+def test_quick_build(course_site):
+    site = built(course_site, "lecture_04_tensor_parallel")    # the session's one quick build
 
 
 def both(rank, world_size, cfg, sequence_parallel, batch_size):

@@ -7,7 +7,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.lecture_01_memory_and_precision import GPTConfig
 from util import spawn
-from tests.conftest import build
+from tests.conftest import built
 
 
 def cases():
@@ -150,9 +150,9 @@ def test_sleep_mode_measures_the_schedule():
     assert max(r["gpipe"]["peak_saved_bytes"] for r in R) > max(r["1f1b"]["peak_saved_bytes"] for r in R) > 0
 
 
-def test_quick_build(tmp_path):
-    build("lecture_05_pipeline_parallel", tmp_path, "--quick")
-    assert (tmp_path / "lecture_05_pipeline_parallel.json").exists()
+def test_quick_build(course_site):
+    site = built(course_site, "lecture_05_pipeline_parallel")    # the session's one quick build
+    assert (site / "lecture_05_pipeline_parallel.json").exists()
 
 
 def test_split_backward_refuses_modules_returning_tuples():

@@ -8,7 +8,7 @@ import torch
 
 from lectures import lecture_06_context_and_expert_parallel as L
 from util import spawn
-from tests.conftest import build
+from tests.conftest import built
 
 VARIANTS = ("ring", "all-gather", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
@@ -226,6 +226,6 @@ def test_block_math_with_and_without_the_fused_kernel(monkeypatch, fused):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_quick_build(tmp_path):
-    build("lecture_06_context_and_expert_parallel", tmp_path, "--quick")
-    assert (tmp_path / "lecture_06_context_and_expert_parallel.json").exists()
+def test_quick_build(course_site):
+    site = built(course_site, "lecture_06_context_and_expert_parallel")    # the session's one quick build
+    assert (site / "lecture_06_context_and_expert_parallel.json").exists()
