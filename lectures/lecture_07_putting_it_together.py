@@ -1273,13 +1273,15 @@ def memory_estimator():
         indices, a stage's received input.
     """)
     _RESULTS["memory_worst"] = worst
-    note("""
-        Two parts of the estimator are not covered by the runs above. **Sequence parallelism**
-        (the dp×tp + SP row): the estimator follows Megatron-LM, which splits every
+    sp_shown = any(lay.sp for _, lay, _ in runs)
+    note(f"""
+        **Sequence parallelism**: the estimator follows Megatron-LM, which splits every
         residual-stream tensor over tp and re-gathers the norm outputs in backward; lecture
-        04's version keeps an all-gathered input for backward, which the error column shows.
-        **Full recomputation**, checked here in one process with lecture 01's `Recomputed`
-        blocks: only each block's input stays saved between forward and backward.
+        04's version keeps an all-gathered input for backward
+        ({"the dp×tp + SP row's error above" if sp_shown else "the full build's dp×tp + SP run shows the gap; the tests bound it"}).
+        **Full recomputation** is not among the layouts, so it is checked here in one process
+        with lecture 01's `Recomputed` blocks: only each block's input stays saved between
+        forward and backward.
     """)
     rows = []
     for mode in ("none", "full"):
