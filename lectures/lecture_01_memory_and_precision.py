@@ -12,10 +12,11 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from util import figure, note, see, settings, table
+from util import device, figure, note, see, settings, spawn, table
 from util.measure import machine, measure, usable_cores
 
 # =========================================================================================
@@ -909,6 +910,20 @@ def elementwise_rate(n, op="add", dev="cpu", repeats=7):
     return flops / t.median, t, flops / moved
 
 
+def same_on_every_rank(rank, world_size, cfg, batch_size=8, step=3):
+    """Each rank builds batch `step` and the initial GPT by itself; an all-gather of their
+    checksums shows whether every rank got the same (what lectures 03–07 rely on)."""
+    tokens, _ = batch(cfg, batch_size, step)
+    model = GPT(cfg)
+    mine = torch.tensor([float(tokens.sum()), float(tokens[:, 0].sum()),
+                         sum(p.detach().double().sum().item() for p in model.parameters())],
+                        dtype=torch.float64, device=device())
+    everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    return {"identical": all(torch.equal(e, everyone[0]) for e in everyone),
+            "checksums": [e.tolist() for e in everyone]}
+
+
 # =========================================================================================
 # 10. The lecture
 # =========================================================================================
@@ -976,6 +991,14 @@ def the_model_and_task():
     see(GPTConfig)
     see(Block)
     see(batch)
+    ranks = min(2, settings.world_size)        # two ranks show it; more only cost start-up time
+    run = spawn(same_on_every_rank, ranks, cfg=cfg,
+                name="batch and initial weights built on every rank")
+    same = all(r["identical"] for r in run.returns)
+    table([[r, *c] for r, c in enumerate(run.returns[0]["checksums"])],
+          header=["rank", "sum of batch 3's tokens", "sum of its first column", "sum of the initial weights"],
+          caption=f"{ranks} ranks each built batch 3 and GPT(cfg) alone: "
+                  + ("identical on every rank" if same else "**ranks disagree**"))
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 3))
     ax.plot(range(1, steps + 1), losses, label="training loss")
@@ -1157,7 +1180,7 @@ def activation_memory():
     ax.legend(fontsize=7)
     figure(fig, caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
                         "linear in s with the fused kernel, quadratic once a·s/h outgrows the rest with naive attention")
-    huge = GPTConfig(vocab_size=50304, seq_len=2048, d_model=8192, n_layers=4, n_heads=64)
+    huge = GPTConfig(vocab_size=50304, seq_len=2048, d_model=8192, n_layers=2 if settings.quick else 4, n_heads=64)
     start = time.perf_counter()
     fake = fake_training_step(huge, batch_size=1)
     seconds = time.perf_counter() - start
@@ -1483,11 +1506,7 @@ def references():
 
 
 def main():
-    with threads(1):
-        sections()
-
-
-def sections():
+    torch.set_num_threads(1)   # small tensors, shared cores: extra threads mostly wait (roofline uses all)
     intro()                    # what this lecture measures, and why it comes first
     the_model_and_task()       # the GPT and data every later lecture trains
     anatomy_of_a_step()        # what a training step holds, phase by phase
