@@ -6,6 +6,7 @@ formulas of the earlier lectures turned into a per-rank memory estimator and a s
 calibrated on this machine, used to search every valid layout — here, where we can run them,
 and at published scale, where we cannot.
 """
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -1614,7 +1615,7 @@ def pytorch_layout(cfg, layout, lr):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(module, mesh=mesh["dp"])
     opt = torch.optim.AdamW(module.parameters(), lr=lr)
-    loss_ctx = loss_parallel if layout.tp > 1 else contextlib_nullcontext
+    loss_ctx = loss_parallel if layout.tp > 1 else contextlib.nullcontext
 
     def loss_of(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -1644,14 +1645,6 @@ def pytorch_layout(cfg, layout, lr):
         opt.zero_grad()
         return loss
     return module, step
-
-
-class contextlib_nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _dp_rows(run, layout, step):

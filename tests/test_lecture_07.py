@@ -191,3 +191,12 @@ def test_published_search_respects_memory():
 def test_quick_build(tmp_path):
     build("lecture_07_putting_it_together", tmp_path, "--quick")
     assert (tmp_path / "lecture_07_putting_it_together.json").exists()
+
+
+@pytest.mark.parametrize("name,layout", L.PYTORCH_LAYOUTS)
+def test_pytorch_pieces_equal_one_process(name, layout):
+    run = L.Run(steps=2)
+    ref = L.reference_run(run)
+    got = spawn(L.train_pytorch_layout, layout.world, run=run, layout=layout).returns
+    assert L.max_param_diff(got, ref["params"]) < 1e-4
+    torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
