@@ -1290,7 +1290,7 @@ def number_formats():
                         "it e4m3fn saturates at 448 and the others overflow; fp32 errors are "
                         "clipped at 1e-9 for the plot")
     cfg = GPTConfig()
-    bsz = 16 if settings.quick else 64
+    bsz = 16 if settings.quick else 32
     ref = fp32_gradients(cfg, bsz)
     scales = [None, 2.0 ** 8, 2.0 ** 16, 2.0 ** 24]
     rows = []
@@ -1312,7 +1312,7 @@ def number_formats():
     see(fp16_gradients)
     table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
                         "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
-    steps = 80 if settings.quick else 200
+    steps = 80 if settings.quick else 150
     lr = 3e-4
     curves = {v: train_curve(cfg, v, steps, lr, batch_size=8, log_every=2 if settings.quick else 5)
               for v in ("fp32", "bf16 weights", "bf16 + fp32 master")}
@@ -1411,7 +1411,7 @@ def flash_attention_idea():
     see(OnlineSoftmaxAttention)
     table(checks, header=["causal", "block size", "max |Δ out| vs SDPA", "max |Δ grad q, k, v| vs SDPA"],
           caption=f"float64, (2, 3, {s}, 16): block sizes that do not divide s = {s} included")
-    seqs = [128, 256, 512] if settings.quick else [128, 256, 512, 1024, 2048]
+    seqs = [128, 256, 512] if settings.quick else [128, 256, 512, 1024]
     block = 64
     variants = {"naive (s × s scores)": naive_causal_attention,
                 f"online softmax, block {block}": lambda q, k, v: online_softmax_attention(q, k, v, block, causal=True),
@@ -1438,7 +1438,7 @@ def flash_attention_idea():
 
 def roofline():
     import matplotlib.pyplot as plt
-    sizes = [64, 128, 256, 512] if settings.quick else [64, 128, 256, 512, 1024, 2048]
+    sizes = [64, 128, 256, 512] if settings.quick else [64, 128, 256, 512, 1024]
     cores = usable_cores()
     mm_one = {n: matmul_rate(n) for n in sizes}          # the demos' setting: one thread
     nbytes = (16 if settings.quick else 64) * 2 ** 20
