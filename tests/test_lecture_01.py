@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lectures import lecture_01_memory_and_precision as L
-from tests.conftest import build
+from tests.conftest import built
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -272,6 +272,6 @@ def test_gpt_runs_under_fake_tensor_mode():
     assert rows["after optimizer step"]["Parameter"] == 2 * L.param_count(huge)
 
 
-def test_quick_build(tmp_path):
-    build("lecture_01_memory_and_precision", tmp_path, "--quick")
-    assert (tmp_path / "lecture_01_memory_and_precision.json").exists()
+def test_quick_build(course_site):
+    site = built(course_site, "lecture_01_memory_and_precision")    # the session's one quick build
+    assert (site / "lecture_01_memory_and_precision.json").exists() and (site / "lecture_01_memory_and_precision.html").exists()

@@ -14,7 +14,7 @@ import torch
 from lectures import lecture_01_memory_and_precision as L1
 from lectures import lecture_07_putting_it_together as L
 from util import spawn
-from tests.conftest import build
+from tests.conftest import built
 
 RUN = L.Run(cfg=L1.GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4,
                              dtype="float64"), global_batch=8, steps=2)
@@ -188,9 +188,9 @@ def test_published_search_respects_memory():
     assert rule is not None and rule.tp > 1 and L.estimate_memory(L.LLAMA3_70B, rule)["total"] <= hw.memory
 
 
-def test_quick_build(tmp_path):
-    build("lecture_07_putting_it_together", tmp_path, "--quick")
-    assert (tmp_path / "lecture_07_putting_it_together.json").exists()
+def test_quick_build(course_site):
+    site = built(course_site, "lecture_07_putting_it_together")    # the session's one quick build
+    assert (site / "lecture_07_putting_it_together.json").exists() and (site / "lecture_07_putting_it_together.html").exists()
 
 
 @pytest.mark.parametrize("name,layout", L.PYTORCH_LAYOUTS)

@@ -24,6 +24,10 @@ def _all_equal(values):
 # What each notebook must have computed (its `checks` cell publishes these as JSON); beyond
 # these, every boolean a notebook publishes must be True.
 EXPECT = {
+    "lecture_01_memory_and_precision": lambda c: (
+        c["param_count_matches"] is True and c["recomputation_gradients_equal"] is True
+        and c["accumulation_gradients_equal"] is True and c["attention_equals_sdpa"] is True
+        and c["attention_max_diff"] <= 1e-10 and c["fp8_tile_error"] < c["fp8_per_tensor_error"]),
     "lecture_02_communication": lambda c: (
         c["ring_equals_builtin"] is True and c["ring_max_abs_error"] <= 1e-5
         and c["all_reduce_is_reduce_scatter_plus_all_gather"] is True
@@ -33,6 +37,19 @@ EXPECT = {
         and len(c["parameter_checksums"]) == 2
         and c["matches_single_process"] is True and c["max_abs_diff_vs_single_process"] <= 1e-5
         and c["zero_matches_single_process"] is True and c["zero_max_abs_diff"] <= 1e-5),
+    "lecture_04_tensor_parallel": lambda c: (
+        c["ranks"] == 2 and c["matches_single_process"] is True
+        and c["max_abs_diff_vs_single_process"] <= 1e-4 and c["ranks_agree"] is True),
+    "lecture_05_pipeline_parallel": lambda c: (
+        c["ranks"] == 2 and c["matches_single_process"] is True and 0 < c["simulated_bubble"] < 1
+        and c["every_parameter_on_one_stage"] is True),
+    "lecture_06_context_and_expert_parallel": lambda c: (
+        c["ranks"] == 2 and c["ring_matches_single_process"] is True and c["ring_max_abs_diff"] <= 1e-10
+        and c["expert_parallel_matches"] is True and c["same_tokens_dropped"] is True),
+    "lecture_07_putting_it_together": lambda c: (
+        c["ranks"] == 2 and c["matches_single_process"] is True
+        and c["estimator_exact_for_weights_grads_optimizer"] is True
+        and c["search_found_a_fitting_layout"] is True),
 }
 
 
@@ -62,7 +79,9 @@ def executed(tmp_path_factory):
 
 
 def test_there_are_notebooks():
-    assert {"lecture_02_communication", "lecture_03_data_parallel"} <= set(NAMES)
+    from tests.conftest import LECTURES
+    assert set(LECTURES) <= set(NAMES)            # every lecture has its companion notebook
+    assert set(EXPECT) == set(NAMES)              # and says what its notebook must compute
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -125,7 +144,7 @@ def test_notebook_outputs(executed, name):
     checks = published_checks(nb)
     assert checks, "the notebook published no checks"
     assert all(v is True for v in checks.values() if isinstance(v, bool)), checks
-    assert EXPECT.get(name, lambda c: True)(checks), checks
+    assert EXPECT[name](checks), checks
 
 
 def _open_offline(browser, path, shot=None):
