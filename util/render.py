@@ -314,7 +314,7 @@ class Page:
                    for c in range(ncols)]
         cell = lambda v: ({"num": True, "text": format_number(v), "title": repr(v)} if _is_number(v)
                           else {"num": False, "text": "" if v is None else str(v)})
-        return {"kind": "table",
+        return {"kind": "table", "dense": ncols >= 8,
                 "header": [{"text": str(h), "num": c < ncols and numeric[c]} for c, h in enumerate(header)]
                 if header else None,
                 "rows": [[cell(v) for v in row] for row in rows],
