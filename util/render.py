@@ -410,7 +410,8 @@ def figure_size_class(svg):
 
 def _demo_counts(d):
     """'35 demos, 1 failed, ...' (HTML) from a recording's "demos" counts."""
-    return Markup(f'{d.get("total", 0)} demos'
+    total = d.get("total", 0)
+    return Markup(f'{total} demo{"" if total == 1 else "s"}'
                   + (f', <b class="bad">{d["failed"]} failed</b>' if d.get("failed") else "")
                   + (f', {d["expected_failures"]} failed as expected' if d.get("expected_failures") else "")
                   + (f', {d["skipped"]} skipped' if d.get("skipped") else ""))
