@@ -55,7 +55,7 @@ notebooks: $(STAMP)
 jupyter: $(STAMP)
 	@$(PY) -c "from util.build_notebooks import register_kernel; register_kernel()"
 	@echo "opening JupyterLab on lectures/notebooks/ (kernel: 'Python (course .venv)'); Ctrl-C to stop"
-	@$(VENV)/bin/jupyter lab --notebook-dir=lectures/notebooks
+	@$(VENV)/bin/jupyter lab --notebook-dir=lectures/notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: $(STAMP)
 	@$(PY) -m tests.bench
