@@ -135,8 +135,9 @@ def execute(path, out_ipynb, parameters, cell_timeout):
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(out_ipynb)}")
     error, timed_out = None, False
     try:
+        # papermill's bar only on a terminal: in a log its carriage returns are garbage
         papermill.execute_notebook(path, tmp, parameters=parameters, kernel_name=KERNEL,
-                                   cwd=record.ROOT, progress_bar=True, start_timeout=180,
+                                   cwd=record.ROOT, progress_bar=sys.stderr.isatty(), start_timeout=180,
                                    execution_timeout=cell_timeout, log_output=False)
     except papermill.PapermillExecutionError as e:
         error = f"cell {e.exec_count}: {e.ename}: {_one_line(e.evalue)}"
