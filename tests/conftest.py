@@ -41,6 +41,14 @@ def course_site(tmp_path_factory):
     return out, {name: build(name, out, "--quick", check=False) for name in LECTURES}
 
 
+def walk(records):
+    """Every record of a recording, including those the ranks made inside each demo."""
+    for rec in records:
+        yield rec
+        if rec["kind"] == "demo":
+            yield from walk(rec["records"])
+
+
 def built(course_site, name):
     """The content folder holding `name`'s page; fails with the build's own error output."""
     out, procs = course_site

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lectures import lecture_02_communication as L
-from tests.conftest import built
+from tests.conftest import built, walk
 from util import spawn
 
 SECTIONS = [
@@ -324,20 +324,13 @@ def test_human_bytes():
 
 # --- the page --------------------------------------------------------------------------------
 
-def _walk(records):
-    for rec in records:
-        yield rec
-        if rec["kind"] == "demo":
-            yield from _walk(rec["records"])
-
-
 def test_quick_build_has_every_section_and_figure(course_site):
     site = built(course_site, "lecture_02_communication")    # the session's one quick build
     page = json.loads((site / "lecture_02_communication.json").read_text())
     assert page["status"] == "ok"
     assert page["demos"]["failed"] == 0
     assert page["demos"]["expected_failures"] == 1          # the hang demo, and only it
-    records = list(_walk(page["records"]))
+    records = list(walk(page["records"]))
     notes = "\n".join(r["text"] for r in records if r["kind"] == "note")
     for heading in SECTIONS:
         assert heading in notes, heading

@@ -11,7 +11,7 @@ import torch
 
 from lectures import lecture_03_data_parallel as L
 from util import spawn
-from tests.conftest import built
+from tests.conftest import built, walk
 
 VARIANTS = {
     "naive": (L.train_data_parallel, {}),
@@ -304,20 +304,13 @@ def test_local_sgd_and_diloco_keep_ranks_identical():
         assert len({r[k]["checksum"] for r in run}) == 1, k
 
 
-def _walk(records):
-    for rec in records:
-        yield rec
-        if rec["kind"] == "demo":
-            yield from _walk(rec["records"])
-
-
 def test_quick_build(course_site):
     import json
     from util.measure import usable_cores
     site = built(course_site, "lecture_03_data_parallel")    # the session's one quick build
     page = json.loads((site / "lecture_03_data_parallel.json").read_text())
     assert page["status"] == "ok" and page["demos"]["failed"] == 0
-    records = list(_walk(page["records"]))
+    records = list(walk(page["records"]))
     notes = " ".join(" ".join(r["text"] for r in records if r["kind"] == "note").split())
     for heading in ["## Data sharding", "## Can data parallelism hide the all-reduce?",
                     "## Batch size and learning rate", "## FSDP2's knobs", "PowerSGD"]:

@@ -459,16 +459,19 @@ def write_static(out_dir):
     write_atomic(os.path.join(dst, "pygments.css"), pygments_css())
 
 
-def _neighbours(out_dir, name):
-    """The lectures before and after `name` among the recordings in `out_dir` (by name)."""
-    names = [(stem, rec) for stem, rec in _load_recordings(out_dir)]
-    stems = [s for s, _ in names]
+def _neighbours(lectures, name):
+    """The lectures before and after `name` in `lectures`, a list of (name, title) in order."""
+    stems = [stem for stem, _ in lectures]
     if name not in stems:
         return None, None
     i = stems.index(name)
-    link = lambda j: ({"page": f"{stems[j]}.html", "title": names[j][1].get("title") or stems[j]}
+    link = lambda j: ({"page": f"{stems[j]}.html", "title": lectures[j][1]}
                       if 0 <= j < len(stems) else None)
     return link(i - 1), link(i + 1)
+
+
+def _titles(recordings):
+    return [(stem, rec.get("title") or stem) for stem, rec in recordings]
 
 
 def lecture_html(rec, files_dir_name, previous=None, next=None):
@@ -497,7 +500,7 @@ def render_lecture(json_path):
         rec = json.load(f)
     name = rec.get("lecture") or os.path.splitext(os.path.basename(json_path))[0]
     files_name = f"{name}_files"
-    text, files = lecture_html(rec, files_name, *_neighbours(out_dir, name))
+    text, files = lecture_html(rec, files_name, *_neighbours(_titles(_load_recordings(out_dir)), name))
     write_static(out_dir)
     files_dir = os.path.join(out_dir, files_name)
     for fname, data in files.items():
@@ -535,7 +538,8 @@ def render_index(out_dir):
     out_dir = os.path.abspath(out_dir)
     write_static(out_dir)
     lectures = []
-    for stem, rec in _load_recordings(out_dir):
+    recordings = _load_recordings(out_dir)
+    for stem, rec in recordings:
         name = rec.get("lecture") or stem
         env = rec.get("environment") or {}
         page = f"{name}.html"
@@ -552,17 +556,17 @@ def render_index(out_dir):
         page_title="Distributed training, executable course", body_class="index", lectures=lectures)
     path = os.path.join(out_dir, "index.html")
     write_atomic(path, text)
-    _relink(out_dir)
+    _relink(out_dir, _titles(recordings))
     return path
 
 
-def _relink(out_dir):
+def _relink(out_dir, lectures):
     """Re-render lecture pages whose previous/next links are out of date."""
-    for stem, rec in _load_recordings(out_dir):
+    for stem, _ in lectures:
         page = os.path.join(out_dir, f"{stem}.html")
         if not os.path.isfile(page):
             continue
-        previous, following = _neighbours(out_dir, stem)
+        previous, following = _neighbours(lectures, stem)
         with open(page, encoding="utf-8") as f:
             html_text = f.read()
         want = [x["page"] for x in (previous, following) if x]
