@@ -157,7 +157,9 @@ def _open_offline(browser, path, shot=None):
             images: [...document.images].filter(i => !i.complete || !i.naturalWidth).length})""")
         if shot:
             os.makedirs(os.path.dirname(shot), exist_ok=True)
-            w.page.screenshot(path=shot, full_page=True)
+            # The viewport only: a full-page shot of a notebook (dozens of inline SVGs, tens of
+            # thousands of pixels tall) can take Chromium longer than 30 s on a loaded 2-core CI.
+            w.page.screenshot(path=shot, timeout=120_000)
         return w.requests, w.errors, info
     finally:
         w.close()

@@ -5,7 +5,10 @@ Three ways to get ranks, one API:
 - pool (default): one set of worker processes, reused by every demo of the build; a demo on
   k ranks runs on the first k workers in a process group of its own, formed anew (in
   milliseconds) when the world size or timeout changes. Each demo starts seeded and clean.
-- spawn: a new set of processes per demo, the naive baseline (`--launcher spawn`).
+  Workers are forked from a server process that imported PyTorch once, so a start-up costs
+  milliseconds after the first; the lecture's own modules are imported fresh by each worker.
+- spawn: a new set of freshly started Python processes per demo, the naive baseline
+  (`--launcher spawn`).
 - torchrun: when RANK/WORLD_SIZE are in the environment, demos run in place on the existing
   process group, so a lecture runs across nodes.
 
@@ -229,6 +232,22 @@ class SourceWatch:
         return out
 
 
+# Imported once by the fork server; every pooled worker is forked from it with these in memory.
+# Third-party modules only: the project's own files must be imported fresh by each worker, or a
+# worker restarted after an edit (SourceWatch) would run the old code.
+PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "numpy"]
+
+
+def _context():
+    """Fork from a server that has PyTorch imported (importing PyTorch costs seconds of CPU
+    per process); plain spawn for the naive launcher, or where there is no fork server."""
+    if settings.launcher == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class Pool:
     """Worker processes that run demos one at a time. A demo on k ranks runs on workers
     0..k-1 in a process group of exactly k ranks; the pool starts more workers when a demo
@@ -239,7 +258,7 @@ class Pool:
     def __init__(self, backend):
         import torch.distributed as dist
         self.backend = backend
-        self.ctx = multiprocessing.get_context("spawn")
+        self.ctx = _context()
         # The lecture process owns the rendezvous store on a port the OS picks: no fixed port,
         # no race, so any number of builds can run at once.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
