@@ -961,7 +961,7 @@ def intro():
 
 def the_model_and_task():
     cfg = GPTConfig()
-    steps = 60 if settings.quick else 150
+    steps = 60 if settings.quick else 100
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -1312,7 +1312,7 @@ def number_formats():
     see(fp16_gradients)
     table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
                         "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
-    steps = 80 if settings.quick else 150
+    steps = 80 if settings.quick else 100
     lr = 3e-4
     curves = {v: train_curve(cfg, v, steps, lr, batch_size=8, log_every=2 if settings.quick else 5)
               for v in ("fp32", "bf16 weights", "bf16 + fp32 master")}

@@ -1289,7 +1289,7 @@ def local_sgd_section():
     import matplotlib.pyplot as plt
     task = Task(batch=16)
     n = settings.world_size
-    steps = 48 if settings.quick else 160
+    steps = 48 if settings.quick else 100
     note(f"""
         ## Beyond one sync per step: local SGD, compression, PowerSGD, DiLoCo
         Averaging gradients every step is one end of a spectrum. Local SGD (federated
@@ -1361,7 +1361,7 @@ def powersgd_section():
     import matplotlib.pyplot as plt
     task = Task(sizes=(32, 128, 128, 10), batch=16)
     n = settings.world_size
-    steps = 40 if settings.quick else 120
+    steps = 40 if settings.quick else 80
     note(f"""
         **PowerSGD** (Vogels et al. 2019) compresses the gradient itself, every step, inside
         ordinary data parallelism: each gradient matrix is replaced by a rank-r approximation

@@ -1403,7 +1403,7 @@ def vocab_parallel():
 
 
 def training():
-    cfg, steps = demo_cfg(), (10 if settings.quick else 100)
+    cfg, steps = demo_cfg(), (10 if settings.quick else 60)
     note(f"""
         ## A tensor-parallel GPT trains on lecture 01's task
         `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain

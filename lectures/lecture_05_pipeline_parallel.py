@@ -1048,7 +1048,7 @@ def run_sleep_mode():
     runs = sleep_runs(ms)
     p = sleep_ranks()
     return ms, runs, spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
-                           delay=SLEEP, repeats=2 if settings.quick else 5,
+                           delay=SLEEP, repeats=2 if settings.quick else 3,
                            name=f"every schedule in sleep mode, {p} ranks")
 
 
@@ -1330,9 +1330,12 @@ def bench():
     runs = [{"label": "gpipe", "name": "gpipe", "m": 8}, {"label": "1f1b", "name": "1f1b", "m": 8},
             {"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
             {"label": "zb-h1", "name": "zb-h1", "m": 8}]
-    # Sleeps 3× the page's: Python's few hundred µs between actions matter less.
+    # Sleeps 10× the page's. Every action also costs a fixed ~1 ms here (Python, a gloo message,
+    # 4 ranks on 2 cores) that the textbook formula leaves out; interleaving has v× the actions,
+    # each 1/v as long, so at the page's sleeps that cost inflates its bubble most. Long actions
+    # make it small, and the ratio then measures the schedule rather than the overhead.
     R = spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
-              delay={k: 3 * d for k, d in SLEEP.items()}, repeats=5, name="bench: bubbles in sleep mode").returns
+              delay={k: 10 * d for k, d in SLEEP.items()}, repeats=5, name="bench: bubbles in sleep mode").returns
     lines = []
     for r in runs[:3]:
         got = statistics.median(measured_bubbles(R, r["label"])[0])

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import statistics
 
@@ -805,18 +806,16 @@ def this_machine(cal, cfg, world_size):
 # (torchtitan's): tensor parallelism (lecture 04's parallelize_gpt on the mesh's tp group) →
 # context parallelism (lecture 06's ring attention on the cp group, zig-zag token shards) →
 # pipeline stages (lecture 05's GPTStage and executor on the pp group) → the gradient sync over
-# the weight replicas (dp × cp) and the optimizer, plain AdamW or ZeRO-1 (lecture 03).
+# the weight replicas (dp × cp) and the optimizer, plain AdamW or ZeRO-1/2 (lecture 03).
 
 from lectures import lecture_03_data_parallel as L3          # noqa: E402
-try:                                  # lecture 03's ZeRO building blocks (their own module now)
-    from lectures import zero as Z                            # noqa: E402
-except ImportError:                   # an older checkout keeps them in the lecture file
-    Z = L3
+from lectures import zero as Z                                 # noqa: E402
 
 
 class GroupCollectives(L3.Collectives):
     """Adapter: lecture 03's byte-counting collectives run on the whole world; on a mesh they
-    must run on one axis' group. Same counting, explicit `group`."""
+    must run on one axis' group. Same counting, explicit `group` (lecture 03's ZeRO takes its
+    shard index from it)."""
 
     def __init__(self, group):
         super().__init__(dist.get_world_size(group))
@@ -835,20 +834,6 @@ class GroupCollectives(L3.Collectives):
         return self._async(dist.all_gather_single(full, shard, group=self.group, async_op=async_op), label, 0)
 
 
-class GroupZero1(Z.Zero1):
-    """Adapter: lecture 03's ZeRO-1 takes its shard index from the global rank; on a mesh it is
-    the rank inside the data-parallel group. Everything else (reduce-scatter, sharded AdamW,
-    all-gather) is lecture 03's."""
-
-    def __init__(self, model_or_params, comm, lr, weight_decay=0.01):
-        self.model = model_or_params
-        self.comm = comm
-        self.params = list(model_or_params.parameters())
-        r = dist.get_rank(comm.group)
-        self.shards = [Z.take_shard(p, r, comm.n) for p in self.params]
-        self.opt = Z.ShardedAdamW(self.shards, lr, weight_decay)
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A small training run: the model, the global batch, steps and learning rate."""
@@ -856,12 +841,13 @@ class Run:
     global_batch: int = 8
     steps: int = 4
     lr: float = 3e-3
+    weight_decay: float = 0.01     # AdamW's default, spelled out: ZeRO's optimizer needs it
 
 
 def reference_run(run):
     """One process, the whole global batch, torch.optim.AdamW: what every layout must equal."""
     model = L1.GPT(run.cfg).to(device())
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
     losses = []
     for step in range(run.steps):
         tokens, targets = (t.to(device()) for t in L1.batch(run.cfg, run.global_batch, step))
@@ -910,13 +896,16 @@ class LayoutTrainer:
         replica = mesh.group["replica"]
         self.comm = GroupCollectives(replica) if replica is not None else None
         if layout.zero:
-            if layout.zero != 1 or replica is None:
-                raise ValueError("this trainer implements ZeRO-1 on a data-parallel axis of 2 or more ranks")
-            self.zero = GroupZero1(self.module, self.comm, run.lr)
+            if layout.zero not in (1, 2) or replica is None:
+                raise ValueError(f"ZeRO-{layout.zero}: this trainer implements ZeRO-1 and ZeRO-2 on a "
+                                 "data-parallel axis of 2 or more ranks (lecture 03 builds ZeRO-3)")
+            # Lecture 03's ZeRO on the replica group; ZeRO-2's hooks reduce-scatter each
+            # gradient as backward (a pipeline's, too) produces it, micro-batch by micro-batch.
+            self.zero = (Z.Zero1 if layout.zero == 1 else Z.Zero2)(self.module, self.comm, run)
             self.opt = None
         else:
             self.zero = None
-            self.opt = torch.optim.AdamW(self.params, lr=run.lr)
+            self.opt = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
         self.meter = ActivationMeter(self.params)
 
     def _loss(self, logits, targets):
@@ -979,14 +968,21 @@ class LayoutTrainer:
         self.opt.zero_grad()
 
     def held(self):
-        state = ([t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)]
-                 if self.opt is not None else self.zero.opt.m + self.zero.opt.v)
+        """Bytes of weights, gradients and optimizer state this rank holds at the step."""
+        if self.zero is not None:   # ZeRO counts them itself: under ZeRO-2 the gradients are shards
+            h = self.zero.held
+            return {"weights": h["params"], "grads": h["grads"], "optimizer": h["optimizer"]}
+        state = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)]
         return held_bytes(self.params, state)
 
     def train_step(self, step):
         loss, act = self.forward_backward(step)
-        held = self.held()
-        self.sync_and_step()
+        if self.zero is None:
+            held = self.held()
+            self.sync_and_step()
+        else:                       # ZeRO measures what it holds during its step
+            self.sync_and_step()
+            held = self.held()
         return loss, act, held
 
     def full_parameters(self):
@@ -1035,13 +1031,13 @@ def train_layout(rank, world_size, run, layout):
             "memory": {**held, "activations": act}}
 
 
-def time_layouts(rank, world_size, run, layouts, repeats=5):
+def time_layouts(rank, world_size, run, layouts, repeats=5, warmup=2):
     """Measured seconds per training step of every layout (slowest rank, median of `repeats`
-    after two warm-up steps), one layout after another in the same processes."""
+    after `warmup` steps), one layout after another in the same processes."""
     out = []
     for lay in layouts:
         trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp))
-        out.append(measure(lambda: trainer.train_step(0), warmup=2, repeats=repeats))
+        out.append(measure(lambda: trainer.train_step(0), warmup=warmup, repeats=repeats))
     return out
 
 
@@ -1078,6 +1074,7 @@ LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in 
     ("dp×tp + ZeRO-1", Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2)),
     ("dp×tp + SP", Layout(dp=2, tp=2, sp=True, micro_batch=4)),
     ("dp + ZeRO-1", Layout(dp=4, zero=1, micro_batch=2)),
+    ("dp×pp + ZeRO-2", Layout(dp=2, pp=2, zero=2, micro_batch=2, micro_batches=2)),
     ("pp (1F1B)", Layout(pp=4, micro_batch=1, micro_batches=8)),
     ("pp (GPipe)", Layout(pp=4, micro_batch=1, micro_batches=8, schedule="gpipe")),
 ]
@@ -1171,12 +1168,12 @@ def many_layouts():
         attention on zig-zag token shards, the cp group), pipeline stages (lecture 05's
         `GPTStage` and executor with the pp group), then the gradient average over the *weight
         replicas* — the dp × cp ranks with the same pp and tp coordinates, since context
-        parallelism splits tokens, not weights — and AdamW or lecture 03's ZeRO-1 on that group.
-        Two thin adapters are written here: lecture 03's collectives and ZeRO-1 run on the whole
-        world, so `GroupCollectives` and `GroupZero1` give them an explicit group.
+        parallelism splits tokens, not weights — and AdamW or lecture 03's ZeRO-1 or ZeRO-2 on
+        that group. One thin adapter is written here: lecture 03's collectives run on the whole
+        world, so `GroupCollectives` gives them an explicit group (and ZeRO its shard index).
     """)
     see(LayoutTrainer)
-    see(GroupZero1)
+    see(GroupCollectives)
     ref = reference_run(run)
     runs = []
     cases = list(LAYOUTS_4) + [LAYOUT_8]
@@ -1325,8 +1322,8 @@ def memory_estimator():
 
 def runnable(layouts):
     """The layouts this lecture's trainer wires up (pipelines with context parallelism and
-    ZeRO-2/3 on a mesh are left out)."""
-    return [l for l in layouts if not (l.pp > 1 and l.cp > 1) and l.zero in (0, 1) and not l.sp
+    ZeRO-3 on a mesh are left out)."""
+    return [l for l in layouts if not (l.pp > 1 and l.cp > 1) and l.zero in (0, 1, 2) and not l.sp
             and l.recompute == "none"]
 
 
@@ -1374,7 +1371,9 @@ def step_time_model():
           header=["constant", "value", "measured (median, IQR)"],
           caption="The cost model's constants, all measured by this build.")
     layouts = timing_layouts(run, ranks)
-    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=3 if quick else 5,
+    # The full build times every valid layout (17 on 2 ranks), the quick one at least 6; one
+    # warm-up step is enough here (the first step builds AdamW's state, later ones are alike).
+    times = spawn(time_layouts, ranks, run=run, layouts=layouts, repeats=3, warmup=1,
                   name=f"step time of {len(layouts)} layouts, {ranks} ranks").returns[0]
     pred = [step_time(shape, l, hw)["total"] for l in layouts]
     meas = [t.median for t in times]
@@ -1666,6 +1665,9 @@ def train_pytorch_layout(rank, world_size, run, layout):
         dist.all_reduce(t)
         losses.append(t.item() / layout.dp)
     params = {}
+    # Gathering a 2D (FSDP2 on TP) parameter takes two all-gathers in a row, and DTensor logs a
+    # warning per parameter saying so: for a one-off check after training, that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for k, p in module.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         name = module.global_name(k) if hasattr(module, "global_name") else k
@@ -1687,7 +1689,9 @@ def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
 
 
 PYTORCH_LAYOUTS = [("dp×pp", Layout(dp=2, pp=2, micro_batch=2, micro_batches=2)),
-                   ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4))]
+                   ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4)),
+                   ("dp×tp", Layout(dp=2, tp=2, micro_batch=2, micro_batches=2))]
+PYTORCH_3D = ("dp×tp×pp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=2))  # 8 ranks: full build
 
 
 def pytorch_pieces():
@@ -1701,24 +1705,27 @@ def pytorch_pieces():
         on the pp dimension's group. Built on the same lecture-01 GPT (lecture 05's
         `GPTStage` cuts the stages), with one adapter: the attention module reads its head
         count from its projections' `out_features`, which a column-sharded `nn.Linear`
-        keeps at the global width. FSDP2 on top of tensor parallelism (2D DTensor
-        parameters) also runs on CPU but is much slower to start than the rest, so this build
-        compares dp×pp (FSDP2 + pipeline) and tp×pp (TP + pipeline), 4 ranks.
+        keeps at the global width. On top of tensor parallelism, FSDP2 shards parameters that
+        are already DTensors over the tp dimension, so they become 2D DTensors (sharded on
+        both mesh dimensions). The full build also runs all three together on 8 ranks.
     """)
     see(pytorch_layout)
     ref = reference_run(run)
     rows = []
-    for name, lay in PYTORCH_LAYOUTS:
+    cases = PYTORCH_LAYOUTS + ([] if settings.quick else [PYTORCH_3D])
+    for name, lay in cases:
         got = spawn(train_pytorch_layout, lay.world, run=run, layout=lay,
                     name=f"PyTorch pieces: {name}, {lay.label()}").returns
         diff = max_param_diff(got, ref["params"])
-        rows.append([name, lay.label(), got[0]["losses"][-1], diff])
+        rows.append([name, lay.label(), lay.world, got[0]["losses"][-1], diff])
         assert diff < 1e-4, (name, diff)
-    table(rows, header=["layout", "mesh", "last loss", "max |Δ parameter| vs one process"],
+    if settings.quick:
+        rows.append([PYTORCH_3D[0], PYTORCH_3D[1].label(), PYTORCH_3D[1].world, "full build only", ""])
+    table(rows, header=["layout", "mesh", "ranks", "last loss", "max |Δ parameter| vs one process"],
           caption=f"PyTorch's pieces train the same model to the same parameters (one process: "
                   f"last loss {ref['losses'][-1]:.6f}).")
     ranks = 4
-    timed = PYTORCH_LAYOUTS[:1] if settings.quick else PYTORCH_LAYOUTS
+    timed = PYTORCH_LAYOUTS[:1] if settings.quick else PYTORCH_LAYOUTS[:2]   # dp×pp, tp×pp
     times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in timed],
                   repeats=3 if settings.quick else 5, name="step time: ours vs PyTorch's pieces").returns[0]
     table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]

@@ -81,7 +81,9 @@ class Zero1:
     def __init__(self, model, comm, task):
         self.model, self.comm = model, comm
         self.params = list(model.parameters())
-        r, n = dist.get_rank(), comm.n
+        # The shard index is the rank inside the data-parallel group (the whole world unless
+        # `comm` runs on a group, as on lecture 07's mesh).
+        r, n = dist.get_rank(getattr(comm, "group", None)), comm.n
         self.shards = [take_shard(p, r, n) for p in self.params]
         self.opt = ShardedAdamW(self.shards, task.lr, task.weight_decay)
 

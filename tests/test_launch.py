@@ -209,3 +209,28 @@ def test_workers_notice_a_module_changed_on_disk_and_run_the_new_code():
     finally:
         os.unlink(path)
         sys.modules.pop("tests._changing_module", None)
+
+
+def dtensor_row_parallel_sum(rank, world_size, groups_before=0):
+    """A DTensor op on one dimension of a 2D mesh, whose sharding decision DTensor caches by
+    mesh: Shard(1) @ Shard(0) is Partial, and redistributing it all-reduces on that dimension's
+    group (whose name counts the groups made before it in this process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    for _ in range(groups_before):
+        dist.new_group(list(range(world_size)))
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))["b"]
+    n = mesh.size()
+    a = distribute_tensor(torch.ones(2, 4 * n), mesh, [Shard(1)])
+    b = distribute_tensor(torch.ones(4 * n, 3), mesh, [Shard(0)])
+    return (a @ b).redistribute(placements=[Replicate()]).to_local().sum().item()
+
+
+def test_dtensor_works_after_the_workers_changed_process_group():
+    """Two meshes of one shape compare equal in DTensor's caches even when their process groups
+    differ; after a demo on another world size the workers rejoin a new process group, and a
+    stale cached mesh would name destroyed groups. The pool drops those caches."""
+    want = 2 * 3 * 4 * 2
+    assert spawn(dtensor_row_parallel_sum, 4, groups_before=5, name="dtensor before").returns == [want] * 4
+    spawn(succeed, 2, name="another world size")
+    assert spawn(dtensor_row_parallel_sum, 4, name="dtensor after").returns == [want] * 4

@@ -26,6 +26,8 @@ LAYOUTS = {
     "cp×tp": L.Layout(cp=2, tp=2, micro_batch=8),
     "dp×tp + ZeRO-1": L.Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
     "dp + ZeRO-1": L.Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
+    "dp×pp + ZeRO-2": L.Layout(dp=2, pp=2, zero=2, micro_batch=2, micro_batches=2),
+    "dp×tp + ZeRO-2": L.Layout(dp=2, tp=2, zero=2, micro_batch=1, micro_batches=4),
     "dp×tp + SP": L.Layout(dp=2, tp=2, sp=True, micro_batch=2, micro_batches=2),
     "pp GPipe": L.Layout(pp=4, micro_batch=2, micro_batches=4, schedule="gpipe"),
 }

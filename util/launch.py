@@ -151,6 +151,26 @@ def _error_result(rank):
             "start": 0, "end": 0, "error": traceback.format_exc()}
 
 
+def _forget_meshes():
+    """DTensor caches its sharding decisions keyed by DeviceMesh, and two meshes of one shape
+    compare equal whatever their process groups. After a worker leaves its process group for
+    a new one, a cached decision would hand a demo a mesh of the destroyed groups ("Could not
+    resolve the process group registered under the name N"): drop those caches."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:             # this worker never used DTensor
+        return
+    import torch
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
+    _redistribute.clear_redistribute_planner_cache()   # its planners hold their (old) mesh
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    propagator = api.DTensor._op_dispatcher.sharding_propagator
+    for value in vars(propagator).values():
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 def _worker(rank, port, backend, tasks, results):
     """A rank that lives across demos. Each task names the group it runs in (world size and
     timeout); when that changes, the rank leaves its old process group and joins the new one,
@@ -179,6 +199,7 @@ def _worker(rank, port, backend, tasks, results):
                 joined = None
                 if dist.is_initialized():
                     dist.destroy_process_group()
+                    _forget_meshes()
                 dist.init_process_group(backend, store=dist.PrefixStore(f"group{generation}", store),
                                         rank=rank, world_size=world_size,
                                         timeout=datetime.timedelta(seconds=timeout))

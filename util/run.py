@@ -161,7 +161,7 @@ def main(argv=None):
     page = render.render_lecture(path)
     render.render_index(args.out)
     d = rec["demos"]
-    print(f"{rec['lecture']}: {d['total']} demos, {d['failed']} failed, "
+    print(f"{rec['lecture']}: {d['total']} demo{'' if d['total'] == 1 else 's'}, {d['failed']} failed, "
           f"{d['expected_failures']} failed as expected, {d['skipped']} skipped; "
           f"{rec['elapsed']:.1f} s (of which worker start-up {rec['startup']['seconds']:.1f} s) "
           f"-> {os.path.relpath(page)}", file=sys.stderr)
