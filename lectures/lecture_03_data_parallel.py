@@ -1289,7 +1289,7 @@ def local_sgd_section():
     import matplotlib.pyplot as plt
     task = Task(batch=16)
     n = settings.world_size
-    steps = 48 if settings.quick else 100
+    steps = 48 if settings.quick else 96     # multiples of every H below: the run ends on a sync
     note(f"""
         ## Beyond one sync per step: local SGD, compression, PowerSGD, DiLoCo
         Averaging gradients every step is one end of a spectrum. Local SGD (federated
