@@ -1004,8 +1004,9 @@ def executor_matches():
     run = spawn(train_schedules, n, cfg=cfg, runs=runs, mb_size=mb_size, steps=steps,
                 name=f"every schedule vs one process, {n} ranks")
     rows, ok = [], True
+    refs = {m: reference_train(cfg, m, mb_size, steps) for m in {m for _, m, _ in runs}}  # one per batch size
     for name, m, v in runs:
-        ref = reference_train(cfg, m, mb_size, steps)
+        ref = refs[m]
         per = [r[name, m, v] for r in run.returns]
         loss = next(r["losses"] for r in per if r["losses"][0] is not None)
         grads, params = merged(per, "grads"), merged(per, "params")
