@@ -1,5 +1,5 @@
 # The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
-#   make                 build the whole course: every lecture (pages + index), then the notebooks (quick)
+#   make                 build the whole course: every lecture's page, and the index
 #   make test            run the whole test suite
 #   make lecture L=lecture_02_communication   build one lecture
 #   make notebooks       execute the companion notebooks into content/notebooks/ (full sizes)
@@ -22,10 +22,11 @@ export MPLBACKEND := Agg
 
 .PHONY: all content lecture test notebooks jupyter bench clean venv
 
-# The notebooks run the same demos as the pages, so `make` runs them at quick sizes: the full
-# numbers are on the pages, and the notebooks are there to change the knobs and re-run.
+# `make` runs every demo once, at full size, for the pages. The notebooks call the same section
+# functions, so executing them too would pay for every demo twice: they are for changing knobs
+# and re-running (`make jupyter`), `make test` executes each one (quick) and checks what it
+# computed, and `make notebooks` renders them into content/notebooks/ when you want copies.
 all: content
-	@$(PY) -m util.build_notebooks --quick $(NBFLAGS) || { echo "a notebook failed"; exit 1; }
 	@echo "open content/index.html in a browser"
 
 venv: $(STAMP)

@@ -234,6 +234,20 @@ def test_a_failed_write_leaves_the_old_page(tmp_path, monkeypatch):
     assert "NEW TEXT" in open(render.render_lecture(str(path)), encoding="utf-8").read()
 
 
+def test_index_says_how_to_run_a_notebook_not_rendered_yet(tmp_path):
+    """`make` does not execute the notebooks: the index names the notebook and the commands."""
+    name = "lecture_02_communication"                 # a lecture with a real notebook
+    write(tmp_path, recording(tmp_path, lecture=name))
+    out = tmp_path / "content"
+    render.render_lecture(str(out / f"{name}.json"))
+    html = open(render.render_index(str(out)), encoding="utf-8").read()
+    assert f"lectures/notebooks/{name}.ipynb" in html and "make notebooks" in html
+    (out / "notebooks").mkdir()
+    (out / "notebooks" / f"{name}.html").write_text("<html></html>")
+    html = open(render.render_index(str(out)), encoding="utf-8").read()
+    assert f'href="notebooks/{name}.html"' in html and "make notebooks" not in html
+
+
 def test_index_lists_lectures_and_notebooks(tmp_path):
     write(tmp_path, recording(tmp_path, lecture="lecture_b", status="failed"))
     write(tmp_path, recording(tmp_path, lecture="lecture_a"))

@@ -26,6 +26,8 @@ from markupsafe import Markup
 
 from util.recording import load, write_atomic
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where lectures/notebooks/ is
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STATIC = os.path.join(HERE, "static")
 TEMPLATES = os.path.join(HERE, "templates")
@@ -544,11 +546,13 @@ def render_index(out_dir):
         env = rec.get("environment") or {}
         page = f"{name}.html"
         nb = f"notebooks/{name}.html"
+        source = os.path.join("lectures", "notebooks", f"{name}.ipynb")
         lectures.append({
             "name": name, "title": rec.get("title") or name, "summary": rec.get("summary"),
             "status": rec.get("status", "ok"),
             "page": page if os.path.isfile(os.path.join(out_dir, page)) else None,
             "notebook": nb if os.path.isfile(os.path.join(out_dir, nb)) else None,
+            "notebook_source": source if os.path.isfile(os.path.join(REPO, source)) else None,
             "meta": [_built(rec), env.get("device", "unknown device"),
                      f'backend {env.get("backend", "?")}', _demo_counts(rec.get("demos") or {}),
                      format_seconds(rec.get("elapsed")) + (" (quick sizes)" if env.get("quick") else "")]})
