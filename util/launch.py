@@ -179,9 +179,6 @@ def _worker(rank, port, backend, tasks, results):
     global _device
     import torch
     import torch.distributed as dist
-    # The first optimizer a process builds imports torch._dynamo (seconds): pay for it in the
-    # start-up, which the build reports apart, rather than in the first demo's time.
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         _device = torch.device("cuda", torch.cuda.current_device())
@@ -253,7 +250,8 @@ class SourceWatch:
         return out
 
 
-# Imported once by the fork server; every pooled worker is forked from it with these in memory.
+# Imported once by the fork server; every pooled worker is forked from it with these in memory
+# (torch._dynamo is what the first optimizer a process builds would otherwise import, seconds).
 # Third-party modules only: the project's own files must be imported fresh by each worker, or a
 # worker restarted after an edit (SourceWatch) would run the old code.
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "numpy"]
