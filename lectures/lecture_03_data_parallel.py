@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
-from util.measure import Timing, bytes_sent, errorbar, machine, measure, timing_ranks
+from util.measure import Timing, bytes_sent, errorbar, machine, measure, measure_side_by_side, timing_ranks
 
 from lectures.compression import NesterovOuter, PowerSGD, average_update
 from lectures.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
@@ -347,20 +347,18 @@ def spanned_step(net, update):
 def time_variants(rank, world_size, task, kinds, bucket_mb=1.0, reps=5, steps=3, warmup=2):
     """A `Timing` (seconds per step) of each variant. The variants take turns, one timed
     repetition of `steps` steps each, in a rotating order, so background noise hits all of them
-    alike; `measure` starts each repetition after a barrier and keeps the slowest rank."""
+    alike (`measure_side_by_side`); each repetition starts after a barrier and keeps the
+    slowest rank."""
     comm = Collectives(world_size)
     x, y = [shard_rows(t, rank, world_size) for t in make_batches(task, steps=1)[0]]
     steps_of = {k: build_variant(k, task, rank, world_size, bucket_mb, comm) for k in kinds}
-    samples = {k: [] for k in kinds}
     with quiet():                                    # timing runs leave no spans on the page
         for k in kinds:
             for _ in range(warmup):
                 steps_of[k](x, y)
-        for rep in range(reps):
-            for k in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:   # rotate: no order bias
-                run = lambda: [steps_of[k](x, y) for _ in range(steps)]
-                samples[k] += [s / steps for s in measure(run, warmup=0, repeats=1).samples]
-    return {k: Timing(v) for k, v in samples.items()}
+        runs = {k: (lambda k=k: [steps_of[k](x, y) for _ in range(steps)]) for k in kinds}
+        times = measure_side_by_side(runs, warmup=0, repeats=reps)
+    return {k: Timing([s / steps for s in t.samples]) for k, t in times.items()}
 
 
 def traced_steps(rank, world_size, task, kind, bucket_mb=1.0, steps=2):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from util import device, figure, note, see, settings, spawn, table
-from util.measure import errorbar, machine, measure, timing_ranks
+from util.measure import errorbar, machine, measure, measure_side_by_side, timing_ranks
 
 from lectures import lecture_01_memory_and_precision as L1
 
@@ -1682,9 +1682,9 @@ def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
         ours = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp))
         _, theirs = pytorch_layout(run.cfg, lay, run.lr)
         batch = _dp_rows(run, lay, 0)
-        t_ours = measure(lambda: ours.train_step(0), warmup=1, repeats=repeats)
-        t_theirs = measure(lambda: theirs(*batch), warmup=1, repeats=repeats)
-        out.append((t_ours, t_theirs))
+        t = measure_side_by_side({"ours": lambda: ours.train_step(0), "PyTorch": lambda: theirs(*batch)},
+                                 warmup=1, repeats=repeats)
+        out.append((t["ours"], t["PyTorch"]))
     return out
 
 
@@ -1732,7 +1732,7 @@ def pytorch_pieces():
     table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
            for (name, lay), (a, b) in zip(timed, times)],
           header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
-          caption=f"Seconds per step, median and IQR, {machine(ranks)}.")
+          caption=f"Seconds per step, median and IQR, ours and PyTorch's taking turns, {machine(ranks)}.")
     _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(timed, times)]
 
 

@@ -140,6 +140,22 @@ def measure(fn, *, warmup=2, repeats=9, group=None, synchronize=True):
     return Timing(samples)
 
 
+def measure_side_by_side(fns, *, warmup=2, repeats=9, group=None):
+    """Time several things against each other ({name: fn} -> {name: Timing}): after each one's
+    warm-up, `repeats` rounds in which every fn runs once, the order rotating from round to
+    round, so a noisy machine's drift hits them all alike instead of whichever ran last. Every
+    rank must pass the same names in the same order (the rounds are collective)."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    samples = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            samples[name] += measure(fns[name], warmup=0, repeats=1, group=group).samples
+    return {name: Timing(v) for name, v in samples.items()}
+
+
 def errorbar(ax, x, timings, scale=1e3, **kwargs):
     """Plot medians with interquartile error bars (times in ms by default)."""
     med = [t.median * scale for t in timings]
