@@ -1586,9 +1586,9 @@ def pytorch_tp_plan():
 
 
 def pytorch_layout(cfg, layout, lr):
-    """(modules, step function, parameters) of `layout` built from PyTorch's pieces:
+    """(module, step function) of `layout` built from PyTorch's pieces:
     parallelize_module on the tp mesh dimension, fully_shard (FSDP2) on dp, and for pp a
-    PipelineStage per rank driven by Schedule1F1B. dp × tp and dp × pp (and tp × pp)."""
+    PipelineStage per rank driven by Schedule1F1B: any of dp, tp, pp, together or alone."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     mesh = torch_mesh(layout.dp, layout.pp, 1, layout.tp)
