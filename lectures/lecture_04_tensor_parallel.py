@@ -1129,7 +1129,7 @@ def time_steps(rank, world_size, cfg, batch_size=16, kinds=("ours",), repeats=7)
     """Median training-step times (util.measure) of the kinds asked for, on the same ranks, with
     their repeats interleaved so that machine noise hits them alike."""
     from torch.distributed.device_mesh import init_device_mesh
-    from util.measure import Timing, measure
+    from util.measure import measure_side_by_side
     steps = {}
     for kind in kinds:
         if kind == "one process":
@@ -1152,24 +1152,13 @@ def time_steps(rank, world_size, cfg, batch_size=16, kinds=("ours",), repeats=7)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             steps[kind] = dt_step
-    samples = {k: [] for k in kinds}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one core per rank, whatever the number of ranks
     try:
-        _interleave(steps, samples, kinds, repeats)
+        with quiet():
+            return measure_side_by_side(steps, warmup=2, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
-    return {k: Timing(v) for k, v in samples.items()}
-
-
-def _interleave(steps, samples, kinds, repeats):
-    from util.measure import measure
-    with quiet():
-        for k in kinds:
-            measure(steps[k], warmup=2, repeats=1)
-        for _ in range(repeats):
-            for k in kinds:
-                samples[k] += measure(steps[k], warmup=0, repeats=1).samples
 
 
 def redistribute_table(rank, world_size):

@@ -1344,10 +1344,11 @@ def bench():
     runs = [{"label": "gpipe", "name": "gpipe", "m": 8}, {"label": "1f1b", "name": "1f1b", "m": 8},
             {"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
             {"label": "zb-h1", "name": "zb-h1", "m": 8}]
-    # Sleeps 10× the page's. Every action also costs a fixed ~1 ms here (Python, a gloo message,
-    # 4 ranks on 2 cores) that the textbook formula leaves out; interleaving has v× the actions,
-    # each 1/v as long, so at the page's sleeps that cost inflates its bubble most. Long actions
-    # make it small, and the ratio then measures the schedule rather than the overhead.
+    # Sleeps 10× the page's. Every action also pays a fixed cost here (Python, a gloo message,
+    # more ranks than cores; the page measures it) that the textbook formula leaves out;
+    # interleaving has v× the actions, each 1/v as long, so at the page's sleeps that cost
+    # inflates its bubble most. Long actions make it small, and the ratio then measures the
+    # schedule rather than the overhead.
     R = spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
               delay={k: 10 * d for k, d in SLEEP.items()}, repeats=5, name="bench: bubbles in sleep mode").returns
     lines = []

@@ -1029,25 +1029,22 @@ def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
     """PyTorch's context_parallel (ring, head-tail layout) vs our zig-zag ring, same shapes, float32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from util.measure import measure
+    from util.measure import measure_side_by_side
     if device().type == "cpu":
         install_cpu_context_parallel_shim()
     mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
     full = [t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32")]
-    from util.measure import Timing
     q, k, v, dout = (t.clone() for t in full)
     mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
     run_theirs = lambda: fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, dout)
     run_ours = lambda: fwd_bwd(functools.partial(ring_attention, causal=True, layout="zigzag"), *mine)
     with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
-        theirs, ours = [], []
-        for i in range(repeats):       # alternate, so drift on a busy machine hits both alike
-            theirs += measure(run_theirs, warmup=2 if i == 0 else 0, repeats=1).samples
-            ours += measure(run_ours, warmup=2 if i == 0 else 0, repeats=1).samples
+        # the two take turns, so drift on a busy machine hits both alike
+        t = measure_side_by_side({"theirs": run_theirs, "ours": run_ours}, warmup=2, repeats=repeats)
         ql = q.detach().requires_grad_()
         their_out = F.scaled_dot_product_attention(ql, k, v, is_causal=True).detach()
     our_out = ring_attention(*mine[:3], causal=True, layout="zigzag")
-    return {"theirs": Timing(theirs), "ours": Timing(ours), "same_layout": bool(torch.equal(q, mine[0])),
+    return {"theirs": t["theirs"], "ours": t["ours"], "same_layout": bool(torch.equal(q, mine[0])),
             "max_diff": (their_out - our_out).abs().max().item()}
 
 

@@ -1712,15 +1712,15 @@ def pytorch_pieces():
     see(pytorch_layout)
     ref = reference_run(run)
     rows = []
-    # The quick build checks two; the tests check all three 4-rank layouts.
-    cases = PYTORCH_LAYOUTS[:2] if settings.quick else PYTORCH_LAYOUTS + [PYTORCH_3D]
+    every = PYTORCH_LAYOUTS + [PYTORCH_3D]
+    cases = every[:2] if settings.quick else every   # the tests check all three 4-rank layouts
     for name, lay in cases:
         got = spawn(train_pytorch_layout, lay.world, run=run, layout=lay,
                     name=f"PyTorch pieces: {name}, {lay.label()}").returns
         diff = max_param_diff(got, ref["params"])
         rows.append([name, lay.label(), lay.world, got[0]["losses"][-1], diff])
         assert diff < 1e-4, (name, diff)
-    for name, lay in (PYTORCH_LAYOUTS + [PYTORCH_3D])[len(cases):]:
+    for name, lay in every[len(cases):]:
         rows.append([name, lay.label(), lay.world, "full build only", ""])
     table(rows, header=["layout", "mesh", "ranks", "last loss", "max |Δ parameter| vs one process"],
           caption=f"PyTorch's pieces train the same model to the same parameters (one process: "

@@ -77,4 +77,3 @@ def test_span_records_its_interval_even_when_the_block_raises(recorder):
     (r,) = recorder.records
     assert r["kind"] == "span" and r["label"] == "failing block" and r["end"] >= r["start"]
     assert r["source"]["function"] == "test_span_records_its_interval_even_when_the_block_raises"
-

@@ -156,19 +156,12 @@ def _forget_meshes():
     compare equal whatever their process groups. After a worker leaves its process group for
     a new one, a cached decision would hand a demo a mesh of the destroyed groups ("Could not
     resolve the process group registered under the name N"): drop those caches."""
-    api = sys.modules.get("torch.distributed.tensor._api")
-    if api is None:             # this worker never used DTensor
+    if "torch.distributed.tensor._api" not in sys.modules:   # this worker never used DTensor
         return
     import torch
-    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
-    _redistribute.clear_redistribute_planner_cache()   # its planners hold their (old) mesh
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
-    propagator = api.DTensor._op_dispatcher.sharding_propagator
-    for value in vars(propagator).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
-    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()      # the C++ dispatch fast path's
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # Python's
 
 
 def _worker(rank, port, backend, tasks, results):

@@ -26,9 +26,8 @@ from markupsafe import Markup
 
 from util.recording import load, write_atomic
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where lectures/notebooks/ is
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)   # where lectures/notebooks/ is
 STATIC = os.path.join(HERE, "static")
 TEMPLATES = os.path.join(HERE, "templates")
 _RESERVED_IDS = {"content", "sidebar", "menu", "toc", "top", "page-header", "intro"}
