@@ -11,3 +11,19 @@ def test_measure_side_by_side_takes_turns():
     assert calls[3:] == list("abc" "bca" "cab" "abc")               # rounds, rotating
     assert {k: len(t.samples) for k, t in times.items()} == {"a": 4, "b": 4, "c": 4}
     assert all(s >= 0 for t in times.values() for s in t.samples)
+
+
+def test_compare_says_no_difference_when_spreads_overlap():
+    from util.measure import Timing, compare
+    a, b = Timing([1.0, 1.1, 1.2, 1.3, 1.4]), Timing([1.25, 1.3, 1.35, 1.4, 1.5])
+    assert compare(a, b).startswith("no measurable difference here")
+    fast, slow = Timing([1.0, 1.01, 1.02]), Timing([2.0, 2.02, 2.04])
+    assert compare(fast, slow, "ring", "gloo").startswith("ring 2.00× faster than gloo")
+    assert compare(slow, fast, "ring", "gloo").startswith("gloo 2.00× faster than ring")
+
+
+def test_machine_says_only_the_ranks_and_oversubscription(monkeypatch):
+    from util import measure
+    monkeypatch.setattr(measure, "usable_cores", lambda: 2)
+    assert measure.machine(2) == "2 ranks" and measure.machine() == "one process"
+    assert measure.machine(4).startswith("4 ranks, taking turns on 2 cores")

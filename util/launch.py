@@ -129,9 +129,12 @@ def _run_task(rank, world_size, fn, kwargs, threads):
     code = getattr(fn, "__code__", None)
     source = code and {"file": record.relpath(code.co_filename), "line": code.co_firstlineno,
                        "function": code.co_name, "key": None}
-    for stream, buf in (("stdout", out), ("stderr", err)):
-        if buf.getvalue():
-            recorder.add("output", source=source, stream=stream, text=buf.getvalue())
+    if out.getvalue():
+        recorder.add("output", source=source, stream="stdout", text=out.getvalue())
+    # What a rank wrote to stderr (library warnings, mostly) goes to the terminal, not the page.
+    if err.getvalue():
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in err.getvalue().splitlines()))
+        sys.stderr.flush()
     if not result["ok"]:
         recorder.add("error", source=source, text=result["error"])
     result["records"], result["functions"] = recorder.records, recorder.functions

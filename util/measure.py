@@ -42,21 +42,17 @@ def oversubscribed(ranks):
 
 
 def machine(ranks=None):
-    """A sentence for the page: which machine measured, and whether ranks shared cores."""
+    """What a sentence beside a measurement says about where it ran. The page's header names the
+    machine once (util/render.about_numbers); here only what differs per measurement: how many
+    ranks, and whether they had to take turns on too few cores."""
     import torch
-    cores = usable_cores()
-    if torch.cuda.is_available():
-        where = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    else:
-        where = f"a CPU with {cores} usable core{'s' if cores != 1 else ''}"
-    text = f"measured on {where}"
-    if ranks is not None:
-        text += f", {ranks} rank{'s' if ranks != 1 else ''}"
-        if oversubscribed(ranks) and not torch.cuda.is_available():
-            text += (f" (oversubscribed: {ranks} ranks take turns on {cores} cores, so times "
-                     "include the operating system switching between them)")
-        elif not torch.cuda.is_available():
-            text += " (one core or more each)"
+    if ranks is None:
+        return "one process"
+    text = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    if oversubscribed(ranks) and not torch.cuda.is_available():
+        cores = usable_cores()
+        text += (f", taking turns on {cores} core{'s' if cores != 1 else ''} (times include the "
+                 "operating system switching between them)")
     return text
 
 
@@ -102,6 +98,17 @@ class Timing:
 
     def __str__(self):
         return self.ms()
+
+
+def compare(a, b, a_name="ours", b_name="theirs"):
+    """The words a page uses for two timings (`Timing`s): "no measurable difference here" when
+    their interquartile ranges overlap, otherwise which is faster and by how much (the ratio of
+    medians). One function, so no sentence can contradict the table beside it."""
+    if a.q1 <= b.q3 and b.q1 <= a.q3:
+        return (f"no measurable difference here ({a_name} {a.ms()}, {b_name} {b.ms()}: the "
+                "interquartile ranges overlap)")
+    fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
+    return f"{fn} {slow.median / fast.median:.2f}× faster than {sn} ({fast.ms()} vs {slow.ms()})"
 
 
 def _slowest_rank(seconds, group):

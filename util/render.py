@@ -187,9 +187,15 @@ def markdown(text):
         from markdown_it import MarkdownIt
         from mdit_py_plugins.dollarmath import dollarmath_plugin
 
-        def fence(code, lang, attrs):
-            return highlight(code, start=0, lang=lang) if lang else ""  # "" -> escaped default
-        md = MarkdownIt("commonmark", {"html": False, "highlight": fence}).enable("table")
+        def fence(self, tokens, idx, options, env):
+            # Pygments' own <div class="hl"><pre> block, as a plain str: markdown-it would wrap
+            # anything not starting with "<pre" in <pre><code>, and adding a str to Markup
+            # escapes the str (both showed as raw HTML on a page)
+            token = tokens[idx]
+            return str(highlight(token.content, start=0, lang=token.info.strip().split(" ")[0] or "text"))
+        md = MarkdownIt("commonmark", {"html": False}).enable("table")
+        md.add_render_rule("fence", fence)
+        md.add_render_rule("code_block", fence)
         md.use(dollarmath_plugin, double_inline=True,
                renderer=lambda content, opts: latex_to_mathml(content, opts["display_mode"]))
         _md = md
@@ -313,8 +319,9 @@ class Page:
         numeric = [all(_is_number(row[c]) for row in rows if c < len(row) and row[c] is not None)
                    and any(c < len(row) and _is_number(row[c]) for row in rows)
                    for c in range(ncols)]
+        # text cells are inline Markdown, as captions are (`code`, **total**)
         cell = lambda v: ({"num": True, "text": format_number(v), "title": repr(v)} if _is_number(v)
-                          else {"num": False, "text": "" if v is None else str(v)})
+                          else {"num": False, "text": markdown_inline("" if v is None else str(v))})
         return {"kind": "table", "dense": ncols >= 8,
                 "header": [{"text": str(h), "num": c < ncols and numeric[c]} for c, h in enumerate(header)]
                 if header else None,
@@ -330,7 +337,7 @@ class Page:
         svg = r.get("svg", "")
         cap = r.get("caption") or ""
         return {"kind": "figure", "src": self._file(f"fig-{n:02d}.svg", svg.encode("utf-8")),
-                "size": figure_size_class(svg), "caption_text": cap,
+                "caption_text": cap,
                 "caption": markdown_inline(cap) if cap else None}
 
     def p_image(self, r):
@@ -359,32 +366,31 @@ class Page:
             self.cur["failed"] = True
             self.failed_demos.append({"id": did, "name": r.get("name", "")})
         ws = r.get("world_size") or 0
-        # Per rank: what it recorded, then what it returned. A demo whose ranks neither recorded
-        # nor returned anything gets no columns at all (its results are in the tables below it).
-        by_rank = {}
+        # A rank gets a card only when it has something to say: its notes, tables, figures or
+        # printed output. What it returned is data for the lecture's own tables, and stray stderr
+        # (library warnings) is for the terminal, not the page. A rank's traceback is shown once
+        # under the demo, for all the ranks that raised the same one, at the page's full width.
+        by_rank, errors = {}, {}
         for sub in r.get("records") or []:
-            if sub.get("kind") != "span":
-                by_rank.setdefault(sub.get("rank"), []).append(self.part(sub))
-        for rank, text in enumerate(r.get("returns") or []):
-            if text is not None:
-                by_rank.setdefault(rank, []).append({"kind": "returned", "text": text})
-        columns = []
-        if any(by_rank.values()):
-            ranks = sorted(set(range(ws)) | {k for k in by_rank if isinstance(k, int)})
-            for rank in ranks:
-                parts = [q for q in by_rank.get(rank, []) if q]
-                columns.append({"title": f"rank {rank}", "parts": parts or [
-                    {"kind": "note", "html": Markup('<p class="quiet">nothing recorded</p>')}],
-                                "error": any(q["kind"] == "error" for q in parts)})
-            columns += [{"title": str(k), "parts": v, "error": False}
-                        for k, v in by_rank.items() if not isinstance(k, int) and v]
+            kind = sub.get("kind")
+            if kind == "span" or (kind == "output" and sub.get("stream") == "stderr"):
+                continue
+            if kind == "error":
+                errors.setdefault(sub.get("text", ""), []).append(sub.get("rank"))
+                continue
+            part = self.part(sub)
+            if part:
+                by_rank.setdefault(sub.get("rank"), []).append(part)
+        columns = [{"title": f"rank {k}" if isinstance(k, int) else str(k), "parts": v}
+                   for k, v in sorted(by_rank.items(), key=lambda kv: (not isinstance(kv[0], int), str(kv[0]).zfill(6)))]
+        rank_errors = [{"ranks": _rank_list(ranks), "text": text} for text, ranks in errors.items()]
         return {"kind": "demo", "id": did, "status": status, "name": str(r.get("name", "")),
                 "world_size": ws, "elapsed": format_seconds(r.get("elapsed")),
                 "label": {"ok": "ok", "failed": "failed", "skipped": "skipped",
                           "expected_failure": "expected failure — this is the lesson"}.get(status, status),
                 "error": r.get("error"),
                 "error_class": {"failed": "error-box", "expected_failure": "expected-box"}.get(status, "skip-box"),
-                "columns": columns}
+                "columns": columns, "rank_errors": rank_errors}
 
     def code_for(self, keys):
         """The functions behind a section ("show code"), leaving out library code."""
@@ -393,20 +399,18 @@ class Page:
                 for f in (funcs[k] for k in keys) if not os.path.isabs(str(f.get("file", "")))]
 
 
+def _rank_list(ranks):
+    """'rank 2', 'ranks 0, 1 and 3'."""
+    ranks = sorted(r for r in ranks if isinstance(r, int))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}" if ranks else "a rank"
+
+
 def code_part(name, file, start, code):
     end = start + max(0, len(code.rstrip("\n").splitlines()) - 1)
     return {"kind": "code", "name": name, "file": str(file), "start": start, "end": end,
             "html": highlight(code, start)}
-
-
-def figure_size_class(svg):
-    """fig-wide / fig-medium / fig-small from the SVG's width (matplotlib writes points): on a
-    phone a wide figure keeps a legible minimum width and scrolls instead of shrinking."""
-    m = re.search(r'<svg[^>]*\swidth="([\d.]+)(pt|px)?"', svg[:2000])
-    if not m:
-        return "fig-small"
-    px = float(m.group(1)) * (4 / 3 if m.group(2) == "pt" else 1)
-    return "fig-wide" if px > 700 else "fig-medium" if px > 450 else "fig-small"
 
 
 def _demo_counts(d):
@@ -434,6 +438,22 @@ def _meta_line(rec):
             + (f" (worker start-up {format_seconds(startup)})" if startup else ""),
             _demo_counts(rec.get("demos") or {}),
             f'Python {env.get("python", "?")}, torch {env.get("torch", "?")}']
+
+
+def about_numbers(env):
+    """The page's one statement of the machine that measured it, and what that means for the
+    reader (sentences beside each measurement then say only what differs: the ranks)."""
+    device = env.get("device", "an unknown device")
+    if env.get("backend") == "nccl":
+        meaning = ("Times are this GPU machine's; the equalities with one process and the byte "
+                   "counts hold anywhere.")
+    else:
+        meaning = ("Trust the equalities with one process and the byte counts as they are: they hold "
+                   "on any machine. Times show trends and ratios on a small CPU, not GPU speeds: "
+                   "gloo moves bytes with CPU threads that compete with the compute, and where a "
+                   "demo runs more ranks than there are cores the ranks take turns.")
+    return Markup("Every number on this page was measured while building it, on <b>{}</b> "
+                  "({} backend). {}").format(device, env.get("backend", "?"), meaning)
 
 
 _env = None
@@ -488,7 +508,8 @@ def lecture_html(rec, files_dir_name, previous=None, next=None):
     text = templates().get_template("lecture.html").render(
         page_title=title, body_class="lecture" + (" build-failed" if status != "ok" else ""),
         title_html=markdown_inline(title), title_text=_plain_text(title), subtitle=subtitle,
-        meta=_meta_line(rec), file=str(rec.get("file", "")), failed=status != "ok",
+        meta=_meta_line(rec), about_numbers=about_numbers(rec.get("environment") or {}),
+        file=str(rec.get("file", "")), failed=status != "ok",
         failed_demos=page.failed_demos, sections=page.sections, previous=previous, next=next)
     return text, page.files
 
@@ -547,7 +568,8 @@ def render_index(out_dir):
         nb = f"notebooks/{name}.html"
         source = os.path.join("lectures", "notebooks", f"{name}.ipynb")
         lectures.append({
-            "name": name, "title": rec.get("title") or name, "summary": rec.get("summary"),
+            "name": name, "title": rec.get("title") or name,
+            "summary": markdown_inline(rec["summary"]) if rec.get("summary") else None,
             "status": rec.get("status", "ok"),
             "page": page if os.path.isfile(os.path.join(out_dir, page)) else None,
             "notebook": nb if os.path.isfile(os.path.join(out_dir, nb)) else None,

@@ -121,5 +121,22 @@
     });
   }
 
+  // --- long code listings fold after ~25 lines; the reader opens what they want ---------
+  document.documentElement.classList.add("js");
+  Array.prototype.forEach.call(document.querySelectorAll("figure.code.long"), function (fig) {
+    var lines = fig.querySelectorAll(".line").length;
+    var button = document.createElement("button");
+    button.type = "button";
+    button.className = "fold-toggle";
+    function set(folded) {
+      fig.classList.toggle("folded", folded);
+      button.textContent = folded ? "show all " + lines + " lines" : "fold";
+      button.setAttribute("aria-expanded", folded ? "false" : "true");
+    }
+    button.addEventListener("click", function () { set(!fig.classList.contains("folded")); });
+    fig.appendChild(button);
+    set(true);
+  });
+
   markActive();
 })();
