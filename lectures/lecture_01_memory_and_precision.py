@@ -3,674 +3,49 @@
 Before any communication: what a training step holds in memory, how number formats trade range
 for resolution, and why both decide everything the later lectures do. This lecture also defines
 the small GPT and the learnable synthetic task that lectures 04–07 train.
+
+The building blocks live in modules beside this file, and this file narrates them: the model and
+the task in `gpt.py`, the two memory meters in `memory.py`, a step's memory by category in
+`training_memory.py`, activation accounting, recomputation and accumulation in `activations.py`,
+number formats, loss scaling, master weights and fp8 in `precision.py`, blocked attention with an
+online softmax in `attention.py`, and the roofline's rates in `roofline.py`.
 """
-import contextlib
 import dataclasses
-import functools
 import math
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from util import device, figure, note, see, settings, spawn, table
 from util.measure import machine, measure, usable_cores
 
+from lectures.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
+                                  block_activations, korthikanti_bytes, reconciled_bytes,
+                                  recomputation_step, with_recomputation)
+from lectures.attention import (OnlineSoftmaxAttention, attention_with_lse, merge_attention,  # noqa: F401
+                                naive_causal_attention, online_softmax_attention)
 from lectures.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
                           causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
-
-# =========================================================================================
-# 3. Measuring memory: what is alive, and what autograd keeps for the backward pass
-# =========================================================================================
-
-class LiveBytes:
-    """Bytes of tensor storage allocated inside the `with` block that are still alive (`.now`)
-    and the most that were alive at once (`.peak`). Counts each storage once, however many views
-    share it; tensors that existed before the block (parameters) are not counted. A
-    TorchDispatchMode sees every operator's outputs, on any device, GPU or CPU alike."""
-
-    def __init__(self):
-        self.now = self.peak = 0
-        self._live = {}
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                        tracker._add(t.untyped_storage())
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def _add(self, st):
-        key, n = st.data_ptr(), st.nbytes()
-        if n and key not in self._live:
-            self._live[key] = n
-            self.now += n
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(st, self._free, key)
-
-    def _free(self, key):
-        self.now -= self._live.pop(key, 0)
-
-    def reset_peak(self):
-        self.peak = self.now
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-
-
-class SavedActivations:
-    """Everything autograd saves for the backward pass inside the `with` block, de-duplicated by
-    storage (q, k and v as views of one buffer count once) and without the parameters (a Linear
-    saves its weight, but the weight is not an activation). `.bytes`, and `.tensors`: one
-    (shape, dtype, bytes) per storage, in the order first saved."""
-
-    def __init__(self, exclude=()):
-        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}
-        self._seen = set()
-        self.tensors = []
-
-    def _pack(self, t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in self._exclude and key not in self._seen and st.nbytes():
-            self._seen.add(key)
-            self.tensors.append((tuple(t.shape), t.dtype, st.nbytes()))
-        return t
-
-    @property
-    def bytes(self):
-        return sum(b for _, _, b in self.tensors)
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-def by_category(tracker):
-    """MemTracker's current bytes on the CPU (or first) device, keyed by plain category names."""
-    snap = tracker.get_tracker_snapshot("current")
-    per_dev = next(iter(snap.values()))
-    return {(k if isinstance(k, str) else k.value): v for k, v in per_dev.items()}
-
-
-MEM_CATEGORIES = ["Parameter", "Gradient", "Optstate", "Activation", "Temp"]
-
-
-def held_by_training(model, opt):
-    """Our own accounting, from the tensors themselves: parameters, gradients, optimizer state."""
-    params = list(model.parameters())
-    return {"Parameter": sum(p.nbytes for p in params),
-            "Gradient": sum(p.grad.nbytes for p in params if p.grad is not None),
-            "Optstate": sum(v.nbytes for s in opt.state.values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim() > 0)}
-
-
-def memory_timeline(cfg, batch_size, steps=3, lr=3e-3):
-    """Train `steps` AdamW steps under PyTorch's MemTracker and sample it after every phase of
-    each step; beside it, our own sums over the tensors, the bytes autograd saved, and the
-    most bytes alive at once in each phase (LiveBytes). Returns one row per phase."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    rows = []
-    with tracker, LiveBytes() as live:
-        for step in range(1, steps + 1):
-            tokens, targets = batch(cfg, batch_size, step)
-            live.reset_peak()
-            with SavedActivations(exclude=model.parameters()) as saved:
-                loss = loss_fn(model(tokens), targets)
-            rows.append(dict(step=step, phase="forward", tracker=by_category(tracker),
-                             own=dict(held_by_training(model, opt), Activation=saved.bytes),
-                             peak=live.peak))
-            for phase, act in [("backward", loss.backward), ("optimizer step", opt.step),
-                               ("zero_grad", opt.zero_grad)]:
-                live.reset_peak()
-                act()
-                rows.append(dict(step=step, phase=phase, tracker=by_category(tracker),
-                                 own=dict(held_by_training(model, opt), Activation=0), peak=live.peak))
-            del loss
-            tracker.reset_mod_stats()      # per-module peaks start afresh each iteration
-    return rows
-
-
-def fake_training_step(cfg, batch_size, dtype=torch.bfloat16):
-    """One forward, backward and AdamW step of `cfg` under FakeTensorMode: tensors have shapes
-    and dtypes but no storage, so MemTracker counts the bytes a real run would need without this
-    machine holding them. Parameters in `dtype` with an fp32 master copy is the mixed-precision
-    layout; here for simplicity parameters are `dtype` and AdamW keeps its state in `dtype`
-    too, so the optimizer row reads 2 × 2 bytes per parameter."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-    previous = torch.get_default_dtype()
-    rows = {}
-    with FakeTensorMode():
-        torch.set_default_dtype(dtype)
-        try:
-            model = GPT(dataclasses.replace(cfg, dtype=str(dtype).split(".")[-1]))
-        finally:
-            torch.set_default_dtype(previous)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
-            loss = loss_fn(model(tokens), tokens)
-            rows["after forward"] = by_category(tracker)
-            loss.backward()
-            rows["after backward"] = by_category(tracker)
-            opt.step()
-            rows["after optimizer step"] = by_category(tracker)
-    return rows
+from lectures.memory import LiveBytes, SavedBytes
+from lectures.precision import (FORMATS, MasterWeights, dequantize_fp8, format_properties,  # noqa: F401
+                                fp8_matmul_error, fp16_gradients, fp32_gradients, gradient_error,
+                                outlier_matrices, quantize_fp8, relative_error_across_magnitudes,
+                                round_to, scaled_mm_error, train_curve)
+from lectures.roofline import copy_rate, elementwise_rate, matmul_rate, threads
+from lectures.training_memory import (MEM_CATEGORIES, by_category, fake_training_step,  # noqa: F401
+                                      held_by_training, memory_timeline)
 
 
 # =========================================================================================
-# 4. Activation memory: measured per layer, the paper's formula, and ours reconciled
+# Page-only helpers and the one demo spawned on ranks
 # =========================================================================================
-
-def naive_causal_attention(q, k, v):
-    """Attention as written in the paper: the (s × s) scores and probabilities are materialized
-    (and the probabilities saved for backward)."""
-    s = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
-
-
-def block_activations(cfg, batch_size, seq, attend=causal_attention):
-    """What autograd saves for one transformer block on a (batch, seq, h) input."""
-    block = Block(cfg).to(cfg.torch_dtype)
-    block.attn.attend = attend
-    x = torch.randn(batch_size, seq, cfg.d_model, dtype=cfg.torch_dtype, requires_grad=True)
-    with SavedActivations(exclude=block.parameters()) as saved:
-        block(x).sum()
-    return saved
-
-
-def korthikanti_bytes(cfg, batch_size, seq):
-    """Korthikanti et al. (2022): bytes of activations per layer in 16-bit with dropout,
-    s·b·h·(34 + 5·a·s/h)."""
-    s, b, h, a = seq, batch_size, cfg.d_model, cfg.n_heads
-    return s * b * h * (34 + 5 * a * s / h)
-
-
-def reconciled_bytes(cfg, batch_size, seq, attention="sdpa"):
-    """The same count for *this* block, term by term. Elements saved per token (× s·b):
-    LN1 input h, LN1 output h (the input of Q, K, V), q h, k and v h_kv each, attention output
-    h (the input of O), LN2 input h, LN2 output h (the input of fc_in), GELU input f, GELU
-    output f (the input of fc_out). That is the paper's 34 without its two sbh dropout masks
-    (32 = 2 bytes × 16 elements) — and 4 bytes each, we train in fp32. Small extras: each
-    LayerNorm keeps a mean and 1/std per token (fp32). Attention: the fused kernel keeps one
-    log-sum-exp per (head, token) instead of the paper's 5·a·s² bytes (softmax output, dropout
-    mask and dropout output); the naive version keeps the fp32 probabilities a·s² and a bool
-    causal mask s²."""
-    s, b, h, a, f = seq, batch_size, cfg.d_model, cfg.n_heads, cfg.ff
-    e = cfg.torch_dtype.itemsize
-    h_kv = cfg.kv_heads * cfg.head_dim if attention == "sdpa" else h  # naive sees repeated K, V
-    terms = {"LN inputs (2·h)": 2 * h * s * b * e,
-             "LN outputs = inputs of QKV and fc_in (2·h)": 2 * h * s * b * e,
-             "q, k, v (h + 2·h_kv)": (h + 2 * h_kv) * s * b * e,
-             "attention output = input of O (h)": h * s * b * e,
-             "GELU input and output (2·f)": 2 * f * s * b * e,
-             "LayerNorm mean and 1/std (2 × 2 per token)": 4 * s * b * 4}
-    if attention == "sdpa":
-        terms["log-sum-exp (a per token)"] = a * s * b * 4
-    else:
-        terms["softmax probabilities (a·s per token)"] = a * s * s * b * e
-        terms["causal mask (s², bool)"] = s * s
-    return terms
-
-
-# =========================================================================================
-# 5. Recomputation and gradient accumulation
-# =========================================================================================
-
-def _save_matmuls(ctx, op, *args, **kwargs):
-    """Selective recomputation policy: keep matmul outputs (expensive to redo), recompute the
-    cheap element-wise work and LayerNorms (Korthikanti et al. keep the matmuls and recompute
-    the attention core; the same trade, one rule)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default}
-    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class Recomputed(nn.Module):
-    """Wrap a block: `mode` "none" stores everything, "full" keeps only the block's input and
-    re-runs its forward in backward, "selective" keeps what `_save_matmuls` says."""
-
-    def __init__(self, block, mode):
-        super().__init__()
-        if mode not in ("none", "full", "selective"):
-            raise ValueError(f"recomputation mode must be none, full or selective, not {mode!r}")
-        self.block, self.mode = block, mode
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-        if self.mode == "none" or not torch.is_grad_enabled():
-            return self.block(x)
-        if self.mode == "full":
-            return checkpoint(self.block, x, use_reentrant=False)
-        return checkpoint(self.block, x, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
-
-
-def with_recomputation(cfg, mode):
-    """GPT(cfg) with every block wrapped; the same weights for every mode."""
-    model = GPT(cfg)
-    model.blocks = nn.ModuleList(Recomputed(b, mode) for b in model.blocks)
-    return model
-
-
-def recomputation_step(cfg, batch_size, mode):
-    """One forward + backward: the bytes held between them (measured with LiveBytes: the
-    checkpoint hides its saved tensors from saved-tensor hooks, not from the allocator),
-    the peak, and the gradients."""
-    model = with_recomputation(cfg, mode)
-    tokens, targets = batch(cfg, batch_size, 0)
-    with LiveBytes() as live:
-        loss = loss_fn(model(tokens), targets)
-        held = live.now
-        loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"held": held, "peak": live.peak, "grads": grads, "model": model}
-
-
-def accumulated_gradients(cfg, batch_size, micro_batches, step=0):
-    """Gradients of the mean loss over `batch_size` sequences, computed in `micro_batches`
-    slices: each slice's loss is divided by the number of slices, so the sum is the big batch's
-    mean (equal-size slices). Also the most activation bytes held at once."""
-    if batch_size % micro_batches:
-        raise ValueError(f"batch {batch_size} does not split into {micro_batches} equal micro-batches")
-    model = GPT(cfg)
-    tokens, targets = batch(cfg, batch_size, step)
-    held = 0
-    for x, y in zip(tokens.chunk(micro_batches), targets.chunk(micro_batches)):
-        with LiveBytes() as live:
-            loss = loss_fn(model(x), y) / micro_batches
-            held = max(held, live.now)
-            loss.backward()
-    return {n: p.grad for n, p in model.named_parameters()}, held
-
-
-# =========================================================================================
-# 6. Number formats, loss scaling, master weights
-# =========================================================================================
-
-FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "fp8 e4m3fn": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
-
-
-def round_to(x, dtype):
-    """x rounded to `dtype` (round to nearest even) and back to fp32. fp8 e4m3fn has no
-    infinity: values past its 448 saturate to ±448 here rather than becoming NaN."""
-    if dtype == torch.float8_e4m3fn:
-        m = torch.finfo(dtype).max
-        x = x.clamp(-m, m)
-    return x.to(dtype).to(torch.float32)
-
-
-def format_properties(name, dtype, n=200_001):
-    """What finfo says, and what rounding `n` evenly spaced values in [1, 2] measures: the
-    largest relative error is half the spacing between neighbours there (eps/2)."""
-    fi = torch.finfo(dtype)
-    x = torch.linspace(1, 2, n, dtype=torch.float64)
-    err = ((round_to(x.float(), dtype).double() - x).abs() / x).max().item()
-    distinct = round_to(x.float(), dtype).unique().numel()
-    bits = dtype.itemsize * 8
-    return {"format": name, "bits": bits, "max": fi.max, "smallest normal": fi.smallest_normal,
-            "eps (spacing at 1)": fi.eps, "values in [1, 2]": distinct,
-            "max rel. error in [1, 2] (measured)": err}
-
-
-def relative_error_across_magnitudes(dtype, exponents, per_decade=200, seed=0):
-    """Median relative rounding error of random values at each magnitude 10^e; 1.0 means the
-    value flushed to zero, a NaN/inf counts as 1 too."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for e in exponents:
-        x = (10.0 ** e) * (1 + torch.rand(per_decade, generator=g, dtype=torch.float64) * 9)
-        r = round_to(x.float(), dtype).double()
-        rel = ((r - x).abs() / x).nan_to_num(1.0, 1.0, 1.0).clamp(max=1.0)
-        out.append(rel.median().item())
-    return out
-
-
-def fp16_gradients(cfg, batch_size, scale=None):
-    """The GPT's gradients when every gradient is *stored* in fp16: each module's incoming
-    gradient and each parameter's gradient are rounded to fp16 (the arithmetic stays fp32: on
-    this CPU fp16 matmuls are far slower, and the loss of information is in the storage).
-    With `scale`, a real `torch.amp.GradScaler` multiplies the loss by it before backward, then
-    divides the gradients by it (`unscale_`) and refuses the step if any became inf/NaN.
-    Returns gradients, counts of activation-gradient elements (total, flushed to zero,
-    subnormal) and whether the scaler would skip this step."""
-    f16 = torch.finfo(torch.float16)
-    model = GPT(cfg)
-    tokens, targets = batch(cfg, batch_size, 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10**6,
-                                  enabled=scale is not None)
-    count = {"elements": 0, "flushed to zero": 0, "subnormal": 0}
-
-    def to_fp16(module, grad_output):
-        g = grad_output[0]
-        r = round_to(g, torch.float16)
-        count["elements"] += g.numel()
-        count["flushed to zero"] += ((r == 0) & (g != 0)).sum().item()
-        count["subnormal"] += ((r != 0) & (r.abs() < f16.smallest_normal)).sum().item()
-        return (r,)
-
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.LayerNorm)):
-            m.register_full_backward_pre_hook(to_fp16)
-    for p in model.parameters():
-        p.register_hook(lambda g: round_to(g, torch.float16))
-    scaler.scale(loss_fn(model(tokens), targets)).backward()
-    scaler.unscale_(opt)                 # grads /= scale, in fp32, and look for inf/NaN
-    scaler.step(opt)                     # lr = 0: nothing moves; skipped if inf/NaN found
-    before = scaler.get_scale() if scale else None
-    scaler.update()
-    skipped = scale is not None and scaler.get_scale() < before
-    return {n: p.grad for n, p in model.named_parameters()}, count, skipped
-
-
-def fp32_gradients(cfg, batch_size):
-    model = GPT(cfg)
-    tokens, targets = batch(cfg, batch_size, 0)
-    loss_fn(model(tokens), targets).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-def gradient_error(grads, reference):
-    """‖g − g_ref‖ / ‖g_ref‖ over all parameters together (inf/NaN count as total loss)."""
-    num = sum((grads[k].double() - reference[k].double()).pow(2).sum() for k in reference)
-    den = sum(reference[k].double().pow(2).sum() for k in reference)
-    err = (num / den).sqrt().item()
-    return err if math.isfinite(err) else float("inf")
-
-
-class MasterWeights:
-    """Mixed precision by hand: the model computes in bf16 (parameters and gradients bf16), the
-    optimizer updates an fp32 master copy and writes it back rounded to bf16. With
-    `fp32_accumulation`, gradients are summed over micro-batches in an fp32 buffer."""
-
-    def __init__(self, model, lr, fp32_accumulation=False, weight_decay=0.01):
-        self.model = model
-        self.params = list(model.parameters())
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-        self.acc = [torch.zeros_like(m) for m in self.master] if fp32_accumulation else None
-
-    def accumulate(self):
-        """After a micro-batch's backward: move bf16 gradients into the fp32 buffer."""
-        if self.acc is None:
-            raise RuntimeError("MasterWeights(fp32_accumulation=False) has no accumulation buffer")
-        for a, p in zip(self.acc, self.params):
-            a.add_(p.grad.float())
-            p.grad = None
-
-    def step(self):
-        for i, (m, p) in enumerate(zip(self.master, self.params)):
-            m.grad = self.acc[i].clone() if self.acc is not None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for m, p in zip(self.master, self.params):
-                p.copy_(m)                 # round the fp32 master to the bf16 compute copy
-                m.grad = None
-        if self.acc is not None:
-            for a in self.acc:
-                a.zero_()
-
-    def held(self):
-        """Bytes by role, from the tensors this setup holds."""
-        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        out = {"bf16 parameters": sum(p.nbytes for p in self.params),
-               "bf16 gradients": sum(p.grad.nbytes for p in self.params if p.grad is not None),
-               "fp32 master parameters": sum(m.nbytes for m in self.master),
-               "fp32 Adam m and v": sum(v.nbytes for v in state)}
-        if self.acc is not None:
-            out["fp32 gradient accumulation"] = sum(a.nbytes for a in self.acc)
-        return out
-
-
-def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
-    """Loss every `log_every` steps of AdamW training, for `variant` in
-    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of the weights the optimizer
-    updates (the fp32 master copy in the last variant) that the last step left unchanged: in
-    bf16, an update smaller than half the spacing between neighbours rounds away."""
-    if variant == "fp32":
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        step, updated = opt.step, list(model.parameters())
-    elif variant == "bf16 weights":
-        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        step, updated = opt.step, list(model.parameters())
-    elif variant == "bf16 + fp32 master":
-        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
-        mw = MasterWeights(model, lr=lr)
-        step, updated = mw.step, mw.master      # the weights the optimizer updates
-    else:
-        raise ValueError(f"unknown variant {variant!r}")
-    curve, unchanged = [], 0.0
-    for t in range(steps):
-        tokens, targets = batch(cfg, batch_size, t)
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        before = [p.detach().clone() for p in updated] if t == steps - 1 else None
-        step()
-        for p in model.parameters():
-            p.grad = None
-        if before is not None:
-            same = sum((p == b).sum().item() for p, b in zip(updated, before))
-            unchanged = same / sum(p.numel() for p in updated)
-        if t % log_every == 0 or t == steps - 1:
-            curve.append((t, loss.item()))
-    return curve, unchanged
-
-
-# =========================================================================================
-# 7. FP8 with scaling: one scale per tensor, or one per tile (DeepSeek-V3)
-# =========================================================================================
-
-def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn):
-    """x (2-D) to fp8 with scales chosen so each group's largest |value| maps to the format's
-    max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
-    (DeepSeek-V3: 1×128 for activations, 128×128 for weights). Returns (fp8 values, scales),
-    scales shaped (rows/r, cols/c)."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")
-    m, n = x.shape
-    r, c = tile or (m, n)
-    if m % r or n % c:
-        raise ValueError(f"tile {r}×{c} does not divide the {m}×{n} matrix")
-    tiles = x.float().reshape(m // r, r, n // c, c)
-    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12)
-    scale = amax / torch.finfo(dtype).max
-    q = (tiles / scale).to(dtype).reshape(m, n)
-    return q, scale.reshape(m // r, n // c)
-
-
-def dequantize_fp8(q, scale):
-    m, n = q.shape
-    gr, gc = scale.shape
-    tiles = q.float().reshape(gr, m // gr, gc, n // gc)
-    return (tiles * scale.reshape(gr, 1, gc, 1)).reshape(m, n)
-
-
-def row_errors(approx, exact):
-    """Relative error of each output row (one token): ‖ĉ_i − c_i‖ / ‖c_i‖."""
-    return (approx.double() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
-
-
-def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn):
-    """Median over output rows (tokens) of the relative error of an fp8 matmul simulated on the
-    CPU: quantize both operands, dequantize, multiply in fp32 (as tensor cores accumulate).
-    Per row, because a few huge rows would otherwise decide the whole norm."""
-    exact = a.double() @ w.double()
-    approx = dequantize_fp8(*quantize_fp8(a, a_tile, dtype)) @ dequantize_fp8(*quantize_fp8(w, w_tile, dtype))
-    return row_errors(approx, exact).median().item()
-
-
-def scaled_mm_error(a, w, rowwise=False):
-    """The same with PyTorch's fp8 matmul `torch._scaled_mm` (e4m3, tensor-wise or row-wise
-    scales: a per row of a, one per column of w). None if this build cannot run it."""
-    exact = a.double() @ w.double()
-    try:
-        if rowwise:
-            qa, sa = quantize_fp8(a, (1, a.shape[1]))
-            qw, sw = quantize_fp8(w.t().contiguous(), (1, w.shape[0]))
-            out = torch._scaled_mm(qa, qw.t(), sa.float(), sw.float().t(), out_dtype=torch.bfloat16)
-        else:
-            qa, sa = quantize_fp8(a)
-            qw, sw = quantize_fp8(w.t().contiguous())
-            out = torch._scaled_mm(qa, qw.t(), sa.reshape(()), sw.reshape(()), out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError):
-        return None
-    return row_errors(out, exact).median().item()
-
-
-def outlier_matrices(m, k, n, outlier=1000.0, frac=0.01, seed=0):
-    """Activations (m tokens × k) where a few tokens are `outlier` times larger than the rest
-    (LLMs have such "massive activations"), and Gaussian weights (k×n) with a few large
-    entries."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, generator=g)
-    rows = torch.randperm(m, generator=g)[:max(1, int(frac * m))]
-    a[rows] *= outlier
-    w = torch.randn(k, n, generator=g) * 0.02
-    w[torch.rand(k, n, generator=g) < 0.001] *= 50
-    return a, w
-
-
-# =========================================================================================
-# 8. FlashAttention's idea: attention by key/value blocks with an online softmax
-# =========================================================================================
-
-def attention_with_lse(q, k, v, causal=False, q_offset=0, k_offset=0, scale=None):
-    """softmax(q kᵀ·scale) v for one block of keys, and the log-sum-exp of each query's scores
-    (b, heads, s_q). Positions are q_offset + i and k_offset + j, so a rank holding a slice of
-    the sequence masks correctly (causal: key j visible to query i iff k_offset+j <= q_offset+i).
-    A query that sees no key here gets output 0 and lse −inf, which `merge_attention` ignores.
-    Plain tensor operations: autograd differentiates it."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics in fp32 at least
-    scores = (q @ k.transpose(-2, -1)).to(acc) * scale
-    if causal:
-        qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
-        kj = torch.arange(k.shape[-2], device=q.device)[None, :] + k_offset
-        scores = scores.masked_fill(kj > qi, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(scores - safe[..., None])          # exp(−inf) = 0 for masked keys
-    return (p.to(v.dtype) @ v), lse
-
-
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Combine attention over two disjoint sets of keys: with m = max(lse_a, lse_b), the
-    weights are exp(lse − m) — the running-max rescaling of the online softmax. Returns
-    (out, lse) over the union. Safe when a side saw no keys (lse −inf)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    wa = torch.exp(lse_a - safe)[..., None]
-    wb = torch.exp(lse_b - safe)[..., None]
-    return (out_a * wa + out_b * wb).to(out_a.dtype), lse
-
-
-def _blocked_forward(q, k, v, block_size, causal, scale):
-    acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    for start in range(0, k.shape[-2], block_size):
-        if causal and start > q.shape[-2] - 1:
-            break                                   # every later key is in every query's future
-        o_b, l_b = attention_with_lse(q, k[..., start:start + block_size, :], v[..., start:start + block_size, :],
-                                      causal=causal, k_offset=start, scale=scale)
-        out, lse = merge_attention(out, lse, o_b, l_b)
-    return out.to(q.dtype), lse
-
-
-class OnlineSoftmaxAttention(torch.autograd.Function):
-    """Forward: keys and values in blocks, a running (out, lse) merged block by block; only a
-    (s_q × block) score tile exists at a time. Backward (FlashAttention-2's): recompute each
-    tile's probabilities from the saved lse, P = exp(S − lse); dV += Pᵀ dO; dP = dO Vᵀ;
-    dS = P ∘ (dP − rowsum(dO ∘ O)); dQ += dS K·scale; dK += dSᵀ Q·scale. Saves only q, k, v,
-    out and lse: O(s), not O(s²)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, block_size, causal, scale):
-        with torch.no_grad():
-            out, lse = _blocked_forward(q, k, v, block_size, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block_size, ctx.causal, ctx.scale = block_size, causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        bs, scale = ctx.block_size, ctx.scale
-        acc = lse.dtype
-        d_out = d_out.contiguous()
-        delta = (d_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)     # rowsum(dO ∘ O)
-        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
-        dq, dk, dv = torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), \
-            torch.zeros_like(v, dtype=acc)
-        qi = torch.arange(q.shape[-2], device=q.device)[:, None]
-        for start in range(0, k.shape[-2], bs):
-            if ctx.causal and start > q.shape[-2] - 1:
-                break
-            kb, vb = k[..., start:start + bs, :].to(acc), v[..., start:start + bs, :].to(acc)
-            s = (q.to(acc) @ kb.transpose(-2, -1)) * scale
-            if ctx.causal:
-                kj = torch.arange(kb.shape[-2], device=q.device)[None, :] + start
-                s = s.masked_fill(kj > qi, float("-inf"))
-            p = torch.exp(s - safe)
-            dv[..., start:start + bs, :] += p.transpose(-2, -1) @ d_out.to(acc)
-            ds = p * (d_out.to(acc) @ vb.transpose(-2, -1) - delta)
-            dq += (ds @ kb) * scale
-            dk[..., start:start + bs, :] += (ds.transpose(-2, -1) @ q.to(acc)) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def online_softmax_attention(q, k, v, block_size, causal=False, scale=None):
-    """Attention on (batch, heads, seq, head_dim) tensors computed `block_size` keys at a time
-    with an online softmax; equals F.scaled_dot_product_attention in values and gradients
-    (tested, including block sizes that do not divide the sequence). Causal needs equal query
-    and key lengths (queries and keys at the same positions)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError("causal online_softmax_attention needs as many queries as keys; "
-                         "use attention_with_lse with offsets for a slice of the sequence")
-    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return OnlineSoftmaxAttention.apply(q, k, v, int(block_size), bool(causal), float(scale))
-
 
 def attention_peak_bytes(attend, b, heads, s, d, backward=False, seed=0):
     """Most bytes alive at once while `attend(q, k, v)` runs (and its backward, if asked),
-    beyond the inputs, measured with LiveBytes."""
+    beyond the inputs, measured with LiveBytes: a view of q, k or v (kᵀ) is not new memory;
+    their gradients, allocated by the backward, are."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, heads, s, d, generator=g, requires_grad=backward) for _ in range(3))
     with LiveBytes() as live:
@@ -678,34 +53,6 @@ def attention_peak_bytes(attend, b, heads, s, d, backward=False, seed=0):
         if backward:
             out.sum().backward()
     return live.peak
-
-
-# =========================================================================================
-# 9. What the hardware does per second: matmul FLOP/s and copy bandwidth (the roofline)
-# =========================================================================================
-
-def matmul_rate(n, dtype=torch.float32, dev="cpu", repeats=7):
-    """(FLOP/s, Timing) of an n×n by n×n matmul: 2n³ floating-point operations."""
-    a, b = torch.randn(n, n, dtype=dtype, device=dev), torch.randn(n, n, dtype=dtype, device=dev)
-    t = measure(lambda: a @ b, warmup=2, repeats=repeats)
-    return 2 * n ** 3 / t.median, t
-
-
-def copy_rate(nbytes, dev="cpu", repeats=7):
-    """(bytes/s, Timing) of copying `nbytes` between two buffers: each byte is read and written."""
-    src = torch.randn(nbytes // 4, device=dev)
-    dst = torch.empty_like(src)
-    t = measure(lambda: dst.copy_(src), warmup=2, repeats=repeats)
-    return 2 * nbytes / t.median, t
-
-
-def elementwise_rate(n, op="add", dev="cpu", repeats=7):
-    """(FLOP/s, Timing, FLOP per byte) of x + y (1 FLOP per 12 bytes moved in fp32) or
-    GELU (counted as ~8 FLOP per 8 bytes moved)."""
-    x, y = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    fn, flops, moved = {"add": (lambda: x + y, n, 12 * n), "gelu": (lambda: F.gelu(x), 8 * n, 8 * n)}[op]
-    t = measure(fn, warmup=2, repeats=repeats)
-    return flops / t.median, t, flops / moved
 
 
 def same_on_every_rank(rank, world_size, cfg, batch_size=8, step=3):
@@ -720,22 +67,6 @@ def same_on_every_rank(rank, world_size, cfg, batch_size=8, step=3):
     dist.all_gather(everyone, mine)
     return {"identical": all(torch.equal(e, everyone[0]) for e in everyone),
             "checksums": [e.tolist() for e in everyone]}
-
-
-# =========================================================================================
-# 10. The lecture
-# =========================================================================================
-
-@contextlib.contextmanager
-def threads(n):
-    """Run a block with `n` intra-op threads. The demos use one: their tensors are small, and
-    on a shared machine extra threads mostly wait for each other."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def fmt_bytes(n):
@@ -827,7 +158,7 @@ def anatomy_of_a_step():
             r["own"]["Activation"], r["peak"]] for r in rows],
           header=["step", "after", "params", "grads", "optimizer", "activations", "temporaries",
                   "MemTracker total", "own: params", "own: grads", "own: optimizer",
-                  "own: saved for backward", "peak new bytes in phase"],
+                  "own: saved for backward", "LiveBytes peak in phase"],
           caption=f"bytes, GPT {param_count(cfg):,} parameters, batch 16 × {cfg.seq_len}, fp32 AdamW")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -845,6 +176,7 @@ def anatomy_of_a_step():
                         "appears at step 1's optimizer step and stays; gradients live from backward "
                         "to zero_grad; activations from forward to backward")
     first, later = rows[2]["tracker"]["Total"], rows[6]["tracker"]["Total"]
+    top = max(rows, key=lambda r: r["peak"])
     note(f"""
         Step 1 grows: AdamW allocates its two moments (m and v, {fmt_bytes(rows[2]['own']['Optstate'])}
         = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
@@ -854,6 +186,10 @@ def anatomy_of_a_step():
         files {fmt_bytes(rows[0]['tracker']['Activation'])} under activations, including the
         logits and loss that are not saved for backward) are {rows[0]['own']['Activation'] / rows[0]['own']['Parameter']:.1f}×
         the parameters here: with a small model and a modest batch, activations already dominate.
+        The last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
+        were allocated since training began, so everything but the parameters. It is highest
+        in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])}, {top['peak'] / rows[0]['own']['Parameter']:.1f}× the
+        parameters).
     """)
 
 
@@ -879,6 +215,7 @@ def parameters_and_bytes():
     see(param_count)
     table(rows, header=["config", "estimate h·v + L(12h²+13h) + 2h", "param_count", "sum(p.numel())"],
           caption="the last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
+
     cfg = GPTConfig()
     tokens, targets = batch(cfg, 8, 0)
     fp32 = GPT(cfg)
@@ -921,16 +258,21 @@ def parameters_and_bytes():
 
 
 def activation_memory():
+    saved_against_formula()    # what autograd saves for one block, term by term against the paper
+    a_step_too_big_to_hold()   # the same tracker on shapes alone, at billions of parameters
+
+
+def saved_against_formula():
     cfg = GPTConfig()
     b = 2
     seqs = [16, 32, 64, 128] if settings.quick else [16, 32, 64, 128, 256, 512]
     measured = {"sdpa": [], "naive": []}
     for s in seqs:
-        measured["sdpa"].append(block_activations(cfg, b, s, causal_attention).bytes)
-        measured["naive"].append(block_activations(cfg, b, s, naive_causal_attention).bytes)
+        measured["sdpa"].append(block_activations(cfg, b, s, causal_attention).total)
+        measured["naive"].append(block_activations(cfg, b, s, naive_causal_attention).total)
     reconciled = {k: [sum(reconciled_bytes(cfg, b, s, k).values()) for s in seqs] for k in measured}
     paper = [korthikanti_bytes(cfg, b, s) for s in seqs]
-    note(f"""
+    note("""
         ## Activation memory against the formula
         Korthikanti et al. count what one transformer layer keeps for backward in 16-bit with
         dropout: s·b·h·(34 + 5·a·s/h) bytes. We measure what autograd really saves for one
@@ -938,7 +280,7 @@ def activation_memory():
         backward; we count each storage once (q, k and v are views of separate projections,
         but the output of LN1 feeds all three and is saved once) and leave out the weights.
     """)
-    see(SavedActivations)
+    see(SavedBytes)
     s0 = seqs[-1]
     saved = block_activations(cfg, b, s0, causal_attention)
     sbh = s0 * b * cfg.d_model
@@ -948,7 +290,7 @@ def activation_memory():
     terms = reconciled_bytes(cfg, b, s0, "sdpa")
     terms_naive = reconciled_bytes(cfg, b, s0, "naive")
     table([[k, v] for k, v in terms.items()] + [["**total (reconciled)**", sum(terms.values())],
-                                                ["**measured**", saved.bytes]],
+                                                ["**measured**", saved.total]],
           header=["term", "bytes"], caption=f"reconciliation, fused attention, s = {s0}")
     see(reconciled_bytes)
     note(f"""
@@ -978,6 +320,9 @@ def activation_memory():
     ax.legend(fontsize=7)
     figure(fig, caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
                         "linear in s with the fused kernel, quadratic once a·s/h outgrows the rest with naive attention")
+
+
+def a_step_too_big_to_hold():
     huge = GPTConfig(vocab_size=50304, seq_len=2048, d_model=8192, n_layers=2 if settings.quick else 4, n_heads=64)
     start = time.perf_counter()
     fake = fake_training_step(huge, batch_size=1)
@@ -1015,9 +360,10 @@ def recomputation():
         its forward again in backward ("full"); with `create_selective_checkpoint_contexts` a
         policy decides per operator: ours keeps the matmul and attention outputs and recomputes
         LayerNorms and GELU ("selective"). Saved-tensor hooks cannot see inside a checkpoint,
-        so the bytes held between forward and backward are measured at the allocator
-        (`LiveBytes`, a `TorchDispatchMode` that tracks every storage it sees created until it
-        is freed).
+        so the bytes held between forward and backward are measured with `LiveBytes`, a
+        `TorchDispatchMode` that tracks every storage an operator creates until it is freed
+        (views and in-place results of older tensors, such as a weight's transpose, are not
+        new memory and are not counted).
     """)
     see(_save_matmuls)
     see(Recomputed)
@@ -1045,24 +391,38 @@ def accumulation():
     cfg = GPTConfig()
     bsz = 16
     big, held_big = accumulated_gradients(cfg, bsz, 1)
-    rows = [[1, bsz, held_big, 0.0]]
+    rows = [[1, bsz, held_big, 1.0, 0.0]]
     for k in (2, 4, 8):
         g, held = accumulated_gradients(cfg, bsz, k)
-        rows.append([k, bsz // k, held, max((g[n] - big[n]).abs().max().item() for n in big)])
-    note("""
+        rows.append([k, bsz // k, held, held_big / held, max((g[n] - big[n]).abs().max().item() for n in big)])
+    k, ratio = rows[-1][0], rows[-1][3]
+    if all(abs(r[3] / r[0] - 1) < 0.05 for r in rows):
+        falls = f"so the bytes held after a forward fall by k ({ratio:.1f}× fewer with k = {k})"
+    elif ratio > 1:
+        falls = (f"so the bytes held after a forward fall, though by less than k ({ratio:.1f}× fewer "
+                 f"with k = {k}: part of what a forward holds does not shrink with the micro-batch)")
+    else:
+        falls = f"yet here the bytes held after a forward do not fall ({ratio:.2f}× with k = {k})"
+    note(f"""
         ## Gradient accumulation
         k micro-batches of b/k sequences, each loss divided by k, backward after each: the
         gradients sum to the big batch's. Activations are held for one micro-batch at a time,
-        so activation memory falls by k for the same global batch (global batch = micro-batch ×
+        {falls} for the same global batch (global batch = micro-batch ×
         accumulation steps × data-parallel ranks, lecture 03).
     """)
     see(accumulated_gradients)
     table(rows, header=["micro-batches k", "sequences per micro-batch", "most bytes held after a forward",
-                        "max |Δ grad| vs one batch"],
+                        "one batch's ÷ this", "max |Δ grad| vs one batch"],
           caption="fp32; the differences are rounding (sums in another order)")
 
 
 def number_formats():
+    formats_and_rounding()     # range against resolution, from finfo and measured
+    loss_scaling()             # fp16's range is too small for gradients: scale the loss
+    master_weights()           # bf16's resolution is too coarse for small updates: keep fp32 weights
+
+
+def formats_and_rounding():
     import matplotlib.pyplot as plt
     note("""
         ## Number formats: range against resolution
@@ -1087,6 +447,9 @@ def number_formats():
                         "(subnormals) the error grows until values flush to zero (error 1), above "
                         "it e4m3fn saturates at 448 and the others overflow; fp32 errors are "
                         "clipped at 1e-9 for the plot")
+
+
+def loss_scaling():
     cfg = GPTConfig()
     bsz = 16 if settings.quick else 32
     ref = fp32_gradients(cfg, bsz)
@@ -1110,6 +473,11 @@ def number_formats():
     see(fp16_gradients)
     table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
                         "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
+
+
+def master_weights():
+    import matplotlib.pyplot as plt
+    cfg = GPTConfig()
     steps = 80 if settings.quick else 100
     lr = 3e-4
     curves = {v: train_curve(cfg, v, steps, lr, batch_size=8, log_every=2 if settings.quick else 5)
@@ -1178,7 +546,11 @@ def fp8_scaling():
 
 
 def flash_attention_idea():
-    b, heads, d = 1, 4, 16
+    online_softmax_checks()    # blocks of keys merged by their log-sum-exp equal SDPA, gradients too
+    attention_memory()         # what that saves, measured, and what it costs in time
+
+
+def online_softmax_checks():
     g = torch.Generator().manual_seed(0)
     s = 200
     q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -1209,6 +581,11 @@ def flash_attention_idea():
     see(OnlineSoftmaxAttention)
     table(checks, header=["causal", "block size", "max |Δ out| vs SDPA", "max |Δ grad q, k, v| vs SDPA"],
           caption=f"float64, (2, 3, {s}, 16): block sizes that do not divide s = {s} included")
+
+
+def attention_memory():
+    b, heads, d = 1, 4, 16
+    g = torch.Generator().manual_seed(0)
     seqs = [128, 256, 512] if settings.quick else [128, 256, 512, 1024]
     block = 64
     variants = {"naive (s × s scores)": naive_causal_attention,
@@ -1222,12 +599,17 @@ def flash_attention_idea():
             rows.append([s, name, attention_peak_bytes(fn, b, heads, s, d),
                          attention_peak_bytes(fn, b, heads, s, d, backward=True), t.ms()])
     table(rows, header=["s", "attention", "peak bytes, forward", "peak bytes, forward + backward", "forward time"],
-          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v, measured "
-                  f"with LiveBytes; {machine()}")
-    note("""
-        The naive version's bytes grow as s², the blocked one's as s·block: at the longest
-        sequence it holds a fraction of the naive peak, in plain PyTorch. It is slower than
-        PyTorch's fused kernel, which does the same in C++ with the tiles in cache.
+          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
+                  f"backward's include their gradients), measured with LiveBytes; {machine()}")
+    naive, online = ([r[2] for r in rows if r[1] == name] for name in list(variants)[:2])
+    growth = len(seqs) - 1        # doublings of s from the first row to the last
+    note(f"""
+        The naive version's bytes grow as s², the blocked one's as s·block (from s = {seqs[0]}
+        to {seqs[-1]}, the forward peaks grow {naive[-1] / naive[0]:.0f}× and
+        {online[-1] / online[0]:.0f}×, against {4 ** growth}× and {2 ** growth}× for s² and s): at
+        the longest sequence the blocked version holds {online[-1] / naive[-1]:.0%} of the naive
+        peak, in plain PyTorch. It is slower than PyTorch's fused kernel, which does the same in
+        C++ with the tiles in cache.
     """)
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")

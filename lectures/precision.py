@@ -1,0 +1,261 @@
+"""Number formats and mixed precision: range against resolution, fp32 down to fp8.
+
+- Rounding to a format (`round_to`) and what it costs (`format_properties`,
+  `relative_error_across_magnitudes`).
+- fp16 gradients and loss scaling with `torch.amp.GradScaler` (Micikevicius et al. 2018,
+  "Mixed Precision Training").
+- bf16 compute with an fp32 master copy of the weights (`MasterWeights`; Kalamkar et al. 2019,
+  "A Study of BFLOAT16 for Deep Learning Training").
+- fp8 with one scale per tensor or one per tile, as DeepSeek-V3 trains (DeepSeek-AI 2024,
+  "DeepSeek-V3 Technical Report"; formats: Micikevicius et al. 2022, "FP8 Formats for Deep
+  Learning"), simulated on the CPU and checked against PyTorch's `torch._scaled_mm`.
+"""
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from lectures.gpt import GPT, batch, loss_fn
+
+
+FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "fp8 e4m3fn": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
+
+
+def round_to(x, dtype):
+    """x rounded to `dtype` (round to nearest even) and back to fp32. fp8 e4m3fn has no
+    infinity: values past its 448 saturate to ±448 here rather than becoming NaN."""
+    if dtype == torch.float8_e4m3fn:
+        m = torch.finfo(dtype).max
+        x = x.clamp(-m, m)
+    return x.to(dtype).to(torch.float32)
+
+
+def format_properties(name, dtype, n=200_001):
+    """What finfo says, and what rounding `n` evenly spaced values in [1, 2] measures: the
+    largest relative error is half the spacing between neighbours there (eps/2)."""
+    fi = torch.finfo(dtype)
+    x = torch.linspace(1, 2, n, dtype=torch.float64)
+    err = ((round_to(x.float(), dtype).double() - x).abs() / x).max().item()
+    distinct = round_to(x.float(), dtype).unique().numel()
+    bits = dtype.itemsize * 8
+    return {"format": name, "bits": bits, "max": fi.max, "smallest normal": fi.smallest_normal,
+            "eps (spacing at 1)": fi.eps, "values in [1, 2]": distinct,
+            "max rel. error in [1, 2] (measured)": err}
+
+
+def relative_error_across_magnitudes(dtype, exponents, per_decade=200, seed=0):
+    """Median relative rounding error of random values at each magnitude 10^e; 1.0 means the
+    value flushed to zero, a NaN/inf counts as 1 too."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for e in exponents:
+        x = (10.0 ** e) * (1 + torch.rand(per_decade, generator=g, dtype=torch.float64) * 9)
+        r = round_to(x.float(), dtype).double()
+        rel = ((r - x).abs() / x).nan_to_num(1.0, 1.0, 1.0).clamp(max=1.0)
+        out.append(rel.median().item())
+    return out
+
+
+def fp16_gradients(cfg, batch_size, scale=None):
+    """The GPT's gradients when every gradient is *stored* in fp16: each module's incoming
+    gradient and each parameter's gradient are rounded to fp16 (the arithmetic stays fp32: on
+    this CPU fp16 matmuls are far slower, and the loss of information is in the storage).
+    With `scale`, a real `torch.amp.GradScaler` multiplies the loss by it before backward, then
+    divides the gradients by it (`unscale_`) and refuses the step if any became inf/NaN.
+    Returns gradients, counts of activation-gradient elements (total, flushed to zero,
+    subnormal) and whether the scaler would skip this step."""
+    f16 = torch.finfo(torch.float16)
+    model = GPT(cfg)
+    tokens, targets = batch(cfg, batch_size, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10**6,
+                                  enabled=scale is not None)
+    count = {"elements": 0, "flushed to zero": 0, "subnormal": 0}
+
+    def to_fp16(module, grad_output):
+        g = grad_output[0]
+        r = round_to(g, torch.float16)
+        count["elements"] += g.numel()
+        count["flushed to zero"] += ((r == 0) & (g != 0)).sum().item()
+        count["subnormal"] += ((r != 0) & (r.abs() < f16.smallest_normal)).sum().item()
+        return (r,)
+
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.register_full_backward_pre_hook(to_fp16)
+    for p in model.parameters():
+        p.register_hook(lambda g: round_to(g, torch.float16))
+    scaler.scale(loss_fn(model(tokens), targets)).backward()
+    scaler.unscale_(opt)                 # grads /= scale, in fp32, and look for inf/NaN
+    scaler.step(opt)                     # lr = 0: nothing moves; skipped if inf/NaN found
+    before = scaler.get_scale() if scale else None
+    scaler.update()
+    skipped = scale is not None and scaler.get_scale() < before
+    return {n: p.grad for n, p in model.named_parameters()}, count, skipped
+
+
+def fp32_gradients(cfg, batch_size):
+    model = GPT(cfg)
+    tokens, targets = batch(cfg, batch_size, 0)
+    loss_fn(model(tokens), targets).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def gradient_error(grads, reference):
+    """‖g − g_ref‖ / ‖g_ref‖ over all parameters together (inf/NaN count as total loss)."""
+    num = sum((grads[k].double() - reference[k].double()).pow(2).sum() for k in reference)
+    den = sum(reference[k].double().pow(2).sum() for k in reference)
+    err = (num / den).sqrt().item()
+    return err if math.isfinite(err) else float("inf")
+
+
+class MasterWeights:
+    """Mixed precision by hand: the model computes in bf16 (parameters and gradients bf16), the
+    optimizer updates an fp32 master copy and writes it back rounded to bf16. With
+    `fp32_accumulation`, gradients are summed over micro-batches in an fp32 buffer."""
+
+    def __init__(self, model, lr, fp32_accumulation=False, weight_decay=0.01):
+        self.model = model
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+        self.acc = [torch.zeros_like(m) for m in self.master] if fp32_accumulation else None
+
+    def accumulate(self):
+        """After a micro-batch's backward: move bf16 gradients into the fp32 buffer."""
+        if self.acc is None:
+            raise RuntimeError("MasterWeights(fp32_accumulation=False) has no accumulation buffer")
+        for a, p in zip(self.acc, self.params):
+            a.add_(p.grad.float())
+            p.grad = None
+
+    def step(self):
+        for i, (m, p) in enumerate(zip(self.master, self.params)):
+            m.grad = self.acc[i].clone() if self.acc is not None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)                 # round the fp32 master to the bf16 compute copy
+                m.grad = None
+        if self.acc is not None:
+            for a in self.acc:
+                a.zero_()
+
+    def held(self):
+        """Bytes by role, from the tensors this setup holds."""
+        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        out = {"bf16 parameters": sum(p.nbytes for p in self.params),
+               "bf16 gradients": sum(p.grad.nbytes for p in self.params if p.grad is not None),
+               "fp32 master parameters": sum(m.nbytes for m in self.master),
+               "fp32 Adam m and v": sum(v.nbytes for v in state)}
+        if self.acc is not None:
+            out["fp32 gradient accumulation"] = sum(a.nbytes for a in self.acc)
+        return out
+
+
+def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
+    """Loss every `log_every` steps of AdamW training, for `variant` in
+    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of the weights the optimizer
+    updates (the fp32 master copy in the last variant) that the last step left unchanged: in
+    bf16, an update smaller than half the spacing between neighbours rounds away."""
+    if variant == "fp32":
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        step, updated = opt.step, list(model.parameters())
+    elif variant == "bf16 weights":
+        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        step, updated = opt.step, list(model.parameters())
+    elif variant == "bf16 + fp32 master":
+        model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
+        mw = MasterWeights(model, lr=lr)
+        step, updated = mw.step, mw.master      # the weights the optimizer updates
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    curve, unchanged = [], 0.0
+    for t in range(steps):
+        tokens, targets = batch(cfg, batch_size, t)
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        before = [p.detach().clone() for p in updated] if t == steps - 1 else None
+        step()
+        for p in model.parameters():
+            p.grad = None
+        if before is not None:
+            same = sum((p == b).sum().item() for p, b in zip(updated, before))
+            unchanged = same / sum(p.numel() for p in updated)
+        if t % log_every == 0 or t == steps - 1:
+            curve.append((t, loss.item()))
+    return curve, unchanged
+
+
+def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn):
+    """x (2-D) to fp8 with scales chosen so each group's largest |value| maps to the format's
+    max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
+    (DeepSeek-V3: 1×128 for activations, 128×128 for weights). Returns (fp8 values, scales),
+    scales shaped (rows/r, cols/c)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")
+    m, n = x.shape
+    r, c = tile or (m, n)
+    if m % r or n % c:
+        raise ValueError(f"tile {r}×{c} does not divide the {m}×{n} matrix")
+    tiles = x.float().reshape(m // r, r, n // c, c)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12)
+    scale = amax / torch.finfo(dtype).max
+    q = (tiles / scale).to(dtype).reshape(m, n)
+    return q, scale.reshape(m // r, n // c)
+
+
+def dequantize_fp8(q, scale):
+    m, n = q.shape
+    gr, gc = scale.shape
+    tiles = q.float().reshape(gr, m // gr, gc, n // gc)
+    return (tiles * scale.reshape(gr, 1, gc, 1)).reshape(m, n)
+
+
+def row_errors(approx, exact):
+    """Relative error of each output row (one token): ‖ĉ_i − c_i‖ / ‖c_i‖."""
+    return (approx.double() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
+
+
+def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn):
+    """Median over output rows (tokens) of the relative error of an fp8 matmul simulated on the
+    CPU: quantize both operands, dequantize, multiply in fp32 (as tensor cores accumulate).
+    Per row, because a few huge rows would otherwise decide the whole norm."""
+    exact = a.double() @ w.double()
+    approx = dequantize_fp8(*quantize_fp8(a, a_tile, dtype)) @ dequantize_fp8(*quantize_fp8(w, w_tile, dtype))
+    return row_errors(approx, exact).median().item()
+
+
+def scaled_mm_error(a, w, rowwise=False):
+    """The same with PyTorch's fp8 matmul `torch._scaled_mm` (e4m3, tensor-wise or row-wise
+    scales: a per row of a, one per column of w). None if this build cannot run it."""
+    exact = a.double() @ w.double()
+    try:
+        if rowwise:
+            qa, sa = quantize_fp8(a, (1, a.shape[1]))
+            qw, sw = quantize_fp8(w.t().contiguous(), (1, w.shape[0]))
+            out = torch._scaled_mm(qa, qw.t(), sa.float(), sw.float().t(), out_dtype=torch.bfloat16)
+        else:
+            qa, sa = quantize_fp8(a)
+            qw, sw = quantize_fp8(w.t().contiguous())
+            out = torch._scaled_mm(qa, qw.t(), sa.reshape(()), sw.reshape(()), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return row_errors(out, exact).median().item()
+
+
+def outlier_matrices(m, k, n, outlier=1000.0, frac=0.01, seed=0):
+    """Activations (m tokens × k) where a few tokens are `outlier` times larger than the rest
+    (LLMs have such "massive activations"), and Gaussian weights (k×n) with a few large
+    entries."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g)
+    rows = torch.randperm(m, generator=g)[:max(1, int(frac * m))]
+    a[rows] *= outlier
+    w = torch.randn(k, n, generator=g) * 0.02
+    w[torch.rand(k, n, generator=g) < 0.001] *= 50
+    return a, w
