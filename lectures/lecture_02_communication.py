@@ -14,88 +14,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from util import (device, figure, note, progress, see, settings, span, span_at, spawn, table,
-                  timeline)
+from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
 from util.launch import choose_backend
 from util.measure import Timing, errorbar, machine, measure, timing_ranks
+
+from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, bus_bandwidth_factor,
+                                  crossover_bytes, fit_alpha_beta, pipelined_ring_all_reduce,
+                                  ring_all_reduce, sweep)
 
 KB, MB = 1024, 1024 ** 2
 
 
 # =========================================================================================
-# Pure helpers (no process group needed; unit-tested on their own)
+# Page helpers (the building blocks live in lectures/collectives.py)
 # =========================================================================================
-
-def bus_bandwidth_factor(collective, n):
-    """nccl-tests' correction from algorithm bandwidth to bus bandwidth on `n` ranks.
-
-    busbw = algbw * factor makes the number comparable with the speed of the slowest link:
-    in a ring all-reduce each rank sends and receives 2(n-1)/n of the buffer, in all-gather,
-    reduce-scatter and all-to-all (n-1)/n of it, in broadcast and reduce the whole buffer once.
-    """
-    if n < 1:
-        raise ValueError(f"need at least one rank, got {n}")
-    factors = {
-        "all_reduce": 2 * (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
-        "all_to_all": (n - 1) / n,
-        "broadcast": 1.0,
-        "reduce": 1.0,
-    }
-    if collective not in factors:
-        raise ValueError(f"unknown collective {collective!r}; known: {sorted(factors)}")
-    return factors[collective]
-
-
-def bandwidths(collective, nbytes, seconds, n):
-    """(algbw, busbw) in bytes/s for moving an `nbytes` buffer in `seconds` on `n` ranks."""
-    algbw = nbytes / seconds
-    return algbw, algbw * bus_bandwidth_factor(collective, n)
-
-
-def fit_alpha_beta(sizes, times):
-    """Fit time(s) = alpha + s / beta (alpha in seconds, beta in bytes/s) to measurements.
-
-    Message sizes span many orders of magnitude, so a plain least-squares fit would listen
-    only to the largest messages. We minimise the *relative* error Σ((α + s/β)/t − 1)² instead,
-    which weighs a 4 KB message as much as a 64 MB one, with both parameters non-negative (a
-    negative latency is noise, not physics). In the unknowns (α, 1/β) this is a two-variable
-    non-negative least-squares problem, solved exactly: the unconstrained minimiser if it is
-    non-negative, otherwise the better of the two boundary minimisers, each in closed form
-    (α = 0: 1/β = Σ(s/t)/Σ(s/t)²; 1/β = 0: α = Σ(1/t)/Σ(1/t²)). beta is infinite when the
-    times do not grow with size.
-    """
-    s = np.asarray(sizes, dtype=float)
-    t = np.asarray(times, dtype=float)
-    if s.shape != t.shape or s.size < 2:
-        raise ValueError("need at least two (size, time) pairs of equal length")
-    if np.any(t <= 0):
-        raise ValueError("times must be positive")
-    a_col, b_col = 1 / t, s / t                      # columns of the design; target: all ones
-
-    def error(alpha, inv_beta):
-        return float(np.sum((alpha * a_col + inv_beta * b_col - 1) ** 2))
-
-    candidates = []
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.stack([a_col, b_col], axis=1), np.ones_like(t),
-                                            rcond=None)
-    if alpha >= 0 and inv_beta >= 0:
-        candidates.append((alpha, inv_beta))
-    else:
-        candidates.append((0.0, max(0.0, b_col.sum() / np.sum(b_col ** 2))))   # pure bandwidth
-        candidates.append((max(0.0, a_col.sum() / np.sum(a_col ** 2)), 0.0))   # pure latency
-    alpha, inv_beta = min(candidates, key=lambda c: error(*c))
-    return float(alpha), (float("inf") if inv_beta == 0 else float(1 / inv_beta))
-
-
-def crossover_bytes(alpha, beta):
-    """The message size at which the latency term equals the bandwidth term (alpha * beta).
-
-    Below it a message costs mostly latency, above it mostly bandwidth; at exactly this size
-    the achieved bandwidth is half of beta (Hockney's n_1/2)."""
-    return alpha * beta
-
 
 def human_bytes(n):
     """4096 -> '4 KB', 1000 -> '1000 B', 1023 KB -> '1023 KB' (binary units, no exponents)."""
@@ -179,7 +111,7 @@ def hardware():
     t = copy_time(nbytes, repeats=5 if settings.quick else 9)
     bw = nbytes / t.median
     note(f"""
-        Measured now, in the lecture process ({machine(1)}): copying a {human_bytes(nbytes)}
+        Measured now, in the lecture process: copying a {human_bytes(nbytes)}
         buffer in main memory runs at **{bw / 1e9:.1f} GB/s** (median of {len(t.samples)}
         copies after a warm-up, IQR {nbytes / t.q3 / 1e9:.1f}–{nbytes / t.q1 / 1e9:.1f} GB/s;
         each byte is read once and written once). On a CPU-only machine every "link" between ranks is this
@@ -411,118 +343,6 @@ def all_reduce_decomposed():
 # 4. Ring all-reduce from send and receive
 # =========================================================================================
 
-def _start_exchange(send, to, recv, source):
-    """Start receiving one buffer from the left and sending one to the right; returns the
-    work handles. The two are issued as one group (`batch_isend_irecv`), which NCCL needs to
-    avoid deadlock between neighbours sending to each other, and the receive comes first so
-    that arriving bytes can land straight in their final place (measurably faster with gloo).
-    Empty buffers (tensors shorter than the world size) are skipped by both sides alike."""
-    ops = []
-    if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, source))
-    if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, to))
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _exchange(send, to, recv, source):
-    for work in _start_exchange(send, to, recv, source):
-        work.wait()
-
-
-def ring_all_reduce(x, on_step=None):
-    """Sum `x` over all ranks, in place, with 2(n-1) neighbour exchanges on a ring.
-
-    The buffer is cut into n chunks (sizes may differ by one; some may be empty).
-    Reduce-scatter phase: at step s rank r sends chunk r-s to the right and adds the chunk
-    r-s-1 arriving from the left into its own copy; after n-1 steps rank r holds the full sum
-    of chunk r+1. All-gather phase: the finished chunks travel once more around the ring,
-    each received straight into place. Every rank sends 2(n-1)/n of the buffer in total.
-    `on_step(phase, step, chunk_index)` is called after each step (for drawing).
-    """
-    n, rank = dist.get_world_size(), dist.get_rank()
-    buffer = _ring_buffer(x)                # checked before any message is posted
-    if n == 1:
-        return x
-    chunks = buffer.tensor_split(n)         # views: adding into them updates the buffer
-    right, left = (rank + 1) % n, (rank - 1) % n
-    inbox = torch.empty_like(chunks[0])     # chunk 0 is the largest
-    for step in range(n - 1):
-        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
-        incoming = inbox[:chunks[recv_i].numel()]
-        _exchange(chunks[send_i], right, incoming, left)
-        chunks[recv_i].add_(incoming)
-        if on_step:
-            on_step("reduce-scatter", step + 1, recv_i)
-    for step in range(n - 1):
-        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
-        _exchange(chunks[send_i], right, chunks[recv_i], left)
-        if on_step:
-            on_step("all-gather", step + 1, recv_i)
-    return _write_back(x, buffer)
-
-
-def _ring_buffer(x):
-    """The flat, contiguous buffer the ring works in, after checking `x` locally.
-
-    Everything that can go wrong on one rank alone is checked here, *before* the first message:
-    a rank that fails after posting a receive leaves that receive behind, and it swallows the
-    next message a neighbour sends (the following collective then hangs until the timeout).
-    A non-contiguous input (`t[::2]`, a transposed matrix) is not an error: the ring runs on a
-    contiguous copy, written back at the end."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"ring all-reduce needs a tensor, got {type(x).__name__}")
-    if x.is_sparse or x.dtype == torch.bool:
-        raise TypeError(f"ring all-reduce sums dense numeric tensors, got {x.dtype} "
-                        f"({'sparse' if x.is_sparse else 'dense'})")
-    return x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
-
-
-def _write_back(x, buffer):
-    """Copy the result into `x` when the ring had to work on a contiguous copy."""
-    if buffer.data_ptr() != x.data_ptr() or not x.is_contiguous():
-        x.copy_(buffer.view_as(x))
-    return x
-
-
-def pipelined_ring_all_reduce(x, slices=4):
-    """The same ring, with every chunk cut into `slices` slices that move one at a time.
-
-    In `ring_all_reduce` the link idles while a rank adds a whole chunk. Here the exchange of
-    slice t is started *before* slice t-1 is added, so adding and moving overlap (two inboxes
-    take turns). A slice is sent on only `slices` exchanges after it arrived, by which time it
-    has been added. NCCL pipelines its rings the same way.
-    """
-    n, rank = dist.get_world_size(), dist.get_rank()
-    buffer = _ring_buffer(x)                # checked before any message is posted
-    if n == 1:
-        return x
-    slices = max(2, int(slices))            # with one slice there is nothing to overlap
-    chunks = [c.tensor_split(slices) for c in buffer.tensor_split(n)]
-    right, left = (rank + 1) % n, (rank - 1) % n
-    inboxes = [torch.empty_like(chunks[0][0]) for _ in range(2)]   # slice 0 of chunk 0 is largest
-    plan = [((rank - s) % n, (rank - s - 1) % n, True) for s in range(n - 1)]      # reduce-scatter
-    plan += [((rank + 1 - s) % n, (rank - s) % n, False) for s in range(n - 1)]    # all-gather
-    pending, tick = None, 0
-    for send_i, recv_i, reduce in plan:
-        for k in range(slices):
-            target = chunks[recv_i][k]
-            box = inboxes[tick % 2][:target.numel()] if reduce else target
-            works = _start_exchange(chunks[send_i][k], right, box, left)
-            if pending:
-                _finish(*pending)           # add the previous slice while this one moves
-            pending, tick = (works, box, target if reduce else None), tick + 1
-    _finish(*pending)
-    return _write_back(x, buffer)
-
-
-def _finish(works, box, target):
-    for work in works:
-        work.wait()
-    if target is not None:
-        target.add_(box)
-
-
 def ring_vs_builtin(rank, world_size, lengths):
     """For each length: (input, ring, pipelined ring, dist.all_reduce) results on this rank."""
     out = []
@@ -614,6 +434,12 @@ def us(t):
 
 
 def ring():
+    ring_step_by_step()     # the algorithm, and a recording of it on real ranks
+    ring_checked()          # the pipelined variant; both against dist.all_reduce
+    ring_raced()            # and how fast they are next to the library's own
+
+
+def ring_step_by_step():
     world_size = settings.world_size
     note("""
         ## Ring all-reduce from send and receive
@@ -640,6 +466,10 @@ def ring():
            caption=f"The ring on {world_size} ranks, recorded step by step. Rank r contributes "
                    f"2^r to every chunk, so a value's binary digits say whose data it already "
                    f"contains ({2 ** world_size - 1} = everyone's). Red: the chunk received in that step.")
+
+
+def ring_checked():
+    world_size = settings.world_size
     lengths = [1, 2, 3, 7, 13, 97, 1000, 4099]
     note("""
         Waiting for a whole chunk before passing it on leaves the link idle while a rank adds.
@@ -663,6 +493,10 @@ def ring():
           caption=f"Both hand-written rings agree with the built-in on {world_size} ranks for "
                   "awkward lengths (the differences are float rounding: the additions happen in "
                   "a different order).")
+
+
+def ring_raced():
+    world_size = settings.world_size
     sizes = [4 * KB, 256 * KB, 4 * MB] if settings.quick else [4 * KB, 256 * KB, 4 * MB, 64 * MB]
     iters = 5 if settings.quick else 9
     ranks = timing_ranks(world_size)
@@ -679,12 +513,12 @@ def ring():
                         *(f"{n} busbw (GB/s)" for n in names),
                         "ring / built-in", "pipelined / built-in"],
           caption=f"{iters} timed calls per variant after 2 warm-ups, each after a barrier, slowest "
-                  f"rank; the three variants take turns. {ranks} ranks, "
+                  f"rank; the three variants take turns. "
                   f"{choose_backend(ranks)}, {machine(ranks)}.")
     small, large = rows[0], rows[-1]
     note(f"""
         Timed on {ranks} ranks, not {world_size}: a timing with more ranks than cores measures
-        the operating system taking turns, not the algorithm ({machine(ranks)}).
+        the operating system taking turns, not the algorithm.
         At {large[0]} the pipelined ring reaches {large[-1]:.2f}× the built-in's bus bandwidth
         (the simple ring {large[-2]:.2f}×). At {small[0]} the ratios are {small[-2]:.2f}×
         (simple) and {small[-1]:.2f}× (pipelined): small messages are all latency, our ring pays
@@ -698,45 +532,6 @@ def ring():
 # 5. Bandwidth, the nccl-tests way
 # =========================================================================================
 
-def collective_op(name, nbytes, world_size):
-    """A no-argument callable running collective `name` on an nccl-tests-style buffer of
-    `nbytes`: the all-reduce/broadcast buffer, the all-gather *output*, the reduce-scatter
-    *input*, the all-to-all buffer (rounded down to whole elements per rank)."""
-    n = max(world_size, nbytes // 4 // world_size * world_size)
-    dev = device()
-    if name == "all_reduce":
-        x = torch.zeros(n, device=dev)
-        return lambda: dist.all_reduce(x)
-    if name == "broadcast":
-        x = torch.zeros(n, device=dev)
-        return lambda: dist.broadcast(x, src=0)
-    if name == "all_gather":
-        x, out = torch.zeros(n // world_size, device=dev), torch.empty(n, device=dev)
-        return lambda: dist.all_gather_single(out, x)
-    if name == "reduce_scatter":
-        x, out = torch.zeros(n, device=dev), torch.empty(n // world_size, device=dev)
-        return lambda: dist.reduce_scatter_single(out, x)
-    if name == "all_to_all":
-        x, out = torch.zeros(n, device=dev), torch.empty(n, device=dev)
-        return lambda: dist.all_to_all_single(out, x)
-    raise ValueError(f"unknown collective {name!r}")
-
-
-def sweep(rank, world_size, collectives, sizes, warmup, iters):
-    """A `Timing` per collective and size: `warmup` untimed calls, then `iters` calls each
-    timed alone after a barrier, keeping the slowest rank (the same on every rank)."""
-    out = []
-    for name in collectives:
-        row = []
-        for nbytes in progress(sizes, desc=name):
-            row.append(measure(collective_op(name, nbytes, world_size), warmup=warmup, repeats=iters))
-        out.append(row)
-    return out
-
-
-SWEPT = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
-
-
 def sweep_sizes():
     if device_is_gpu():
         return [4 * KB * 4 ** k for k in range(9 if settings.quick else 12)]    # up to 256 MB / 16 GB
@@ -745,6 +540,25 @@ def sweep_sizes():
 
 def device_is_gpu():
     return torch.cuda.is_available() and (settings.backend in (None, "nccl"))
+
+
+def draw_busbw(names, sizes, timings, ranks):
+    """Bus bandwidth against message size, one curve per collective, with the IQR as error bars."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ts in zip(names, timings):
+        factor = bus_bandwidth_factor(name, ranks)
+        # busbw = S·f/t, so a time's IQR maps to a bandwidth range (slow time = low bandwidth)
+        bus = [Timing([nbytes * factor / s / 1e9 for s in t.samples]) for nbytes, t in zip(sizes, ts)]
+        errorbar(ax, sizes, bus, scale=1, marker="o", label=name.replace("_", "-"))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45, fontsize=8)
+    ax.set_xlabel("message size S")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"busbw vs size, {ranks} ranks")
+    return fig
 
 
 def bandwidth():
@@ -772,33 +586,21 @@ def bandwidth():
         warm-up call(s); we report the median and the interquartile range. Single calls include
         the full latency of every call, so our small-message times are, if anything, higher
         than nccl-tests' would be. {len(sizes)} sizes from {human_bytes(sizes[0])} to
-        {human_bytes(sizes[-1])}, {ranks} ranks ({machine(ranks)}).
+        {human_bytes(sizes[-1])}, {machine(ranks)}.
     """)
     see(bus_bandwidth_factor)
     see(measure)
     run = spawn(sweep, ranks, collectives=SWEPT, sizes=sizes, warmup=warmup, iters=iters,
                 name=f"busbw sweep, 5 collectives x {len(sizes)} sizes, {ranks} ranks")
     timings = run.returns[0]
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    figure(draw_busbw(SWEPT, sizes, timings, ranks),
+           caption=f"Bus bandwidth of each collective as the message grows: median and "
+                   f"interquartile range of {iters} single calls, {machine(ranks)}.")
     rows = []
     for name, ts in zip(SWEPT, timings):
-        factor = bus_bandwidth_factor(name, ranks)
         for nbytes, t in zip(sizes, ts):
-            alg, b = bandwidths(name, nbytes, t.median, ranks)
-            rows.append([name, human_bytes(nbytes), us(t), alg / 1e9, b / 1e9])
-        # busbw = S·f/t, so a time's IQR maps to a bandwidth range (slow time = low bandwidth)
-        bus = [Timing([nbytes * factor / s / 1e9 for s in t.samples]) for nbytes, t in zip(sizes, ts)]
-        errorbar(ax, sizes, bus, scale=1, marker="o", label=name.replace("_", "-"))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45, fontsize=8)
-    ax.set_xlabel("message size S")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"busbw vs size, {ranks} ranks")
-    figure(fig, caption=f"Bus bandwidth of each collective as the message grows: median and "
-                        f"interquartile range of {iters} single calls, {machine(ranks)}.")
+            alg, bus = bandwidths(name, nbytes, t.median, ranks)
+            rows.append([name, human_bytes(nbytes), us(t), alg / 1e9, bus / 1e9])
     table(rows, header=["collective", "size", "time µs, median (IQR)", "algbw (GB/s)", "busbw (GB/s)"],
           caption="The sweep in nccl-tests' units (slowest rank per call; medians).")
     last = {name: bandwidths(name, sizes[-1], ts[-1].median, ranks)[1] / 1e9
@@ -835,6 +637,27 @@ def bandwidth():
 # 6. The alpha-beta model
 # =========================================================================================
 
+def draw_alpha_beta(sizes, timings, alpha, beta):
+    """Measured all-reduce times (median and IQR) on log axes, the fitted line, and S* = αβ."""
+    import matplotlib.pyplot as plt
+    cross = crossover_bytes(alpha, beta)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    errorbar(ax, sizes, timings, scale=1e6, fmt="o", label="measured: median and IQR (slowest rank)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    grid = np.geomspace(sizes[0], sizes[-1], 200)
+    ax.plot(grid, (alpha + grid / beta) * 1e6, "-",
+            label=f"fit: α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.2f} GB/s")
+    ax.axhline(alpha * 1e6, color="0.6", ls=":", lw=1)
+    if sizes[0] <= cross <= sizes[-1] * 4:
+        ax.axvline(cross, color="red", ls="--", lw=1, label=f"S* = αβ = {human_bytes(cross)}")
+    ax.set_xlabel("all-reduce message size (bytes)")
+    ax.set_ylabel("time (µs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
 def alpha_beta():
     ranks = timing_ranks(settings.world_size)
     sizes = [4 * KB * 2 ** k for k in range(7 if settings.quick else 15)]
@@ -862,22 +685,7 @@ def alpha_beta():
     times = [t.median for t in timings]
     alpha, beta = fit_alpha_beta(sizes, times)
     cross = crossover_bytes(alpha, beta)
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    errorbar(ax, sizes, timings, scale=1e6, fmt="o", label="measured: median and IQR (slowest rank)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    grid = np.geomspace(sizes[0], sizes[-1], 200)
-    ax.plot(grid, (alpha + grid / beta) * 1e6, "-",
-            label=f"fit: α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.2f} GB/s")
-    ax.axhline(alpha * 1e6, color="0.6", ls=":", lw=1)
-    if sizes[0] <= cross <= sizes[-1] * 4:
-        ax.axvline(cross, color="red", ls="--", lw=1, label=f"S* = αβ = {human_bytes(cross)}")
-    ax.set_xlabel("all-reduce message size (bytes)")
-    ax.set_ylabel("time (µs)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    figure(fig, caption=f"All-reduce time and the fitted α–β model, {machine(ranks)}.")
+    figure(draw_alpha_beta(sizes, timings, alpha, beta), caption=f"All-reduce time and the fitted α–β model, {machine(ranks)}.")
     rel = np.abs((alpha + np.array(sizes) / beta) / np.array(times) - 1)
     table([[human_bytes(s), us(t), (alpha + s / beta) * 1e6] for s, t in zip(sizes, timings)],
           header=["size", "measured µs, median (IQR)", "model (µs)"],
@@ -1043,6 +851,11 @@ def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
 
 
 def overlap():
+    overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
+    overlap_async()         # the collectives' mechanism: async_op=True and wait()
+
+
+def overlap_streams():
     note("""
         ## Overlapping communication with computation
         Communication that waits for computation, and computation that waits for
@@ -1074,6 +887,9 @@ def overlap():
             The demo (`streams_overlap`) runs automatically when the page is built on a machine
             with a GPU.
         """)
+
+
+def overlap_async():
     ranks = timing_ranks(settings.world_size)
     numel = (1 * MB if settings.quick else 8 * MB) // 4
     matmul_n, matmuls = (128, 20) if settings.quick else (256, 40)
