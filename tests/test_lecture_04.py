@@ -297,3 +297,27 @@ def test_dtensor_parallelize_module_equals_ours(world_size, sp, overrides):
         torch.testing.assert_close(run["dtensor"]["grads"][k], ref["grads"][k], rtol=1e-10, atol=1e-12, msg=k)
         torch.testing.assert_close(run["dtensor"]["params"][k], run["ours"]["params"][k], rtol=1e-9, atol=1e-10, msg=k)
     torch.testing.assert_close(run["dtensor"]["logits"], run["ours"]["logits"], rtol=1e-12, atol=1e-12)
+
+
+def collective_warnings(rank, world_size):
+    """Every warning the building blocks raise in an MLP forward and backward, with and without
+    sequence parallelism (all-reduce, all-gather, reduce-scatter, and the async ones in the
+    column-parallel backward)."""
+    import warnings
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    col_full, row_full = nn.Linear(4, 4 * world_size), nn.Linear(4 * world_size, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sp in (False, True):
+            col = L.ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
+            row = L.RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
+            x = torch.randn(2, world_size, 4, requires_grad=True)
+            row(torch.nn.functional.gelu(col(x))).sum().backward()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_collectives_raise_no_warnings():
+    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor with a FutureWarning
+    on every call; the building blocks use their successors (all_gather_single, reduce_scatter_single)."""
+    assert spawn(collective_warnings, 2).returns == [[], []]

@@ -1,0 +1,286 @@
+"""The conjugate operators of tensor and sequence parallelism: collectives with a matching backward.
+
+Megatron-LM (Shoeybi et al. 2019, https://arxiv.org/abs/1909.08053) marks the borders of a
+tensor-parallel region with two operators, each the other's transpose: f (identity forward,
+all-reduce backward) where a replicated tensor enters, g (all-reduce forward, identity backward)
+where partial sums leave. Sequence parallelism (Korthikanti et al. 2022,
+https://arxiv.org/abs/2205.05198) replaces them with an all-gather / reduce-scatter pair along the
+sequence. Each operator is a tiny `torch.autograd.Function` (lecture 04 shows them with see());
+the layers built from them are in `lectures/tensor_parallel.py`.
+
+Every operator takes the process group explicitly (as torch.distributed does) and never changes
+the tensor it was given. Inside `traced()`, every collective records a span on this rank's
+timeline.
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from util import span, span_at
+
+SEQ_DIM = 1   # activations are (batch, seq, hidden): sequence parallelism splits dim 1
+
+_trace = False   # set by traced(): collectives record a span each, for the timeline demo
+
+
+@contextlib.contextmanager
+def traced():
+    """Inside, every collective of this module records a span on this rank's timeline."""
+    global _trace
+    previous, _trace = _trace, True
+    try:
+        yield
+    finally:
+        _trace = previous
+
+
+def _collective(label):
+    """A span on this rank's timeline while traced() (collectives, and the compute they overlap)."""
+    return span(label) if _trace else contextlib.nullcontext()
+
+
+def _size_rank(group):
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(x, dim, n, what):
+    if x.shape[dim] % n:
+        raise ValueError(f"{what}: dimension {dim} of a {tuple(x.shape)} tensor does not split "
+                         f"evenly over {n} ranks (pad it, or pick sizes divisible by {n})")
+
+
+# =========================================================================================
+# The collectives, on a copy: the caller's tensor is never modified
+# =========================================================================================
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    """The sum (or `op`) of x over the ranks, in a new tensor."""
+    out = x.contiguous().clone()          # a copy: the caller's tensor is never modified
+    if dist.get_world_size(group) > 1:
+        with _collective("all-reduce"):
+            dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _all_gather(x, dim, group):
+    """The ranks' tensors concatenated along `dim`, in rank order."""
+    n, _ = _size_rank(group)
+    if n == 1:
+        return x
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0], *x0.shape[1:]))
+    with _collective("all-gather"):
+        dist.all_gather_single(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x, dim, group):
+    """This rank's slice along `dim` of the sum over the ranks."""
+    n, _ = _size_rank(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n, "reduce-scatter")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // n, *x0.shape[1:]))
+    with _collective("reduce-scatter"):
+        dist.reduce_scatter_single(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x, dim, group):
+    """This rank's contiguous slice of `x` along `dim` (no communication)."""
+    n, r = _size_rank(group)
+    _check_divisible(x, dim, n, "split")
+    return x.chunk(n, dim)[r].contiguous()
+
+
+class _Pending:
+    """An async collective in flight; wait() returns its result. While traced(), its span runs
+    from the launch to the moment it completed, as seen from gloo's thread (not to the wait)."""
+
+    def __init__(self, work, label, start, result):
+        self.work, self.label, self.start, self.result = work, label, start, result
+
+    def wait(self):
+        if _trace:
+            done = []
+            self.work.get_future().then(lambda _: done.append(time.perf_counter()))
+        self.work.wait()
+        if _trace:
+            span_at(self.label, self.start, done[0] if done else time.perf_counter())
+        return self.result()
+
+
+def _all_reduce_async_(x, group):
+    """Start summing x over the ranks IN PLACE (x must be a buffer the caller owns); returns a _Pending."""
+    start = time.perf_counter()
+    work = dist.all_reduce(x, group=group, async_op=True)
+    return _Pending(work, "all-reduce (async)", start, lambda: x)
+
+
+def _reduce_scatter_async(x, dim, group):
+    """Start a reduce-scatter of x along `dim`; returns a _Pending whose wait() gives this rank's slice."""
+    n = dist.get_world_size(group)
+    _check_divisible(x, dim, n, "reduce-scatter")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // n, *x0.shape[1:]))
+    start = time.perf_counter()
+    work = dist.reduce_scatter_single(out, x0, group=group, async_op=True)
+    return _Pending(work, "reduce-scatter (async)", start, lambda: out.movedim(0, dim).contiguous())
+
+
+# =========================================================================================
+# Tensor parallelism: f and g, and the gather / split pair of the last dimension
+# =========================================================================================
+
+class CopyToRegion(torch.autograd.Function):
+    """Identity forward, all-reduce backward: Megatron's f, where a tensor enters a tensor-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward, identity backward: Megatron's g, where partial sums leave a tensor-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dim forward, keep this rank's slice backward (a column-parallel output made whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, grad.dim() - 1, ctx.group), None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward, all-gather backward (a whole input fed to a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, grad.dim() - 1, ctx.group), None
+
+
+# =========================================================================================
+# Sequence parallelism: the all-gather / reduce-scatter pair along the sequence
+# =========================================================================================
+
+class AllGatherSequence(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward: sequence parallelism's g, replacing f on entry."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward: sequence parallelism's g-bar, replacing g on exit."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Keep this rank's slice of the sequence forward, all-gather backward: a replicated tensor enters a sequence-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """All-gather along the sequence forward, keep this rank's slice backward: a sequence-parallel tensor made whole (to inspect it)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+# =========================================================================================
+# The operators as functions
+# =========================================================================================
+
+def copy_to_region(x, group):
+    """Megatron's f: identity forward, all-reduce backward."""
+    return CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x, group):
+    """Megatron's g: all-reduce forward, identity backward."""
+    return ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x, group):
+    """All-gather the last dim forward, keep this rank's slice backward."""
+    return GatherFromRegion.apply(x, group)
+
+
+def scatter_to_region(x, group):
+    """Keep this rank's slice of the last dim forward, all-gather backward."""
+    return ScatterToRegion.apply(x, group)
+
+
+def all_gather_sequence(x, group, dim=SEQ_DIM):
+    """Sequence parallelism's g (in place of f): all-gather the sequence forward, reduce-scatter backward."""
+    return AllGatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x, group, dim=SEQ_DIM):
+    """Sequence parallelism's g-bar (in place of g): reduce-scatter the sequence forward, all-gather backward."""
+    return ReduceScatterSequence.apply(x, group, dim)
+
+
+def scatter_to_sequence(x, group, dim=SEQ_DIM):
+    """Keep this rank's slice of the sequence forward, all-gather backward."""
+    return ScatterToSequence.apply(x, group, dim)
+
+
+def gather_from_sequence(x, group, dim=SEQ_DIM):
+    """All-gather the sequence forward, keep this rank's slice backward."""
+    return GatherFromSequence.apply(x, group, dim)
