@@ -112,7 +112,11 @@ class SavedBytes:
             self.live += key[1]
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
-        return _Held(t, key, self)
+        # Hold a detached alias (same storage): holding `t` itself would also hold its grad_fn
+        # when `t` is an operation's own output (tanh's, LayerNorm's statistics), a reference cycle
+        # through C++ that gc cannot break; a backward that runs only some nodes (zero-bubble's
+        # separate W) would then leak those tensors.
+        return _Held(t.detach(), key, self)
 
     @staticmethod
     def _unpack(x):

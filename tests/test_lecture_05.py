@@ -1,11 +1,14 @@
 """Lecture 05: every pipeline schedule is complete and dependency-correct, the simulator gives the
 textbook bubbles, and the executor's loss, gradients and parameters after AdamW steps equal one
 process's for every schedule at 2 and 4 ranks."""
+import statistics
+
 import pytest
 import torch
 
 from lectures import lecture_05_pipeline_parallel as L
-from lectures.lecture_01_memory_and_precision import GPTConfig
+from lectures.gpt import GPTConfig
+from lectures.memory import saved_bytes
 from util import spawn
 from tests.conftest import built
 
@@ -145,7 +148,7 @@ def test_sleep_mode_measures_the_schedule():
     runs = [{"label": "1f1b", "name": "1f1b", "m": 4}, {"label": "gpipe", "name": "gpipe", "m": 4}]
     R = spawn(L.measure_schedules, 2, cfg=cfg, runs=runs, mb_size=2, delay={"F": 0.01, "B": 0.01, "W": 0.01},
               repeats=3).returns
-    got = L.statistics.median(L.measured_bubbles(R, "1f1b")[0])
+    got = statistics.median(L.measured_bubbles(R, "1f1b")[0])
     assert got == pytest.approx(1 / 5, abs=0.1)
     assert max(r["gpipe"]["peak_saved_bytes"] for r in R) > max(r["1f1b"]["peak_saved_bytes"] for r in R) > 0
 
@@ -193,3 +196,24 @@ def test_one_stage_step_under_no_grad_equals_autograd():
             ex.step(list(x.chunk(2)), list(t.chunk(2)))
         for p, w in zip(lin.parameters(), want):
             torch.testing.assert_close(p.grad, w)
+
+
+# The split schedule's W runs only the parameter-owning modules' backward nodes, so autograd
+# frees the other nodes' saved tensors only when the graph itself goes. A pack hook that kept a
+# saved *output* (tanh's here, LayerNorm's mean and rstd in the GPT) with its grad_fn made a
+# reference cycle through C++ that was never freed: ZB-H1 leaked, and this test caught it.
+@pytest.mark.parametrize("name,held", [("gpipe", 3), ("1f1b", 1), ("zb-h1", 1)])
+def test_executor_meters_what_autograd_holds(name, held):
+    """Peak bytes saved for backward, one stage: GPipe holds every micro-batch's activations at
+    once, 1F1B and ZB-H1 one micro-batch's, which is what saved_bytes measures for one forward;
+    by the end of the step autograd has released them all."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    xs = [torch.randn(5, 8, dtype=torch.float64) for _ in range(3)]
+    ts = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    _, one = saved_bytes(lambda: net(xs[0]), exclude=list(net.parameters()))
+    assert one > 0
+    ex = L.PipelineExecutor(L.make_schedule(name, 1, 3), {0: net}, 0, (5, 4),
+                            loss_fn=lambda y, t: (y - t).pow(2).mean(), dtype=torch.float64)
+    assert ex.step(xs, ts)["peak_saved_bytes"] == held * one
+    assert ex.meter.live == 0

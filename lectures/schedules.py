@@ -1,0 +1,344 @@
+"""Pipeline schedules as data: one ordered list of actions per rank, built, checked and simulated.
+
+A schedule is a `Schedule` (one list of `Action`s per rank: F forward, B backward or its input
+half, W the weight-gradient half) on a `Layout` (which rank and chunk hold each stage). The
+builders transcribe the published schedules:
+
+- naive model parallelism and GPipe (Huang et al. 2019, https://arxiv.org/abs/1811.06965),
+  breadth-first with chunks > 1 (Lamy-Poirier 2023, https://arxiv.org/abs/2211.05953);
+- 1F1B (PipeDream-Flush, Harlap et al. 2018) and interleaved 1F1B (Narayanan et al. 2021,
+  "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+  https://arxiv.org/abs/2104.04473);
+- zero bubble ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
+  https://arxiv.org/abs/2401.10241), here built by a small greedy list scheduler;
+- DualPipeV (DeepSeek-AI 2025, https://github.com/deepseek-ai/DualPipe), from its eight phases.
+
+`check_schedule` verifies that a list is complete; `simulate` runs it against a cost model and
+reports the bubble, or a deadlock; `theory_bubble` gives the textbook formulas. Lecture 05 shows
+the code; tests/test_lecture_05.py checks every schedule at several sizes.
+"""
+import collections
+import math
+import typing
+
+
+class Action(typing.NamedTuple):
+    """One unit of work on one rank. kind: "F" forward, "B" backward (the whole backward when
+    the schedule does not split it, else only the input gradient), "W" the weight gradient.
+    chunk: which of the rank's model chunks (0 when a rank holds one stage)."""
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class Layout(typing.NamedTuple):
+    """Where the `ranks × chunks` stages live.
+
+    looped (interleaved 1F1B, and every one-chunk schedule): chunk c of rank r is stage c·p + r,
+        so micro-batches loop through the ranks v times: 0,1,…,p−1,0,1,…
+    v (DualPipeV, and ZBV; two chunks): chunk 0 of rank r is stage r, chunk 1 is stage 2p−1−r: the
+        data goes down the ranks and comes back up, so rank 0 holds the first and the last
+        stage and rank p−1 hands its activations to itself at the turn."""
+    ranks: int
+    chunks: int = 1
+    style: str = "looped"
+
+    @property
+    def stages(self):
+        return self.ranks * self.chunks
+
+    def stage(self, rank, chunk):
+        if self.style == "v":
+            return rank if chunk == 0 else 2 * self.ranks - 1 - rank
+        return chunk * self.ranks + rank
+
+    def place(self, stage):
+        """(rank, chunk) holding `stage`."""
+        if self.style == "v":
+            return (stage, 0) if stage < self.ranks else (2 * self.ranks - 1 - stage, 1)
+        return stage % self.ranks, stage // self.ranks
+
+
+class Schedule(list):
+    """A list with one list of `Action`s per rank, plus what built it (name, layout, m)."""
+
+    def __init__(self, per_rank, name, layout, microbatches):
+        super().__init__(per_rank)
+        self.name, self.layout, self.microbatches = name, layout, microbatches
+
+    @property
+    def split_backward(self):
+        return any(a.kind == "W" for acts in self for a in acts)
+
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "dualpipev")
+V_SHAPED = ("dualpipev",)
+
+
+# (micro-batches a rank may hold between F and B, Ws it may postpone), as functions of (p, rank)
+ZERO_BUBBLE = {
+    "zb-h1": (lambda p, r: p - r, lambda p, r: p - r - 1),         # 1F1B's memory
+    "zb-h2": (lambda p, r: 2 * (p - r) - 1, lambda p, r: 2 * p),   # more warm-up, Ws at the end
+}
+
+
+def make_schedule(name, stages, microbatches, chunks=1):
+    """The action lists of schedule `name` for `stages` pipeline ranks, `microbatches` micro-
+    batches and `chunks` model chunks per rank (layouts: see `Layout`). Returns a `Schedule`.
+
+    naive, gpipe (all-forward-all-backward) and 1f1b accept any number of chunks (looped layout;
+    1f1b with chunks > 1 is interleaved 1F1B, gpipe with chunks > 1 is breadth-first); zb-h1 and
+    zb-h2 use one chunk per rank; dualpipev two, in the V layout."""
+    p, m, v = stages, microbatches, chunks
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"stages, microbatches and chunks must be >= 1 (got {p}, {m}, {v})")
+    if name in V_SHAPED and v != 2:
+        raise ValueError(f"{name} puts exactly two chunks on every rank in a V (chunks=2), got {v}")
+    if name in ("zb-h1", "zb-h2") and v != 1:
+        raise ValueError(f"{name} uses one chunk per rank; for two per rank use 'dualpipev'")
+    layout = Layout(p, v, "v" if name in V_SHAPED else "looped")
+    if name == "naive":
+        per_rank = [_naive(layout, m, r) for r in range(p)]
+    elif name == "gpipe":
+        per_rank = [_all_forward_all_backward(layout, m, r) for r in range(p)]
+    elif name in ("1f1b", "interleaved-1f1b"):
+        per_rank = [_one_forward_one_backward(layout, m, r) for r in range(p)]
+    elif name == "dualpipev":
+        per_rank = _dualpipev(p, m)
+    else:
+        # Zero-bubble schedules: B before F before W, never more micro-batches held than the
+        # limit (1F1B's for H1 and ZBV, about twice that for H2), W fills whatever gap is left.
+        limit, postpone = ZERO_BUBBLE[name]
+        per_rank = _greedy(layout, m, [limit(p, r) for r in range(p)], [postpone(p, r) for r in range(p)])
+    return Schedule(per_rank, name, layout, m)
+
+
+def _naive(layout, m, r):
+    """One micro-batch at a time through the whole model, forward then backward."""
+    out = []
+    for i in range(m):
+        out += [Action("F", i, c) for c in range(layout.chunks)]
+        out += [Action("B", i, c) for c in reversed(range(layout.chunks))]
+    return out
+
+
+def _all_forward_all_backward(layout, m, r):
+    """GPipe: every forward (chunk by chunk: breadth-first), then every backward."""
+    return ([Action("F", i, c) for c in range(layout.chunks) for i in range(m)]
+            + [Action("B", i, c) for c in reversed(range(layout.chunks)) for i in range(m)])
+
+
+def _one_forward_one_backward(layout, m, r):
+    """1F1B (PipeDream-Flush), and with chunks > 1 interleaved 1F1B (Narayanan et al. 2021):
+    a warm-up of forwards, then alternate one forward and one backward, then the remaining
+    backwards. Micro-batches go in groups of p, chunk by chunk (depth-first), so a rank can
+    start chunk 1 of the first micro-batch while the others are still in chunk 0."""
+    p, v = layout.ranks, layout.chunks
+    forwards, backwards = [], []
+    for g in range(0, m, p):
+        group = range(g, min(g + p, m))
+        forwards += [Action("F", i, c) for c in range(v) for i in group]
+        backwards += [Action("B", i, c) for c in reversed(range(v)) for i in group]
+    # Megatron's warm-up: the forwards that must run before the first backward can arrive.
+    warmup = min(len(forwards), (p - r - 1) * (2 if v > 1 else 1) + (v - 1) * p)
+    out = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        out += [f, b]
+    return out + backwards[len(forwards) - warmup:]
+
+
+def _greedy(layout, m, limit, postpone, unit=1.0):
+    """Build action lists by simulating the pipeline with unit costs. Whenever a rank is free it
+    takes, in this order: a ready B (oldest micro-batch first); a W if more than
+    `postpone[rank]` are waiting; a ready F if fewer than `limit[rank]` micro-batches are
+    between their F and their B; once it has no forwards left, any waiting W. Postponed Ws fill
+    the drain, where a rank would otherwise wait. Orders made this way are dependency-correct by construction."""
+    p, S = layout.ranks, layout.stages
+    done, ends = {}, []
+    clock = [0.0] * p
+    next_f = [[0] * layout.chunks for _ in range(p)]
+    waiting_b = [[] for _ in range(p)]          # (microbatch, chunk) forwarded, B not yet run
+    waiting_w = [collections.deque() for _ in range(p)]
+    out = [[] for _ in range(p)]
+    total, idle = 3 * S * m, 0
+    while sum(map(len, out)) < total:
+        r = min((rr for rr in range(p) if len(out[rr]) < 3 * layout.chunks * m), key=lambda rr: clock[rr])
+        t = clock[r]
+        choice = None
+        ready_b = [(i, c) for i, c in waiting_b[r]
+                   if layout.stage(r, c) == S - 1 or done.get(("B", layout.stage(r, c) + 1, i), math.inf) <= t]
+        if ready_b:
+            i, c = min(ready_b, key=lambda ic: (ic[0], -layout.stage(r, ic[1])))
+            waiting_b[r].remove((i, c))
+            waiting_w[r].append(Action("W", i, c))
+            choice = Action("B", i, c)
+        elif len(waiting_w[r]) > postpone[r]:
+            choice = waiting_w[r].popleft()
+        else:
+            # deeper chunks first; only chunk 0 admits new micro-batches, up to the limit
+            for c in sorted(range(layout.chunks), key=lambda c: -layout.stage(r, c)):
+                i, s = next_f[r][c], layout.stage(r, c)
+                if c == 0 and len(waiting_b[r]) >= limit[r]:
+                    continue
+                if i < m and (s == 0 or done.get(("F", s - 1, i), math.inf) <= t):
+                    next_f[r][c] += 1
+                    waiting_b[r].append((i, c))
+                    choice = Action("F", i, c)
+                    break
+        if choice is None and waiting_w[r] and all(i >= m for i in next_f[r]):   # the drain
+            choice = waiting_w[r].popleft()
+        if choice is None:            # idle until something ends or another rank moves on
+            later = [e for e in ends if e > t] + [clock[q] for q in range(p) if clock[q] > t]
+            clock[r] = min(later) if later else t + unit
+            idle += 1
+            if idle > 10 * p:
+                raise RuntimeError(f"greedy schedule stuck on rank {r} (limit {limit[r]} too small?)")
+            continue
+        idle = 0
+        clock[r] = t + unit
+        done[(choice.kind, layout.stage(r, choice.chunk), choice.microbatch)] = clock[r]
+        ends.append(clock[r])
+        out[r].append(choice)
+    return out
+
+
+def _dualpipev(p, m):
+    """DualPipeV (DeepSeek-AI 2025, the V-shaped 'cut-in-half' DualPipe), transcribed from the
+    eight phases of its reference schedule. Each forward/backward pair of two different chunks
+    ("F0 B1", "F1 B0") is what the GPU version overlaps with the other pair's communication; a
+    backward that is not zero-bubble is its B immediately followed by its W."""
+    if m < 2 * p:
+        raise ValueError(f"dualpipev needs at least 2·stages = {2 * p} micro-batches, got {m}")
+    per_rank = []
+    for r in range(p):
+        acts, next_f, next_b, deferred = [], [0, 0], [0, 0], collections.deque()
+
+        def F(c):
+            acts.append(Action("F", next_f[c], c))
+            next_f[c] += 1
+
+        def B(c, zero_bubble=False):
+            i = next_b[c]
+            next_b[c] += 1
+            acts.append(Action("B", i, c))
+            (deferred.append if zero_bubble else acts.append)(Action("W", i, c))
+
+        def W():
+            acts.append(deferred.popleft())
+
+        for _ in range(2 * (p - r - 1)):       # 1: forwards of chunk 0 fill the V's first arm
+            F(0)
+        for _ in range(r + 1):                 # 2: alternate chunk 0 and chunk 1 forwards
+            F(0), F(1)
+        for _ in range(p - r - 1):             # 3: B1 W1 F1, zero bubble
+            B(1, True), W(), F(1)
+        for _ in range(m - 2 * p + r + 1):     # 4: steady state, F0 B1 | F1 B0 pairs
+            F(0), B(1), F(1), B(0)
+        for _ in range(p - r - 1):             # 5: B1 | F1 B0
+            B(1), F(1), B(0)
+        zb = False
+        for i in range(r + 1):                 # 6: B1 B0, the second half with W postponed
+            zb = zb or (i == (r + 1) // 2 and r % 2 == 1)
+            B(1, zb)
+            zb = zb or (i == (r + 1) // 2 and r % 2 == 0)
+            B(0, zb)
+        for _ in range(p - r - 1):             # 7: W B0
+            W(), B(0, True)
+        for _ in range(r + 1):                 # 8: the remaining Ws
+            W()
+        assert not deferred
+        per_rank.append(acts)
+    return per_rank
+
+
+# Checking and simulating a schedule
+
+def dependencies(action, stage, layout):
+    """What `action` (on `stage`) waits for: keys (kind, stage, microbatch) of other actions.
+    F needs the previous stage's F; B needs its own F and the next stage's B; W its own B."""
+    i = action.microbatch
+    if action.kind == "F":
+        return [("F", stage - 1, i)] if stage > 0 else []
+    if action.kind == "B":
+        return [("F", stage, i)] + ([("B", stage + 1, i)] if stage < layout.stages - 1 else [])
+    return [("B", stage, i)]
+
+
+def check_schedule(schedule, layout=None, microbatches=None):
+    """Raise ValueError unless every rank runs F and B (and W for all or none) exactly once per
+    (stage it holds, micro-batch), with no unknown kinds or chunks."""
+    layout = layout or schedule.layout
+    m = microbatches or schedule.microbatches
+    split = any(a.kind == "W" for acts in schedule for a in acts)
+    if len(schedule) != layout.ranks:
+        raise ValueError(f"{len(schedule)} action lists for {layout.ranks} ranks")
+    kinds = "FBW" if split else "FB"
+    for r, acts in enumerate(schedule):
+        seen = collections.Counter((a.kind, a.microbatch, a.chunk) for a in acts)
+        want = {(k, i, c) for k in kinds for i in range(m) for c in range(layout.chunks)}
+        extra = [a for a in seen if a not in want or seen[a] > 1]
+        missing = want - set(seen)
+        if extra or missing:
+            raise ValueError(f"rank {r}: unexpected or repeated {sorted(extra)[:5]}, "
+                             f"missing {sorted(missing)[:5]}")
+
+
+class Simulation(typing.NamedTuple):
+    timeline: list      # per rank: [(Action, start, end)] in execution order
+    makespan: float
+    busy: list          # per rank: the time spent computing
+    bubble: float       # 1 − Σ busy / (ranks × makespan)
+
+
+def simulate(schedule, cost, layout=None):
+    """Run the action lists against a cost model: `cost` maps "F", "B", "W" to compute times
+    and "send" to the time a message takes between two ranks. A rank runs its list in order;
+    an action starts when the rank is free and its inputs have arrived. In a schedule without
+    W, a B is the whole backward and costs B + W. Raises ValueError on a deadlock."""
+    layout = layout or schedule.layout
+    split = any(a.kind == "W" for acts in schedule for a in acts)
+    dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
+    send = cost.get("send", 0)
+    pos, clock = [0] * layout.ranks, [0.0] * layout.ranks
+    finish, timeline = {}, [[] for _ in range(layout.ranks)]
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(schedule):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                s = layout.stage(r, a.chunk)
+                deps = dependencies(a, s, layout)
+                if any(d not in finish for d in deps):
+                    break
+                ready = [finish[d] + (send if layout.place(d[1])[0] != r else 0) for d in deps]
+                start = max([clock[r]] + ready)
+                clock[r] = start + dur[a.kind]
+                finish[(a.kind, s, a.microbatch)] = clock[r]
+                timeline[r].append((a, start, clock[r]))
+                pos[r] += 1
+                progress = True
+    stuck = [(r, str(acts[pos[r]])) for r, acts in enumerate(schedule) if pos[r] < len(acts)]
+    if stuck:
+        raise ValueError(f"deadlock: every rank waits, next actions {stuck}")
+    makespan = max(clock)
+    busy = [sum(e - s for _, s, e in row) for row in timeline]
+    return Simulation(timeline, makespan, busy, 1 - sum(busy) / (layout.ranks * makespan) if makespan else 0.0)
+
+
+def theory_bubble(name, p, m, v=1):
+    """The textbook bubble fraction under F = B, W = 0, no communication: (p−1)/(m+p−1) for
+    AFAB and 1F1B; interleaving divides the bubble time by v: (p−1)/(v·m+p−1); naive keeps one
+    stage busy at a time: 1 − 1/p. None where the schedule has no closed form here."""
+    if name == "naive":
+        return 1 - 1 / p
+    if name in ("gpipe", "1f1b") and v == 1:
+        return (p - 1) / (m + p - 1)
+    if name in ("interleaved-1f1b", "1f1b") and m % p == 0:   # Megatron's setting: m a multiple of p
+        return (p - 1) / (v * m + p - 1)
+    return None
