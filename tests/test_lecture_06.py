@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+from lectures import attention_blocks
 from lectures import lecture_06_context_and_expert_parallel as L
 from util import spawn
 from tests.conftest import built
@@ -214,7 +215,7 @@ def test_pytorch_context_parallel_with_the_cpu_shim(runs, world_size):
 def test_block_math_with_and_without_the_fused_kernel(monkeypatch, fused):
     """Our own block math and PyTorch's fused CPU kernel give the same attention, on segments
     whose causal blocks are square, and on uneven ones that need our mask."""
-    monkeypatch.setattr(L, "FUSED", fused)
+    monkeypatch.setattr(attention_blocks, "FUSED", fused)
     q, k, v, dout = L.attention_inputs(13, 3)
     for segs in ([(0, 13, 0)], [(0, 5, 0), (5, 4, 5), (9, 4, 9)], [(0, 6, 0), (6, 7, 6)]):
         for causal in (False, True):

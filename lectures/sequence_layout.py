@@ -1,0 +1,112 @@
+"""Sharding a sequence over the ranks of a context-parallel group: contiguous chunks, or the
+zig-zag (head-tail) layout that balances causal attention (Llama 3's context parallelism, Llama
+Team 2024 §3.3.2; zhuzilin's ring-flash-attention), and the segments each layout gives a rank.
+
+Zig-zag cuts the sequence into 2n chunks and gives rank r chunks r and 2n−1−r, one early and one
+late, so that under a causal mask every rank has the same work. A rank's positions are described
+as segments (local start, length, global start), which is all the attention kernels of
+`lectures/attention_blocks.py` need to mask correctly. Lengths need not divide evenly.
+"""
+import torch
+import torch.distributed as dist
+
+
+def split_sizes(total, parts):
+    """Sizes of torch.tensor_split(range(total), parts): the first total % parts get one more."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def offsets(sizes):
+    """Where each part starts when parts of `sizes` follow each other: [0, s0, s0 + s1, ...]."""
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def zigzag_chunks(rank, world_size):
+    """The two chunks (of 2n) that rank r holds under zig-zag: r and 2n−1−r (one early, one late)."""
+    return rank, 2 * world_size - 1 - rank
+
+
+def zigzag_shard(x, rank, world_size, dim):
+    """This rank's zig-zag slice of the full sequence x along `dim`: chunks r and 2n−1−r of 2n."""
+    chunks = torch.tensor_split(x, 2 * world_size, dim=dim)
+    a, b = zigzag_chunks(rank, world_size)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def zigzag_unshard(shards, dim):
+    """The full sequence from every rank's zig-zag shard (a list, in rank order)."""
+    n = len(shards)
+    total = sum(s.shape[dim] for s in shards)
+    sizes = split_sizes(total, 2 * n)
+    chunks = [None] * (2 * n)
+    for r, s in enumerate(shards):
+        a, b = zigzag_chunks(r, n)
+        chunks[a], chunks[b] = torch.split(s, [sizes[a], sizes[b]], dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def contiguous_shard(x, rank, world_size, dim):
+    """This rank's contiguous slice along `dim` (torch.tensor_split's sizes)."""
+    return torch.tensor_split(x, world_size, dim=dim)[rank]
+
+
+def shard_sequence(x, rank, world_size, dim, layout="contiguous"):
+    """x's slice for `rank` under `layout` ('contiguous' or 'zigzag')."""
+    if layout == "zigzag":
+        return zigzag_shard(x, rank, world_size, dim)
+    if layout == "contiguous":
+        return contiguous_shard(x, rank, world_size, dim)
+    raise ValueError(f"layout must be 'contiguous' or 'zigzag', not {layout!r}")
+
+
+def unshard_sequence(shards, dim, layout="contiguous"):
+    """The full sequence from every rank's shard under `layout` (a list, in rank order)."""
+    return zigzag_unshard(shards, dim) if layout == "zigzag" else torch.cat(shards, dim=dim)
+
+
+def layout_segments(lengths, layout):
+    """Every rank's segments [(local start, length, global start), ...] given every rank's local
+    length: contiguous ranks follow each other; zig-zag ranks hold chunks r and 2n−1−r of 2n."""
+    n = len(lengths)
+    if layout == "contiguous":
+        return [[(0, l, g)] for l, g in zip(lengths, offsets(lengths))]
+    if layout != "zigzag":
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', not {layout!r}")
+    total = sum(lengths)
+    sizes = split_sizes(total, 2 * n)
+    starts = offsets(sizes)
+    segs = []
+    for r in range(n):
+        a, b = zigzag_chunks(r, n)
+        if sizes[a] + sizes[b] != lengths[r]:
+            raise ValueError(f"zig-zag layout: rank {r} holds {lengths[r]} positions, but chunks {a} and "
+                             f"{b} of a {total}-long sequence have {sizes[a]} + {sizes[b]}; shard with "
+                             "zigzag_shard")
+        segs.append([(0, sizes[a], starts[a]), (sizes[a], sizes[b], starts[b])])
+    return segs
+
+
+def sequence_positions(seq_len, rank, world_size, layout="contiguous"):
+    """The global positions of this rank's tokens (for GPT.forward(tokens, positions=...))."""
+    return shard_sequence(torch.arange(seq_len), rank, world_size, 0, layout)
+
+
+# --- Which rank holds how many positions ----------------------------------------------------
+
+def group_info(group):
+    """(group, its size, this rank's index in it); None means the default group."""
+    group = group or dist.group.WORLD
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return group, n, r
+
+
+def gather_lengths(local_len, group, n, dev):
+    """Every rank's local sequence length, in rank order (the input of `layout_segments`)."""
+    t = torch.tensor([local_len], dtype=torch.int64, device=dev)
+    out = [torch.zeros_like(t) for _ in range(n)]
+    dist.all_gather(out, t, group=group)
+    return [int(x.item()) for x in out]
