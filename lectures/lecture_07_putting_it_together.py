@@ -6,132 +6,39 @@ formulas of the earlier lectures turned into a per-rank memory estimator and a s
 calibrated on this machine, used to search every valid layout — here, where we can run them,
 and at published scale, where we cannot.
 """
-import contextlib
-import dataclasses
-import functools
-import itertools
 import logging
 import math
 import statistics
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from util import device, figure, note, see, settings, spawn, table
-from util.measure import errorbar, machine, measure, measure_side_by_side, timing_ranks
+from util.measure import machine, measure, measure_side_by_side, timing_ranks
 
-from lectures import lecture_01_memory_and_precision as L1
+# The building blocks, one module each (see() shows their code on the page). Every name the
+# tests and the notebook use stays importable from this file.
+from lectures.activations import with_recomputation
+from lectures.collectives import fit_alpha_beta
+from lectures.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
+                                estimate_memory, in_flight, stage_layers, stage_params)
+from lectures.gpt import GPT, batch, loss_fn, param_count
+from lectures.layout_search import decision_procedure, divisors, search, valid_layouts  # noqa: F401
+from lectures.layout_trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
+                                     held_bytes, max_param_diff, reference_run, train_layout)
+from lectures.memory import SavedBytes
+from lectures.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
+                           replica_groups, torch_mesh)
+from lectures.pytorch_layout import pytorch_layout, pytorch_tp_plan  # noqa: F401
+from lectures.step_time import (ASSUMED, H100_MEMORY, H100_PEAK_BF16, IB_BW, LLAMA3_70B,  # noqa: F401
+                                LLAMA3_8B, NVLINK_BW, Hardware, all_reduce_time, axis_link,
+                                flops_per_token, gather_time, h100_cluster, mfu, p2p_link,
+                                p2p_time, step_time)
+
 
 # =========================================================================================
-# 1. The device mesh: one process group per axis, tp innermost, dp outermost
+# 1. The device mesh (lectures/mesh.py): checked against PyTorch's, and drawn
 # =========================================================================================
-# Global rank r sits at coordinates (dp, pp, cp, tp) of a row-major grid whose last axis (tp)
-# varies fastest: r = ((dp·PP + pp)·CP + cp)·TP + tp. Consecutive ranks — on a GPU node, the
-# GPUs joined by NVLink — form the tensor-parallel groups, which talk the most (every layer);
-# the data-parallel groups, which talk once per step, span the farthest ranks.
-
-MESH_AXES = ("dp", "pp", "cp", "tp")
-
-
-def mesh_coords(rank, shape):
-    """{axis: index} of global `rank` on a mesh of `shape` = (dp, pp, cp, tp)."""
-    coords = {}
-    for axis, size in zip(reversed(MESH_AXES), reversed(shape)):
-        coords[axis] = rank % size
-        rank //= size
-    return {a: coords[a] for a in MESH_AXES}
-
-
-def mesh_rank(coords, shape):
-    """The inverse of `mesh_coords`."""
-    rank = 0
-    for axis, size in zip(MESH_AXES, shape):
-        if not 0 <= coords[axis] < size:
-            raise ValueError(f"{axis}={coords[axis]} is outside 0..{size - 1}")
-        rank = rank * size + coords[axis]
-    return rank
-
-
-def axis_groups(shape, axis):
-    """Every group of `axis`: the lists of global ranks that differ only in that coordinate.
-    There are world/size(axis) of them, each of size(axis) ranks, in ascending order."""
-    k = MESH_AXES.index(axis)
-    others = [range(s) if i != k else [0] for i, s in enumerate(shape)]
-    groups = []
-    for fixed in itertools.product(*others):
-        coords = dict(zip(MESH_AXES, fixed))
-        groups.append([mesh_rank({**coords, axis: i}, shape) for i in range(shape[k])])
-    return groups
-
-
-def replica_groups(shape):
-    """Groups of ranks with equal pp and tp coordinates (dp and cp vary): the weight replicas."""
-    dp, pp, cp, tp = shape
-    return [[mesh_rank({"dp": d, "pp": p, "cp": c, "tp": t}, shape) for d in range(dp) for c in range(cp)]
-            for p in range(pp) for t in range(tp)]
-
-
-@dataclasses.dataclass
-class Mesh:
-    """This rank's view of the mesh: its coordinates, and for each axis the process group it
-    belongs to and the global ranks in it (`group[axis]` is None when the axis has size 1)."""
-    shape: tuple
-    rank: int
-    coords: dict
-    ranks: dict
-    group: dict
-
-    def size(self, axis):
-        return self.shape[MESH_AXES.index(axis)]
-
-    def index(self, axis):
-        return self.coords[axis]
-
-
-_GROUPS = {}   # (mesh shape, ranks) -> process group, per default group: new_group is collective and slow
-
-
-def _new_group(ranks):
-    """dist.new_group, cached for the life of the current default process group."""
-    world = dist.distributed_c10d._get_default_group()
-    key = (id(world), tuple(ranks))
-    if key not in _GROUPS or _GROUPS[key][0] is not world:
-        _GROUPS[key] = (world, dist.new_group(list(ranks)))
-    return _GROUPS[key][1]
-
-
-def make_mesh(dp=1, pp=1, cp=1, tp=1):
-    """Build the process groups of every axis of a (dp, pp, cp, tp) mesh over all ranks.
-
-    `dist.new_group` is collective over the whole world: every rank must create every group, in
-    the same order, even the groups it is not in. We walk the axes and their groups in a fixed
-    order and keep the one group per axis that contains this rank."""
-    shape = (dp, pp, cp, tp)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if math.prod(shape) != world:
-        raise ValueError(f"mesh dp×pp×cp×tp = {'×'.join(map(str, shape))} = {math.prod(shape)} "
-                         f"does not match the {world} ranks of the process group")
-    ranks, group = {}, {}
-    for axis in MESH_AXES:
-        for members in axis_groups(shape, axis):
-            g = _new_group(members) if len(members) > 1 else None
-            if rank in members:
-                ranks[axis], group[axis] = members, g
-    # The ranks that hold the same weights and must agree on their gradients: same pp and tp
-    # coordinates, any dp and cp (context parallelism splits tokens, not weights).
-    for members in replica_groups(shape):
-        g = _new_group(members) if len(members) > 1 else None
-        if rank in members:
-            ranks["replica"], group["replica"] = members, g
-    return Mesh(shape, rank, mesh_coords(rank, shape), ranks, group)
-
-
-def torch_mesh(dp=1, pp=1, cp=1, tp=1):
-    """PyTorch's DeviceMesh of the same shape and axis names."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device().type, (dp, pp, cp, tp), mesh_dim_names=MESH_AXES)
-
 
 def compare_meshes(rank, world_size, shape):
     """Ours and init_device_mesh's: the global ranks of this rank's group on every axis."""
@@ -188,534 +95,7 @@ def draw_mesh(shape, highlight=0):
 
 
 # =========================================================================================
-# 2. Per-rank memory: weights, gradients, optimizer state, activations
-# =========================================================================================
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the memory and time formulas need to know about a decoder-only transformer."""
-    name: str
-    layers: int            # L
-    hidden: int            # h
-    heads: int             # a
-    kv_heads: int
-    ffn: int               # f
-    vocab: int             # v
-    seq: int               # s
-    mlp_matrices: int = 2  # 2: GELU MLP (fc_in, fc_out); 3: SwiGLU (gate, up, down)
-    kv_expanded: bool = False  # K/V repeated to every query head before attention (lecture 01's GQA)
-    bias: bool = True
-    norm_params: int = 2   # LayerNorm: weight + bias per feature; RMSNorm: 1
-    learned_positions: bool = True
-    tied: bool = False
-
-    @classmethod
-    def from_gpt(cls, cfg, name="lecture 01 GPT"):
-        return cls(name, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.ff,
-                   cfg.vocab_size, cfg.seq_len, tied=cfg.tie_embeddings, kv_expanded=True)
-
-    @property
-    def head_dim(self):
-        return self.hidden // self.heads
-
-    @functools.cached_property
-    def kv_dim(self):
-        return self.kv_heads * self.head_dim
-
-    @functools.cache
-    def layer_params(self, tp=1):
-        """(sharded over tp, replicated) parameters of one block. Column-parallel Q/K/V and the
-        MLP's input matrices split their outputs (weights and biases), row-parallel O and the
-        MLP's output matrix split their inputs (weights; the bias is added once, replicated);
-        the norms are replicated."""
-        h, kv, f, b = self.hidden, self.kv_dim, self.ffn, self.bias
-        sharded = (h * h + 2 * h * kv) + (h * h) + (self.mlp_matrices - 1) * h * f + f * h
-        sharded += b * (h + 2 * kv + (self.mlp_matrices - 1) * f)
-        replicated = b * (h + h) + 2 * self.norm_params * h
-        return sharded / tp, replicated
-
-    @functools.cache
-    def tensors_per_layer(self):
-        """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
-        return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
-
-    @functools.cache
-    def embedding_params(self):
-        return self.vocab * self.hidden + self.learned_positions * self.seq * self.hidden
-
-    @functools.cache
-    def head_params(self):
-        """The final norm and (untied) LM head."""
-        return self.norm_params * self.hidden + (0 if self.tied else self.vocab * self.hidden)
-
-    @functools.cache
-    def params(self):
-        """Ψ; equals lecture 01's param_count for its GPT (tested)."""
-        return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
-
-    @functools.cache
-    def act_elements_per_token(self, tp=1, sp=False):
-        """Elements autograd keeps per token in one block (measured below, in float32):
-        the block input x, the first norm's output, Q, K, V, the attention output and its
-        log-sum-exp (flash attention: no s×s matrix), the residual after attention, the second
-        norm's output, and the MLP's intermediate tensors (GELU: its input and output, 2f;
-        SwiGLU: gate, up, silu(gate), product, 4f), plus the norms' mean and 1/σ (4).
-        Tensor parallelism splits heads and the MLP width; sequence parallelism also splits
-        the residual-stream tensors along the sequence."""
-        h, f, a = self.hidden, self.ffn, self.heads
-        kv = h if self.kv_expanded else self.kv_dim        # what attention receives and saves
-        mlp = (2 if self.mlp_matrices == 2 else 4) * f
-        split = (2 * h + 2 * kv + a + mlp) / tp               # Q, attention out, K, V, lse, MLP
-        stream = 4 * h + 4                                     # x, norm out, x2, norm out, stats
-        return split + (stream / tp if sp else stream)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run a training step: the mesh and everything that changes memory or time."""
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    zero: int = 0                  # ZeRO stage on the dp axis (0: plain data parallelism)
-    micro_batch: int = 1           # sequences per micro-batch on one dp rank
-    micro_batches: int = 1         # m: micro-batches per step (pipeline / accumulation)
-    recompute: str = "none"        # "none" or "full" (keep only each block's input)
-    precision: str = "fp32"        # "fp32", "bf16" (mixed: bf16 weights/grads, fp32 master + Adam), "fp64"
-    sp: bool = False               # sequence parallelism with tp
-    schedule: str = "1f1b"         # "1f1b" or "gpipe"
-    vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
-
-    @property
-    def world(self):
-        return self.dp * self.pp * self.cp * self.tp
-
-    @property
-    def global_batch(self):
-        return self.dp * self.micro_batch * self.micro_batches
-
-    def label(self):
-        parts = [f"{k}{getattr(self, k)}" for k in MESH_AXES if getattr(self, k) > 1] or ["1 rank"]
-        if self.zero:
-            parts.append(f"ZeRO-{self.zero}")
-        if self.sp:
-            parts.append("SP")
-        if self.recompute != "none":
-            parts.append("recompute")
-        if self.pp > 1 and self.schedule != "1f1b":
-            parts.append(self.schedule)
-        parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
-        return " ".join(parts)
-
-
-PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
-    "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
-    # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
-    "fp32": {"weights": 4, "grads": 4, "optimizer": 8, "act": 4},
-    # mixed precision (ZeRO paper's accounting): bf16 weights and grads; fp32 master weights
-    # and the two moments, K = 12.
-    "bf16": {"weights": 2, "grads": 2, "optimizer": 12, "act": 2},
-}
-
-
-def stage_layers(layers, pp):
-    """How many blocks each pipeline stage holds: lecture 05's GPTStage cuts at k·L/pp, so
-    sizes differ by at most one and the later stages take the extra."""
-    return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
-
-
-def in_flight(layout, stage):
-    """Micro-batches whose activations a stage holds at its peak: all m under GPipe, at most
-    pp − stage under 1F1B (the first stage waits longest for its backward)."""
-    if layout.pp == 1:
-        return 1
-    return layout.micro_batches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.micro_batches)
-
-
-def stage_params(model, layout, stage):
-    """Parameters held by one rank of pipeline stage `stage` (before ZeRO). With
-    `vocab_parallel` the token embedding and the LM head are split by vocabulary rows."""
-    tp, first, last = layout.tp, stage == 0, stage == layout.pp - 1
-    sharded, replicated = model.layer_params(tp)
-    n = stage_layers(model.layers, layout.pp)[stage] * (sharded + replicated)
-    if first:
-        n += model.embedding_params()
-        if layout.vocab_parallel:
-            n -= model.vocab * model.hidden * (1 - 1 / tp)
-    if last:
-        head = model.head_params()
-        if layout.vocab_parallel and not model.tied:
-            head = model.norm_params * model.hidden + model.vocab * model.hidden / tp
-        n += head
-    return n
-
-
-def activation_bytes(model, layout, stage):
-    """(stored, transient) bytes of saved activations on one rank of `stage` at the peak of a
-    step: stored = (per micro-batch) × (micro-batches in flight); transient = one block's full
-    activations while it is recomputed during backward (full recomputation only). Tokens per
-    micro-batch on this rank: micro_batch · s / cp."""
-    B = PRECISION_BYTES[layout.precision]["act"]
-    tokens = layout.micro_batch * model.seq / layout.cp
-    n_layers = stage_layers(model.layers, layout.pp)[stage]
-    per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
-    if layout.recompute == "full":
-        stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
-        transient = per_layer * tokens
-    else:
-        stored, transient = n_layers * per_layer, 0
-    if stage == 0:
-        stored += 8                                            # the int64 token ids
-    if stage == layout.pp - 1:
-        v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
-        stored += (2 * model.hidden + 2) * B + v * 4 + 8      # final norm in/out, fp32 log-probs, targets
-    return tokens * stored * in_flight(layout, stage), transient
-
-
-@functools.cache
-def estimate_memory(model, layout, stage=None):
-    """Per-rank bytes {weights, grads, optimizer, activations, total} for the most loaded
-    pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the
-    gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04); pp
-    divides the layers (lecture 05); cp divides the tokens (lecture 06)."""
-    if stage is None:   # the first stage holds the most micro-batches, the last the LM head
-        return max((estimate_memory(model, layout, s) for s in {0, layout.pp - 1}), key=lambda m: m["total"])
-    B = PRECISION_BYTES[layout.precision]
-    n = stage_params(model, layout, stage)
-    dp, z = layout.dp, layout.zero
-    out = {"stage": stage, "params": n,
-           "weights": B["weights"] * n / (dp if z >= 3 else 1),
-           "grads": B["grads"] * n / (dp if z >= 2 else 1),
-           "optimizer": B["optimizer"] * n / (dp if z >= 1 else 1),
-           "activations": sum(activation_bytes(model, layout, stage)),
-           "stored activations": activation_bytes(model, layout, stage)[0]}
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
-    return out
-
-
-# =========================================================================================
-# 3. Step time: a cost model with measured (or published) constants
-# =========================================================================================
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """The constants of the step-time model. Links follow the α–β model of lecture 02 per ring
-    step: a collective over n ranks costs (steps)·α + (fraction of the bytes each rank
-    moves)/β. `intra` links join the ranks of a node, `inter` links cross nodes."""
-    name: str
-    flops: float                 # sustained matmul FLOP/s per rank
-    memory: float                # bytes per rank available for training state
-    ranks_per_node: int
-    intra: tuple                 # (α seconds, β bytes/s) within a node
-    inter: tuple                 # (α, β) across nodes
-    overhead: float = 0.0        # fixed seconds per block per micro-batch (forward + backward)
-    step_overhead: float = 0.0   # fixed seconds per step (optimizer, Python)
-    overlap: float = 0.0         # fraction of backward that data-parallel traffic can hide under
-    peak: float = None           # peak FLOP/s for MFU (defaults to `flops`)
-    bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
-    p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
-
-
-def axis_link(hw, layout, axis):
-    """(α, β) of the links an axis' groups use: a group is inside one node when its span
-    (stride × size, the stride being the product of the inner axes) fits in a node."""
-    sizes = dict(zip(MESH_AXES, (layout.dp, layout.pp, layout.cp, layout.tp)))
-    k = MESH_AXES.index(axis)
-    stride = math.prod(sizes[a] for a in MESH_AXES[k + 1:])
-    return hw.intra if stride * sizes[axis] <= hw.ranks_per_node else hw.inter
-
-
-def p2p_link(hw, layout, axis):
-    return hw.p2p or axis_link(hw, layout, axis)
-
-
-def all_reduce_time(n, nbytes, link):
-    """Ring all-reduce: 2(n−1) steps, each rank sends 2(n−1)/n of the buffer."""
-    alpha, beta = link
-    return 0.0 if n == 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
-
-
-def gather_time(n, nbytes, link):
-    """Ring all-gather or reduce-scatter of a full buffer of `nbytes`."""
-    alpha, beta = link
-    return 0.0 if n == 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
-
-
-def p2p_time(nbytes, link):
-    alpha, beta = link
-    return alpha + nbytes / beta
-
-
-def flops_per_token(model, recompute="none"):
-    """Training FLOPs per token: 6 per matrix parameter (2 forward, 4 backward) plus the
-    attention scores and values, 12·L·h·s (the convention of the MFU literature: no credit
-    for causal skipping). Full recomputation runs every block's forward twice (+2 per matrix
-    parameter), which costs time but is not counted as useful work in MFU."""
-    sharded, _ = model.layer_params()
-    matrix = model.layers * sharded + model.vocab * model.hidden
-    useful = 6 * matrix + 12 * model.layers * model.hidden * model.seq
-    if recompute == "full":
-        return useful, useful + 2 * model.layers * sharded + 4 * model.layers * model.hidden * model.seq
-    return useful, useful
-
-
-def step_time(model, layout, hw):
-    """Predicted seconds per optimizer step and its parts, for the slowest pipeline stage.
-
-    compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
-              cost per block (Python and kernel launches: what dominates tiny models);
-    tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
-              2 backward; sequence parallelism moves the same bytes as reduce-scatter +
-              all-gather);
-    cp        ring attention: cp−1 passes of K and V forward, of K, V, dK, dV backward;
-    pp        (m + pp − 1) slots of one micro-batch each (the bubble is pp − 1 of them), plus
-              a send of activations forward and of gradients backward per slot;
-    dp        one gradient all-reduce over the dp·cp ranks that hold the same weights
-              (ZeRO-1/2: reduce-scatter + all-gather; ZeRO-3 also gathers weights for every
-              micro-batch's forward and backward), partly hidden under backward (`overlap`)."""
-    B = PRECISION_BYTES[layout.precision]
-    tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
-    sizes = stage_layers(model.layers, layout.pp)
-    worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
-    n_layers = sizes[worst]
-    sharded, _ = model.layer_params()
-    layer_flops = 6 * sharded + 12 * model.hidden * model.seq
-    if layout.recompute == "full":
-        layer_flops += 2 * sharded + 4 * model.hidden * model.seq
-    head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
-    flops = tokens * (n_layers * layer_flops + head_flops) / layout.tp
-    compute = flops / hw.flops + n_layers * hw.overhead
-    act = tokens * model.hidden * B["act"]
-    tp_link = axis_link(hw, layout, "tp")
-    tp = 4 * n_layers * all_reduce_time(layout.tp, act, tp_link)
-    if layout.tp > 1 and worst == layout.pp - 1:   # vocabulary-parallel head and loss
-        tp += 2 * all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
-    kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
-    cp = 3 * n_layers * (layout.cp - 1) * p2p_time(kv, p2p_link(hw, layout, "cp")) if layout.cp > 1 else 0.0
-    # a pipeline slot: one micro-batch's forward and backward on this stage, and its sends
-    sends = 2 * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
-    slot = compute + tp + cp + sends
-    m = layout.micro_batches
-    pipeline = (m + layout.pp - 1) * slot
-    # Data-parallel traffic: the dp·cp ranks of one (pp, tp) position hold the same weights.
-    n_sync = layout.dp * layout.cp
-    link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
-    grad_bytes = stage_params(model, layout, worst) * B["grads"]
-    # One message for all gradients (bucketed), or one per parameter tensor.
-    messages = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (worst == 0) + 3 * (worst == layout.pp - 1))
-    if layout.zero == 0:
-        dp = messages * all_reduce_time(n_sync, grad_bytes / messages, link)
-    else:
-        dp = 2 * messages * gather_time(n_sync, grad_bytes / messages, link)
-    # Gradient traffic can hide under backward (≈ 2/3 of the compute), ZeRO-3's forward
-    # gathers under forward (≈ 1/3), as far as `hw.overlap` allows.
-    exposed_dp = max(0.0, dp - hw.overlap * m * compute * 2 / 3)
-    if layout.zero >= 3:
-        gather = m * gather_time(n_sync, stage_params(model, layout, worst) * B["weights"], link)
-        exposed_dp = (max(0.0, dp + gather - hw.overlap * m * compute * 2 / 3)
-                      + max(0.0, gather - hw.overlap * m * compute / 3))
-    total = pipeline + exposed_dp + hw.step_overhead
-    return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
-            "bubble": (layout.pp - 1) * slot, "pp": (m + layout.pp - 1) * sends,
-            "dp": exposed_dp, "flops": flops * m}
-
-
-def mfu(model, tokens_per_second, peak_flops_total):
-    """Model FLOPs utilisation: useful training FLOPs per second / the hardware's peak."""
-    return tokens_per_second * flops_per_token(model)[0] / peak_flops_total
-
-
-# =========================================================================================
-# 4. Every valid configuration, ranked
-# =========================================================================================
-
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("none",),
-                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,)):
-    """Every Layout with dp·pp·cp·tp = world that can run this model:
-      tp divides the heads and the K/V heads (each rank holds whole heads), at most `max_tp`;
-      pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches;
-      cp: the sequence splits into 2·cp equal zig-zag chunks;
-      dp divides the global batch; the rest of each dp rank's batch is m micro-batches of
-      `micro_batch` sequences; ZeRO stages > 0 only when dp > 1; sequence parallelism only
-      with tp > 1."""
-    out = []
-    for dp, pp, cp, tp in itertools.product(divisors(world), repeat=4):
-        if dp * pp * cp * tp != world:
-            continue
-        if model.heads % tp or model.kv_heads % tp or (max_tp and tp > max_tp):
-            continue
-        if model.layers % pp or model.seq % (2 * cp) or global_batch % dp:
-            continue
-        per_rank = global_batch // dp
-        for mb in divisors(per_rank):
-            if micro_batch_sizes and mb not in micro_batch_sizes:
-                continue
-            m = per_rank // mb
-            if pp > 1 and m < pp:
-                continue
-            for zero, rc, s in itertools.product(zero_stages, recompute, sp):
-                if (zero and dp == 1) or (s and tp == 1):
-                    continue
-                out.append(Layout(dp, pp, cp, tp, zero=zero, micro_batch=mb, micro_batches=m,
-                                  recompute=rc, precision=precision, sp=s))
-    return out
-
-
-def search(model, world, global_batch, hw, **space):
-    """All valid layouts with their predicted memory and step time, fastest first; the ones
-    whose memory exceeds `hw.memory` are kept but marked as not fitting."""
-    rows = []
-    for layout in valid_layouts(model, world, global_batch, **space):
-        mem = estimate_memory(model, layout)
-        t = step_time(model, layout, hw)
-        rows.append({"layout": layout, "memory": mem, "time": t, "fits": mem["total"] <= hw.memory})
-    rows.sort(key=lambda r: (not r["fits"], r["time"]["total"]))
-    return rows
-
-
-def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
-    """The syllabus' rule of thumb, step by step, returning (layout, reasons):
-    1. fits on one device with plain data parallelism (+ ZeRO-1/2)? → DP.
-    2. else split the model: ZeRO-3, or TP within a node (up to its size) and then PP across
-       nodes, until it fits;
-    3. long sequences (activations) → CP;
-    4. then choose the micro-batch and accumulation for the target global batch."""
-    reasons = []
-    base = dict(precision="bf16", recompute="none")
-
-    def fits(**kw):
-        lay = Layout(**{**base, **kw})
-        return estimate_memory(model, lay)["total"] <= hw.memory, lay
-
-    dp = world
-    for zero in (0, 1, 2):
-        ok, lay = fits(dp=dp, zero=zero, micro_batch=1, micro_batches=global_batch // dp)
-        if ok and global_batch % dp == 0:
-            reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
-            return lay, reasons
-    reasons.append("does not fit with DP + ZeRO-1/2: split the model")
-    cp = 1
-    if model.seq >= seq_threshold:
-        cp = 2
-        reasons.append(f"sequence {model.seq} ≥ {seq_threshold}: context parallelism cp={cp}")
-    tps = [t for t in (2, 4, 8) if t <= hw.ranks_per_node and model.heads % t == 0 and model.kv_heads % t == 0]
-    tries = [(t, 1) for t in tps] + [(tps[-1], p) for p in divisors(model.layers) if p > 1]
-    for rc in ("none", "full"):
-        for tp, pp in tries:
-            if world % (tp * pp * cp) or global_batch % (world // (tp * pp * cp)):
-                continue
-            dp = world // (tp * pp * cp)
-            m = global_batch // dp
-            if m < pp:
-                continue
-            ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=1, sp=True, micro_batch=1,
-                           micro_batches=m, recompute=rc)
-            if ok:
-                reasons.append(f"tensor parallelism (+ sequence parallelism) within a node: tp={tp}")
-                if pp > 1:
-                    reasons.append(f"TP at the node's size is not enough: pipeline across nodes, pp={pp}")
-                if rc == "full":
-                    reasons.append("activations still too large: full recomputation")
-                reasons.append(f"the rest is data parallelism (ZeRO-1): dp={dp}; "
-                               f"micro-batch 1, m={m} micro-batches per step")
-                return lay, reasons
-    reasons.append("nothing fits")
-    return None, reasons
-
-
-# Published hardware and models (the numbers are cited on the page; what is assumed says so).
-LLAMA3_8B = ModelShape("Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                       vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
-                       learned_positions=False)
-LLAMA3_70B = ModelShape("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-                        vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
-                        learned_positions=False)
-H100_PEAK_BF16 = 989.4e12        # dense BF16 tensor-core FLOP/s, H100 SXM (NVIDIA datasheet)
-H100_MEMORY = 80e9               # HBM3 bytes
-NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
-IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
-ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
-           "usable fraction of HBM": 0.9,                          # workspace, fragmentation
-           "achieved fraction of link bandwidth": 0.8,             # nccl-tests-like busbw / nominal
-           "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6}
-
-
-def h100_cluster():
-    a = ASSUMED
-    return Hardware("DGX H100 cluster (8 GPUs per node)", flops=a["sustained fraction of peak for large GEMMs"] * H100_PEAK_BF16,
-                    memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
-                    intra=(a["α per ring step in a node (s)"], a["achieved fraction of link bandwidth"] * NVLINK_BW),
-                    inter=(a["α per ring step across nodes (s)"], a["achieved fraction of link bandwidth"] * IB_BW),
-                    overlap=1.0, peak=H100_PEAK_BF16)
-
-
-# =========================================================================================
-# 5. Measuring what a rank holds: parameters, gradients, optimizer state, saved activations
-# =========================================================================================
-
-class ActivationMeter:
-    """Bytes of tensors autograd saves for backward, live and at their peak.
-
-    A saved-tensors hook wraps every saved tensor (not parameters: those are counted as
-    weights) in a small holder; the holder dies when autograd releases the saved tensor, so
-    `live` follows the tensors actually kept, across micro-batches and pipeline slots. Tensors
-    that share storage are counted once."""
-
-    def __init__(self, params=()):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    class _Held:
-        __slots__ = ("t", "key", "meter")
-
-        def __init__(self, t, key, meter):
-            self.t, self.key, self.meter = t, key, meter
-
-        def __del__(self):
-            self.meter._release(self.key)
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[0] in self.params or key[1] == 0:
-            return t
-        if key not in self.refs:
-            self.refs[key] = 0
-            self.live += key[1]
-            self.peak = max(self.peak, self.live)
-        self.refs[key] += 1
-        return ActivationMeter._Held(t, key, self)
-
-    @staticmethod
-    def _unpack(x):
-        return x.t if isinstance(x, ActivationMeter._Held) else x
-
-    def _release(self, key):
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            del self.refs[key]
-            self.live -= key[1]
-
-    def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-
-def held_bytes(params, optimizer_state=()):
-    """Bytes of parameters, their gradients and optimizer state tensors (scalars like Adam's
-    step counter left out) that this rank holds."""
-    nbytes = lambda t: t.numel() * t.element_size()
-    params = list(params)
-    return {"weights": sum(nbytes(p) for p in params),
-            "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(nbytes(t) for t in optimizer_state if t.dim() > 0)}
-
-
-# =========================================================================================
-# 6. Calibrating the step-time model on this machine
+# 2. Calibrating the step-time model on this machine
 # =========================================================================================
 
 def fit_line(xs, ys):
@@ -731,12 +111,12 @@ def fit_line(xs, ys):
 def model_step_parts(cfg, micro_batch):
     """forward+backward and optimizer-step callables of the one-process GPT on `micro_batch`
     sequences (what every rank of a layout runs a slice of)."""
-    model = L1.GPT(cfg).to(device())
+    model = GPT(cfg).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, targets = (t.to(device()) for t in L1.batch(cfg, micro_batch, 0))
+    tokens, targets = (t.to(device()) for t in batch(cfg, micro_batch, 0))
 
     def fwd_bwd():
-        L1.loss_fn(model(tokens), targets).backward()
+        loss_fn(model(tokens), targets).backward()
 
     def step():
         opt.step()
@@ -749,7 +129,6 @@ def calibrate(rank, world_size, cfg, batch_sizes, sizes, repeats=7):
     """The constants of the step-time model, measured with every rank busy at once (as in the
     runs being predicted): matmul throughput, the one-process forward+backward time against
     its FLOPs, the optimizer step, and α–β fits of all-reduce and of send/recv."""
-    from lectures.lecture_02_communication import fit_alpha_beta
     out = {}
     n = 512 if not settings.quick else 256
     a, b = torch.randn(n, n, device=device()), torch.randn(n, n, device=device())
@@ -800,236 +179,8 @@ def this_machine(cal, cfg, world_size):
 
 
 # =========================================================================================
-# 7. One model, many layouts: the combined training step
+# 3. Timing the layouts (lectures/layout_trainer.py trains them)
 # =========================================================================================
-# The pieces come from the earlier lectures, applied to lecture 01's GPT in a fixed order
-# (torchtitan's): tensor parallelism (lecture 04's parallelize_gpt on the mesh's tp group) →
-# context parallelism (lecture 06's ring attention on the cp group, zig-zag token shards) →
-# pipeline stages (lecture 05's GPTStage and executor on the pp group) → the gradient sync over
-# the weight replicas (dp × cp) and the optimizer, plain AdamW or ZeRO-1/2 (lecture 03).
-
-from lectures import lecture_03_data_parallel as L3          # noqa: E402
-from lectures import zero as Z                                 # noqa: E402
-
-
-class GroupCollectives(L3.Collectives):
-    """Adapter: lecture 03's byte-counting collectives run on the whole world; on a mesh they
-    must run on one axis' group. Same counting, explicit `group` (lecture 03's ZeRO takes its
-    shard index from it)."""
-
-    def __init__(self, group):
-        super().__init__(dist.get_world_size(group))
-        self.group = group
-
-    def all_reduce(self, t, async_op=False, label="all-reduce"):
-        self.sent += 2 * (self.n - 1) * t.numel() * t.element_size() // self.n
-        return self._async(dist.all_reduce(t, group=self.group, async_op=async_op), label, 0)
-
-    def reduce_scatter(self, out, full, async_op=False, label="reduce-scatter"):
-        self.sent += (self.n - 1) * full.numel() * full.element_size() // self.n
-        return self._async(dist.reduce_scatter_single(out, full, group=self.group, async_op=async_op), label, 0)
-
-    def all_gather(self, full, shard, async_op=False, label="all-gather"):
-        self.sent += (self.n - 1) * full.numel() * full.element_size() // self.n
-        return self._async(dist.all_gather_single(full, shard, group=self.group, async_op=async_op), label, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """A small training run: the model, the global batch, steps and learning rate."""
-    cfg: L1.GPTConfig = L1.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=4)
-    global_batch: int = 8
-    steps: int = 4
-    lr: float = 3e-3
-    weight_decay: float = 0.01     # AdamW's default, spelled out: ZeRO's optimizer needs it
-
-
-def reference_run(run):
-    """One process, the whole global batch, torch.optim.AdamW: what every layout must equal."""
-    model = L1.GPT(run.cfg).to(device())
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
-    losses = []
-    for step in range(run.steps):
-        tokens, targets = (t.to(device()) for t in L1.batch(run.cfg, run.global_batch, step))
-        loss = L1.loss_fn(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {k: p.detach().cpu().clone() for k, p in model.named_parameters()}}
-
-
-class LayoutTrainer:
-    """Lecture 01's GPT trained under `layout` on this rank's place in `mesh`."""
-
-    def __init__(self, run, layout, mesh):
-        from lectures import lecture_04_tensor_parallel as L4
-        from lectures import lecture_05_pipeline_parallel as L5
-        self.run, self.layout, self.mesh = run, layout, mesh
-        cfg = run.cfg
-        if layout.global_batch != run.global_batch:
-            raise ValueError(f"layout {layout.label()} makes a global batch of {layout.global_batch}, "
-                             f"the run wants {run.global_batch}")
-        model = L1.GPT(cfg).to(device())              # the same seeded weights on every rank
-        self.tp_group = mesh.group["tp"]
-        if layout.tp > 1:
-            model = L4.parallelize_gpt(model, self.tp_group, sequence_parallel=layout.sp)
-        if layout.cp > 1:
-            from lectures.lecture_06_context_and_expert_parallel import ring_attention
-            attend = _RingAttend(ring_attention, mesh.group["cp"])
-            for block in model.blocks:
-                block.attn.attend = attend
-        self.model = model
-        if layout.pp > 1:
-            if layout.cp > 1 or layout.sp:
-                raise ValueError("pipeline stages with context or sequence parallelism are not wired up here")
-            stage = mesh.index("pp")
-            self.stage = L5.GPTStage(model, stage, layout.pp)
-            sched = L5.make_schedule(layout.schedule, layout.pp, layout.micro_batches)
-            self.executor = L5.PipelineExecutor(
-                sched, {0: self.stage}, stage, (layout.micro_batch, cfg.seq_len, cfg.d_model),
-                group=mesh.group["pp"], loss_fn=self._loss, dtype=cfg.torch_dtype)
-            self.module = self.stage
-        else:
-            self.stage, self.executor, self.module = None, None, model
-        self.params = list(self.module.parameters())
-        replica = mesh.group["replica"]
-        self.comm = GroupCollectives(replica) if replica is not None else None
-        if layout.zero:
-            if layout.zero not in (1, 2) or replica is None:
-                raise ValueError(f"ZeRO-{layout.zero}: this trainer implements ZeRO-1 and ZeRO-2 on a "
-                                 "data-parallel axis of 2 or more ranks (lecture 03 builds ZeRO-3)")
-            # Lecture 03's ZeRO on the replica group; ZeRO-2's hooks reduce-scatter each
-            # gradient as backward (a pipeline's, too) produces it, micro-batch by micro-batch.
-            self.zero = (Z.Zero1 if layout.zero == 1 else Z.Zero2)(self.module, self.comm, run)
-            self.opt = None
-        else:
-            self.zero = None
-            self.opt = torch.optim.AdamW(self.params, lr=run.lr, weight_decay=run.weight_decay)
-        self.meter = ActivationMeter(self.params)
-
-    def _loss(self, logits, targets):
-        if self.layout.tp > 1:
-            from lectures.lecture_04_tensor_parallel import vocab_parallel_cross_entropy
-            return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
-        return L1.loss_fn(logits, targets)
-
-    def local_batch(self, step):
-        """This rank's rows (its dp slice) and tokens (its zig-zag cp slice) of the global batch,
-        cut into m micro-batches, and the global positions of its tokens."""
-        from lectures.lecture_06_context_and_expert_parallel import sequence_positions, zigzag_shard
-        lay, mesh, cfg = self.layout, self.mesh, self.run.cfg
-        tokens, targets = L1.batch(cfg, self.run.global_batch, step)
-        rows = self.run.global_batch // lay.dp
-        d = mesh.index("dp")
-        tokens, targets = tokens[d * rows:(d + 1) * rows], targets[d * rows:(d + 1) * rows]
-        positions = None
-        if lay.cp > 1:
-            c = mesh.index("cp")
-            tokens, targets = (zigzag_shard(t, c, lay.cp, dim=1) for t in (tokens, targets))
-            positions = sequence_positions(cfg.seq_len, c, lay.cp, "zigzag").to(device())
-        return (list(tokens.to(device()).chunk(lay.micro_batches)),
-                list(targets.to(device()).chunk(lay.micro_batches)), positions)
-
-    def forward_backward(self, step):
-        """Gradients of the mean loss over this rank's share; returns (local mean loss or None,
-        peak bytes of saved activations)."""
-        tokens, targets, positions = self.local_batch(step)
-        m = self.layout.micro_batches
-        self.meter.peak = self.meter.live
-        if self.executor is not None:
-            with self.meter():      # the executor counts the stages' saves, the meter the loss's
-                out = self.executor.step(tokens, targets)
-            return out["loss"], out["peak_saved_bytes"] + self.meter.peak - self.meter.live
-        total = 0.0
-        for x, y in zip(tokens, targets):
-            with self.meter():
-                model = self.model
-                h = model.embed(x, positions)
-                for block in model.blocks:
-                    h = block(h)
-                loss = self._loss(model.head(h), y) / m
-            loss.backward()
-            total += loss.item()
-        return total, self.meter.peak
-
-    def sync_and_step(self):
-        """Average the gradients over the weight replicas, then the optimizer."""
-        if self.zero is not None:
-            self.zero.step()                      # reduce-scatter, sharded AdamW, all-gather
-            return
-        if self.comm is not None:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self.comm.all_reduce(p.grad)
-                p.grad.div_(self.comm.n)
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def held(self):
-        """Bytes of weights, gradients and optimizer state this rank holds at the step."""
-        if self.zero is not None:   # ZeRO counts them itself: under ZeRO-2 the gradients are shards
-            h = self.zero.held
-            return {"weights": h["params"], "grads": h["grads"], "optimizer": h["optimizer"]}
-        state = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        return held_bytes(self.params, state)
-
-    def train_step(self, step):
-        loss, act = self.forward_backward(step)
-        if self.zero is None:
-            held = self.held()
-            self.sync_and_step()
-        else:                       # ZeRO measures what it holds during its step
-            self.sync_and_step()
-            held = self.held()
-        return loss, act, held
-
-    def full_parameters(self):
-        """{name of the unsplit GPT's parameter: full tensor} for the parameters this rank's
-        stage holds (tensor-parallel slices gathered; every rank calls it)."""
-        from lectures import lecture_04_tensor_parallel as L4
-        module = self.module
-        named = L4.full_parameters(module) if self.layout.tp > 1 else {
-            k: p.detach().clone() for k, p in module.named_parameters()}
-        if self.stage is not None:
-            named = {self.stage.global_name(k): v for k, v in named.items()}
-        return {k: v.cpu() for k, v in named.items()}
-
-
-class _RingAttend:
-    """CausalSelfAttention.attend on zig-zag sequence shards: lecture 06's ring attention."""
-
-    def __init__(self, ring_attention, group):
-        self.fn, self.group = ring_attention, group
-
-    def __call__(self, q, k, v):
-        return self.fn(q, k, v, causal=True, group=self.group, layout="zigzag")
-
-
-def global_loss(trainer, loss):
-    """The step's loss over the whole global batch, on every rank: the replicas' local means
-    averaged (equal token counts), taken from one tensor-parallel rank of the last stage."""
-    lay, mesh = trainer.layout, trainer.mesh
-    counts = loss is not None and mesh.index("tp") == 0 and mesh.index("pp") == lay.pp - 1
-    t = torch.tensor([loss if counts else 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / (lay.dp * lay.cp)
-
-
-def train_layout(rank, world_size, run, layout):
-    """Train `run` under `layout`; returns the loss of every step, this rank's coordinates and
-    full parameters (by name), and its measured memory (bytes held, peak saved activations)."""
-    mesh = make_mesh(layout.dp, layout.pp, layout.cp, layout.tp)
-    trainer = LayoutTrainer(run, layout, mesh)
-    losses, act, held = [], 0, None
-    for step in range(run.steps):
-        loss, a, held = trainer.train_step(step)
-        act = max(act, a)
-        losses.append(global_loss(trainer, loss))
-    return {"losses": losses, "coords": mesh.coords, "params": trainer.full_parameters(),
-            "memory": {**held, "activations": act}}
-
 
 def time_layouts(rank, world_size, run, layouts, repeats=5, warmup=2):
     """Measured seconds per training step of every layout (slowest rank, median of `repeats`
@@ -1063,7 +214,7 @@ def rank_correlation(xs, ys):
 
 
 # =========================================================================================
-# 8. Narration
+# 4. Narration
 # =========================================================================================
 
 LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in every one
@@ -1087,15 +238,6 @@ _RESULTS = {}             # what the sections measured, for the ones after them
 
 def small_run():
     return Run(steps=4 if settings.quick else 6)
-
-
-def max_param_diff(returns, reference):
-    params = {}
-    for r in returns:
-        params.update(r["params"])
-    if set(params) != set(reference):
-        raise AssertionError(f"parameters missing or extra: {set(params) ^ set(reference)}")
-    return max((params[k] - v).abs().max().item() for k, v in reference.items())
 
 
 def intro():
@@ -1160,7 +302,7 @@ def many_layouts():
     note(f"""
         ## One model, many layouts
         Lecture 01's GPT ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads,
-        sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}; Ψ = {L1.param_count(cfg):,})
+        sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}; Ψ = {param_count(cfg):,})
         on its Markov-chain task, global batch {run.global_batch} sequences, AdamW, {run.steps}
         steps. Each layout applies the earlier lectures' pieces to the same seeded model, in a
         fixed order: tensor parallelism (lecture 04's `parallelize_gpt` on the mesh's tp group;
@@ -1210,7 +352,6 @@ def many_layouts():
 
 
 def memory_estimator():
-    import matplotlib.pyplot as plt
     runs = _RESULTS.get("layouts") or many_layouts()
     cfg = small_run().cfg
     shape = ModelShape.from_gpt(cfg)
@@ -1240,6 +381,13 @@ def memory_estimator():
     """)
     see(ModelShape.act_elements_per_token)
     see(estimate_memory)
+    memory_of_the_layouts(runs, shape)
+    memory_with_recomputation(cfg, shape, sp_shown=any(lay.sp for _, lay, _ in runs))
+    memory_at_scale()
+
+
+def memory_of_the_layouts(runs, shape):
+    """Every run of many_layouts: what its ranks held against the estimator, stage by stage."""
     rows, worst = [], {"weights": 0, "grads": 0, "optimizer": 0, "activations": 0}
     for name, lay, got in runs:
         seen = set()
@@ -1271,7 +419,11 @@ def memory_estimator():
         indices, a stage's received input.
     """)
     _RESULTS["memory_worst"] = worst
-    sp_shown = any(lay.sp for _, lay, _ in runs)
+
+
+def memory_with_recomputation(cfg, shape, sp_shown):
+    """What the layouts leave out: sequence parallelism's gap, and full recomputation checked
+    in one process."""
     note(f"""
         **Sequence parallelism**: the estimator follows Megatron-LM, which splits every
         residual-stream tensor over tp and re-gathers the norm outputs in backward; lecture
@@ -1283,11 +435,11 @@ def memory_estimator():
     """)
     rows = []
     for mode in ("none", "full"):
-        model = L1.with_recomputation(cfg, mode)
-        meter = ActivationMeter(model.parameters())
-        tokens, targets = L1.batch(cfg, 4, 0)
-        with meter():
-            loss = L1.loss_fn(model(tokens), targets)
+        model = with_recomputation(cfg, mode)
+        meter = SavedBytes(exclude=model.parameters())
+        tokens, targets = batch(cfg, 4, 0)
+        with meter:
+            loss = loss_fn(model(tokens), targets)
         loss.backward()
         est = estimate_memory(shape, Layout(micro_batch=4, recompute=mode))
         rows.append([mode, meter.peak, est["stored activations"], est["activations"] - est["stored activations"],
@@ -1295,7 +447,11 @@ def memory_estimator():
     table(rows, header=["recomputation", "saved (measured)", "saved (predicted)",
                         "+ one block while recomputed (predicted)", "error"],
           caption="One process, micro-batch of 4 sequences, float32.")
-    # How the parts scale, for a model we cannot run: the estimator at published scale.
+
+
+def memory_at_scale():
+    """How the parts scale, for a model we cannot run: the estimator at published scale."""
+    import matplotlib.pyplot as plt
     lays = [("dp", Layout(dp=64, micro_batch=1, precision="bf16")),
             ("dp + ZeRO-1", Layout(dp=64, zero=1, micro_batch=1, precision="bf16")),
             ("dp + ZeRO-3", Layout(dp=64, zero=3, micro_batch=1, precision="bf16")),
@@ -1566,89 +722,13 @@ def cal_n():
     cal = _RESULTS.get("cal")
     return cal["matmul"]["n"] if cal else 0
 
-
 # =========================================================================================
-# 9. The same layouts from PyTorch's own pieces
+# 5. The same layouts from PyTorch's own pieces (lectures/pytorch_layout.py)
 # =========================================================================================
-
-def pytorch_tp_plan():
-    """parallelize_module's plan for lecture 01's GPT: Megatron's column → row pairs, the
-    embedding split by vocabulary (RowwiseParallel on an Embedding), the LM head column-wise
-    with its output left as a vocabulary-sharded DTensor for loss_parallel()."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    block = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
-             "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
-             "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
-    return plan, block
-
-
-def pytorch_layout(cfg, layout, lr):
-    """(module, step function) of `layout` built from PyTorch's pieces:
-    parallelize_module on the tp mesh dimension, fully_shard (FSDP2) on dp, and for pp a
-    PipelineStage per rank driven by Schedule1F1B: any of dp, tp, pp, together or alone."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    mesh = torch_mesh(layout.dp, layout.pp, 1, layout.tp)
-    model = L1.GPT(cfg).to(device())
-    if layout.tp > 1:
-        plan, block_plan = pytorch_tp_plan()
-        parallelize_module(model, mesh["tp"], plan)
-        for block in model.blocks:
-            parallelize_module(block, mesh["tp"], block_plan)
-            # Adapter: lecture 01's attention reads its head count from the projection's
-            # out_features, which a Colwise-sharded nn.Linear keeps at the global width.
-            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
-                proj.out_features //= layout.tp
-    if layout.pp > 1:
-        from lectures.lecture_05_pipeline_parallel import GPTStage
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-        stage_idx = mesh["pp"].get_local_rank()
-        module = GPTStage(model, stage_idx, layout.pp)
-    else:
-        module = model
-    if layout.dp > 1:
-        for block in getattr(module, "blocks", []):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
-    loss_ctx = loss_parallel if layout.tp > 1 else contextlib.nullcontext
-
-    def loss_of(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    if layout.pp > 1:
-        stage = PipelineStage(module, stage_idx, layout.pp, device(), group=mesh["pp"].get_group())
-        sched = Schedule1F1B(stage, n_microbatches=layout.micro_batches, loss_fn=loss_of)
-
-    def step(tokens, targets):
-        with loss_ctx():
-            if layout.pp > 1:
-                losses = []
-                if stage_idx == 0:
-                    sched.step(tokens)
-                elif stage_idx == layout.pp - 1:
-                    sched.step(target=targets, losses=losses)
-                else:
-                    sched.step()
-                loss = torch.stack(losses).mean().item() if losses else None
-            else:
-                loss = 0.0
-                for x, y in zip(tokens.chunk(layout.micro_batches), targets.chunk(layout.micro_batches)):
-                    l = loss_of(module(x), y) / layout.micro_batches
-                    l.backward()
-                    loss += l.item()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return module, step
-
 
 def _dp_rows(run, layout, step):
     mesh_dp = mesh_coords(dist.get_rank(), (layout.dp, layout.pp, 1, layout.tp))["dp"]
-    tokens, targets = L1.batch(run.cfg, run.global_batch, step)
+    tokens, targets = batch(run.cfg, run.global_batch, step)
     rows = run.global_batch // layout.dp
     return (tokens[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()),
             targets[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()))
@@ -1681,8 +761,8 @@ def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
     for lay in layouts:
         ours = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp))
         _, theirs = pytorch_layout(run.cfg, lay, run.lr)
-        batch = _dp_rows(run, lay, 0)
-        t = measure_side_by_side({"ours": lambda: ours.train_step(0), "PyTorch": lambda: theirs(*batch)},
+        rows = _dp_rows(run, lay, 0)
+        t = measure_side_by_side({"ours": lambda: ours.train_step(0), "PyTorch": lambda: theirs(*rows)},
                                  warmup=1, repeats=repeats)
         out.append((t["ours"], t["PyTorch"]))
     return out

@@ -1,0 +1,225 @@
+"""Per-rank memory of a training step under a (dp, pp, cp, tp) layout, from formulas.
+
+Lecture 07's memory estimator: the counts of the earlier lectures put together. Weights,
+gradients and optimizer state per parameter as in ZeRO (Rajbhandari et al. 2020,
+https://arxiv.org/abs/1910.02054: K = 12 bytes of optimizer state in mixed precision), divided by
+tp (lecture 04), pp (lecture 05) and, per ZeRO stage, dp (lecture 03); saved activations per
+token and block after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (https://arxiv.org/abs/2205.05198), with flash attention (no s×s matrix),
+divided by tp (and sequence parallelism), cp (lecture 06) and the micro-batches a pipeline stage
+holds. tests/test_lecture_07.py checks it against what every rank of every layout holds.
+
+- `ModelShape`: what the formulas need to know about a decoder-only transformer.
+- `Layout`: a mesh and everything else that changes memory or time (ZeRO, micro-batching,
+  recomputation, precision, sequence parallelism, pipeline schedule).
+- `estimate_memory(model, layout)`: bytes per rank {weights, grads, optimizer, activations}.
+"""
+import dataclasses
+import functools
+
+from lectures.mesh import MESH_AXES
+
+# =========================================================================================
+# Per-rank memory: weights, gradients, optimizer state, activations
+# =========================================================================================
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the memory and time formulas need to know about a decoder-only transformer."""
+    name: str
+    layers: int            # L
+    hidden: int            # h
+    heads: int             # a
+    kv_heads: int
+    ffn: int               # f
+    vocab: int             # v
+    seq: int               # s
+    mlp_matrices: int = 2  # 2: GELU MLP (fc_in, fc_out); 3: SwiGLU (gate, up, down)
+    kv_expanded: bool = False  # K/V repeated to every query head before attention (lecture 01's GQA)
+    bias: bool = True
+    norm_params: int = 2   # LayerNorm: weight + bias per feature; RMSNorm: 1
+    learned_positions: bool = True
+    tied: bool = False
+
+    @classmethod
+    def from_gpt(cls, cfg, name="lecture 01 GPT"):
+        return cls(name, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.ff,
+                   cfg.vocab_size, cfg.seq_len, tied=cfg.tie_embeddings, kv_expanded=True)
+
+    @property
+    def head_dim(self):
+        return self.hidden // self.heads
+
+    @functools.cached_property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    @functools.cache
+    def layer_params(self, tp=1):
+        """(sharded over tp, replicated) parameters of one block. Column-parallel Q/K/V and the
+        MLP's input matrices split their outputs (weights and biases), row-parallel O and the
+        MLP's output matrix split their inputs (weights; the bias is added once, replicated);
+        the norms are replicated."""
+        h, kv, f, b = self.hidden, self.kv_dim, self.ffn, self.bias
+        sharded = (h * h + 2 * h * kv) + (h * h) + (self.mlp_matrices - 1) * h * f + f * h
+        sharded += b * (h + 2 * kv + (self.mlp_matrices - 1) * f)
+        replicated = b * (h + h) + 2 * self.norm_params * h
+        return sharded / tp, replicated
+
+    @functools.cache
+    def tensors_per_layer(self):
+        """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
+        return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
+
+    @functools.cache
+    def embedding_params(self):
+        return self.vocab * self.hidden + self.learned_positions * self.seq * self.hidden
+
+    @functools.cache
+    def head_params(self):
+        """The final norm and (untied) LM head."""
+        return self.norm_params * self.hidden + (0 if self.tied else self.vocab * self.hidden)
+
+    @functools.cache
+    def params(self):
+        """Ψ; equals lecture 01's param_count for its GPT (tested)."""
+        return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
+
+    @functools.cache
+    def act_elements_per_token(self, tp=1, sp=False):
+        """Elements autograd keeps per token in one block (measured below, in float32):
+        the block input x, the first norm's output, Q, K, V, the attention output and its
+        log-sum-exp (flash attention: no s×s matrix), the residual after attention, the second
+        norm's output, and the MLP's intermediate tensors (GELU: its input and output, 2f;
+        SwiGLU: gate, up, silu(gate), product, 4f), plus the norms' mean and 1/σ (4).
+        Tensor parallelism splits heads and the MLP width; sequence parallelism also splits
+        the residual-stream tensors along the sequence."""
+        h, f, a = self.hidden, self.ffn, self.heads
+        kv = h if self.kv_expanded else self.kv_dim        # what attention receives and saves
+        mlp = (2 if self.mlp_matrices == 2 else 4) * f
+        split = (2 * h + 2 * kv + a + mlp) / tp               # Q, attention out, K, V, lse, MLP
+        stream = 4 * h + 4                                     # x, norm out, x2, norm out, stats
+        return split + (stream / tp if sp else stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a training step: the mesh and everything that changes memory or time."""
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero: int = 0                  # ZeRO stage on the dp axis (0: plain data parallelism)
+    micro_batch: int = 1           # sequences per micro-batch on one dp rank
+    micro_batches: int = 1         # m: micro-batches per step (pipeline / accumulation)
+    recompute: str = "none"        # "none" or "full" (keep only each block's input)
+    precision: str = "fp32"        # "fp32", "bf16" (mixed: bf16 weights/grads, fp32 master + Adam), "fp64"
+    sp: bool = False               # sequence parallelism with tp
+    schedule: str = "1f1b"         # "1f1b" or "gpipe"
+    vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
+
+    @property
+    def world(self):
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def global_batch(self):
+        return self.dp * self.micro_batch * self.micro_batches
+
+    def label(self):
+        parts = [f"{k}{getattr(self, k)}" for k in MESH_AXES if getattr(self, k) > 1] or ["1 rank"]
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero}")
+        if self.sp:
+            parts.append("SP")
+        if self.recompute != "none":
+            parts.append("recompute")
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts.append(self.schedule)
+        parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
+        return " ".join(parts)
+
+
+PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
+    "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
+    # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
+    "fp32": {"weights": 4, "grads": 4, "optimizer": 8, "act": 4},
+    # mixed precision (ZeRO paper's accounting): bf16 weights and grads; fp32 master weights
+    # and the two moments, K = 12.
+    "bf16": {"weights": 2, "grads": 2, "optimizer": 12, "act": 2},
+}
+
+
+def stage_layers(layers, pp):
+    """How many blocks each pipeline stage holds: lecture 05's GPTStage cuts at k·L/pp, so
+    sizes differ by at most one and the later stages take the extra."""
+    return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
+
+
+def in_flight(layout, stage):
+    """Micro-batches whose activations a stage holds at its peak: all m under GPipe, at most
+    pp − stage under 1F1B (the first stage waits longest for its backward)."""
+    if layout.pp == 1:
+        return 1
+    return layout.micro_batches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.micro_batches)
+
+
+def stage_params(model, layout, stage):
+    """Parameters held by one rank of pipeline stage `stage` (before ZeRO). With
+    `vocab_parallel` the token embedding and the LM head are split by vocabulary rows."""
+    tp, first, last = layout.tp, stage == 0, stage == layout.pp - 1
+    sharded, replicated = model.layer_params(tp)
+    n = stage_layers(model.layers, layout.pp)[stage] * (sharded + replicated)
+    if first:
+        n += model.embedding_params()
+        if layout.vocab_parallel:
+            n -= model.vocab * model.hidden * (1 - 1 / tp)
+    if last:
+        head = model.head_params()
+        if layout.vocab_parallel and not model.tied:
+            head = model.norm_params * model.hidden + model.vocab * model.hidden / tp
+        n += head
+    return n
+
+
+def activation_bytes(model, layout, stage):
+    """(stored, transient) bytes of saved activations on one rank of `stage` at the peak of a
+    step: stored = (per micro-batch) × (micro-batches in flight); transient = one block's full
+    activations while it is recomputed during backward (full recomputation only). Tokens per
+    micro-batch on this rank: micro_batch · s / cp."""
+    B = PRECISION_BYTES[layout.precision]["act"]
+    tokens = layout.micro_batch * model.seq / layout.cp
+    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
+    if layout.recompute == "full":
+        stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
+        transient = per_layer * tokens
+    else:
+        stored, transient = n_layers * per_layer, 0
+    if stage == 0:
+        stored += 8                                            # the int64 token ids
+    if stage == layout.pp - 1:
+        v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
+        stored += (2 * model.hidden + 2) * B + v * 4 + 8      # final norm in/out, fp32 log-probs, targets
+    return tokens * stored * in_flight(layout, stage), transient
+
+
+@functools.cache
+def estimate_memory(model, layout, stage=None):
+    """Per-rank bytes {weights, grads, optimizer, activations, total} for the most loaded
+    pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04); pp
+    divides the layers (lecture 05); cp divides the tokens (lecture 06)."""
+    if stage is None:   # the first stage holds the most micro-batches, the last the LM head
+        return max((estimate_memory(model, layout, s) for s in {0, layout.pp - 1}), key=lambda m: m["total"])
+    B = PRECISION_BYTES[layout.precision]
+    n = stage_params(model, layout, stage)
+    dp, z = layout.dp, layout.zero
+    out = {"stage": stage, "params": n,
+           "weights": B["weights"] * n / (dp if z >= 3 else 1),
+           "grads": B["grads"] * n / (dp if z >= 2 else 1),
+           "optimizer": B["optimizer"] * n / (dp if z >= 1 else 1),
+           "activations": sum(activation_bytes(model, layout, stage)),
+           "stored activations": activation_bytes(model, layout, stage)[0]}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+    return out

@@ -1,0 +1,115 @@
+"""Every valid (dp, pp, cp, tp) layout of a model on a number of ranks, ranked by predicted step
+time; and the rule of thumb that picks one without a cost model.
+
+Lecture 07's configuration search: what the Ultra-Scale Playbook (Tazi et al. 2025,
+https://huggingface.co/spaces/nanotron/ultrascale-playbook) did by running thousands of
+configurations, done here with the memory estimator (`lectures.estimator`) and the step-time
+model (`lectures.step_time`). `decision_procedure` is the syllabus' step-by-step rule (fit with
+data parallelism and ZeRO; else tensor parallelism within a node, then pipelines across nodes;
+context parallelism for long sequences), compared with the search on the page.
+"""
+import itertools
+
+from lectures.estimator import Layout, estimate_memory
+from lectures.step_time import step_time
+
+# =========================================================================================
+# Every valid configuration, ranked
+# =========================================================================================
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("none",),
+                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,)):
+    """Every Layout with dp·pp·cp·tp = world that can run this model:
+      tp divides the heads and the K/V heads (each rank holds whole heads), at most `max_tp`;
+      pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches;
+      cp: the sequence splits into 2·cp equal zig-zag chunks;
+      dp divides the global batch; the rest of each dp rank's batch is m micro-batches of
+      `micro_batch` sequences; ZeRO stages > 0 only when dp > 1; sequence parallelism only
+      with tp > 1."""
+    out = []
+    for dp, pp, cp, tp in itertools.product(divisors(world), repeat=4):
+        if dp * pp * cp * tp != world:
+            continue
+        if model.heads % tp or model.kv_heads % tp or (max_tp and tp > max_tp):
+            continue
+        if model.layers % pp or model.seq % (2 * cp) or global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        for mb in divisors(per_rank):
+            if micro_batch_sizes and mb not in micro_batch_sizes:
+                continue
+            m = per_rank // mb
+            if pp > 1 and m < pp:
+                continue
+            for zero, rc, s in itertools.product(zero_stages, recompute, sp):
+                if (zero and dp == 1) or (s and tp == 1):
+                    continue
+                out.append(Layout(dp, pp, cp, tp, zero=zero, micro_batch=mb, micro_batches=m,
+                                  recompute=rc, precision=precision, sp=s))
+    return out
+
+
+def search(model, world, global_batch, hw, **space):
+    """All valid layouts with their predicted memory and step time, fastest first; the ones
+    whose memory exceeds `hw.memory` are kept but marked as not fitting."""
+    rows = []
+    for layout in valid_layouts(model, world, global_batch, **space):
+        mem = estimate_memory(model, layout)
+        t = step_time(model, layout, hw)
+        rows.append({"layout": layout, "memory": mem, "time": t, "fits": mem["total"] <= hw.memory})
+    rows.sort(key=lambda r: (not r["fits"], r["time"]["total"]))
+    return rows
+
+
+def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
+    """The syllabus' rule of thumb, step by step, returning (layout, reasons):
+    1. fits on one device with plain data parallelism (+ ZeRO-1/2)? → DP.
+    2. else split the model: ZeRO-3, or TP within a node (up to its size) and then PP across
+       nodes, until it fits;
+    3. long sequences (activations) → CP;
+    4. then choose the micro-batch and accumulation for the target global batch."""
+    reasons = []
+    base = dict(precision="bf16", recompute="none")
+
+    def fits(**kw):
+        lay = Layout(**{**base, **kw})
+        return estimate_memory(model, lay)["total"] <= hw.memory, lay
+
+    dp = world
+    for zero in (0, 1, 2):
+        ok, lay = fits(dp=dp, zero=zero, micro_batch=1, micro_batches=global_batch // dp)
+        if ok and global_batch % dp == 0:
+            reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
+            return lay, reasons
+    reasons.append("does not fit with DP + ZeRO-1/2: split the model")
+    cp = 1
+    if model.seq >= seq_threshold:
+        cp = 2
+        reasons.append(f"sequence {model.seq} ≥ {seq_threshold}: context parallelism cp={cp}")
+    tps = [t for t in (2, 4, 8) if t <= hw.ranks_per_node and model.heads % t == 0 and model.kv_heads % t == 0]
+    tries = [(t, 1) for t in tps] + [(tps[-1], p) for p in divisors(model.layers) if p > 1]
+    for rc in ("none", "full"):
+        for tp, pp in tries:
+            if world % (tp * pp * cp) or global_batch % (world // (tp * pp * cp)):
+                continue
+            dp = world // (tp * pp * cp)
+            m = global_batch // dp
+            if m < pp:
+                continue
+            ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=1, sp=True, micro_batch=1,
+                           micro_batches=m, recompute=rc)
+            if ok:
+                reasons.append(f"tensor parallelism (+ sequence parallelism) within a node: tp={tp}")
+                if pp > 1:
+                    reasons.append(f"TP at the node's size is not enough: pipeline across nodes, pp={pp}")
+                if rc == "full":
+                    reasons.append("activations still too large: full recomputation")
+                reasons.append(f"the rest is data parallelism (ZeRO-1): dp={dp}; "
+                               f"micro-batch 1, m={m} micro-batches per step")
+                return lay, reasons
+    reasons.append("nothing fits")
+    return None, reasons
