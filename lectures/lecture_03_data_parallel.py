@@ -803,7 +803,7 @@ def overlap_and_buckets():
     note(f"""
         Timing needs a model where communication matters: widths {task.sizes}, Ψ = {psi:,}
         parameters ({psi * 4 / 2**20:.1f} MB of float32 gradients), global batch {task.batch},
-        on {ranks} ranks ({machine(ranks)}). Our buckets are {bucket_mb} MB and PyTorch's DDP
+        on {machine(ranks)}. Our buckets are {bucket_mb} MB and PyTorch's DDP
         gets the same `bucket_cap_mb`. The variants take turns in the same processes, several
         repetitions each after a warm-up; the table gives the median and interquartile range
         of the slowest rank's time per step.
