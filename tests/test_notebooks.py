@@ -147,6 +147,59 @@ def test_notebook_outputs(executed, name):
     assert EXPECT[name](checks), checks
 
 
+def exercise_verdicts(nb):
+    """{exercise: passed} from the JSON every cell tagged `check` published."""
+    found = {}
+    for cell, out in outputs(nb):
+        data = out.get("data", {}).get("application/json")
+        if "check" in cell.metadata.get("tags", []) and data and "exercise" in data:
+            found[data["exercise"]] = data["passed"]
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exercises_fail_with_stubs(executed, name):
+    """solutions = False (the default): the notebook ran to the end (test_notebook_outputs) and
+    every exercise's check reported passed: false — the stubs fail, so the checks can fail."""
+    import exercises
+    out, _ = executed
+    nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
+    verdicts = exercise_verdicts(nb)
+    assert set(verdicts) == {n for n, _ in exercises.listing(name)}, verdicts
+    assert not any(verdicts.values()), verdicts
+
+
+@pytest.fixture(scope="module")
+def with_solutions(tmp_path_factory):
+    """Every notebook's exercise part (the cells tagged `exercises`, as committed), run once in
+    one kernel with solutions = True: the lecture sections are left out, they ran above."""
+    nbs = [nbformat.read(os.path.join(tool.NOTEBOOKS, n + ".ipynb"), as_version=4) for n in NAMES]
+    cells = [nbformat.v4.new_code_cell("solutions = False\nbackend = None", metadata={"tags": ["parameters"]}),
+             nbformat.v4.new_code_cell(nbs[0].cells[2].source.split("import torch")[0]
+                                       + "from util import in_notebook\n"
+                                         "in_notebook.setup(quick=True, world_size=2, backend=backend)")]
+    for nb in nbs:
+        cells += [c for c in nb.cells if "exercises" in c.metadata.get("tags", [])]
+    cells.append(nbformat.v4.new_code_cell("in_notebook.finish()"))
+    combined = nbformat.v4.new_notebook(cells=cells, metadata=nbs[0].metadata)
+    folder = tmp_path_factory.mktemp("solutions")
+    nbformat.write(combined, folder / "exercises.ipynb")
+    written, error = tool.execute(str(folder / "exercises.ipynb"), str(folder / "ran.ipynb"),
+                                  {"solutions": True, "backend": "gloo"}, cell_timeout=120)
+    assert written and not error, error
+    return nbformat.read(folder / "ran.ipynb", as_version=4)
+
+
+def test_exercises_pass_with_solutions(with_solutions):
+    import exercises
+    verdicts = exercise_verdicts(with_solutions)
+    expected = {n for lecture in NAMES for n, _ in exercises.listing(lecture)}
+    assert set(verdicts) == expected and len(expected) >= 3 * len(NAMES), verdicts
+    assert all(verdicts.values()), [n for n, ok in verdicts.items() if not ok]
+    shown = "".join(o.get("text", "") for _, o in outputs(with_solutions))
+    assert "def ring_all_reduce" not in shown   # the reference stays out of the notebook
+
+
 def _open_offline(browser, path, shot=None):
     w = Watched(browser)
     try:

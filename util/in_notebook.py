@@ -325,3 +325,24 @@ def checks(**values):
     failed = [k for k, v in values.items() if v is False]
     if failed:
         raise AssertionError(f"check(s) failed: {', '.join(failed)}")
+
+
+def exercise_verdict(verdict):
+    """Show an exercise's verdict (util.exercise) and publish {"exercise", "passed", "detail"}
+    as JSON for tests. Never raises: a failing exercise is the student's to fix, and the rest
+    of the notebook still runs."""
+    passed, name = verdict["passed"], verdict["exercise"]
+    data = {k: verdict[k] for k in ("exercise", "passed", "detail")}
+    head = f"{'✔ passed' if passed else '✘ not yet'}: {name}"
+    text = head + "\n" + verdict["detail"]
+    if verdict.get("printed"):
+        text += "\nwhat your ranks printed:\n" + verdict["printed"].rstrip()
+    colour, background = ("#1a7f37", "#f0fff4") if passed else ("#b00020", "#fff5f5")
+    printed = (f'<details><summary style="font-size:12px;">what your ranks printed</summary>'
+               f'<pre style="{_PRE}">{html.escape(verdict["printed"].rstrip())}</pre></details>'
+               if verdict.get("printed") else "")
+    _display({"text/plain": text, "application/json": data,
+              "text/html": f'<div style="{_BOX}background:{background};">'
+                           f'<b style="color:{colour};">{html.escape(head)}</b>'
+                           f'<pre style="{_PRE}background:transparent;">{html.escape(verdict["detail"])}</pre>'
+                           f'{printed}</div>'})

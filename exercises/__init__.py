@@ -1,0 +1,109 @@
+"""The notebooks' exercises: what to write, how it is checked on real ranks, and (out of the
+student's way) the course's reference solutions and the plausible wrong ones the tests use.
+
+One module per lecture (exercises/lecture_02.py, ...) registers its exercises with `exercise(...)`.
+A notebook uses three names:
+
+    exercises.check("ring_all_reduce", ring_all_reduce)   # the check cell: shows a verdict
+    exercises.solution("ring_all_reduce")                  # solutions=True: the reference
+    exercises.listing("lecture_02_communication")          # [(name, title)], for the lecture page
+
+Each check runs the student's function on real ranks (util.exercise) at sizes the student did
+not choose, against the course's own implementation, and never raises.
+"""
+import dataclasses
+import importlib
+import importlib.util
+import typing
+
+from util import exercise as engine
+
+LECTURES = {
+    "lecture_01_memory_and_precision": "exercises.lecture_01",
+    "lecture_02_communication": "exercises.lecture_02",
+    "lecture_03_data_parallel": "exercises.lecture_03",
+    "lecture_04_tensor_parallel": "exercises.lecture_04",
+    "lecture_05_pipeline_parallel": "exercises.lecture_05",
+    "lecture_06_context_and_expert_parallel": "exercises.lecture_06",
+    "lecture_07_putting_it_together": "exercises.lecture_07",
+}
+
+
+@dataclasses.dataclass
+class Exercise:
+    name: str                      # what the student's function is called, unique in the course
+    title: str                     # one line, for the lecture page's "Try it yourself" box
+    statement: str                 # the notebook's Markdown: what to write, the formula or paper
+    stub: str                      # the notebook's code: a def that raises NotImplementedError("hint: ...")
+    harness: typing.Callable       # harness(rank, world_size, *fns, **kwargs) -> [(case, expected, got)]
+    solution: tuple                # the reference function(s), in the order the student writes them
+    wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch
+    hint: str                      # shown under a failing verdict
+    sizes: str                     # what the check runs, in words (shown when it passes)
+    ranks: int = 3
+    prepare: typing.Callable = None  # () -> kwargs for the harness, computed in this process
+    given: typing.Callable = None    # () -> {name: object} also defined where the function runs
+    rtol: float = 1e-7
+    atol: float = 1e-9
+    module: str = ""
+
+
+_REGISTRY = {}
+
+
+def exercise(**fields):
+    """Register an exercise (called by the lecture modules)."""
+    ex = Exercise(**fields)
+    ex.solution = ex.solution if isinstance(ex.solution, tuple) else (ex.solution,)
+    ex.wrong = {k: (v if isinstance(v, tuple) else (v,)) for k, v in ex.wrong.items()}
+    if ex.name in _REGISTRY:
+        raise ValueError(f"exercise {ex.name!r} is registered twice")
+    _REGISTRY[ex.name] = ex
+    return ex
+
+
+def _load_all():
+    for module in LECTURES.values():
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def listing(lecture_name):
+    """[(name, title)] of a lecture's exercises, in the notebook's order."""
+    module = importlib.import_module(LECTURES[lecture_name])
+    return [(ex.name, ex.title) for ex in _REGISTRY.values() if ex.module == module.__name__]
+
+
+def get(name):
+    if name not in _REGISTRY:
+        _load_all()
+    if name not in _REGISTRY:
+        raise KeyError(f"no exercise named {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def solution(name):
+    """The course's reference solution (one function, or a tuple when the exercise asks for several)."""
+    fns = get(name).solution
+    return fns[0] if len(fns) == 1 else fns
+
+
+def evaluate(name, *fns):
+    """Run exercise `name`'s check on `fns`; the verdict dict (util.exercise), never raises."""
+    ex = get(name)
+    if len(fns) != len(ex.solution):
+        return engine._verdict(name, False, f"the check needs {len(ex.solution)} function(s): "
+                               + ", ".join(f.__name__ for f in ex.solution), 0.0)
+    try:
+        kwargs = ex.prepare() if ex.prepare else {}
+        given = ex.given() if ex.given else {}
+    except Exception as e:  # the course's side failed (a lecture mid-edit): say so, do not raise
+        return engine._verdict(name, False, f"the check could not prepare its cases: {type(e).__name__}: {e}", 0.0)
+    return engine.evaluate(name, ex.harness, fns, world_size=ex.ranks, kwargs=kwargs, given=given,
+                           rtol=ex.rtol, atol=ex.atol, hint=ex.hint, sizes=ex.sizes)
+
+
+def check(name, *fns):
+    """The check cell: run the check, show the verdict and publish it as JSON (returns nothing,
+    so the cell shows only the verdict)."""
+    engine.show(evaluate(name, *fns))
