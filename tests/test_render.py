@@ -305,3 +305,15 @@ def test_fenced_text_and_table_cells_render_not_show_their_markup():
                                                     "rows": [["**total**", 5], ["`x`", 1]]})
     assert str(t["rows"][0][0]["text"]) == "<strong>total</strong>"
     assert str(t["rows"][1][0]["text"]) == "<code>x</code>"
+
+
+def test_try_it_yourself_box_lists_the_notebook_exercises(tmp_path):
+    rec = recording(tmp_path)
+    rec["exercises"] = [{"name": "ring_all_reduce", "title": "a ring all-reduce from send/recv"}]
+    write(tmp_path, rec)
+    html = open(render.render_lecture(str(tmp_path / "content" / "lecture_demo.json")), encoding="utf-8").read()
+    box = html.split('<section class="try-it" id="try-it">')[1].split("</section>")[0]
+    assert "<code>ring_all_reduce</code>: a ring all-reduce from send/recv" in box and "make jupyter" in box
+    write(tmp_path, recording(tmp_path))                 # a lecture without exercises has no box
+    assert "try-it" not in open(render.render_lecture(str(tmp_path / "content" / "lecture_demo.json")),
+                                encoding="utf-8").read()

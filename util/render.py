@@ -510,7 +510,8 @@ def lecture_html(rec, files_dir_name, previous=None, next=None):
         title_html=markdown_inline(title), title_text=_plain_text(title), subtitle=subtitle,
         meta=_meta_line(rec), about_numbers=about_numbers(rec.get("environment") or {}),
         file=str(rec.get("file", "")), failed=status != "ok",
-        failed_demos=page.failed_demos, sections=page.sections, previous=previous, next=next)
+        failed_demos=page.failed_demos, sections=page.sections, previous=previous, next=next,
+        exercises=rec.get("exercises") or [], lecture=rec.get("lecture", ""))
     return text, page.files
 
 
