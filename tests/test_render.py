@@ -37,6 +37,9 @@ def functions():
     }
 
 
+SCRIPTS = ['<script src="static/course.js" defer>', '<script src="static/widgets.js" defer>']
+
+
 def recording(tmp_path, *, status="ok", figures=1, lecture="lecture_demo", demos=True):
     image = tmp_path / "pic.png"
     image.write_bytes(PNG)
@@ -109,8 +112,8 @@ def page(tmp_path):
 
 def test_everything_from_the_recording_is_escaped(page):
     out, html = page
-    # the only script tag is the page's own local script
-    assert re.findall(r"<script\b[^>]*>", html) == ['<script src="static/course.js" defer>']
+    # the only script tags are the page's own local scripts
+    assert re.findall(r"<script\b[^>]*>", html) == SCRIPTS
     # templates escape " as &#34;, Markdown as &quot;: both are text, never a tag
     escaped = html.replace("&#34;", "&quot;").count("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;")
     # note, table cell/header/caption, link title, image caption, figure caption, demo name,
@@ -269,8 +272,7 @@ def test_index_lists_lectures_and_notebooks(tmp_path):
     assert html.count('class="lecture-card') == 2
     assert "build failed" in html and '<b class="bad">1 failed</b>' in html
     assert "2026-01-02 03:04 UTC" in html and "CPU: test, 2 cores" in html and "backend gloo" in html
-    assert "&lt;script&gt;" in html and re.findall(r"<script\b[^>]*>", html) == \
-        ['<script src="static/course.js" defer>']
+    assert "&lt;script&gt;" in html and re.findall(r"<script\b[^>]*>", html) == SCRIPTS
     assert "What lecture_a teaches, in one line." in html          # each lecture's summary
     # every lecture page links its neighbours, even when built one by one
     a = (out / "lecture_a.html").read_text()

@@ -2,7 +2,7 @@
 
 A record is a dict with at least:
 
-    kind     one of note, image, figure, table, code, link, output, error, span, demo
+    kind     one of note, image, figure, table, widget, code, link, output, error, span, demo
     source   {"file", "line", "function", "key"}: where in the lecture code it was made
     rank     the rank that made it (None for the lecture's own process)
     t        seconds since the recorder started
@@ -118,6 +118,14 @@ def figure(fig, caption=""):
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
     _current.add("figure", svg=buf.getvalue(), caption=caption)
+
+
+def widget(name, data, caption=""):
+    """An interactive figure drawn in the page by util/static/widgets.js from `data` (JSON-ready).
+    Without JavaScript it stays hidden: put the static figure that tells the same story beside it."""
+    import json
+    json.dumps(data)   # refuse data the page could not carry, here rather than at render time
+    _current.add("widget", name=name, data=data, caption=caption)
 
 
 def _plain(x):

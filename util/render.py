@@ -340,6 +340,14 @@ class Page:
                 "caption_text": cap,
                 "caption": markdown_inline(cap) if cap else None}
 
+    def p_widget(self, r):
+        # JSON inside <script type="application/json"> is data, never run; "</" is escaped so
+        # nothing in it can close the element
+        data = json.dumps(r.get("data"), separators=(",", ":")).replace("</", "<\\/")
+        cap = r.get("caption") or ""
+        return {"kind": "widget", "name": str(r.get("name", "")), "data": Markup(data),
+                "caption": markdown_inline(cap) if cap else None}
+
     def p_image(self, r):
         src, cap, width = str(r.get("src", "")), r.get("caption") or "", r.get("width")
         part = {"kind": "image", "src": src, "caption_text": cap,

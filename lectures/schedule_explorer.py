@@ -1,0 +1,36 @@
+"""The data behind lecture 05's schedule explorer: the action lists `make_schedule` produces for a
+grid of (schedule, p, m, chunks), as compact text, with each one's textbook bubble.
+
+The page's JavaScript (util/static/widgets.js) holds only a port of `simulate`; the schedules it
+simulates are these lists, so what a student explores is exactly what the executor runs."""
+from lectures.schedules import SCHEDULES, make_schedule, simulate, theory_bubble
+
+GRID_P = (2, 3, 4, 6, 8)
+GRID_M = (4, 8, 12, 16)
+GRID_CHUNKS = (1, 2)
+
+
+def explorer_entries(names=SCHEDULES, ps=GRID_P, ms=GRID_M, chunks=GRID_CHUNKS):
+    """One dict per (name, p, m, chunks) that make_schedule accepts and that runs: the rank's
+    actions as "F0 F1 B0 ..." strings (Action's own text: kind, micro-batch, .chunk)."""
+    out = []
+    for name in names:
+        for p in ps:
+            for m in ms:
+                for v in chunks:
+                    try:
+                        sched = make_schedule(name, p, m, v)
+                        simulate(sched, {"F": 1, "B": 1, "W": 0})   # a list that deadlocks is left out
+                    except ValueError:
+                        continue
+                    out.append({"name": name, "p": p, "m": m, "chunks": v, "style": sched.layout.style,
+                                "ranks": [" ".join(str(a) for a in acts) for acts in sched],
+                                "theory": theory_bubble(name, p, m, v)})
+    return out
+
+
+def explorer_data(initial=("1f1b", 4, 8, 1), cost=None):
+    """The widget's JSON: every grid entry, the costs it starts with, the schedule it shows first."""
+    name, p, m, v = initial
+    return {"schedules": explorer_entries(), "cost": cost or {"F": 1.0, "B": 2.0, "W": 1.0, "send": 0.1},
+            "initial": {"name": name, "p": p, "m": m, "chunks": v}}

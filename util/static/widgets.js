@@ -1,0 +1,255 @@
+// Interactive figures: a page's widget records carry their data as JSON; this file draws them.
+// Everything is local and runs from file://. Without JavaScript the widget stays hidden and the
+// page's static figures tell the same story.
+//
+// window.course.simulate(name, p, m, chunks, cost) runs lecture 05's pipeline simulator
+// (lectures/schedules.py: simulate) on the action lists the Python make_schedule produced for
+// this page, and returns the same makespan and bubble.
+(function () {
+  "use strict";
+  var course = (window.course = window.course || {});
+  var schedules = {};          // "name|p|m|chunks" -> {name, p, m, chunks, style, ranks, theory}
+
+  // --- the simulator, a line-by-line port of lectures/schedules.py -----------------------
+  function parseAction(text) {
+    var m = /^([FBW])(\d+)(?:\.(\d+))?$/.exec(text);
+    if (!m) throw new Error("not an action: " + text);
+    return { kind: m[1], microbatch: +m[2], chunk: m[3] ? +m[3] : 0, text: text };
+  }
+  function makeLayout(ranks, chunks, style) {
+    return {
+      ranks: ranks, chunks: chunks, stages: ranks * chunks,
+      stage: function (rank, chunk) {
+        if (style === "v") return chunk === 0 ? rank : 2 * ranks - 1 - rank;
+        return chunk * ranks + rank;
+      },
+      rankOf: function (stage) {
+        if (style === "v") return stage < ranks ? stage : 2 * ranks - 1 - stage;
+        return stage % ranks;
+      }
+    };
+  }
+  function dependencies(a, stage, layout) {
+    var i = a.microbatch;
+    if (a.kind === "F") return stage > 0 ? [["F", stage - 1, i]] : [];
+    if (a.kind === "B") {
+      var d = [["F", stage, i]];
+      if (stage < layout.stages - 1) d.push(["B", stage + 1, i]);
+      return d;
+    }
+    return [["B", stage, i]];
+  }
+  function simulateLists(lists, layout, cost) {
+    var split = lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
+    var W = cost.W || 0, send = cost.send || 0;
+    var dur = { F: cost.F, B: cost.B + (split ? 0 : W), W: W };
+    var n = layout.ranks, pos = [], clock = [], timeline = [], finish = {};
+    for (var r = 0; r < n; r++) { pos.push(0); clock.push(0.0); timeline.push([]); }
+    var progress = true;
+    while (progress) {
+      progress = false;
+      for (r = 0; r < n; r++) {
+        var acts = lists[r];
+        while (pos[r] < acts.length) {
+          var a = acts[pos[r]], s = layout.stage(r, a.chunk), deps = dependencies(a, s, layout);
+          var ready = [clock[r]], missing = false;
+          for (var k = 0; k < deps.length; k++) {
+            var key = deps[k].join("|");
+            if (!(key in finish)) { missing = true; break; }
+            ready.push(finish[key] + (layout.rankOf(deps[k][1]) !== r ? send : 0));
+          }
+          if (missing) break;
+          var start = Math.max.apply(null, ready);
+          clock[r] = start + dur[a.kind];
+          finish[[a.kind, s, a.microbatch].join("|")] = clock[r];
+          timeline[r].push([a, start, clock[r]]);
+          pos[r] += 1;
+          progress = true;
+        }
+      }
+    }
+    for (r = 0; r < n; r++) if (pos[r] < lists[r].length) throw new Error("deadlock at rank " + r);
+    var makespan = Math.max.apply(null, clock);
+    var busy = timeline.map(function (row) {
+      var b = 0;
+      row.forEach(function (e) { b += e[2] - e[1]; });
+      return b;
+    });
+    var total = 0;
+    busy.forEach(function (b) { total += b; });
+    return { timeline: timeline, makespan: makespan, busy: busy,
+             bubble: makespan ? 1 - total / (n * makespan) : 0.0 };
+  }
+  function entry(name, p, m, chunks) {
+    var e = schedules[[name, p, m, chunks].join("|")];
+    if (!e) throw new Error("no embedded schedule " + [name, p, m, chunks].join(", "));
+    if (!e.lists) e.lists = e.ranks.map(function (row) { return row ? row.split(" ").map(parseAction) : []; });
+    return e;
+  }
+  course.simulate = function (name, p, m, chunks, cost) {
+    var e = entry(name, p, m, chunks);
+    var sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), cost);
+    return { makespan: sim.makespan, bubble: sim.bubble };
+  };
+  course.scheduleKeys = function () { return Object.keys(schedules); };
+
+  // --- drawing helpers ----------------------------------------------------------------------
+  var SVGNS = "http://www.w3.org/2000/svg";
+  function el(tag, attrs, parent, ns) {
+    var e = ns ? document.createElementNS(SVGNS, tag) : document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (k) { e.setAttribute(k, attrs[k]); });
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  var COLOURS = { F: "#4c78a8", B: "#e45756", W: "#54a24b" };
+  function pct(x) { return (100 * x).toFixed(1) + "%"; }
+
+  // In flight: micro-batches whose forward ran on this rank and whose activations are not yet
+  // released (by B, or by W when the schedule splits the backward), counted per chunk.
+  function inFlight(row, split) {
+    var events = [];
+    row.forEach(function (e) {
+      if (e[0].kind === "F") events.push([e[2], +1]);
+      if (e[0].kind === (split ? "W" : "B")) events.push([e[2], -1]);
+    });
+    events.sort(function (a, b) { return a[0] - b[0] || a[1] - b[1]; });
+    var now = 0, peak = 0, steps = [[0, 0]];
+    events.forEach(function (ev) { now += ev[1]; peak = Math.max(peak, now); steps.push([ev[0], now]); });
+    return { steps: steps, peak: peak };
+  }
+
+  function drawExplorer(root, data) {
+    data.schedules.forEach(function (e) { schedules[[e.name, e.p, e.m, e.chunks].join("|")] = e; });
+    var body = root.querySelector(".widget-body");
+    body.hidden = false;
+    root.classList.add("live");
+    var form = el("div", { "class": "widget-controls" }, body);
+    function select(label, options) {
+      var wrap = el("label", {}, form);
+      wrap.appendChild(document.createTextNode(label + " "));
+      var s = el("select", {}, wrap);
+      options.forEach(function (o) { el("option", { value: o }, s).textContent = o; });
+      return s;
+    }
+    function number(label, value) {
+      var wrap = el("label", {}, form);
+      wrap.appendChild(document.createTextNode(label + " "));
+      return el("input", { type: "number", min: "0", step: "0.1", value: value, inputmode: "decimal" }, wrap);
+    }
+    var names = [], seen = {};
+    data.schedules.forEach(function (e) { if (!seen[e.name]) { seen[e.name] = 1; names.push(e.name); } });
+    var sName = select("schedule", names), sP = select("p", []), sM = select("m", []), sV = select("chunks", []);
+    var cF = number("F", data.cost.F), cB = number("B", data.cost.B), cW = number("W", data.cost.W),
+        cS = number("send", data.cost.send);
+    var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
+    var legend = el("p", { "class": "widget-legend quiet" }, body);
+    // colours come from the stylesheet (the page's security policy allows no inline styles)
+    [["F", "F forward"], ["B", "B backward (the input gradient when split)"], ["W", "W weight gradient"]].forEach(function (k) {
+      el("span", { "class": "swatch swatch-" + k[0] }, legend).textContent = "■";
+      legend.appendChild(document.createTextNode(" " + k[1] + " · "));
+    });
+    legend.appendChild(document.createTextNode("lighter: a rank's second chunk"));
+    var svgBox = el("div", { "class": "widget-svg" }, body);
+    var memBox = el("div", { "class": "widget-svg" }, body);
+    var timing = el("p", { "class": "widget-timing quiet" }, body);
+
+    function options(sel, values) {
+      var old = sel.value;
+      sel.innerHTML = "";
+      values.forEach(function (v) { el("option", { value: v }, sel).textContent = v; });
+      if (values.map(String).indexOf(old) >= 0) sel.value = old;
+    }
+    function refreshChoices() {
+      var match = function (e, f) {
+        return e.name === sName.value && (!f.p || e.p === +sP.value) && (!f.m || e.m === +sM.value);
+      };
+      var uniq = function (xs) { return xs.filter(function (x, i) { return xs.indexOf(x) === i; }).sort(function (a, b) { return a - b; }); };
+      options(sP, uniq(data.schedules.filter(function (e) { return match(e, {}); }).map(function (e) { return e.p; })));
+      options(sM, uniq(data.schedules.filter(function (e) { return match(e, { p: 1 }); }).map(function (e) { return e.m; })));
+      options(sV, uniq(data.schedules.filter(function (e) { return match(e, { p: 1, m: 1 }); }).map(function (e) { return e.chunks; })));
+    }
+    function cost() {
+      return { F: +cF.value || 0, B: +cB.value || 0, W: +cW.value || 0, send: +cS.value || 0 };
+    }
+    function redraw() {
+      var t0 = performance.now();
+      var e = entry(sName.value, +sP.value, +sM.value, +sV.value);
+      var c = cost(), sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), c);
+      var split = e.lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
+      // the timeline: one lane per rank, every action a box, one shared time axis
+      svgBox.innerHTML = "";
+      // drawn at the box's own width, so text stays legible on a phone
+      var W = Math.max(300, Math.min(960, svgBox.clientWidth || 720)), lane = 22, top = 18, left = 46,
+          H = top + lane * e.p + 24;
+      var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img",
+                            "aria-label": e.name + " timeline, " + e.p + " ranks" }, svgBox, true);
+      var scale = (W - left - 8) / (sim.makespan || 1);
+      sim.timeline.forEach(function (row, r) {
+        el("text", { x: 4, y: top + lane * r + 15, "font-size": 11 }, svg, true).textContent = "rank " + r;
+        row.forEach(function (ev) {
+          var x = left + ev[1] * scale, w = Math.max(0.5, (ev[2] - ev[1]) * scale);
+          var rect = el("rect", { x: x, y: top + lane * r + 2, width: w, height: lane - 4,
+                                  fill: COLOURS[ev[0].kind], opacity: ev[0].chunk ? 0.65 : 1 }, svg, true);
+          el("title", {}, rect, true).textContent = ev[0].text + ": " + ev[1].toFixed(2) + "–" + ev[2].toFixed(2);
+          if (w > 14) el("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
+                                   "text-anchor": "middle" }, svg, true).textContent = ev[0].text;
+        });
+      });
+      el("text", { x: left, y: H - 6, "font-size": 10 }, svg, true).textContent = "0";
+      el("text", { x: W - 8, y: H - 6, "font-size": 10, "text-anchor": "end" }, svg, true).textContent =
+        "time " + sim.makespan.toFixed(2);
+      // micro-batches each rank holds over time
+      memBox.innerHTML = "";
+      var mh = 22 * e.p + 30, msvg = el("svg", { viewBox: "0 0 " + W + " " + mh, role: "img",
+                                                   "aria-label": "micro-batches held per rank" }, memBox, true);
+      var peaks = [], maxPeak = 1;
+      sim.timeline.forEach(function (row) { var f = inFlight(row, split); peaks.push(f); maxPeak = Math.max(maxPeak, f.peak); });
+      peaks.forEach(function (f, r) {
+        var y0 = 14 + 22 * (r + 1), pts = [];
+        f.steps.forEach(function (s, i) {
+          var x = left + s[0] * scale, y = y0 - 18 * s[1] / maxPeak;
+          if (i) pts.push(x + "," + pts[pts.length - 1].split(",")[1]);
+          pts.push(x + "," + y);
+        });
+        pts.push((left + sim.makespan * scale) + "," + pts[pts.length - 1].split(",")[1]);
+        el("polyline", { points: pts.join(" "), fill: "none", stroke: "#555" }, msvg, true);
+        el("text", { x: 4, y: y0, "font-size": 10 }, msvg, true).textContent = "r" + r + " ≤" + f.peak;
+      });
+      el("text", { x: left, y: 11, "font-size": 10 }, msvg, true).textContent =
+        "activations held, in " + (e.chunks > 1 ? "chunk-" : "") + "micro-batches (peak ≤)";
+      var theory = e.theory === null || e.theory === undefined ? "no closed form here" : pct(e.theory) + " (F = B, W = 0, no send)";
+      out.textContent = e.name + ", p = " + e.p + ", m = " + e.m + ", chunks = " + e.chunks +
+        ": makespan " + sim.makespan.toFixed(2) + ", bubble " + pct(sim.bubble) +
+        " measured on this timeline; formula " + theory + "; most held on a rank: " + maxPeak + ".";
+      var ms = performance.now() - t0;
+      root.setAttribute("data-redraw-ms", ms.toFixed(3));
+      timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
+    }
+    sName.addEventListener("change", function () { refreshChoices(); redraw(); });
+    sP.addEventListener("change", function () { refreshChoices(); redraw(); });
+    sM.addEventListener("change", function () { refreshChoices(); redraw(); });
+    [sV, cF, cB, cW, cS].forEach(function (x) { x.addEventListener("input", redraw); x.addEventListener("change", redraw); });
+    sName.value = data.initial.name;
+    refreshChoices();
+    sP.value = data.initial.p; refreshChoices();
+    sM.value = data.initial.m; refreshChoices();
+    sV.value = data.initial.chunks;
+    redraw();
+  }
+
+  var DRAW = { "schedule-explorer": drawExplorer };
+  course.widgets = DRAW;
+  Array.prototype.forEach.call(document.querySelectorAll("figure.widget[data-widget]"), function (root) {
+    var draw = DRAW[root.getAttribute("data-widget")], src = root.querySelector("script.widget-data");
+    if (!draw || !src) return;
+    try {
+      draw(root, JSON.parse(src.textContent));
+    } catch (err) {
+      root.classList.add("widget-error");
+      var p = document.createElement("p");
+      p.className = "quiet";
+      p.textContent = "This interactive figure could not start (" + err.message + "); the static figures above show the same.";
+      root.appendChild(p);
+    }
+  });
+})();
