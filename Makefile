@@ -1,6 +1,7 @@
 # The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
 #   make                 build the whole course: every lecture's page, and the index
 #   make test            run the whole test suite
+#   make test-torchrun   only the torchrun tests: every lecture on 4 ranks, two agents as two nodes
 #   make lecture L=lecture_02_communication   build one lecture
 #   make notebooks       execute the companion notebooks into content/notebooks/ (full sizes)
 #   make jupyter         open the notebooks in JupyterLab with the course's kernel
@@ -20,7 +21,7 @@ NBFLAGS  := $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(BACKEND),--bac
 export PYTHONUNBUFFERED := 1
 export MPLBACKEND := Agg
 
-.PHONY: all content lecture test notebooks jupyter bench clean venv
+.PHONY: all content lecture test test-torchrun notebooks jupyter bench clean venv
 
 # `make` runs every demo once, at full size, for the pages. The notebooks call the same section
 # functions, so executing them too would pay for every demo twice: they are for changing knobs
@@ -49,6 +50,9 @@ lecture: $(STAMP)
 
 test: $(STAMP)
 	@$(PY) -m pytest tests
+
+test-torchrun: $(STAMP)
+	@$(PY) -m pytest tests -m torchrun
 
 notebooks: $(STAMP)
 	@$(PY) -m util.build_notebooks $(if $(QUICK),--quick) $(NBFLAGS)

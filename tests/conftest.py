@@ -9,6 +9,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "tests", "artifacts")  # screenshots etc., ignored by git
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torchrun: builds under torchrun (one job, or two agents as "
+                            "two nodes); `make test-torchrun` runs only these")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gloo_ranks():
     """spawn() called from tests uses gloo and a short collective timeout; pools are shared by

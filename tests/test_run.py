@@ -138,6 +138,7 @@ def test_expected_failure_prints_its_status_first_and_its_traceback_only_when_ve
     assert after.splitlines()[0].rstrip().endswith("failed, as expected") and "Traceback" in after
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
                     reason="torchrun not installed")
 def test_under_torchrun_demos_run_on_sub_groups_and_failures_stay_inside_their_demo(tmp_path):

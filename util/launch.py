@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
 import io
 import multiprocessing
 import os
@@ -388,6 +389,8 @@ def shutdown():
     """Stop every pooled worker (called at exit, and by the build when it finishes)."""
     while _pools:
         _pools.popitem()[1].close()
+    if _job is not None:
+        _job.close()
 
 
 def _check_importable(fn):
@@ -548,7 +551,13 @@ class _Job:
     """This process's place in a torchrun job. Each demo runs in a process group of its own,
     formed over the job's rendezvous store on the first k ranks (the rest wait), so a demo that
     fails — even one that leaves a collective hanging — stays inside that demo. Results travel
-    through the store, not through a process group a demo might have broken."""
+    through the store, not through a process group a demo might have broken.
+
+    A demo's group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP
+    comm hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and
+    some of them run on, and are released by, the group's own worker threads. Had one of those
+    threads dropped the group's last reference, the group's destructor would join that very
+    thread: `std::system_error: Resource deadlock avoided`, and the rank aborts."""
 
     def __init__(self):
         import torch
@@ -561,6 +570,8 @@ class _Job:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             _device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         self.demo = 0
+        self.group = None   # the running demo's process group
+        self.retired = []   # groups something still held when their demo ended
 
     def run(self, fn, world_size, kwargs, timeout):
         import torch.distributed as dist
@@ -573,21 +584,59 @@ class _Job:
                 dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
                                         rank=self.rank, world_size=world_size,
                                         timeout=datetime.timedelta(seconds=timeout))
+                self.group = dist.group.WORLD   # held here until the group can die on this thread
                 mine = _run_task(self.rank, world_size, fn, kwargs, threads)
             except Exception:
                 mine = _error_result(self.rank)
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            self.store.set(f"{prefix}result{self.rank}", _dumps(mine))
+            ok, blob, mine = mine["ok"], _dumps(mine), None
+            # The demo's objects that sit in reference cycles (DDP and its reducer, FSDP and
+            # DTensor state) die here, on this thread, while their group is still alive.
+            gc.collect()
+            if not ok and self.group is not None:
+                self._leave(clean=False)    # at once: the other ranks' collectives fail now
+            self.store.set(f"{prefix}result{self.rank}", blob)
         got = {}
         for r in range(world_size):
             try:
                 got[r] = pickle.loads(self.store.get(f"{prefix}result{r}"))
             except Exception:  # that rank never reported within the timeout
                 pass
+        if self.group is not None:
+            self._leave(clean=len(got) == world_size and all(m["ok"] for m in got.values()))
         done = [r for r, m in got.items() if m["ok"]]
         return got, _describe_failure(got, range(world_size), timeout, done[0] if done else None)
+
+    def _leave(self, clean):
+        """Destroy the demo's group so that its destructor runs on this thread, never on one of
+        the group's own worker threads. When every rank finished the demo (`clean`), a barrier
+        on the group first: it returns only once each operation issued before it has finished
+        on the worker threads, callbacks included (gloo runs a future's callbacks, releases
+        them, and only then marks the operation done). Then the group is dropped once nothing
+        else in Python holds it (a callback still being released lets go within moments); a
+        group something still holds (an operation of a failed demo that is stuck, say) is
+        kept until the end of the build instead, and released there by `close`."""
+        import torch.distributed as dist
+        if clean:
+            try:
+                dist.barrier()
+            except Exception:       # a rank went away after it reported
+                pass
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        _forget_meshes()            # DTensor's caches hold meshes of this group
+        if sys.getrefcount(self.group) > 2:   # 2: self.group and getrefcount's argument
+            gc.collect()            # what only the caches held
+        deadline = time.monotonic() + 1.0
+        while sys.getrefcount(self.group) > 2 and time.monotonic() < deadline:
+            time.sleep(0.005)       # lets a worker thread take the GIL and release its callback
+        if sys.getrefcount(self.group) > 2:
+            self.retired.append(self.group)
+        self.group = None           # the last reference, here: the group joins its threads
+
+    def close(self):
+        """Release the groups kept after failed demos (their operations are long over)."""
+        gc.collect()
+        self.retired.clear()
 
 
 _job = None
