@@ -11,13 +11,17 @@
   fitted to measurements, and Hockney's n_1/2, the size at which both terms are equal.
 - `collective_op`, `sweep`, `SWEPT`: time collectives on nccl-tests-style buffers, one call at a
   time (a rank function: spawn it, or call it on every rank of a process group).
+- `wire_bytes`, `optimal_bytes`: the bytes each rank really writes to its sockets for one call
+  of each collective (a rank function), beside what a bandwidth-optimal algorithm sends. On
+  gloo, reduce-scatter writes as much as an all-reduce: `reduce_scatter_tensor` there is a
+  clone, a full all-reduce and a copy of the rank's chunk.
 """
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from util import device, progress
-from util.measure import measure
+from util.measure import bytes_sent, measure
 
 
 # =========================================================================================
@@ -197,13 +201,37 @@ SWEPT = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"
 
 def sweep(rank, world_size, collectives, sizes, warmup, iters):
     """A `Timing` per collective and size: `warmup` untimed calls, then `iters` calls each
-    timed alone after a barrier, keeping the slowest rank (the same on every rank)."""
+    timed alone after a barrier, keeping the slowest rank (the same on every rank).
+    `sizes` is one list for all collectives, or a dict giving each collective its own list."""
     out = []
     for name in collectives:
         row = []
-        for nbytes in progress(sizes, desc=name):
+        for nbytes in progress(sizes[name] if isinstance(sizes, dict) else sizes, desc=name):
             row.append(measure(collective_op(name, nbytes, world_size), warmup=warmup, repeats=iters))
         out.append(row)
+    return out
+
+
+def optimal_bytes(collective, nbytes, n):
+    """Bytes each rank sends in a bandwidth-optimal implementation (NCCL's ring for large
+    messages): the nccl-tests factor times the buffer (for broadcast: at most the buffer)."""
+    return nbytes * bus_bandwidth_factor(collective, n)
+
+
+def wire_bytes(rank, world_size, collectives, nbytes):
+    """For each collective, the bytes this rank wrote to its sockets during one call on an
+    nccl-tests-style buffer of `nbytes` (after one untimed call and a barrier), or None where
+    the kernel does not count them. The count is the real transport: payload, headers, and
+    whatever algorithm the backend chose."""
+    out = {}
+    for name in collectives:
+        op = collective_op(name, nbytes, world_size)
+        op()                                        # connections and buffers set up
+        dist.barrier()
+        with bytes_sent() as sent:
+            op()
+        dist.barrier()
+        out[name] = sent.bytes
     return out
 
 

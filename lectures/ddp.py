@@ -21,11 +21,15 @@ from util import span_at
 class Collectives:
     """The collectives this lecture uses, counting the bytes this rank sends when each runs as
     a ring (NCCL's algorithm for large messages): all-reduce 2(N-1)/N of the tensor, reduce-scatter
-    and all-gather (N-1)/N of the full tensor. With `trace`, async operations record when they
+    and all-gather (N-1)/N of the full tensor (`sent`). `sent_by_gloo` counts what gloo's own
+    algorithms send instead: its reduce-scatter is a full all-reduce of the input followed by a
+    copy of this rank's chunk (2(N-1)/N, twice the ring's), and its broadcast has the root send
+    the whole tensor to each of the N-1 others. With `trace`, async operations record when they
     were launched and when they completed, for timelines."""
 
     def __init__(self, world_size, trace=False):
         self.n, self.sent, self.calls, self.trace, self.events = world_size, 0, 0, trace, []
+        self.sent_by_gloo = 0
 
     def _async(self, work, label, nbytes):
         self.calls += 1
@@ -35,23 +39,28 @@ class Collectives:
         return work
 
     def broadcast(self, t, src=0):
-        self.sent += t.numel() * t.element_size() if dist.get_rank() == src and self.n > 1 else 0
+        root = dist.get_rank() == src and self.n > 1
+        self.sent += t.numel() * t.element_size() if root else 0
+        self.sent_by_gloo += (self.n - 1) * t.numel() * t.element_size() if root else 0
         self.calls += 1
         dist.broadcast(t, src)
 
     def all_reduce(self, t, async_op=False, label="all-reduce"):
         nbytes = t.numel() * t.element_size()
         self.sent += 2 * (self.n - 1) * nbytes // self.n
+        self.sent_by_gloo += 2 * (self.n - 1) * nbytes // self.n
         return self._async(dist.all_reduce(t, async_op=async_op), label, nbytes)
 
     def reduce_scatter(self, out, full, async_op=False, label="reduce-scatter"):
         nbytes = full.numel() * full.element_size()
         self.sent += (self.n - 1) * nbytes // self.n
+        self.sent_by_gloo += 2 * (self.n - 1) * nbytes // self.n     # an all-reduce, then a copy
         return self._async(dist.reduce_scatter_single(out, full, async_op=async_op), label, nbytes)
 
     def all_gather(self, full, shard, async_op=False, label="all-gather"):
         nbytes = full.numel() * full.element_size()
         self.sent += (self.n - 1) * nbytes // self.n
+        self.sent_by_gloo += (self.n - 1) * nbytes // self.n
         return self._async(dist.all_gather_single(full, shard, async_op=async_op), label, nbytes)
 
     def record_spans(self):

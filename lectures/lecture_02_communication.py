@@ -16,13 +16,18 @@ import torch.distributed as dist
 
 from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
 from util.launch import choose_backend
-from util.measure import Timing, errorbar, machine, measure, timing_ranks
+from util.measure import Timing, compare, errorbar, machine, measure, timing_ranks
 
 from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, bus_bandwidth_factor,
-                                  crossover_bytes, fit_alpha_beta, pipelined_ring_all_reduce,
-                                  ring_all_reduce, sweep)
+                                  crossover_bytes, fit_alpha_beta, optimal_bytes,
+                                  pipelined_ring_all_reduce, ring_all_reduce, sweep, wire_bytes)
 
 KB, MB = 1024, 1024 ** 2
+
+# Timings this page takes once and reuses: the built-in all-reduce in the race against our rings,
+# and the all-reduce sweep that both the bandwidth section and the α–β fit read, keyed by
+# (ranks, quick, size) so a notebook that changes a knob measures afresh.
+MEASURED = {}
 
 
 # =========================================================================================
@@ -95,8 +100,10 @@ def hardware():
         chattiest scheme (tensor parallelism: several all-reduces of activations in every
         layer, on the critical path) stays inside a node on NVLink. Data parallelism goes
         outermost, across nodes, not because it moves few bytes (its all-reduce carries the
-        whole gradient, about 2Ψ bytes per rank per step; pipeline parallelism, which only
-        passes activations between neighbouring stages, usually moves fewer) but because it
+        whole gradient: with Ψ parameters in bf16 the gradient is 2Ψ bytes, and a ring
+        all-reduce sends $2(n-1)/n$ of it, about 4Ψ bytes per rank per step; pipeline
+        parallelism, which only passes activations between neighbouring stages, usually moves
+        fewer) but because it
         talks once per step and that traffic can hide behind backward (lecture 03), so a slow
         link costs little as long as backward is long enough.
 
@@ -220,37 +227,59 @@ COLLECTIVES = [
 def draw_collective(name, before, after, sums):
     """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
     rank the value came from; sums are grey; a reduce's non-destination buffers are hatched."""
+    return draw_stages(name, [("before", before, "none"), ("after", after, sums)])
+
+
+def draw_stages(name, panels, stacked=False):
+    """One panel per stage (title, one tensor per rank, which results are sums: "none", "all"
+    or "dst"), one row per rank. Cells are coloured by the rank whose value they hold in the
+    first panel; sums are grey and bold; a reduce's non-destination buffers are hatched.
+    `stacked` puts the panels one under the other (for wide tensors, readable on a phone)."""
     import matplotlib.pyplot as plt
-    world_size = len(before)
+    world_size = len(panels[0][1])
     origin = {}
-    for r, t in enumerate(before):
+    for r, t in enumerate(panels[0][1]):
         for v in (t.tolist() if t is not None else []):
             origin.setdefault(v, r)
-    width = max(len(t) for t in before + after if t is not None)
-    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.1 * width, 0.55 * world_size + 1.0))
+    widths = [max((len(t) for t in data if t is not None), default=1) for _, data, _ in panels]
+    if stacked:
+        widths = [max(widths)] * len(panels)
+        fig, axes = plt.subplots(len(panels), 1, figsize=(1.6 + 0.8 * widths[0],
+                                                          len(panels) * (0.5 * world_size + 0.7)))
+    else:
+        fig, axes = plt.subplots(1, len(panels), figsize=(1.6 + 0.95 * sum(widths) + 0.5 * len(panels),
+                                                          0.55 * world_size + 1.0),
+                                 gridspec_kw={"width_ratios": widths})
+    axes = np.atleast_1d(axes)
     colours = plt.cm.Pastel1
-    for ax, side, data in ((axes[0], "before", before), (axes[1], "after", after)):
+    for k, (ax, (side, data, sums), width) in enumerate(zip(axes, panels, widths)):
         for r, t in enumerate(data):
             y = world_size - 1 - r
             values = t.tolist() if t is not None else []
             if not values:
-                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=8, color="0.5")
+                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=9, color="0.5")
             for i, v in enumerate(values):
                 kind = "moved"
-                if side == "after" and (sums == "all" or (sums == "dst" and r == 0)):
+                if sums == "all" or (sums == "dst" and r == 0):
                     kind = "sum"
-                elif side == "after" and sums == "dst":
+                elif sums == "dst":
                     kind = "scratch"
-                face = {"moved": colours(origin.get(v, 8) % 9), "sum": "0.82", "scratch": "white"}[kind]
+                elif sums in ("mine", "gathered"):
+                    kind = "owned"      # a finished sum, in the colour of the rank that owns it
+                owner = r if sums == "mine" else i * world_size // len(values)
+                face = {"moved": colours(origin.get(v, 8) % 9), "sum": "0.82", "scratch": "white",
+                        "owned": colours(owner % 9)}[kind]
                 ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
-                                           hatch="///" if kind == "scratch" else None, linewidth=0.6))
-                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=8,
+                                           hatch="///" if kind == "scratch" else None,
+                                           linewidth=1.6 if kind == "owned" else 0.6))
+                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=9,
                         color="0.45" if kind == "scratch" else "black",
-                        fontweight="bold" if kind == "sum" else "normal")
+                        fontweight="bold" if kind in ("sum", "owned") else "normal")
         ax.set_xlim(-0.1, width + 0.1)
         ax.set_ylim(-0.2, world_size)
         ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
-                      [f"rank {r}" for r in range(world_size)])
+                      [f"rank {r}" for r in range(world_size)] if k == 0 or stacked else [])
+        ax.tick_params(length=0)
         ax.set_xticks([])
         for spine in ax.spines.values():
             spine.set_visible(False)
@@ -312,16 +341,38 @@ def all_reduce_two_ways(rank, world_size, length, integer):
     return {"input": _cpu(x), "direct": _cpu(direct), "composed": _cpu(composed)}
 
 
+def all_reduce_in_two_halves(rank, world_size, chunk=2):
+    """The tensors after each half of an all-reduce: reduce-scatter, then all-gather."""
+    x = rank_data(rank, chunk * world_size).to(device())
+    piece = torch.zeros(chunk, device=device())
+    dist.reduce_scatter_single(piece, x)        # rank r: the sum of everyone's piece r
+    full = torch.zeros_like(x)
+    dist.all_gather_single(full, piece)         # everyone: every rank's finished piece
+    return {"before": _cpu(x), "scattered": _cpu(piece), "gathered": _cpu(full)}
+
+
 def all_reduce_decomposed():
     world_size = settings.world_size
     length = world_size * (1000 if settings.quick else 100_000)
-    note(f"""
+    note("""
         ## All-reduce = reduce-scatter + all-gather
         After a reduce-scatter every rank owns the finished sum of one piece; an all-gather then
         hands every piece to every rank. That is an all-reduce, and it is how bandwidth-optimal
-        all-reduce algorithms (and ZeRO/FSDP, later) work. Checked on {world_size} ranks with
-        {length:,} elements each:
+        all-reduce algorithms (and ZeRO/FSDP, later) work. The picture is drawn from the
+        tensors of a run on real ranks, the same $10r + i$ inputs as above:
     """)
+    see(all_reduce_in_two_halves)
+    run = spawn(all_reduce_in_two_halves, world_size, name=f"all-reduce in two halves, {world_size} ranks")
+    figure(draw_stages("all-reduce = reduce-scatter + all-gather",
+                       [("before", [r["before"] for r in run.returns], "none"),
+                        ("after reduce-scatter", [r["scattered"] for r in run.returns], "mine"),
+                        ("after all-gather", [r["gathered"] for r in run.returns], "gathered")],
+                       stacked=True),
+           caption="Top: each rank's input, coloured by rank. Middle: after the reduce-scatter, "
+                   "rank r holds the sum over all ranks of piece r only (bold, in rank r's colour). "
+                   "Bottom: the all-gather copies every rank's finished piece to everyone; every "
+                   "row now holds the all-reduce's result.")
+    note(f"Checked on {world_size} ranks with {length:,} elements each, against `dist.all_reduce`:")
     see(all_reduce_two_ways)
     rows = []
     for integer in (True, False):
@@ -366,13 +417,20 @@ def ring_trace(rank, world_size):
 
 
 def draw_ring_trace(traces):
-    """One panel per step: rows are ranks, columns chunks; the chunk just received is outlined."""
+    """One panel per step: rows are ranks, columns chunks; the chunk just received is outlined.
+    The start and the reduce-scatter steps on the first row, the all-gather steps below."""
     import matplotlib.pyplot as plt
     world_size, n_steps = len(traces), len(traces[0])
-    fig, axes = plt.subplots(1, n_steps, figsize=(1.0 + 1.75 * n_steps, 0.45 * world_size + 1.3))
-    axes = np.atleast_1d(axes)
+    cols = max(1, (n_steps + 1) // 2)
+    fig, axes = plt.subplots(2, cols, figsize=(1.0 + 1.9 * cols, 2 * (0.5 * world_size + 1.2)),
+                             squeeze=False)
+    places = [(0, k) for k in range(cols)] + [(1, k) for k in range(1, cols)]
     full = 2 ** world_size - 1
-    for k, ax in enumerate(axes):
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for k, (row, col) in enumerate(places[:n_steps]):
+        ax = axes[row][col]
+        ax.set_axis_on()
         phase, step, _, _ = traces[0][k]
         for r in range(world_size):
             _, _, got, values = traces[r][k]
@@ -383,18 +441,61 @@ def draw_ring_trace(traces):
                                            edgecolor="red" if c == got else "0.4",
                                            linewidth=2.0 if c == got else 0.5))
                 ax.text(c + 0.475, world_size - 1 - r + 0.45, f"{int(v)}", ha="center",
-                        va="center", fontsize=7, color="white" if share > 0.6 else "black",
+                        va="center", fontsize=9, color="white" if share > 0.6 else "black",
                         fontweight="bold" if v == full else "normal")
         ax.set_xlim(0, world_size)
         ax.set_ylim(0, world_size)
         ax.set_xticks([c + 0.475 for c in range(world_size)], [f"c{c}" for c in range(world_size)],
-                      fontsize=7)
+                      fontsize=9)
         ax.set_yticks([world_size - 1 - r + 0.45 for r in range(world_size)],
-                      [f"rank {r}" for r in range(world_size)] if k == 0 else [], fontsize=8)
+                      [f"rank {r}" for r in range(world_size)] if col in (0, 1) and (row, col) != (0, 1)
+                      else [], fontsize=9)
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
-        ax.set_title("start" if phase == "start" else f"{phase}\nstep {step}", fontsize=8)
+        ax.set_title("start" if phase == "start" else f"{phase}\nstep {step}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def draw_ring_arrows(traces):
+    """The ring's messages, one small panel per step (reduce-scatter above, all-gather below):
+    ranks on a circle, an arrow from each rank to its right neighbour labelled with the chunk
+    it sent and that chunk's value when it left (read from the recorded trace: what rank r+1
+    received in step k is chunk i, and rank r held value v in chunk i after step k-1)."""
+    import matplotlib.pyplot as plt
+    n = len(traces)
+    steps = max(1, n - 1)
+    fig, axes = plt.subplots(2, steps, figsize=(max(4.5, 2.7 * steps), 5.6), squeeze=False)
+    angle = [np.pi / 2 - 2 * np.pi * r / n for r in range(n)]
+    pos = [(np.cos(a), np.sin(a)) for a in angle]
+    for row, phase in enumerate(("reduce-scatter", "all-gather")):
+        for col in range(steps):
+            ax = axes[row][col]
+            ax.set_xlim(-1.6, 1.6)
+            ax.set_ylim(-1.6, 1.6)
+            ax.set_aspect("equal")
+            ax.set_axis_off()
+            k = 1 + row * (n - 1) + col                # index in the trace (0 is the start)
+            if n == 1 or k >= len(traces[0]):
+                continue
+            ax.set_title(f"{phase}, step {col + 1}", fontsize=11)
+            for r in range(n):
+                right = (r + 1) % n
+                chunk = traces[right][k][2]
+                value = traces[r][k - 1][3][chunk].item()
+                (x0, y0), (x1, y1) = pos[r], pos[right]
+                ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                            arrowprops=dict(arrowstyle="-|>", color=plt.cm.tab10(chunk % 10), lw=1.8,
+                                            shrinkA=13, shrinkB=13, connectionstyle="arc3,rad=-0.25"))
+                mx, my = (x0 + x1) / 2, (y0 + y1) / 2
+                norm = max(1e-9, np.hypot(mx, my))
+                lx, ly = (mx / norm * 1.2, my / norm * 1.2) if n > 2 else (mx + (0.55 if r else -0.55), my)
+                ax.text(lx, ly, f"c{chunk}={value:g}", ha="center", va="center", fontsize=11,
+                        color=plt.cm.tab10(chunk % 10), fontweight="bold")
+            for r, (x, y) in enumerate(pos):
+                ax.add_patch(plt.Circle((x, y), 0.27, facecolor="white", edgecolor="0.3", lw=1))
+                ax.text(x, y, f"r{r}", ha="center", va="center", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -448,12 +549,19 @@ def ring_step_by_step():
         neighbour and adds the chunk arriving from its left into its own copy; afterwards rank
         $r$ holds the complete sum of chunk $r+1$. In the **all-gather phase** ($n-1$ more
         steps) the finished chunks travel around the ring once more. Each rank sends
-        $2(n-1)$ chunks of size $S/n$, i.e. $2(n-1)/n \\cdot S$ bytes. That is exactly the
-        lower bound for any all-reduce in which every rank starts with $S$ bytes and ends with
-        the sum (Patarasuk & Yuan 2009 prove it): each rank must receive the $n-1$ other ranks'
-        contributions to each element in some combined form, so no algorithm moves less per
-        rank. *That* is why the ring is called bandwidth-optimal; that the volume barely grows
-        with $n$ is a consequence, not the reason. Its weakness is latency: $2(n-1)$ sequential
+        $2(n-1)$ chunks of size $S/n$, i.e. $2(n-1)/n \\cdot S$ bytes.
+
+        **Why no algorithm sends less.** Take one element. Its $n$ inputs sit on $n$ different
+        ranks, and a message carries (a partial sum of) it from one rank to one other. Adding
+        $n$ values held in $n$ places into one sum needs at least $n-1$ such transfers (each
+        transfer merges at most two partial sums), and getting the result to the $n-1$ ranks
+        that did not compute it needs at least $n-1$ more (each transfer informs one rank).
+        So every element costs at least $2(n-1)$ transfers, and the whole buffer at least
+        $2(n-1) \\cdot S$ bytes summed over all ranks; shared out among $n$ ranks, the
+        busiest rank sends at least $2(n-1)/n \\cdot S$ (Patarasuk & Yuan 2009 prove the
+        bound for any all-reduce). The ring meets it, with every rank equally busy. *That* is
+        why the ring is called bandwidth-optimal; that the volume barely grows with $n$ is a
+        consequence, not the reason. Its weakness is latency: $2(n-1)$ sequential
         steps. Lengths that are not a multiple
         of $n$ give chunks whose sizes differ by one (some may even be empty); every rank
         computes the same split, so sender and receiver always agree.
@@ -462,9 +570,16 @@ def ring_step_by_step():
     see(_ring_buffer)
     see(_exchange)
     run = spawn(ring_trace, world_size, name=f"ring trace, one element per chunk, {world_size} ranks")
+    figure(draw_ring_arrows(run.returns),
+           caption=f"The messages of the ring on {world_size} ranks, step by step, read from the "
+                   f"recorded trace. Each arrow is one send to the right neighbour; its label is the "
+                   f"chunk and the value it carried (rank r contributes 2ʳ, so the value's binary "
+                   f"digits say whose data it already contains). In the reduce-scatter the values "
+                   f"grow as partial sums travel; in the all-gather every chunk carries the full "
+                   f"sum, {2 ** world_size - 1}.")
     figure(draw_ring_trace(run.returns),
            caption=f"The ring on {world_size} ranks, recorded step by step. Rank r contributes "
-                   f"2^r to every chunk, so a value's binary digits say whose data it already "
+                   f"2ʳ to every chunk, so a value's binary digits say whose data it already "
                    f"contains ({2 ** world_size - 1} = everyone's). Red: the chunk received in that step.")
 
 
@@ -515,6 +630,8 @@ def ring_raced():
           caption=f"{iters} timed calls per variant after 2 warm-ups, each after a barrier, slowest "
                   f"rank; the three variants take turns. "
                   f"{choose_backend(ranks)}, {machine(ranks)}.")
+    for nbytes, ts in zip(sizes, timings):
+        MEASURED["race", ranks, settings.quick, nbytes] = ts[2]
     small, large = rows[0], rows[-1]
     note(f"""
         Timed on {ranks} ranks, not {world_size}: a timing with more ranks than cores measures
@@ -543,22 +660,63 @@ def device_is_gpu():
 
 
 def draw_busbw(names, sizes, timings, ranks):
-    """Bus bandwidth against message size, one curve per collective, with the IQR as error bars."""
+    """Bus bandwidth against message size, one curve per collective, with the IQR as error bars.
+    `sizes` is one list per collective (all-reduce has more points: the α–β fit's)."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, ts in zip(names, timings):
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for name, these, ts in zip(names, sizes, timings):
         factor = bus_bandwidth_factor(name, ranks)
         # busbw = S·f/t, so a time's IQR maps to a bandwidth range (slow time = low bandwidth)
-        bus = [Timing([nbytes * factor / s / 1e9 for s in t.samples]) for nbytes, t in zip(sizes, ts)]
-        errorbar(ax, sizes, bus, scale=1, marker="o", label=name.replace("_", "-"))
+        bus = [Timing([nbytes * factor / s / 1e9 for s in t.samples]) for nbytes, t in zip(these, ts)]
+        errorbar(ax, these, bus, scale=1, marker="o", label=name.replace("_", "-"))
+    ticks = min(sizes, key=len)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45, fontsize=8)
+    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], rotation=45, fontsize=9)
     ax.set_xlabel("message size S")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(f"busbw vs size, {ranks} ranks")
     return fig
+
+
+def alpha_beta_sizes():
+    """The all-reduce sizes of the α–β fit: every power of two in the sweep's range."""
+    if device_is_gpu():
+        return [4 * KB * 2 ** k for k in range(12 if settings.quick else 19)]
+    return [4 * KB * 2 ** k for k in range(7 if settings.quick else 15)]
+
+
+def wire_verdict(wire, nbytes, n):
+    """What the bytes on the wire say about gloo's collectives (`wire`: collective -> bytes the
+    busiest rank wrote for one call on an `nbytes` buffer, `n` ranks), in the page's words."""
+    ratio = {k: v / optimal_bytes(k, nbytes, n) for k, v in wire.items() if v}
+    said = []
+    if "reduce_scatter" in ratio and "all_reduce" in ratio:
+        rs, ar = wire["reduce_scatter"], wire["all_reduce"]
+        same = abs(rs / ar - 1) < 0.01
+        said.append(
+            f"gloo's reduce-scatter wrote **{ratio['reduce_scatter']:.2f}×** the bytes a "
+            f"bandwidth-optimal reduce-scatter sends, "
+            + (f"the same as its all-reduce ({rs:,} and {ar:,} bytes)" if same else
+               f"{rs / ar:.2f}× its all-reduce's ({rs:,} vs {ar:,} bytes)")
+            + ". That is how gloo implements it: `reduce_scatter_tensor` is a clone of the input, "
+              "a full all-reduce of the clone and a copy of this rank's chunk "
+              "(`ProcessGroupGloo::reduce_scatter_tensor_coalesced` in PyTorch's source). Its busbw "
+              f"divides an all-reduce's work by the reduce-scatter factor $(n-1)/n$, so its curve "
+              f"sits low because it moved {ratio['reduce_scatter']:.2f}× the bytes the formula "
+              "credits, not because adding costs time. NCCL runs a real ring reduce-scatter: "
+              "$n-1$ steps, $(n-1)/n \\cdot S$ bytes per rank, half an all-reduce.")
+    if ratio.get("broadcast", 1) > 1.2:
+        said.append(f"gloo's broadcast has the root write the whole buffer to every other rank: "
+                    f"{ratio['broadcast']:.2f}× the $S$ of a pipelined ring (NCCL's), so its "
+                    "busbw also undercounts.")
+    fine = [k.replace("_", "-") for k in ratio if k not in ("reduce_scatter", "broadcast")
+            and abs(ratio[k] - 1) < 0.05]
+    if fine:
+        said.append(f"{', '.join(fine)} wrote within 5% of the optimal bytes (the rest is "
+                    "gloo's message headers).")
+    return " ".join(said)
 
 
 def bandwidth():
@@ -586,62 +744,117 @@ def bandwidth():
         warm-up call(s); we report the median and the interquartile range. Single calls include
         the full latency of every call, so our small-message times are, if anything, higher
         than nccl-tests' would be. {len(sizes)} sizes from {human_bytes(sizes[0])} to
-        {human_bytes(sizes[-1])}, {machine(ranks)}.
+        {human_bytes(sizes[-1])}, {machine(ranks)}; all-reduce also at every power of two in
+        between, for the α–β fit of the next section.
     """)
     see(bus_bandwidth_factor)
     see(measure)
-    run = spawn(sweep, ranks, collectives=SWEPT, sizes=sizes, warmup=warmup, iters=iters,
+    plan = {name: sizes for name in SWEPT}
+    plan["all_reduce"] = sorted(set(sizes) | set(alpha_beta_sizes()))
+    run = spawn(sweep, ranks, collectives=SWEPT, sizes=plan, warmup=warmup, iters=iters,
                 name=f"busbw sweep, 5 collectives x {len(sizes)} sizes, {ranks} ranks")
     timings = run.returns[0]
-    figure(draw_busbw(SWEPT, sizes, timings, ranks),
+    for nbytes, t in zip(plan["all_reduce"], timings[SWEPT.index("all_reduce")]):
+        MEASURED["sweep", ranks, settings.quick, nbytes] = t
+    figure(draw_busbw(SWEPT, [plan[n] for n in SWEPT], timings, ranks),
            caption=f"Bus bandwidth of each collective as the message grows: median and "
                    f"interquartile range of {iters} single calls, {machine(ranks)}.")
     rows = []
     for name, ts in zip(SWEPT, timings):
-        for nbytes, t in zip(sizes, ts):
-            alg, bus = bandwidths(name, nbytes, t.median, ranks)
-            rows.append([name, human_bytes(nbytes), us(t), alg / 1e9, bus / 1e9])
+        for nbytes, t in zip(plan[name], ts):
+            if nbytes in sizes:
+                alg, bus = bandwidths(name, nbytes, t.median, ranks)
+                rows.append([name, human_bytes(nbytes), us(t), alg / 1e9, bus / 1e9])
     table(rows, header=["collective", "size", "time µs, median (IQR)", "algbw (GB/s)", "busbw (GB/s)"],
           caption="The sweep in nccl-tests' units (slowest rank per call; medians).")
-    last = {name: bandwidths(name, sizes[-1], ts[-1].median, ranks)[1] / 1e9
+    last = {name: bandwidths(name, plan[name][-1], ts[-1].median, ranks)[1] / 1e9
             for name, ts in zip(SWEPT, timings)}
     best, worst = max(last, key=last.get), min(last, key=last.get)
-    reducing = [n for n in SWEPT if n in ("all_reduce", "reduce_scatter")]
-    moving = [n for n in SWEPT if n not in reducing]
-    mean = lambda names: sum(last[n] for n in names) / len(names)
-    compare = (", lower, as the extra work predicts" if mean(reducing) < mean(moving) else
-               ", not lower: at this size the arithmetic is not what limits them")
+    same_call = [nb for nb in plan["all_reduce"] if ("race", ranks, settings.quick, nb) in MEASURED]
+    twice = ""
+    if same_call:
+        nb = same_call[-1]
+        a, b = MEASURED['race', ranks, settings.quick, nb], MEASURED['sweep', ranks, settings.quick, nb]
+        agree = ("The page reports one call, measured twice, consistently." if a.q1 <= b.q3 and b.q1 <= a.q3
+                 else "Nothing differs but the context: in the race each call followed one of our "
+                      "rings, here another all-reduce, on cores shared by every rank. That gap is "
+                      "the size of this machine's noise; differences between variants smaller than "
+                      "it say nothing.")
+        twice = f"""
+        The built-in all-reduce of {human_bytes(nb)} was also timed in the race against our
+        rings above; the two measurements of the same call: {compare(
+            MEASURED['race', ranks, settings.quick, nb], MEASURED['sweep', ranks, settings.quick, nb],
+            'in the race', 'in this sweep')}. {agree}
+        """
     note(f"""
         Small messages reach only a sliver of the peak: their time is fixed per-call cost
         (latency). At the largest size, {human_bytes(sizes[-1])}, the curves end between
         **{last[worst]:.2f} GB/s** ({worst.replace('_', '-')}) and **{last[best]:.2f} GB/s**
         ({best.replace('_', '-')}), a factor {last[best] / last[worst]:.1f} apart
         ({machine(ranks)}).
-
+        {twice}
         On a GPU cluster, busbw is built so that every collective's curve approaches one
         ceiling, the bandwidth of the slowest link, because NCCL implements each of them with a
-        bandwidth-optimal algorithm whose only cost at large sizes is moving bytes. This
-        machine breaks both assumptions, and the curves say so: (1) there is no separate link:
-        gloo "sends" by copying through the kernel's loopback TCP on the same cores that run
-        the ranks; (2) the collectives that add (all-reduce, reduce-scatter) do their
-        arithmetic on those cores too, while the ones that only move bytes (all-gather,
-        broadcast, all-to-all) do not — here the adding ones end at a mean of
-        {mean(reducing):.2f} GB/s, the moving ones at {mean(moving):.2f} GB/s{compare}; (3) gloo picks its own algorithm per collective (not always a bandwidth-optimal
-        ring), so the correction factor $f(n)$ describes the ideal algorithm, not the one that
-        ran. Here the differences between curves measure gloo's implementations on shared
-        cores; on a DGX H100 the common ceiling would be NVLink's ~450 GB/s per direction.
+        bandwidth-optimal algorithm whose only cost at large sizes is moving bytes. Here there
+        is no separate link (gloo "sends" by copying through the kernel's loopback TCP, on the
+        same cores that run the ranks), and gloo picks its own algorithm per collective. Before
+        explaining a curve, count what was really sent: one call of each collective, with the
+        bytes each rank wrote to its sockets (`util.measure.bytes_sent`, from Linux's
+        `/proc/self/io`) beside what a bandwidth-optimal algorithm sends.
     """)
+    see(wire_bytes)
+    nbytes = min(sizes[-1], 4 * MB)
+    run = spawn(wire_bytes, ranks, collectives=SWEPT, nbytes=nbytes,
+                name=f"bytes on the wire, one call of each collective, {human_bytes(nbytes)}, {ranks} ranks")
+    if any(run.returns[0][k] is None for k in SWEPT):
+        note("*This kernel does not count the bytes a process writes (`/proc/self/io`), so the "
+             "comparison is skipped on this build.*")
+        return
+    wire = {k: max(r[k] for r in run.returns) for k in SWEPT}
+    table([[k.replace("_", "-"), optimal_bytes(k, nbytes, ranks), wire[k],
+            wire[k] / optimal_bytes(k, nbytes, ranks)] for k in SWEPT],
+          header=["collective", "bandwidth-optimal bytes per rank (NCCL's ring)",
+                  "written to sockets, busiest rank (measured)", "measured / optimal"],
+          caption=f"One call on a {human_bytes(nbytes)} buffer (nccl-tests' S), {ranks} ranks, "
+                  f"{choose_backend(ranks)}; optimal = $f(n) \\cdot S$.")
+    figure(draw_wire(wire, nbytes, ranks),
+           caption="The bytes of the table: what each collective should send (outline) and what "
+                   "gloo's busiest rank wrote (filled).")
+    note(wire_verdict(wire, nbytes, ranks) + " On a DGX H100 the common ceiling would be "
+         "NVLink's ~450 GB/s per direction.")
+
+
+def draw_wire(wire, nbytes, n):
+    """Bytes per rank for one call of each collective: bandwidth-optimal vs measured."""
+    import matplotlib.pyplot as plt
+    names = list(wire)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    y = np.arange(len(names))
+    ax.barh(y, [wire[k] / MB for k in names], 0.6, color="#4c72b0", label="written by gloo (measured)")
+    ax.barh(y, [optimal_bytes(k, nbytes, n) / MB for k in names], 0.6, fill=False,
+            edgecolor="black", lw=1.5, label="bandwidth-optimal (NCCL's ring)")
+    for i, k in enumerate(names):
+        ax.text(wire[k] / MB, i, f" {wire[k] / optimal_bytes(k, nbytes, n):.2f}×", va="center",
+                fontsize=10)
+    ax.set_yticks(y, [k.replace("_", "-") for k in names], fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(wire.values()) / MB * 1.25)
+    ax.set_xlabel(f"MB sent per rank, one call on S = {human_bytes(nbytes)}, {n} ranks")
+    ax.legend(fontsize=9, loc="lower right")
+    fig.tight_layout()
+    return fig
 
 
 # =========================================================================================
 # 6. The alpha-beta model
 # =========================================================================================
 
-def draw_alpha_beta(sizes, timings, alpha, beta):
-    """Measured all-reduce times (median and IQR) on log axes, the fitted line, and S* = αβ."""
+def draw_alpha_beta(sizes, timings, alpha, beta, regimes=None):
+    """Measured all-reduce times (median and IQR) on log axes, the fitted line, and S* = αβ;
+    with `regimes` = (α of the small sizes, α and β of the large ones), those two fits too."""
     import matplotlib.pyplot as plt
     cross = crossover_bytes(alpha, beta)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     errorbar(ax, sizes, timings, scale=1e6, fmt="o", label="measured: median and IQR (slowest rank)")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -649,21 +862,26 @@ def draw_alpha_beta(sizes, timings, alpha, beta):
     ax.plot(grid, (alpha + grid / beta) * 1e6, "-",
             label=f"fit: α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.2f} GB/s")
     ax.axhline(alpha * 1e6, color="0.6", ls=":", lw=1)
+    if regimes:
+        small_alpha, large_alpha, large_beta = regimes
+        ax.axhline(small_alpha * 1e6, color="tab:green", ls="--", lw=1.2,
+                   label=f"small sizes alone: α = {small_alpha * 1e6:.0f} µs")
+        ax.plot(grid, (large_alpha + grid / large_beta) * 1e6, "--", color="tab:purple", lw=1.2,
+                label=f"large sizes alone: β = {large_beta / 1e9:.2f} GB/s")
     if sizes[0] <= cross <= sizes[-1] * 4:
         ax.axvline(cross, color="red", ls="--", lw=1, label=f"S* = αβ = {human_bytes(cross)}")
     ax.set_xlabel("all-reduce message size (bytes)")
     ax.set_ylabel("time (µs)")
+    ax.set_ylim(min(t.q1 for t in timings) * 1e6 / 2, max(t.q3 for t in timings) * 1e6 * 2)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return fig
 
 
 def alpha_beta():
     ranks = timing_ranks(settings.world_size)
-    sizes = [4 * KB * 2 ** k for k in range(7 if settings.quick else 15)]
-    if device_is_gpu():
-        sizes = [4 * KB * 2 ** k for k in range(12 if settings.quick else 19)]
-    warmup, iters = (1, 5) if settings.quick else (2, 7)
+    sizes = alpha_beta_sizes()
+    warmup, iters = (1, 5) if settings.quick else (2, 9)
     note("""
         ## The α–β cost model
         A message of $S$ bytes costs a fixed start-up time plus its size over a bandwidth:
@@ -679,31 +897,63 @@ def alpha_beta():
         two-unknown non-negative least-squares problem):
     """)
     see(fit_alpha_beta)
-    run = spawn(sweep, ranks, collectives=["all_reduce"], sizes=sizes, warmup=warmup,
-                iters=iters, name=f"all-reduce sweep for the α–β fit, {len(sizes)} sizes, {ranks} ranks")
-    timings = run.returns[0][0]
-    times = [t.median for t in timings]
+    keys = [("sweep", ranks, settings.quick, nb) for nb in sizes]
+    if all(k in MEASURED for k in keys):
+        timings = [MEASURED[k] for k in keys]
+        note("The timings are the all-reduce sweep of the previous section (measured once, "
+             "read twice).")
+    else:       # this section on its own (a notebook cell): measure
+        run = spawn(sweep, ranks, collectives=["all_reduce"], sizes=sizes, warmup=warmup,
+                    iters=iters, name=f"all-reduce sweep for the α–β fit, {len(sizes)} sizes, {ranks} ranks")
+        timings = run.returns[0][0]
+    times = np.array([t.median for t in timings])
     alpha, beta = fit_alpha_beta(sizes, times)
     cross = crossover_bytes(alpha, beta)
-    figure(draw_alpha_beta(sizes, timings, alpha, beta), caption=f"All-reduce time and the fitted α–β model, {machine(ranks)}.")
-    rel = np.abs((alpha + np.array(sizes) / beta) / np.array(times) - 1)
-    table([[human_bytes(s), us(t), (alpha + s / beta) * 1e6] for s, t in zip(sizes, timings)],
-          header=["size", "measured µs, median (IQR)", "model (µs)"],
-          caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%.")
+    model = alpha + np.array(sizes) / beta
+    rel = np.abs(model / times - 1)
+    # the two regimes on their own: latency from the smaller half, bandwidth from the larger
+    half = len(sizes) // 2
+    small_alpha, _ = fit_alpha_beta(sizes[:half], times[:half])
+    large_alpha, large_beta = fit_alpha_beta(sizes[half:], times[half:])
+    misfit = rel[-1] > 0.15 or rel[0] > 0.15
+    figure(draw_alpha_beta(sizes, timings, alpha, beta,
+                           regimes=(small_alpha, large_alpha, large_beta) if misfit else None),
+           caption=f"All-reduce time and the fitted α–β model, {machine(ranks)}.")
+    table([[human_bytes(s), us(t), m * 1e6, f"{100 * (m / t.median - 1):+.0f}%"]
+           for s, t, m in zip(sizes, timings, model)],
+          header=["size", "measured µs, median (IQR)", "one-line model (µs)", "model − measured"],
+          caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%; largest "
+                  f"{rel.max() * 100:.0f}% (at {human_bytes(sizes[int(rel.argmax())])}).")
     verdict = ("Latency stops dominating at about $S^* = \\alpha\\beta$ ≈ "
                f"**{human_bytes(cross)}**: an all-reduce of anything smaller costs roughly the "
                "same as an empty one.") if math.isfinite(cross) else (
                "The times did not grow with size over this range, so the fit found no bandwidth "
                "term: every size measured here is in the latency regime.")
+    if misfit:
+        fits = (f"One straight line does not fit both regimes here: at {human_bytes(sizes[-1])} it "
+                f"predicts {model[-1] * 1e3:.3g} ms where {times[-1] * 1e3:.3g} ms was measured "
+                f"({100 * (model[-1] / times[-1] - 1):+.0f}%), and at {human_bytes(sizes[0])} "
+                f"{model[0] * 1e6:.0f} µs for {times[0] * 1e6:.0f} µs. Fitted separately, the "
+                f"smaller half gives α ≈ {small_alpha * 1e6:.0f} µs and the larger half "
+                f"β ≈ {large_beta / 1e9:.2f} GB/s (dashed lines): the bandwidth this machine "
+                "reaches depends on the size (caches, socket buffers, gloo switching "
+                "algorithms), which the model's single β cannot express. Use α from small "
+                "messages and β from the sizes you will really send.")
+    else:
+        fits = (f"The line fits the whole range within {rel.max() * 100:.0f}% "
+                f"(at {human_bytes(sizes[int(rel.argmax())])}).")
     note(f"""
-        The fit ({machine(ranks)}) gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a bandwidth of **β ≈ {beta / 1e9:.2f} GB/s**
-        (algorithm bandwidth of the whole all-reduce, not of one link). {verdict} That is why
-        data-parallel training packs gradients into buckets of megabytes (next lecture) instead
-        of sending each small tensor on its own. The α here is mostly software (Python, gloo's
-        TCP round trips through the kernel); on NVLink with NCCL it is a few microseconds.
-        For a ring the model can be refined per link: $t = 2(n-1)\\,\\alpha_\\text{{link}} +
-        \\frac{{2(n-1)}}{{n}}\\frac{{S}}{{\\beta_\\text{{link}}}}$ — the latency term grows with the
-        number of ranks, which is why NCCL uses trees for small messages on many nodes.
+        The fit ({machine(ranks)}) gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a
+        bandwidth of **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole
+        all-reduce, not of one link). {verdict} {fits}
+
+        That is why data-parallel training packs gradients into buckets of megabytes (next
+        lecture) instead of sending each small tensor on its own. The α here is mostly
+        software (Python, gloo's TCP round trips through the kernel); on NVLink with NCCL it
+        is a few microseconds. For a ring the model can be refined per link:
+        $t = 2(n-1)\\,\\alpha_\\text{{link}} + \\frac{{2(n-1)}}{{n}}\\frac{{S}}{{\\beta_\\text{{link}}}}$
+        — the latency term grows with the number of ranks, which is why NCCL uses trees for
+        small messages on many nodes.
     """)
 
 
@@ -966,16 +1216,43 @@ def further_reading():
         title="The Ultra-Scale Playbook: training LLMs on GPU clusters (appendix on collectives)")
 
 
+def what_to_remember():
+    note("""
+        ## What to remember
+        - All-reduce = reduce-scatter + all-gather; ZeRO and FSDP use the two halves apart.
+        - The ring sends $2(n-1)/n \\cdot S$ bytes per rank, the least any all-reduce can send:
+          each element's $n$ inputs need $n-1$ transfers to combine and $n-1$ to spread.
+        - Measure like nccl-tests: algbw $= S/t$, busbw $=$ algbw $\\cdot f(n)$; compare busbw
+          with the slowest link. Count the bytes on the wire before you explain a curve.
+        - gloo's reduce-scatter is a full all-reduce plus a copy: it writes all-reduce's bytes.
+          NCCL's sends $(n-1)/n \\cdot S$.
+        - $t \\approx \\alpha + S/\\beta$: small messages cost latency, so gradients travel in
+          buckets of megabytes; one line rarely fits every size.
+        - Every rank must call the same collectives in the same order, or the job hangs until
+          the timeout.
+        - `async_op=True` + `wait()` lets communication run under computation.
+
+        The companion notebook, `lectures/notebooks/lecture_02_communication.ipynb`, runs
+        every section of this page cell by cell, with its knobs at the top.
+    """)
+
+
 # =========================================================================================
 
 def main():
     note("""
-        Training on many devices is computing plus communicating. This lecture makes the
-        communication concrete: what each collective does (run on real ranks, drawn from the
-        real tensors), how all-reduce is built from messages between neighbours, how to measure
-        collectives the way NCCL's own benchmarks do, the simple model that predicts their cost,
-        what happens when ranks disagree, and how to hide communication behind computation.
-        Every number on this page was measured while building it.
+        **What you will learn.** What each collective does (run on real ranks, drawn from the
+        real tensors); why all-reduce is a reduce-scatter followed by an all-gather, and how a
+        ring builds it from messages between neighbours with the fewest bytes any algorithm
+        can send; how to measure collectives the way NCCL's own benchmarks do (and what the
+        bytes on the wire say about gloo); the α–β model of their cost and where it stops
+        fitting; what happens when ranks disagree; and how to hide communication behind
+        computation. Every number on this page was measured while building it.
+
+        **What you need.** Lecture 01 (a training step, and what its gradients weigh);
+        PyTorch tensors (`view`, `chunk`, in-place ops); and the primer on the index page:
+        what a rank, a world size and a process group are, and that every rank runs the same
+        function (SPMD).
     """)
     hardware()
     collectives()
@@ -986,6 +1263,7 @@ def main():
     hangs()
     overlap()
     further_reading()
+    what_to_remember()      # the lecture in seven lines, and its notebook
 
 
 def bench():

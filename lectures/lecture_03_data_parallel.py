@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
-from util.measure import Timing, bytes_sent, errorbar, machine, measure, measure_side_by_side, timing_ranks
+from util.measure import (Timing, bytes_sent, compare, errorbar, machine, measure, measure_side_by_side,
+                          timing_ranks)
 
 from lectures.compression import NesterovOuter, PowerSGD, average_update
 from lectures.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
@@ -149,7 +150,7 @@ def train_data_parallel(rank, world_size, task, grad_sync="naive", bucket_mb=1.0
     sync = make_grad_sync(grad_sync, model, comm, bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=task.weight_decay)
     losses, sums = [], []
-    comm.sent, comm.calls, wire = 0, 0, 0
+    comm.sent, comm.sent_by_gloo, comm.calls, wire = 0, 0, 0, 0
     for x, y in make_batches(task):
         with bytes_sent() as written:           # what this rank really wrote to its sockets
             loss = data_parallel_step(model, sync, opt, shard_rows(x, rank, world_size),
@@ -160,6 +161,7 @@ def train_data_parallel(rank, world_size, task, grad_sync="naive", bucket_mb=1.0
     return {"losses": losses, "checksums": sums, "initial": initial,
             "params": [p.detach().cpu().clone() for p in model.parameters()],
             "bytes_per_step": comm.sent / task.steps, "calls_per_step": comm.calls / task.steps,
+            "gloo_per_step": comm.sent_by_gloo / task.steps,
             "wire_per_step": wire / task.steps, "held": held_by_adamw(model, opt)}
 
 
@@ -238,7 +240,7 @@ def train_zero(rank, world_size, task, stage=1, micro_batches=1, eval_between=Fa
         del model                          # from here on, only shards
     net = zero if stage == 3 else zero.model
     losses, sums = [], []
-    comm.sent, comm.calls, wire = 0, 0, 0
+    comm.sent, comm.sent_by_gloo, comm.calls, wire = 0, 0, 0, 0
     for x, y in make_batches(task):
         xs, ys = shard_rows(x, rank, world_size), shard_rows(y, rank, world_size)
         assert xs.shape[0] % micro_batches == 0, "equal micro-batches, or loss/micro_batches is wrong"
@@ -256,10 +258,11 @@ def train_zero(rank, world_size, task, stage=1, micro_batches=1, eval_between=Fa
         losses.append(global_mean(total))
         # Under ZeRO-3 no rank holds a replica to checksum; stages 1 and 2 still replicate.
         sums.append(None if stage == 3 else checksum(zero.model.parameters()))
-    sent, calls = comm.sent, comm.calls
+    sent, calls, by_gloo = comm.sent, comm.calls, comm.sent_by_gloo    # before the final gather
     final = zero.full_parameters() if stage == 3 else [p.detach().cpu().clone() for p in net.parameters()]
     return {"losses": losses, "checksums": sums, "initial": initial, "params": final,
             "bytes_per_step": sent / task.steps, "calls_per_step": calls / task.steps,
+            "gloo_per_step": by_gloo / task.steps,
             "wire_per_step": wire / task.steps, "held": zero.held}
 
 
@@ -530,6 +533,7 @@ def measure_stages(rank, world_size, task):
             torch.cuda.reset_peak_memory_stats()
         result = run()
         out[name] = {"held": result["held"], "bytes_per_step": result["bytes_per_step"],
+                     "gloo_per_step": result["gloo_per_step"],
                      "wire_per_step": result["wire_per_step"], "calls_per_step": result["calls_per_step"],
                      "peak_allocated": torch.cuda.max_memory_allocated() if device().type == "cuda" else None}
     return out
@@ -641,6 +645,16 @@ def intro():
 
         Everything here runs on this machine's ranks (gloo on CPU, NCCL on GPUs), and every
         version is compared with one process training on the whole batch.
+
+        **What you will learn.** DDP from scratch (broadcast, split, average), overlapping its
+        all-reduce with backward and bucketing it; data sharding and gradient accumulation;
+        batch size and learning rate; ZeRO-1/2/3, with the bytes each rank holds and sends,
+        measured; PyTorch's DDP and FSDP2 beside ours. The deep dives at the end (local SGD,
+        DiLoCo, PowerSGD) can wait for a second read.
+
+        **What you need.** Lecture 01 (what a training step holds: parameters, gradients, AdamW's
+        two moments) and lecture 02 (all-reduce = reduce-scatter + all-gather, the ring's
+        bytes, `async_op=True`); PyTorch's `nn.Module`, autograd hooks and `torch.optim.AdamW`.
     """)
 
 
@@ -809,9 +823,7 @@ def overlap_and_buckets():
         of the slowest rank's time per step.
     """)
     kinds = ["naive", "overlapped", "bucketed", "ddp"]
-    times = spawn(time_variants, ranks, task=task, kinds=kinds, bucket_mb=bucket_mb,
-                  reps=5,
-                  name=f"step time: naive vs overlapped vs bucketed vs DDP, {ranks} ranks").returns[0]
+    times = step_times()
     names = {"naive": "all-reduce after backward", "overlapped": "per-parameter async all-reduce",
              "bucketed": f"bucketed ({bucket_mb} MB)", "ddp": "PyTorch DistributedDataParallel"}
     table([[names[k], times[k].ms(), times[k].median / times["naive"].median] for k in kinds],
@@ -820,18 +832,63 @@ def overlap_and_buckets():
     for kind in ("naive", "overlapped", "bucketed"):
         run = spawn(traced_steps, ranks, task=task, kind=kind, bucket_mb=bucket_mb,
                     name=f"timeline of two steps: {names[kind]}, {ranks} ranks")
-        figure(timeline(run.spans, title=f"{names[kind]}: two steps"),
+        spans, merged = merge_in_flight(run.spans)
+        figure(timeline(spans, title=f"{names[kind]}: two steps"),
                caption=f"{names[kind]}: measured spans per rank. Async collectives are drawn from "
-                       "launch to completion (a completion callback on the communication thread).")
+                       "launch to completion (a completion callback on the communication thread)"
+                       + (f"; the {merged} per-parameter all-reduces of each rank overlap one "
+                          "another, so they are drawn as one bar per stretch of time in which at "
+                          "least one was in flight." if merged else "."))
     best = min(kinds, key=lambda k: times[k].median)
     note(f"""
         In the naive timeline all communication sits after backward; with hooks it starts
-        during backward and runs underneath it. Fastest here: {names[best]}
-        ({machine(ranks)}). On a CPU, gloo's communication threads compete with the compute
+        during backward and runs underneath it. Lowest median here: {names[best]}; against
+        the naive sync, {compare(times[best], times['naive'], names[best], 'the naive sync')
+                         if best != 'naive' else 'the naive sync itself'} ({machine(ranks)}). On a CPU, gloo's communication threads compete with the compute
         for the same cores, so overlap hides less than on a GPU, where NCCL's transfers run
         beside the compute kernels.
     """)
     bucket_sweep()
+
+
+def step_times():
+    """Seconds per step of every variant this page compares (our three syncs, PyTorch's DDP, our
+    ZeRO-1/2/3 and FSDP2) on the timing model, measured once, in one run where they take turns,
+    and reused by every table that shows them (so no two tables disagree about one variant)."""
+    ranks, bucket_mb = timing_world(), (2.0 if not settings.quick else 0.25)
+    key = (ranks, settings.quick, bucket_mb)
+    if key not in _STEP_TIMES:
+        kinds = ["naive", "overlapped", "bucketed", "ddp", "zero1", "zero2", "zero3", "fsdp2"]
+        _STEP_TIMES[key] = spawn(
+            time_variants, ranks, task=timing_task(), kinds=kinds, bucket_mb=bucket_mb, reps=5,
+            name=f"step time: our syncs, DDP, ZeRO-1/2/3 and FSDP2 taking turns, {ranks} ranks").returns[0]
+    return _STEP_TIMES[key]
+
+
+_STEP_TIMES = {}
+
+
+def merge_in_flight(spans, label="all-reduce (async)"):
+    """The spans with each rank's overlapping `label` spans merged into one per stretch of time
+    in flight (a per-parameter sync launches dozens at once: one lane each would be unreadable).
+    Returns (spans, how many were merged on the busiest rank; 0 if they never overlapped)."""
+    keep = [s for s in spans if s["label"] != label]
+    merged, most = [], 0
+    for rank in sorted({s["rank"] for s in spans}):
+        mine = sorted((s for s in spans if s["label"] == label and s["rank"] == rank),
+                      key=lambda s: s["start"])
+        groups = []
+        for s in mine:
+            if groups and s["start"] <= groups[-1]["end"]:
+                groups[-1]["end"] = max(groups[-1]["end"], s["end"])
+                groups[-1]["count"] += 1
+            else:
+                groups.append({**s, "count": 1})
+        if any(g["count"] > 1 for g in groups):
+            most = max(most, len(mine))
+        merged += groups
+    name = label.replace("all-reduce", "all-reduces in flight") if most else label
+    return keep + [{k: v for k, v in g.items() if k != "count"} | {"label": name} for g in merged], most
 
 
 def bucket_sweep():
@@ -925,20 +982,36 @@ def hide_the_all_reduce():
         ({machine(ranks)}). On this machine the "network" is memory copies on the same cores
         as the compute, so neither number transfers to a cluster; the method does.
 
-        **At published scale.** A 7-billion-parameter model in bf16 has 2Ψ = 14 GB of
-        gradients. Across nodes each H100 typically has one 400 Gb/s InfiniBand NDR port
-        (ConnectX-7), 50 GB/s per direction; a ring all-reduce over many nodes then takes about
-        2 × 14 GB / 50 GB/s ≈ {2 * 14 / 50:.2f} s (the factor $\\frac{{2(n-1)}}{{n}}$ → 2).
-        Backward costs about twice the forward's 2Ψ FLOPs per token, 4Ψ·tokens; with 8 sequences
-        of 4,096 tokens per GPU that is 4 × 7·10⁹ × 32,768 ≈ {4 * 7e9 * 32768:.2g} FLOPs, and at
-        40% of the H100's 989 TFLOP/s dense bf16 peak ≈ {4 * 7e9 * 32768 / (0.4 * 989e12):.2f} s.
-        Roughly equal: this configuration is on the edge, which is why large jobs keep data
-        parallelism's bytes on fast links (ZeRO/FSDP shard inside a node or use HSDP), use
-        bigger per-GPU batches, or shrink the bytes (bf16 or lower-precision gradients, the
-        compression at the end of this lecture).
+        **At published scale.** {published_scale()}
     """)
     see("https://www.nvidia.com/en-us/data-center/h100/", title="NVIDIA H100 datasheet (989 TFLOP/s dense BF16, SXM)")
     see("https://www.nvidia.com/en-us/networking/infiniband-adapters/", title="NVIDIA ConnectX-7: 400 Gb/s NDR InfiniBand")
+
+
+def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
+    """The overlap budget of a 7B model on H100s with one 400 Gb/s NDR port each, in words: the
+    ring all-reduce of the bf16 gradient (2Ψ bytes, each rank sending 2(n-1)/n of it, about 4Ψ
+    bytes) against backward (about 4Ψ FLOPs per token) at `mfu` of the dense bf16 peak."""
+    comm = 2 * (2 * psi) / nic
+    backward = 4 * psi * tokens / (mfu * peak)
+    ratio = backward / comm
+    verdict = (f"Backward is {ratio:.1f}× the all-reduce: with overlap it hides {ratio:.1f} times "
+               "over, so this configuration is far from communication-bound, and would stay "
+               f"hidden down to about {tokens / ratio:,.0f} tokens per GPU" if ratio > 1.2 else
+               f"The all-reduce is {1 / ratio:.1f}× backward: even perfect overlap leaves it exposed"
+               if ratio < 0.8 else "The two are about equal: this configuration is on the edge")
+    return (f"A {psi / 1e9:.0f}-billion-parameter model in bf16 has 2Ψ = {2 * psi / 1e9:.0f} GB of "
+            f"gradients. Across nodes each H100 typically has one 400 Gb/s InfiniBand NDR port "
+            f"(ConnectX-7), {nic / 1e9:.0f} GB/s per direction; a ring all-reduce over many nodes "
+            f"sends about 2 × 2Ψ = {4 * psi / 1e9:.0f} GB per GPU (the factor $\\frac{{2(n-1)}}{{n}}$ → 2), "
+            f"which takes about {comm:.2f} s. Backward costs about twice the forward's 2Ψ FLOPs "
+            f"per token, 4Ψ·tokens; with 8 sequences of 4,096 tokens per GPU that is "
+            f"4 × {psi / 1e9:.0f}·10⁹ × {tokens:,} ≈ {4 * psi * tokens / 1e15:.2f}·10¹⁵ FLOPs, and at {mfu:.0%} of the "
+            f"H100's {peak / 1e12:.0f} TFLOP/s dense bf16 peak ≈ {backward:.2f} s. {verdict}. "
+            "The budget tightens as the batch per GPU shrinks (more GPUs for the same global "
+            "batch), or when sharding adds traffic (ZeRO-3 sends 1.5× DP's bytes); then large "
+            "jobs keep that traffic on fast links (shard inside a node, HSDP across), or send "
+            "fewer bytes (lower-precision gradients, the compression in the deep dives below).")
 
 
 def gradient_accumulation():
@@ -1049,6 +1122,54 @@ def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
     return [p_bytes * psi / shard[0], g_bytes * psi / shard[1], k * psi / shard[2]]
 
 
+def draw_holdings(per_rank, stages):
+    """What each rank holds under each stage, as a picture: one panel per stage, one row per
+    rank, three blocks per row (parameters, gradients, optimizer state) as wide as their bytes
+    under DP. A block is filled as far as the rank's measured bytes go, at the rank's own slot
+    when it holds a shard (1/N of the block, at position r), across the whole block when it
+    holds a replica. `per_rank[r][stage]["held"]` are the bytes rank r measured."""
+    import matplotlib.pyplot as plt
+    n = len(per_rank)
+    parts = ["params", "grads", "optimizer"]
+    full = {c: max(1, per_rank[0]["DP"]["held"][c]) for c in parts}
+    scale = 1 / sum(full.values())
+    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
+    fig, axes = plt.subplots(len(stages), 1, figsize=(7.5, len(stages) * (0.42 * n + 0.75)),
+                             sharex=True)
+    for ax, stage in zip(axes, stages):
+        for r in range(n):
+            y = n - 1 - r
+            x0 = 0.0
+            for c in parts:
+                width = full[c] * scale * 0.96
+                frac = min(1.0, per_rank[r][stage]["held"][c] / full[c])
+                ax.add_patch(plt.Rectangle((x0, y + 0.1), width, 0.8, facecolor="white",
+                                           edgecolor="0.5", lw=0.6))
+                if frac > 0.75:                     # a replica
+                    ax.add_patch(plt.Rectangle((x0, y + 0.1), width * frac, 0.8,
+                                               facecolor=colours[c], edgecolor="none"))
+                elif frac > 0:                      # a shard: this rank's slot
+                    ax.add_patch(plt.Rectangle((x0 + width * r / n, y + 0.1), width * frac, 0.8,
+                                               facecolor=colours[c], edgecolor="black", lw=0.6))
+                x0 += full[c] * scale
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, n)
+        ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)],
+                      fontsize=9)
+        ax.set_title(stage, fontsize=11, loc="left")
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+    x0, ticks = 0.0, []
+    for c in parts:
+        ticks.append(x0 + full[c] * scale * 0.48)
+        x0 += full[c] * scale
+    axes[-1].set_xticks(ticks, ["parameters", "gradients", "optimizer state (2 moments)"],
+                        fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def memory_and_traffic():
     import matplotlib.pyplot as plt
     task = memory_task()
@@ -1085,7 +1206,7 @@ def memory_and_traffic():
         note("On a GPU this table also shows `torch.cuda.max_memory_allocated()` per stage "
              "(activations and workspace included); this build ran on CPU, where there is none.")
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "transient": "#c0c0c0"}
     for i, s in enumerate(stages):
         h = got[s]["held"]
@@ -1097,11 +1218,22 @@ def memory_and_traffic():
                 ax.bar(i + dx, value, 0.38, bottom=bottom, color=colours[key], hatch=hatch,
                        edgecolor="black", linewidth=0.4, label=key if i == 0 and dx < 0 else None)
                 bottom += value
-    ax.set_xticks(range(len(stages)), [f"{s}\nmeasured | formula" for s in stages])
+    tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
+                  for s in stages) / 2**20
+    ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
+    ax.set_xticks(range(len(stages)), [f"{s}\nmeasured | formula" for s in stages], fontsize=10)
     ax.set_ylabel("MB per rank")
-    ax.legend(loc="upper right", fontsize=8)
-    ax.set_title(f"bytes per rank, float32 run, Ψ = {psi:,}, N = {n} (hatched: 4Ψ+4Ψ+8Ψ formula)")
-    figure(fig, caption="measured (left bar of each pair) beside the formula (right, hatched)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=10, frameon=False)
+    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=11)
+    fig.tight_layout()
+    figure(fig, caption="Measured (left bar of each pair) beside the 4Ψ + 4Ψ + 8Ψ formula "
+                        "(right, hatched); grey: the transient full tensors at their peak.")
+    figure(draw_holdings(run.returns, stages),
+           caption=f"What each of the {n} ranks holds, drawn from the bytes each one measured: "
+                   "a full block is a replica, a short block at the rank's own position is its "
+                   "1/N shard. DP replicates everything; ZeRO-1 shards the optimizer state, "
+                   "ZeRO-2 the gradients too, ZeRO-3 the parameters too (transient full tensors "
+                   "left out).")
 
     note(f"""
         Measured and predicted agree up to padding (each tensor is padded to a multiple of
@@ -1123,33 +1255,42 @@ def memory_and_traffic():
     what = {"DP": "all-reduce (= RS + AG)", "ZeRO-1": "reduce-scatter + all-gather",
             "ZeRO-2": "reduce-scatter + all-gather",
             "ZeRO-3": "all-gather fwd + all-gather bwd + reduce-scatter"}
-    table([[s, theory[s] * 4, got[s]["bytes_per_step"], got[s]["wire_per_step"],
-            got[s]["wire_per_step"] / got[s]["bytes_per_step"],
-            (got[s]["wire_per_step"] - got[s]["bytes_per_step"]) / got[s]["calls_per_step"],
-            got[s]["calls_per_step"], what[s]] for s in stages],
-          header=["stage", "formula (bytes)", "counted: ring bytes of our calls",
-                  "measured: written to sockets", "measured / counted",
-                  "extra bytes per collective call", "calls per step", "collectives"],
+    table([[s, theory[s] * 4, got[s]["bytes_per_step"], got[s]["gloo_per_step"],
+            got[s]["wire_per_step"], got[s]["wire_per_step"] / got[s]["bytes_per_step"],
+            got[s]["wire_per_step"] / got[s]["gloo_per_step"], got[s]["calls_per_step"], what[s]]
+           for s in stages],
+          header=["stage", "formula (bytes)", "counted: our calls as rings (NCCL)",
+                  "counted: our calls as gloo runs them", "measured: written to sockets",
+                  "measured / rings", "measured / gloo count", "calls per step", "collectives"],
           caption=f"bytes sent per rank per step, rank 0, N = {n}. Formula: a ring sends (N−1)/N "
                   "of a tensor per pass; ≈ 2Ψ·4 bytes for DP/ZeRO-1/2, ≈ 3Ψ·4 for ZeRO-3 (ours "
                   "keeps the last layer gathered from forward to backward: 2L−1 all-gathers, "
                   "not 2L).")
-    ratio = [got[s]["wire_per_step"] / got[s]["bytes_per_step"] for s in stages]
+    ring_ratio = {s: got[s]["wire_per_step"] / got[s]["bytes_per_step"] for s in stages}
+    gloo_ratio = {s: got[s]["wire_per_step"] / got[s]["gloo_per_step"] for s in stages}
+    rs_share = {s: got[s]["gloo_per_step"] / got[s]["bytes_per_step"] for s in stages}
     note(f"""
-        Three columns, three different things. The *formula* is the ZeRO paper's accounting;
-        *counted* adds up what our `Collectives` wrapper would send if every call ran as a
-        ring; *measured* is what this rank's process actually handed to the kernel's socket
-        writes during the training steps (`util.measure.bytes_sent`, from Linux's
-        `/proc/self/io`). Measured exceeds counted by {min(ratio):.2f}–{max(ratio):.2f}×
-        here. The overhead has three sources: gloo frames every message with a small header
-        (a few hundred bytes for one small all-reduce on two ranks; the "extra bytes
-        per collective call" column shows what it comes to here, algorithm choice included), so the many small
-        tensors of this model (Ψ split into {2 * (len(task.sizes) - 1)} tensors, each its own
-        call, plus padding to a multiple of N) pay it often; gloo chooses its own algorithm per collective and size, which for small
-        messages is not always the bandwidth-optimal ring the count assumes; and the step also
-        includes the naive sync's one small all-reduce that agrees on which parameters have
-        gradients. With large tensors the ratio tends to 1: ZeRO-1 and ZeRO-2 are then free in
-        bandwidth, and ZeRO-3 pays 1.5× for holding only 1/N of the parameters.
+        Four columns, four different things. The *formula* is the ZeRO paper's accounting;
+        *counted as rings* adds up what our `Collectives` wrapper's calls send when each runs
+        as a bandwidth-optimal ring (what NCCL does with large messages); *counted as gloo
+        runs them* uses gloo's real algorithms instead; *measured* is what this rank's process
+        handed to the kernel's socket writes during the training steps
+        (`util.measure.bytes_sent`, from Linux's `/proc/self/io`).
+
+        Against the rings, DP's measured bytes are {ring_ratio['DP']:.2f}× the count, but
+        ZeRO-1 and ZeRO-2 write {ring_ratio['ZeRO-1']:.2f}× and {ring_ratio['ZeRO-2']:.2f}×,
+        ZeRO-3 {ring_ratio['ZeRO-3']:.2f}×. These are not headers, and they do not shrink with
+        size: gloo's reduce-scatter is a full all-reduce plus a copy (lecture 02 measured it
+        writing an all-reduce's bytes), so reduce-scatter + all-gather costs
+        2 + 1 = 3 ring passes instead of 1 + 1 = 2 (gloo count / ring count
+        {rs_share['ZeRO-1']:.2f} for ZeRO-1), and ZeRO-3's two all-gathers and one
+        reduce-scatter cost 1 + 1 + 2 = 4 instead of 3 ({rs_share['ZeRO-3']:.2f}). Against
+        the gloo count, measured is {min(gloo_ratio.values()):.2f}–{max(gloo_ratio.values()):.2f}×
+        for every stage: what remains is gloo's message headers, the padding of each tensor to
+        a multiple of N, and the naive sync's one small all-reduce that agrees on which
+        parameters have gradients. With NCCL, whose reduce-scatter is a real ring, ZeRO-1 and
+        ZeRO-2 send what DP sends, and ZeRO-3 1.5× that, for holding only 1/N of the
+        parameters.
     """)
     see(Collectives)
 
@@ -1180,11 +1321,7 @@ def pytorch_versions():
           header=["implementation", "max |Δ param| vs single process"])
     timed = timing_task()
     ranks = timing_world()
-    bucket_mb = 2.0 if not settings.quick else 0.25
-    kinds = ["bucketed", "ddp", "zero1", "zero2", "zero3", "fsdp2"]
-    t = spawn(time_variants, ranks, task=timed, kinds=kinds, bucket_mb=bucket_mb,
-              reps=5,
-              name=f"step time: ours vs PyTorch, DDP and ZeRO-1/2/3 vs FSDP2, {ranks} ranks").returns[0]
+    t = step_times()        # the run of the overlap section: every variant measured once
     ratio = lambda a, b: t[a].median / t[b].median
     table([["DDP", t["bucketed"].ms(), t["ddp"].ms(), ratio("bucketed", "ddp")],
            ["ZeRO-3 / FSDP2", t["zero3"].ms(), t["fsdp2"].ms(), ratio("zero3", "fsdp2")],
@@ -1192,29 +1329,45 @@ def pytorch_versions():
            ["ZeRO-2 (ours only)", t["zero2"].ms(), None, None]],
           header=["", "ours, per step: median (IQR)", "PyTorch, per step: median (IQR)",
                   "ours / PyTorch (medians)"],
-          caption=f"timing model Ψ = {param_count(timed):,}, {machine(ranks)}; the variants take "
-                  "turns in one run")
-    z1_vs_z3 = ("faster than" if t["zero3"].median < t["zero1"].median * 0.95 else
-                "slower than" if t["zero3"].median > t["zero1"].median * 1.05 else "about as fast as")
+          caption=f"timing model Ψ = {param_count(timed):,}, {machine(ranks)}; the same run as "
+                  "the step-time table of the overlap section (the variants take turns in it), so "
+                  "the DDP rows agree")
+    overlaps = lambda a, b: t[a].q1 <= t[b].q3 and t[b].q1 <= t[a].q3
+    if overlaps("zero3", "zero1"):
+        z3 = ("Bytes are not the whole cost: our ZeRO-1 (and ZeRO-2's all-gather) runs its "
+              "collectives one tensor at a time *after* backward, blocking, while ZeRO-3 issues its "
+              "reduce-scatters asynchronously during backward and prefetches the next layer's "
+              "all-gather, which here makes up for its extra bytes.")
+    elif t["zero3"].median < t["zero1"].median:
+        z3 = ("Bytes are not the whole cost: our ZeRO-1 (and ZeRO-2's all-gather) runs its "
+              "collectives one tensor at a time *after* backward, blocking, so every call's "
+              "latency is exposed, while ZeRO-3 issues its reduce-scatters asynchronously during "
+              "backward and prefetches the next layer's all-gather while the current one computes. "
+              "Exposed latency, not volume, dominates small models on a few ranks.")
+    else:
+        z3 = ("Its extra all-gathers (every layer's weights gathered twice per step) cost more "
+              "here than its overlap saves.")
+    if t["zero3"].median < t["fsdp2"].median and not overlaps("zero3", "fsdp2"):
+        fsdp = ("Per step FSDP2 does work ours skips. It keeps every parameter as a `DTensor`, so "
+                "the optimizer step and the gradient bookkeeping go through DTensor's dispatch on "
+                "every tensor; before each all-gather it copies the unit's shards into one flat "
+                "buffer and afterwards copies the gathered buffer out into the per-parameter "
+                "tensors (its \"copy-in/copy-out\"), and the same around each reduce-scatter; and "
+                "it runs a pre-/post-forward and backward hook state machine per unit. On a model "
+                "this small those fixed costs per unit are a large share of the step; on a GPU "
+                "with big layers they vanish behind the matmuls and FSDP2's stream overlap.")
+    else:
+        fsdp = ("FSDP2 packs each unit's shards into one buffer per collective and overlaps its "
+                "communication on its own streams; ours issues one collective per tensor.")
     note(f"""
-        **Reading the table** ({machine(ranks)}). Our ZeRO-3 is {z1_vs_z3} our ZeRO-1
-        ({t['zero3'].ms()} vs {t['zero1'].ms()}) although it sends about 1.5× the bytes. Bytes
-        are not the whole cost: our ZeRO-1 (and ZeRO-2's all-gather) runs its collectives one
-        tensor at a time *after* backward, blocking, so every call's latency is exposed, while
-        ZeRO-3 issues its reduce-scatters asynchronously during backward and prefetches the
-        next layer's all-gather while the current one computes. Exposed latency, not volume,
-        dominates small models on a few ranks.
+        **Reading the table** ({machine(ranks)}). Our ZeRO-3 against our ZeRO-1:
+        {compare(t['zero3'], t['zero1'], 'ZeRO-3', 'ZeRO-1')}, although ZeRO-3 sends 1.5× the
+        bytes of a ring (4/3 of ZeRO-1's on gloo, whose reduce-scatter is an all-reduce). {z3}
 
-        Ours against FSDP2 ({ratio('zero3', 'fsdp2'):.2f}× its time): per step FSDP2 does work
-        ours skips. It keeps every parameter as a `DTensor`, so the optimizer step and the
-        gradient bookkeeping go through DTensor's dispatch on every tensor; before each
-        all-gather it copies the unit's shards into one flat buffer and afterwards copies the
-        gathered buffer out into the per-parameter tensors (its "copy-in/copy-out"), and the
-        same around each reduce-scatter; and it runs a pre-/post-forward and backward hook
-        state machine per unit. On a model this small those fixed costs per unit are a large
-        share of the step; on a GPU with big layers they vanish behind the matmuls and FSDP2's
-        stream overlap. Our version is smaller because it handles one case (a `Sequential` of
-        `Linear`s, fp32, no mixed precision, no checkpointing of its state).
+        Our bucketed DDP against PyTorch's: {compare(t['bucketed'], t['ddp'], 'ours', 'PyTorch DDP')}.
+        Our ZeRO-3 against FSDP2: {compare(t['zero3'], t['fsdp2'], 'ours', 'FSDP2')}. {fsdp}
+        Our version is smaller because it handles one case (a `Sequential` of `Linear`s, fp32,
+        no mixed precision, no checkpointing of its state).
     """)
 
 
@@ -1289,8 +1442,10 @@ def local_sgd_section():
     n = settings.world_size
     steps = 48 if settings.quick else 96     # multiples of every H below: the run ends on a sync
     note(f"""
-        ## Beyond one sync per step: local SGD, compression, PowerSGD, DiLoCo
-        Averaging gradients every step is one end of a spectrum. Local SGD (federated
+        ## Deep dive: local SGD, compressed updates and DiLoCo
+        You can skip this section and the next on a first read: they leave the main path
+        (every rank syncs every step) for methods that talk less. Averaging gradients every
+        step is one end of a spectrum. Local SGD (federated
         averaging when the ranks are phones) lets each rank take H steps on its own data and
         then averages the *parameters* — with plain SGD and H = 1 that is exactly data
         parallelism. Konečný et al. (2016) also shrink what is sent: a random mask keeps a
@@ -1352,7 +1507,6 @@ def local_sgd_section():
         rank where the fp32 all-reduce sends 2(N−1)/N·S, so int8 saves bytes only while
         N < 8, and costs more beyond.
     """)
-    powersgd_section()
 
 
 def powersgd_section():
@@ -1361,7 +1515,9 @@ def powersgd_section():
     n = settings.world_size
     steps = 40 if settings.quick else 80
     note(f"""
-        **PowerSGD** (Vogels et al. 2019) compresses the gradient itself, every step, inside
+        ## Deep dive: PowerSGD
+        You can skip this section on a first read. **PowerSGD** (Vogels et al. 2019)
+        compresses the gradient itself, every step, inside
         ordinary data parallelism: each gradient matrix is replaced by a rank-r approximation
         found with one step of power iteration per training step (warm-started from the last
         step's), which costs two small all-reduces of r·(rows + cols) numbers instead of one of
@@ -1450,10 +1606,12 @@ def batch_and_learning_rate():
         Best rule per batch size here: {', '.join(f'{b}: {best[b]}' for b in batches)}.
         Keeping the rate fixed ("none") wastes the larger batches: the same samples buy fewer
         and equally small steps. Linear scaling keeps the loss close to the small-batch result
-        as long as the scaled rate stays stable; past some batch size (the "critical batch
-        size" of the task) it no longer does, and the square-root rule, or LARS/LAMB's
-        per-layer rates, take over. What holds for this small regression need not hold for a
-        transformer; the experiment is the method.
+        as long as the scaled rate stays stable. Past the task's *critical batch size*
+        (McCandlish et al. 2018) no learning-rate rule restores linear speed-up: once the
+        batch's gradient is nearly noise-free, a k-times larger batch gives a barely better
+        gradient, so it cannot replace k smaller steps; the square-root rule and LARS/LAMB
+        change how stable a large batch is, not this limit. What holds for this small
+        regression need not hold for a transformer; the experiment is the method.
     """)
 
 
@@ -1474,6 +1632,7 @@ def scaling_notes():
     """)
     for url, title in [
         ("https://arxiv.org/abs/1706.02677", "Goyal et al. 2017, Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"),
+        ("https://arxiv.org/abs/1812.06162", "McCandlish et al. 2018, An Empirical Model of Large-Batch Training (the critical batch size)"),
         ("https://arxiv.org/abs/1708.03888", "You et al. 2017, Large Batch Training of Convolutional Networks (LARS)"),
         ("https://arxiv.org/abs/1404.5997", "Krizhevsky 2014, One weird trick for parallelizing convolutional neural networks (√k learning rate)"),
         ("https://arxiv.org/abs/1705.08741", "Hoffer et al. 2017, Train longer, generalize better: closing the generalization gap in large batch training"),
@@ -1486,6 +1645,27 @@ def scaling_notes():
         ("https://arxiv.org/abs/2304.11277", "Zhao et al. 2023, PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"),
     ]:
         see(url, title=title)
+
+
+def what_to_remember():
+    note("""
+        ## What to remember
+        - Data parallelism = start equal (broadcast), split the batch, average the gradients:
+          every replica then takes the one-process step, and the tests check it to rounding.
+        - Start each bucket's all-reduce during backward; buckets of megabytes pay the
+          per-message latency once, and a hook per parameter pays it per tensor.
+        - Global batch = micro-batch × accumulation steps × DP ranks; accumulation adds no
+          communication. Past the critical batch size no learning-rate rule buys speed-up.
+        - ZeRO-1/2/3 shard optimizer state, then gradients, then parameters: per rank
+          (2 + 2 + 12)Ψ → (2 + 2 + 12/N)Ψ → (2 + 14/N)Ψ → 16Ψ/N bytes with mixed-precision Adam.
+        - With ring collectives ZeRO-1/2 send what DP sends and ZeRO-3 1.5×; gloo's
+          reduce-scatter is an all-reduce, so count bytes on the wire before explaining them.
+        - Nothing here shards activations: that is recomputation's and sequence/context
+          parallelism's job.
+
+        The companion notebook, `lectures/notebooks/lecture_03_data_parallel.ipynb`, runs every
+        section of this page cell by cell, with its knobs at the top.
+    """)
 
 
 def main():
@@ -1501,8 +1681,11 @@ def main():
     memory_and_traffic()        # what each rank holds and sends: formula, counted, measured
     pytorch_versions()          # the same with PyTorch's DDP and FSDP2, and their speed
     fsdp2_knobs()               # reshard_after_forward, mixed precision, HSDP; activations stay
-    local_sgd_section()         # talk less often, send fewer bytes: local SGD, PowerSGD, DiLoCo
     scaling_notes()             # very large batches, offload, references
+    # Deep dives, off the main path: talk less often, send fewer bytes.
+    local_sgd_section()         # local SGD, masks and int8, DiLoCo's outer Nesterov step
+    powersgd_section()          # low-rank gradients inside data parallelism
+    what_to_remember()          # the lecture in seven lines, and its notebook
 
 
 def bench():

@@ -390,3 +390,64 @@ def test_quick_build_has_every_section_and_figure(course_site):
         assert "Skipped on this build" in notes
     links = [r for r in records if r["kind"] == "link"]
     assert len(links) >= 5 and any("nccl-tests" in l["url"] for l in links)
+
+
+# --- what gloo really sends (issue 21) --------------------------------------------------------
+
+def test_gloo_reduce_scatter_writes_an_all_reduces_bytes():
+    """3 ranks, 3 MB: gloo's reduce_scatter_tensor is a clone, a full all-reduce and a copy, so
+    it writes what an all-reduce writes (4,195,456 bytes), twice the ring's (n-1)/n·S."""
+    nbytes, n = 3 * 2 ** 20, 3
+    got = spawn(C.wire_bytes, n, collectives=["all_reduce", "reduce_scatter", "all_gather"],
+                nbytes=nbytes).returns
+    if got[0]["all_reduce"] is None:
+        pytest.skip("this kernel does not count written bytes")
+    for r in got:
+        assert r["reduce_scatter"] == r["all_reduce"]
+        assert r["all_reduce"] == pytest.approx(C.optimal_bytes("all_reduce", nbytes, n), rel=0.01)
+        assert r["all_gather"] == pytest.approx(C.optimal_bytes("all_gather", nbytes, n), rel=0.01)
+        assert r["reduce_scatter"] / C.optimal_bytes("reduce_scatter", nbytes, n) == pytest.approx(2, rel=0.01)
+
+
+def test_wire_verdict_explains_reduce_scatter_by_its_bytes():
+    nbytes, n = 3 * 2 ** 20, 3
+    wire = {"all_reduce": 4195456, "all_gather": 2097728, "reduce_scatter": 4195456,
+            "broadcast": 6291648, "all_to_all": 2097440}
+    text = L.wire_verdict(wire, nbytes, n)
+    assert "the same as its all-reduce" in text and "2.00×" in text
+    assert "reduce_scatter_tensor_coalesced" in text and "NCCL" in text
+    assert "arithmetic" not in text
+    assert "broadcast" in text                       # the root writes (n-1)·S on gloo
+    other = L.wire_verdict({**wire, "reduce_scatter": 2097728}, nbytes, n)
+    assert "the same as its all-reduce" not in other
+
+
+def test_busbw_note_no_longer_blames_arithmetic():
+    import inspect
+    assert "arithmetic" not in inspect.getsource(L.bandwidth)
+
+
+def test_ring_arrows_are_read_from_the_trace():
+    """The arrow figure labels each send with the chunk its receiver recorded and the value the
+    sender held: in the all-gather every label carries the full sum."""
+    import matplotlib
+    matplotlib.use("Agg")
+    traces = spawn(L.ring_trace, 3).returns
+    fig = L.draw_ring_arrows(traces)
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().startswith("c")]
+    assert len(labels) == 2 * (3 - 1) * 3
+    assert all(l.endswith("=7") for l in labels[len(labels) // 2:])     # 1 + 2 + 4
+
+
+def test_alpha_beta_reuses_the_sweep(monkeypatch):
+    """The α–β section reads the all-reduce timings the bandwidth sweep took (one measurement
+    of each size per page) instead of timing them again."""
+    from util.measure import Timing
+    sizes = L.alpha_beta_sizes()
+    ranks = L.timing_ranks(L.settings.world_size)
+    monkeypatch.setattr(L, "MEASURED", {("sweep", ranks, L.settings.quick, s):
+                                        Timing([1e-4 + s / 1e9] * 3) for s in sizes})
+    monkeypatch.setattr(L, "spawn", lambda *a, **k: pytest.fail("measured again"))
+    for name in ("note", "see", "table", "figure"):
+        monkeypatch.setattr(L, name, lambda *a, **k: None)
+    L.alpha_beta()
