@@ -21,8 +21,8 @@ from lectures.memory import saved_bytes
 # The building blocks, each in its module; the names are imported here too so that
 # `from lectures.lecture_04_tensor_parallel import parallelize_gpt` keeps working.
 from lectures.tensor_parallel import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
-                                      ReplicatedKVLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                      SequenceParallelPositions)
+                                      RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions,
+                                      ShareKVHeads, TensorParallelAttention)
 from lectures.tp_gpt import (check_splittable, dtensor_plan, full_parameters, gpt_plan,  # noqa: F401
                              parallelize_gpt, parallelize_gpt_dtensor, tp_group, tp_loss)
 from lectures.tp_ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFromRegion,  # noqa: F401
@@ -30,7 +30,7 @@ from lectures.tp_ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFro
                              ScatterToSequence, _all_gather, _all_reduce, _reduce_scatter, _split,
                              all_gather_sequence, copy_to_region, gather_from_region, gather_from_sequence,
                              reduce_from_region, reduce_scatter_sequence, scatter_to_region,
-                             scatter_to_sequence, traced)
+                             scatter_to_sequence, shard_checks, traced)
 from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
 
@@ -215,6 +215,8 @@ def mlp_comms(rank, world_size, b=4, s=8, h=16, sequence_parallel=False):
             if sp else {"0": ColwiseParallel(), "2": RowwiseParallel()})
     theirs = parallelize_module(copy.deepcopy(full), mesh, plan)
     out = {}
+    checks = shard_checks(False)   # count what Megatron's schedule needs, not the safety check
+    checks.__enter__()
     for name, model in (("ours", ours), ("DTensor", theirs)):
         xx = xin.clone().requires_grad_(True)
         for _ in range(2):   # warm-up, so the bytes below are the steady state
@@ -223,6 +225,7 @@ def mlp_comms(rank, world_size, b=4, s=8, h=16, sequence_parallel=False):
             y, fwd = count_collectives(lambda: model(xx))
             _, bwd = count_collectives(lambda: (y * Gin).sum().backward())
         out[name] = {"forward": fwd, "backward": bwd, "y": y.detach(), "bytes": sent.bytes}
+    checks.__exit__(None, None, None)
     out["max |ours - DTensor|"] = (out["ours"]["y"] - out["DTensor"]["y"]).abs().max().item()
     return out
 
@@ -236,10 +239,8 @@ def attention_cases(rank, world_size, cases):
         model = parallelize_gpt(GPT(cfg), dist.group.WORLD)
         attn = model.blocks[0].attn
         out.append({"logits": r["logits"], "grads": r["grads"],
-                    "q heads": attn.q_proj.out_features // cfg.head_dim,
-                    "kv heads": attn.k_proj.out_features // cfg.head_dim,
-                    "kv kind": "split" if isinstance(attn.k_proj, ColumnParallelLinear) else
-                               f"replicated, reads KV heads {attn.k_proj.kv_heads_read}"})
+                    "q heads": attn.q_heads_held, "kv heads": attn.kv_held, "kv kind": attn.kv_layout,
+                    "qkv weight": tuple(attn.weight.shape)})
     return out
 
 
@@ -290,6 +291,11 @@ def _block_input(cfg, b, group, sp):
 def sp_traffic(rank, world_size, cfg, b=4):
     """One block's forward and backward with sequence parallelism off and on: the collectives
     (CommDebugMode) and the bytes this rank wrote (median of 5)."""
+    with shard_checks(False):   # count what Megatron's schedule needs, not the safety check
+        return _sp_traffic(cfg, b)
+
+
+def _sp_traffic(cfg, b):
     import statistics
     from util.measure import bytes_sent
     group, out = dist.group.WORLD, {}
@@ -344,7 +350,7 @@ def traced_block(rank, world_size, cfg, b=8, sequence_parallel=False, steps=2):
     x.requires_grad_(True)
     with quiet():
         (block(x) * G).sum().backward()   # warm-up
-    with traced():
+    with traced(), shard_checks(False):
         for _ in range(steps):
             with span("forward"):
                 y = block(x)
@@ -392,7 +398,7 @@ def time_steps(rank, world_size, cfg, batch_size=16, kinds=("ours",), repeats=7)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one core per rank, whatever the number of ranks
     try:
-        with quiet():
+        with quiet(), shard_checks(False):
             return measure_side_by_side(steps, warmup=2, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
@@ -444,17 +450,34 @@ def compare_with_dtensor(rank, world_size, cfg, batch_size=4, steps=3, sequence_
     from torch.distributed.tensor.parallel import loss_parallel
     out = {"ours": train_tp(rank, world_size, cfg, steps, batch_size, sequence_parallel=sequence_parallel),
            "DTensor": train_dtensor(rank, world_size, cfg, steps, batch_size, sequence_parallel=sequence_parallel)}
+    from torch.distributed.tensor import DTensor, Partial
     tokens, targets = (t.to(device()) for t in batch(cfg, batch_size, 0))
     model = parallelize_gpt(GPT(cfg).to(device()), dist.group.WORLD, sequence_parallel=sequence_parallel)
-    out["ours counts"] = count_collectives(lambda: tp_loss(model, tokens, targets).backward())[1]
+    opt = torch.optim.AdamW(model.parameters())
     mesh = init_device_mesh(device().type, (world_size,))
     dmodel = parallelize_gpt_dtensor(GPT(cfg).to(device()), mesh, sequence_parallel)
+    dopt = torch.optim.AdamW(dmodel.parameters())
 
-    def dstep():
+    def dbackward():
         logits = dmodel(tokens)
         with loss_parallel():
             F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    out["DTensor counts"] = count_collectives(dstep)[1]
+    # A whole step, forward + backward and the optimizer step counted apart (the second step:
+    # AdamW's first creates its state)
+    with shard_checks(False):
+        for _ in range(2):
+            _, ours_fb = count_collectives(lambda: tp_loss(model, tokens, targets).backward())
+            _, ours_opt = count_collectives(opt.step)
+            opt.zero_grad()
+            _, dt_fb = count_collectives(dbackward)
+            out["DTensor partial grads"] = sorted(k for k, p in dmodel.named_parameters()
+                                                  if isinstance(p.grad, DTensor) and any(isinstance(pl, Partial) for pl in p.grad.placements))
+            out["DTensor grad placements"] = {k: repr(p.grad.placements[0]) for k, p in dmodel.named_parameters()
+                                              if isinstance(p.grad, DTensor)}
+            _, dt_opt = count_collectives(dopt.step)
+            dopt.zero_grad()
+    out["ours counts"], out["ours optimizer counts"] = ours_fb, ours_opt
+    out["DTensor counts"], out["DTensor optimizer counts"] = dt_fb, dt_opt
     return out
 
 
@@ -494,6 +517,14 @@ def intro():
         Every building block below is a few lines of PyTorch with its backward written out; each
         is checked against one process on real ranks (gloo on CPU, NCCL on GPUs), and the same
         split is then expressed with PyTorch's DTensor sharding annotations.
+
+        **What you will learn:** how a weight matrix is cut by columns or by rows and which
+        collective joins the pieces; Megatron's conjugate operators f and g; a tensor-parallel
+        MLP, attention (with grouped-query K/V heads) and vocabulary; sequence parallelism and
+        the activation memory it saves; why tensor parallelism's communication sits on the
+        critical path. **What you need:** lecture 01's GPT (blocks, heads, LayerNorm) and
+        lecture 02's collectives (all-reduce = reduce-scatter + all-gather); in PyTorch,
+        `torch.autograd.Function` (a forward and a hand-written backward) and `nn.Linear`.
     """)
     see("https://arxiv.org/abs/1909.08053", "Shoeybi et al. 2019, Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism")
     see("https://arxiv.org/abs/2205.05198", "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models")
@@ -541,11 +572,80 @@ def column_and_row():
         table([[k, str(v)] for k, v in r["shapes"].items()] + [[f"max |ours − one process|: {k}", v] for k, v in r["diffs"].items()],
               header=["", f"{n} ranks (rank 0)"],
               caption=f"what each of {n} ranks holds, and the largest difference from nn.Linear in one process")
+    figure(cut_figure(n, r["shapes"]), caption=f"the two cuts of a weight matrix over {n} ranks, with the shapes "
+           "rank 0 held in the run above (math orientation: Y = XA)")
     note("""
         The differences are float32 rounding (the sums are added in another order). The input
         gradient is the interesting one: each rank's column slice contributes $dY_r A_r^T$, and
         f's all-reduce adds them.
     """)
+
+
+def cut_figure(n, shapes):
+    """Column- and row-parallel cuts of A (h_in x h_out) and B (h_out x h_in), coloured by rank,
+    labelled with the local shapes a rank held (nn.Linear stores the transpose)."""
+    import matplotlib.pyplot as plt
+    colours = [plt.cm.tab10(i) for i in range(n)]
+    h_out, h_in = shapes["column weight"][0] * n, shapes["column weight"][1]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax, kind in zip(axes, ("column", "row")):
+        rows, cols = (h_in, h_out) if kind == "column" else (h_out, h_in)
+        for r in range(n):
+            if kind == "column":   # A = [A_1 ... A_n]: rank r owns a block of columns
+                rect = (r * cols / n, 0, cols / n, rows)
+            else:                  # B = [B_1; ...; B_n]: rank r owns a block of rows
+                rect = (0, rows - (r + 1) * rows / n, cols, rows / n)
+            ax.add_patch(plt.Rectangle(rect[:2], rect[2], rect[3], color=colours[r], alpha=0.75, ec="black"))
+            ax.text(rect[0] + rect[2] / 2, rect[1] + rect[3] / 2, f"rank {r}", ha="center", va="center",
+                    fontsize=10, rotation=90 if kind == "column" else 0)
+        ax.set_xlim(0, cols)
+        ax.set_ylim(0, rows)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        local = shapes["column weight"][::-1] if kind == "column" else shapes["row weight"][::-1]
+        ax.set_title(f"{kind}-parallel: A is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=10)
+        ax.set_xlabel("output features" if kind == "column" else "output features (whole)", fontsize=10)
+        ax.set_ylabel("input features (whole)" if kind == "column" else "input features", fontsize=10)
+    axes[0].text(0.5, -0.3, "Y_r = X A_r: a slice of Y, no collective", transform=axes[0].transAxes,
+                 ha="center", fontsize=10)
+    axes[1].text(0.5, -0.3, "Y = Σ_r X_r B_r: partial sums, all-reduce", transform=axes[1].transAxes,
+                 ha="center", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fg_figure(n, counts):
+    """The Megatron MLP on n ranks between f and g, with the collective each runs forward and
+    backward (the counts measured by CommDebugMode in the demo)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 1.8 + 0.9 * n))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(-1.5, n - 0.4)
+    ax.set_axis_off()
+    box = lambda x, y, text, c: (ax.add_patch(plt.Rectangle((x - 0.55, y - 0.25), 1.1, 0.5, color=c, alpha=0.8)),
+                                 ax.text(x, y, text, ha="center", va="center", fontsize=10))
+    mid = (n - 1) / 2
+    box(0.6, mid, "X\n(whole)", "#cccccc")
+    box(2.2, mid, "f", "#8fbc8f")
+    for r in range(n):
+        y = n - 1 - r
+        ax.annotate("", xy=(3.45, y), xytext=(2.75, mid), arrowprops=dict(arrowstyle="->"))
+        box(4.0, y, f"X·A_{r}", plt.cm.tab10(r))
+        box(5.6, y, "GELU", plt.cm.tab10(r))
+        box(7.2, y, f"·B_{r}", plt.cm.tab10(r))
+        ax.annotate("", xy=(5.05, y), xytext=(4.55, y), arrowprops=dict(arrowstyle="->"))
+        ax.annotate("", xy=(6.65, y), xytext=(6.15, y), arrowprops=dict(arrowstyle="->"))
+        ax.annotate("", xy=(8.25, mid), xytext=(7.75, y), arrowprops=dict(arrowstyle="->"))
+        ax.text(9.9, y, f"rank {r}", ha="right", va="center", fontsize=9, color="gray")
+    box(8.8, mid, "g", "#8fbc8f")
+    ax.annotate("", xy=(1.65, mid), xytext=(1.15, mid), arrowprops=dict(arrowstyle="->"))
+    fwd = ", ".join(f"{k} ×{v}" for k, v in counts["forward"].items()) or "none"
+    bwd = ", ".join(f"{k} ×{v}" for k, v in counts["backward"].items()) or "none"
+    ax.text(2.2, -0.55, "f: identity forward,\nall-reduce backward", ha="center", va="center", fontsize=10)
+    ax.text(8.8, -0.55, "g: all-reduce forward,\nidentity backward", ha="center", va="center", fontsize=10)
+    ax.text(5.5, -1.25, f"measured: forward {fwd}; backward {bwd}", ha="center", va="center", fontsize=10)
+    return fig
 
 
 def megatron_mlp():
@@ -567,6 +667,10 @@ def megatron_mlp():
             rows.append(["with SP" if sp else "without SP", who, fmt_counts(r[who]["forward"]),
                          fmt_counts(r[who]["backward"]), r[who]["bytes"]])
         rows.append(["with SP" if sp else "without SP", "max |ours − DTensor| (output)", r["max |ours - DTensor|"], "", ""])
+        if not sp:
+            fg_counts = r["ours"]
+    figure(fg_figure(n, fg_counts), caption=f"the Megatron MLP on {n} ranks: f where the whole input enters, g "
+           "where the partial sums leave; the counts are the ones in the table below")
     table(rows, header=["", "", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
           caption=f"collectives in one MLP forward and backward, {n} ranks (CommDebugMode; bytes from /proc/self/io)")
     note("""
@@ -585,34 +689,83 @@ def attention_heads():
         ## Attention: whole heads per rank
         Heads are independent until the output projection, so Q, K and V are column-parallel
         (each rank keeps $a/t$ whole heads), attention runs locally on those heads, and the output
-        projection is row-parallel: again one all-reduce each way. This needs $t \\mid a$. With
-        grouped-query attention there are fewer K/V heads ($a_{kv}$): when $t \\mid a_{kv}$ they
-        are split like the queries; otherwise each rank keeps the K/V projection whole and
-        computes just the K/V heads its query heads read, and f on those weights sums the
-        gradient contributions of the ranks that share a head. Lecture 01's attention reads its
-        head counts from the projection widths, so the same code runs on a rank's share.
+        projection is row-parallel: again one all-reduce each way. This needs $t \\mid a$. As in
+        Megatron-LM, Q, K and V are **one** column-parallel matmul: this rank's weight is
+        $[W_q; W_k; W_v]$ for its heads, one f on the input, and in backward one input-gradient
+        all-reduce that overlaps the Q/K/V weight gradient (three layers behind one shared f would
+        leave that all-reduce blocking, after all three).
+
+        Grouped-query attention has fewer K/V heads, $k < a$. When $t \\mid k$ they are split like
+        the queries. When $k \\mid t$, each rank's $a/t$ query heads all read the same K/V head, so
+        the rank holds that one head: each K/V head is replicated on the $t/k$ ranks that read it
+        (vLLM's layout), and its gradient is summed over them. Other combinations would give a
+        rank query heads from unequal groups, and are refused.
     """)
-    see(ReplicatedKVLinear)
+    see(TensorParallelAttention)
+    see(ShareKVHeads)
     base = GPTConfig(n_layers=1, seq_len=8, d_model=32)
-    cases = {2: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)],
-             4: [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]}
-    cases = {n: cases[n] for n in tp_sizes()}
-    rows = []
-    for n, overrides in cases.items():
+    overrides = [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]
+    rows, layouts = [], {}
+    for n in tp_sizes():
         cfgs = [dataclasses_replace(base, **o) for o in overrides]
-        got = spawn(attention_cases, n, cases=cfgs, name=f"attention heads split, {n} ranks").returns[0]
-        for cfg, g in zip(cfgs, got):
+        run = spawn(attention_cases, n, cases=cfgs, name=f"attention heads split, {n} ranks")
+        for i, cfg in enumerate(cfgs):
             ref = train_reference(cfg, steps=1, batch_size=3)
-            rows.append([n, cfg.n_heads, cfg.kv_heads, g["q heads"], g["kv heads"], g["kv kind"],
+            g = run.returns[0][i]
+            layouts[(n, cfg.n_heads, cfg.kv_heads)] = [r[i] for r in run.returns]
+            d, h, k = cfg.head_dim, cfg.d_model, cfg.kv_heads
+            held = 2 * len(g["kv heads"]) * d * h
+            traffic = 0 if g["kv kind"] == "split" else 2 * k * d * (h + 1) * 4
+            rows.append([n, cfg.n_heads, k, len(g["q heads"]), len(g["kv heads"]), g["kv kind"],
+                         str(g["qkv weight"]), f"{held} of {2 * k * d * h}", traffic,
                          (g["logits"] - ref["logits"]).abs().max().item(), max_diff(g["grads"], ref["grads"])])
-    table(rows, header=["tp", "heads", "KV heads", "Q heads per rank", "K/V heads computed per rank",
-                        "K/V projection", "max |Δ logits|", "max |Δ gradient|"],
-          caption="one step of a one-layer GPT against one process")
+    table(rows, header=["tp", "heads", "K/V heads", "Q heads per rank", "K/V heads per rank", "K/V layout",
+                        "fused Q/K/V weight per rank", "K/V weight elements per rank (of the whole)",
+                        "extra all-reduce in backward (buffer bytes)", "max |Δ logits|", "max |Δ gradient|"],
+          caption="one step of a one-layer GPT against one process; float32")
+    note("""
+        A replicated K/V head costs memory (each reader holds it: $2dh$ elements per rank instead of
+        $2kdh/t$) and one all-reduce per layer in backward, of a buffer with a slot per K/V head
+        (weights and biases), to sum each head's gradient over its readers. With one K/V head
+        (multi-query attention) that buffer is exactly the head's gradient; with more, an
+        all-reduce over only the $t/k$ readers of each head (a subgroup) would move $k\\times$
+        fewer bytes.
+    """)
+    figure(gqa_figure(layouts), caption="what each rank holds: its query heads (blue) and the K/V heads "
+           "they read (orange); an orange head on several ranks is replicated (taken from the split layers)")
     n = tp_sizes()[-1]
     bad = dataclasses_replace(base, n_heads=n - 1, d_model=8 * (n - 1))
     msg = spawn(refuse_split, n, cfg=bad, name=f"attention heads: tp={n} does not divide {n - 1} head(s)").returns[0]
     note(f"With {n - 1} head(s) and {n} ranks there is no way to give each rank whole heads, and "
          f"`parallelize_gpt` says so: *{msg}*")
+
+
+def gqa_figure(layouts):
+    """One panel row per (tp, heads, K/V heads) case: a box per rank with its query and K/V heads."""
+    import matplotlib.pyplot as plt
+    cases = list(layouts)
+    fig, axes = plt.subplots(len(cases), 1, figsize=(8, 1.05 * len(cases) + 0.3), squeeze=False)
+    for ax, key in zip(axes[:, 0], cases):
+        n, a, k = key
+        width = 1 / n
+        for r, g in enumerate(layouts[key]):
+            x0 = r * width
+            ax.add_patch(plt.Rectangle((x0 + 0.005, 0.02), width - 0.01, 0.96, fill=False, lw=1.2))
+            ax.text(x0 + width / 2, 0.86, f"rank {r}", ha="center", va="center", fontsize=10)
+            for j, q in enumerate(g["q heads"]):
+                span = (width - 0.02) / len(g["q heads"])
+                ax.add_patch(plt.Rectangle((x0 + 0.01 + j * span, 0.42), span * 0.9, 0.28, color="#4c72b0"))
+                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.56, f"q{q}", ha="center", va="center", color="white", fontsize=9)
+            for j, kv in enumerate(g["kv heads"]):
+                span = (width - 0.02) / len(g["kv heads"])
+                ax.add_patch(plt.Rectangle((x0 + 0.01 + j * span, 0.06), span * 0.9, 0.28, color="#dd8452"))
+                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.2, f"kv{kv}", ha="center", va="center", color="white", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_axis_off()
+        ax.set_title(f"tp={n}, {a} query heads, {k} K/V heads: K/V {layouts[key][0]['kv kind']}", fontsize=10, loc="left")
+    fig.tight_layout()
+    return fig
 
 
 def dataclasses_replace(cfg, **changes):
@@ -749,6 +902,18 @@ def sp_activation_memory(cfg):
             rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
     table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
           caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
+    colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
+    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color=colours)
+    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=9)
+    ax.set_yticks(range(len(rows)), labels, fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.25)
+    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=10)
+    figure(fig, caption="one block's activation memory per rank: tensor parallelism alone leaves 4 units whole; "
+           "with sequence parallelism nearly everything shrinks with tp (the table's numbers)")
 
 
 def sp_layernorm_gradients(cfg):
@@ -785,11 +950,23 @@ def tp_timeline_and_step_times(cfg):
         Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
         Tensor parallelism's cannot, mostly: the next matmul needs the all-reduced activation.
         Only the input-gradient all-reduce of a column-parallel layer has work to hide behind (the
-        weight gradient). The timeline of one block on 2 ranks shows it:
+        weight gradient). A block has two column-parallel matmuls, the MLP's `fc_in` and the
+        attention's fused Q/K/V, so each backward starts two all-reduces early; had Q, K and V
+        stayed three layers behind one f, the attention's all-reduce would run after all three
+        weight gradients, blocking. The timeline of one block on 2 ranks:
     """)
     run = spawn(traced_block, 2, cfg=cfg, b=8, name="TP block timeline, 2 ranks")
     figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
-           caption="per-rank spans measured on the ranks; the async all-reduce overlaps the weight-gradient matmul")
+           caption="per-rank spans measured on the ranks; each async all-reduce overlaps a weight-gradient matmul")
+    mine = [sp for sp in run.spans if sp["rank"] == 0]
+    back = [sp for sp in mine if sp["label"] == "backward"]
+    in_back = [sp["label"] for sp in mine if any(b["start"] <= sp["start"] <= b["end"] for b in back)]
+    asyncs, blocking = in_back.count("all-reduce (async)"), in_back.count("all-reduce")
+    note(f"""
+        In {len(back)} backward passes rank 0 ran {asyncs} asynchronous all-reduce(s) (each
+        beside a weight-gradient matmul) and {blocking} blocking one(s). The forward's two
+        all-reduces (g after `o_proj` and after `fc_out`) block: the residual add needs them.
+    """)
     ranks = timing_ranks(4)
     tps = [t for t in (1, 2, 4, 8) if t <= ranks]
     rows, times = [], {}
@@ -812,8 +989,9 @@ def tp_timeline_and_step_times(cfg):
 def tp_at_scale():
     note("""
         On real hardware the question is bandwidth. Per layer, forward and backward, tensor
-        parallelism all-reduces the $(b, s, h)$ activation 4 times (2 with SP as all-gather +
-        reduce-scatter pairs, the same bytes); a ring all-reduce moves $2(t-1)/t$ of it per rank.
+        parallelism all-reduces the $(b, s, h)$ activation 4 times (with SP: 4 all-gather +
+        reduce-scatter pairs instead, the same bytes in a ring); a ring all-reduce moves
+        $2(t-1)/t$ of it per rank.
         For a GPT-3-sized layer in bf16 against the link speeds of lecture 02:
     """)
     rows = []
@@ -842,13 +1020,16 @@ def dtensor_section():
 def dtensor_redistribute():
     note("""
         ## Sharding annotations: DTensor
-        GShard and GSPMD (Lepikhin et al. 2020; Xu et al. 2021) turned tensor parallelism into
-        annotations: say how a few tensors are laid out over a mesh of devices, and the compiler
+        Mesh-TensorFlow (Shazeer et al. 2018) first wrote model parallelism as layouts: name the
+        tensor dimensions, say which ones are split over which axis of a mesh of devices, and let
+        the library insert the collectives. GShard and GSPMD (Lepikhin et al. 2020; Xu et al. 2021)
+        made the same idea an annotation on an ordinary program: say how a few tensors are laid out over a mesh of devices, and the compiler
         propagates layouts and inserts the collectives. PyTorch's DTensor is the eager version: a
         tensor carries a `DeviceMesh` and a placement per mesh dimension — `Shard(d)`,
         `Replicate()`, or `Partial()` (each rank holds a summand) — and changing placement runs the
         collective that does it:
     """)
+    see("https://arxiv.org/abs/1811.02084", "Shazeer et al. 2018, Mesh-TensorFlow: Deep Learning for Supercomputers")
     see("https://arxiv.org/abs/2006.16668", "Lepikhin et al. 2020, GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding")
     see("https://arxiv.org/abs/2105.04663", "Xu et al. 2021, GSPMD: General and Scalable Parallelization for ML Computation Graphs")
     see("https://pytorch.org/docs/stable/distributed.tensor.html", "PyTorch DTensor documentation")
@@ -859,8 +1040,10 @@ def dtensor_redistribute():
     note("""
         Shard → Replicate is an all-gather, Partial → Replicate an all-reduce, Partial → Shard a
         reduce-scatter, Replicate → Shard a local slice with no communication. Shard(0) → Shard(1)
-        is an all-to-all on NCCL; gloo has none, and DTensor falls back to an all-gather and a
-        slice (it says so in a warning), which is what the table shows on CPU.
+        is an all-to-all on NCCL. gloo has an all-to-all too (`all_to_all_single` runs on CPU, uneven
+        splits included), but DTensor's redistribution on CPU does not use it: it all-gathers the
+        whole tensor and keeps its slice (and logs a warning whose comment claims gloo lacks
+        all-to-all), which is what the table shows. Same result, $t\times$ the memory and more bytes.
     """)
 
 
@@ -881,19 +1064,51 @@ def dtensor_parallelize_module():
         rows.append([n, "on" if sp else "off", (r["ours"]["logits"] - r["DTensor"]["logits"]).abs().max().item(),
                      max_diff(r["ours"]["grads"], r["DTensor"]["grads"]),
                      max_diff(r["ours"]["params"], r["DTensor"]["params"]),
-                     fmt_counts(r["ours counts"]), fmt_counts(r["DTensor counts"])])
+                     fmt_counts(r["ours counts"]), fmt_counts(r["ours optimizer counts"]),
+                     fmt_counts(r["DTensor counts"]), fmt_counts(r["DTensor optimizer counts"])])
+        last = r
     table(rows, header=["tp", "SP", "max |Δ logits|", "max |Δ gradient|", "max |Δ parameter| after 3 AdamW steps",
-                        "ours: collectives per step", "DTensor: collectives per step"],
-          caption="float64, the same GPT split both ways")
+                        "ours: forward + backward", "ours: AdamW step", "DTensor: forward + backward",
+                        "DTensor: AdamW step"],
+          caption="float64, the same GPT split both ways; collectives of one whole training step (CommDebugMode)")
+    same = rows[0][5] == rows[0][7] and rows[0][6] == rows[0][8]
+    partial = ", ".join(f"`{k}`" for k in last["DTensor partial grads"]) or "none"
+    bias = last["DTensor grad placements"].get("blocks.0.attn.o_proj.bias", "?")
     note(f"""
-        The two agree to rounding. Without SP the collectives per step are {"the same" if rows[0][5] == rows[0][6]
-        else "different"}: {rows[0][5]} (ours) and {rows[0][6]} (DTensor). With SP they differ in where the work is done, not in what is computed: we
-        all-gather the MLP input again in backward (keeping only a slice), and we all-reduce the
-        partial gradients of the replicated LayerNorm weights and row-parallel biases during
-        backward, through f; DTensor leaves those gradients as `Partial` placements, and the
-        all-reduces happen later, when the optimizer step touches them (outside what is counted
-        here). Ours is a few hundred lines you can read; DTensor's is a general layout algebra
-        that derives the same collectives from the annotations.
+        The two agree to rounding. Without SP a whole step's collectives are {"the same" if same
+        else "different"}: {rows[0][5]} and {rows[0][6]} in the optimizer step (ours),
+        {rows[0][7]} and {rows[0][8]} (DTensor). With SP ({rows[1][0]} ranks) they differ in where the work is done:
+        we all-gather the MLP input again in backward (keeping only a slice) and all-reduce the
+        partial gradients of the replicated LayerNorm weights, row-parallel biases and positions
+        during backward, through f, so our optimizer step communicates nothing ({rows[1][6]}). DTensor leaves
+        the LayerNorm gradients as `Partial` placements ({partial}); the row-parallel bias gradient
+        is `{bias}` (not `Partial`): only the norms are left for the optimizer to reduce.
+        A `Partial` gradient is reduced every time the optimizer *reads* it, and AdamW's foreach
+        step reads each several times: its step ran {rows[1][8]}. Counting only forward and
+        backward, as one easily does, hides that cost. Ours is a few hundred lines you can read;
+        DTensor's is a general layout algebra that derives the collectives from the annotations.
+    """)
+
+
+def summary():
+    note("""
+        ## What to remember
+        - A column cut ($A = [A_1, \\dots, A_t]$) gives each rank a slice of the output and needs no
+          collective; a row cut gives partial sums that an all-reduce adds.
+        - f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward)
+          bracket a column → row pair: one all-reduce each way per MLP and per attention.
+        - Attention splits by whole heads ($t \\mid a$); Q, K, V fused into one column-parallel
+          matmul let backward overlap the input-gradient all-reduce with the weight gradient.
+          K/V heads are split when $t \\mid k$, else replicated on the ranks that read them.
+        - Vocabulary parallelism splits the embedding and LM head; the loss needs three
+          per-token all-reduces and the full logits never exist.
+        - Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (the same
+          bytes in a ring) and splits the activations TP left whole, at the price of
+          all-reducing the replicated LayerNorm gradients.
+        - Most of TP's communication blocks the next matmul: keep tp inside a node.
+
+        The companion notebook, `lectures/notebooks/lecture_04_tensor_parallel.ipynb`, runs every
+        section above and lets you split the GPT your way (`make jupyter` opens it).
     """)
 
 
@@ -908,6 +1123,7 @@ def main():
     sequence_parallelism()      # what TP leaves replicated, split along the sequence
     critical_path()             # why TP stays inside a node
     dtensor_section()           # the same thing as sharding annotations
+    summary()                   # what to remember, and where to try it
 
 
 def bench():

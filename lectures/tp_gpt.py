@@ -14,9 +14,9 @@ import functools
 
 import torch.distributed as dist
 
-from lectures.tensor_parallel import (ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear,
-                                      SequenceParallelLayerNorm, SequenceParallelPositions, _value)
-from lectures.tp_ops import all_gather_sequence, copy_to_region
+from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
+                                      SequenceParallelPositions, TensorParallelAttention, _value)
+from lectures.tp_ops import _size_rank
 from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -44,23 +44,6 @@ def _replicate(module, group):
     return module
 
 
-def _enter_region(module, group, sequence_parallel):
-    """Apply f (or the sequence all-gather) once to the module's input: Q, K and V share it."""
-    def hook(_module, args):
-        x = args[0]
-        x = all_gather_sequence(x, group) if sequence_parallel else copy_to_region(x, group)
-        return (x, *args[1:])
-    module.register_forward_pre_hook(hook)
-    return module
-
-
-def _kv_projection(linear, group, cfg):
-    tp = dist.get_world_size(group)
-    if cfg.kv_heads % tp == 0:   # enough KV heads: split them like the query heads
-        return ColumnParallelLinear.from_full(linear, group, enter_region=False)
-    return ReplicatedKVLinear(linear, group, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
-
-
 def gpt_plan(cfg, sequence_parallel=False):
     """The tensor-parallel plan for lecture 01's GPT, in the order it is applied (the token
     embedding before the LM head, so a tied head can share the embedding's slice)."""
@@ -71,11 +54,9 @@ def gpt_plan(cfg, sequence_parallel=False):
         "tok_emb": functools.partial(VocabParallelEmbedding.from_full, sequence_parallel=sp),
         "pos_emb": SequenceParallelPositions.from_full if sp else _replicate,
         "blocks.*.ln1": norm,
-        "blocks.*.attn": functools.partial(_enter_region, sequence_parallel=sp),
-        "blocks.*.attn.q_proj": functools.partial(col, enter_region=False),
-        "blocks.*.attn.k_proj": functools.partial(_kv_projection, cfg=cfg),
-        "blocks.*.attn.v_proj": functools.partial(_kv_projection, cfg=cfg),
-        "blocks.*.attn.o_proj": functools.partial(row, input_is_parallel=True, sequence_parallel=sp),
+        # Q, K and V fused into one column-parallel matmul (whole heads per rank; K/V heads split
+        # or replicated), the output projection row-parallel: the module is replaced whole
+        "blocks.*.attn": functools.partial(TensorParallelAttention.from_full, sequence_parallel=sp),
         "blocks.*.ln2": norm,
         "blocks.*.mlp.fc_in": functools.partial(col, sequence_parallel=sp),
         "blocks.*.mlp.fc_out": functools.partial(row, input_is_parallel=True, sequence_parallel=sp),
@@ -91,8 +72,9 @@ def check_splittable(cfg, tp):
     problems = []
     if cfg.n_heads % tp:
         problems.append(f"tp={tp} must divide the {cfg.n_heads} attention heads (each rank keeps whole heads)")
-    # Any tp that divides the query heads works for the KV heads too: they are split when tp
-    # divides them, else ReplicatedKVLinear serves each rank the KV heads its query heads read.
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        problems.append(f"tp={tp} must divide the {cfg.kv_heads} K/V heads (split them) or be a multiple "
+                        "of them (replicate each on the ranks whose query heads read it)")
     if cfg.vocab_size % tp:
         problems.append(f"tp={tp} must divide the vocabulary of {cfg.vocab_size} (pad it to a multiple of tp)")
     if cfg.ff % tp:
@@ -103,30 +85,39 @@ def check_splittable(cfg, tp):
 
 def parallelize_gpt(model, group, sequence_parallel=False, plan=None):
     """A tensor-parallel COPY of lecture 01's GPT on `group` (the model given is not modified):
-    heads split across ranks (KV heads too, or replicated when tp does not divide them), the MLP
+    heads split across ranks with Q, K, V fused (K/V heads split too, or replicated when tp is a
+    multiple of them), the MLP
     column -> row, vocabulary-parallel embedding and LM head. Its forward returns this rank's
     vocabulary slice of the logits (b, s, v/tp); use `tp_loss` (vocab-parallel cross-entropy).
     With `sequence_parallel`, LayerNorms and the residual stream hold s/tp positions per rank, and
     the sequence length must be divisible by tp."""
-    cfg, tp = model.cfg, dist.get_world_size(group)
+    tp, _ = _size_rank(group)
+    if hasattr(model, "tp_group") or any(hasattr(m, "group") for m in model.modules()):
+        raise ValueError("parallelize_gpt: this model is already tensor-parallel (it came from "
+                         "parallelize_gpt); pass the unsplit GPT")
+    cfg = model.cfg
     check_splittable(cfg, tp)
     tied = model.lm_head.weight is model.tok_emb.weight
     model = copy.deepcopy(model)   # never mutate what we were given
     plan = plan or gpt_plan(cfg, sequence_parallel)
-    planned = set()
+    planned, replaced = set(), set()
     for pattern, style in plan.items():
         for name, module in list(model.named_modules()):
             if not fnmatch.fnmatchcase(name, pattern):
                 continue
+            if any(name.startswith(p + ".") for p in replaced):
+                continue   # inside a module already replaced whole (the attention)
             replacement = style(module, group)
             planned.add(name)
             if replacement is not module:
+                replaced.add(name)
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
             if name == "lm_head" and tied:   # same rows of the same table: share the slice
                 replacement.weight = model.tok_emb.weight
     unplanned = [name for name, m in model.named_modules()
-                 if name not in planned and any(True for _ in m.parameters(recurse=False))]
+                 if name not in planned and not any(name.startswith(p + ".") for p in replaced)
+                 and any(True for _ in m.parameters(recurse=False))]
     if unplanned:
         raise ValueError(f"parallelize_gpt: no plan entry for {unplanned}; add one (or _replicate)")
     model.tp_group, model.sequence_parallel = group, sequence_parallel

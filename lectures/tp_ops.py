@@ -42,7 +42,53 @@ def _collective(label):
 
 
 def _size_rank(group):
-    return dist.get_world_size(group), dist.get_rank(group)
+    """(ranks in `group`, this rank's place in it); refuses a group this rank is not in (where
+    torch.distributed would answer -1 and a collective would silently do nothing)."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the process group it "
+                         "was given: pass the tensor-parallel group this rank belongs to (every "
+                         "rank of a group calls its layers; the other ranks use their own group)")
+    return dist.get_world_size(group), rank
+
+
+_check_shards = True   # shard_checks(False) turns the cross-rank shape check off (see below)
+
+
+@contextlib.contextmanager
+def shard_checks(enabled):
+    """Turn on or off the check that every rank's sequence shard has the same shape and dtype.
+    gloo and NCCL need equal sizes: unequal shards abort a process inside gloo (or hang NCCL).
+    The check is one all-gather of 10 numbers before each sequence-parallel collective; demos
+    that count or time the collectives Megatron's schedule needs turn it off."""
+    global _check_shards
+    previous, _check_shards = _check_shards, enabled
+    try:
+        yield
+    finally:
+        _check_shards = previous
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _check_same_shard(x, group, what):
+    """Raise on every rank, before the collective, if the ranks' tensors differ in shape or dtype."""
+    n, _ = _size_rank(group)
+    if n == 1 or not _check_shards:
+        return
+    if x.dim() > 8:
+        raise ValueError(f"{what}: at most 8 dimensions, got {x.dim()}")
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else 99
+    mine = torch.tensor([x.dim(), code, *x.shape, *[0] * (8 - x.dim())], dtype=torch.int64, device=x.device)
+    every = mine.new_empty(n * mine.numel())
+    dist.all_gather_single(every, mine, group=group)
+    every = every.view(n, -1).tolist()
+    if any(row != every[0] for row in every):
+        shapes = [f"rank {r}: {tuple(row[2:2 + row[0]])} {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other dtype'}"
+                  for r, row in enumerate(every)]
+        raise ValueError(f"{what}: the ranks' shards differ ({'; '.join(shapes)}); every rank of a "
+                         "sequence-parallel group must hold the same number of positions, in the same dtype")
 
 
 def _check_divisible(x, dim, n, what):
@@ -57,8 +103,9 @@ def _check_divisible(x, dim, n, what):
 
 def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     """The sum (or `op`) of x over the ranks, in a new tensor."""
+    n, _ = _size_rank(group)
     out = x.contiguous().clone()          # a copy: the caller's tensor is never modified
-    if dist.get_world_size(group) > 1:
+    if n > 1:
         with _collective("all-reduce"):
             dist.all_reduce(out, op=op, group=group)
     return out
@@ -140,6 +187,7 @@ class CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        _size_rank(group)   # refuse a group without this rank now, not in backward
         ctx.group = group
         return x.view_as(x)
 
@@ -196,6 +244,7 @@ class AllGatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
+        _check_same_shard(x, group, "all_gather_sequence")
         return _all_gather(x, dim, group)
 
     @staticmethod
@@ -209,6 +258,7 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
+        _check_same_shard(x, group, "reduce_scatter_sequence")
         return _reduce_scatter(x, dim, group)
 
     @staticmethod

@@ -48,6 +48,11 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, tokens):
+        # Every rank sees all the token ids: each can refuse a bad one by itself, before any
+        # collective (else an id no rank owns would be embedded as zeros, silently).
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.num_embeddings):
+            raise ValueError(f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}); "
+                             f"got ids from {tokens.min().item()} to {tokens.max().item()}")
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -321,3 +321,103 @@ def test_collectives_raise_no_warnings():
     """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor with a FutureWarning
     on every call; the building blocks use their successors (all_gather_single, reduce_scatter_single)."""
     assert spawn(collective_warnings, 2).returns == [[], []]
+
+
+# -- fixes: initialisation, misuse, GQA layouts, overlap ------------------------------------
+
+def fresh_row_std(rank, world_size, h_in=1024, h_out=256):
+    torch.manual_seed(rank)
+    layer = L.RowParallelLinear(h_in, h_out, dist.group.WORLD)
+    return layer.full_tensors()["weight"].std().item()
+
+
+def test_fresh_row_parallel_initialises_like_nn_linear():
+    """A fresh RowParallelLinear draws from nn.Linear(in, out)'s U(±1/√in), not from the shard's
+    fan-in (which was √t too wide: std 0.0255 vs 0.0181 at t=2)."""
+    want = nn.Linear(1024, 256).weight.std().item()
+    for std in spawn(fresh_row_std, 2).returns:
+        assert abs(std / want - 1) < 0.03, (std, want)
+
+
+def misuse_more(rank, world_size):
+    """{misuse: the error message} for misuses that used to give a silent wrong answer or a
+    crash far from the cause."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    g = dist.group.WORLD
+    cfg = L.GPTConfig(vocab_size=48, seq_len=6, d_model=36, n_heads=3)
+    model = L.parallelize_gpt(L.GPT(cfg), g)
+    tokens, targets = L.batch(cfg, 2, 0)
+    bad = lambda v: torch.cat([torch.full_like(tokens[:, :1], v), tokens[:, 1:]], 1)
+    attempt("token id = vocab", lambda: L.tp_loss(model, bad(50), targets))
+    attempt("token id < 0", lambda: model(bad(-1)))
+    attempt("parallelize twice", lambda: L.parallelize_gpt(model, g))
+    attempt("GQA neither divides", lambda: L.parallelize_gpt(
+        L.GPT(L.GPTConfig(vocab_size=66, d_model=36, n_heads=6, n_kv_heads=2)), g))
+    seq = torch.randn(2, 3 + rank, 4)   # unequal sequence shards
+    attempt("unequal shards", lambda: L.all_gather_sequence(seq, g))
+    attempt("unequal dtypes", lambda: L.reduce_scatter_sequence(
+        torch.randn(2, 6, 4, dtype=torch.float64 if rank else torch.float32), g))
+    col = L.ColumnParallelLinear(4, 6, g, sequence_parallel=True)
+    attempt("unequal shards into a column-parallel layer", lambda: col(torch.randn(2, 2 + rank, 4)))
+    sub = dist.new_group([0, 1])   # every rank creates it; the last rank is not in it
+    if rank == world_size - 1:
+        attempt("group without this rank: layer", lambda: L.ColumnParallelLinear(4, 6, sub))
+        attempt("group without this rank: f", lambda: L.copy_to_region(torch.ones(3), sub))
+    dist.barrier()
+    return out
+
+
+def test_misuse_fails_loudly():
+    got = spawn(misuse_more, 3).returns
+    for rank, msgs in enumerate(got):
+        assert "token ids must lie in [0, 48)" in msgs["token id = vocab"], msgs
+        assert "token ids must lie in [0, 48)" in msgs["token id < 0"]
+        assert "already tensor-parallel" in msgs["parallelize twice"]
+        assert "must divide the 2 K/V heads" in msgs["GQA neither divides"]
+        assert "shards differ" in msgs["unequal shards"] and "rank 1: (2, 4, 4)" in msgs["unequal shards"]
+        assert "shards differ" in msgs["unequal dtypes"] and "float64" in msgs["unequal dtypes"]
+        assert "shards differ" in msgs["unequal shards into a column-parallel layer"]
+    assert "is not a member" in got[2]["group without this rank: layer"]
+    assert "is not a member" in got[2]["group without this rank: f"]
+
+
+def gqa_layouts(rank, world_size, cases):
+    out = []
+    for over in cases:
+        cfg = L.GPTConfig(d_model=32, seq_len=8, **over)
+        attn = L.parallelize_gpt(L.GPT(cfg), dist.group.WORLD).blocks[0].attn
+        out.append((attn.kv_layout, attn.q_heads_held, attn.kv_held, tuple(attn.weight.shape)))
+    return out
+
+
+def test_gqa_holds_each_kv_head_once_per_rank_that_reads_it():
+    """K/V heads split when tp divides them; else each rank holds the ONE K/V head its query
+    heads read (it used to hold the whole K/V weight and compute one head per query head)."""
+    cases = [dict(n_heads=8, n_kv_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]
+    got = spawn(gqa_layouts, 4, cases=cases).returns
+    d32 = lambda heads: 32 // heads
+    for rank, per in enumerate(got):
+        (k1, q1, kv1, w1), (k2, q2, kv2, w2), (k3, q3, kv3, w3) = per
+        assert (k1, q1, kv1, w1) == ("split", [2 * rank, 2 * rank + 1], [rank], ((2 + 2) * d32(8), 32))
+        assert (k2, q2, kv2, w2) == ("replicated", [2 * rank, 2 * rank + 1], [rank // 2], ((2 + 2) * d32(8), 32))
+        assert (k3, q3, kv3, w3) == ("replicated", [rank], [0], ((1 + 2) * d32(4), 32))
+
+
+def test_attention_backward_overlaps_like_the_mlp():
+    """Q, K, V are one column-parallel matmul: each block's backward starts BOTH its input-gradient
+    all-reduces (attention's and the MLP's) asynchronously, and waits on no blocking all-reduce."""
+    cfg = L.GPTConfig(seq_len=8, d_model=32)
+    run = spawn(L.traced_block, 2, cfg=cfg, b=2, steps=2)
+    spans = [s for s in run.spans if s["rank"] == 0]
+    backward = [s for s in spans if s["label"] == "backward"]
+    inside = lambda s: any(b["start"] <= s["start"] <= b["end"] for b in backward)
+    labels = [s["label"] for s in spans if inside(s)]
+    assert labels.count("all-reduce (async)") == 2 * 2, labels
+    assert labels.count("all-reduce") == 0, labels
