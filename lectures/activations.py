@@ -129,3 +129,52 @@ def accumulated_gradients(cfg, batch_size, micro_batches, step=0):
             held = max(held, live.now)
             loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}, held
+
+
+def _cross_entropy_sum(hidden, targets, weight, bias):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # the softmax in fp32 at least
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+
+def chunked_cross_entropy(hidden, head, targets, chunk_rows):
+    """Mean cross-entropy of `head(hidden)` against `targets`, `chunk_rows` tokens at a time,
+    each chunk under a checkpoint: only one chunk's logits and fp32 log-softmax exist at once,
+    in the forward and again when the backward recomputes them. The forward keeps only
+    `hidden`. Equal to `F.cross_entropy(head(hidden), targets)` (tested)."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    from torch.utils.checkpoint import checkpoint
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = targets.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} targets")
+    total = 0
+    for start in range(0, h.shape[0], chunk_rows):
+        total = total + checkpoint(_cross_entropy_sum, h[start:start + chunk_rows], y[start:start + chunk_rows],
+                                   head.weight, head.bias, use_reentrant=False)
+    return total / h.shape[0]
+
+
+def loss_memory(cfg, batch_size, chunk_rows=None, seed=0):
+    """One forward + backward of GPT(cfg) on random tokens, the loss computed whole or with
+    `chunked_cross_entropy`: bytes held after the forward and the peak (LiveBytes), the bytes
+    the whole loss saves for its fp32 log-softmax (one (tokens × vocabulary) tensor), and the
+    gradients."""
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, cfg.seq_len), generator=g)
+    targets = torch.randint(cfg.vocab_size, (batch_size, cfg.seq_len), generator=g)
+    with LiveBytes() as live:
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = block(x)
+        if chunk_rows is None:
+            loss = loss_fn(model.head(x), targets)
+        else:
+            loss = chunked_cross_entropy(model.ln_f(x), model.lm_head, targets, chunk_rows)
+        held = live.now
+        loss.backward()
+    return {"held": held, "peak": live.peak, "loss": loss.item(),
+            "log_softmax": batch_size * cfg.seq_len * cfg.vocab_size * 4,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}

@@ -19,20 +19,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from util import device, figure, note, see, settings, spawn, table
-from util.measure import machine, measure, usable_cores
+from util.measure import compare, machine, measure, usable_cores
 
 from lectures.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
-                                  block_activations, korthikanti_bytes, reconciled_bytes,
-                                  recomputation_step, with_recomputation)
+                                  block_activations, chunked_cross_entropy, korthikanti_bytes, loss_memory,
+                                  reconciled_bytes, recomputation_step, with_recomputation)
 from lectures.attention import (OnlineSoftmaxAttention, attention_with_lse, merge_attention,  # noqa: F401
                                 naive_causal_attention, online_softmax_attention)
 from lectures.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
                           causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
 from lectures.memory import LiveBytes, SavedBytes
-from lectures.precision import (FORMATS, MasterWeights, dequantize_fp8, format_properties,  # noqa: F401
-                                fp8_matmul_error, fp16_gradients, fp32_gradients, gradient_error,
-                                outlier_matrices, quantize_fp8, relative_error_across_magnitudes,
-                                round_to, scaled_mm_error, train_curve)
+from lectures.precision import (FORMATS, MasterWeights, accumulate, accumulation_error,  # noqa: F401
+                                dequantize_fp8, format_properties, fp8_matmul_error, fp16_gradients,
+                                fp32_gradients, freeze_threshold, frozen_fraction, gradient_error,
+                                gradient_rms, keep_bits, outlier_matrices, overflow_table,
+                                per_tensor_error, quantize_fp8, relative_error_across_magnitudes,
+                                round_to, scaled_mm_error, scaling_over_steps, train_curve,
+                                values_between)
 from lectures.roofline import copy_rate, elementwise_rate, matmul_rate, threads
 from lectures.training_memory import (MEM_CATEGORIES, by_category, fake_training_step,  # noqa: F401
                                       held_by_training, memory_timeline)
@@ -69,6 +72,27 @@ def same_on_every_rank(rank, world_size, cfg, batch_size=8, step=3):
             "checksums": [e.tolist() for e in everyone]}
 
 
+def show(fig, caption=""):
+    """`util.figure` with tick labels large enough to read when the page shrinks the figure to
+    a phone's width, and log axes labelled with plain numbers (16, 0.001) at their major ticks
+    only, never "2×10⁰"."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for ax in fig.axes:
+        ax.tick_params(labelsize=11)
+        for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
+                                 (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+            if scale != "log":
+                continue
+            decades = math.log10(max(lim) / min(lim))
+            if axis.get_transform().base == 10 and decades < 2.5 and \
+                    not isinstance(axis.get_major_locator(), FixedLocator):
+                axis.set_major_locator(LogLocator(10, subs=(1, 2, 5)))   # a short range: 1, 2, 5 per decade
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(NullFormatter())
+    figure(fig, caption=caption)
+
+
 def fmt_bytes(n):
     for unit, k in [("GB", 1e9), ("MB", 1e6), ("kB", 1e3)]:
         if abs(n) >= k:
@@ -83,8 +107,20 @@ def intro():
         optimizer state — across devices. What there is to split, and how many bytes each
         piece takes, is decided here on one device: a training step holds parameters,
         gradients, optimizer state, activations and temporaries, and the number format of each
-        decides its size and what it can represent. Everything below is measured on this
-        machine by the run that built this page, on the small GPT that lectures 04–07 train.
+        decides its size and what it can represent. Everything below is measured by the run
+        that built this page, on the small GPT that lectures 04–07 train.
+
+        **What you will learn.** Where a training step's bytes go, phase by phase; why
+        mixed-precision AdamW costs 16 bytes per parameter; how much a transformer block saves
+        for backward (against Korthikanti et al.'s formula, term by term) and the ways to hold
+        less: recomputation, gradient accumulation and a chunked loss; what fp16, bf16 and fp8 can and
+        cannot represent, and the fixes each needs (loss scaling, fp32 master weights,
+        fine-grained scales); and how attention runs without its s × s matrix.
+
+        **What you need.** No earlier lecture: this is the first. PyTorch basics — tensors,
+        `nn.Module`, `loss.backward()` and an optimizer step — and the idea of a float
+        (sign, exponent, mantissa). Three deep dives at the end (fp8 scaling,
+        FlashAttention's backward, the roofline) can wait for a second reading.
     """)
 
 
@@ -135,8 +171,8 @@ def the_model_and_task():
     ax.axhline(math.log(cfg.vocab_size), color="gray", ls=":", label="uniform guess")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend(fontsize=8)
-    figure(fig, caption=f"AdamW, lr 3e-3, batch 16 × {cfg.seq_len} tokens, {steps} steps in "
+    ax.legend(fontsize=10)
+    show(fig, caption=f"AdamW, lr 3e-3, batch 16 × {cfg.seq_len} tokens, {steps} steps in "
                         f"{seconds:.1f} s ({machine()}): from {losses[0]:.2f} to {losses[-1]:.2f}")
 
 
@@ -145,9 +181,14 @@ def anatomy_of_a_step():
     rows = memory_timeline(cfg, batch_size=16, steps=3)
     note("""
         ## Anatomy of a step, measured
-        PyTorch's `MemTracker` (in `torch.distributed._tools.mem_tracker`) intercepts every
-        tensor allocation and files it under parameter, gradient, optimizer state, activation
-        or temporary; it works on the CPU. We train three AdamW steps and read it after each
+        PyTorch's `MemTracker` (in `torch.distributed._tools.mem_tracker`) is a
+        `TorchDispatchMode`: every operator's outputs pass through it on their way out of
+        PyTorch's dispatcher, and it files each new tensor storage under parameter, gradient,
+        optimizer state, activation or temporary until the storage is freed. It works on the
+        CPU. It watches tensors, not the allocator: memory a kernel uses inside and frees
+        before returning (a workspace, a matmul's packed copy of its operands) and the
+        allocator's rounding and caching are invisible to it, as they are to the course's own
+        meters (`lectures/memory.py`). We train three AdamW steps and read it after each
         phase of each step (calling `reset_mod_stats()` between iterations), and beside it our
         own accounting from the tensors themselves (parameter and gradient sizes, the optimizer
         state dict, and the bytes autograd saved for backward, de-duplicated by storage).
@@ -160,37 +201,63 @@ def anatomy_of_a_step():
                   "MemTracker total", "own: params", "own: grads", "own: optimizer",
                   "own: saved for backward", "LiveBytes peak in phase"],
           caption=f"bytes, GPT {param_count(cfg):,} parameters, batch 16 × {cfg.seq_len}, fp32 AdamW")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    x = np.arange(len(rows))
-    bottom = np.zeros(len(rows))
-    for c in MEM_CATEGORIES:
-        vals = np.array([r["tracker"].get(c, 0) for r in rows]) / 1e6
-        ax.bar(x, vals, bottom=bottom, label=c)
-        bottom += vals
-    ax.set_xticks(x, [f"{r['step']}:{r['phase'][:4]}" for r in rows], rotation=60, fontsize=7)
-    ax.set_ylabel("MB (MemTracker)")
-    ax.legend(fontsize=7, ncol=5)
-    figure(fig, caption="memory after each phase of the first three steps: the optimizer state "
-                        "appears at step 1's optimizer step and stays; gradients live from backward "
-                        "to zero_grad; activations from forward to backward")
+    show(memory_phases_figure(rows),
+           caption="memory after each phase of the first three steps (MemTracker): the optimizer "
+                   "state appears at step 1's optimizer step and stays; gradients live from "
+                   "backward to zero_grad; activations from forward to backward")
     first, later = rows[2]["tracker"]["Total"], rows[6]["tracker"]["Total"]
     top = max(rows, key=lambda r: r["peak"])
+    act_tracker, act_own = rows[0]["tracker"]["Activation"], rows[0]["own"]["Activation"]
+    tokens, targets = batch(cfg, 16, 1)
+    loss = loss_fn(GPT(cfg)(tokens), targets)
+    gap = ("the same count" if act_tracker == act_own else
+           f"{act_tracker - act_own:,} bytes more" + (" — the loss, a one-element fp32 tensor, which "
+           "nothing saves for backward" if act_tracker - act_own == loss.nbytes else ""))
     note(f"""
         Step 1 grows: AdamW allocates its two moments (m and v, {fmt_bytes(rows[2]['own']['Optstate'])}
         = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
         `step()`. From then on the pattern repeats: after the optimizer step the total is
-        {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. The activations
-        saved for backward ({fmt_bytes(rows[0]['own']['Activation'])} by our count; MemTracker
-        files {fmt_bytes(rows[0]['tracker']['Activation'])} under activations, including the
-        logits and loss that are not saved for backward) are {rows[0]['own']['Activation'] / rows[0]['own']['Parameter']:.1f}×
+        {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
+        autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
+        {act_tracker:,} bytes under activations, {gap}. Everything else the forward made and
+        still holds is saved for backward: the logits themselves are freed as soon as
+        cross-entropy has taken their log-softmax, which it keeps (batch × sequence ×
+        vocabulary, fp32) for its backward. The
+        activations are {act_own / rows[0]['own']['Parameter']:.1f}×
         the parameters here: with a small model and a modest batch, activations already dominate.
         The last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
         were allocated since training began, so everything but the parameters. It is highest
         in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])}, {top['peak'] / rows[0]['own']['Parameter']:.1f}× the
         parameters).
     """)
+
+
+def memory_phases_figure(rows):
+    """Stacked bars of MemTracker's categories after each phase, grouped by step."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    names = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state",
+             "Activation": "activations", "Temp": "temporaries"}
+    short = {"forward": "forward", "backward": "backward", "optimizer step": "optimizer",
+             "zero_grad": "zero_grad"}
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    x = np.arange(len(rows)) + np.array([r["step"] - 1 for r in rows]) * 0.6   # a gap between steps
+    bottom = np.zeros(len(rows))
+    for c in MEM_CATEGORIES:
+        vals = np.array([r["tracker"].get(c, 0) for r in rows]) / 1e6
+        if vals.any():
+            ax.bar(x, vals, bottom=bottom, width=0.8, label=names[c])
+        bottom += vals
+    ax.set_ylim(0, bottom.max() * 1.18)
+    ax.set_xticks(x, [short[r["phase"]] for r in rows], rotation=45, ha="right", fontsize=12)
+    for step in sorted({r["step"] for r in rows}):
+        xs = [xi for xi, r in zip(x, rows) if r["step"] == step]
+        ax.text(sum(xs) / len(xs), bottom.max() * 1.06, f"step {step}", ha="center", fontsize=12)
+        if step > 1:
+            ax.axvline(xs[0] - 0.7, color="gray", lw=0.8, ls=":")
+    ax.set_ylabel("MB held (MemTracker)", fontsize=12)
+    ax.legend(fontsize=12, ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
+    return fig
 
 
 def parameters_and_bytes():
@@ -224,6 +291,16 @@ def parameters_and_bytes():
     opt.step()
     psi = param_count(cfg)
     fp32_held = held_by_training(fp32, opt)
+    auto = GPT(cfg)                      # PyTorch's autocast: fp32 parameters are the master
+    auto_opt = torch.optim.AdamW(auto.parameters(), lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = auto(tokens)
+    loss_fn(logits, targets).backward()
+    auto_opt.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = auto(tokens)
+    loss_fn(logits, targets).backward()  # gradients exist during the next step
+    auto_held = held_by_training(auto, auto_opt)
     mixed = {}
     for acc in (False, True):
         model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
@@ -244,13 +321,19 @@ def parameters_and_bytes():
         for i, (k, b) in enumerate(mixed[acc].items()):
             rows.append([label if i == 0 else "", k, b / psi])
         rows.append(["", "**total**", sum(mixed[acc].values()) / psi])
+    rows += [["autocast bf16 (fp32 parameters are the master)", "fp32 parameters", auto_held["Parameter"] / psi],
+             ["", "fp32 gradients", auto_held["Gradient"] / psi],
+             ["", "fp32 Adam m and v", auto_held["Optstate"] / psi],
+             ["", "**total**", sum(auto_held.values()) / psi]]
     note("""
         Bytes per parameter, measured from the tensors a real setup holds after a step: fp32
         AdamW keeps 4 + 4 + 8 = 16. Mixed precision computes in bf16 but keeps an fp32 master
         copy for the update, because bf16 cannot represent small updates (below): 2 + 2 + 4 + 8
         = 16 again — mixed precision saves activation memory and time, not state — and 20 with
-        an fp32 buffer that sums gradients over micro-batches. This 16Ψ is what ZeRO (lecture
-        03) divides among ranks.
+        an fp32 buffer that sums gradients over micro-batches. PyTorch's `torch.autocast` gets
+        there another way: the parameters stay fp32 and are cast to bf16 inside each forward,
+        so it holds 4 + 4 + 8 = 16 as well (the bf16 copies live only during the forward).
+        This 16Ψ is what ZeRO (lecture 03) divides among ranks.
     """)
     see(MasterWeights)
     table(rows, header=["setup", "tensor", "bytes per parameter (measured)"],
@@ -294,9 +377,10 @@ def saved_against_formula():
           header=["term", "bytes"], caption=f"reconciliation, fused attention, s = {s0}")
     see(reconciled_bytes)
     note(f"""
-        Term by term: the paper's 34·s·b·h (2 bytes per element) counts 17 tensors of s·b·h
-        elements; ours keeps 16 (the paper's two dropout masks, 1 byte each, do not exist
-        without dropout: 34 − 2 = 32 = 2 × 16), at 4 bytes since we train in fp32. The
+        Term by term: the paper's 34·s·b·h bytes are 16 tensors of s·b·h elements at 2 bytes
+        each (32) plus two dropout masks of s·b·h elements at 1 byte each (2). Ours keeps the
+        same 16 tensors (there is no dropout, so no masks) at 4 bytes each, since we train in
+        fp32: 64·s·b·h, twice the paper's 32. The
         s² term depends on the attention: the naive version keeps the fp32 probabilities
         ({fmt_bytes(terms_naive['softmax probabilities (a·s per token)'])} at s = {s0}) where the
         paper keeps softmax output, dropout mask and dropout output (5·a·s²·b bytes);
@@ -317,8 +401,8 @@ def saved_against_formula():
     ax.set_yscale("log")
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("MB saved per layer")
-    ax.legend(fontsize=7)
-    figure(fig, caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
+    ax.legend(fontsize=10)
+    show(fig, caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
                         "linear in s with the fused kernel, quadratic once a·s/h outgrows the rest with naive attention")
 
 
@@ -373,18 +457,108 @@ def recomputation():
           header=["recomputation", "bytes held after forward", "vs none", "peak bytes fwd+bwd",
                   "forward+backward", "time vs none", "max |Δ grad| vs none"],
           caption=f"GPT with {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len}, {machine()}")
-    t = {m: timings[m].median / timings["none"].median for m in timings}
+    held = {m: results[m]["held"] / results["none"]["held"] for m in results}
+    worst = max((r["grads"][k] - ref[k]).abs().max().item() for r in results.values() for k in ref)
+    same_grads = ("The gradients are identical: the recomputed forward does the same arithmetic."
+                  if worst == 0 else f"The gradients agree to {worst:.1g} (rounding).")
+    sel, full = timings["selective"], timings["full"]
+    selective_slowest = sel.q1 > full.q3           # beyond the spread, not just the medians
     note(f"""
-        Full recomputation holds {results['full']['held'] / results['none']['held']:.0%} of the
-        bytes and costs {t['full']:.2f}× the time (one more forward per block); selective
-        holds {results['selective']['held'] / results['none']['held']:.0%} and costs
-        {t['selective']:.2f}×.
+        Full recomputation holds {held['full']:.0%} of the bytes (only each block's input
+        stays). Forward + backward:
+        {compare(full, timings['none'], 'full recomputation', 'storing everything')}. Selective
+        holds {held['selective']:.0%}:
+        {compare(sel, timings['none'], 'selective recomputation', 'storing everything')}.
         {"On a model this small, selective recomputation is the slowest: its policy is a "
          "Python call for every operator, forward and again during recomputation, which "
          "costs more than the arithmetic it saves; at real sizes the matmuls dominate and "
-         "selective costs a few percent. " if t['selective'] > t['full'] else ""}
-        The gradients are identical because the recomputed forward does the same arithmetic.
+         "selective costs a few percent. " if selective_slowest else ""}
+        {same_grads}
     """)
+    show(recomputation_figure(results, timings),
+           caption=f"what each recomputation mode holds between forward and backward, and its "
+                   f"forward + backward time (median, bars: interquartile range), {machine()}")
+
+
+def recomputation_figure(results, timings):
+    """Two panels: bytes held after the forward, and time of forward + backward, per mode."""
+    import matplotlib.pyplot as plt
+    modes = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2))
+    held = [results[m]["held"] / 1e6 for m in modes]
+    ax1.bar(modes, held, color=["C0", "C1", "C2"])
+    for i, h in enumerate(held):
+        ax1.text(i, h, f"{h:.2f}", ha="center", va="bottom", fontsize=12)
+    ax1.set_ylim(0, max(held) * 1.2)
+    ax1.set_ylabel("MB held after forward", fontsize=12)
+    ms = [timings[m].median * 1e3 for m in modes]
+    err = [[(timings[m].median - timings[m].q1) * 1e3 for m in modes],
+           [(timings[m].q3 - timings[m].median) * 1e3 for m in modes]]
+    ax2.bar(modes, ms, yerr=err, capsize=4, color=["C0", "C1", "C2"])
+    ax2.set_ylabel("ms, forward + backward", fontsize=12)
+    for ax in (ax1, ax2):
+        ax.tick_params(labelsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def logits_memory():
+    import matplotlib.pyplot as plt
+    import numpy as np
+    vocabs = [64, 1024, 8192] if settings.quick else [64, 1024, 8192, 32768]
+    bsz, chunk = 8, 32
+    rows, held = [], {}
+    for v in vocabs:
+        cfg = GPTConfig(vocab_size=v)
+        whole, chunked = loss_memory(cfg, bsz), loss_memory(cfg, bsz, chunk_rows=chunk)
+        held[v] = (whole["held"], chunked["held"], whole["log_softmax"])
+        rows.append([v, whole["held"], whole["log_softmax"], whole["log_softmax"] / whole["held"],
+                     chunked["held"], whole["peak"], chunked["peak"],
+                     max((whole["grads"][k] - chunked["grads"][k]).abs().max().item() for k in whole["grads"])])
+    cfg = GPTConfig()
+    note(f"""
+        ## The logits: a large share at large vocabularies
+        Cross-entropy saves its fp32 log-softmax, one number per token and vocabulary entry:
+        b·s·v·4 bytes, beside the blocks' b·s·h-sized tensors. Our GPT's vocabulary of
+        {cfg.vocab_size} hides it; real vocabularies are 32k–256k entries against h of a few
+        thousand. The fix is to never hold all of it: compute the head and the loss a chunk of
+        tokens at a time, each chunk under a checkpoint, so one chunk's logits exist in the
+        forward and again when the backward recomputes them. Cut Cross-Entropy (Wijmans et
+        al. 2024) goes further on GPUs: one kernel computes the log-sum-exp over the
+        vocabulary block by block in on-chip memory, the online softmax of the attention
+        section below applied to the loss, and never writes the logits to memory at all.
+    """)
+    see(chunked_cross_entropy)
+    table(rows, header=["vocabulary v", "held after forward, whole loss", "of which fp32 log-softmax (b·s·v·4)",
+                        "share", f"held after forward, chunks of {chunk} tokens", "peak fwd+bwd, whole",
+                        "peak fwd+bwd, chunked", "max |Δ grad|"],
+          caption=f"GPT with h = {cfg.d_model}, {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len} "
+                  "random tokens, bytes measured with LiveBytes")
+    v = vocabs[-1]
+    note(f"""
+        At v = {v} the log-softmax is {rows[-1][3]:.0%} of what the forward holds for backward;
+        chunked, the forward holds {fmt_bytes(rows[-1][4])} instead of {fmt_bytes(rows[-1][1])}
+        and the peak of the whole step falls from {fmt_bytes(rows[-1][5])} to
+        {fmt_bytes(rows[-1][6])} (what remains at large v is mostly the head's and the
+        embedding's gradients, v·h each). The gradients agree to rounding.
+    """)
+    see("https://arxiv.org/abs/2411.09009", "Wijmans et al. 2024, Cut Your Losses in Large-Vocabulary Language Models")
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    x = np.arange(len(vocabs))
+    rest = [held[v][0] / 1e6 - held[v][2] / 1e6 for v in vocabs]
+    ax.bar(x - 0.2, rest, 0.38, color="C0", label="whole loss: everything else")
+    ax.bar(x - 0.2, [held[v][2] / 1e6 for v in vocabs], 0.38, bottom=rest, color="C3",
+           label="whole loss: fp32 log-softmax")
+    ax.bar(x + 0.2, [held[v][1] / 1e6 for v in vocabs], 0.38, color="C2", label=f"chunked ({chunk} tokens)")
+    for i, v in enumerate(vocabs):
+        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=11)
+        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=11)
+    ax.set_xticks(x, [f"v = {v}" for v in vocabs], fontsize=12)
+    ax.set_ylim(0, max(held[v][0] for v in vocabs) / 1e6 * 1.15)
+    ax.set_ylabel("MB held after forward", fontsize=12)
+    ax.legend(fontsize=11, loc="upper left")
+    show(fig, caption="what the forward holds for backward as the vocabulary grows, with the whole "
+                        "loss and with chunked cross-entropy (LiveBytes)")
 
 
 def accumulation():
@@ -427,36 +601,90 @@ def formats_and_rounding():
     note("""
         ## Number formats: range against resolution
         A float is sign × 2^exponent × 1.mantissa. Exponent bits buy range, mantissa bits
-        resolution: between 1 and 2 a format with m mantissa bits has 2^m values, so rounding
-        there errs by at most 2^−(m+1) relative. `torch.finfo` gives the constants; we also
-        round 200,001 evenly spaced values in [1, 2] to each format and measure.
+        resolution: between 1 and 2 a format with m mantissa bits has 2^m + 1 values (both
+        ends included), so rounding there errs by at most 2^−(m+1) relative. `torch.finfo`
+        gives the constants; the values in [1, 2] are counted from the bit patterns (positive
+        floats are ordered like their bits read as integers); and we round 200,001 evenly
+        spaced values in [1, 2] to each format and measure the worst error.
     """)
+    show(format_bits_figure(), caption="the bits of each format, from torch.finfo: mantissa "
+                                         "bits = −log2(eps), exponent bits = the rest after the sign")
     table([list(format_properties(n, d).values()) for n, d in FORMATS.items()],
           header=list(format_properties("fp32", torch.float32).keys()))
     exps = list(range(-12, 7)) if settings.quick else [e / 2 for e in range(-26, 14)]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    styles = {"fp32": dict(lw=3, color="black"), "fp16": dict(color="C0"), "bf16": dict(color="C1"),
+              "fp8 e4m3fn": dict(color="C2", ls="--"), "fp8 e5m2": dict(color="C3", ls="--")}
     for name, dtype in FORMATS.items():
         errs = relative_error_across_magnitudes(dtype, exps)
-        ax.plot([10 ** e for e in exps], [max(e, 1e-9) for e in errs], marker=".", label=name)
+        ax.plot([10 ** e for e in exps], [max(e, 1e-9) for e in errs], marker=".", label=name, **styles[name])
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("magnitude of the value")
-    ax.set_ylabel("median relative rounding error")
-    ax.legend(fontsize=7)
-    figure(fig, caption="each format is accurate to ~eps/4 within its normal range; below it "
+    ax.set_xlabel("magnitude of the value", fontsize=12)
+    ax.set_ylabel("median relative\nrounding error", fontsize=12)
+    ax.legend(fontsize=11, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
+              handlelength=1.5, columnspacing=1.0)
+    show(fig, caption="each format is accurate to ~eps/4 within its normal range; below it "
                         "(subnormals) the error grows until values flush to zero (error 1), above "
                         "it e4m3fn saturates at 448 and the others overflow; fp32 errors are "
                         "clipped at 1e-9 for the plot")
+    over = overflow_table()
+    table([[name] + vals for name, vals in over.items()],
+          header=["format", "1e3 becomes", "1e6 becomes", "inf becomes", "NaN becomes"],
+          caption="`x.to(dtype)` on values beyond the range (PyTorch's casts)")
+    e4 = over["fp8 e4m3fn"]
+    note(f"""
+        Past their largest value fp16 and e5m2 overflow to inf, which a check can see. e4m3fn
+        has no infinity, and PyTorch's cast to it **saturates**: 1e6 becomes {e4[1]:g} and even
+        inf becomes {e4[2]:g}. Saturation hides overflow: a tensor cast with too large a scale
+        comes back finite and wrong, and no inf/NaN test (the one loss scaling relies on,
+        below) fires. Whoever casts to e4m3 must choose the scale from the tensor's largest
+        magnitude, as the fp8 deep dive does.
+    """)
+
+
+def format_bits_figure():
+    """Sign, exponent and mantissa bits of each format, as coloured boxes, from torch.finfo."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    fig, ax = plt.subplots(figsize=(8, 2.9))
+    for row, (name, dtype) in enumerate(FORMATS.items()):
+        bits = dtype.itemsize * 8
+        mant = round(-math.log2(torch.finfo(dtype).eps))
+        expo = bits - 1 - mant
+        y = len(FORMATS) - 1 - row
+        x = 0
+        for n, color, label in ((1, "#d62728", "sign"), (expo, "#1f77b4", "exponent"), (mant, "#2ca02c", "mantissa")):
+            ax.add_patch(Rectangle((x, y + 0.1), n, 0.8, color=color, alpha=0.75, lw=0))
+            if n >= 2 or label == "sign":
+                ax.text(x + n / 2, y + 0.5, str(n) if label != "sign" else "s", ha="center", va="center",
+                        color="white", fontsize=12, fontweight="bold")
+            x += n
+        ax.text(-0.6, y + 0.5, name, ha="right", va="center", fontsize=12)
+    for label, color in (("sign", "#d62728"), ("exponent bits (range)", "#1f77b4"),
+                         ("mantissa bits (resolution)", "#2ca02c")):
+        ax.bar(0, 0, color=color, alpha=0.75, label=label)
+    ax.set_xlim(-9, 33)
+    ax.set_ylim(0, len(FORMATS) + 0.2)
+    ax.set_xticks(range(0, 33, 8))
+    ax.set_xlabel("bits", fontsize=12)
+    ax.set_yticks([])
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.legend(fontsize=11, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return fig
 
 
 def loss_scaling():
+    import matplotlib.pyplot as plt
     cfg = GPTConfig()
     bsz = 16 if settings.quick else 32
     ref = fp32_gradients(cfg, bsz)
     scales = [None, 2.0 ** 8, 2.0 ** 16, 2.0 ** 24]
-    rows = []
+    rows, per_tensor = [], {}
     for sc in scales:
         g, count, skipped = fp16_gradients(cfg, bsz, sc)
+        per_tensor[sc] = per_tensor_error(g, ref)
         rows.append(["none" if sc is None else f"2^{int(math.log2(sc))}", count["flushed to zero"] / count["elements"],
                      count["subnormal"] / count["elements"], gradient_error(g, ref),
                      "skip (inf found)" if skipped else "step"])
@@ -473,6 +701,51 @@ def loss_scaling():
     see(fp16_gradients)
     table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
                         "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
+    rms = gradient_rms(ref)
+    # The bias of K has a zero gradient in exact arithmetic (adding the same number to all of a
+    # query's scores leaves its softmax unchanged): its fp32 "gradient" is rounding noise.
+    typical = sorted(rms.values())[len(rms) // 2]
+    noise = [k for k in rms if rms[k] < 1e-6 * typical]
+    real = sorted((k for k in rms if k not in noise), key=rms.get)
+    smallest, largest = real[:4], real[-2:]
+    table([[k, rms[k]] + [per_tensor[sc][k] for sc in scales] for k in smallest + largest],
+          header=["parameter", "gradient RMS (fp32)"] + ["error, " + r[0] for r in rows],
+          caption="‖g − g_fp32‖ / ‖g_fp32‖ per tensor: the four with the smallest gradients, then the two "
+                  "with the largest")
+    worst = max(smallest, key=lambda k: per_tensor[None][k])
+    left_out = (f"(Left out: {', '.join(f'`{k}`' for k in noise)}, whose gradient is zero in exact "
+                "arithmetic — adding the same number to all of a query's scores leaves its softmax "
+                "unchanged.)" if noise else "")
+    s16 = 2.0 ** 16
+    note(f"""
+        The error over all parameters together hardly moves
+        ({rows[0][3]:.2g} unscaled, {rows[2][3]:.2g} with 2^16), because it is dominated by
+        the largest gradients, which fp16 stores well. The damage is in the smallest: `{worst}`
+        (gradient RMS {rms[worst]:.2g}) comes back {per_tensor[None][worst]:.1%} wrong without
+        scaling and {per_tensor[s16][worst]:.2%} wrong with 2^16, a
+        {per_tensor[None][worst] / per_tensor[s16][worst]:.0f}× difference. Those are whole
+        tensors (here {", ".join(f"`{k}`" for k in smallest)}) learning from gradients
+        that kept a few bits each; in a deeper
+        model or later in training, when gradients shrink, they flush to zero entirely and the
+        layer stops learning. Too large a scale overflows: at 2^24 the scaler finds inf and
+        skips the step{"" if rows[3][4].startswith("skip") else " (not here: this run found none)"}.
+        {left_out}
+    """)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    xs = [rms[k] for k in real]
+    for sc, marker, label in ((None, "o", "no scaling"), (s16, "s", "loss scale 2^16")):
+        ax.plot(xs, [per_tensor[sc][k] for k in real], marker, label=label, alpha=0.8)
+    ax.annotate(worst, (rms[worst], per_tensor[None][worst]), textcoords="offset points",
+                xytext=(8, 4), fontsize=11)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)               # room for the label
+    ax.set_xlabel("gradient RMS of the tensor (fp32)", fontsize=12)
+    ax.set_ylabel("relative error of its fp16 gradient", fontsize=12)
+    ax.legend(fontsize=11)
+    show(fig, caption="one point per parameter tensor: without scaling, the tensors with the "
+                        "smallest gradients lose the most; scaling the loss lifts them above fp16's "
+                        "subnormals")
 
 
 def master_weights():
@@ -480,69 +753,218 @@ def master_weights():
     cfg = GPTConfig()
     steps = 80 if settings.quick else 100
     lr = 3e-4
+    variants = ("fp32", "bf16 weights", "bf16 + fp32 master", "autocast bf16")
     curves = {v: train_curve(cfg, v, steps, lr, batch_size=8, log_every=2 if settings.quick else 5)
-              for v in ("fp32", "bf16 weights", "bf16 + fp32 master")}
+              for v in variants}
+    eps = torch.finfo(torch.bfloat16).eps
+    frozen_at = freeze_threshold(lr)
+    bf16_model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
+    frozen = frozen_fraction(bf16_model.parameters(), lr)
     note(f"""
         ### bf16 needs fp32 master weights
-        bf16 keeps fp32's range (no loss scaling) with 8 bits of precision: a weight near 1 moves
-        only by steps of {torch.finfo(torch.bfloat16).eps}, so an update smaller than half that
-        rounds away. Adam's updates are about lr in size, so with lr = {lr} every weight larger
-        than about lr·2^8 = {lr * 256:.3f} in magnitude cannot move at all when the weights are
-        bf16 (all LayerNorm gains, for instance). Training the same GPT three ways:
+        bf16 keeps fp32's range (no loss scaling) with 8 bits of precision: a weight w in
+        [2^e, 2^(e+1)) moves only in steps of ulp(w) = 2^e·eps (eps = {eps}), and an update
+        smaller than half a step rounds away. AdamW's update, lr·m̂/(√v̂ + ε), is at most about
+        lr, and an update of size lr rounds away exactly when lr < ulp(w)/2: with
+        lr = {lr}, every bf16 weight with |w| ≥ {frozen_at:g}
+        (`freeze_threshold`) cannot move at all — here {frozen:.1%} of the initial weights,
+        all LayerNorm gains among them. Smaller weights freeze whenever their own update is
+        below half their step, and Adam's update is often far below lr once noisy gradients
+        average out in m̂. Training the same GPT four ways: fp32; bf16 weights
+        updated in place; bf16 weights with an fp32 master copy that the optimizer updates
+        (`MasterWeights`, above); and PyTorch's own mixed precision, `torch.autocast`, where
+        the parameters stay fp32 — they are the master weights — and are cast to bf16 for
+        each matmul of the forward.
     """)
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    see(freeze_threshold)
+    styles = {"fp32": dict(color="black", lw=4, alpha=0.35),
+              "bf16 weights": dict(color="C3", lw=1.8),
+              "bf16 + fp32 master": dict(color="C0", lw=1.5, ls="--"),
+              "autocast bf16": dict(color="C2", lw=1.5, ls=":")}
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True, height_ratios=[3, 2])
     for v, (c, _) in curves.items():
-        ax.plot(*zip(*c), label=v)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=8)
-    figure(fig, caption=f"AdamW lr {lr}, batch 8: bf16 compute with an fp32 master copy follows fp32; "
-                        "bf16 weights updated in place fall behind")
-    table([[v, c[-1][1], c[-1][1] - curves["fp32"][0][-1][1], u] for v, (c, u) in curves.items()],
+        ax.plot(*zip(*c), label=v, **styles[v])
+    ref = dict(curves["fp32"][0])
+    for v, (c, _) in curves.items():
+        if v != "fp32":
+            dax.plot([t for t, _ in c], [loss - ref[t] for t, loss in c], label=v, **styles[v])
+    dax.axhline(0, color="black", lw=1, alpha=0.35)
+    ax.set_ylabel("loss", fontsize=12)
+    dax.set_ylabel("loss − fp32's", fontsize=12)
+    dax.set_xlabel("step", fontsize=12)
+    ax.legend(fontsize=11, loc="upper right")
+    fig.tight_layout()
+    show(fig, caption=f"AdamW lr {lr}, batch 8; fp32 is the wide grey line, and the lower panel "
+                        "shows each variant's distance from it on one shared step axis")
+    final = {v: c[-1][1] for v, (c, _) in curves.items()}
+    table([[v, final[v], final[v] - final["fp32"], u] for v, (c, u) in curves.items()],
           header=["variant", f"loss after {steps} steps", "minus fp32's",
                   "weights the optimizer updates left unchanged by the last step"])
+    gap = {v: abs(final[v] - final["fp32"]) for v in variants[1:]}
+    behind = "bf16 weights updated in place fall behind fp32" if final["bf16 weights"] > final["fp32"] \
+        and gap["bf16 weights"] > 2 * max(gap["bf16 + fp32 master"], gap["autocast bf16"]) \
+        else "here the bf16 weights do not fall clearly behind"
+    note(f"""
+        With an fp32 copy to update, both mixed-precision versions end within
+        {max(gap['bf16 + fp32 master'], gap['autocast bf16']):.2g} of fp32's loss; {behind}
+        ({final['bf16 weights'] - final['fp32']:+.3f}), with
+        {curves['bf16 weights'][1]:.0%} of its weights left unchanged by the last step. The
+        two master-weight versions differ in what they keep: `MasterWeights` holds bf16
+        parameters and gradients beside the fp32 copy (the 2 + 2 + 4 + 8 bytes above), while
+        autocast holds fp32 parameters and gradients and makes bf16 copies of the weights
+        during each forward (4 + 4 + 8): the same 16 bytes per parameter, and activations in
+        bf16 either way where the matmuls produce them.
+    """)
 
 
 def fp8_scaling():
+    tile_scaling()             # one scale per tensor, per DeepSeek tile, per MXFP8 block
+    fp8_accumulation()         # tensor cores sum fp8 products in ~14 bits: promote to fp32
+    delayed_scaling()          # a scale from past steps' amax saturates when the amax jumps
+
+
+def tile_scaling():
     m, k, n = (256, 512, 256) if settings.quick else (512, 1024, 512)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     rows = []
     for outlier in (1.0, 1e2, 1e3, 1e4, 1e5):
         a, w = outlier_matrices(m, k, n, outlier=outlier)
-        row = [outlier]
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            row += [fp8_matmul_error(a, w, None, None, dtype), fp8_matmul_error(a, w, (1, 128), (128, 128), dtype)]
-        row += [scaled_mm_error(a, w), scaled_mm_error(a, w, rowwise=True)]
-        rows.append(row)
+        rows.append([outlier,
+                     fp8_matmul_error(a, w, None, None, e4), fp8_matmul_error(a, w, (1, 128), (128, 128), e4),
+                     fp8_matmul_error(a, w, (1, 32), (32, 1), e4, power_of_two=True),
+                     fp8_matmul_error(a, w, None, None, e5), fp8_matmul_error(a, w, (1, 128), (128, 128), e5),
+                     scaled_mm_error(a, w), scaled_mm_error(a, w, rowwise=True)])
     note(f"""
-        ## FP8 with scaling
-        fp8 e4m3 has 3 mantissa bits and a range of ±448; to use it, each tensor is divided by
-        a scale so its largest value lands near 448. One scale per tensor lets a single outlier
-        push every other value down into the subnormals. DeepSeek-V3 trains in fp8 with one
-        scale per 1×128 tile of activations and per 128×128 block of weights, so an outlier
-        only costs its own tile. Simulated here: quantize, dequantize, multiply in fp32 (as the
-        tensor cores accumulate); activations of {m} tokens × {k} in which 1% of the tokens are
-        larger by the outlier factor, weights {k}×{n}; the error is the median over tokens of
-        each output row's relative error. `torch._scaled_mm` (PyTorch's fp8 matmul, which runs
-        on this CPU) with one scale per tensor, and one per row of activations and column of
-        weights, for comparison.
+        ## Deep dive: FP8 with fine-grained scales
+        This section, with its two subsections, can be skipped on a first read: the later
+        lectures do not depend on it. fp8 e4m3 has 3 mantissa bits and a range of ±448; to use it,
+        each tensor is divided by a scale so its largest value lands near 448. One scale per
+        tensor lets a single outlier push every other value down into the subnormals.
+        DeepSeek-V3 (§3.3) trains in fp8 with one scale per 1×128 tile of activations and per
+        128×128 block of weights, so an outlier only costs its own tile. The OCP
+        microscaling formats (MXFP8) go further: one scale per block of 32 consecutive values
+        along the reduction dimension of both operands, and the scale itself is an 8-bit
+        power of two (e8m0); we round it up, so that no value saturates. Simulated here:
+        quantize, dequantize, multiply with an fp32 sum; activations of {m} tokens × {k} in
+        which 1% of the tokens are larger by the outlier factor, weights {k}×{n}; the error is
+        the median over tokens of each output row's relative error. `torch._scaled_mm`
+        (PyTorch's fp8 matmul, which runs on this CPU) with one scale per tensor, and one per
+        row of activations and column of weights, for comparison.
     """)
     see(quantize_fp8)
-    table(rows, header=["outlier ×", "e4m3 per-tensor", "e4m3 tiles", "e5m2 per-tensor", "e5m2 tiles",
-                        "_scaled_mm per-tensor", "_scaled_mm row-wise"],
+    table(rows, header=["outlier ×", "e4m3 per-tensor", "e4m3 tiles 1×128, 128×128", "e4m3 MXFP8 1×32, e8m0",
+                        "e5m2 per-tensor", "e5m2 tiles", "_scaled_mm per-tensor", "_scaled_mm row-wise"],
           caption="median over tokens i of ‖ĉ_i − c_i‖/‖c_i‖ against float64")
+    last = rows[-1]
+    mx_words = ("about the same as" if abs(last[3] / last[2] - 1) < 0.05 else
+                "less than" if last[3] < last[2] else "more than")
     note(f"""
-        With outliers of {rows[-1][0]:g}×, tile scaling errs {rows[-1][2]:.3g} against
-        {rows[-1][1]:.3g} per tensor (e4m3): one scale for everything pushed the ordinary
-        tokens into e4m3's subnormals (below {torch.finfo(torch.float8_e4m3fn).smallest_normal}
-        after scaling), while each 1×128 tile keeps its own range. Without outliers the two
-        are within {abs(rows[0][2] / rows[0][1] - 1):.0%} of each other. e5m2 trades a
-        mantissa bit for range: coarser everywhere, which suits gradients more than
-        activations and weights (DeepSeek-V3 uses e4m3 for all of them, with these scales).
-        Our per-tensor simulation and `_scaled_mm` agree ({rows[-1][1]:.4g} and
-        {rows[-1][5] if rows[-1][5] is not None else float('nan'):.4g}).
+        With outliers of {last[0]:g}×, tile scaling errs {last[2]:.3g} against {last[1]:.3g} per
+        tensor (e4m3): one scale for everything pushed the ordinary tokens into e4m3's
+        subnormals (below {torch.finfo(e4).smallest_normal} after scaling), while each 1×128
+        tile keeps its own range. MXFP8's 1×32 blocks err {last[3]:.3g}, {mx_words} the tiles:
+        its blocks are finer, but a power-of-two scale rounded up leaves up to half of e4m3's
+        range unused in each block. Without outliers the per-tensor and tile errors are within
+        {abs(rows[0][2] / rows[0][1] - 1):.0%} of each other. e5m2 trades a mantissa bit for
+        range: coarser everywhere, which suits gradients more than activations and weights
+        (DeepSeek-V3 uses e4m3 for all of them, with these scales). Our per-tensor simulation
+        and `_scaled_mm` agree ({last[1]:.4g} and
+        {last[6] if last[6] is not None else float('nan'):.4g}).
     """)
+    a, w = outlier_matrices(m, k, n, outlier=rows[-2][0])
+    show(tile_error_figure(a), caption=f"relative error of each activation after an e4m3 round trip, "
+                                         f"the first 64 tokens × 256 features of the {rows[-2][0]:g}× outlier "
+                                         "case: one scale per tensor (left) against one per 1×128 tile (right), "
+                                         "on one colour scale")
     see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report")
     see("https://arxiv.org/abs/2209.05433", "Micikevicius et al. 2022, FP8 Formats for Deep Learning")
+    see("https://arxiv.org/abs/2310.10537", "Rouhani et al. 2023, Microscaling Data Formats for Deep Learning")
+
+
+def tile_error_figure(a, tokens=64, features=256):
+    """Per-element relative error of an fp8 round trip, per-tensor vs 1×128 tiles, as images."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    rel = {}
+    for name, tile in (("one scale per tensor", None), ("one scale per 1×128 tile", (1, 128))):
+        back = dequantize_fp8(*quantize_fp8(a, tile))
+        err = ((back - a).abs() / a.abs().clamp_min(1e-30))[:tokens, :features]
+        rel[name] = np.log10(err.clamp(1e-4, 1).numpy())
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4), sharey=True)
+    for ax, (name, img) in zip(axes, rel.items()):
+        im = ax.imshow(img, aspect="auto", vmin=-4, vmax=0, cmap="magma", interpolation="nearest")
+        ax.set_title(name, fontsize=12)
+        ax.set_xlabel("feature", fontsize=12)
+        for x in range(128, features, 128):
+            ax.axvline(x - 0.5, color="white", lw=1, ls="--")
+    axes[0].set_ylabel("token", fontsize=12)
+    bar = fig.colorbar(im, ax=axes, shrink=0.9)
+    bar.set_ticks([-4, -3, -2, -1, 0], labels=["≤1e-4", "1e-3", "1e-2", "0.1", "1 (lost)"])
+    bar.ax.tick_params(labelsize=11)
+    return fig
+
+
+def fp8_accumulation():
+    ks = [128, 512, 1024] if settings.quick else [128, 512, 1024, 2048, 4096]
+    rows = [[k, accumulation_error(k), accumulation_error(k, promote_every=128)] for k in ks]
+    note("""
+        ### Where the fp8 products are summed
+        A matmul's output is a sum of k products. On the GPUs DeepSeek-V3 trained on (H800),
+        the fp8 tensor cores keep that running sum to only about 14 bits, not fp32's 24; for
+        k = 4096 the paper reports a maximum relative error of nearly 2%. Its fix (§3.3.2): every N_C = 128
+        products, copy the partial sum out to an fp32 accumulator and start again. We simulate
+        both on the CPU: e4m3 operands, each addition's result cut to 14 significant bits (our
+        model of the accumulator: the hardware's exact rounding is not documented), with and
+        without promotion every 128 products, against the exact product of the same e4m3 values.
+    """)
+    see(accumulate)
+    table(rows, header=["k (length of each sum)", "14-bit accumulator", "14 bits, promoted to fp32 every 128"],
+          caption="median over rows of ‖ĉ_i − c_i‖/‖c_i‖, 32×k by k×32 e4m3 operands, the accumulator's error alone")
+    note(f"""
+        The 14-bit accumulator's error grows with k, from {rows[0][1]:.2g} at k = {ks[0]} to
+        {rows[-1][1]:.2g} at k = {ks[-1]}: every addition to a growing sum drops the bits below
+        its 14th. Promoted every 128 products it stays at {rows[-1][2]:.2g}, because no partial
+        sum ever holds more than 128 products.
+    """)
+
+
+def delayed_scaling():
+    steps = 30
+    amax = [1.0] * 10 + [8.0] + [1.0 + 0.15 * t for t in range(steps - 11)]
+    history = 8
+    errs = scaling_over_steps(amax, history=history)
+    jump = 10
+    late = [e[2] for e in errs[jump + history + 1:]]       # the jump has left the window
+    growing = (f"Once the jump has left the window and the amax keeps growing, each step's delayed "
+               f"scale is a little too small again: up to {max(late):.1%} of the values saturate per step."
+               if late and max(late) > 0 else "")
+    note(f"""
+        ### Current against delayed scaling
+        The scale needs the tensor's largest magnitude (amax) before the cast, which costs a
+        pass over the tensor. *Current* scaling pays it; *delayed* scaling (NVIDIA's
+        Transformer Engine) uses the largest amax of the last {history} steps instead.
+        When the amax jumps, the delayed scale is too small, and the e4m3 cast saturates:
+        at step {jump}, where the amax grew 8×, {errs[jump][2]:.0%} of the values were clipped
+        to ±448 and the cast erred {errs[jump][1]:.2g} against current scaling's
+        {errs[jump][0]:.2g} — with no inf to warn anyone (saturation, above). {growing}
+        DeepSeek-V3 and MXFP8 compute their scales from the current tile or block.
+    """)
+    see(scaling_over_steps)
+    import matplotlib.pyplot as plt
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=[1, 2])
+    ax0.plot(range(steps), amax, "k.-")
+    ax0.set_ylabel("amax", fontsize=12)
+    ax1.plot(range(steps), [e[0] for e in errs], "o-", label="current scaling")
+    ax1.plot(range(steps), [e[1] for e in errs], "s--", label=f"delayed (max of last {history} steps)")
+    ax1.set_ylim(0, max(max(e[:2]) for e in errs) * 1.15)
+    ax1.set_ylabel("relative error\nof the cast", fontsize=12)
+    ax1.set_xlabel("step", fontsize=12)
+    ax1.annotate(f"{errs[jump][2]:.0%} saturated", (jump, errs[jump][1]), textcoords="offset points",
+                 xytext=(10, -4), fontsize=11)
+    ax1.legend(fontsize=11, loc="center right")
+    fig.tight_layout()
+    show(fig, caption="a tensor cast to e4m3 every step (4,096 Gaussian values scaled to the amax above): "
+                        "the delayed scale lags the amax")
 
 
 def flash_attention_idea():
@@ -559,11 +981,7 @@ def online_softmax_checks():
         for bs in (7, 64, 256):
             out = online_softmax_attention(q, k, v, bs, causal=causal)
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            d_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
-            g1 = torch.autograd.grad(out, (q, k, v), d_out)
-            g2 = torch.autograd.grad(ref, (q, k, v), d_out)
-            checks.append([causal, bs, (out - ref).abs().max().item(),
-                           max((x - y).abs().max().item() for x, y in zip(g1, g2))])
+            checks.append([causal, bs, (out - ref).abs().max().item()])
     note("""
         ## FlashAttention's idea: attention in blocks with an online softmax
         softmax(QKᵀ)V needs, for each query, the maximum and the sum of exponentials over all
@@ -571,19 +989,50 @@ def online_softmax_checks():
         each block's output and log-sum-exp (lse); two partial results combine with weights
         exp(lse_a − lse) and exp(lse_b − lse), lse = log(e^lse_a + e^lse_b) — the running-max
         rescaling of Milakov & Gimelshein's online softmax, which FlashAttention (Dao et al.)
-        runs in on-chip memory. Only a (queries × block) tile of scores ever exists. The
-        backward recomputes each tile from the saved lse instead of storing the probabilities.
+        runs in on-chip memory. Only a (queries × block) tile of scores ever exists.
         `merge_attention` is the piece lecture 06's ring attention reuses: each rank's block
         of keys arrives, is attended, and merged.
     """)
     see(attention_with_lse)
     see(merge_attention)
-    see(OnlineSoftmaxAttention)
-    table(checks, header=["causal", "block size", "max |Δ out| vs SDPA", "max |Δ grad q, k, v| vs SDPA"],
-          caption=f"float64, (2, 3, {s}, 16): block sizes that do not divide s = {s} included")
+    show(attention_blocks_figure(s=16, block=4),
+           caption="causal attention over 16 positions in blocks of 4 keys: each coloured column is "
+                   "one step of the loop in `online_softmax_attention`, merged into the running result; "
+                   "grey scores lie in the query's future and are masked (this plain-PyTorch version "
+                   "still computes them; FlashAttention also cuts the queries into blocks and skips "
+                   "tiles wholly in the future)")
+    table(checks, header=["causal", "block size", "max |Δ out| vs SDPA"],
+          caption=f"float64, (2, 3, {s}, 16): block sizes that do not divide s = {s} included "
+                  "(gradients: see the deep dive on the backward)")
+
+
+def attention_blocks_figure(s, block):
+    """Which (query, key) tiles the blocked causal forward visits, in the order it visits them:
+    the same loop bounds as `_blocked_forward`."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    starts = [st for st in range(0, s, block) if st <= s - 1]
+    for i, st in enumerate(starts):
+        width = min(block, s - st)
+        for q in range(s):
+            for kk in range(st, st + width):
+                visible = kk <= q
+                ax.add_patch(Rectangle((kk, q), 1, 1, color=f"C{i}" if visible else "#eeeeee",
+                                       alpha=0.8 if visible else 1, lw=0))
+        ax.text(st + width / 2, -0.6, f"step {i + 1}", ha="center", va="bottom", fontsize=12)
+        ax.axvline(st, color="black", lw=1)
+    ax.set_xlim(0, s)
+    ax.set_ylim(s, -1.8)
+    ax.set_aspect("equal")
+    ax.set_xlabel("key position (blocks of keys, one per loop step)", fontsize=12)
+    ax.set_ylabel("query position", fontsize=12)
+    ax.tick_params(labelsize=11)
+    return fig
 
 
 def attention_memory():
+    import matplotlib.pyplot as plt
     b, heads, d = 1, 4, 16
     g = torch.Generator().manual_seed(0)
     seqs = [128, 256, 512] if settings.quick else [128, 256, 512, 1024]
@@ -591,28 +1040,78 @@ def attention_memory():
     variants = {"naive (s × s scores)": naive_causal_attention,
                 f"online softmax, block {block}": lambda q, k, v: online_softmax_attention(q, k, v, block, causal=True),
                 "PyTorch SDPA (fused)": causal_attention}
-    rows = []
+    rows, times = [], {}
     for s in seqs:
         xs = [torch.randn(b, heads, s, d, generator=g) for _ in range(3)]
         for name, fn in variants.items():
-            t = measure(lambda: fn(*xs), warmup=1, repeats=5)
+            times[s, name] = t = measure(lambda: fn(*xs), warmup=1, repeats=5)
             rows.append([s, name, attention_peak_bytes(fn, b, heads, s, d),
                          attention_peak_bytes(fn, b, heads, s, d, backward=True), t.ms()])
     table(rows, header=["s", "attention", "peak bytes, forward", "peak bytes, forward + backward", "forward time"],
           caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
                   f"backward's include their gradients), measured with LiveBytes; {machine()}")
-    naive, online = ([r[2] for r in rows if r[1] == name] for name in list(variants)[:2])
+    names = list(variants)
+    peaks = {name: [r[2] for r in rows if r[1] == name] for name in names}
+    naive, online = peaks[names[0]], peaks[names[1]]
     growth = len(seqs) - 1        # doublings of s from the first row to the last
+    longest = seqs[-1]
     note(f"""
         The naive version's bytes grow as s², the blocked one's as s·block (from s = {seqs[0]}
         to {seqs[-1]}, the forward peaks grow {naive[-1] / naive[0]:.0f}× and
         {online[-1] / online[0]:.0f}×, against {4 ** growth}× and {2 ** growth}× for s² and s): at
         the longest sequence the blocked version holds {online[-1] / naive[-1]:.0%} of the naive
-        peak, in plain PyTorch. It is slower than PyTorch's fused kernel, which does the same in
-        C++ with the tiles in cache.
+        peak, in plain PyTorch. In time, at s = {longest}:
+        {compare(times[longest, names[1]], times[longest, names[2]], "our blocked version", "PyTorch's fused kernel")}
+        (the fused kernel does the same in C++ with the tiles in cache), and
+        {compare(times[longest, names[1]], times[longest, names[0]], "our blocked version", "the naive one")}.
     """)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for (name, ys), marker in zip(peaks.items(), "os^"):
+        ax.plot(seqs, [y / 1e6 for y in ys], marker + "-", label=name)
+        ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
+                    xytext=(6, -3), fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seqs, [str(x) for x in seqs])
+    ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("peak MB, forward", fontsize=12)
+    ax.legend(fontsize=11, loc="upper left")
+    show(fig, caption=f"forward peak beyond q, k, v (LiveBytes), {heads} heads of {d}: the s × s "
+                        "scores grow 4× per doubling of s, the blocked and fused versions 2×")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
+
+
+def flash_attention_backward():
+    g = torch.Generator().manual_seed(0)
+    s = 200
+    q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    checks = []
+    for causal in (False, True):
+        for bs in (7, 64, 256):
+            out = online_softmax_attention(q, k, v, bs, causal=causal)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            d_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+            g1 = torch.autograd.grad(out, (q, k, v), d_out)
+            g2 = torch.autograd.grad(ref, (q, k, v), d_out)
+            checks.append([causal, bs, max((x - y).abs().max().item() for x, y in zip(g1, g2))])
+    note("""
+        ## Deep dive: FlashAttention's backward
+        This section can be skipped on a first read: lecture 06 uses the forward and the
+        merge above; the backward is what makes the blocked version trainable without ever
+        storing the s × s probabilities. Autograd through the blocked loop would save every
+        tile's probabilities, which is the s × s matrix again in pieces. Instead the forward
+        saves only q, k, v, the output and the lse (O(s) memory), and the backward walks the
+        key blocks once more, recomputing each tile's probabilities from the saved lse,
+        P = exp(S − lse), and accumulating dV, dQ and dK tile by tile — the backward of
+        FlashAttention-2 (Dao 2023, Algorithm 2). One identity makes it cheap:
+        rowsum(dP ∘ P) equals rowsum(dO ∘ O), a number per query computed once from the
+        output.
+    """)
+    see(OnlineSoftmaxAttention)
+    table(checks, header=["causal", "block size", "max |Δ grad q, k, v| vs SDPA"],
+          caption=f"float64, (2, 3, {s}, 16), a random output gradient")
     see("https://arxiv.org/abs/2307.08691", "Dao 2023, FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning")
 
 
@@ -629,15 +1128,17 @@ def roofline():
         gelu = elementwise_rate(nbytes // 4, "gelu")
     peak = max(r for r, _ in mm.values())
     note(f"""
-        ## Notes: kernels and the roofline
-        A kernel is limited either by arithmetic or by moving bytes. The roofline (Williams et
-        al. 2009) plots attainable FLOP/s against arithmetic intensity (FLOP per byte moved):
-        min(peak FLOP/s, intensity × bandwidth). With {cores} thread(s), {machine()}: the best fp32
+        ## Deep dive: kernels and the roofline
+        This section can be skipped on a first read: it explains why some operations are
+        slow, which later lectures mention but do not build on. A kernel is limited either by
+        arithmetic or by moving bytes. The roofline (Williams et al. 2009) plots attainable
+        FLOP/s against arithmetic intensity (FLOP per byte moved):
+        min(peak FLOP/s, intensity × bandwidth). With {cores} thread(s), in one process: the best fp32
         matmul reaches {peak / 1e9:.1f} GFLOP/s and copying {fmt_bytes(nbytes)} moves
         {bw / 1e9:.1f} GB/s ({bw_t.ms()}), so the ridge is at
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
-        large ones are compute bound; an element-wise add does 1 FLOP per 12 bytes and is
-        bound by memory at any size.
+        here those with n/6 above the ridge (n ≥ {math.ceil(6 * peak / bw)}) can be compute
+        bound; an element-wise add does 1 FLOP per 12 bytes and is bound by memory at any size.
 
         The GPU kernel techniques that the later lectures assume: **coalescing** (neighbouring
         threads read neighbouring addresses, so one memory transaction serves many),
@@ -658,19 +1159,43 @@ def roofline():
           + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
           header=["kernel", "FLOP per byte", f"GFLOP/s, {cores} thread(s)", "time", "GFLOP/s, 1 thread"],
           caption=f"fp32, {machine()}")
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     xs = [2 ** e for e in range(-5, 10)]
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
     ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
+    for n, (r, _) in mm.items():
+        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", xytext=(5, -12), fontsize=11)
     ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
     ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("GFLOP/s")
-    ax.legend(fontsize=7)
-    figure(fig, caption=f"roofline of this machine, {machine()}")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)", fontsize=12)
+    ax.set_ylabel("GFLOP/s", fontsize=12)
+    ax.legend(fontsize=11, loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=2, frameon=False)
+    show(fig, caption=f"roofline of this machine, {machine()}")
     see("https://doi.org/10.1145/1498765.1498785", "Williams, Waterman & Patterson 2009, Roofline: an insightful visual performance model")
+
+
+def what_to_remember():
+    note("""
+        ## What to remember
+        - A step holds parameters, gradients, optimizer state and activations; mixed-precision AdamW
+          costs 16 bytes per parameter, the number ZeRO divides in lecture 03.
+        - A block saves about 32·s·b·h bytes in 16-bit (no dropout, fused attention); the loss adds
+          its fp32 log-softmax, b·s·v·4, which dominates at large vocabularies.
+        - Recomputation, gradient accumulation and chunked cross-entropy each trade time or steps
+          for activation memory, and give the same gradients.
+        - fp16 needs loss scaling (small gradients underflow); bf16 needs fp32 master weights (an
+          update below half a weight's spacing, lr < ulp(w)/2, rounds away).
+        - fp8 needs a scale per tile or block from the current values, summed in fp32: e4m3's cast
+          saturates, so a wrong scale fails silently.
+        - Attention in key blocks with an online softmax never holds the s × s matrix; its (output,
+          log-sum-exp) merge is what ring attention (lecture 06) sends around.
+
+        The companion notebook, `lectures/notebooks/lecture_01_memory_and_precision.ipynb`,
+        runs every section above in one process; its first cell holds the knobs (recomputation
+        mode, micro-batches, attention block size, the fp8 outliers' size).
+    """)
 
 
 def references():
@@ -687,18 +1212,21 @@ def references():
 
 def main():
     torch.set_num_threads(1)   # small tensors, shared cores: extra threads mostly wait (roofline uses all)
-    intro()                    # what this lecture measures, and why it comes first
+    intro()                    # what this lecture teaches, and what it needs
     the_model_and_task()       # the GPT and data every later lecture trains
     anatomy_of_a_step()        # what a training step holds, phase by phase
     parameters_and_bytes()     # Ψ in closed form; 16 bytes per parameter
     activation_memory()        # the paper's formula against what autograd saves
     recomputation()            # trade compute for activation memory
+    logits_memory()            # the loss's fp32 log-softmax, and chunked cross-entropy
     accumulation()             # trade steps for activation memory
     number_formats()           # range vs resolution; loss scaling; master weights
-    fp8_scaling()              # fp8 needs fine-grained scales
     flash_attention_idea()     # attention without the s × s matrix (lecture 06 builds on it)
-    roofline()                 # what this machine does per second
+    fp8_scaling()              # deep dive: fp8 needs fine-grained scales, fp32 sums, current amax
+    flash_attention_backward()  # deep dive: recompute the tiles from the saved lse
+    roofline()                 # deep dive: what this machine does per second
     references()
+    what_to_remember()         # the main story in six lines, and the notebook
 
 
 def bench():

@@ -25,23 +25,44 @@ FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
 
 def round_to(x, dtype):
     """x rounded to `dtype` (round to nearest even) and back to fp32. fp8 e4m3fn has no
-    infinity: values past its 448 saturate to ±448 here rather than becoming NaN."""
-    if dtype == torch.float8_e4m3fn:
-        m = torch.finfo(dtype).max
-        x = x.clamp(-m, m)
+    infinity, and PyTorch's cast to it saturates: anything past ±448, ±inf included, becomes
+    ±448 (NaN stays NaN). The other formats overflow to ±inf."""
     return x.to(dtype).to(torch.float32)
 
 
+def overflow_table(values=(1e3, 1e6, float("inf"), float("nan"))):
+    """What each format makes of values beyond its range: {format: [rounded values]}."""
+    x = torch.tensor(values, dtype=torch.float32)
+    return {name: round_to(x, dtype).tolist() for name, dtype in FORMATS.items()}
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def values_between(lo, hi, dtype):
+    """How many values of `dtype` lie in [lo, hi] (0 < lo < hi, both representable): positive
+    floats of one format are ordered like their bit patterns read as integers, so it is the
+    difference of the two bit patterns, plus one. Exact for every format, fp32's 2²³ + 1
+    included (a sample of values would find at most as many values as it has samples)."""
+    if not 0 < lo < hi:
+        raise ValueError(f"values_between needs 0 < lo < hi, got {lo} and {hi}")
+    ends = torch.tensor([lo, hi], dtype=torch.float64).to(dtype)
+    if ends.double().tolist() != [lo, hi]:
+        raise ValueError(f"{lo} and {hi} must both be representable in {dtype}")
+    bits = ends.view(_SAME_SIZE_INT[dtype.itemsize]).long()
+    return int(bits[1] - bits[0]) + 1
+
+
 def format_properties(name, dtype, n=200_001):
-    """What finfo says, and what rounding `n` evenly spaced values in [1, 2] measures: the
-    largest relative error is half the spacing between neighbours there (eps/2)."""
+    """What finfo says, the number of values in [1, 2] (from the bit patterns), and what
+    rounding `n` evenly spaced values in [1, 2] measures: the largest relative error is half
+    the spacing between neighbours there (eps/2)."""
     fi = torch.finfo(dtype)
     x = torch.linspace(1, 2, n, dtype=torch.float64)
     err = ((round_to(x.float(), dtype).double() - x).abs() / x).max().item()
-    distinct = round_to(x.float(), dtype).unique().numel()
     bits = dtype.itemsize * 8
     return {"format": name, "bits": bits, "max": fi.max, "smallest normal": fi.smallest_normal,
-            "eps (spacing at 1)": fi.eps, "values in [1, 2]": distinct,
+            "eps (spacing at 1)": fi.eps, "values in [1, 2]": values_between(1.0, 2.0, dtype),
             "max rel. error in [1, 2] (measured)": err}
 
 
@@ -111,6 +132,23 @@ def gradient_error(grads, reference):
     return err if math.isfinite(err) else float("inf")
 
 
+def per_tensor_error(grads, reference):
+    """{name: ‖g − g_ref‖ / ‖g_ref‖} for each parameter's gradient (inf where g is not finite or
+    the reference is zero). The error over all parameters together is dominated by the largest
+    gradients; what fp16 loses is the smallest, and this shows it tensor by tensor."""
+    out = {}
+    for k, ref in reference.items():
+        num, den = (grads[k].double() - ref.double()).norm(), ref.double().norm()
+        err = (num / den).item() if den > 0 else float("inf")
+        out[k] = err if math.isfinite(err) else float("inf")
+    return out
+
+
+def gradient_rms(grads):
+    """{name: root-mean-square of the gradient}: how small each tensor's gradients are."""
+    return {k: g.double().pow(2).mean().sqrt().item() for k, g in grads.items()}
+
+
 class MasterWeights:
     """Mixed precision by hand: the model computes in bf16 (parameters and gradients bf16), the
     optimizer updates an fp32 master copy and writes it back rounded to bf16. With
@@ -155,15 +193,44 @@ class MasterWeights:
         return out
 
 
+def freeze_threshold(lr, dtype=torch.bfloat16):
+    """The smallest |w| from which an update of size `lr` rounds away in `dtype`.
+
+    w + u rounds back to w when |u| < ulp(w)/2, where ulp(w), the spacing of the format's
+    values at w, is 2^⌊log2|w|⌋ · eps. So every w with 2^⌊log2|w|⌋ · eps/2 > lr is frozen: the
+    answer is the smallest power of two 2^e with 2^e · eps/2 > lr (strictly: at equality the
+    update is a tie, rounded to even)."""
+    if lr <= 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    eps = torch.finfo(dtype).eps
+    return 2.0 ** (math.floor(math.log2(2 * lr / eps)) + 1)
+
+
+def frozen_fraction(params, lr, dtype=torch.bfloat16):
+    """Share of the elements of `params` with |w| at or above `freeze_threshold(lr, dtype)`."""
+    params = list(params)
+    t = freeze_threshold(lr, dtype)
+    return sum((p.detach().abs() >= t).sum().item() for p in params) / sum(p.numel() for p in params)
+
+
 def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
     """Loss every `log_every` steps of AdamW training, for `variant` in
-    fp32 | bf16 weights | bf16 + fp32 master. Also the fraction of the weights the optimizer
-    updates (the fp32 master copy in the last variant) that the last step left unchanged: in
-    bf16, an update smaller than half the spacing between neighbours rounds away."""
+    fp32 | bf16 weights | bf16 + fp32 master | autocast bf16. Also the fraction of the weights
+    the optimizer updates (the fp32 master copy in the third variant) that the last step left
+    unchanged: in bf16, an update smaller than half the spacing between neighbours rounds away.
+
+    "autocast bf16" is PyTorch's own mixed precision: the parameters stay fp32 (they are the
+    master weights) and `torch.autocast` casts them to bf16 for each matmul of the forward,
+    so the gradients and the update are fp32 too."""
+    autocast = False
     if variant == "fp32":
         model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         step, updated = opt.step, list(model.parameters())
+    elif variant == "autocast bf16":
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        step, updated, autocast = opt.step, list(model.parameters()), True
     elif variant == "bf16 weights":
         model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -177,7 +244,9 @@ def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
     curve, unchanged = [], 0.0
     for t in range(steps):
         tokens, targets = batch(cfg, batch_size, t)
-        loss = loss_fn(model(tokens), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens)
+        loss = loss_fn(logits, targets)      # the loss in fp32 (loss_fn casts the logits)
         loss.backward()
         before = [p.detach().clone() for p in updated] if t == steps - 1 else None
         step()
@@ -191,11 +260,13 @@ def train_curve(cfg, variant, steps, lr, batch_size=16, log_every=5):
     return curve, unchanged
 
 
-def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn):
+def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn, power_of_two=False):
     """x (2-D) to fp8 with scales chosen so each group's largest |value| maps to the format's
     max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
-    (DeepSeek-V3: 1×128 for activations, 128×128 for weights). Returns (fp8 values, scales),
-    scales shaped (rows/r, cols/c)."""
+    (DeepSeek-V3: 1×128 for activations, 128×128 for weights; MXFP8: 1×32 blocks along the
+    reduction dimension of both operands). `power_of_two`: the scale is rounded up to a power
+    of two, as an 8-bit exponent-only (e8m0) scale must be, so no value exceeds the max.
+    Returns (fp8 values, scales), scales shaped (rows/r, cols/c)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")
     m, n = x.shape
@@ -203,8 +274,10 @@ def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn):
     if m % r or n % c:
         raise ValueError(f"tile {r}×{c} does not divide the {m}×{n} matrix")
     tiles = x.float().reshape(m // r, r, n // c, c)
-    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-30)
     scale = amax / torch.finfo(dtype).max
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (tiles / scale).to(dtype).reshape(m, n)
     return q, scale.reshape(m // r, n // c)
 
@@ -221,13 +294,74 @@ def row_errors(approx, exact):
     return (approx.double() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
 
 
-def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn):
+def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn, power_of_two=False):
     """Median over output rows (tokens) of the relative error of an fp8 matmul simulated on the
-    CPU: quantize both operands, dequantize, multiply in fp32 (as tensor cores accumulate).
-    Per row, because a few huge rows would otherwise decide the whole norm."""
+    CPU: quantize both operands, dequantize, multiply with an fp32 sum (what DeepSeek-V3's
+    kernels reach by promoting partial sums to fp32, see `accumulate`). Per row, because a few
+    huge rows would otherwise decide the whole norm."""
     exact = a.double() @ w.double()
-    approx = dequantize_fp8(*quantize_fp8(a, a_tile, dtype)) @ dequantize_fp8(*quantize_fp8(w, w_tile, dtype))
-    return row_errors(approx, exact).median().item()
+    qa = dequantize_fp8(*quantize_fp8(a, a_tile, dtype, power_of_two))
+    qw = dequantize_fp8(*quantize_fp8(w, w_tile, dtype, power_of_two))
+    return row_errors(qa @ qw, exact).median().item()
+
+
+def keep_bits(x, bits):
+    """x (float64) with only `bits` significant bits, the rest cut off (rounded toward zero)."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.trunc(mantissa * 2.0 ** bits) / 2.0 ** bits, exponent)
+
+
+def accumulate(a, b, bits=14, promote_every=None):
+    """a (m×k) @ b (k×n) with the running sum over k kept to `bits` significant bits after
+    every addition: a model of an fp8 tensor core's accumulator, which DeepSeek-V3 (§3.3.2)
+    measured to retain around 14 bits on H800 GPUs, against fp32's 24. With `promote_every`
+    = N_C, every N_C products the partial sum is added into an fp32 accumulator and restarted,
+    DeepSeek-V3's fix (N_C = 128). The products themselves are exact (fp8 × fp8 fits in
+    float64). Loops over k: for small matrices."""
+    if promote_every is not None and promote_every < 1:
+        raise ValueError(f"promote_every must be a positive number of products, got {promote_every}")
+    a, b = a.double(), b.double()
+    total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    partial = torch.zeros_like(total)
+    for i in range(a.shape[1]):
+        partial = keep_bits(partial + a[:, i:i + 1] * b[i:i + 1, :], bits)
+        if promote_every and (i + 1) % promote_every == 0:
+            total, partial = (total + partial).float().double(), torch.zeros_like(partial)
+    return (total + partial).float().double() if promote_every else partial
+
+
+def accumulation_error(k, bits=14, promote_every=None, m=32, n=32, seed=0):
+    """Median over rows of the relative error that the accumulator alone adds to an e4m3
+    matmul of a (m×k) by (k×n): both operands are e4m3 values already, compared with their
+    exact product."""
+    g = torch.Generator().manual_seed(seed)
+    a = round_to(torch.randn(m, k, generator=g), torch.float8_e4m3fn)
+    b = round_to(torch.randn(k, n, generator=g), torch.float8_e4m3fn)
+    return row_errors(accumulate(a, b, bits, promote_every), a.double() @ b.double()).median().item()
+
+
+def scaling_over_steps(amax_per_step, history=16, dtype=torch.float8_e4m3fn, numel=4096, seed=0):
+    """Per step, the relative error of casting a tensor whose largest |value| is
+    `amax_per_step[t]` to fp8 with *current* scaling (the scale from this tensor's own amax)
+    and with *delayed* scaling (from the largest amax of the previous `history` steps, as
+    Transformer Engine's delayed scaling does, so no amax has to be computed before the cast).
+    When the amax jumps, the delayed scale is too small and e4m3's cast saturates the
+    largest values, silently. Returns [(current error, delayed error, share saturated)]."""
+    g = torch.Generator().manual_seed(seed)
+    fmax = torch.finfo(dtype).max
+    seen, out = [], []
+    for amax in amax_per_step:
+        x = torch.randn(numel, generator=g)
+        x = x / x.abs().max() * amax
+        current = amax / fmax
+        delayed = max(seen[-history:]) / fmax if seen else current
+        errs = []
+        for scale in (current, delayed):
+            back = round_to(x / scale, dtype) * scale
+            errs.append(((back - x).norm() / x.norm()).item())
+        out.append((errs[0], errs[1], ((x / delayed).abs() > fmax).float().mean().item()))
+        seen.append(amax)
+    return out
 
 
 def scaled_mm_error(a, w, rowwise=False):

@@ -1,7 +1,9 @@
 """What a training step holds in memory, phase by phase: PyTorch's own tracker and our count.
 
-`MemTracker` (torch.distributed._tools.mem_tracker) files every allocation under parameter,
-gradient, optimizer state, activation or temporary. `memory_timeline` samples it after each phase
+`MemTracker` (torch.distributed._tools.mem_tracker), a TorchDispatchMode, sees every operator's
+outputs as they leave PyTorch's dispatcher and files each new storage under parameter, gradient,
+optimizer state, activation or temporary (memory a kernel frees before returning, such as a
+workspace, never reaches it). `memory_timeline` samples it after each phase
 of a few AdamW steps of the GPT and sets beside it our own accounting from the tensors themselves
 (`held_by_training`, and the bytes autograd saved, from lectures.memory). Under
 `FakeTensorMode`, where tensors have shapes but no storage, the same tracker counts a step of a

@@ -286,3 +286,142 @@ def test_gpt_runs_under_fake_tensor_mode():
 def test_quick_build(course_site):
     site = built(course_site, "lecture_01_memory_and_precision")    # the session's one quick build
     assert (site / "lecture_01_memory_and_precision.json").exists() and (site / "lecture_01_memory_and_precision.html").exists()
+
+
+# --- issue 19: statements the numbers back -------------------------------------------------
+
+def test_memtracker_activations_exceed_saved_bytes_by_the_loss_alone():
+    """MemTracker files the loss (4 bytes) under activations; everything else it counts after
+    the forward is what autograd saved, the fp32 log-softmax included."""
+    rows = L.memory_timeline(L.GPTConfig(), batch_size=4, steps=1)
+    assert rows[0]["tracker"]["Activation"] - rows[0]["own"]["Activation"] == 4
+
+
+def test_values_in_one_to_two_counted_from_bits_for_every_format():
+    for name, dtype in L.FORMATS.items():
+        mantissa = round(-math.log2(torch.finfo(dtype).eps))
+        assert L.format_properties(name, dtype)["values in [1, 2]"] == 2 ** mantissa + 1
+    assert L.format_properties("fp32", torch.float32)["values in [1, 2]"] == 2 ** 23 + 1   # not the 200,001 samples
+    with pytest.raises(ValueError, match="representable"):
+        L.values_between(1.0, 1.1, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="0 < lo < hi"):
+        L.values_between(2.0, 1.0, torch.float16)
+
+
+def test_e4m3_cast_saturates_and_the_others_overflow():
+    over = L.overflow_table((1e6, float("inf"), -float("inf")))
+    assert over["fp8 e4m3fn"] == [448.0, 448.0, -448.0]           # no inf to detect
+    assert over["fp16"] == [math.inf, math.inf, -math.inf]
+    assert over["fp8 e5m2"] == [math.inf, math.inf, -math.inf]
+    assert math.isnan(L.round_to(torch.tensor([math.nan]), torch.float8_e4m3fn).item())
+
+
+@pytest.mark.parametrize("lr", [3e-4, 1e-4, 2e-3, 1e-5, 7e-4])
+def test_bf16_freeze_threshold_is_exact(lr):
+    """A bf16 weight w stays put under an update of lr exactly when lr < ulp(w)/2: every
+    representable w from the threshold up to 4× it is frozen, and every w in the binade just
+    below it moves (for lr = 3e-4 the threshold is 0.125, not lr·2⁸ = 0.077)."""
+    t = L.freeze_threshold(lr)
+    if lr == 3e-4:
+        assert t == 0.125
+    def representable(lo, hi):
+        return torch.arange(int(lo * 2 ** 14), int(hi * 2 ** 14)).double().div(2 ** 14).to(torch.bfloat16).unique()
+    frozen = representable(t, 4 * t)
+    assert (frozen + torch.tensor(lr, dtype=torch.float64)).to(torch.bfloat16).eq(frozen).all()
+    below = representable(t / 2, t)
+    below = below[below < t]
+    assert (below.double() + lr).to(torch.bfloat16).ne(below).all()
+    with pytest.raises(ValueError, match="positive"):
+        L.freeze_threshold(0.0)
+
+
+def test_loss_scaling_rescues_the_smallest_gradients_tensor_by_tensor():
+    cfg = L.GPTConfig()
+    ref = L.fp32_gradients(cfg, 16)
+    unscaled = L.per_tensor_error(L.fp16_gradients(cfg, 16)[0], ref)
+    scaled = L.per_tensor_error(L.fp16_gradients(cfg, 16, scale=2.0 ** 16)[0], ref)
+    rms = L.gradient_rms(ref)
+    real = sorted((k for k in rms if "k_proj.bias" not in k), key=rms.get)   # K's bias: zero up to rounding
+    for k in real[:4]:
+        assert unscaled[k] > 10 * scaled[k]
+    assert all(rms[k] < 1e-9 for k in rms if "k_proj.bias" in k)
+
+
+def test_accumulator_model_exact_with_enough_bits_and_promotion_bounds_the_error():
+    g = torch.Generator().manual_seed(0)
+    a = L.round_to(torch.randn(8, 300, generator=g), torch.float8_e4m3fn)
+    b = L.round_to(torch.randn(300, 8, generator=g), torch.float8_e4m3fn)
+    torch.testing.assert_close(L.accumulate(a, b, bits=53), a.double() @ b.double(), rtol=0, atol=0)
+    assert L.keep_bits(torch.tensor([1 + 2 ** -20], dtype=torch.float64), 14).item() == 1.0
+    long, short = L.accumulation_error(2048), L.accumulation_error(128)
+    assert long > 5 * short                                    # a 14-bit sum degrades with k
+    assert L.accumulation_error(2048, promote_every=128) < 2 * short   # promotion: no worse than k = 128
+    with pytest.raises(ValueError, match="positive"):
+        L.accumulate(a, b, promote_every=0)
+
+
+def test_mxfp8_scales_are_powers_of_two_and_nothing_saturates():
+    x = torch.randn(4, 96) * torch.logspace(-3, 3, 4)[:, None]
+    q, s = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    assert s.shape == (4, 3)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    blocks = q.float().abs().reshape(4, 3, 32).amax(-1)
+    assert (blocks <= 448).all() and (blocks >= 448 / 2).all()  # rounding the scale up: at most 2× of range
+    a, w = L.outlier_matrices(64, 128, 32, outlier=1e5, seed=1)
+    assert L.fp8_matmul_error(a, w, (1, 32), (32, 1), power_of_two=True) < 0.06
+
+
+def test_delayed_scaling_saturates_when_the_amax_jumps():
+    errs = L.scaling_over_steps([1.0] * 5 + [8.0] + [1.0] * 3, history=4)
+    current, delayed, saturated = zip(*errs)
+    assert saturated[5] > 0.5 and delayed[5] > 10 * current[5]
+    assert saturated[0] == 0 and delayed[0] == current[0]       # first step: no history, current scale
+    assert all(s == 0 for s in saturated[6:])                   # the jump is in the window now
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+def test_chunked_cross_entropy_equals_the_whole_loss(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    head = torch.nn.Linear(16, 50, bias=chunk % 2 == 1).double()
+    hidden = torch.randn(3, 11, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(50, (3, 11), generator=g)
+    whole = F.cross_entropy(head(hidden).reshape(-1, 50), targets.reshape(-1))
+    got = L.chunked_cross_entropy(hidden, head, targets, chunk)
+    torch.testing.assert_close(got, whole, rtol=1e-12, atol=1e-12)
+    params = [hidden] + list(head.parameters())
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(whole, params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_cross_entropy_drops_the_log_softmax_and_refuses_misuse():
+    cfg = L.GPTConfig(vocab_size=4096)
+    whole, chunked = L.loss_memory(cfg, 4), L.loss_memory(cfg, 4, chunk_rows=16)
+    assert whole["held"] - chunked["held"] >= whole["log_softmax"]    # b·s·v·4 bytes no longer held
+    assert chunked["peak"] < 0.75 * whole["peak"]
+    head = torch.nn.Linear(4, 5)
+    with pytest.raises(ValueError, match="positive"):
+        L.chunked_cross_entropy(torch.randn(2, 4), head, torch.zeros(2, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="targets"):
+        L.chunked_cross_entropy(torch.randn(2, 4), head, torch.zeros(3, dtype=torch.long), 1)
+
+
+def test_autocast_keeps_fp32_master_weights():
+    cfg = L.GPTConfig()
+    curve_32, _ = L.train_curve(cfg, "fp32", 12, 3e-4, batch_size=4, log_every=11)
+    curve_ac, unchanged = L.train_curve(cfg, "autocast bf16", 12, 3e-4, batch_size=4, log_every=11)
+    assert abs(curve_ac[-1][1] - curve_32[-1][1]) < 0.01 and unchanged < 0.1
+
+
+def test_memory_phase_figure_labels_whole_and_legend_outside_the_bars():
+    rows = L.memory_timeline(L.GPTConfig(), batch_size=2, steps=2)
+    fig = L.memory_phases_figure(rows)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[:4] == ["forward", "backward", "optimizer", "zero_grad"]
+    tallest = max(sum(r["tracker"].get(c, 0) for c in L.MEM_CATEGORIES) for r in rows) / 1e6
+    assert ax.get_ylim()[1] > tallest                                 # the bars stay inside the axes
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.y0 >= ax.get_window_extent().y1                     # the legend sits above the axes
+    import matplotlib.pyplot as plt
+    plt.close(fig)
