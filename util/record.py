@@ -35,7 +35,7 @@ class Recorder:
     def __init__(self, rank=None):
         self.rank = rank
         self.records = []
-        self.functions = {}
+        self._functions, self._codes = {}, {}   # see remember() and functions
         self.demo_names = None  # a build sets a set() here: demo names must then be unique
         self.t0 = time.perf_counter()
 
@@ -62,20 +62,30 @@ class Recorder:
                 "key": self.remember(code) if code.co_name != "<module>" else None}
 
     def remember(self, code):
-        """Keep the source of the function with this code object in `functions`; its key,
-        or None when the source cannot be read."""
+        """Note the function with this code object for `functions`; returns its key. Its source
+        is read later, when `functions` is asked for: reading it costs milliseconds, which would
+        otherwise land inside the first timed span of every demo."""
         key = f"{relpath(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
-        if key not in self.functions:
+        if key not in self._functions:
+            self._codes.setdefault(key, code)
+        return key
+
+    @property
+    def functions(self):
+        """key -> {file, name, start, code} of every function that made a record (those whose
+        source cannot be read are left out; a record's key then points nowhere, harmlessly)."""
+        while self._codes:
+            key, code = self._codes.popitem()
             try:
                 lines, start = inspect.getsourcelines(code)
             except (OSError, TypeError):
-                return None
-            self.functions[key] = {"file": relpath(code.co_filename), "name": code.co_name,
-                                   "start": start, "code": "".join(lines)}
-        return key
+                continue
+            self._functions[key] = {"file": relpath(code.co_filename), "name": code.co_name,
+                                    "start": start, "code": "".join(lines)}
+        return self._functions
 
     def absorb(self, functions):
-        self.functions.update(functions)
+        self._functions.update(functions)
 
 
 _current = Recorder()
