@@ -30,6 +30,18 @@ def pair_kind(qseg, kseg, causal):
     return "partial"
 
 
+def visible_entries(qseg, kseg, causal):
+    """How many (query, key) score entries of this pair the mask keeps: the work a kernel that
+    skips masked entries does (a causal diagonal block is about half of a full one)."""
+    kind = pair_kind(qseg, kseg, causal)
+    (_, qn, q0), (_, kn, k0) = qseg, kseg
+    if kind == "empty":
+        return 0
+    if kind == "full":
+        return qn * kn
+    return sum(min(max(p - k0 + 1, 0), kn) for p in range(q0, q0 + qn))
+
+
 def _causal_mask(qseg, kseg, dev):
     (_, qn, q0), (_, kn, k0) = qseg, kseg
     return (torch.arange(k0, k0 + kn, device=dev)[None, :] <= torch.arange(q0, q0 + qn, device=dev)[:, None])
@@ -76,7 +88,7 @@ def _fused(q, qs, ks, kind):
 
 def segments_forward(q, k, v, qsegs, ksegs, causal, scale, out=None, lse=None, work=None):
     """Attention of q's segments over k's segments, merged into (out, lse) if given. Skips empty
-    pairs; `work` (a list) gets the number of score entries computed per pair."""
+    pairs; `work` (a list) gets the number of visible score entries of each pair computed."""
     if out is None:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -96,7 +108,7 @@ def segments_forward(q, k, v, qsegs, ksegs, causal, scale, out=None, lse=None, w
             o, l = merge_partials(out[:, :, a:a + n], lse[:, :, a:a + n], o_b, l_b)
             out[:, :, a:a + n], lse[:, :, a:a + n] = o, l
             if work is not None:
-                work.append(qs[1] * ks[1])
+                work.append(visible_entries(qs, ks, causal))
     return out, lse
 
 
@@ -127,35 +139,57 @@ def acc_dtype(dtype):
 
 
 def check_qkv(q, k, v):
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError("q, k, v must all be (batch, heads, local_seq, head_dim) with the same shape; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (repeat grouped "
-                         "K/V heads before calling, as lecture 01's CausalSelfAttention does)")
+    """q is (batch, heads, local_seq, head_dim); k and v the same, except that under grouped-query
+    attention they may have fewer heads (kv_heads dividing heads): they travel between ranks with
+    their own heads and are repeated only where a block is computed (`expand_kv`)."""
+    ok = (q.dim() == 4 and k.shape == v.shape and k.dim() == 4 and k.shape[0] == q.shape[0]
+          and k.shape[2:] == q.shape[2:] and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
+    if not ok:
+        raise ValueError("q must be (batch, heads, local_seq, head_dim) and k, v (batch, kv_heads, local_seq, "
+                         "head_dim) with the same shape, kv_heads dividing heads (grouped-query attention); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    return q.shape[1] // k.shape[1]
+
+
+def expand_kv(t, groups):
+    """Grouped-query attention: K/V head j serves query heads j·g … j·g + g − 1 (lecture 01's
+    `repeat_interleave`). Done after a transfer, so the wire carries kv_heads, not heads."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def fold_kv(grad, groups):
+    """The backward of `expand_kv`: sum the gradients of the g query heads that shared a K/V head."""
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
 class SegmentAttention(torch.autograd.Function):
     """Attention of local queries over keys laid out as segments, with a hand-written backward
-    (the same block math as the ring, on one process)."""
+    (the same block math as the ring, on one process). K/V may have fewer heads (GQA)."""
 
     @staticmethod
     def forward(ctx, q, k, v, qsegs, ksegs, causal):
+        groups = q.shape[1] // k.shape[1]
         acc = acc_dtype(q.dtype)
         q_, k_, v_ = (t.detach().to(acc) for t in (q, k, v))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = segments_forward(q_, k_, v_, qsegs, ksegs, causal, scale)
+        out, lse = segments_forward(q_, expand_kv(k_, groups), expand_kv(v_, groups), qsegs, ksegs, causal, scale)
         ctx.save_for_backward(q_, k_, v_, out, lse)
-        ctx.meta = (qsegs, ksegs, causal, scale, q.dtype)
+        ctx.meta = (qsegs, ksegs, causal, scale, q.dtype, groups)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        qsegs, ksegs, causal, scale, dtype = ctx.meta
+        qsegs, ksegs, causal, scale, dtype, groups = ctx.meta
+        k, v = expand_kv(k, groups), expand_kv(v, groups)
         dout = dout.to(q.dtype)
-        delta = (dout * out).sum(-1)
+        delta = (dout * out).sum(-1)      # D = rowsum(dO ∘ O): computed here, at the start of backward
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         segments_backward(q, k, v, dout, out, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+        return dq.to(dtype), fold_kv(dk, groups).to(dtype), fold_kv(dv, groups).to(dtype), None, None, None
 
 
 def full_attention(q, k, v, causal=False):

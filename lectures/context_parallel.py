@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lectures.attention_blocks import SegmentAttention, acc_dtype, check_qkv, segments_backward, segments_forward
+from lectures.attention_blocks import (SegmentAttention, acc_dtype, check_qkv, expand_kv, fold_kv, segments_backward,
+                                       segments_forward)
 from lectures.ring_attention import ring_attention
 from lectures.sequence_layout import gather_lengths, group_info, layout_segments, offsets
 
@@ -41,27 +42,29 @@ class AllGatherAttention(torch.autograd.Function):
         group, n, r = group_info(group)
         acc = acc_dtype(q.dtype)
         q_, k_, v_ = (t.detach().to(acc) for t in (q, k, v))
-        d = q.shape[-1]
+        d, groups = q.shape[-1], q.shape[1] // k.shape[1]
         lengths = gather_lengths(q.shape[2], group, n, q.device)
         segs = layout_segments(lengths, layout)
-        kv = _all_gather_padded(torch.cat([k_, v_], -1), lengths, group, n)
+        # K/V are gathered with their own (GQA: fewer) heads, and repeated after the transfer.
+        kv = expand_kv(_all_gather_padded(torch.cat([k_, v_], -1), lengths, group, n), groups)
         starts = offsets(lengths)
         ksegs = [(starts[j] + a, l, g) for j in range(n) for a, l, g in segs[j]]
         scale = 1.0 / math.sqrt(d)
         kf, vf = kv[..., :d], kv[..., d:]
         out, lse = segments_forward(q_, kf, vf, segs[r], ksegs, causal, scale)
         ctx.save_for_backward(q_, kf, vf, out, lse)
-        ctx.meta = (causal, group, n, r, lengths, segs[r], ksegs, scale, q.dtype)
+        ctx.meta = (causal, group, n, r, lengths, segs[r], ksegs, scale, q.dtype, groups)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, group, n, r, lengths, qsegs, ksegs, scale, dtype = ctx.meta
+        causal, group, n, r, lengths, qsegs, ksegs, scale, dtype, groups = ctx.meta
         dout = dout.to(q.dtype)
-        delta = (dout * out).sum(-1)
+        delta = (dout * out).sum(-1)    # D = rowsum(dO ∘ O), at the start of backward
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         segments_backward(q, k, v, dout, out, lse, delta, qsegs, ksegs, causal, scale, dq, dk, dv)
+        dk, dv = fold_kv(dk, groups), fold_kv(dv, groups)      # back to kv_heads before they travel
         m = max(lengths)
         full = torch.cat([F.pad(t, (0, 0, 0, m - t.shape[2]))
                           for t in torch.split(torch.cat([dk, dv], -1), lengths, dim=2)], dim=2)
@@ -142,12 +145,14 @@ def _heads_to_seq(y, lengths, group, n, r):
 
 def ulysses_attention(q, k, v, causal=False, group=None, layout="contiguous"):
     """DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all from sequence shards to head shards, full
-    attention on h/n heads, all-to-all back. Needs heads divisible by the ranks."""
+    attention on h/n heads, all-to-all back. Needs heads divisible by the ranks (and, under
+    grouped-query attention, the K/V heads too: each rank's query heads keep their K/V heads)."""
     check_qkv(q, k, v)
     group, n, r = group_info(group)
-    if q.shape[1] % n:
-        raise ValueError(f"Ulysses splits the heads over the ranks: {q.shape[1]} heads cannot be split "
-                         f"evenly over {n} ranks (it needs ranks <= heads and heads % ranks == 0)")
+    if q.shape[1] % n or k.shape[1] % n:
+        raise ValueError(f"Ulysses splits the heads over the ranks: {q.shape[1]} query heads and {k.shape[1]} "
+                         f"K/V heads cannot both be split evenly over {n} ranks (it needs ranks <= K/V heads "
+                         "and both head counts divisible by the ranks)")
     lengths = gather_lengths(q.shape[2], group, n, q.device)
     segs = layout_segments(lengths, layout)
     starts = offsets(lengths)
@@ -163,12 +168,18 @@ ATTENTION = {"ring": ring_attention, "all-gather": allgather_attention, "ulysses
 def context_parallel_gpt(model, group=None, attention="ring", layout="zigzag"):
     """Make every attention layer of `model` attend across the context-parallel `group`: the rest
     of the model is per-token and runs unchanged on this rank's positions."""
-    fn = {"ring": functools.partial(ring_attention, layout=layout),
-          "all-gather": functools.partial(allgather_attention, layout=layout),
-          "ulysses": functools.partial(ulysses_attention, layout=layout)}[attention]
+    fn = {"ring": ring_attention, "all-gather": allgather_attention, "ulysses": ulysses_attention}[attention]
     for block in model.blocks:
-        block.attn.attend = functools.partial(fn, causal=True, group=group)
+        groups = block.attn.n_heads // block.attn.n_kv_heads
+        block.attn.attend = functools.partial(_attend_kv_heads, fn=fn, groups=groups, group=group, layout=layout)
     return model
+
+
+def _attend_kv_heads(q, k, v, fn, groups, group, layout):
+    """Lecture 01's attention repeats grouped K/V heads before calling `attend`; take one of each
+    group back (a strided view of the same values; autograd sums the copies' gradients), so that
+    only kv_heads travel between ranks and the repeat happens after the transfer."""
+    return fn(q, k[:, ::groups], v[:, ::groups], causal=True, group=group, layout=layout)
 
 
 # --- PyTorch's own context parallelism, with a CPU shim --------------------------------------

@@ -12,6 +12,7 @@ block backward), `lectures/sequence_layout.py` (contiguous and zig-zag shards),
 the CPU shim for PyTorch's `context_parallel`) and `lectures/moe.py`. This file narrates them,
 and holds the demos the ranks run.
 """
+import contextlib
 import functools
 import time
 
@@ -28,11 +29,12 @@ from lectures.context_parallel import (ATTENTION, AllGatherAttention, SeqToHeads
 from lectures.context_parallel import HeadsToSeq, allgather_attention  # noqa: F401
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.memory import saved_bytes
-from lectures.moe import AllToAll, ExpertParallelMoE, MoE, balance_loss, expert_owners, moe_gpt, route
+from lectures.moe import AllToAll, ExpertParallelMoE, MoE, balance_loss, expert_owners, moe_gpt, route, z_loss
+from lectures.moe import route_logits  # noqa: F401
 from lectures.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
 from lectures.ring_attention import RingAttention, RingTransfer, ring_attention, tracing
-from lectures.sequence_layout import (group_info, layout_segments, sequence_positions, shard_sequence, split_sizes,
-                                      unshard_sequence, zigzag_shard, zigzag_unshard)
+from lectures.sequence_layout import (causal_work, group_info, layout_segments, sequence_positions, shard_sequence,
+                                      split_sizes, striped_positions, unshard_sequence, zigzag_shard, zigzag_unshard)
 from lectures.sequence_layout import contiguous_shard, zigzag_chunks  # noqa: F401
 from util import device, figure, note, see, settings, span_at, spawn, table, timeline
 
@@ -69,21 +71,36 @@ def attention_shards(rank, world_size, cases, seq_len, heads, head_dim=8, batch=
 
 
 def pytorch_context_parallel_attention(rank, world_size, seq_len, heads, head_dim=8, batch=2,
-                                       dtype="float64", causal=True):
+                                       dtype="float64", causal=True, rotate="allgather"):
     """PyTorch's `context_parallel` around plain F.scaled_dot_product_attention (its head-tail
-    layout, i.e. zig-zag, for causal); returns this rank's output and gradients in our zig-zag
-    order, to compare with one process exactly as our own variants are."""
+    layout, i.e. zig-zag, for causal), K/V moved by `rotate` ('allgather', torch 2.13's default, or
+    'alltoall', a ring); returns this rank's output and gradients in our zig-zag order, to compare
+    with one process exactly as our own variants are."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     if device().type == "cpu":
         install_cpu_context_parallel_shim()
     mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
     q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, batch, dtype))
-    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
+    with rotate_method(rotate), context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
         ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
         out.backward(dout)
     return [t.detach().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
+
+
+@contextlib.contextmanager
+def rotate_method(method):
+    """PyTorch's context-parallel K/V rotation inside the block: 'allgather' (torch 2.13's default:
+    the forward all-gathers K/V once) or 'alltoall' (K/V pass from rank to rank, a ring). Only dK/dV
+    always rotate by all-to-all. Restores the previous setting (a private option: one place)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    before = cp._cp_options.rotate_method
+    cp.set_rotate_method(method)
+    try:
+        yield
+    finally:
+        cp._cp_options.rotate_method = before
 
 
 def attention_in_subgroups(rank, world_size, seq_len, heads, layout="zigzag"):
@@ -232,12 +249,38 @@ def ring_trace(rank, world_size, seq_len, heads, head_dim, layout="contiguous", 
             wall = time.perf_counter() - t0
         total = lambda pred: sum(e - s for label, s, e, _ in events if pred(label))
         per.append({"wall": wall, "compute": total(lambda l: l.startswith("block compute")),
+                    "forward_compute": total(lambda l: l == "block compute"),
                     "waiting": total(lambda l: l == "waiting"),
                     "work": sum(w for label, _, _, w in events if label.startswith("block compute"))})
     for label, start, end, _ in events:
         span_at(label, start, end)
     med = lambda key: sorted(p[key] for p in per)[len(per) // 2]
-    return {key: med(key) for key in per[0]}
+    return dict({key: med(key) for key in per[0]}, samples={key: [p[key] for p in per] for key in per[0]})
+
+
+def rank_compute(rank, world_size, seq_len, heads, head_dim, ranks, layouts=("contiguous", "zigzag"), repeats=7):
+    """Each ring rank's attention work, measured alone: for every layout and every rank r of `ranks`,
+    forward+backward of r's queries over all keys with exactly the segment pairs the ring computes
+    over its steps (the same kernel calls), minus the communication. One rank's share at a time, in
+    one process, all shares taking turns: so the ranks do not compete for the cores, and drift on a
+    shared machine hits every share alike. Returns {(layout, r): Timing}."""
+    from util.measure import measure_side_by_side
+    q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32"))
+    fns = {}
+    for layout in layouts:
+        lengths = [len(sequence_positions(seq_len, r, ranks, layout)) for r in range(ranks)]
+        segs = layout_segments(lengths, layout)
+        starts = [sum(lengths[:j]) for j in range(ranks)]
+        ksegs = [(starts[j] + a, ln, g) for j in range(ranks) for a, ln, g in segs[j]]
+        kall, vall = (torch.cat([shard_sequence(t, j, ranks, 2, layout) for j in range(ranks)], 2) for t in (k, v))
+        for r in range(ranks):
+            ql, dl = (shard_sequence(t, r, ranks, 2, layout).contiguous() for t in (q, dout))
+
+            def share(ql=ql, dl=dl, qsegs=segs[r]):
+                qq, kk, vv = (t.detach().requires_grad_() for t in (ql, kall, vall))
+                SegmentAttention.apply(qq, kk, vv, qsegs, ksegs, True).backward(dl)
+            fns[layout, r] = share
+    return measure_side_by_side(fns, warmup=1, repeats=repeats)
 
 
 def transfer_alone(rank, world_size, seq_len, heads, head_dim):
@@ -281,61 +324,139 @@ def ulysses_refusal(rank, world_size, heads):
     return None
 
 
+PYTORCH_VS_OURS = {   # name: (whose, how K/V move); like compared with like
+    "PyTorch, all-gather (default)": ("pytorch", "allgather"), "ours, all-gather": ("ours", "all-gather"),
+    "PyTorch, all-to-all rotation (a ring)": ("pytorch", "alltoall"), "ours, ring": ("ours", "ring")}
+
+
 def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
-    """PyTorch's context_parallel (ring, head-tail layout) vs our zig-zag ring, same shapes, float32."""
+    """PyTorch's context_parallel with each rotate method against our variant that moves K/V the
+    same way: causal attention, zig-zag (= PyTorch's head-tail) layout, float32, forward+backward.
+    Returns the timings (all four take turns) and the bytes this rank sent in one step of each."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from util.measure import measure_side_by_side
+    from util.measure import bytes_sent, measure_side_by_side
     if device().type == "cpu":
         install_cpu_context_parallel_shim()
     mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
     full = [t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32")]
     q, k, v, dout = (t.clone() for t in full)
     mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
-    run_theirs = lambda: fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, dout)
-    run_ours = lambda: fwd_bwd(functools.partial(ring_attention, causal=True, layout="zigzag"), *mine)
+
+    def step(whose, how):
+        if whose == "pytorch":
+            def run():
+                with rotate_method(how):
+                    fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, dout)
+            return run
+        return lambda: fwd_bwd(functools.partial(ATTENTION[how], causal=True, layout="zigzag"), *mine)
+    fns = {name: step(*spec) for name, spec in PYTORCH_VS_OURS.items()}
+    sent = {}
     with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
-        # the two take turns, so drift on a busy machine hits both alike
-        t = measure_side_by_side({"theirs": run_theirs, "ours": run_ours}, warmup=2, repeats=repeats)
+        # the four take turns, so drift on a busy machine hits them alike
+        t = measure_side_by_side(fns, warmup=2, repeats=repeats)
+        for name, fn in fns.items():
+            dist.barrier()
+            with bytes_sent() as b:
+                fn()
+            sent[name] = b.bytes
         ql = q.detach().requires_grad_()
         their_out = F.scaled_dot_product_attention(ql, k, v, is_causal=True).detach()
     our_out = ring_attention(*mine[:3], causal=True, layout="zigzag")
-    return {"theirs": t["theirs"], "ours": t["ours"], "same_layout": bool(torch.equal(q, mine[0])),
-            "max_diff": (their_out - our_out).abs().max().item()}
+    return {"time": t, "sent": sent, "same_layout": bool(torch.equal(q, mine[0])),
+            "max_diff": (their_out - our_out).abs().max().item(), "shard_bytes": q.numel() * q.element_size()}
 
 
 def pytorch_cp_demo(rank, world_size, check_len, seq_len, heads, head_dim):
-    """Both PyTorch comparisons in one run: equality with one process, then speed against ours."""
-    return {"check": pytorch_context_parallel_attention(rank, world_size, check_len, 4),
+    """Both PyTorch comparisons in one run: equality with one process (both rotate methods), then
+    speed and bytes against ours."""
+    return {"check": {how: pytorch_context_parallel_attention(rank, world_size, check_len, 4, rotate=how)
+                      for how in ("allgather", "alltoall")},
             "timing": pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim)}
 
 
-def train_moe_gpt(rank, world_size, aux_weights, steps, n_experts=4, top_k=1, capacity_factor=1.25,
+def train_moe_gpt(rank, world_size, configs, steps, n_experts=4, top_k=1, capacity_factor=1.25,
                   batch_size=16, lr=3e-3):
-    """Rank r trains its own copy with balance-loss weight aux_weights[r] (independent runs side by
-    side, no communication). Returns per-step loss, expert load and dropped fraction."""
+    """Rank r trains its own copy with configs[r] = {"aux": balance-loss weight, "bias": DeepSeek-V3's
+    bias step γ (0 = off)} (independent runs side by side, no communication). Returns per-step
+    loss, balance loss, z-loss, expert load and dropped fraction."""
     cfg = gpt_config("float32")
     model = moe_gpt(cfg, n_experts, top_k, capacity_factor).to(device())
+    alpha, gamma = configs[rank].get("aux", 0.0), configs[rank].get("bias", 0.0)
+    moes = [b.mlp for b in model.blocks]
+    for m in moes:
+        m.bias_update = gamma
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    alpha = aux_weights[rank]
-    log = {"loss": [], "aux": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
+    log = {"loss": [], "aux": [], "z": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
     for step in range(steps):
         tokens, targets = batch(cfg, batch_size, step)
         loss = loss_fn(model(tokens.to(device())), targets.to(device()))
-        moes = [b.mlp for b in model.blocks]
         aux = sum(m.aux_loss for m in moes) / len(moes)
         (loss + alpha * aux).backward()
         opt.step()
         opt.zero_grad()
+        if gamma:
+            for m in moes:
+                m.update_bias()
         counts = torch.tensor([m.stats["tokens_per_expert"] for m in moes], dtype=torch.float64)
         log["loss"].append(loss.item())
         log["aux"].append(aux.item())
+        log["z"].append(sum(m.z_loss.item() for m in moes) / len(moes))
         log["max_load"].append((counts.max(1).values / counts.mean(1)).mean().item())
         log["dropped"].append(sum(m.stats["dropped"] for m in moes) / sum(m.stats["assignments"] for m in moes))
-        if step == 0:
-            log["first_tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
     log["tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
     return log
+
+
+def ep_dp_groups(world_size, ep):
+    """Rank r = dp_index · ep + ep_index: the expert-parallel groups (consecutive ranks, which
+    split the experts) and the expert-data-parallel groups (ranks holding the same experts)."""
+    ep_groups = [list(range(i * ep, (i + 1) * ep)) for i in range(world_size // ep)]
+    edp_groups = [list(range(j, world_size, ep)) for j in range(ep)]
+    return ep_groups, edp_groups
+
+
+def expert_data_parallel(rank, world_size, ep, layer_kw, tokens):
+    """EP inside DP: experts split over `ep` ranks, replicated over world_size/ep data-parallel
+    copies, every rank with its own tokens. After backward, gradients are summed (a) the right way
+    (router over all ranks = DP×EP, each expert over its expert-data-parallel group) and (b) two
+    wrong ways; returns each way's gradients, named as in the one-process MoE, and the bytes each
+    right reduction sent."""
+    from util.measure import bytes_sent
+    ep_groups, edp_groups = ep_dp_groups(world_size, ep)
+    pgs = {tuple(g): dist.new_group(g) for g in ep_groups + edp_groups}
+    my_ep = next(g for g in ep_groups if rank in g)
+    my_edp = next(g for g in edp_groups if rank in g)
+    moe = moe_layer(**layer_kw)
+    layer = ExpertParallelMoE.from_full(moe, group=pgs[tuple(my_ep)])
+    xs, ws = moe_inputs(world_size, [tokens] * world_size, moe.d_model)
+    (layer(xs[rank]) * ws[rank]).sum().backward()
+    counts, starts = expert_owners(moe.n_experts, ep)
+    first = starts[my_ep.index(rank)]
+    names = {f"experts.{first + j}.{n}": p for j, e in enumerate(layer.experts) for n, p in e.named_parameters()}
+    names["router.weight"] = layer.router.weight
+    local = {n: p.grad.clone() for n, p in names.items()}
+
+    def reduced(router_group, expert_group):
+        out = {}
+        for n, g in local.items():
+            g = g.clone()
+            group = router_group if n == "router.weight" else expert_group
+            dist.all_reduce(g, group=None if group is None else pgs[tuple(group)])
+            out[n] = g.cpu()
+        return out
+    dist.barrier()
+    with bytes_sent() as router_bytes:
+        dist.all_reduce(local["router.weight"].clone())
+    with bytes_sent() as expert_bytes:
+        for n, g in local.items():
+            if n != "router.weight":
+                dist.all_reduce(g.clone(), group=pgs[tuple(my_edp)])
+    return {"right": reduced(None, my_edp), "router over EP only": reduced(my_ep, my_edp),
+            "experts over all ranks": reduced(None, None),
+            "bytes": {"router": router_bytes.bytes, "experts": expert_bytes.bytes},
+            "numel": {"router": local["router.weight"].numel(),
+                      "experts": sum(g.numel() for n, g in local.items() if n != "router.weight")}}
 
 
 def expert_parallel_traffic(rank, world_size, tokens, d_model, d_ff, n_experts, top_k, capacity_factor,
@@ -384,6 +505,19 @@ def intro():
         Both are built here from `send`/`recv` and `all_to_all_single`, as `torch.autograd.Function`s
         with hand-written backward passes, and every one is compared with one process: the same
         outputs and the same gradients. The model is lecture 01's GPT.
+
+        **What you will learn.** Why only attention needs the other ranks; ring attention (the
+        ring's steps, the log-sum-exp merge, its written-out backward, when its transfers hide);
+        why causal masking unbalances contiguous chunks and how zig-zag and striped layouts fix
+        it; the all-gather variant and Ulysses, and what each sends (grouped-query attention
+        included); what PyTorch's `context_parallel` really does; a mixture of experts with
+        capacity and balancing; expert parallelism's dispatch and combine by all-to-all, and
+        which gradients reduce over which group.
+
+        **What you need.** Lecture 01 (the GPT, attention and FlashAttention's online softmax),
+        lecture 02 (send/recv, all-gather, reduce-scatter, all-to-all) and lecture 03 (summing
+        gradients over data-parallel ranks); in PyTorch, `torch.autograd.Function` with a
+        custom backward and `F.scaled_dot_product_attention`.
     """)
 
 
@@ -453,9 +587,10 @@ def ring_attention_section():
     see(merge_partials)
     note(r"""
         Backward needs, for each block, dQ (which stays with the queries) and dK, dV (which belong
-        to the block's owner). With the final ℓ and $D = \mathrm{rowsum}(dO \circ O)$ saved from
-        forward, each block's gradients follow without the other blocks (FlashAttention-2's
-        backward). So the K/V blocks go around the ring once more, and each block's dK/dV
+        to the block's owner). Given the final ℓ (saved from forward) and
+        $D = \mathrm{rowsum}(dO \circ O)$ (computed once at the start of backward from the incoming
+        gradient and the saved output), each block's gradients follow without the other blocks
+        (FlashAttention-2's backward). So the K/V blocks go around the ring once more, and each block's dK/dV
         accumulator travels one hop behind it, picking up every rank's contribution, and arrives
         home after n hops. Autograd never sees the communication: the backward is written out.
     """)
@@ -475,6 +610,7 @@ def ring_attention_section():
     table(rows, header=["ranks", "layout", "mask", "max |Δ output|", "|Δ dQ|", "|Δ dK|", "|Δ dV|"],
           caption=f"ring attention against PyTorch's scaled_dot_product_attention on the whole sequence "
                   f"(float64, s = {S}: no layout splits it evenly)")
+    ring_steps_figure(4)
     from util.measure import machine, timing_ranks
     n = timing_ranks(4)
     S, h, d = attention_sizes()
@@ -487,84 +623,251 @@ def ring_attention_section():
     comp = max(x["compute"] for x in st)
     wait = max(x["waiting"] for x in st)
     wall = max(x["wall"] for x in st)
+    block = max(x["forward_compute"] for x in st) / n            # one forward block, on average
     transfers = (n - 1) + (n - 1) + n      # K/V forward, K/V backward, dK/dV backward
+    alone_total = transfers * alone.median
+    ratio = block / alone.median
     note(f"""
-        Medians of the repetitions on {machine(n)}: one forward+backward takes
-        {wall * 1e3:.1f} ms, of which {comp * 1e3:.1f} ms is block compute and {wait * 1e3:.2f} ms is
-        waiting for transfers. One K/V block sent around the ring *alone* takes {alone.ms()}, so the
-        {transfers} transfers of a step would cost about {transfers * alone.median * 1e3:.1f} ms if
-        they were not overlapped; the waits show how much of that was not hidden. On GPUs NCCL
-        moves the data on its own engines; on this CPU gloo's threads compete with the compute for
-        the same cores, so hiding is less perfect.
+        Medians of the repetitions, {machine(n)}: one forward+backward takes {wall * 1e3:.1f} ms, of
+        which {comp * 1e3:.1f} ms is block compute and {wait * 1e3:.2f} ms is waiting in `wait()`.
+        One K/V block sent around the ring *alone* takes {alone.ms()}, so the {transfers} transfers
+        of a step cost about {alone_total * 1e3:.1f} ms of wire time. The waits are
+        {"more" if wait > alone_total else "less"} than that ({wait / alone_total:.1f}×), and they
+        are not the wire: a rank waits for its neighbour, which posts the next block only when it
+        reaches that step. So the waits measure **skew** between the ranks (one rank delayed by the
+        other processes sharing these cores, or by having more work) and **contention** (gloo's
+        I/O threads run on the same cores as the compute), more than the bytes. On GPUs the same
+        holds in another form: NCCL runs its transfers as kernels on the GPU's SMs, competing
+        with the compute kernels (DeepSeek-V3 reserves 20 of its SMs for communication).
+
+        **When can the ring hide its transfers?** A step computes a block of (s/n)² score entries
+        and sends s/n positions of K/V: compute grows with the square of the block, the transfer
+        linearly. The transfer hides when block compute ≥ transfer time, which sets a minimum
+        block size; Liu et al. derive it from the device's FLOP/s and bandwidth. Here one forward
+        block took {block * 1e3:.2f} ms against {alone.median * 1e3:.2f} ms for its transfer alone
+        ({ratio:.1f}×), so at s/n = {S // n} positions the condition
+        {"holds" if ratio >= 1 else "fails"}; scaling both as above, compute and transfer would be
+        equal at about {S / n / ratio:.0f} positions per rank, the break-even block here. With a GPU's much larger FLOP/s per byte of bandwidth the minimum is
+        thousands of tokens per rank, which is why a ring needs long sequences per device.
     """)
 
 
-def ring_work(lengths, layout, causal):
-    """Score entries each rank computes in the ring (the planner the implementation uses)."""
-    segs = layout_segments(lengths, layout)
-    return [sum(qs[1] * ks[1] for src in range(len(lengths)) for qs in segs[r] for ks in segs[src]
-                if pair_kind(qs, ks, causal) != "empty") for r in range(len(lengths))]
+def ring_steps_figure(n):
+    """The ring's forward steps as a grid: which rank's K/V block each rank holds at each step (from
+    `ring_source`, the schedule RingAttention follows), arrows showing where it goes next."""
+    import matplotlib.pyplot as plt
+    from lectures.ring_attention import ring_source
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for step in range(n):
+        for r in range(n):
+            src = ring_source(r, step, n)
+            ax.add_patch(plt.Rectangle((step * 2, -r - 0.4), 1.2, 0.8, color=colors[src], alpha=0.85))
+            ax.text(step * 2 + 0.6, -r, f"K/V {src}", ha="center", va="center", fontsize=12, color="white",
+                    fontweight="bold")
+            if step < n - 1:
+                nxt = (r + 1) % n
+                ax.annotate("", xy=(step * 2 + 2, -nxt), xytext=(step * 2 + 1.2, -r),
+                            arrowprops=dict(arrowstyle="->", color="gray", lw=1,
+                                            connectionstyle="arc3,rad=0.0" if nxt > r else "arc3,rad=-0.25"))
+    ax.set_xticks([step * 2 + 0.6 for step in range(n)])
+    ax.set_xticklabels([f"step {t}" for t in range(n)], fontsize=12)
+    ax.set_yticks([-r for r in range(n)])
+    ax.set_yticklabels([f"rank {r}\n(queries {r})" for r in range(n)], fontsize=12)
+    ax.set_xlim(-0.3, 2 * n - 0.5)
+    ax.set_ylim(-n + 0.4, 0.6)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(length=0)
+    figure(fig, caption=f"the ring's forward on {n} ranks: at step t rank r attends with its own queries to the "
+                        "K/V block of rank r−t (box) while it sends that block on to rank r+1 (arrow); after "
+                        f"{n} steps every query has seen every block. Backward repeats the walk, and each block's "
+                        "dK/dV accumulator follows it one hop behind, arriving home after n hops")
+
+
+def ring_work(seq_len, world_size, layout):
+    """Score entries each rank computes in causal attention (masked entries skipped), per layout."""
+    pos = (lambda r: striped_positions(seq_len, r, world_size)) if layout == "striped" else \
+        (lambda r: sequence_positions(seq_len, r, world_size, layout))
+    return [causal_work(pos(r)) for r in range(world_size)]
+
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def layout_owner(seq_len, world_size, layout):
+    """owner[p] = the rank holding position p under `layout` (from the same functions the ranks use)."""
+    owner = [0] * seq_len
+    for r in range(world_size):
+        pos = striped_positions(seq_len, r, world_size) if layout == "striped" else \
+            sequence_positions(seq_len, r, world_size, layout)
+        for p in pos.tolist():
+            owner[p] = r
+    return owner
+
+
+def attention_blocks_figure(seq_len=16, world_size=4):
+    """Which (query, key) score entries each rank computes under each layout: the causal matrix
+    coloured by the rank that holds the query, with every rank's count of entries."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    colors = plt.get_cmap("tab10").colors[:world_size]
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.9), sharey=True)
+    for ax, layout in zip(axes, LAYOUTS):
+        owner = layout_owner(seq_len, world_size, layout)
+        grid = torch.full((seq_len, seq_len), float("nan"))
+        for i in range(seq_len):
+            grid[i, :i + 1] = owner[i]
+        ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=world_size - 0.5)
+        work = ring_work(seq_len, world_size, layout)
+        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize=10)
+        ax.set_xlabel("key position", fontsize=10)
+        ax.set_xticks([0, seq_len - 1])
+        ax.set_yticks([0, seq_len - 1])
+    axes[0].set_ylabel("query position", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
+    fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=world_size,
+               fontsize=10, frameon=False)
+    fig.subplots_adjust(bottom=0.24, top=0.84, wspace=0.08)
+    figure(fig, caption=f"causal attention on {seq_len} tokens over {world_size} ranks: each coloured cell is a "
+                        "score a rank computes (the rank holding that query); white cells are masked and skipped. "
+                        "Contiguous chunks leave rank 0 a small triangle and the last rank a long strip")
+
+
+def balance_sizes():
+    """Shapes for the balance measurement (sequence, heads, head dim): large enough that block
+    compute, not communication, sets the step."""
+    return (1024, 4, 64) if settings.quick else (2048, 4, 64)
 
 
 def load_balance_section():
     import matplotlib.pyplot as plt
-    from util.measure import machine, timing_ranks
+    from util.measure import Timing, compare, machine, timing_ranks
     note("""
-        ## Causal masking unbalances the ring; zig-zag fixes it
-        With causal attention, a query sees only earlier keys. Split the sequence into contiguous
-        chunks and rank 0's queries need only its own block, while the last rank's need all n:
-        rank 0 idles most of the ring, and the step lasts as long as the busiest rank. Cut the
-        sequence into 2n chunks instead and give rank r chunks r and 2n−1−r, one early and one
-        late (the "zig-zag" or head-tail layout of Llama 3 and ring-flash-attention): every rank
-        now does the same work.
+        ## Causal masking unbalances the ring: zig-zag and striped layouts
+        With causal attention a query sees only earlier keys, and a kernel skips the masked
+        entries (the diagonal block costs about half a full one). Split the sequence into
+        contiguous chunks and rank 0 computes half a block while the last rank computes n − 1 full
+        blocks and a half: (2n − 1) : 1, and the step lasts as long as the busiest rank. Two
+        layouts give every rank an equal share. **Zig-zag** (head-tail; Llama 3's context
+        parallelism, zhuzilin's ring-flash-attention) cuts the sequence into 2n chunks and gives
+        rank r chunks r and 2n−1−r, one early and one late. **Striped attention** (Brandon et al.
+        2023) deals the tokens out like cards: rank r holds r, r+n, r+2n, …, so every block of
+        the ring is a near-triangle of the same size. The ring here implements contiguous and
+        zig-zag; striped is counted and drawn.
     """)
+    see("https://arxiv.org/abs/2311.09431", "Brandon et al. 2023: Striped Attention: Faster Ring Attention for Causal Transformers")
     see(zigzag_shard)
     see(layout_segments)
-    see(pair_kind)
-    n = timing_ranks(4)
-    S, h, d = attention_sizes()
-    rows, measured = [], {}
+    see(striped_positions)
+    see(causal_work)
+    attention_blocks_figure(16, 4)
+    ns = list(range(2, 9))
+    S0 = 8192
+    imb = {layout: [max(w) / min(w) for w in (ring_work(S0, m, layout) for m in ns)] for layout in LAYOUTS}
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for layout, marker in zip(LAYOUTS, "os^"):
+        ax.plot(ns, imb[layout], marker + "-", label=layout)
+        ax.annotate(f"{imb[layout][-1]:.2f}", (ns[-1], imb[layout][-1]), textcoords="offset points",
+                    xytext=(6, 0), va="center", fontsize=9)
+    ax.set_xlabel("ranks n", fontsize=10)
+    ax.set_ylabel("busiest / idlest rank's work", fontsize=10)
+    ax.set_xlim(1.5, 9)
+    ax.legend(fontsize=9)
+    figure(fig, caption=f"counted work imbalance of causal attention, s = {S0}: contiguous grows as 2n − 1, "
+                        "zig-zag and striped stay at 1")
+    S, h, d = balance_sizes()
+    nb = 4
+    shares = spawn(rank_compute, 1, seq_len=S, heads=h, head_dim=d, ranks=nb,
+                   name=f"each rank's attention work alone, {nb} ring ranks").returns[0]
+    rows, summary = [], {}
     for layout in ("contiguous", "zigzag"):
-        counted = ring_work(split_sizes(S, n) if layout == "contiguous" else
-                            [len(sequence_positions(S, r, n, layout)) for r in range(n)], layout, True)
-        st = spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, layout=layout, causal=True,
-                   name=f"causal ring, {layout}, {n} ranks").returns
-        measured[layout] = (counted, st)
-        for r in range(n):
-            flops = 14 * d * h * st[r]["work"] // 2      # fwd 4·d, bwd 10·d per score entry (work counts both passes)
-            rows.append([layout, r, counted[r], st[r]["work"] // 2, flops / 1e6, st[r]["compute"] * 1e3])
-    table(rows, header=["layout", "rank", "score entries (planner)", "score entries (counted in the run)",
-                        "MFLOP fwd+bwd", "compute time (ms)"],
-          caption=f"causal ring attention, s = {S}, {h} heads, head dim {d}; {machine(n)}")
-    ratio = lambda xs: max(xs) / max(min(xs), 1e-12)
-    summary = [[layout, ratio(c), ratio([x["compute"] for x in st]), max(x["wall"] for x in st) * 1e3]
-               for layout, (c, st) in measured.items()]
-    table(summary, header=["layout", "max/min work (counted)", "max/min compute time (measured)", "step time (ms)"],
-          caption="the imbalance, counted and measured")
+        counted = ring_work(S, nb, layout)
+        t = [shares[layout, r].median for r in range(nb)]
+        summary[layout] = (max(counted) / min(counted), max(t) / min(t), max(t))
+        for r in range(nb):
+            rows.append([layout, r, counted[r], counted[r] / max(counted), shares[layout, r].ms(), t[r] / max(t)])
+    table(rows, header=["layout", "rank", "score entries (counted)", "of the busiest", "its blocks, fwd+bwd (measured)",
+                        "of the busiest"],
+          caption=f"causal attention on {nb} ring ranks, s = {S}, {h} heads, head dim {d}, float32: each rank's "
+                  "kernel calls (the same segment pairs the ring computes over its steps) timed alone, one share at "
+                  "a time in one process, all eight taking turns")
+    mc, mz = summary["contiguous"][1], summary["zigzag"][1]
+    busiest = {layout: max((shares[layout, r] for r in range(nb)), key=lambda x: x.median)
+               for layout in ("contiguous", "zigzag")}
     note(f"""
-        The counts are exact: with contiguous chunks the busiest rank computes {summary[0][1]:.2f}× the
-        score entries of the idlest, with zig-zag {summary[1][1]:.2f}×. Measured ({machine(n)}), the
-        compute times differ by {summary[0][2]:.2f}× and {summary[1][2]:.2f}×, and the zig-zag step took
-        {summary[1][3] / summary[0][3]:.2f}× the contiguous one's. Times on a shared CPU are noisier
-        than counts; the gap grows with the number of ranks (contiguous: the last rank does n blocks
-        while rank 0 does one).
+        Counted with the skipped entries, contiguous chunks give the busiest of {nb} ranks
+        {summary["contiguous"][0]:.2f}× the idlest's work (2n − 1 = {2 * nb - 1}), zig-zag
+        {summary["zigzag"][0]:.2f}×. Timed alone, the ranks' shares differ by {mc:.2f}× under
+        contiguous chunks and {mz:.2f}× under zig-zag. {"The clock shows less imbalance than the "
+        "count: a share also pays what does not scale with its unmasked entries (kernel calls, "
+        "allocating and merging partial results), and the other processes on these cores add noise."
+        if mc < summary["contiguous"][0] else ""} A ring step lasts as long as its busiest rank, so the
+        busiest share is what counts (the total work is the same): zig-zag's against contiguous
+        chunks', {compare(busiest["zigzag"], busiest["contiguous"], "zig-zag", "contiguous")}.
     """)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, (layout, (c, st)) in zip(axes, measured.items()):
-        ax.bar([r - 0.2 for r in range(n)], [x / max(c) for x in c], width=0.4, label="work counted")
-        ax.bar([r + 0.2 for r in range(n)], [x["compute"] / max(y["compute"] for y in st) for x in st],
-               width=0.4, label="compute time measured")
-        ax.set_title(layout)
-        ax.set_xlabel("rank")
-        ax.set_xticks(range(n))
-    axes[0].set_ylabel("relative to the busiest rank")
-    axes[0].legend()
-    figure(fig, caption="per-rank work of causal ring attention: contiguous chunks vs zig-zag")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for ax, layout in zip(axes, ("contiguous", "zigzag")):
+        c = ring_work(S, nb, layout)
+        t = [shares[layout, r].median for r in range(nb)]
+        ax.bar([r - 0.2 for r in range(nb)], [x / max(c) for x in c], width=0.4, label="work counted")
+        ax.bar([r + 0.2 for r in range(nb)], [x / max(t) for x in t], width=0.4, label="time measured")
+        ax.set_title(layout, fontsize=10)
+        ax.set_xlabel("rank", fontsize=10)
+        ax.set_xticks(range(nb))
+    axes[0].set_ylabel("relative to the busiest rank", fontsize=10)
+    axes[0].legend(fontsize=9, loc="upper left")
+    figure(fig, caption="each rank's share of causal attention on a 4-rank ring, contiguous chunks vs zig-zag: "
+                        "counted entries and measured time, each relative to its busiest rank")
+    n = timing_ranks(4)
+    steps = {layout: spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, layout=layout, causal=True, repeats=5,
+                           name=f"causal ring, {layout}, {n} ranks").returns for layout in ("contiguous", "zigzag")}
+    step = {layout: Timing([max(x["samples"]["wall"][i] for x in st) for i in range(len(st[0]["samples"]["wall"]))])
+            for layout, st in steps.items()}
+    note(f"""
+        The whole ring on {machine(n)}, communication included, the step waiting for the slowest
+        rank: zig-zag against contiguous, {compare(step["zigzag"], step["contiguous"], "zig-zag", "contiguous")}.
+        Both ranks share these cores with the transfers and with other processes, so the step
+        is a noisier instrument than the shares above; the counted gap grows as 2n − 1, so zig-zag's
+        gain grows with the number of ranks.
+    """)
     note("""
         The zig-zag layout is a different order of the tokens, nothing more: the model embeds each
         token at its true position and the loss is a sum over tokens, so training is unchanged
         (the GPT check above ran with zig-zag).
     """)
+
+
+_VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page's sizes, shared by two sections
+
+
+def variant_run():
+    """Ring, all-gather and Ulysses, forward+backward at `attention_sizes()`: measured once per page."""
+    from util.measure import timing_ranks
+    key = (timing_ranks(4), attention_sizes())
+    if key not in _VARIANT_RUN:
+        n, (S, h, d) = key
+        _VARIANT_RUN[key] = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d,
+                                  variants=["ring", "all-gather", "ulysses"],
+                                  name=f"ring vs all-gather vs Ulysses, {n} ranks").returns
+    return _VARIANT_RUN[key]
+
+
+def gqa_bytes(rank, world_size, seq_len, heads, kv_heads, head_dim):
+    """Bytes this rank sent in one causal forward+backward of each variant, with K/V of `kv_heads`
+    heads (grouped-query attention) and with K/V repeated to all `heads` before the call."""
+    from util.measure import bytes_sent
+    out = {}
+    for kvh in (kv_heads, heads):
+        q, _, _, dout = _inputs(seq_len, heads, head_dim, rank, world_size, "zigzag")
+        _, k, v, _ = _inputs(seq_len, kvh, head_dim, rank, world_size, "zigzag")
+        for name in ATTENTION:
+            fn = functools.partial(ATTENTION[name], causal=True, layout="zigzag")
+            dist.barrier()
+            with bytes_sent() as sent:
+                fwd_bwd(fn, q, k, v, dout)
+            out[name, kvh] = sent.bytes
+    return out
 
 
 def allgather_section():
@@ -581,13 +884,29 @@ def allgather_section():
     see(AllGatherAttention)
     n = timing_ranks(4)
     S, h, d = attention_sizes()
-    r = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d, variants=["ring", "all-gather"],
-              name=f"ring vs all-gather, {n} ranks").returns
+    r = variant_run()
     table([[name, r[0][name]["time"].ms(), max(x[name]["held"] for x in r) / 2**20,
             r[0][name]["shard_bytes"] / 2**20] for name in ("ring", "all-gather")],
           header=["variant", "forward+backward", "held for backward per rank (MiB)", "one q shard (MiB)"],
           caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}. "
                   "Held bytes measured with a saved-tensors hook")
+    note("""
+        **Grouped-query attention makes K/V small.** With GQA, h query heads share $h_{kv}$ K/V
+        heads, so the K/V a rank must send are $h_{kv}/h$ of its queries' size — *if* they travel
+        with their own heads and are repeated only after the transfer, as here (lecture 01's
+        attention repeats them before `attend`; the context-parallel wrapper takes one of each
+        group back, a view, so the wire carries $h_{kv}$ heads). Llama 3 gives this as one reason
+        for choosing all-gather: with GQA the gathered K and V are much smaller than Q, so the
+        exposed all-gather is short (the other: it handles document masks easily).
+    """)
+    Sg, hg, kvg, dg = 256, 8, 2, 32
+    b = spawn(gqa_bytes, n, seq_len=Sg, heads=hg, kv_heads=kvg, head_dim=dg,
+              name=f"bytes with grouped-query attention, {n} ranks").returns[0]
+    table([[name, b[name, hg] / 2**10, b[name, kvg] / 2**10, b[name, kvg] / b[name, hg]] for name in ATTENTION],
+          header=["variant", f"KiB sent, K/V with {hg} heads", f"KiB sent, K/V with {kvg} heads (GQA)", "ratio"],
+          caption=f"bytes rank 0 wrote in one causal forward+backward, s = {Sg}, {hg} query heads, head dim {dg}, "
+                  f"float32; the ring and all-gather move only K/V and dK/dV (expected ratio {kvg}/{hg}), "
+                  "Ulysses also moves q and the output")
 
 
 def ulysses_section():
@@ -608,75 +927,116 @@ def ulysses_section():
     n = timing_ranks(4)
     S, h, d = attention_sizes()
     rows, shards = [], {}
-    for ranks in sorted({2, 4, n}):
+    for ranks in (2, 4):
         r = spawn(compare_variants, ranks, seq_len=S, heads=h, head_dim=d, variants=["ring", "ulysses", "all-gather"],
-                  repeats=3, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks").returns
+                  repeats=1, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks").returns
         shard = shards[ranks] = r[0]["ring"]["shard_bytes"]
         for name in ("ring", "ulysses", "all-gather"):
             model = {"ring": (2 * (ranks - 1) + 2 * (ranks - 1) + 2 * ranks) * shard,
                      "ulysses": 2 * 4 * (ranks - 1) / ranks * shard,
                      "all-gather": (2 * (ranks - 1) + 2 * (ranks - 1)) * shard}[name]
-            rows.append([ranks, name, r[0][name]["sent_forward"] / 2**20, r[0][name]["sent"] / 2**20, model / 2**20,
-                         r[0][name]["time"].ms() + ("" if ranks <= n else " (oversubscribed)")])
+            rows.append([ranks, name, r[0][name]["sent_forward"] / 2**20, r[0][name]["sent"] / 2**20, model / 2**20])
     table(rows, header=["ranks", "variant", "sent in forward (MiB, measured)", "forward+backward (MiB, measured)",
-                        "forward+backward (model)", "time"],
+                        "forward+backward (model)"],
           caption=f"bytes rank 0 wrote to its sockets (/proc/self/io), s = {S}, {h} heads, head dim {d}, float32; "
                   f"model: ring 2(n−1) K/V forward + 2(n−1) K/V and 2n dK/dV backward shards; Ulysses 4 all-to-alls "
-                  f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings. {machine(n)}")
+                  f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings")
     extra = [(row[0], (row[3] - row[2]) / (2 * (row[0] - 1) * shards[row[0]] / 2**20)) for row in rows if row[1] == "all-gather"]
     note(f"""
         The ring and Ulysses send what the model says, plus small headers. The all-gather
         variant's backward sent {", ".join(f"{x:.1f}× ({n} ranks)" for n, x in extra)} the bytes a
-        ring reduce-scatter of dK/dV needs: gloo's reduce-scatter on CPU sends more than the ring
-        bound (NCCL's is a ring). Ulysses' volume per rank falls as n grows, the ring's grows:
-        at large n that is Ulysses' advantage, and its head limit is the price.
+        ring reduce-scatter of dK/dV needs: gloo's reduce-scatter on CPU is a full all-reduce
+        (NCCL's is a ring). Ulysses' volume per rank falls as n grows, the ring's grows: at large
+        n that is Ulysses' advantage, and its head limit is the price.
     """)
+    from util.measure import compare
+    t = {name: x["time"] for name, x in variant_run()[0].items()}
+    table([[name, t[name].ms()] for name in ("ring", "all-gather", "ulysses")],
+          header=["variant", "forward+backward"],
+          caption=f"the three variants' times from the run of the all-gather section (one measurement per page); "
+                  f"causal, s = {S}, {h} heads, head dim {d}, float32; {machine(n)}")
+    note(f"Ulysses against the ring: {compare(t['ulysses'], t['ring'], 'Ulysses', 'the ring')}.")
     msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
     note(f"With 2 heads on 4 ranks Ulysses refuses: *{msg}*")
 
 
 def pytorch_context_parallel():
-    from util.measure import machine, timing_ranks
+    import matplotlib.pyplot as plt
+    from util.measure import compare, errorbar, machine, timing_ranks
     note("""
         ## PyTorch's own: `context_parallel`
         `torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`
-        shards the given tensors along the sequence (head-tail order for causal attention: the
-        same zig-zag) and patches `F.scaled_dot_product_attention` to run a ring. In torch 2.13 its
-        handlers cover the CUDA kernels only; on CPU it fails with "aten._scaled_dot_product_flash_
-        attention_for_cpu.default does not have a sharding strategy registered". The shim below
-        registers that op (and its backward) with PyTorch's own ring functions; on a GPU it is not
-        used. It is tested against one process like our variants.
+        shards the given tensors along the sequence (head-tail order for causal attention: our
+        zig-zag) and routes `F.scaled_dot_product_attention` to its context-parallel attention.
+        How K/V move is an option, and **torch 2.13's default is not a ring**: `set_rotate_method`
+        chooses `"allgather"` (the default: the forward all-gathers K/V once) or `"alltoall"` (K/V
+        pass from rank to rank, a ring). Either way dK/dV travel around the ring by all-to-all in
+        backward. In torch 2.13 its handlers cover the CUDA kernels only; on CPU it fails with
+        "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+        registered". The shim below registers that op (and its backward) with PyTorch's own
+        `_templated_ring_attention` functions, which then follow the rotate method; on a GPU it is
+        not used. Both rotate methods are checked against one process like our variants.
     """)
     see(install_cpu_context_parallel_shim)
+    see(rotate_method)
     n = timing_ranks(4)
     S, h, d = attention_sizes()
     Sc = 24
     q, k, v, dout = attention_inputs(Sc, 4)
     ref = reference_attention(q, k, v, dout, True)
     r = spawn(pytorch_cp_demo, n, check_len=Sc, seq_len=S, heads=h, head_dim=d,
-              name=f"PyTorch context_parallel vs one process and vs our ring, {n} ranks").returns
-    diffs = [(zigzag_unshard([x["check"][i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
+              name=f"PyTorch context_parallel vs one process and vs ours, {n} ranks").returns
+    diffs = {how: [(zigzag_unshard([x["check"][how][i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
+             for how in ("allgather", "alltoall")}
     t = r[0]["timing"]
-    table([["max |Δ| vs one process (float64, s=24): output, dQ, dK, dV", ", ".join(f"{x:.1e}" for x in diffs)],
-           ["PyTorch's layout equals our zig-zag", t["same_layout"]],
-           ["max |Δ| PyTorch vs ours (float32 outputs)", t["max_diff"]],
-           ["PyTorch context_parallel, forward+backward", t["theirs"].ms()],
-           ["our ring (zig-zag), forward+backward", t["ours"].ms()],
-           ["ours / PyTorch", t["ours"].median / t["theirs"].median]],
-          header=["what", "value"], caption=f"causal attention, s = {S}, {h} heads, head dim {d}; {machine(n)}; "
-                                            "the two alternate, repetition by repetition. PyTorch merges partials in "
-                                            "float32 (`convert_to_f32`), hence ~1e-7 in float64")
-    ratio = t["ours"].median / t["theirs"].median
-    verdict = ("that extra bookkeeping shows" if ratio > 1.05 else
-               "about the same, so at this size the kernel's work dominates both" if ratio >= 0.95 else
-               "PyTorch's path around the kernel (context_parallel's dispatch, and on CPU this "
-               "lecture's shim) costs more than our calls at this size; we did not time its parts")
+    table([[f"max |Δ| vs one process, rotate {how!r} (float64, s = {Sc}): output, dQ, dK, dV",
+            ", ".join(f"{x:.1e}" for x in diffs[how])] for how in diffs] +
+          [["PyTorch's layout equals our zig-zag", t["same_layout"]],
+           ["max |Δ| PyTorch vs our ring (float32 outputs)", t["max_diff"]]],
+          header=["check", "value"], caption="PyTorch merges partials in float32 (`convert_to_f32`), hence ~1e-7 "
+                                             "in float64")
+    names = list(PYTORCH_VS_OURS)
+    table([[name, t["time"][name].ms(), t["sent"][name] / 2**20, t["sent"][name] / t["shard_bytes"]] for name in names],
+          header=["implementation", "forward+backward", "MiB rank 0 sent", "sent / one K shard"],
+          caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}; the four "
+                  "take turns, repetition by repetition (ours are timed again here, beside PyTorch's, under the "
+                  "same load; the all-gather section's run was separate, so the two can differ by the machine's "
+                  "drift); bytes from /proc/self/io")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    colors = ["tab:blue", "tab:orange"] * 2
+    errorbar(axes[0], range(4), [t["time"][x] for x in names], fmt="none", ecolor="black", capsize=4)
+    axes[0].bar(range(4), [t["time"][x].median * 1e3 for x in names], color=colors)
+    axes[0].set_ylabel("forward+backward (ms)")
+    axes[1].bar(range(4), [t["sent"][x] / 2**20 for x in names], color=colors)
+    axes[1].set_ylabel("MiB sent by rank 0")
+    for ax in axes:
+        ax.set_xticks(range(4))
+        ax.set_xticklabels(["PyTorch\nall-gather", "ours\nall-gather", "PyTorch\nring", "ours\nring"], fontsize=9)
+        ax.axvline(1.5, color="gray", lw=0.8, ls=":")
+    figure(fig, caption="like against like: PyTorch's default (all-gather) beside ours, PyTorch's all-to-all "
+                        "rotation beside our ring (blue: PyTorch, orange: ours; bars: medians, whiskers: "
+                        "interquartile range)")
+    ag = compare(t["time"]["ours, all-gather"], t["time"]["PyTorch, all-gather (default)"], "ours", "PyTorch's")
+    ring = compare(t["time"]["ours, ring"], t["time"]["PyTorch, all-to-all rotation (a ring)"], "our ring",
+                   "PyTorch's all-to-all rotation")
     note(f"""
-        Both run the same fused CPU kernel on the blocks, so they differ in bookkeeping, not in
-        arithmetic. Ours calls the kernel once per pair of segments (up to four per step under
-        zig-zag, where PyTorch halves the query or key block instead: one call) and merges the
-        partials with a few tensor operations per pair, in Python. Here ours takes
-        {ratio:.2f}× PyTorch's time: {verdict}.
+        All-gather against all-gather: {ag}. Ring against ring: {ring}.
+        Both sides run the same fused CPU kernel on the blocks, so what remains is how the work
+        around it is organised (read in torch 2.13's `_templated_ring_attention(_backward)`):
+
+        - **Backward of the all-gather variant.** PyTorch saves only the local K/V and
+          all-gathers them again in backward, then passes the dK/dV accumulators around the ring
+          (n all-to-alls); ours keeps the gathered K/V for backward (more memory, no second
+          gather) and sends dK/dV home with one reduce-scatter — on gloo a full all-reduce.
+          Measured, ours sent {t["sent"]["ours, all-gather"] / t["sent"]["PyTorch, all-gather (default)"]:.2f}×
+          the bytes PyTorch's all-gather did.
+        - **One kernel call per step or several.** Under zig-zag PyTorch halves the query or the
+          key block so each step is one kernel call; ours calls the kernel once per pair of
+          segments (up to three per step) and merges each partial in Python.
+        - **How a ring hop travels.** PyTorch's rotation is an `all_to_all_single` in which each
+          rank sends to one other (`permute_tensor`); ours is a batched `isend`/`irecv` pair.
+        - **Precision of the merge.** PyTorch merges partials in float32 (`convert_to_f32`), ours in
+          float32 or float64, as the inputs are.
     """)
 
 
@@ -716,32 +1076,51 @@ def mixture_of_experts():
     table(rows, header=["capacity factor", "capacity C (slots per expert)", "dropped choices", "fraction dropped"],
           caption="an untrained top-2 router over 8 experts, 512 tokens: dropped choices vs capacity factor")
     steps = 40 if settings.quick else 200
-    weights = [0.0, 0.1]
-    r = spawn(train_moe_gpt, 2, aux_weights=weights, steps=steps, batch_size=8,
-              name="MoE GPT training: rank 0 without, rank 1 with the balance loss").returns
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    configs = [{"aux": 0.0}, {"aux": 0.01}, {"aux": AUX_WEIGHT}, {"bias": BIAS_STEP}]
+    labels = ["no balancing", "balance loss α = 0.01", f"balance loss α = {AUX_WEIGHT}", f"bias, γ = {BIAS_STEP}"]
+    r = spawn(train_moe_gpt, len(configs), configs=configs, steps=steps, batch_size=8,
+              name="MoE GPT training: each rank one way of balancing").returns
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     axes[0].bar(range(8), counts)
     axes[0].set_xlabel("expert")
     axes[0].set_ylabel("tokens routed (both choices)")
-    axes[0].set_title("untrained router, 512 tokens")
-    for w, log in zip(weights, r):
-        axes[1].plot(log["max_load"], label=f"balance weight {w}")
-        axes[2].plot(log["loss"], label=f"balance weight {w}")
+    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
+    for label, log in zip(labels, r):
+        axes[1].plot(log["max_load"], label=label)
+        axes[2].plot(log["loss"], label=label)
     axes[1].axhline(1, color="gray", lw=0.5)
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("busiest expert / mean load")
     axes[2].set_xlabel("step")
     axes[2].set_ylabel("training loss")
-    axes[1].legend()
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
     figure(fig, caption=f"lecture 01's GPT with 4-expert top-1 MoE MLPs (capacity factor 1.25), {steps} steps "
-                        "of AdamW; each setting trained on its own rank, side by side")
+                        "of AdamW; each way of balancing trained on its own rank, side by side (the last one is "
+                        "DeepSeek-V3's bias, a deep dive below)")
     tail = max(1, steps // 10)
     mean = lambda xs: sum(xs[-tail:]) / tail
-    table([[w, mean(log["loss"]), mean(log["aux"]), mean(log["max_load"]), mean(log["dropped"]),
-            str(log["tokens_per_expert"])] for w, log in zip(weights, r)],
-          header=["balance weight α", "loss", "balance loss", "busiest / mean load", "dropped fraction",
+    table([[label, mean(log["loss"]), mean(log["aux"]), mean(log["max_load"]), mean(log["dropped"]),
+            str(log["tokens_per_expert"])] for label, log in zip(labels, r)],
+          header=["balancing", "loss", "balance loss", "busiest / mean load", "dropped fraction",
                   "tokens per expert (last step, per layer)"],
           caption=f"means over the last {tail} steps")
+    _TRAINING.update(logs=r, labels=labels)
+    load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
+    loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
+    note(f"""
+        **Why α = {AUX_WEIGHT} here, 10× Switch's 0.01.** Fedus et al. chose α = 10⁻² as large enough to
+        balance and small enough not to disturb the language-modelling loss, over runs of many
+        thousands of steps. This run has {steps} steps: with α = 0.01 the busiest expert ended at {load[labels[1]]:.2f}× the mean
+        load (none: {load[labels[0]]:.2f}×), with α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×. The price
+        in loss over these steps: {loss[labels[1]]:.3f} and {loss[labels[2]]:.3f} against
+        {loss[labels[0]]:.3f} without balancing. The larger weight is for a short demonstration, not a
+        recommendation.
+    """)
+
+
+BIAS_STEP = 0.01
+_TRAINING = {}   # the balancing runs of mixture_of_experts(), reported again by the deep dive
 
 
 def expert_parallelism():
@@ -775,6 +1154,7 @@ def expert_parallelism():
             rows.append([n, rank, st["rows_sent"], st["rows_received"], sum(st["rows_received"]), x["sent"] / 2**10,
                          2 * (remote + returned) * d_model * 4 / 2**10])
         recv = [sum(x["stats"]["rows_received"]) for x in r]
+        last_rows = [x["stats"]["rows_sent"] for x in r]
         imbalance.append([n, (out - ref["out"]).abs().max().item(), same_drops, max(recv) / (sum(recv) / n),
                           r[0]["time"].ms() + ("" if n <= timing_ranks(4) else " (oversubscribed)")])
     table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
@@ -783,19 +1163,213 @@ def expert_parallelism():
     table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
                              "busiest rank's rows / mean", "layer forward+backward"],
           caption=f"equality and imbalance; {machine(timing_ranks(4))}")
+    dispatch_figure(last_rows, n)
     note("""
         Measured bytes include the backward pass, which repeats both all-to-alls in reverse, and
         the small count exchanges. The busiest rank sets the pace: the balance loss that evens
         out experts also evens out the ranks.
+    """)
 
-        **Why DeepSeek-V3 limits each token to 4 nodes.** With hundreds of fine-grained experts
-        and top-8 routing, a token's experts could sit on up to 8 different nodes, and every copy
+
+def dispatch_figure(rows_sent, n):
+    """Expert parallelism's two all-to-alls drawn from one run's row counts: dispatch (each rank's
+    token rows to the ranks owning their experts) and combine (the results back)."""
+    import matplotlib.pyplot as plt
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    top = max(max(row) for row in rows_sent)
+    xs = (0, 1, 2)
+    for i in range(n):
+        for j in range(n):
+            w = rows_sent[i][j]
+            if w:
+                for a, b, (src, dst) in ((xs[0], xs[1], (i, j)), (xs[1], xs[2], (j, i))):
+                    ax.plot([a + 0.12, b - 0.12], [-src, -dst], color=colors[i], lw=0.5 + 6 * w / top, alpha=0.6,
+                            solid_capstyle="butt")
+    for x, label in zip(xs, ("tokens\n(routed here)", "experts", "tokens\n(combined)")):
+        for r in range(n):
+            ax.add_patch(plt.Rectangle((x - 0.12, -r - 0.3), 0.24, 0.6, color=colors[r], zorder=3))
+            ax.text(x, -r, f"rank {r}", ha="center", va="center", fontsize=11, color="white", zorder=4,
+                    fontweight="bold")
+        ax.text(x, 0.75, label, ha="center", va="bottom", fontsize=12)
+    ax.text(0.5, -n + 0.2, "dispatch (all-to-all)", ha="center", fontsize=12)
+    ax.text(1.5, -n + 0.2, "combine (all-to-all)", ha="center", fontsize=12)
+    ax.set_xlim(-0.3, 2.3)
+    ax.set_ylim(-n, 1.5)
+    ax.axis("off")
+    figure(fig, caption=f"expert parallelism on {n} ranks, drawn from the run above: a line's width is the number "
+                        "of token rows one rank sends another (its colour: the rank the tokens belong to). "
+                        "Dispatch sends each kept (token, choice) row to its expert's rank; combine returns the "
+                        "expert outputs along the same lines, reversed")
+
+
+def expert_gradient_groups():
+    import matplotlib.pyplot as plt
+    note("""
+        ## Which gradients reduce over which group
+        In a real job expert parallelism sits inside data parallelism: the experts are split over
+        an EP group of ranks, and that group is replicated over data-parallel copies, each with
+        its own tokens. The router (and every weight outside the MoE layers: attention,
+        embeddings) is on every rank, so its gradient is summed over **all** DP × EP ranks. An
+        expert lives on one rank per EP group, so its gradient is summed only over the ranks
+        holding that same expert: the **expert-data-parallel** group, of size DP. Below, 4 ranks
+        as EP = 2 × DP = 2, checked against one process on all their tokens, with the right groups
+        and with two mistakes.
+    """)
+    see(ep_dp_groups)
+    kw = dict(d_model=16, d_ff=24, n_experts=4, top_k=2, capacity_factor=None)
+    world, ep, tokens = 4, 2, 12
+    r = spawn(expert_data_parallel, world, ep=ep, layer_kw=kw, tokens=tokens,
+              name="expert parallelism inside data parallelism, gradients by group").returns
+    moe = moe_layer(**kw)
+    xs, ws = moe_inputs(world, [tokens] * world, moe.d_model)
+    (moe(torch.cat(xs)) * torch.cat(ws)).sum().backward()
+    ref = {n: p.grad for n, p in moe.named_parameters()}
+    rows = []
+    for way in ("right", "router over EP only", "experts over all ranks"):
+        got = {}
+        for x in r:
+            got.update(x[way])
+        err = lambda pred: max((got[n] - g).abs().max().item() for n, g in ref.items() if pred(n))
+        rows.append([way, err(lambda n: n == "router.weight"), err(lambda n: n != "router.weight")])
+    table(rows, header=["how the gradients were summed", "router: max |Δ| vs one process",
+                        "experts: max |Δ| vs one process"],
+          caption=f"EP = {ep}, DP = {world // ep}, {kw['n_experts']} experts top-{kw['top_k']}, {tokens} tokens per "
+                  "rank, no capacity limit (so one process drops nothing either), float64")
+    b = r[0]["bytes"]
+    note(f"""
+        Only the right groups reproduce one process. The two reductions also differ in size:
+        rank 0 sent {b["router"] / 2**10:.1f} KiB for the router's {r[0]["numel"]["router"]} numbers over
+        all {world} ranks and {b["experts"] / 2**10:.1f} KiB for its experts' {r[0]["numel"]["experts"]} over
+        its expert-data-parallel group of {world // ep}: in a large MoE most parameters are experts, so
+        most gradient traffic runs in the smaller groups.
+    """)
+    ep_groups, edp_groups = ep_dp_groups(world, ep)
+    counts, starts = expert_owners(kw["n_experts"], ep)
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    for g in ep_groups:
+        d = g[0] // ep
+        ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
+        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
+    for j, g in enumerate(edp_groups):
+        ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
+                                   ls="--"))
+        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
+    for g in ep_groups:
+        for j, rank in enumerate(g):
+            d = rank // ep
+            ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
+            experts = list(range(starts[j], starts[j] + counts[j]))
+            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
+    ax.set_xlim(-0.6, ep + 1.0)
+    ax.set_ylim(-world // ep - 0.3, 0.5)
+    ax.axis("off")
+    figure(fig, caption="4 ranks as EP = 2 (rows, blue: the experts split, tokens dispatched by all-to-all) × "
+                        "DP = 2 (columns, red: the same experts, gradients all-reduced). The router's gradient "
+                        "is summed over all 4 ranks")
+
+
+def usp_deep_dive():
+    import matplotlib.pyplot as plt
+    note("""
+        ## Deep dive: Ulysses × ring (USP)
+        This section can be skipped on a first read. Ulysses is limited by the number of heads,
+        the ring by its growing traffic; USP (Fang & Zhao 2024) combines them on a 2-D grid of
+        ranks: the sequence is split over a ring dimension of size R and, within each ring
+        position, over a Ulysses dimension of size U. The Ulysses all-to-all turns each
+        U-group's sequence shards into head shards (h/U heads of its s/R positions), then ring
+        attention runs over the R ranks that share those heads, and a second all-to-all
+        turns the result back. CP degree U·R may then exceed the head count.
+    """)
+    see("https://arxiv.org/abs/2405.07719", "Fang & Zhao 2024: USP: A Unified Sequence Parallelism Approach for Long Context Generative AI")
+    U, R, h = 2, 2, 4
+    colors = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, phase in zip(axes, ("before the all-to-all (sequence shards)", "during attention (head shards, ring over R)")):
+        for ring in range(R):
+            for u in range(U):
+                rank = ring * U + u
+                if phase.startswith("before"):
+                    x0, w, y0, hh = ring * U + u, 1, 0, h           # all heads, its own s/(U·R) positions
+                else:
+                    x0, w, y0, hh = ring * U, U, u * h // U, h // U  # h/U heads, the ring slot's s/R positions
+                ax.add_patch(plt.Rectangle((x0, y0), w, hh, color=colors[rank], alpha=0.8, ec="white", lw=2))
+                ax.text(x0 + w / 2, y0 + hh / 2, f"rank {rank}", ha="center", va="center", fontsize=10, color="white",
+                        fontweight="bold")
+        ax.set_xlim(0, U * R)
+        ax.set_ylim(0, h)
+        ax.set_xticks([i + 0.5 for i in range(U * R)])
+        ax.set_xticklabels([f"s/{U * R}" for _ in range(U * R)], fontsize=9)
+        ax.set_xlabel("sequence", fontsize=10)
+        ax.set_title(phase, fontsize=10)
+    axes[0].set_ylabel("heads", fontsize=10)
+    axes[0].set_yticks(range(h + 1))
+    figure(fig, caption=f"USP with U = {U} (Ulysses) × R = {R} (ring) = {U * R} ranks and {h} heads: ranks "
+                        f"{list(range(U))} and {list(range(U, 2 * U))} are Ulysses groups; in attention, each rank's "
+                        "queries attend around a ring of the ranks holding the same heads")
+
+
+def balancing_deep_dive():
+    note("""
+        ## Deep dive: balancing without a loss, and the router z-loss
+        This section can be skipped on a first read. An auxiliary loss balances by pushing on the
+        router's gradients, which also pulls against the language-modelling loss. DeepSeek-V3
+        balances without a loss: each expert has a bias added to its score *only when choosing*
+        the top-k experts (the gate still uses the unbiased score), and after each step the bias
+        of every overloaded expert falls by γ and every underloaded one rises by γ (they use
+        γ = 0.001 for most of training, with a very small sequence-wise balance loss beside it).
+        The fourth run of the training above did exactly this with γ = {γ}, without any balance
+        loss. ST-MoE's **router z-loss** is another auxiliary term, for stability rather than
+        balance: the mean squared log-sum-exp of the router logits, which keeps them small
+        where a softmax in low precision stays accurate (weight 10⁻³ in ST-MoE).
+    """.replace("{γ}", str(BIAS_STEP)))
+    see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (§2.1.2, auxiliary-loss-free load balancing)")
+    see("https://arxiv.org/abs/2202.08906", "Zoph et al. 2022: ST-MoE: Designing Stable and Transferable Sparse Expert Models (router z-loss)")
+    see(MoE.update_bias)
+    see(z_loss)
+    log = _TRAINING.get("logs")
+    if log:
+        tail = max(1, len(log[0]["loss"]) // 10)
+        mean = lambda xs: sum(xs[-tail:]) / tail
+        table([[label, mean(lg["max_load"]), mean(lg["loss"]), mean(lg["z"])] for label, lg in zip(_TRAINING["labels"], log)],
+              header=["balancing", "busiest / mean load", "loss", "router z-loss (not trained on)"],
+              caption=f"the training runs above, means over the last {tail} steps")
+
+
+def node_limited_deep_dive():
+    note("""
+        ## Deep dive: why DeepSeek-V3 limits each token to 4 nodes
+        This section can be skipped on a first read. With hundreds of fine-grained experts and
+        top-8 routing, a token's experts could sit on up to 8 different nodes, and every copy
         crosses the slow inter-node network (InfiniBand) both ways. DeepSeek-V3 first picks at
         most 4 nodes per token (by the best expert scores on each node), then the experts within
         them, so each token crosses IB at most 4 times and is forwarded to its experts over the
         fast intra-node NVLink — bounding the all-to-all traffic that dominates EP's cost.
     """)
     see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (node-limited routing)")
+
+
+def what_to_remember():
+    note("""
+        ## What to remember
+        - Context parallelism splits the sequence; only attention needs other ranks' K/V, and
+          activation memory per rank falls as 1/n.
+        - Ring attention passes K/V blocks around and merges partials by log-sum-exp; its
+          transfers hide only when a block's compute outlasts its transfer (long blocks).
+        - Causal masking gives contiguous chunks a (2n − 1) : 1 imbalance; zig-zag or striped
+          layouts give every rank the same work.
+        - All-gather CP is simpler and holds the whole K/V (small under GQA: send kv_heads, repeat
+          after the transfer); Ulysses sends a volume that does not grow with n but needs
+          heads ≥ ranks. PyTorch's `context_parallel` all-gathers K/V by default.
+        - A MoE router picks top-k experts, capacity drops the overflow, and a balance loss (or
+          DeepSeek-V3's bias) keeps the experts evenly loaded.
+        - Expert parallelism moves tokens with two all-to-alls; router and shared weights reduce
+          over all DP × EP ranks, experts over their expert-data-parallel group.
+
+        The companion notebook, `lectures/notebooks/lecture_06_context_and_expert_parallel.ipynb`,
+        runs every section of this page cell by cell, with its knobs at the top.
+    """)
 
 
 def main():
@@ -805,9 +1379,15 @@ def main():
     load_balance_section()       # causal masking unbalances contiguous chunks; zig-zag
     allgather_section()          # the simpler variant and what it costs in memory
     ulysses_section()            # all-to-all to head shards: bytes compared, its limit
-    pytorch_context_parallel()   # PyTorch's own ring, with a small CPU shim
+    pytorch_context_parallel()   # PyTorch's own (all-gather by default), with a small CPU shim
     mixture_of_experts()         # router, capacity, balance loss, in training
     expert_parallelism()         # experts across ranks, tokens by all-to-all
+    expert_gradient_groups()     # EP inside DP: which gradients reduce over which group
+    # Deep dives, off the main path.
+    usp_deep_dive()              # Ulysses x ring on a 2-D grid of ranks
+    balancing_deep_dive()        # DeepSeek-V3's bias instead of a loss; the router z-loss
+    node_limited_deep_dive()     # why DeepSeek-V3 sends a token to at most 4 nodes
+    what_to_remember()           # the lecture in six lines, and its notebook
 
 
 def bench():
@@ -818,17 +1398,19 @@ def bench():
     r = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d, variants=["ring", "all-gather", "ulysses"],
               name="bench: ring vs all-gather vs Ulysses").returns[0]
     t = {k: v["time"].median for k, v in r.items()}
+    Sb, hb, db = balance_sizes()
+    shares = spawn(rank_compute, 1, seq_len=Sb, heads=hb, head_dim=db, ranks=4,
+                   name="bench: each rank's attention work alone").returns[0]
     balance = {}
     for layout in ("contiguous", "zigzag"):
-        st = spawn(ring_trace, n, seq_len=S, heads=h, head_dim=d, layout=layout, causal=True,
-                   name=f"bench: causal ring, {layout}").returns
-        c = [x["compute"] for x in st]
-        work = ring_work([len(sequence_positions(S, r, n, layout)) for r in range(n)], layout, True)
-        balance[layout] = (max(c) / min(c), max(x["wall"] for x in st), max(work) / min(work))
+        c = [shares[layout, r].median for r in range(4)]
+        work = ring_work(Sb, 4, layout)
+        balance[layout] = (max(c) / min(c), max(c), max(work) / min(work))
     return [f"lecture_06: ring {t['ring'] * 1e3:.1f} ms vs all-gather {t['all-gather'] * 1e3:.1f} ms: ratio "
             f"{t['ring'] / t['all-gather']:.2f}; vs Ulysses {t['ulysses'] * 1e3:.1f} ms: ratio {t['ring'] / t['ulysses']:.2f} "
             f"(causal fwd+bwd, s={S}, {n} ranks)",
-            f"lecture_06: causal ring max/min work per rank counted: contiguous {balance['contiguous'][2]:.2f}, zig-zag "
-            f"{balance['zigzag'][2]:.2f}; measured compute: contiguous {balance['contiguous'][0]:.2f}, zig-zag "
-            f"{balance['zigzag'][0]:.2f}; step {balance['contiguous'][1] * 1e3:.1f} ms vs {balance['zigzag'][1] * 1e3:.1f} ms "
+            f"lecture_06: causal attention on 4 ring ranks, max/min work per rank counted: contiguous "
+            f"{balance['contiguous'][2]:.2f}, zig-zag {balance['zigzag'][2]:.2f}; each share timed alone: contiguous "
+            f"{balance['contiguous'][0]:.2f}, zig-zag {balance['zigzag'][0]:.2f}; busiest share "
+            f"{balance['contiguous'][1] * 1e3:.1f} ms vs {balance['zigzag'][1] * 1e3:.1f} ms "
             f"(zig-zag / contiguous {balance['zigzag'][1] / balance['contiguous'][1]:.2f})"]

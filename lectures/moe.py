@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lectures.gpt import GPT
-from lectures.sequence_layout import offsets, split_sizes
+from lectures.sequence_layout import group_info, offsets, split_sizes
 
 
 class Expert(nn.Module):
@@ -33,15 +33,33 @@ class Expert(nn.Module):
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
-def route(router, x, top_k):
+def route(router, x, top_k, bias=None):
     """Router probabilities (T, E), the top-k experts of every token (T, k) and their gates.
     Top-1 (Switch) gates by the expert's probability, so the router learns through it; top-k > 1
-    renormalises the k probabilities to sum to one (GShard's top-2, Mixtral)."""
-    acc = torch.promote_types(x.dtype, torch.float32)              # the softmax in fp32 at least
-    probs = torch.softmax(router(x).to(acc), dim=-1).to(x.dtype)
-    top, idx = probs.topk(top_k, dim=-1)
+    renormalises the k probabilities to sum to one (GShard's top-2, Mixtral). `bias` (E,), if
+    given, shifts only the *choice* of experts, not the gates (DeepSeek-V3's auxiliary-loss-free
+    balancing)."""
+    return route_logits(router(x), top_k, bias)
+
+
+def route_logits(logits, top_k, bias=None):
+    """`route` from the router's logits (T, E)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)         # the softmax in fp32 at least
+    probs = torch.softmax(logits.to(acc), dim=-1).to(logits.dtype)
+    if bias is None:
+        top, idx = probs.topk(top_k, dim=-1)
+    else:
+        idx = (probs + bias.to(probs.dtype)).topk(top_k, dim=-1).indices
+        top = probs.gather(1, idx)
     gates = top if top_k == 1 else top / top.sum(-1, keepdim=True)
     return probs, idx, gates
+
+
+def z_loss(logits):
+    """The router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): mean over tokens of
+    (log Σ_e exp(logit_e))². It keeps the router's logits small, where the softmax is stable
+    in low precision; ST-MoE weights it 10⁻³."""
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).pow(2).mean()
 
 
 def capacity(capacity_factor, tokens, top_k, n_experts):
@@ -77,20 +95,33 @@ class MoE(nn.Module):
     (that choice contributes nothing; the residual connection carries the token). After forward,
     `aux_loss` holds the balance loss and `stats` the routing counts."""
 
-    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=1.25):
+    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=1.25, bias_update=0.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         self.d_model, self.n_experts, self.top_k, self.capacity_factor = d_model, n_experts, top_k, capacity_factor
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(n_experts))
-        self.aux_loss, self.stats = None, None
+        # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the choice, moved by
+        # `bias_update` (their γ) after each step; 0 = off.
+        self.bias_update = bias_update
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.aux_loss, self.z_loss, self.stats = None, None, None
+
+    def update_bias(self):
+        """After a step: raise the bias of experts that got fewer tokens than the mean, lower it
+        for those that got more, by γ each (DeepSeek-AI 2024, §2.1.2); no gradient involved."""
+        load = torch.tensor(self.stats["tokens_per_expert"], dtype=self.expert_bias.dtype,
+                            device=self.expert_bias.device)
+        self.expert_bias += self.bias_update * torch.sign(load.mean() - load)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         T, E = x.shape[0], self.n_experts
-        probs, idx, gates = route(self.router, x, self.top_k)
+        logits = self.router(x)
+        probs, idx, gates = route_logits(logits, self.top_k, self.expert_bias if self.bias_update else None)
+        self.z_loss = z_loss(logits)
         counts = slot_counts(idx, E)
         base = torch.cat([torch.zeros_like(counts[:1]), counts.cumsum(0)[:-1]])   # earlier choices
         pos = positions_in_expert(idx, E, base)
@@ -153,12 +184,13 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_full(cls, moe, group=None):
         """This rank's part of `moe`: a copy of the router and of the experts it owns."""
-        n, r = dist.get_world_size(group), dist.get_rank(group)
+        group, n, r = group_info(group)
         counts, starts = expert_owners(moe.n_experts, n)
         mine = nn.ModuleList(copy.deepcopy(moe.experts[e]) for e in range(starts[r], starts[r] + counts[r]))
         return cls(copy.deepcopy(moe.router), mine, moe.n_experts, moe.top_k, moe.capacity_factor, group)
 
     def forward(self, x):
+        group_info(self.group)                                         # refuse a rank outside the group
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         E, k = self.n_experts, self.top_k
@@ -186,7 +218,7 @@ class ExpertParallelMoE(nn.Module):
         """(1) All-gather every rank's (k, E) choice counts. Returns this rank's queue positions
         (T, k) as if all ranks' tokens were one batch in rank order, the global counts per choice
         (k, E), and the global number of tokens."""
-        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        _, n, r = group_info(self.group)
         counts = slot_counts(idx, self.n_experts)
         every = [torch.empty_like(counts) for _ in range(n)]
         dist.all_gather(every, counts, group=self.group)
@@ -199,7 +231,7 @@ class ExpertParallelMoE(nn.Module):
         """(2) All-to-all the rows this rank has for each expert to the experts' owners, so every
         receiver can size its buffer. Returns got (n, local experts): rows arriving from each rank
         for each local expert; the rows sent to and received from each rank."""
-        n = dist.get_world_size(self.group)
+        _, n, _ = group_info(self.group)
         owners, first = expert_owners(self.n_experts, n)
         mine = len(self.experts)
         got = torch.empty(n * mine, dtype=torch.int64, device=per_expert.device)

@@ -18,7 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from lectures.attention_blocks import acc_dtype, check_qkv, pair_kind, segments_backward, segments_forward
+from lectures.attention_blocks import (SegmentAttention, acc_dtype, check_qkv, expand_kv, fold_kv, segments_backward,
+                                       segments_forward, visible_entries)
 from lectures.sequence_layout import gather_lengths, group_info, layout_segments
 
 TRACE = None  # a list while `tracing()` is on: (label, start, end, work) of ring compute and transfers
@@ -38,6 +39,12 @@ def tracing():
 def _trace(label, start, end, work=0):
     if TRACE is not None:
         TRACE.append((label, start, end, work))
+
+
+def ring_source(rank, step, world_size):
+    """Whose K/V block `rank` holds at `step` of the ring: its own at step 0, then r−1's, r−2's, …
+    (each step every rank passes what it holds to r+1). The schedule the forward and backward follow."""
+    return (rank - step) % world_size
 
 
 def _global(group, r):
@@ -81,47 +88,52 @@ class RingAttention(torch.autograd.Function):
         lengths = gather_lengths(q.shape[2], group, n, q.device)
         segs = layout_segments(lengths, layout)
         b, h, _, d = q.shape
+        hk, groups = k.shape[1], h // k.shape[1]          # grouped-query attention: hk K/V heads travel
         out = torch.zeros_like(q_)
         lse = torch.full(q_.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.cat([k_, v_], dim=-1)
         work = []
         for step in range(n):
-            src = (r - step) % n
-            nxt = RingTransfer(kv, (b, h, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
+            src = ring_source(r, step, n)
+            nxt = RingTransfer(kv, (b, hk, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
                             "K/V transfer") if step < n - 1 else None
             start, before = time.perf_counter(), len(work)
-            segments_forward(q_, kv[..., :d], kv[..., d:], segs[r], segs[src], causal, scale, out, lse, work)
+            kv_h = expand_kv(kv, groups)                    # repeated after the transfer, not before
+            segments_forward(q_, kv_h[..., :d], kv_h[..., d:], segs[r], segs[src], causal, scale, out, lse, work)
             _trace("block compute", start, time.perf_counter(), sum(work[before:]))
             if nxt is not None:
                 kv = nxt.wait()
         ctx.save_for_backward(q_, k_, v_, out, lse)
-        ctx.meta = (causal, group, n, r, lengths, segs, scale, q.dtype)
+        ctx.meta = (causal, group, n, r, lengths, segs, scale, q.dtype, groups)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, group, n, r, lengths, segs, scale, dtype = ctx.meta
+        causal, group, n, r, lengths, segs, scale, dtype, groups = ctx.meta
         dout = dout.to(q.dtype).contiguous()
-        delta = (dout * out).sum(-1)
+        delta = (dout * out).sum(-1)    # D = rowsum(dO ∘ O): computed at the start of backward, not saved
         b, h, _, d = q.shape
+        hk = k.shape[1]
         dq = torch.zeros_like(q)
         kv = torch.cat([k, v], dim=-1)
         grad_in = None            # the dK/dV accumulator of the block we hold, arriving from r−1
         for step in range(n):
-            src = (r - step) % n
-            nxt = RingTransfer(kv, (b, h, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
+            src = ring_source(r, step, n)
+            nxt = RingTransfer(kv, (b, hk, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
                             "K/V transfer") if step < n - 1 else None
             start = time.perf_counter()
-            dkv = torch.zeros(b, h, lengths[src], 2 * d, dtype=q.dtype, device=q.device)
-            work = sum(qs[1] * ks[1] for qs in segs[r] for ks in segs[src] if pair_kind(qs, ks, causal) != "empty")
-            segments_backward(q, kv[..., :d], kv[..., d:], dout, out, lse, delta, segs[r], segs[src], causal,
-                              scale, dq, dkv[..., :d], dkv[..., d:])
+            dkv_h = torch.zeros(b, h, lengths[src], 2 * d, dtype=q.dtype, device=q.device)
+            work = sum(visible_entries(qs, ks, causal) for qs in segs[r] for ks in segs[src])
+            kv_h = expand_kv(kv, groups)
+            segments_backward(q, kv_h[..., :d], kv_h[..., d:], dout, out, lse, delta, segs[r], segs[src], causal,
+                              scale, dq, dkv_h[..., :d], dkv_h[..., d:])
+            dkv = fold_kv(dkv_h, groups)                    # summed over the query heads before it travels
             _trace("block compute (backward)", start, time.perf_counter(), work)
             if grad_in is not None:
                 dkv += grad_in.wait()
             # Pass the accumulator on; after n hops it is back with the block's owner.
-            grad_in = RingTransfer(dkv, (b, h, lengths[(r - step - 1) % n], 2 * d), group, n, r, 1,
+            grad_in = RingTransfer(dkv, (b, hk, lengths[(r - step - 1) % n], 2 * d), group, n, r, 1,
                                 "dK/dV transfer")
             if nxt is not None:
                 kv = nxt.wait()
@@ -132,6 +144,12 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, causal=False, group=None, layout="contiguous"):
     """Attention over the whole sequence from local shards (batch, heads, local_seq, head_dim)
     held in `layout` ('contiguous' or 'zigzag') across `group`; returns the local output shard.
-    A drop-in for lecture 01's `CausalSelfAttention.attend` with causal=True."""
+    A drop-in for lecture 01's `CausalSelfAttention.attend` with causal=True. K/V may have fewer
+    heads than q (grouped-query attention): they travel with their own heads. On a group of one
+    rank it is plain attention (a ring of one has nobody to send to)."""
     check_qkv(q, k, v)
+    _, n, _ = group_info(group)
+    if n == 1:
+        segs = layout_segments([q.shape[2]], layout)[0]
+        return SegmentAttention.apply(q, k, v, segs, segs, causal)
     return RingAttention.apply(q, k, v, causal, group, layout)

@@ -25,8 +25,17 @@ def offsets(sizes):
     return out
 
 
+def check_rank(rank, world_size):
+    """Refuse a rank that is not 0..world_size−1: a global rank passed where a group rank belongs
+    would otherwise select another rank's chunks without a word."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of {world_size} ranks (0..{world_size - 1}): pass "
+                         "the rank within the context-parallel group (dist.get_rank(group)), not the global rank")
+
+
 def zigzag_chunks(rank, world_size):
     """The two chunks (of 2n) that rank r holds under zig-zag: r and 2n−1−r (one early, one late)."""
+    check_rank(rank, world_size)
     return rank, 2 * world_size - 1 - rank
 
 
@@ -51,6 +60,7 @@ def zigzag_unshard(shards, dim):
 
 def contiguous_shard(x, rank, world_size, dim):
     """This rank's contiguous slice along `dim` (torch.tensor_split's sizes)."""
+    check_rank(rank, world_size)
     return torch.tensor_split(x, world_size, dim=dim)[rank]
 
 
@@ -95,13 +105,33 @@ def sequence_positions(seq_len, rank, world_size, layout="contiguous"):
     return shard_sequence(torch.arange(seq_len), rank, world_size, 0, layout)
 
 
+def striped_positions(seq_len, rank, world_size):
+    """Striped attention's layout (Brandon et al. 2023): rank r holds tokens r, r+n, r+2n, … The
+    other balanced layout; this course's ring implements contiguous and zig-zag, and uses this one
+    only to count and draw the work (each of its blocks is a near-triangle, so a kernel needs a
+    mask shifted by one for ranks after the query's)."""
+    check_rank(rank, world_size)
+    return torch.arange(rank, seq_len, world_size)
+
+
+def causal_work(positions):
+    """Score entries a rank computes in causal attention over the whole sequence, with a kernel
+    that skips masked entries: a query at position p sees p + 1 keys, wherever they live."""
+    return int(sum(int(p) + 1 for p in positions))
+
+
 # --- Which rank holds how many positions ----------------------------------------------------
 
 def group_info(group):
-    """(group, its size, this rank's index in it); None means the default group."""
+    """(group, its size, this rank's index in it); None means the default group. Every building
+    block of lecture 06 calls this first, so a rank outside `group` gets one clear error (not
+    zeros, not an IndexError deep inside)."""
     group = group or dist.group.WORLD
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    return group, n, r
+    r = dist.get_rank(group)
+    if r < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of this process group: call the "
+                         "layer only on the group's ranks (each rank passes the group it belongs to)")
+    return group, dist.get_world_size(group), r
 
 
 def gather_lengths(local_len, group, n, dev):

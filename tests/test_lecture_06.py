@@ -5,6 +5,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lectures import attention_blocks
 from lectures import lecture_06_context_and_expert_parallel as L
@@ -38,7 +39,8 @@ def everything(rank, world_size):
             "moe": {name: L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size])
                     for name, (kw, tokens) in MOE_CASES.items()},
             "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
-            "pytorch": L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4)
+            "pytorch": {how: L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4,
+                                                                  rotate=how) for how in ("allgather", "alltoall")}
             if world_size != 3 else None}
 
 
@@ -199,13 +201,15 @@ def test_balance_loss_has_the_published_form():
     assert uniform.item() == pytest.approx(1.0) and collapsed.item() == pytest.approx(E)
 
 
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_pytorch_context_parallel_with_the_cpu_shim(runs, world_size):
-    """PyTorch's ring (through our shim) equals one process; it merges partials in float32."""
+def test_pytorch_context_parallel_with_the_cpu_shim(runs, world_size, rotate):
+    """PyTorch's context_parallel (through our shim), with either rotate method, equals one
+    process; it merges partials in float32."""
     S = 8 * world_size
     q, k, v, dout = L.attention_inputs(S, 4)
     reference = L.reference_attention(q, k, v, dout, causal=True)
-    per_rank = [r["pytorch"] for r in runs[world_size]]
+    per_rank = [r["pytorch"][rotate] for r in runs[world_size]]
     for i, ref in enumerate(reference):
         got = L.zigzag_unshard([x[i] for x in per_rank], dim=2)   # head-tail = our zig-zag
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -230,3 +234,193 @@ def test_block_math_with_and_without_the_fused_kernel(monkeypatch, fused):
 def test_quick_build(course_site):
     site = built(course_site, "lecture_06_context_and_expert_parallel")    # the session's one quick build
     assert (site / "lecture_06_context_and_expert_parallel.json").exists()
+
+
+# --- Misuse and edge cases found by trying ----------------------------------------------------
+
+def one_rank_groups(rank, world_size):
+    """Every variant on a group of one rank (each rank its own), forward and backward; the
+    context-parallel GPT on a group of one."""
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    q, k, v, dout = L.attention_inputs(10, 4)
+    out = {}
+    for variant in VARIANTS:
+        for causal in (False, True):
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            o = L.ATTENTION[variant](ql, kl, vl, causal=causal, group=groups[rank], layout="zigzag")
+            o.backward(dout)
+            out[variant, causal] = [t.detach() for t in (o, ql.grad, kl.grad, vl.grad)]
+    cfg = L.gpt_config("float64")
+    model = L.context_parallel_gpt(L.GPT(cfg), group=groups[rank])
+    tokens, targets = L.batch(cfg, 2, step=0)
+    L.loss_fn(model(tokens), targets).backward()
+    out["gpt"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_a_group_of_one_rank_is_plain_attention():
+    runs = spawn(one_rank_groups, 2).returns
+    q, k, v, dout = L.attention_inputs(10, 4)
+    for variant in VARIANTS:
+        for causal in (False, True):
+            for got, want in zip(runs[1][variant, causal], L.reference_attention(q, k, v, dout, causal)):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{variant} {causal}")
+    cfg = L.gpt_config("float64")
+    model = L.GPT(cfg)
+    tokens, targets = L.batch(cfg, 2, step=0)
+    L.loss_fn(model(tokens), targets).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(runs[0]["gpt"][n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def outside_the_group(rank, world_size):
+    """Rank 1 calls every building block with a group it does not belong to: each must refuse."""
+    group = dist.new_group([0])
+    if rank == 0:
+        return None
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    errors = {}
+    for variant in VARIANTS:
+        try:
+            errors[variant] = repr(L.ATTENTION[variant](q, q, q, causal=True, group=group))
+        except Exception as e:                                          # noqa: BLE001
+            errors[variant] = f"{type(e).__name__}: {e}"
+    moe = L.moe_layer(n_experts=4, top_k=1)
+    try:
+        ep = L.ExpertParallelMoE.from_full(moe, group=group)
+        errors["moe"] = repr(ep(torch.randn(5, moe.d_model, dtype=torch.float64)))
+    except Exception as e:                                              # noqa: BLE001
+        errors["moe"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_a_rank_outside_the_group_is_refused():
+    errors = spawn(outside_the_group, 2).returns[1]
+    for what, msg in errors.items():
+        assert msg.startswith("ValueError") and "not a member" in msg, (what, msg)
+
+
+def test_a_rank_beyond_the_group_is_refused():
+    x = torch.arange(16)
+    for fn in (lambda: L.zigzag_shard(x, 2, 2, 0), lambda: L.sequence_positions(16, 2, 2, "zigzag"),
+               lambda: L.sequence_positions(16, 4, 2, "contiguous"), lambda: L.zigzag_shard(x, -1, 2, 0)):
+        with pytest.raises(ValueError, match="group rank|not in a group"):
+            fn()
+
+
+# --- Grouped-query attention: K/V travel with their own heads ---------------------------------
+
+def gqa_shards(rank, world_size, seq_len, heads, kv_heads):
+    """Every variant with kv_heads < heads (causal, zig-zag): local outputs and gradients, and the
+    bytes this rank sent with kv_heads and with the K/V repeated to every head first."""
+    from util.measure import bytes_sent
+    q, _, _, dout = L.attention_inputs(seq_len, heads, head_dim=16)
+    _, k, v, _ = L.attention_inputs(seq_len, kv_heads, head_dim=16, seed=1)
+    shard = lambda t: L.shard_sequence(t, rank, world_size, 2, "zigzag")
+    out, sent = {}, {}
+    for variant in VARIANTS:
+        for name, (kk, vv) in {"gqa": (k, v), "repeated": (k.repeat_interleave(heads // kv_heads, 1),
+                                                          v.repeat_interleave(heads // kv_heads, 1))}.items():
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, kk, vv))
+            dist.barrier()
+            with bytes_sent() as s:
+                o = L.ATTENTION[variant](ql, kl, vl, causal=True, layout="zigzag")
+                o.backward(shard(dout))
+            sent[variant, name] = s.bytes
+            if name == "gqa":
+                out[variant] = [t.detach() for t in (o, ql.grad, kl.grad, vl.grad)]
+    try:                                   # Ulysses needs the K/V heads to split over the ranks too
+        L.ulysses_attention(shard(q), shard(k[:, :1]), shard(v[:, :1]), causal=True, layout="zigzag")
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return {"out": out, "sent": sent, "refusal": refusal}
+
+
+def test_grouped_query_attention_sends_kv_heads():
+    heads, kv_heads, S = 8, 2, 64
+    runs = spawn(gqa_shards, 2, seq_len=S, heads=heads, kv_heads=kv_heads).returns
+    q, _, _, dout = L.attention_inputs(S, heads, head_dim=16)
+    _, k, v, _ = L.attention_inputs(S, kv_heads, head_dim=16, seed=1)
+    kr, vr = (t.repeat_interleave(heads // kv_heads, 1).detach().requires_grad_() for t in (k, v))
+    qr = q.clone().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    ref.backward(dout)
+    fold = lambda g: g.view(g.shape[0], kv_heads, heads // kv_heads, *g.shape[2:]).sum(2)
+    for variant in VARIANTS:
+        for i, want in enumerate((ref.detach(), qr.grad, fold(kr.grad), fold(vr.grad))):
+            got = L.zigzag_unshard([r["out"][variant][i] for r in runs], 2)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{variant} {i}")
+    sent = runs[0]["sent"]
+    # ring and all-gather move only K/V (and dK/dV): a quarter of the bytes, headers aside
+    for variant in ("ring", "all-gather"):
+        assert sent[variant, "gqa"] < 0.3 * sent[variant, "repeated"], (variant, sent)
+    assert sent["ulysses", "gqa"] < 0.8 * sent["ulysses", "repeated"], sent
+    assert "K/V heads" in runs[0]["refusal"]
+
+
+def test_pytorch_default_rotation_is_all_gather():
+    """torch 2.13's context_parallel all-gathers K/V unless told otherwise; rotate_method restores."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_GATHER
+    with L.rotate_method("alltoall"):
+        assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_TO_ALL
+    assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_GATHER
+
+
+def traced_work(rank, world_size, seq_len):
+    return {layout: L.ring_trace(rank, world_size, seq_len, heads=2, head_dim=8, layout=layout, causal=True,
+                                 repeats=1)["work"] for layout in ("contiguous", "zigzag")}
+
+
+def test_causal_work_counts_skipped_entries_and_zigzag_balances_it():
+    """Contiguous chunks: (2n − 1) : 1 once the masked half of the diagonal block is skipped; zig-zag
+    and striped: equal shares. The ring's own count of the entries its blocks computed (segment
+    planner) equals the position formula (a query at p sees p + 1 keys)."""
+    S = 4096
+    for n in (2, 4, 8):
+        c = L.ring_work(S, n, "contiguous")
+        assert max(c) / min(c) == pytest.approx(2 * n - 1, rel=0.01)
+        assert L.ring_work(S, n, "zigzag") == [L.ring_work(S, n, "zigzag")[0]] * n
+        st = L.ring_work(S, n, "striped")
+        assert max(st) / min(st) < 1.01
+    assert sum(L.ring_work(S, 4, "contiguous")) == S * (S + 1) // 2
+    runs = spawn(traced_work, 2, seq_len=30).returns
+    for rank, got in enumerate(runs):
+        for layout in ("contiguous", "zigzag"):
+            assert got[layout] == 2 * L.ring_work(30, 2, layout)[rank]      # forward + backward
+
+
+def test_expert_gradients_reduce_over_their_groups():
+    """EP = 2 inside DP = 2: router over all ranks, experts over their expert-data-parallel group
+    equals one process; either mistake does not."""
+    kw = dict(d_model=8, d_ff=12, n_experts=4, top_k=2, capacity_factor=None)
+    runs = spawn(L.expert_data_parallel, 4, ep=2, layer_kw=kw, tokens=7).returns
+    moe = L.moe_layer(**kw)
+    xs, ws = L.moe_inputs(4, [7] * 4, moe.d_model)
+    (moe(torch.cat(xs)) * torch.cat(ws)).sum().backward()
+    assert L.ep_dp_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    for way in ("right", "router over EP only", "experts over all ranks"):
+        got = {}
+        for r in runs:
+            got.update(r[way])
+        assert set(got) == {n for n, _ in moe.named_parameters()}
+        err = max((got[n] - p.grad).abs().max().item() for n, p in moe.named_parameters())
+        assert (err < 1e-12) == (way == "right"), (way, err)
+
+
+def test_bias_balancing_moves_the_choice_not_the_gate_and_z_loss():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]], dtype=torch.float64)
+    probs, idx, gates = L.route_logits(logits, 1)
+    assert idx[:, 0].tolist() == [0, 2]
+    bias = torch.tensor([0.0, 1.0, 0.0])
+    probs_b, idx_b, gates_b = L.route_logits(logits, 1, bias)
+    assert idx_b[:, 0].tolist() == [1, 1]                           # the bias changes the choice ...
+    torch.testing.assert_close(gates_b[:, 0], probs[:, 1])          # ... the gate is the unbiased probability
+    moe = L.moe_layer(n_experts=3, top_k=1, capacity_factor=None)
+    moe.bias_update = 0.5
+    moe(torch.randn(30, moe.d_model, dtype=torch.float64))
+    load = torch.tensor(moe.stats["tokens_per_expert"], dtype=torch.float64)
+    moe.update_bias()
+    torch.testing.assert_close(moe.expert_bias, 0.5 * torch.sign(load.mean() - load))
+    torch.testing.assert_close(L.z_loss(logits), torch.logsumexp(logits, -1).pow(2).mean())
