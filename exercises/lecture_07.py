@@ -125,7 +125,15 @@ def precision_bytes():
 
 
 def memory_estimate(params, layout):
-    """Reference: ZeRO-1 shards the optimizer over dp, ZeRO-2 also the grads, ZeRO-3 the weights."""
+    """Reference: ZeRO-1 shards the optimizer over the dp·cp replicas, ZeRO-2 also the grads,
+    ZeRO-3 the weights."""
+    B, dp, z = PRECISION_BYTES[layout.precision], layout.dp * layout.cp, layout.zero
+    return {"weights": B["weights"] * params / (dp if z >= 3 else 1),
+            "grads": B["grads"] * params / (dp if z >= 2 else 1),
+            "optimizer": B["optimizer"] * params / (dp if z >= 1 else 1)}
+
+
+def memory_over_dp_only(params, layout):
     B, dp, z = PRECISION_BYTES[layout.precision], layout.dp, layout.zero
     return {"weights": B["weights"] * params / (dp if z >= 3 else 1),
             "grads": B["grads"] * params / (dp if z >= 2 else 1),
@@ -133,7 +141,7 @@ def memory_estimate(params, layout):
 
 
 def memory_stage_off_by_one(params, layout):
-    B, dp, z = PRECISION_BYTES[layout.precision], layout.dp, layout.zero
+    B, dp, z = PRECISION_BYTES[layout.precision], layout.dp * layout.cp, layout.zero
     return {"weights": B["weights"] * params / (dp if z >= 2 else 1),
             "grads": B["grads"] * params / (dp if z >= 1 else 1),
             "optimizer": B["optimizer"] * params / (dp if z >= 1 else 1)}
@@ -153,8 +161,10 @@ exercise(
         "**Exercise: the memory estimate of a layout.** A rank of a pipeline stage holds "
         "`params` parameters (tp and pp already divided them). With bytes per parameter B from "
         "`PRECISION_BYTES[layout.precision]` (already defined for you: weights, grads, optimizer), "
-        "ZeRO (Rajbhandari et al. 2020) shards over the `layout.dp` data-parallel ranks: stage 1 "
-        "the optimizer state, stage 2 also the gradients, stage 3 also the weights. Write "
+        "ZeRO (Rajbhandari et al. 2020) shards over the ranks that hold the same weights, the "
+        "`layout.dp * layout.cp` data- and context-parallel replicas (context parallelism splits "
+        "tokens, not weights): stage 1 the optimizer state, stage 2 also the gradients, stage 3 "
+        "also the weights. Write "
         "`memory_estimate(params, layout)` returning `{\"weights\", \"grads\", \"optimizer\"}` in "
         "bytes per rank (`layout.zero` is the stage, 0 for none). The check runs 6 layouts of "
         "Llama 3 8B (ZeRO 0–3, bf16, fp32, fp64, with tp, pp and cp) against the course's "
@@ -164,11 +174,12 @@ exercise(
         "    \"\"\"Bytes per rank {'weights', 'grads', 'optimizer'} for `params` parameters under `layout`.\"\"\"\n"
         "    B = PRECISION_BYTES[layout.precision]\n"
         "    raise NotImplementedError(\"hint: ZeRO-k divides the first k of optimizer, grads, weights \"\n"
-        "                              \"by layout.dp\")\n"),
+        "                              \"by layout.dp * layout.cp\")\n"),
     harness=run_cases, prepare=memory_cases, given=precision_bytes, solution=memory_estimate,
     wrong={"ZeRO-1 also shards the gradients": memory_stage_off_by_one,
-           "shards over every rank, not dp": memory_over_world},
-    hint="only the dp ranks hold copies of the same parameters: tp, pp and cp ranks hold different ones",
+           "shards over every rank, not dp·cp": memory_over_world,
+           "shards over dp only, not dp·cp": memory_over_dp_only},
+    hint="the dp·cp ranks hold copies of the same parameters: tp and pp ranks hold different ones",
     sizes="Llama 3 8B, 6 layouts: ZeRO 0-3; bf16, fp32, fp64; dp with tp, pp, cp")
 
 

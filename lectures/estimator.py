@@ -2,8 +2,10 @@
 
 Lecture 07's memory estimator: the counts of the earlier lectures put together. Weights,
 gradients and optimizer state per parameter as in ZeRO (Rajbhandari et al. 2020,
-https://arxiv.org/abs/1910.02054: K = 12 bytes of optimizer state in mixed precision), divided by
-tp (lecture 04), pp (lecture 05) and, per ZeRO stage, dp (lecture 03); saved activations per
+https://arxiv.org/abs/1910.02054: K = 12 bytes of optimizer state in mixed precision; gradients
+accumulated in fp32 as Megatron-LM and Llama 3 do, 18 bytes per parameter rather than the ZeRO
+paper's 16), divided by tp (lecture 04), pp (lecture 05) and, per ZeRO stage, the dp·cp ranks that
+hold the same weights (lecture 03; as the trainer, torchtitan and Megatron-LM shard); saved activations per
 token and block after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (https://arxiv.org/abs/2205.05198), with flash attention (no s×s matrix),
 divided by tp (and sequence parallelism), cp (lecture 06) and the micro-batches a pipeline stage
@@ -144,9 +146,10 @@ PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and
     "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
     # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
     "fp32": {"weights": 4, "grads": 4, "optimizer": 8, "act": 4},
-    # mixed precision (ZeRO paper's accounting): bf16 weights and grads; fp32 master weights
-    # and the two moments, K = 12.
-    "bf16": {"weights": 2, "grads": 2, "optimizer": 12, "act": 2},
+    # mixed precision: bf16 weights; gradients accumulated in fp32 (Megatron-LM's default, and
+    # Llama 3's: micro-batches add up in fp32); fp32 master weights and the two moments, K = 12.
+    # 18 bytes per parameter (the ZeRO paper's accounting has bf16 gradients: 16).
+    "bf16": {"weights": 2, "grads": 4, "optimizer": 12, "act": 2},
 }
 
 
@@ -184,42 +187,51 @@ def stage_params(model, layout, stage):
 
 def activation_bytes(model, layout, stage):
     """(stored, transient) bytes of saved activations on one rank of `stage` at the peak of a
-    step: stored = (per micro-batch) × (micro-batches in flight); transient = one block's full
-    activations while it is recomputed during backward (full recomputation only). Tokens per
-    micro-batch on this rank: micro_batch · s / cp."""
+    step: stored = (per micro-batch) × (micro-batches in flight); transient = the larger of
+    one block's full activations while it is recomputed during backward (full recomputation
+    only) and, on the last stage, the loss's backward: the gradient of the fp32 log-probabilities
+    and of the logits, two fp32 copies of the (vocabulary-parallel) logits (≈ 4 GB each for
+    Llama 3 at micro-batch 1 × 8192). Tokens per micro-batch on this rank: micro_batch · s / cp."""
     B = PRECISION_BYTES[layout.precision]["act"]
     tokens = layout.micro_batch * model.seq / layout.cp
     n_layers = stage_layers(model.layers, layout.pp)[stage]
     per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
+    v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
+    loss_grads = 2 * v * 4 * tokens if stage == layout.pp - 1 else 0
     if layout.recompute == "full":
         stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
-        transient = per_layer * tokens
+        transient = max(per_layer * tokens, loss_grads)
     else:
-        stored, transient = n_layers * per_layer, 0
+        stored, transient = n_layers * per_layer, loss_grads
     if stage == 0:
         stored += 8                                            # the int64 token ids
     if stage == layout.pp - 1:
-        v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
         stored += (2 * model.hidden + 2) * B + v * 4 + 8      # final norm in/out, fp32 log-probs, targets
     return tokens * stored * in_flight(layout, stage), transient
 
 
 @functools.cache
 def estimate_memory(model, layout, stage=None):
-    """Per-rank bytes {weights, grads, optimizer, activations, total} for the most loaded
-    pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over dp, ZeRO-2 also the
-    gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04); pp
-    divides the layers (lecture 05); cp divides the tokens (lecture 06)."""
+    """Per-rank bytes {weights, grads, optimizer, gathered, activations, total} for the most
+    loaded pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over the dp·cp ranks
+    that hold the same weights (context parallelism splits tokens, not weights), ZeRO-2 also
+    the gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04);
+    pp divides the layers (lecture 05); cp divides the tokens (lecture 06). `gathered` is
+    ZeRO-3's working set: two blocks' weights and gradients unsharded at once (the block being
+    computed and the next one prefetched, or its gradients waiting for their reduce-scatter)."""
     if stage is None:   # the first stage holds the most micro-batches, the last the LM head
         return max((estimate_memory(model, layout, s) for s in {0, layout.pp - 1}), key=lambda m: m["total"])
     B = PRECISION_BYTES[layout.precision]
     n = stage_params(model, layout, stage)
-    dp, z = layout.dp, layout.zero
+    dp, z = layout.dp * layout.cp, layout.zero
+    block = sum(model.layer_params(layout.tp))
+    gathered = min(2, stage_layers(model.layers, layout.pp)[stage]) * block * (B["weights"] + B["grads"])
     out = {"stage": stage, "params": n,
            "weights": B["weights"] * n / (dp if z >= 3 else 1),
            "grads": B["grads"] * n / (dp if z >= 2 else 1),
            "optimizer": B["optimizer"] * n / (dp if z >= 1 else 1),
+           "gathered": gathered if z >= 3 and dp > 1 else 0,
            "activations": sum(activation_bytes(model, layout, stage)),
            "stored activations": activation_bytes(model, layout, stage)[0]}
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["gathered"] + out["activations"]
     return out

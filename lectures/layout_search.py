@@ -28,8 +28,8 @@ def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("no
       pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches;
       cp: the sequence splits into 2·cp equal zig-zag chunks;
       dp divides the global batch; the rest of each dp rank's batch is m micro-batches of
-      `micro_batch` sequences; ZeRO stages > 0 only when dp > 1; sequence parallelism only
-      with tp > 1."""
+      `micro_batch` sequences; ZeRO stages > 0 only when dp·cp > 1 (ZeRO shards over the
+      ranks that hold the same weights); sequence parallelism only with tp > 1."""
     out = []
     for dp, pp, cp, tp in itertools.product(divisors(world), repeat=4):
         if dp * pp * cp * tp != world:
@@ -46,7 +46,7 @@ def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("no
             if pp > 1 and m < pp:
                 continue
             for zero, rc, s in itertools.product(zero_stages, recompute, sp):
-                if (zero and dp == 1) or (s and tp == 1):
+                if (zero and dp * cp == 1) or (s and tp == 1):
                     continue
                 out.append(Layout(dp, pp, cp, tp, zero=zero, micro_batch=mb, micro_batches=m,
                                   recompute=rc, precision=precision, sp=s))
@@ -67,11 +67,13 @@ def search(model, world, global_batch, hw, **space):
 
 def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
     """The syllabus' rule of thumb, step by step, returning (layout, reasons):
-    1. fits on one device with plain data parallelism (+ ZeRO-1/2)? → DP.
-    2. else split the model: ZeRO-3, or TP within a node (up to its size) and then PP across
-       nodes, until it fits;
+    1. fits with plain data parallelism (+ ZeRO-1/2) on every rank? → DP.
+    2. else split the model, trying in order until it fits: ZeRO-3 on every rank (FSDP);
+       TP within a node (2, 4, 8 — the sizes that divide the heads and K/V heads); then
+       the largest such TP with PP across nodes; first without, then with full recomputation;
     3. long sequences (activations) → CP;
-    4. then choose the micro-batch and accumulation for the target global batch."""
+    4. micro-batch 1, and as many micro-batches as the global batch leaves per dp rank.
+    Returns (None, reasons) when nothing fits."""
     reasons = []
     base = dict(precision="bf16", recompute="none")
 
@@ -80,35 +82,43 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
         return estimate_memory(model, lay)["total"] <= hw.memory, lay
 
     dp = world
-    for zero in (0, 1, 2):
-        ok, lay = fits(dp=dp, zero=zero, micro_batch=1, micro_batches=global_batch // dp)
-        if ok and global_batch % dp == 0:
-            reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
-            return lay, reasons
+    if global_batch % dp == 0:
+        for zero in (0, 1, 2):
+            ok, lay = fits(dp=dp, zero=zero, micro_batch=1, micro_batches=global_batch // dp)
+            if ok:
+                reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
+                return lay, reasons
     reasons.append("does not fit with DP + ZeRO-1/2: split the model")
     cp = 1
     if model.seq >= seq_threshold:
         cp = 2
         reasons.append(f"sequence {model.seq} ≥ {seq_threshold}: context parallelism cp={cp}")
     tps = [t for t in (2, 4, 8) if t <= hw.ranks_per_node and model.heads % t == 0 and model.kv_heads % t == 0]
-    tries = [(t, 1) for t in tps] + [(tps[-1], p) for p in divisors(model.layers) if p > 1]
+    widest = tps[-1] if tps else 1
+    if not tps:
+        reasons.append("no tensor-parallel size of 2, 4 or 8 divides the heads: no TP")
+    tries = [("zero3", 1, 1)] + [("tp", t, 1) for t in tps] + [("pp", widest, p) for p in divisors(model.layers) if p > 1]
     for rc in ("none", "full"):
-        for tp, pp in tries:
+        for kind, tp, pp in tries:
             if world % (tp * pp * cp) or global_batch % (world // (tp * pp * cp)):
                 continue
             dp = world // (tp * pp * cp)
             m = global_batch // dp
-            if m < pp:
+            if m < pp or (kind == "zero3" and dp * cp == 1):
                 continue
-            ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=1, sp=True, micro_batch=1,
-                           micro_batches=m, recompute=rc)
+            ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=3 if kind == "zero3" else 1, sp=tp > 1,
+                           micro_batch=1, micro_batches=m, recompute=rc)
             if ok:
-                reasons.append(f"tensor parallelism (+ sequence parallelism) within a node: tp={tp}")
-                if pp > 1:
-                    reasons.append(f"TP at the node's size is not enough: pipeline across nodes, pp={pp}")
+                if kind == "zero3":
+                    reasons.append(f"ZeRO-3 (FSDP) shards weights, gradients and optimizer over all {dp * cp} ranks")
+                else:
+                    if tp > 1:
+                        reasons.append(f"tensor parallelism (+ sequence parallelism) within a node: tp={tp}")
+                    if pp > 1:
+                        reasons.append(f"TP at the node's size is not enough: pipeline across nodes, pp={pp}")
                 if rc == "full":
                     reasons.append("activations still too large: full recomputation")
-                reasons.append(f"the rest is data parallelism (ZeRO-1): dp={dp}; "
+                reasons.append(f"the rest is data parallelism (ZeRO-{lay.zero}): dp={dp}; "
                                f"micro-batch 1, m={m} micro-batches per step")
                 return lay, reasons
     reasons.append("nothing fits")

@@ -31,6 +31,7 @@ from lectures.tp_gpt import full_parameters, parallelize_gpt
 from lectures.vocab_parallel import vocab_parallel_cross_entropy
 from lectures.zero import Zero1, Zero2
 from util import device
+from util.measure import bytes_sent
 
 
 class GroupCollectives(Collectives):
@@ -124,8 +125,11 @@ class LayoutTrainer:
     applies the parallelisms in order: split the model (tp, then cp), cut it into a pipeline
     stage (pp), then set up the gradient sync and optimizer over the weight replicas."""
 
-    def __init__(self, run, layout, mesh):
+    def __init__(self, run, layout, mesh, track_memory=True):
+        """`track_memory=False` leaves out the saved-activation meter (a Python hook per saved
+        tensor, +15–20% on a step of this small model): what timing runs want."""
         self.run, self.layout, self.mesh = run, layout, mesh
+        self.track_memory = track_memory
         if layout.global_batch != run.global_batch:
             raise ValueError(f"layout {layout.label()} makes a global batch of {layout.global_batch}, "
                              f"the run wants {run.global_batch}")
@@ -135,7 +139,7 @@ class LayoutTrainer:
         self.params = list(self.module.parameters())
         self.comm, self.zero, self.opt = self._optimizer()
         # What autograd saves for backward, weights left out (they are counted as weights).
-        self.meter = SavedBytes(exclude=self.params)
+        self.meter = SavedBytes(exclude=self.params) if track_memory else None
 
     def _split_model(self, model):
         """Tensor parallelism on the tp group, then ring attention on the cp group."""
@@ -160,7 +164,7 @@ class LayoutTrainer:
         executor = PipelineExecutor(
             make_schedule(lay.schedule, lay.pp, lay.micro_batches), {0: stage}, index,
             (lay.micro_batch, cfg.seq_len, cfg.d_model), group=self.mesh.group["pp"],
-            loss_fn=self._loss, dtype=cfg.torch_dtype)
+            loss_fn=self._loss, dtype=cfg.torch_dtype, track_memory=self.track_memory)
         return stage, executor, stage
 
     def _optimizer(self):
@@ -203,6 +207,8 @@ class LayoutTrainer:
         peak bytes of saved activations)."""
         tokens, targets, positions = self.local_batch(step)
         m = self.layout.micro_batches
+        if self.meter is None:
+            return self._forward_backward_untracked(tokens, targets, positions)
         self.meter.reset_peak()
         if self.executor is not None:
             with self.meter:        # the executor counts the stages' saves, the meter the loss's
@@ -219,6 +225,20 @@ class LayoutTrainer:
             loss.backward()
             total += loss.item()
         return total, self.meter.peak
+
+    def _forward_backward_untracked(self, tokens, targets, positions):
+        """forward_backward without the meter (peak saved bytes reported as 0)."""
+        if self.executor is not None:
+            return self.executor.step(tokens, targets)["loss"], 0
+        total, m = 0.0, self.layout.micro_batches
+        for x, y in zip(tokens, targets):
+            h = self.model.embed(x, positions)
+            for block in self.model.blocks:
+                h = block(h)
+            loss = self._loss(self.model.head(h), y) / m
+            loss.backward()
+            total += loss.item()
+        return total, 0
 
     def sync_and_step(self):
         """Average the gradients over the weight replicas, then the optimizer."""
@@ -275,13 +295,17 @@ def global_loss(trainer, loss):
 
 def train_layout(rank, world_size, run, layout):
     """Train `run` under `layout`; returns the loss of every step, this rank's coordinates and
-    full parameters (by name), and its measured memory (bytes held, peak saved activations)."""
+    full parameters (by name), its measured memory (bytes held, peak saved activations) and the
+    bytes it wrote to its sockets during the last step (`/proc/self/io`; None off Linux)."""
     mesh = make_mesh(layout.dp, layout.pp, layout.cp, layout.tp)
     trainer = LayoutTrainer(run, layout, mesh)
-    losses, act, held = [], 0, None
+    losses, act, held, sent = [], 0, None, None
     for step in range(run.steps):
-        loss, a, held = trainer.train_step(step)
+        with bytes_sent() as wire:      # what this rank wrote to its sockets during the step
+            loss, a, held = trainer.train_step(step)
+        sent = wire.bytes                # the last step's (AdamW's state exists by then)
         act = max(act, a)
         losses.append(global_loss(trainer, loss))
     return {"losses": losses, "coords": mesh.coords, "params": trainer.full_parameters(),
-            "memory": {**held, "activations": act}}
+            "memory": {**held, "activations": act}, "bytes_sent": sent,
+            "tensor_sizes": [p.numel() for p in trainer.params]}

@@ -1,9 +1,11 @@
 """The device mesh: ranks on a (dp, pp, cp, tp) grid, one process group per axis.
 
-Lecture 07's building block for combining the parallelisms of lectures 03–06. The layout follows
-Megatron-LM's (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473): tensor parallelism innermost,
-on the ranks of one node, data parallelism outermost. PyTorch's `init_device_mesh` builds the
+Lecture 07's building block for combining the parallelisms of lectures 03–06. The order is Llama
+3's (Llama Team 2024, "The Llama 3 Herd of Models", §3.3.2, https://arxiv.org/abs/2407.21783:
+[TP, CP, PP, DP] from the innermost out): tensor parallelism innermost, on the ranks of one node
+(as Megatron-LM places it, Narayanan et al. 2021, https://arxiv.org/abs/2104.04473), data
+parallelism outermost. torchtitan orders its mesh [pp, dp_replicate, dp_shard, cp, tp]: the
+pipeline outermost instead. PyTorch's `init_device_mesh` builds the
 same groups (`torch_mesh`; tests/test_lecture_07.py checks they agree rank by rank).
 """
 import dataclasses

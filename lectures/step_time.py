@@ -37,10 +37,11 @@ class Hardware:
     inter: tuple                 # (α, β) across nodes
     overhead: float = 0.0        # fixed seconds per block per micro-batch (forward + backward)
     step_overhead: float = 0.0   # fixed seconds per step (optimizer, Python)
-    overlap: float = 0.0         # fraction of backward that data-parallel traffic can hide under
+    overlap: float = 0.0         # fraction of the compute that data-parallel traffic can hide under
     peak: float = None           # peak FLOP/s for MFU (defaults to `flops`)
     bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
     p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
+    ring_step: tuple = (0.0, 0.0)  # fixed seconds per ring-attention step (forward, backward)
 
 
 def axis_link(hw, layout, axis):
@@ -86,61 +87,100 @@ def flops_per_token(model, recompute="none"):
     return useful, useful
 
 
+def dp_traffic(model, layout, hw, stage, compute):
+    """Exposed seconds of the data-parallel traffic of one step on `stage`, and what it moves.
+
+    Over the dp·cp ranks that hold the same weights (`compute` is one micro-batch's forward +
+    backward on this stage; backward ≈ 2/3 of it, forward ≈ 1/3, the FLOP ratio):
+      ZeRO-0    one all-reduce of the gradients per step, started in the *last* micro-batch's
+                backward (the earlier ones only accumulate): only that backward can hide it;
+      ZeRO-1    the same, as a reduce-scatter, then an all-gather of the updated weights after
+                the optimizer, which only the next step's first forward can hide;
+      ZeRO-2    a reduce-scatter *every* micro-batch (the gradients are sharded, so each
+                micro-batch's must be reduced before the next overwrites it; Zero2's hooks do
+                this, and DeepSpeed refuses ZeRO-2 with pipelines for this reason), each under
+                its own backward, then the all-gather after the optimizer;
+      ZeRO-3    every micro-batch gathers the weights for its forward and again for its
+                backward and reduce-scatters its gradients; nothing after the optimizer (the
+                updated shards are what the next forward gathers).
+    A fraction `hw.overlap` of the compute they run beside can hide them. Returns
+    (exposed seconds, collective seconds before hiding)."""
+    B = PRECISION_BYTES[layout.precision]
+    n = layout.dp * layout.cp
+    if n == 1:
+        return 0.0, 0.0
+    link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
+    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    grad_bytes = stage_params(model, layout, stage) * B["grads"]
+    weight_bytes = stage_params(model, layout, stage) * B["weights"]
+    # One message for all gradients (bucketed), or one per parameter tensor.
+    k = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (stage == 0)
+                               + 3 * (stage == layout.pp - 1))
+    ar = lambda nbytes: k * all_reduce_time(n, nbytes / k, link)
+    rs = ag = lambda nbytes: k * gather_time(n, nbytes / k, link)
+    fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
+    m, z = layout.micro_batches, layout.zero
+    if z == 0:
+        parts = [(ar(grad_bytes), bwd)]
+    elif z == 1:
+        parts = [(rs(grad_bytes), bwd), (ag(weight_bytes), fwd)]
+    elif z == 2:
+        parts = [(rs(grad_bytes), bwd)] * m + [(ag(weight_bytes), fwd)]
+    else:
+        parts = [(ag(weight_bytes), fwd), (ag(weight_bytes) + rs(grad_bytes), bwd)] * m
+    return (sum(max(0.0, t - hide * under) for t, under in parts), sum(t for t, _ in parts))
+
+
 def step_time(model, layout, hw):
     """Predicted seconds per optimizer step and its parts, for the slowest pipeline stage.
 
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
               cost per block (Python and kernel launches: what dominates tiny models);
+              full recomputation adds the forward again;
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
               2 backward; sequence parallelism moves the same bytes as reduce-scatter +
-              all-gather);
-    cp        ring attention: cp−1 passes of K and V forward, of K, V, dK, dV backward;
+              all-gather), 6 with full recomputation (the forward's 2 run again);
+    cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
+              backward (K, V, dK, dV), each with its bytes and a fixed cost per step
+              (`hw.ring_step`: launching a block of attention, merging, waiting); full
+              recomputation runs the forward's steps again;
     pp        (m + pp − 1) slots of one micro-batch each (the bubble is pp − 1 of them), plus
               a send of activations forward and of gradients backward per slot;
-    dp        one gradient all-reduce over the dp·cp ranks that hold the same weights
-              (ZeRO-1/2: reduce-scatter + all-gather; ZeRO-3 also gathers weights for every
-              micro-batch's forward and backward), partly hidden under backward (`overlap`)."""
+    dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
+              every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
+              under the compute it runs beside (`hw.overlap`)."""
     B = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
+    rc = layout.recompute == "full"
     sizes = stage_layers(model.layers, layout.pp)
     worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
     n_layers = sizes[worst]
     sharded, _ = model.layer_params()
     layer_flops = 6 * sharded + 12 * model.hidden * model.seq
-    if layout.recompute == "full":
+    if rc:
         layer_flops += 2 * sharded + 4 * model.hidden * model.seq
     head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
     flops = tokens * (n_layers * layer_flops + head_flops) / layout.tp
     compute = flops / hw.flops + n_layers * hw.overhead
     act = tokens * model.hidden * B["act"]
     tp_link = axis_link(hw, layout, "tp")
-    tp = 4 * n_layers * all_reduce_time(layout.tp, act, tp_link)
-    if layout.tp > 1 and worst == layout.pp - 1:   # vocabulary-parallel head and loss
-        tp += 2 * all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
-    kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
-    cp = 3 * n_layers * (layout.cp - 1) * p2p_time(kv, p2p_link(hw, layout, "cp")) if layout.cp > 1 else 0.0
+    tp = (4 + 2 * rc) * n_layers * all_reduce_time(layout.tp, act, tp_link)
+    if layout.tp > 1:   # the vocabulary-parallel embedding, LM head and loss (as step_bytes counts)
+        tp += (worst == 0) * all_reduce_time(layout.tp, act, tp_link)
+        if worst == layout.pp - 1:
+            tp += all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
+    cp = 0.0
+    if layout.cp > 1:
+        kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
+        step_fwd, step_bwd = hw.ring_step
+        passes = p2p_time(kv, p2p_link(hw, layout, "cp")) * (1 + rc) + 2 * p2p_time(kv, p2p_link(hw, layout, "cp"))
+        cp = n_layers * (layout.cp - 1) * (passes + (1 + rc) * step_fwd + step_bwd)
     # a pipeline slot: one micro-batch's forward and backward on this stage, and its sends
     sends = 2 * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
     slot = compute + tp + cp + sends
     m = layout.micro_batches
     pipeline = (m + layout.pp - 1) * slot
-    # Data-parallel traffic: the dp·cp ranks of one (pp, tp) position hold the same weights.
-    n_sync = layout.dp * layout.cp
-    link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
-    grad_bytes = stage_params(model, layout, worst) * B["grads"]
-    # One message for all gradients (bucketed), or one per parameter tensor.
-    messages = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (worst == 0) + 3 * (worst == layout.pp - 1))
-    if layout.zero == 0:
-        dp = messages * all_reduce_time(n_sync, grad_bytes / messages, link)
-    else:
-        dp = 2 * messages * gather_time(n_sync, grad_bytes / messages, link)
-    # Gradient traffic can hide under backward (≈ 2/3 of the compute), ZeRO-3's forward
-    # gathers under forward (≈ 1/3), as far as `hw.overlap` allows.
-    exposed_dp = max(0.0, dp - hw.overlap * m * compute * 2 / 3)
-    if layout.zero >= 3:
-        gather = m * gather_time(n_sync, stage_params(model, layout, worst) * B["weights"], link)
-        exposed_dp = (max(0.0, dp + gather - hw.overlap * m * compute * 2 / 3)
-                      + max(0.0, gather - hw.overlap * m * compute / 3))
+    exposed_dp, _ = dp_traffic(model, layout, hw, worst, compute)
     total = pipeline + exposed_dp + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": (layout.pp - 1) * slot, "pp": (m + layout.pp - 1) * sends,
@@ -167,7 +207,10 @@ IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
            "usable fraction of HBM": 0.9,                          # workspace, fragmentation
            "achieved fraction of link bandwidth": 0.8,             # nccl-tests-like busbw / nominal
-           "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6}
+           "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6,
+           # data-parallel traffic hides completely under the compute it runs beside (the
+           # best case: NCCL's kernels also take SMs from compute, see PYTORCH_ON_CPU.md)
+           "fraction of that compute hiding data-parallel traffic": 1.0}
 
 
 def h100_cluster():
@@ -176,4 +219,79 @@ def h100_cluster():
                     memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
                     intra=(a["α per ring step in a node (s)"], a["achieved fraction of link bandwidth"] * NVLINK_BW),
                     inter=(a["α per ring step across nodes (s)"], a["achieved fraction of link bandwidth"] * IB_BW),
-                    overlap=1.0, peak=H100_PEAK_BF16)
+                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16)
+
+
+# =========================================================================================
+# Bytes on the wire per step: the communication model, checkable exactly at any rank count
+# =========================================================================================
+
+def collective_bytes(kind, n, nbytes, backend="gloo"):
+    """Bytes one rank sends in a ring collective over n ranks on a buffer of `nbytes` (the
+    whole buffer, not the shard): all-reduce 2(n−1)/n, all-gather and reduce-scatter (n−1)/n.
+    gloo's reduce-scatter is a full all-reduce and a copy (ProcessGroupGloo), so on gloo it
+    sends an all-reduce's bytes; NCCL sends the ring's (n−1)/n."""
+    if n == 1:
+        return 0.0
+    if kind == "all-reduce" or (kind == "reduce-scatter" and backend == "gloo"):
+        return 2 * (n - 1) / n * nbytes
+    return (n - 1) / n * nbytes
+
+
+def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None):
+    """Bytes one rank of pipeline stage `stage` sends in one training step, by axis, as the
+    trainer runs it:
+      tp   per block and micro-batch 2 all-reduces forward and 2 backward of the block's
+           activations (sequence parallelism: 2 all-gathers and 2 reduce-scatters forward;
+           backward the conjugates, plus re-gathering the 2 column-parallel inputs); the first
+           stage's vocabulary-parallel embedding (an all-reduce, or a reduce-scatter with SP);
+           the last stage's LM head (its input's gradient: an all-reduce; with SP an all-gather
+           forward and a reduce-scatter and a re-gather backward) and its vocabulary-parallel
+           loss (3 all-reduces of one fp32 number per token);
+      cp   ring attention per block and micro-batch: K and V to the next rank cp−1 times
+           forward; backward K and V cp−1 times and dK, dV cp times (the last brings them home);
+      pp   a micro-batch's activations to the next stage, its gradient to the previous one;
+      dp   over the dp·cp replicas, per parameter tensor (`tensor_sizes`: element counts of the
+           stage's tensors, padded for ZeRO to a multiple of the group): ZeRO-0 an all-reduce;
+           ZeRO-1 a reduce-scatter and an all-gather; ZeRO-2 a reduce-scatter per micro-batch
+           and an all-gather.
+    Element sizes from `layout.precision` (activations and gradients alike)."""
+    B = PRECISION_BYTES[layout.precision]["act"]
+    tokens = layout.micro_batch * model.seq / layout.cp
+    m, tp, cp = layout.micro_batches, layout.tp, layout.cp
+    first, last = stage == 0, stage == layout.pp - 1
+    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    act = tokens * model.hidden * B
+    c = lambda kind, n, nbytes: collective_bytes(kind, n, nbytes, backend)
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    if tp > 1:
+        if layout.sp:
+            block = 6 * c("all-gather", tp, act) + 4 * c("reduce-scatter", tp, act)
+            embed = c("reduce-scatter", tp, act) + c("all-gather", tp, act)
+            head = 2 * c("all-gather", tp, act) + c("reduce-scatter", tp, act)
+        else:
+            block = 4 * c("all-reduce", tp, act)
+            embed = c("all-reduce", tp, act)
+            head = c("all-reduce", tp, act)
+        loss = 3 * c("all-reduce", tp, tokens * 4)
+        out["tp"] = m * (n_layers * block + first * embed + last * (head + loss))
+    if cp > 1:
+        kv_dim = model.hidden if model.kv_expanded else model.kv_dim
+        kv = 2 * layout.micro_batch * (model.seq / cp) * kv_dim / tp * B
+        out["cp"] = m * n_layers * ((cp - 1) * kv + (cp - 1) * kv + cp * kv)
+    if layout.pp > 1:
+        boundary = layout.micro_batch * model.seq * model.hidden * B
+        out["pp"] = m * boundary * ((not last) + (not first))
+    n = layout.dp * layout.cp
+    if n > 1:
+        g = PRECISION_BYTES[layout.precision]["grads"]
+        sizes = tensor_sizes if tensor_sizes is not None else [stage_params(model, layout, stage)]
+        padded = sum(-(-s // n) * n if layout.zero else s for s in sizes) * g
+        if layout.zero == 0:
+            out["dp"] = c("all-reduce", n, padded)
+        elif layout.zero == 1:
+            out["dp"] = c("reduce-scatter", n, padded) + c("all-gather", n, padded)
+        else:
+            out["dp"] = m * c("reduce-scatter", n, padded) + c("all-gather", n, padded)
+    out["total"] = sum(out.values())
+    return out

@@ -24,6 +24,7 @@ LAYOUTS = {
     "dp×pp": L.Layout(dp=2, pp=2, micro_batch=2, micro_batches=2),
     "tp×pp": L.Layout(pp=2, tp=2, micro_batch=1, micro_batches=8),
     "dp×cp": L.Layout(dp=2, cp=2, micro_batch=2, micro_batches=2),
+    "dp×cp + ZeRO-1": L.Layout(dp=2, cp=2, zero=1, micro_batch=1, micro_batches=4),   # ZeRO over dp·cp
     "cp×tp": L.Layout(cp=2, tp=2, micro_batch=8),
     "dp×tp + ZeRO-1": L.Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
     "dp + ZeRO-1": L.Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
@@ -73,6 +74,21 @@ def test_memory_estimator_matches_measured(trained, name):
         assert abs(r["memory"]["activations"] - est["stored activations"]) <= slack, r["coords"]
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_bytes_on_the_wire_match_the_communication_model(trained, name):
+    """Each rank's bytes in a step (/proc/self/io) against step_bytes: the payload, plus the
+    transport's framing (never less; at most 40% more)."""
+    _, got = trained
+    shape = L.ModelShape.from_gpt(RUN.cfg)
+    lay = dataclasses.replace(LAYOUTS[name], precision="fp64")
+    for g in got:
+        r = g[name]
+        if r["bytes_sent"] is None:
+            pytest.skip("no /proc/self/io here")
+        pred = L.step_bytes(shape, lay, r["coords"]["pp"], tensor_sizes=r["tensor_sizes"])
+        assert 1.0 <= r["bytes_sent"] / pred["total"] <= 1.4, (r["coords"], r["bytes_sent"], pred)
+
+
 def mesh_error(rank, world_size, shape):
     try:
         L.make_mesh(*shape)
@@ -109,12 +125,14 @@ def test_search_enumerates_exactly_the_valid_configurations():
     """Worked by hand: L = 2, 2 heads, s = 4, 4 ranks, global batch 2. tp, pp, cp, dp ∈ {1, 2}
     with product 4: six meshes. dp=2 leaves 1 sequence per rank (m = 1), so dp2×pp2 has no
     valid micro-batching; pp2 with dp1 needs m = 2 (micro-batch 1); cp2×tp2 takes micro-batch
-    1 or 2. ZeRO-1 adds a copy of each dp=2 configuration."""
+    1 or 2. ZeRO-1 adds a copy of each configuration with dp·cp = 2 (ZeRO shards over the
+    replicas, and cp ranks are replicas)."""
     model = L.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
     got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches, l.zero)
            for l in L.valid_layouts(model, 4, 2)}
     assert got == {(2, 1, 2, 1, 1, 1, 0), (2, 1, 2, 1, 1, 1, 1), (2, 1, 1, 2, 1, 1, 0), (2, 1, 1, 2, 1, 1, 1),
-                   (1, 2, 2, 1, 1, 2, 0), (1, 2, 1, 2, 1, 2, 0), (1, 1, 2, 2, 1, 2, 0), (1, 1, 2, 2, 2, 1, 0)}
+                   (1, 2, 2, 1, 1, 2, 0), (1, 2, 2, 1, 1, 2, 1), (1, 2, 1, 2, 1, 2, 0),
+                   (1, 1, 2, 2, 1, 2, 0), (1, 1, 2, 2, 1, 2, 1), (1, 1, 2, 2, 2, 1, 0), (1, 1, 2, 2, 2, 1, 1)}
     # 3 ranks, 3 layers, 3 heads, s = 6: every axis but one is 1
     model = L.ModelShape("three", layers=3, hidden=9, heads=3, kv_heads=3, ffn=36, vocab=9, seq=6)
     got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches)
@@ -203,3 +221,103 @@ def test_pytorch_pieces_equal_one_process(name, layout):
     got = spawn(L.train_pytorch_layout, layout.world, run=run, layout=layout).returns
     assert L.max_param_diff(got, ref["params"]) < 1e-4
     torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+
+
+# --- the cost model charges what the code does ---------------------------------------------------
+
+TOY = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
+LINK = (1e-4, 1e8)
+
+
+def toy_hw(**kw):
+    return L.Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=LINK, inter=LINK, **kw)
+
+
+def grad_bytes(layout):
+    return L.stage_params(TOY, layout, 0) * L.PRECISION_BYTES[layout.precision]["grads"]
+
+
+def test_zero2_and_zero3_sync_every_micro_batch():
+    """ZeRO-2 reduce-scatters every micro-batch (Zero2's hooks), ZeRO-3 gathers twice and
+    reduce-scatters every micro-batch and nothing after the step; ZeRO-0/1 once per step."""
+    hw = toy_hw()
+    for m in (1, 4):
+        lay = L.Layout(dp=2, zero=2, micro_batches=m)
+        rs = L.gather_time(2, grad_bytes(lay), LINK)
+        assert L.dp_traffic(TOY, lay, hw, 0, 1.0)[1] == pytest.approx(m * rs + rs)   # + the all-gather
+        lay3 = L.Layout(dp=2, zero=3, micro_batches=m)
+        assert L.dp_traffic(TOY, lay3, hw, 0, 1.0)[1] == pytest.approx(3 * m * rs)
+        lay0 = L.Layout(dp=2, micro_batches=m)
+        assert L.dp_traffic(TOY, lay0, hw, 0, 1.0)[1] == pytest.approx(L.all_reduce_time(2, grad_bytes(lay0), LINK))
+
+
+def test_plain_dp_hides_only_under_the_last_backward():
+    lay = L.Layout(dp=2, micro_batches=4)
+    t = L.all_reduce_time(2, grad_bytes(lay), LINK)
+    compute = 0.6 * t                 # one micro-batch: its backward (2/3) hides 0.4 t, not 4 × that
+    exposed, _ = L.dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
+    assert exposed == pytest.approx(t - 2 / 3 * compute)
+
+
+def test_recomputation_repeats_the_forward_collectives():
+    hw = toy_hw(ring_step=(1e-3, 2e-3))
+    plain, rc = (L.step_time(TOY, L.Layout(tp=2, cp=2, recompute=r), hw) for r in ("none", "full"))
+    act = TOY.seq / 2 * TOY.hidden * 4                              # a block's activations per rank
+    assert rc["tp"] - plain["tp"] == pytest.approx(2 * TOY.layers * L.all_reduce_time(2, act, LINK))
+    assert rc["cp"] > plain["cp"]
+
+
+def test_ring_steps_have_their_own_cost():
+    step = (1e-3, 2e-3)
+    for cp in (2, 4):
+        with_cost = L.step_time(TOY, L.Layout(cp=cp), toy_hw(ring_step=step))["cp"]
+        without = L.step_time(TOY, L.Layout(cp=cp), toy_hw())["cp"]
+        assert with_cost - without == pytest.approx(TOY.layers * (cp - 1) * sum(step))
+
+
+def test_zero_shards_over_the_replicas_dp_times_cp():
+    shape = L.ModelShape.from_gpt(RUN.cfg)
+    plain = L.estimate_memory(shape, L.Layout(cp=2))
+    z1 = L.estimate_memory(shape, L.Layout(cp=2, zero=1))
+    assert z1["optimizer"] == pytest.approx(plain["optimizer"] / 2)
+    z3 = L.estimate_memory(shape, L.Layout(dp=2, cp=2, zero=3))
+    assert z3["weights"] == pytest.approx(plain["weights"] / 4)
+
+
+def test_published_scale_memory_terms():
+    """fp32 gradient accumulation (18 bytes per parameter), ZeRO-3's two gathered blocks, and
+    the loss's two fp32 copies of the logits (~4.2 GB each for Llama 3 at 1 × 8192)."""
+    est = L.estimate_memory(L.LLAMA3_8B, L.Layout(precision="bf16"))
+    n = est["params"]
+    assert (est["weights"] + est["grads"] + est["optimizer"]) / n == pytest.approx(18)
+    assert est["gathered"] == 0
+    z3 = L.estimate_memory(L.LLAMA3_8B, L.Layout(dp=8, zero=3, precision="bf16"))
+    assert z3["gathered"] == pytest.approx(2 * sum(L.LLAMA3_8B.layer_params()) * (2 + 4))
+    stored, transient = L.activation_bytes(L.LLAMA3_8B, L.Layout(precision="bf16"), 0)
+    assert transient == pytest.approx(2 * 4 * 128256 * 8192)
+
+
+def test_decision_procedure_edge_cases():
+    hw = L.h100_cluster()
+    odd = L.ModelShape("odd heads", layers=32, hidden=96, heads=3, kv_heads=3, ffn=384, vocab=1000, seq=1024)
+    z2, z3 = (L.estimate_memory(odd, L.Layout(dp=4, zero=z, micro_batches=2, precision="bf16"))["total"] for z in (2, 3))
+    assert z3 < z2
+    rule, why = L.decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=(z2 + z3) / 2))
+    assert rule is not None and rule.tp == 1 and rule.zero == 3, why   # no tp in {2, 4, 8} divides 3 heads
+    rule, why = L.decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=1.0))
+    assert rule is None and why[-1] == "nothing fits"
+    rule, why = L.decision_procedure(L.LLAMA3_8B, 64, 512, hw)     # the docstring's ZeRO-3 is tried
+    assert rule.zero == 3 and any("ZeRO-3" in r for r in why)
+
+
+def test_calibration_runs_at_an_odd_number_of_ranks():
+    cal = spawn(L.calibrate, 3, cfg=RUN.cfg, batch_sizes=[1, 2], sizes=[4096, 16384], repeats=2).returns[0]
+    assert cal["ring"]["n"] == 3 and all(t.median > 0 for _, t in cal["p2p"])
+    hw = L.this_machine(cal, RUN.cfg, 3)
+    assert all(x >= 0 for x in hw.ring_step)
+
+
+def test_rho_interval_and_the_trivial_predictor():
+    lo, hi = L.rho_interval(0.8, 17)               # the 2-rank validation's size
+    assert 0.45 < lo < 0.55 and 0.9 < hi < 0.95
+    assert L.trivial_prediction(TOY, L.Layout(pp=2, micro_batches=4)) == 4 * 2
