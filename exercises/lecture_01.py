@@ -182,15 +182,21 @@ def check_bytes(rank, world_size, fn):
 
 
 def bytes_per_parameter(recipe):
-    """Reference: AdamW's bytes per parameter (the ZeRO paper's accounting)."""
+    """Reference: AdamW's bytes per parameter (gradients accumulated in fp32 under bf16)."""
     return {"fp32": {"weights": 4, "grads": 4, "optimizer": 8},
-            "bf16": {"weights": 2, "grads": 2, "optimizer": 12},
+            "bf16": {"weights": 2, "grads": 4, "optimizer": 12},
             "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
 
 
 def bytes_without_master(recipe):
     size = {"fp32": 4, "bf16": 2, "fp64": 8}[recipe]
     return {"weights": size, "grads": size, "optimizer": 2 * size}
+
+
+def bytes_bf16_gradients(recipe):
+    return {"fp32": {"weights": 4, "grads": 4, "optimizer": 8},
+            "bf16": {"weights": 2, "grads": 2, "optimizer": 12},
+            "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
 
 
 def bytes_fp32_with_master(recipe):
@@ -205,9 +211,10 @@ exercise(
         "**Exercise: bytes per parameter.** Write `bytes_per_parameter(recipe)` returning "
         "`{\"weights\": ..., \"grads\": ..., \"optimizer\": ...}`, the bytes each parameter costs "
         "when training with AdamW under `recipe`: `\"fp32\"` (fp32 weights and gradients, two "
-        "fp32 moments, no extra copy), `\"bf16\"` (mixed precision as in the ZeRO paper, "
-        "Rajbhandari et al. 2020 §3.1: bf16 weights and gradients, and the optimizer keeps an fp32 "
-        "master copy of the weights plus the two fp32 moments: K = 12), `\"fp64\"` (everything in "
+        "fp32 moments, no extra copy), `\"bf16\"` (mixed precision as Megatron-LM and Llama 3 train: "
+        "bf16 weights, gradients accumulated in fp32 across micro-batches, and the optimizer keeps an "
+        "fp32 master copy of the weights plus the two fp32 moments, K = 12 as in the ZeRO paper, "
+        "Rajbhandari et al. 2020 §3.1, whose own count has bf16 gradients), `\"fp64\"` (everything in "
         "float64, the course's exact runs). The check runs one recipe per rank (3 ranks) against "
         "the course's `PRECISION_BYTES` (lectures/estimator.py), and the total for a 7B model."),
     stub=(
@@ -217,6 +224,7 @@ exercise(
         "                              \"weights + two fp32 moments\")\n"),
     harness=check_bytes, solution=bytes_per_parameter,
     wrong={"mixed precision without the fp32 master copy": bytes_without_master,
-           "a master copy in plain fp32 too": bytes_fp32_with_master},
-    hint="16 bytes per parameter in total for mixed precision (2 + 2 + 12); 16 for fp32 (4 + 4 + 8)",
+           "a master copy in plain fp32 too": bytes_fp32_with_master,
+           "bf16 gradients (the ZeRO paper's count, not fp32 accumulation)": bytes_bf16_gradients},
+    hint="18 bytes per parameter in total for mixed precision (2 + 4 + 12); 16 for fp32 (4 + 4 + 8)",
     sizes="fp32, bf16, fp64, one per rank")
