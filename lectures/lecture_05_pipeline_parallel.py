@@ -15,11 +15,11 @@ import torch.distributed as dist
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, make_schedule, simulate,
-                                theory_bubble)
+from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, held, make_schedule,
+                                message_order, simulate, theory_bubble)
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule, Simulation, dependencies  # noqa: F401  (re-exported)
 from util import device, figure, note, quiet, see, settings, spawn, table
-from util.measure import machine, measure, measure_side_by_side
+from util.measure import compare, machine, measure, measure_side_by_side
 
 # =========================================================================================
 # 1. Rank functions: train with a schedule; the single-process reference
@@ -152,7 +152,7 @@ PYTORCH_SCHEDULES = {   # PyTorch's class: (chunks per rank, our closest schedul
     "Schedule1F1B": (1, "1f1b", 1),
     "ScheduleInterleaved1F1B": (2, "interleaved-1f1b", 2),
     "ScheduleInterleavedZeroBubble": (2, "zb-h1", 1),
-    "ScheduleZBVZeroBubble": (2, "zb-h2", 1),
+    "ScheduleZBVZeroBubble": (2, "zb-v", 2),
     "ScheduleDualPipeV": (2, "dualpipev", 2),
 }
 
@@ -221,39 +221,84 @@ def train_schedules(rank, world_size, cfg, runs, mb_size, steps):
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 
 
-def draw_rows(ax, rows, title, unit="ms", scale=1e3):
+def chunk_cost(v, F=1.0, B=1.0, W=1.0):
+    """Costs of one action when a rank's layers are cut into v chunks: each takes 1/v as long."""
+    return {"F": F / v, "B": B / v, "W": W / v}
+
+
+def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None):
     """A schedule's timeline: one row per rank, F blue, B orange, W green, the micro-batch
-    number on each bar, later chunks hatched. `rows[r]` = [(Action, start, end)]."""
+    number on each bar wide enough to hold it, later chunks hatched. `rows[r]` =
+    [(Action, start, end)]; `span`: the x-axis length shared with other panels."""
     t0 = min(s for row in rows for _, s, _ in row)
+    span = span or max(e for row in rows for _, _, e in row) - t0
     for r, row in enumerate(rows):
         for a, start, end in row:
             left, width = (start - t0) * scale, (end - start) * scale
             ax.barh(r, width, left=left, height=0.8, color=COLOURS[a.kind], edgecolor="black",
                     linewidth=0.3, hatch="//" if a.chunk else None)
-            ax.text(left + width / 2, r, str(a.microbatch), ha="center", va="center", fontsize=6, color="white")
+            if width >= span * scale / 45:
+                ax.text(left + width / 2, r, str(a.microbatch), ha="center", va="center", fontsize=8,
+                        color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
-    ax.invert_yaxis()
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(unit, fontsize=8)
-    ax.tick_params(labelsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, span * scale)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_xlabel(unit, fontsize=9)
+    ax.tick_params(labelsize=9)
 
 
-def side_by_side(pairs, caption_unit="ms"):
-    """One row per schedule: simulated (left) and measured (right) timelines."""
-    import matplotlib.pyplot as plt
+def legend_patches(chunks=True):
     from matplotlib.patches import Patch
-    fig, axes = plt.subplots(len(pairs), 2, figsize=(11, 1.3 + 1.25 * len(pairs)), squeeze=False)
+    names = {"F": "F forward", "B": "B backward", "W": "W weight gradient"}
+    return ([Patch(color=c, label=names[k]) for k, c in COLOURS.items()] +
+            ([Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")] if chunks else []))
+
+
+def side_by_side(pairs):
+    """One row per schedule: simulated (left) and measured (right) timelines, each column on
+    one shared time axis, so rows compare at a glance."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(9, 0.9 + 1.35 * len(pairs)), squeeze=False)
+    sim_span = max(e - min(s for row in rows for _, s, _ in row)
+                   for _, rows, _, _ in pairs for row in rows for _, _, e in row)
+    measured = [m for _, _, m, _ in pairs if m is not None]
+    meas_span = max((max(e for row in m for _, _, e in row) - min(s for row in m for _, s, _ in row))
+                    for m in measured) if measured else None
     for (title, sim_rows, measured_rows, sim_unit), (left, right) in zip(pairs, axes):
-        draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1)
+        draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1, span=sim_span)
         if measured_rows is not None:
-            draw_rows(right, measured_rows, f"{title}: measured")
+            draw_rows(right, measured_rows, f"{title}: measured", span=meas_span)
         else:
             right.set_axis_off()
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()] +
-               [Patch(facecolor="white", edgecolor="black", hatch="//", label="chunk 1")],
-               loc="lower center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.5 / (0.9 + 1.35 * len(pairs)), 1, 1))
     return fig
+
+
+def held_over_time(sim, layout):
+    """Per rank, [(time, stage-micro-batches held)] along a simulated timeline: +1/v at each F,
+    −1/v at the action that releases it (W when split, else B)."""
+    split = any(a.kind == "W" for row in sim.timeline for a, _, _ in row)
+    release = "W" if split else "B"
+    out = []
+    for row in sim.timeline:
+        now, pts = 0.0, [(0.0, 0.0)]
+        for a, start, end in row:
+            if a.kind == "F":
+                now += 1 / layout.chunks
+                pts.append((start, now))
+            elif a.kind == release:
+                now -= 1 / layout.chunks
+                pts.append((end, now))
+        merged = []                  # one point per instant: a release and the next F at the same time
+        for t, y in pts:
+            if merged and merged[-1][0] == t:
+                merged[-1] = (t, y)
+            else:
+                merged.append((t, y))
+        out.append(merged)
+    return out
 
 
 def merged(returns, key):
@@ -302,9 +347,25 @@ def intro():
         executor runs any list on real ranks with lecture 01's GPT, and every schedule's loss
         and gradients equal one process's. The model is lecture 01's GPT cut by layers: the
         first stage also holds the embeddings, the last the final LayerNorm and the LM head.
+
+        **What you will learn.** What the bubble is and how each schedule shrinks it — GPipe,
+        1F1B, interleaved 1F1B, the zero-bubble family (ZB-H1, ZB-H2, ZB-V) and DualPipeV — with
+        each paper's numbers (bubble, micro-batches held) beside the simulator's and the
+        ranks' measurements; what each rank holds over a step; why the executor batches its
+        sends and posts receives in the sender's order; PyTorch's `torch.distributed.pipelining`
+        on the same model. The deep dive at the end (NCCL's posting order) can wait for a
+        second read.
+
+        **What you need.** Lecture 01 (what a forward saves for backward; recomputation) and
+        lecture 02 (point-to-point `isend`/`irecv`, what blocks and what does not); PyTorch's
+        autograd (`torch.autograd.backward` with an output gradient, `torch.autograd.grad`).
     """)
     see(make_schedule, "make_schedule: every schedule of this lecture as action lists")
     see(Layout, "Layout: where each chunk's stage lives (looped or V)")
+
+
+ALL = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
+       ("zb-v", 2), ("dualpipev", 2)]   # (schedule, chunks per rank) in the order the page teaches them
 
 
 def schedules_as_data():
@@ -313,52 +374,116 @@ def schedules_as_data():
         ## Schedules as data
         Here are the action lists for {p} ranks and {m} micro-batches under 1F1B. A forward
         `F3` needs stage $s-1$'s `F3`; a backward `B3` needs the stage's own `F3` and stage
-        $s+1$'s `B3`; a `W3` needs the stage's `B3`. `F3.1` is micro-batch 3 on the rank's chunk
-        1. Nothing else is needed to check a schedule: `check_schedule` verifies that every
-        (stage, micro-batch) appears once per kind, `simulate` runs the lists and reports a
-        deadlock if every rank waits.
+        $s+1$'s `B3`; a `W3` needs the stage's `B3`. `F3.1` is micro-batch 3 on the rank's
+        second chunk (chunk 1). Those rules are all a checker needs: `check_schedule`
+        verifies that every (stage, micro-batch) appears once per kind, `simulate` runs the
+        lists and reports a deadlock if every rank waits.
     """)
     sched = make_schedule("1f1b", p, m)
     table([[f"rank {r}", " ".join(map(str, acts))] for r, acts in enumerate(sched)],
           header=["rank", "1F1B actions, in order"])
     see(simulate, "simulate: the list scheduler that checks and times a schedule")
-    unit, zb_unit = {"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1}
+    layouts_figure(p)
     rows, pairs = [], []
-    for name, v in [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
-                    ("zb-h1", 1), ("zb-h2", 1), ("dualpipev", 2)]:
+    for name, v in ALL:
         sch = make_schedule(name, p, m, v)
         check_schedule(sch)
-        a, b = simulate(sch, unit), simulate(sch, zb_unit)
+        a, b = simulate(sch, chunk_cost(v, W=0)), simulate(sch, chunk_cost(v))
         rows.append([name, v, pct(theory_bubble(name, p, m, v)), pct(a.bubble), pct(b.bubble),
-                     f"{b.makespan:g}"])
-        pairs.append((f"{name} (v={v})", b.timeline, None, "time units"))
+                     f"{b.makespan:g}", f"{max(held(sch)) / v:g}"])
+        if name != "naive":
+            pairs.append((f"{name} (v={v})", b.timeline))
     table(rows, header=["schedule", "chunks v", "theory (F=B, W=0)", "simulated, F=B, W=0",
-                        "simulated, F=B=W", "makespan, F=B=W"],
-          caption=f"{p} ranks, {m} micro-batches. With W = 0 splitting the backward gains "
-                  "nothing; once W costs as much as B, postponed Ws fill the idle slots.")
+                        "simulated, F=B=W", "makespan, F=B=W", "most micro-batches held"],
+          caption=f"{p} ranks, {m} micro-batches; a chunk's action costs 1/v. With W = 0 splitting "
+                  "the backward gains nothing; once W costs as much as B, postponed Ws fill the "
+                  "idle slots. Held: micro-batches between F and the release of their activations "
+                  "(W when split, else B), the most on any rank, a chunk counting 1/v.")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(pairs), 1, figsize=(10, 1.2 * len(pairs) + 0.8))
-    for (title, rows_, _, u), ax in zip(pairs, axes):
-        draw_rows(ax, rows_, title, unit=u, scale=1)
-    fig.tight_layout()
-    figure(fig, caption=f"Every schedule simulated with F = B = W = 1 time unit, no communication "
-                        f"cost ({p} ranks, {m} micro-batches; blue F, orange B, green W, hatched: chunk 1). "
-                        "Without a split the backward (orange) costs 2.")
+    span = max(e for _, tl in pairs for row in tl for _, _, e in row)
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 1.25 * len(pairs) + 0.9), sharex=True)
+    for (title, tl), ax in zip(pairs, axes):
+        draw_rows(ax, tl, title, unit="time (F = B = W = 1 per stage)", scale=1, span=span)
+        ax.label_outer()
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
+    figure(fig, caption=f"Every schedule but naive (makespan {rows[0][5]}) on one time axis, simulated with "
+                        f"F = B = W = 1 per stage and no communication cost ({p} ranks, {m} micro-batches; "
+                        "hatched: a rank's chunk 1). Without a split the backward (orange) costs 2.")
+    memory_figure(p, m)
+
+
+def layouts_figure(p):
+    """Which rank holds which stage, and the path a micro-batch takes: looped vs V (from Layout)."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.8), sharey=True)
+    for ax, (style, title) in zip(axes, [("looped", "looped (interleaved 1F1B), v = 2"),
+                                         ("v", "V (ZB-V, DualPipeV), v = 2")]):
+        lay = Layout(p, 2, style)
+        pts = [lay.place(st) for st in range(lay.stages)]
+        ax.plot(range(lay.stages), [r for r, _ in pts], "-", color="grey", zorder=1)
+        for st, (r, c) in enumerate(pts):
+            ax.scatter(st, r, s=330, color=["#4c78a8", "#e45756"][c], zorder=2)
+            ax.text(st, r, str(st), ha="center", va="center", color="white", fontsize=9, zorder=3)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_xlabel("stage, in the order the forward visits them", fontsize=9)
+        ax.set_xticks(range(lay.stages))
+        ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+        ax.set_ylim(p - 0.5, -0.6)
+        ax.tick_params(labelsize=9)
+    axes[0].scatter([], [], color="#4c78a8", label="chunk 0"), axes[0].scatter([], [], color="#e45756", label="chunk 1")
+    fig.legend(loc="lower center", ncol=2, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    figure(fig, caption=f"Two chunks per rank on {p} ranks. Looped: stage c·p + r on rank r, so a "
+                        "micro-batch crosses rank p−1 → rank 0 mid-model. V: stages r and 2p−1−r on "
+                        "rank r, so the turn at the last rank is a local hand-over and rank 0 holds "
+                        "the first and the last stage (the loss starts where the input entered).")
+
+
+def memory_figure(p, m):
+    """Micro-batches each rank holds over a simulated step, for the schedules that differ."""
+    import matplotlib.pyplot as plt
+    names = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+    fig, axes = plt.subplots(3, 2, figsize=(9, 7), sharex=True, sharey=True)
+    colours = plt.cm.viridis([i / max(1, p - 1) * 0.85 for i in range(p)])
+    for ax, (name, v) in zip(axes.flat, names):
+        sch = make_schedule(name, p, m, v)
+        sim = simulate(sch, chunk_cost(v))
+        for r, pts in enumerate(held_over_time(sim, sch.layout)):
+            xs, ys = zip(*pts)
+            ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
+        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=10, loc="left")
+        ax.tick_params(labelsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("micro-batches held", fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("time (F = B = W = 1 per stage)", fontsize=9)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    figure(fig, caption=f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
+                        "simulated from the action lists the ranks run): a micro-batch counts from its F "
+                        "until the action that releases its activations (B, or W when the backward is "
+                        "split); a chunk counts 1/v. GPipe climbs to m; 1F1B holds p − r on rank r; "
+                        "ZB-H1 holds p on every rank (its postponed Ws keep activations longer), ZB-H2 "
+                        "2p − 1, ZB-V p in half-size chunks.")
 
 
 def executor_matches():
     n = settings.world_size
     cfg = GPTConfig(n_layers=2 * n, d_model=32, n_heads=2, seq_len=16, dtype="float64")
     mb_size, steps = 2, 2
-    runs = [(name, 2 * n + 1 if name == "dualpipev" else n + 1, 2 if name in ("interleaved-1f1b", "dualpipev") else 1)
-            for name in SCHEDULES]
+    runs = [(name, 2 * n + 1 if name == "dualpipev" else n + 1, v) for name, v in ALL]
     note(f"""
         ## One executor for every schedule
         `PipelineExecutor` runs one rank's list. Before an action it waits for that action's
         input (a receive posted earlier, or a local hand-over at the turn of a V); after it, it
         posts in one `batch_isend_irecv` the send of what it produced together with the receive
         the next action needs. Sends never block, so the only waits are for data, and any
-        schedule that the simulator can finish cannot deadlock. The split backward asks autograd
+        schedule that the simulator can finish cannot deadlock. Receives are posted in the order
+        the sending rank sends (`message_order`), which is what NCCL needs (the deep dive at the
+        end shows why). The split backward asks autograd
         only for the gradients of the stage input and of each parameter-owning module's output
         (`torch.autograd.grad` skips the weight-gradient products it was not asked for); W
         later turns those into weight gradients one module at a time.
@@ -394,6 +519,7 @@ def sleep_runs(ms):
         runs += [{"label": f"{name} m={m}", "name": name, "m": m} for m in ms]
     runs += [{"label": "interleaved-1f1b", "name": "interleaved-1f1b", "m": 8, "v": 2},
              {"label": "zb-h1", "name": "zb-h1", "m": 8}, {"label": "zb-h2", "name": "zb-h2", "m": 8},
+             {"label": "zb-v", "name": "zb-v", "m": 8, "v": 2},
              {"label": "dualpipev", "name": "dualpipev", "m": 8, "v": 2}]
     return runs
 
@@ -488,16 +614,25 @@ def gpipe_measured(R, p, ms, mode):
                         "peak activations held (rank max)", "step time"],
           caption=f"{mode}. Activations: bytes autograd saved for backward, measured with "
                   "saved-tensor hooks, the most any rank held at once.")
+    import matplotlib
     import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
     xs = list(ms)
     for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
         a1.plot(xs, [bubble_row(R, f"{name} m={m}", name, m, 1, p)["measured"] for m in xs], style, label=f"{name} measured")
         a2.plot(xs, [mem[name, m] / 2**10 for m in xs], style, label=name)
     a1.plot(xs, [(p - 1) / (m + p - 1) for m in xs], "k:", label="(p−1)/(m+p−1)")
-    a1.set(xlabel="micro-batches m", ylabel="bubble fraction", xscale="log", title="bubble")
-    a2.set(xlabel="micro-batches m", ylabel="KiB", xscale="log", title="peak activations held")
-    a1.legend(fontsize=8), a2.legend(fontsize=8)
+    for ax, ylabel, title in ((a1, "bubble fraction", "bubble"), (a2, "KiB", "peak activations held")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(m) for m in xs])      # the m measured, as plain numbers
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("micro-batches m (log scale)", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.tick_params(labelsize=9)
+        ax.legend(fontsize=9)
+    a1.set_ylim(bottom=0)
+    a2.set_ylim(bottom=0)
     fig.tight_layout()
     figure(fig, caption=f"Bubble and activation memory against m ({mode}).")
     return mem
@@ -533,8 +668,10 @@ def interleaved_measured(R, p):
         $p - 1$, each way. Counted in this step: **{msgs['interleaved-1f1b']}** messages against
         **{msgs['1f1b m=8']}** ({msgs['interleaved-1f1b'] / msgs['1f1b m=8']:.2f}×; $(vp-1)/(p-1)$ =
         {(v * p - 1) / (p - 1):.2f}). Megatron requires $m$ to be a multiple of $p$ (micro-batches
-        go in groups of $p$, chunk after chunk: depth-first); with other $m$ our lists still run
-        but the simulator shows a larger bubble. Lamy-Poirier (2023) compares this depth-first
+        go in groups of $p$, chunk after chunk: depth-first). For other $m$ our lists use
+        $\\lfloor m/p \\rfloor$ groups of at least $p$, the larger first (`group_sizes`); a short
+        last group deadlocks — (p, m, v) = (6, 8, 2) did, before — and a test builds and
+        simulates every size up to p = 8. Lamy-Poirier (2023) compares this depth-first
         order with breadth-first (all micro-batches through chunk 0 first: `gpipe` with
         chunks > 1 here), which suits data-parallel sharding better; Llama 3 trained with an
         interleaved schedule whose mix of the two is tunable.
@@ -542,54 +679,102 @@ def interleaved_measured(R, p):
 
 
 def zero_bubble_measured(R, p):
-    one = bubble_row(R, "1f1b m=8", "1f1b", 8, 1, p)
-    zb = {k: bubble_row(R, k, k, 8, 2 if k == "dualpipev" else 1, p) for k in ("zb-h1", "zb-h2", "dualpipev")}
-    held = {k: max(r[k]["peak_saved_bytes"] for r in R) for k in ("1f1b m=8", "zb-h1", "zb-h2")}
+    m = 8
+    names = [("1f1b m=8", "1f1b", 1), ("zb-h1", "zb-h1", 1), ("zb-h2", "zb-h2", 1), ("zb-v", "zb-v", 2),
+             ("dualpipev", "dualpipev", 2)]
+    rows_ = {label: bubble_row(R, label, name, m, v, p) for label, name, v in names}
+    peak = {label: max(r[label]["peak_saved_bytes"] for r in R) for label, _, _ in names}
+    lists = {name: make_schedule(name, p, m, v) for _, name, v in names}
+    most = {name: max(held(sch)) / sch.layout.chunks for name, sch in lists.items()}
+    unit = {name: simulate(sch, chunk_cost(sch.layout.chunks)).makespan for name, sch in lists.items()}
+    S = 2 * p                                           # DualPipeV's stages: the README's PP
     note(f"""
         ## Zero bubble: split the backward
         A backward computes two things: the gradient with respect to the stage's input (B, which
         the previous stage is waiting for) and the gradients of the weights (W, which nobody
         waits for until the optimizer step). Qi et al. (2023) run B at once and postpone W into
-        the slots where the rank would otherwise idle. ZB-H1 admits micro-batches as 1F1B does
-        and fills the drain with postponed Ws; ZB-H2 also runs more forwards in the warm-up and
-        fills the start too, for more memory. Our ZB lists are built by a small greedy
-        scheduler (B first, then F within a limit on micro-batches held, Ws in the drain; see
-        `_greedy`), not the paper's hand-made ones, which reach a smaller bubble still. In sleep
-        mode F, B and W each wait {SLEEP['F'] * 1e3:.0f} ms, so 1F1B's backward is twice a
-        forward. Measured at m = 8:
+        the slots where the rank would otherwise idle. Three schedules by Qi et al., each built
+        here with its paper's defining numbers (tested in tests/test_lecture_05.py):
 
-        | | 1F1B | ZB-H1 | ZB-H2 |
-        |---|---|---|---|
-        | bubble | {pct(one['measured'])} | {pct(zb['zb-h1']['measured'])} | {pct(zb['zb-h2']['measured'])} |
-        | peak activations held (rank max) | {held['1f1b m=8'] / 2**10:.0f} KiB | {held['zb-h1'] / 2**10:.0f} KiB | {held['zb-h2'] / 2**10:.0f} KiB |
+        - **ZB-H1** (sec. 3.1) keeps 1F1B's order of F and B; rank $r$ runs its first $r$
+          backwards without their W and then a W right after every B, $r$ micro-batches late.
+          Every rank holds at most $p$ micro-batches, 1F1B's peak (1F1B reaches it on rank 0
+          only), and with $F = B = W$ the bubble falls from 1F1B's $(p-1)(F+B+W)$ to
+          $(p-1)(F+B-W)$: a makespan of $3m + p - 1$ = {3 * m + p - 1} units instead of
+          $3m + 3(p-1)$ = {3 * m + 3 * (p - 1)} (simulated: {unit['zb-h1']:g} and {unit['1f1b']:g}).
+        - **ZB-H2** runs more forwards in the warm-up, holding up to $2p - 1$ micro-batches,
+          so that every rank runs from its first action to its last without a gap. What is
+          left in one step is the head and the tail of that parallelogram (rank $r$ starts $r$
+          forwards late), so a single step here takes {unit['zb-h2']:g} units against ZB-H1's
+          {unit['zb-h1']:g}: {_fewer(unit['zb-h2'], unit['zb-h1'])}. The paper's zero bubble needs one more thing: the next step's forwards start
+          on rank 0 while the last ranks finish, which a synchronous optimizer step forbids
+          (gradient clipping and NaN checks need every rank's gradients). Qi et al. (sec. 4)
+          replace that synchronisation by a *post-validation*: each rank steps at once and
+          rolls the rare failing step back. One step followed by a synchronous AdamW, as here,
+          cannot show it.
+        - **ZB-V** (Qi et al. 2024) puts two half-size chunks on each rank in a V (the layout
+          figure above): the head halves, because the first forward reaches rank $p-1$ after
+          $p - 1$ half-stage forwards, and under 1F1B's memory ($2p$ half-size chunks = $p$
+          micro-batches) nearly all the rest goes: {unit['zb-v']:g} units. Our ZB-H2 and ZB-V
+          lists come from a small greedy scheduler under those bounds (`_greedy`: B first, then F
+          within the bound, then W), not the papers' hand-made lists.
 
-        (A postponed W keeps its micro-batch's saved tensors until it runs.)
+        In sleep mode F, B and W each wait {SLEEP['F'] * 1e3:.0f} ms (a chunk's action half
+        that), so 1F1B's unsplit backward is twice a forward. Measured at m = {m}:
 
-        DualPipeV (DeepSeek-AI 2025) is the V-shaped half of DeepSeek-V3's DualPipe: rank $r$
-        holds stage $r$ and stage $2p-1-r$, so the first and last stages share rank 0 and
-        micro-batches go down the ranks and come back up. Its list here is transcribed from the
-        eight phases of the reference schedule; on GPUs each "F of one chunk + B of the other"
-        pair overlaps its compute with the other pair's communication, which a CPU rank cannot
-        do, so we run the pair one after the other. Measured bubble **{pct(zb['dualpipev']['measured'])}**.
+        | | 1F1B | ZB-H1 | ZB-H2 | ZB-V | DualPipeV |
+        |---|---|---|---|---|---|
+        | paper's bubble | $(p-1)(F+B+W)$ | $(p-1)(F+B-W)$ | ≈ 0 across steps | ≈ the V's head | $(S/2-1)(F\\&B+B-3W)$ |
+        | paper's micro-batches held | $p$ | $p$ | $2p-1$ | $p$ | $S + 1$ chunks |
+        | most held in our lists | {most['1f1b']:g} | {most['zb-h1']:g} | {most['zb-h2']:g} | {most['zb-v']:g} | {most['dualpipev'] * 2:g} chunks |
+        | bubble, simulated | {pct(rows_['1f1b m=8']['simulated'])} | {pct(rows_['zb-h1']['simulated'])} | {pct(rows_['zb-h2']['simulated'])} | {pct(rows_['zb-v']['simulated'])} | {pct(rows_['dualpipev']['simulated'])} |
+        | bubble, measured | {pct(rows_['1f1b m=8']['measured'])} | {pct(rows_['zb-h1']['measured'])} | {pct(rows_['zb-h2']['measured'])} | {pct(rows_['zb-v']['measured'])} | {pct(rows_['dualpipev']['measured'])} |
+        | peak activations held (rank max) | {peak['1f1b m=8'] / 2**10:.0f} KiB | {peak['zb-h1'] / 2**10:.0f} KiB | {peak['zb-h2'] / 2**10:.0f} KiB | {peak['zb-v'] / 2**10:.0f} KiB | {peak['dualpipev'] / 2**10:.0f} KiB |
+
+        (A postponed W keeps its micro-batch's saved tensors until it runs: that is why ZB-H1
+        holds $p$ micro-batches on every rank where 1F1B holds $p - r$; the memory figure above
+        draws it.)
+
+        **DualPipeV** is the V-shaped, "cut-in-half" DualPipe. DualPipe (DeepSeek-AI 2024,
+        DeepSeek-V3 report) runs micro-batches in both directions through $S$ stages on $S$
+        devices, each holding two stages; DualPipeV, which DeepSeek's README credits to Sea AI
+        Lab's "cut-in-half" procedure, keeps one direction on $S/2 = p$ devices, rank $r$
+        holding stages $r$ and $2p-1-r$. The README gives both $(S/2-1)(F\\&B+B-3W)$ bubble
+        and $S + 1$ activations per device ($F$, $B$, $W$ a chunk's forward, full backward
+        and weight backward), {S} stages here. $F\\&B$ is a forward of one chunk and a backward
+        of the other, from two different micro-batches, run *together*: the overlap is within
+        each pair — one's computation runs while the other's messages travel — and it exists
+        to hide the expert-parallel all-to-all (dispatch and combine) of DeepSeek's
+        mixture-of-experts layers (lecture 06). A CPU rank cannot overlap them, so we run each
+        pair one after the other; its list is transcribed from the eight phases of the
+        reference schedule. On the simulator it takes {unit['dualpipev']:g} units against ZB-V's
+        {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}.
     """)
+
+
+def _fewer(a, b):
+    """Words for a makespan a against b (simulated, exact: no spread to allow for)."""
+    return "no gain in one step" if a == b else ("a gain" if a < b else "a loss")
 
 
 def every_schedule_measured(R, p, mode):
     note("""
         ## Every schedule, simulated and measured
         The simulator's timeline (left, the sleep durations as costs, no communication cost)
-        beside the spans measured on the ranks (right) for the same action lists.
+        beside the spans measured on the ranks (right) for the same action lists; each column
+        shares one time axis, so a shorter row is a faster step.
     """)
     rows, pairs, extra = [], [], {}
     for label, name, m, v in [("naive", "naive", 4, 1), ("gpipe m=8", "gpipe", 8, 1), ("1f1b m=8", "1f1b", 8, 1),
                               ("interleaved-1f1b", "interleaved-1f1b", 8, 2), ("zb-h1", "zb-h1", 8, 1),
-                              ("zb-h2", "zb-h2", 8, 1), ("dualpipev", "dualpipev", 8, 2)]:
+                              ("zb-h2", "zb-h2", 8, 1), ("zb-v", "zb-v", 8, 2), ("dualpipev", "dualpipev", 8, 2)]:
         b = bubble_row(R, label, name, m, v, p)
         bubbles, steps = measured_bubbles(R, label)
         rows.append([name, m, v, pct(b["theory"]), pct(b["simulated"]),
                      f"{pct(b['measured'])} ({pct(b['iqr'][0])}–{pct(b['iqr'][1])})",
                      R[0][label]["timing"].ms(), f"{b['sim'].makespan * 1e3:.0f} ms"])
-        pairs.append((f"{name} (m={m}, v={v})", b["sim"].timeline, median_step(steps, bubbles), "s"))
+        if name != "naive":          # naive has its own figure above; it would stretch the shared axis
+            pairs.append((f"{name} (m={m}, v={v})", b["sim"].timeline, median_step(steps, bubbles), "s"))
         extra[name] = (R[0][label]["timing"].median - b["sim"].makespan,
                        b["measured"] / b["theory"] if b["theory"] else None)
     table(rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
@@ -608,7 +793,8 @@ def every_schedule_measured(R, p, mode):
         runs with sleeps 10× longer and prints the ratios.
     """)
     figure(side_by_side(pairs), caption=f"Simulated (left, seconds) and measured (right, ms) "
-                                        f"timelines. {mode}.")
+                                        f"timelines, one time axis per column (naive: its own figure "
+                                        f"above). {mode}.")
 
 
 def real_compute():
@@ -620,27 +806,43 @@ def real_compute():
     run = spawn(measure_schedules, p, cfg=cfg, runs=runs, mb_size=mb, repeats=3 if settings.quick else 7,
                 name=f"schedules with real compute, {p} ranks")
     R = run.returns
-    rows = []
+    rows, bub, theory = [], {}, {}
     for r in runs:
         bubbles, _ = measured_bubbles(R, r["label"])
+        bub[r["label"]] = statistics.median(bubbles)
         peak = max(x[r["label"]]["peak_saved_bytes"] for x in R)
-        rows.append([r["label"], pct(statistics.median(bubbles)), f"{peak / 2**20:.2f} MiB",
-                     R[0][r["label"]]["timing"].ms()])
-    g, c = R[0]["gpipe"]["timing"].median, R[0]["gpipe + checkpointing"]["timing"].median
+        theory[r["label"]] = (theory_bubble(r["name"], p, m) if r["name"] != "zb-h1"
+                              else simulate(make_schedule("zb-h1", p, m), chunk_cost(1)).bubble)
+        rows.append([r["label"], pct(theory[r["label"]]),
+                     pct(bub[r["label"]]), f"{peak / 2**20:.2f} MiB", R[0][r["label"]]["timing"].ms()])
+    g, c = R[0]["gpipe"]["timing"], R[0]["gpipe + checkpointing"]["timing"]
     gm = max(x["gpipe"]["peak_saved_bytes"] for x in R)
     cm = max(x["gpipe + checkpointing"]["peak_saved_bytes"] for x in R)
     note(f"""
         ## Real compute, and GPipe with activation checkpointing
-        **Real-compute mode**: no sleeping, {p} ranks ({machine(p)}), lecture 01's GPT with
+        **Real-compute mode**: no sleeping, {machine(p)}, lecture 01's GPT with
         {cfg.n_layers} layers of width {cfg.d_model}, {m} micro-batches of {mb} sequences.
         GPipe itself re-materialises activations: each stage keeps only its input per
-        micro-batch and recomputes the rest during the backward. Here: peak activations held
-        **{gm / 2**20:.2f} MiB → {cm / 2**20:.2f} MiB** ({gm / max(cm, 1):.1f}× less) for a step
-        time of {g * 1e3:.1f} → {c * 1e3:.1f} ms ({c / g:.2f}×: every forward runs twice).
+        micro-batch, and its backward first re-runs the stage's forward, which saves one
+        micro-batch's activations again. The peak is therefore every kept input plus one
+        micro-batch's activations, and the meter counts both (saves during F and during the
+        re-run): **{gm / 2**20:.2f} MiB → {cm / 2**20:.2f} MiB** held at most, {gm / max(cm, 1):.1f}×
+        less. Time: checkpointing against plain GPipe, {compare(c, g, "with checkpointing", "without")}.
+        Every forward runs twice, and the re-run counts as busy time in the measured bubble
+        ({pct(bub['gpipe + checkpointing'])} with checkpointing, {pct(bub['gpipe'])} without):
+        extra compute fills idle slots, so for a checkpointed schedule the step time, not the
+        bubble, says whether it got faster.
+
+        Beside each measured bubble, its theory: the textbook formula with free communication.
+        Measured over theory is {bub['1f1b'] / theory['1f1b']:.1f} for 1F1B and
+        {bub['gpipe'] / theory['gpipe']:.1f} for GPipe: every action here also pays Python's and
+        gloo's per-message cost, and {p} ranks compute at once on this machine's cores, none
+        of which the formula charges; sleep mode above isolates the schedule.
     """)
-    table(rows, header=["schedule", "measured bubble", "peak activations (rank max)", "step time (IQR)"],
+    table(rows, header=["schedule", "theory", "measured bubble", "peak activations (rank max)", "step time (IQR)"],
           caption=f"Real compute, {machine(p)}. The bubble includes communication and Python "
-                  "overhead between actions.")
+                  "overhead between actions. Theory: (p−1)/(m+p−1) for GPipe and 1F1B; for ZB-H1 "
+                  "the simulator's bubble with F = B = W, (p−1)(F+B−W) over its makespan.")
 
 
 def timing_ranks_here():
@@ -675,8 +877,11 @@ def pytorch_schedules():
         ## PyTorch's own: torch.distributed.pipelining
         The same `GPTStage` pieces wrapped in `PipelineStage` and run by each of PyTorch's
         schedules (V-shaped ones with the V layout), on {p} ranks with {m} micro-batches, beside
-        our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` and
-        `ScheduleZBVZeroBubble` run two chunks per rank; our ZB-H1/H2 one. One caution when
+        our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` is ZB-H1's rule (a
+        rank's Ws run $r$ micro-batches late) on interleaved chunks, two per rank: our ZB-H1
+        has one. `ScheduleZBVZeroBubble` and our `zb-v` are both ZB-V (two chunks in a V,
+        1F1B's memory), built differently; `ScheduleDualPipeV` and our `dualpipev` both
+        follow DeepSeek's DualPipeV. One caution when
         reading PyTorch's action lists: in torch 2.13 `Schedule1F1B.pipeline_order` names the
         wrong micro-batches for the last rank (its training is correct), so we draw nothing
         from it.
@@ -696,7 +901,105 @@ def pytorch_schedules():
                      R[0]["times"][label].ms()])
     table(rows, header=["schedule", "loss", "|Δ loss| vs one process", "max |Δ gradient|", "step time (IQR)"],
           caption=f"Real compute, ours and PyTorch's taking turns, {machine(p)}; one process's loss {ref['losses'][0]:.6f}.")
+    t = R[0]["times"]
+    span = {n: simulate(make_schedule(n, p, m, 2), chunk_cost(2)).makespan for n in ("zb-v", "dualpipev")}
+    note(f"""
+        ZB-V, ours against PyTorch's: {compare(t['ours: zb-v'], t['PyTorch ScheduleZBVZeroBubble'], 'ours', "PyTorch's")}.
+        ZB-V against DualPipeV, both ours: {compare(t['ours: zb-v'], t['ours: dualpipev'], 'ZB-V', 'DualPipeV')};
+        with m = {m} their lists take {span['zb-v']:g} and {span['dualpipev']:g} units on the
+        simulator (F = B = W = 1 per stage), and DualPipeV's own advantage, overlapping each
+        F&B pair's all-to-all, needs a GPU and expert parallelism.
+        Every timing here is one step of a small model, where per-action overhead weighs as
+        much as the schedule.
+    """)
     return R
+
+
+def deep_dive_posting_order():
+    p, m = 4, 8
+    sched = make_schedule("dualpipev", p, m, 2)
+    order = message_order(sched)
+    src, dst = max(order, key=lambda k: _crossings(sched, k, order[k]))
+    sent = order[src, dst]
+    needed = _needed_order(sched, dst, src)
+    moved = sum(a != b for a, b in zip(sent, needed))
+    note(f"""
+        ## Deep dive: NCCL matches messages in posting order
+        This section can be skipped on a first read: it matters once the executor runs on GPUs.
+        gloo matches a receive to a send by its tag; NCCL ignores tags and pairs the $k$-th
+        receive a rank posts for a peer with the $k$-th send that peer posted to it. If a rank
+        posts its receives in the order its own actions need them, and the peer sends in
+        another order, NCCL delivers same-shaped tensors to the wrong receive: no error, wrong
+        gradients. In DualPipeV at p = {p}, m = {m}, rank {src} sends rank {dst} {len(sent)}
+        messages, and {moved} of them sit at another position in the order rank {dst} needs
+        them (below). Interleaved 1F1B does it too at some sizes where $m$ is not a multiple
+        of $p$ (p = 2, m = 5, for one). So the executor posts, before the receive an action needs, the receives of
+        every message that peer sends earlier (`message_order` gives the order); a test runs
+        every schedule with ranks as threads and a stand-in that matches as NCCL does.
+    """)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    label = lambda k: f"{'a' if k[0] == 'act' else 'g'}{k[2]}"
+    pos = {k: i for i, k in enumerate(needed)}
+    for i, k in enumerate(sent):
+        j = pos[k]
+        ax.plot([i, j], [1, 0], color="#e45756" if i != j else "#bbbbbb", lw=1.4)
+    for i, k in enumerate(sent):
+        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize=9, rotation=90)
+    for j, k in enumerate(needed):
+        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize=9, rotation=90)
+    ax.set_yticks([0, 1], [f"rank {dst} needs", f"rank {src} sends"])
+    ax.set_xticks([])
+    ax.set_ylim(-0.45, 1.45)
+    ax.tick_params(labelsize=9)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    figure(fig, caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
+                        f"order rank {src} sends them (top) and the order rank {dst}'s actions need them "
+                        "(bottom); a: an activation, g: a gradient, with its micro-batch. Red lines: "
+                        "messages that would be paired with another one's buffer if receives were posted "
+                        "in the order needed.")
+
+
+def _needed_order(sched, dst, src):
+    """The messages from `src` in the order rank `dst`'s actions need them."""
+    lay, out = sched.layout, []
+    for a in sched[dst]:
+        s = lay.stage(dst, a.chunk)
+        if a.kind == "F" and s > 0 and lay.place(s - 1)[0] == src:
+            out.append(("act", s, a.microbatch))
+        elif a.kind == "B" and s < lay.stages - 1 and lay.place(s + 1)[0] == src:
+            out.append(("grad", s, a.microbatch))
+    return out
+
+
+def _crossings(sched, pair, sent):
+    return sum(a != b for a, b in zip(sent, _needed_order(sched, pair[1], pair[0])))
+
+
+def what_to_remember():
+    note("""
+        ## What to remember
+        - A pipeline step's idle time (the bubble) is set by the schedule: GPipe and 1F1B idle
+          $(p-1)/(m+p-1)$ of the time; more micro-batches, $v$ interleaved chunks
+          ($(p-1)/(vm+p-1)$) or a split backward shrink it.
+        - 1F1B has GPipe's bubble with bounded memory: rank $r$ holds $p - r$ micro-batches,
+          not $m$.
+        - Splitting the backward into B (input gradient, urgent) and W (weight gradient, can
+          wait) lets W fill the idle slots: ZB-H1 gets $(p-1)(F+B-W)$ at 1F1B's peak memory;
+          ZB-H2 ($2p-1$ held) and ZB-V (a V of two chunks, $p$ held) get near zero, ZB-H2 only
+          if the optimizer step does not synchronise.
+        - DualPipeV is a V like ZB-V whose forward/backward pairs overlap the MoE all-to-all:
+          its gain needs GPUs and expert parallelism.
+        - Checkpointing keeps each stage's input and re-runs its forward in backward: the peak
+          is all kept inputs plus one micro-batch's activations, and the re-run is busy time.
+        - Post a send with its matching receive (`batch_isend_irecv`), and post a pair's
+          receives in the order the peer sends: NCCL ignores tags.
+
+        The companion notebook, `lectures/notebooks/lecture_05_pipeline_parallel.ipynb`, runs
+        every section of this page cell by cell; change the schedule, p and m at its top.
+    """)
 
 
 def notes():
@@ -713,7 +1016,9 @@ def notes():
         ("https://arxiv.org/abs/1806.03377", "Harlap et al. 2018, PipeDream: Fast and Efficient Pipeline Parallel DNN Training"),
         ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
         ("https://arxiv.org/abs/2211.05953", "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
-        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2023, Zero Bubble Pipeline Parallelism"),
+        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H1, ZB-H2, post-validation)"),
+        ("https://arxiv.org/abs/2405.15362", "Qi et al. 2024, Pipeline Parallelism with Controllable Memory (V-shaped schedules, ZB-V)"),
+        ("https://hackmd.io/@ufotalent/r1lVXsa9Jg", "Sea AI Lab, the 'cut-in-half' DualPipe that became DualPipeV"),
         ("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),
         ("https://github.com/deepseek-ai/DualPipe", "DeepSeek-AI, DualPipe and DualPipeV reference schedules"),
         ("https://arxiv.org/abs/2407.21783", "Llama Team 2024, The Llama 3 Herd of Models"),
@@ -724,13 +1029,16 @@ def notes():
 
 def main():
     intro()                  # why cut by layers, and what a schedule is
-    schedules_as_data()      # every schedule as action lists, checked and simulated
+    schedules_as_data()      # every schedule as action lists, checked and simulated; layouts; memory
     executor_matches()       # one executor runs them all; equal to one process
     measured_schedules()     # naive, GPipe, 1F1B, interleaved, zero bubble: measured bubbles and memory
     real_compute()           # real compute at ranks <= cores; checkpointing's memory and time
     deadlock()               # why the executor batches its sends and receives
     pytorch_schedules()      # PyTorch's schedules on the same model
     notes()                  # what else decides a pipeline, and the papers
+    # Deep dive, off the main path: what changes on NCCL.
+    deep_dive_posting_order()   # a pair's receives in the order the peer sends
+    what_to_remember()       # the lecture in seven lines, and its notebook
 
 
 def bench():

@@ -24,7 +24,7 @@ from torch import nn
 
 from lectures.gpt import GPT, loss_fn
 from lectures.memory import SavedBytes
-from lectures.schedules import Schedule, check_schedule, make_schedule
+from lectures.schedules import Schedule, check_schedule, make_schedule, message_order
 from util import device, span_at
 
 
@@ -84,14 +84,18 @@ class PipelineExecutor:
 
     Sends never block: each is an `isend` posted in one `batch_isend_irecv` together with the
     receive the next action needs, and waited for at the end of the step. The only waits are
-    for inputs, so any schedule the simulator can finish runs without deadlock. Messages are
-    matched by tag (kind, stage, micro-batch) on gloo; NCCL ignores tags and matches each pair
-    of ranks in posting order, which these schedules keep only when one kind of message flows
-    per direction (one chunk per rank).
+    for inputs, so any schedule the simulator can finish runs without deadlock. gloo matches
+    messages by tag (kind, stage, micro-batch); NCCL ignores tags and matches each pair of ranks
+    in posting order. So receives are posted in the order the sender sends
+    (`schedules.message_order`): to receive a message, a rank first posts the receives of every
+    message that peer sends before it. In interleaved 1F1B with m not a multiple of p, and in
+    DualPipeV at p >= 3, a rank needs a peer's messages in another order than the peer sends
+    them; posting receives in the order needed would swap same-shaped tensors on NCCL.
 
     `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
-    B + W): sleep mode, for more ranks than cores. `checkpoint` re-runs each stage's forward
-    during its backward instead of keeping its activations. `track_memory` counts the bytes
+    B + W): sleep mode, for more ranks than cores. `checkpoint` keeps only each micro-batch's
+    stage input after F (the forward runs without a graph) and re-runs the forward inside B
+    (GPipe's re-materialisation). `track_memory` counts the bytes
     autograd saves for backward (`SavedBytes`, a Python hook per saved tensor: turn it off when
     timing against another implementation)."""
 
@@ -106,6 +110,9 @@ class PipelineExecutor:
         if self.split and checkpoint:
             raise ValueError("checkpointing with a split backward is not supported here")
         self.leaves = {c: param_leaves(mod) for c, mod in modules.items()}
+        # What each peer sends this rank, in the peer's order: receives are posted in that order.
+        self.sent_to_me = {src: keys for (src, dst), keys in message_order(schedule, self.layout).items()
+                           if dst == rank}
         self.messages = 0
 
     # --- one step: for each action, receive its input, compute, send what it produced --------
@@ -121,10 +128,13 @@ class PipelineExecutor:
         None), the measured (action, start, end) list, and the peak bytes saved for backward."""
         self.inputs, self.targets, self.m = inputs, targets, len(inputs)
         self.local, self.inbox, self.sending, self.state = {}, {}, [], {}
+        self.expected = {src: list(reversed(keys)) for src, keys in self.sent_to_me.items()}  # pop() = next
+        self.posted = []            # (peer, "send" or "recv", key) in posting order, for tests
         # One meter per step, entered around every forward: its `live` is what autograd still
         # holds for backward (released as each backward uses it), its `peak` the most at once.
         self.meter = SavedBytes(exclude=[p for mod in self.modules.values() for p in mod.parameters()])
         self.loss_sum, self.messages, events = None, 0, []
+        self.kept = self.peak_kept = 0      # checkpointing: bytes of kept inputs; the most held
         if self.actions:
             ops = []
             self._post_recv(self.actions[0], ops)
@@ -146,7 +156,8 @@ class PipelineExecutor:
         for work, _ in self.sending:
             work.wait()
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
-                "peak_saved_bytes": self.meter.peak, "messages": self.messages}
+                "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
+                "messages": self.messages}
 
     def _receive(self, a):
         """The input of action `a`: F's activation (the micro-batch itself on the first stage),
@@ -179,6 +190,9 @@ class PipelineExecutor:
             ys = self._forward(a.chunk, x)
         out = ys.pop("out")
         produced = out.detach()
+        if self.checkpoint:                       # GPipe keeps only the stage's input
+            self.kept += x.untyped_storage().nbytes()
+            self.peak_kept = max(self.peak_kept, self.kept)
         if self.layout.stage(self.rank, a.chunk) == self.layout.stages - 1:
             loss = self.loss_fn(out, self.targets[a.microbatch].to(device()))
             self.loss_sum = (self.loss_sum or 0.0) + loss.item()
@@ -190,6 +204,8 @@ class PipelineExecutor:
         """B: the whole backward, or (split) only its input half. Unsplit, autograd has now
         released the micro-batch's saved tensors, and we drop the graph's ends; split, they
         stay until W."""
+        if self.checkpoint:
+            return self._recompute_backward(a, self.state.pop((a.microbatch, a.chunk)), g)
         dx = self._backward(self.state[a.microbatch, a.chunk], g)
         if not self.split:
             del self.state[a.microbatch, a.chunk]
@@ -221,9 +237,9 @@ class PipelineExecutor:
         """The stage's forward; in split mode the outputs of every parameter-owning module are
         kept, so that W can later turn their gradients into weight gradients."""
         module = self.modules[chunk]
-        if self.checkpoint:
-            from torch.utils.checkpoint import checkpoint
-            return {"out": checkpoint(module, x, use_reentrant=False)}
+        if self.checkpoint:                       # no graph now: B re-runs this forward
+            with torch.no_grad():
+                return {"out": module(x)}
         if not self.split:
             return {"out": module(x)}
         seen = []
@@ -240,6 +256,25 @@ class PipelineExecutor:
             for h in handles:
                 h.remove()
         return {"out": out, "seen": seen}
+
+    def _recompute_backward(self, a, st, g):
+        """B under checkpointing: re-run the stage's forward with autograd on, then its backward.
+        The re-run saves one micro-batch's activations again, on top of every input still kept:
+        a meter of its own (the kept input left out, it is counted already) measures that, and
+        `peak_kept` is the most the rank held at once."""
+        x = st["x"]
+        params = [p for p in self.modules[a.chunk].parameters()]
+        meter = SavedBytes(exclude=params + [x]) if self.track_memory else contextlib.nullcontext()
+        with torch.enable_grad():
+            with meter:                           # the stage's activations (the loss is not part of it)
+                out = self.modules[a.chunk](x)
+            if self.layout.stage(self.rank, a.chunk) == self.layout.stages - 1:
+                out = self.loss_fn(out, self.targets[a.microbatch].to(device())) / self.m
+            torch.autograd.backward(out, g)
+        if self.track_memory:
+            self.peak_kept = max(self.peak_kept, self.kept + meter.peak)
+        self.kept -= x.untyped_storage().nbytes()
+        return x.grad if x.requires_grad else None
 
     def _backward(self, st, g):
         """B. Unsplit: the whole backward; the input's gradient is x.grad. Split (zero bubble):
@@ -261,7 +296,9 @@ class PipelineExecutor:
     # --- messages: who, which tag, posting and taking -------------------------------------
 
     def _peer(self, stage):
-        r = self.layout.place(stage)[0]
+        return self._global(self.layout.place(stage)[0])
+
+    def _global(self, r):
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def _tag(self, kind, stage, mb):
@@ -277,11 +314,21 @@ class PipelineExecutor:
         return None
 
     def _post_recv(self, a, ops):
+        """Post the receive action `a` needs, after those of every message its sender sends
+        earlier (posting order is what NCCL matches by)."""
         need = self._incoming(a)
-        if need and need[0] not in self.inbox:
+        if not need or need[0] in self.inbox:
+            return
+        src = self.layout.place(need[1])[0]
+        queue = self.expected[src]
+        while True:
+            key = queue.pop()
             buf = torch.empty(self.shape, dtype=self.dtype, device=device())
-            self.inbox[need[0]] = [buf, None]
-            ops.append((dist.P2POp(dist.irecv, buf, self._peer(need[1]), self.group, self._tag(*need[0])), need[0]))
+            self.inbox[key] = [buf, None]
+            self.posted.append((src, "recv", key))
+            ops.append((dist.P2POp(dist.irecv, buf, self._global(src), self.group, self._tag(*key)), key))
+            if key == need[0]:
+                return
 
     def _take(self, key):
         """The tensor for `key`: local hand-over, or the posted receive, waited for."""
@@ -307,6 +354,7 @@ class PipelineExecutor:
             self.local[(kind, stage, mb)] = tensor.detach()
             return
         self.messages += 1
+        self.posted.append((dest, "send", (kind, stage, mb)))
         ops.append((dist.P2POp(dist.isend, tensor.contiguous(), self._peer(stage), self.group,
                                self._tag(kind, stage, mb)), None))
 

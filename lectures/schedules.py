@@ -9,12 +9,17 @@ builders transcribe the published schedules:
 - 1F1B (PipeDream-Flush, Harlap et al. 2018) and interleaved 1F1B (Narayanan et al. 2021,
   "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   https://arxiv.org/abs/2104.04473);
-- zero bubble ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
-  https://arxiv.org/abs/2401.10241), here built by a small greedy list scheduler;
-- DualPipeV (DeepSeek-AI 2025, https://github.com/deepseek-ai/DualPipe), from its eight phases.
+- zero bubble ZB-H1 (transcribed) and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline
+  Parallelism", https://arxiv.org/abs/2401.10241) and ZB-V (Qi et al. 2024, "Pipeline
+  Parallelism with Controllable Memory", https://arxiv.org/abs/2405.15362), the last two built
+  by a small greedy list scheduler under the papers' memory bounds;
+- DualPipeV (DeepSeek-AI 2025, https://github.com/deepseek-ai/DualPipe; the "cut-in-half" V
+  of DualPipe is Sea AI Lab's), from its eight phases.
 
 `check_schedule` verifies that a list is complete; `simulate` runs it against a cost model and
-reports the bubble, or a deadlock; `theory_bubble` gives the textbook formulas. Lecture 05 shows
+reports the bubble, or a deadlock; `theory_bubble` gives the textbook formulas; `held` counts
+the micro-batches a rank holds; `message_order` lists what each pair of ranks exchanges, in the
+order the sender produces it (NCCL matches a pair's messages in posting order). Lecture 05 shows
 the code; tests/test_lecture_05.py checks every schedule at several sizes.
 """
 import collections
@@ -74,14 +79,15 @@ class Schedule(list):
         return any(a.kind == "W" for acts in self for a in acts)
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "dualpipev")
-V_SHAPED = ("dualpipev",)
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")
 
 
-# (micro-batches a rank may hold between F and B, Ws it may postpone), as functions of (p, rank)
+# Micro-batches (chunk-micro-batches for zb-v) a rank may hold between a forward and the W that
+# releases its activations, for the schedules built by `_greedy`; ZB-H1 is transcribed instead.
 ZERO_BUBBLE = {
-    "zb-h1": (lambda p, r: p - r, lambda p, r: p - r - 1),         # 1F1B's memory
-    "zb-h2": (lambda p, r: 2 * (p - r) - 1, lambda p, r: 2 * p),   # more warm-up, Ws at the end
+    "zb-h2": lambda p: 2 * p - 1,   # Qi et al. 2023, sec. 3.1: ZB-H2's peak, 2p − 1 micro-batches
+    "zb-v": lambda p: 2 * p,        # Qi et al. 2024: 2p half-stage chunks = 1F1B's p micro-batches
 }
 
 
@@ -91,7 +97,7 @@ def make_schedule(name, stages, microbatches, chunks=1):
 
     naive, gpipe (all-forward-all-backward) and 1f1b accept any number of chunks (looped layout;
     1f1b with chunks > 1 is interleaved 1F1B, gpipe with chunks > 1 is breadth-first); zb-h1 and
-    zb-h2 use one chunk per rank; dualpipev two, in the V layout."""
+    zb-h2 use one chunk per rank; zb-v and dualpipev two, in the V layout."""
     p, m, v = stages, microbatches, chunks
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
@@ -100,7 +106,7 @@ def make_schedule(name, stages, microbatches, chunks=1):
     if name in V_SHAPED and v != 2:
         raise ValueError(f"{name} puts exactly two chunks on every rank in a V (chunks=2), got {v}")
     if name in ("zb-h1", "zb-h2") and v != 1:
-        raise ValueError(f"{name} uses one chunk per rank; for two per rank use 'dualpipev'")
+        raise ValueError(f"{name} uses one chunk per rank; for two per rank use 'zb-v' or 'dualpipev'")
     layout = Layout(p, v, "v" if name in V_SHAPED else "looped")
     if name == "naive":
         per_rank = [_naive(layout, m, r) for r in range(p)]
@@ -108,13 +114,12 @@ def make_schedule(name, stages, microbatches, chunks=1):
         per_rank = [_all_forward_all_backward(layout, m, r) for r in range(p)]
     elif name in ("1f1b", "interleaved-1f1b"):
         per_rank = [_one_forward_one_backward(layout, m, r) for r in range(p)]
+    elif name == "zb-h1":
+        per_rank = [_zb_h1(p, m, r) for r in range(p)]
     elif name == "dualpipev":
         per_rank = _dualpipev(p, m)
     else:
-        # Zero-bubble schedules: B before F before W, never more micro-batches held than the
-        # limit (1F1B's for H1 and ZBV, about twice that for H2), W fills whatever gap is left.
-        limit, postpone = ZERO_BUBBLE[name]
-        per_rank = _greedy(layout, m, [limit(p, r) for r in range(p)], [postpone(p, r) for r in range(p)])
+        per_rank = _greedy(layout, m, ZERO_BUBBLE[name](p))
     return Schedule(per_rank, name, layout, m)
 
 
@@ -136,38 +141,76 @@ def _all_forward_all_backward(layout, m, r):
 def _one_forward_one_backward(layout, m, r):
     """1F1B (PipeDream-Flush), and with chunks > 1 interleaved 1F1B (Narayanan et al. 2021):
     a warm-up of forwards, then alternate one forward and one backward, then the remaining
-    backwards. Micro-batches go in groups of p, chunk by chunk (depth-first), so a rank can
-    start chunk 1 of the first micro-batch while the others are still in chunk 0."""
+    backwards. Micro-batches go in groups, chunk by chunk (depth-first), so a rank can start
+    chunk 1 of the first micro-batch while the others are still in chunk 0.
+
+    Megatron's groups have p micro-batches and need m to be a multiple of p. For other m we
+    make max(1, m // p) groups, sizes differing by at most one and the larger ones first (as
+    PyTorch's ScheduleInterleaved1F1B does when it can): a short last group of fewer than p
+    micro-batches would leave the last rank's chunk 1 waiting for a forward that the first
+    rank has not been allowed to run yet: (p, m, v) = (6, 8, 2) deadlocked that way."""
     p, v = layout.ranks, layout.chunks
-    forwards, backwards = [], []
-    for g in range(0, m, p):
-        group = range(g, min(g + p, m))
+    sizes = group_sizes(p, m) if v > 1 else [m]
+    forwards, backwards, start = [], [], 0
+    for n in sizes:
+        group = range(start, start + n)
+        start += n
         forwards += [Action("F", i, c) for c in range(v) for i in group]
         backwards += [Action("B", i, c) for c in reversed(range(v)) for i in group]
     # Megatron's warm-up: the forwards that must run before the first backward can arrive.
-    warmup = min(len(forwards), (p - r - 1) * (2 if v > 1 else 1) + (v - 1) * p)
+    warmup = min(len(forwards), (p - r - 1) * (2 if v > 1 else 1) + (v - 1) * sizes[0])
     out = forwards[:warmup]
     for f, b in zip(forwards[warmup:], backwards):
         out += [f, b]
     return out + backwards[len(forwards) - warmup:]
 
 
-def _greedy(layout, m, limit, postpone, unit=1.0):
-    """Build action lists by simulating the pipeline with unit costs. Whenever a rank is free it
-    takes, in this order: a ready B (oldest micro-batch first); a W if more than
-    `postpone[rank]` are waiting; a ready F if fewer than `limit[rank]` micro-batches are
-    between their F and their B; once it has no forwards left, any waiting W. Postponed Ws fill
-    the drain, where a rank would otherwise wait. Orders made this way are dependency-correct by construction."""
-    p, S = layout.ranks, layout.stages
+def group_sizes(p, m):
+    """Interleaved 1F1B's micro-batch groups: max(1, m // p) of them, larger ones first."""
+    groups = max(1, m // p)
+    base, extra = divmod(m, groups)
+    return [base + 1] * extra + [base] * (groups - extra)
+
+
+def _zb_h1(p, m, r):
+    """ZB-H1 (Qi et al. 2023, sec. 3.1, fig. 3), rank r: 1F1B's order of F and B, with each W run
+    right after a B but r micro-batches late (rank r runs its first r backwards without their W;
+    PyTorch's ScheduleInterleavedZeroBubble with one chunk, "ZB1P", does the same). Every rank
+    then holds at most p micro-batches between F and W, 1F1B's peak, and with F = B = W the
+    makespan is 3m + (p − 1) instead of 1F1B's 3m + 3(p − 1): bubble (p − 1)(F + B − W)."""
+    warmup = min(p - r, m)
+    out = [Action("F", i) for i in range(warmup)]
+    for k in range(m):
+        out.append(Action("B", k))
+        if k >= r:
+            out.append(Action("W", k - r))
+        if warmup + k < m:
+            out.append(Action("F", warmup + k))
+    return out + [Action("W", i) for i in range(max(0, m - r), m)]
+
+
+def _greedy(layout, m, limit):
+    """Build action lists by simulating the pipeline with unit costs (a chunk's action 1/v).
+    Whenever a rank is free it takes, in this order: a ready B (oldest micro-batch first, the
+    deeper stage on a tie); a ready F (deeper chunk first) if it holds fewer than `limit`
+    (micro-batch, chunk)s between their F and their W; a waiting W; else it idles until
+    something ends. Ws are what a rank runs when it would otherwise wait, and the limit is the
+    memory bound: a rank at its limit must run a W before the next F. Orders made this way
+    are dependency-correct by construction (ZB-H2 and ZB-V, Qi et al. 2023 and 2024)."""
+    p, S, v = layout.ranks, layout.stages, layout.chunks
     done, ends = {}, []
     clock = [0.0] * p
-    next_f = [[0] * layout.chunks for _ in range(p)]
+    next_f = [[0] * v for _ in range(p)]
     waiting_b = [[] for _ in range(p)]          # (microbatch, chunk) forwarded, B not yet run
     waiting_w = [collections.deque() for _ in range(p)]
+    held = [0] * p                              # between F and W
     out = [[] for _ in range(p)]
-    total, idle = 3 * S * m, 0
+    total, blocked = 3 * S * m, set()      # blocked: ranks with nothing to do until something ends
     while sum(map(len, out)) < total:
-        r = min((rr for rr in range(p) if len(out[rr]) < 3 * layout.chunks * m), key=lambda rr: clock[rr])
+        free = [rr for rr in range(p) if len(out[rr]) < 3 * v * m and rr not in blocked]
+        if not free:
+            raise RuntimeError(f"greedy schedule stuck (limit {limit} too small?)")
+        r = min(free, key=lambda rr: (clock[rr], rr))
         t = clock[r]
         choice = None
         ready_b = [(i, c) for i, c in waiting_b[r]
@@ -177,30 +220,27 @@ def _greedy(layout, m, limit, postpone, unit=1.0):
             waiting_b[r].remove((i, c))
             waiting_w[r].append(Action("W", i, c))
             choice = Action("B", i, c)
-        elif len(waiting_w[r]) > postpone[r]:
-            choice = waiting_w[r].popleft()
-        else:
-            # deeper chunks first; only chunk 0 admits new micro-batches, up to the limit
-            for c in sorted(range(layout.chunks), key=lambda c: -layout.stage(r, c)):
+        elif held[r] < limit:
+            for c in sorted(range(v), key=lambda c: -layout.stage(r, c)):
                 i, s = next_f[r][c], layout.stage(r, c)
-                if c == 0 and len(waiting_b[r]) >= limit[r]:
-                    continue
                 if i < m and (s == 0 or done.get(("F", s - 1, i), math.inf) <= t):
                     next_f[r][c] += 1
                     waiting_b[r].append((i, c))
+                    held[r] += 1
                     choice = Action("F", i, c)
                     break
-        if choice is None and waiting_w[r] and all(i >= m for i in next_f[r]):   # the drain
+        if choice is None and waiting_w[r]:
             choice = waiting_w[r].popleft()
+            held[r] -= 1
         if choice is None:            # idle until something ends or another rank moves on
             later = [e for e in ends if e > t] + [clock[q] for q in range(p) if clock[q] > t]
-            clock[r] = min(later) if later else t + unit
-            idle += 1
-            if idle > 10 * p:
-                raise RuntimeError(f"greedy schedule stuck on rank {r} (limit {limit[r]} too small?)")
+            if later:
+                clock[r] = min(later)
+            else:
+                blocked.add(r)
             continue
-        idle = 0
-        clock[r] = t + unit
+        blocked.clear()
+        clock[r] = t + 1 / v
         done[(choice.kind, layout.stage(r, choice.chunk), choice.microbatch)] = clock[r]
         ends.append(clock[r])
         out[r].append(choice)
@@ -286,6 +326,43 @@ def check_schedule(schedule, layout=None, microbatches=None):
         if extra or missing:
             raise ValueError(f"rank {r}: unexpected or repeated {sorted(extra)[:5]}, "
                              f"missing {sorted(missing)[:5]}")
+
+
+def held(schedule):
+    """Per rank, the most (micro-batch, chunk)s held at once: between F and the action that
+    releases their activations (W when the backward is split, else B)."""
+    release = "W" if schedule.split_backward else "B"
+    peaks = []
+    for acts in schedule:
+        now = peak = 0
+        for a in acts:
+            now += (a.kind == "F") - (a.kind == release)
+            peak = max(peak, now)
+        peaks.append(peak)
+    return peaks
+
+
+def message_order(schedule, layout=None):
+    """{(sender, receiver): [(kind, stage, microbatch), ...]}: the messages between each pair of
+    ranks in the order the sender's list produces them ("act" for stage s: F's output going to
+    stage s; "grad": B's input gradient going to stage s). A receiver that posts its receives in
+    this order is matched correctly by NCCL, which pairs a pair's sends and receives in posting
+    order and ignores tags."""
+    layout = layout or schedule.layout
+    order = collections.defaultdict(list)
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            s = layout.stage(r, a.chunk)
+            if a.kind == "F" and s < layout.stages - 1:
+                key = ("act", s + 1, a.microbatch)
+            elif a.kind == "B" and s > 0:
+                key = ("grad", s - 1, a.microbatch)
+            else:
+                continue
+            dest = layout.place(key[1])[0]
+            if dest != r:
+                order[r, dest].append(key)
+    return dict(order)
 
 
 class Simulation(typing.NamedTuple):

@@ -9,6 +9,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.gpt import GPTConfig
 from lectures.memory import saved_bytes
+from lectures import schedules as S
 from util import spawn
 from tests.conftest import built
 
@@ -69,10 +70,73 @@ def test_interleaving_and_zero_bubble_shrink_the_bubble():
     p, m, unit = 4, 8, {"F": 1, "B": 1, "W": 1}
     bubble = {name: L.simulate(L.make_schedule(name, p, m, v), unit).bubble
               for name, v in [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
-                              ("dualpipev", 2)]}
+                              ("zb-v", 2), ("dualpipev", 2)]}
     assert bubble["interleaved-1f1b"] == pytest.approx(L.theory_bubble("interleaved-1f1b", p, m, 2))
-    assert bubble["zb-h1"] < bubble["1f1b"] and bubble["zb-h2"] < bubble["zb-h1"]
+    assert bubble["zb-h1"] < bubble["1f1b"] and bubble["zb-v"] < bubble["zb-h1"]
     assert bubble["dualpipev"] < bubble["1f1b"]
+
+
+def _gaps(row):
+    return sum(b[1] - a[2] for a, b in zip(row, row[1:]))
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zero_bubble_schedules_have_their_papers_numbers(p):
+    """Qi et al. 2023: ZB-H1 keeps 1F1B's memory (at most p micro-batches between F and W on any
+    rank) and, with F = B = W, takes 3m + (p − 1)(F + B − W) = 3m + p − 1 (1F1B: 3m + 3(p − 1));
+    ZB-H2 holds at most 2p − 1 and (m >= 2p) runs without a gap from its first action to its last
+    on every rank (the head and tail are what the next step fills once the optimizer step does not
+    synchronise). ZB-V (Qi et al. 2024): two half-size chunks in a V, 1F1B's memory (2p chunks),
+    and the V's head of (p − 1) chunk forwards is nearly all a rank waits at m >= 2p (our greedy
+    list comes within one unit of it up to p = 8)."""
+    for m in sorted({1, p, 2 * p, 3 * p + 1}):
+        unit = {"F": 1, "B": 1, "W": 1}
+        h1 = L.make_schedule("zb-h1", p, m)
+        assert max(S.held(h1)) <= p
+        if m >= p:
+            assert L.simulate(h1, unit).makespan == 3 * m + (p - 1) * (1 + 1 - 1)
+            assert L.simulate(L.make_schedule("1f1b", p, m), unit).makespan == 3 * m + 3 * (p - 1)
+        h2 = L.make_schedule("zb-h2", p, m)
+        assert max(S.held(h2)) <= 2 * p - 1
+        if m >= 2 * p:          # fewer micro-batches cannot fill the warm-up
+            sim = L.simulate(h2, unit)
+            assert all(_gaps(row) == 0 and row[0][1] == r for r, row in enumerate(sim.timeline))
+        zbv = L.make_schedule("zb-v", p, m, 2)
+        assert max(S.held(zbv)) <= 2 * p
+        if m >= 2 * p:
+            half = {k: 0.5 for k in "FBW"}
+            assert L.simulate(zbv, half).makespan <= 3 * m + (p - 1) * 0.5 + 1   # greedy: within 1
+
+
+def test_zb_h1_is_the_papers_order():
+    """Fig. 3 of Qi et al. 2023 at p = 4: the first rank runs 4 forwards, then B W F; the last
+    rank runs F B pairs and starts its Ws 3 micro-batches late."""
+    sched = L.make_schedule("zb-h1", 4, 8)
+    assert " ".join(map(str, sched[0][:10])) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5"
+    assert " ".join(map(str, sched[3][:10])) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4"
+
+
+def _all_sizes():
+    for p in range(1, 9):
+        for m in range(1, 3 * p + 2):
+            for name in L.SCHEDULES:
+                for v in ((1, 2, 3, 4) if name in ("naive", "gpipe", "1f1b", "interleaved-1f1b") else (1, 2)):
+                    yield name, p, m, v
+
+
+def test_every_schedule_runs_or_refuses_clearly_for_every_size():
+    """Interleaved 1F1B deadlocked at (p, m, v) = (6, 8, 2), (5, 7, 2), (4, 5, 3), ... (55 sizes
+    up to p = 8, all with m not a multiple of p). Every size now either builds a list the
+    simulator finishes or is refused at `make_schedule` with a ValueError that says why."""
+    for name, p, m, v in _all_sizes():
+        try:
+            sched = L.make_schedule(name, p, m, v)
+        except ValueError as e:
+            assert str(e)
+            continue
+        L.check_schedule(sched)
+        L.simulate(sched, {"F": 1, "B": 1, "W": 1})
+        L.simulate(sched, {"F": 1, "B": 2, "W": 0.5, "send": 3})
 
 
 CFG = GPTConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8, dtype="float64")
@@ -82,7 +146,7 @@ CFG8 = GPTConfig(n_layers=8, d_model=16, n_heads=2, seq_len=8, dtype="float64")
 def executor_cases():
     for p in (2, 4):
         for name in L.SCHEDULES:
-            v = 2 if name in ("interleaved-1f1b", "dualpipev") else 1
+            v = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
             m = 2 * p + 1 if name == "dualpipev" else p + 1
             yield p, name, v, m
 
@@ -217,3 +281,118 @@ def test_executor_meters_what_autograd_holds(name, held):
                             loss_fn=lambda y, t: (y - t).pow(2).mean(), dtype=torch.float64)
     assert ex.step(xs, ts)["peak_saved_bytes"] == held * one
     assert ex.meter.live == 0
+
+
+# --- NCCL's matching, emulated: ranks as threads, each pair's k-th receive gets the k-th send ---
+
+class PostingOrderP2P:
+    """A stand-in for torch.distributed's point-to-point calls that matches like NCCL: between a
+    pair of ranks the k-th receive posted gets the k-th send posted, whatever the tags. Each
+    thread is one rank (`local.rank`)."""
+    isend, irecv = "isend", "irecv"
+
+    def __init__(self):
+        import collections
+        import threading
+        self.sent, self.received = collections.defaultdict(list), collections.Counter()
+        self.cond, self.local = threading.Condition(), threading.local()
+
+    def P2POp(self, op, tensor, peer, group=None, tag=0):
+        import types
+        return types.SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
+
+    def get_global_rank(self, group, r):
+        return r
+
+    def batch_isend_irecv(self, ops):
+        import types
+        me, works = self.local.rank, []
+        for op in ops:
+            with self.cond:
+                if op.op == self.isend:
+                    self.sent[me, op.peer].append(op.tensor.detach().clone())
+                    self.cond.notify_all()
+                    works.append(types.SimpleNamespace(wait=lambda: None))
+                else:
+                    k = self.received[op.peer, me]
+                    self.received[op.peer, me] += 1
+                    works.append(types.SimpleNamespace(wait=lambda key=(op.peer, me), k=k, buf=op.tensor:
+                                                       self._deliver(key, k, buf)))
+        return works
+
+    def _deliver(self, key, k, buf):
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self.sent[key]) > k, timeout=30):
+                raise TimeoutError(f"receive {k} from rank {key[0]} never sent")
+            buf.copy_(self.sent[key][k])
+
+
+def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
+    import threading
+    from lectures import pipeline
+    fake = PostingOrderP2P()
+    monkeypatch.setattr(pipeline, "dist", fake)
+    sched = L.make_schedule(name, p, m, v)
+    cfg = GPTConfig(n_layers=2 * p, d_model=16, n_heads=2, seq_len=8, dtype="float64")
+    _, stages = L.split_gpt(cfg, sched.layout)
+    inputs, targets = L.microbatches(cfg, m, 2, 0)
+    errors, executors = [], []
+
+    def rank_main(r):
+        fake.local.rank = r
+        try:
+            mine = {c: stages[sched.layout.stage(r, c)] for c in range(v)}
+            ex = L.PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), dtype=torch.float64)
+            executors.append(ex)
+            ex.step(inputs, targets)
+        except BaseException as e:            # noqa: BLE001  (reported below)
+            errors.append((r, e))
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    ref = L.reference_train(cfg, m, 2, steps=1)
+    grads = L.gradients_by_name(stages)
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-12, msg=f"{name} p={p} m={m}: {k}")
+    return executors
+
+
+NCCL_CASES = [(name, p, m, 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1)
+              for p in (3, 4) for name in L.SCHEDULES
+              for m in ((2 * p + 1,) if name == "dualpipev" else (p + 1, 2 * p))]
+NCCL_CASES.append(("interleaved-1f1b", 2, 5, 2))   # its sends to a peer and that peer's needs differ in order
+
+
+@pytest.mark.parametrize("name,p,m,v", NCCL_CASES)
+def test_executor_correct_when_messages_match_in_posting_order(name, p, m, v, monkeypatch):
+    """NCCL ignores tags: every schedule must post a pair's receives in the order of its sends.
+    Before, interleaved 1F1B with m mod p != 0 and DualPipeV at p >= 3 swapped tensors here."""
+    executors = run_threads_under_nccl_matching(name, p, m, v, monkeypatch)
+    by_rank = {ex.rank: ex.posted for ex in executors}
+    for (src, dst), keys in S.message_order(L.make_schedule(name, p, m, v)).items():
+        assert [k for peer, kind, k in by_rank[src] if kind == "send" and peer == dst] == keys
+        assert [k for peer, kind, k in by_rank[dst] if kind == "recv" and peer == src] == keys
+
+
+def test_checkpointing_counts_the_recomputation():
+    """GPipe with checkpointing keeps every micro-batch's input, and during each backward the
+    re-run forward saves one micro-batch's activations again: the peak is both. The old meter
+    counted only what F saved (the inputs), 3 × 320 bytes here, and printed a 66.5× saving."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).double()
+    xs = [torch.randn(5, 8, dtype=torch.float64) for _ in range(3)]
+    ts = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    loss = lambda y, t: (y - t).pow(2).mean()
+    _, one = saved_bytes(lambda: net(xs[0]), exclude=list(net.parameters()))   # includes the input
+    sum(loss(net(x), t) for x, t in zip(xs, ts)).div(3).backward()
+    want = [q.grad.clone() for q in net.parameters()]
+    net.zero_grad()
+    ex = L.PipelineExecutor(L.make_schedule("gpipe", 1, 3), {0: net}, 0, (5, 4), loss_fn=loss,
+                            dtype=torch.float64, checkpoint=True)
+    out = ex.step(xs, ts)
+    assert out["peak_saved_bytes"] == 2 * xs[0].nbytes + one     # 3 inputs + one re-run minus its input
+    for q, w in zip(net.parameters(), want):
+        torch.testing.assert_close(q.grad, w)
