@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.schedule_explorer import explorer_data
 from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
 from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, held, make_schedule,
                                 message_order, simulate, theory_bubble)
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule, Simulation, dependencies  # noqa: F401  (re-exported)
-from util import device, figure, note, quiet, see, settings, spawn, table
+from util import device, figure, note, quiet, see, settings, spawn, table, widget
 from util.measure import compare, machine, measure, measure_side_by_side
 
 # =========================================================================================
@@ -411,6 +412,14 @@ def schedules_as_data():
                         f"F = B = W = 1 per stage and no communication cost ({p} ranks, {m} micro-batches; "
                         "hatched: a rank's chunk 1). Without a split the backward (orange) costs 2.")
     memory_figure(p, m)
+    note("""
+        Try it: the explorer below simulates these same action lists in the page (a JavaScript
+        port of `simulate`, checked against it by the tests) for other sizes and costs. Make W
+        cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
+    """)
+    widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
+           caption="Every rank's timeline on one time axis, the bubble measured on it beside the "
+                   "textbook formula, and the activations each rank holds over the step.")
 
 
 def layouts_figure(p):

@@ -13,12 +13,13 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from util import device, figure, note, see, settings, spawn, table
+from util import device, figure, note, see, settings, spawn, table, widget
 from util.measure import machine, measure, measure_side_by_side, timing_ranks
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
 # tests and the notebook use stays importable from this file.
 from lectures.activations import with_recomputation
+from lectures.calculator import calculator_data
 from lectures.collectives import fit_alpha_beta
 from lectures.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
                                 estimate_memory, in_flight, stage_layers, stage_params)
@@ -592,7 +593,14 @@ def memory_at_scale():
         while it computes (`gathered`), and the loss's backward holds two fp32 copies of the
         logits — about 4 GB each for Llama 3 at one sequence of 8192 tokens without tensor
         parallelism.
+
+        Try it: the calculator below runs this estimator in the page (a JavaScript port that the
+        tests check against `estimate_memory` on hundreds of random layouts). Pick a model or type
+        a shape, change the layout, and watch which bar moves.
     """)
+    widget("memory-calculator", calculator_data(),
+           caption="Per-rank memory of the most loaded pipeline stage, from the estimator above; the "
+                   "black line is the device's memory. The static figure above shows the same for six layouts.")
 
 
 def draw_memory_bars(model, lays):

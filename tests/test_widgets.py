@@ -88,3 +88,86 @@ def test_without_javascript_the_widget_stays_hidden(browser, explorer_page):
         assert not pg.locator("figure.widget").is_visible()
     finally:
         ctx.close()
+
+
+@pytest.fixture(scope="module")
+def calculator_page(tmp_path_factory):
+    from lectures.calculator import calculator_data
+    out = tmp_path_factory.mktemp("calculator")
+    rec = {"schema": "course-lecture/1", "lecture": "lecture_calc", "title": "Calculator",
+           "status": "ok", "environment": {"device": "CPU: test", "backend": "gloo"}, "functions": {},
+           "records": [{"kind": "note", "text": "# Calculator\n## Memory", "source": None, "rank": None},
+                       {"kind": "widget", "name": "memory-calculator", "data": calculator_data(),
+                        "caption": "calculate", "source": None, "rank": None}]}
+    (out / "lecture_calc.json").write_text(json.dumps(rec))
+    return render.render_lecture(str(out / "lecture_calc.json"))
+
+
+def random_layouts(n, seed=0):
+    """(ModelShape, Layout) pairs the estimator accepts: presets and random shapes, every axis."""
+    import dataclasses
+    from lectures.calculator import presets
+    from lectures.estimator import Layout, ModelShape
+    rng = random.Random(seed)
+    shapes = [ModelShape(**f) for f in presets().values()]
+    while len(shapes) < 12:
+        heads = rng.choice([2, 4, 6, 8, 12])
+        shapes.append(ModelShape(f"random {len(shapes)}", layers=rng.randint(1, 12), hidden=heads * rng.choice([8, 16, 64]),
+                                 heads=heads, kv_heads=rng.choice([k for k in (1, 2, heads) if heads % k == 0]),
+                                 ffn=rng.choice([48, 96, 344]), vocab=rng.choice([50, 1000, 32000]),
+                                 seq=rng.choice([16, 2048]), mlp_matrices=rng.choice([2, 3]),
+                                 kv_expanded=rng.random() < 0.3, bias=rng.random() < 0.5,
+                                 norm_params=rng.choice([1, 2]), learned_positions=rng.random() < 0.5,
+                                 tied=rng.random() < 0.3))
+    out = []
+    while len(out) < n:
+        m = rng.choice(shapes)
+        pp = rng.choice([p for p in (1, 2, 3, 4, 8) if p <= m.layers])
+        tp = rng.choice([1, 2, 4, 8])
+        out.append((m, Layout(dp=rng.choice([1, 2, 3, 8, 64]), pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
+                              zero=rng.choice([0, 1, 2, 3]), micro_batch=rng.choice([1, 2, 4]),
+                              micro_batches=rng.choice([1, 3, 8]), recompute=rng.choice(["none", "full"]),
+                              precision=rng.choice(["fp32", "bf16", "fp64"]), sp=tp > 1 and rng.random() < 0.5,
+                              schedule=rng.choice(["1f1b", "gpipe"]), vocab_parallel=rng.random() < 0.8)))
+    return [(dataclasses.asdict(m), dataclasses.asdict(l), m, l) for m, l in out]
+
+
+def test_javascript_estimator_equals_python_for_random_layouts(browser, calculator_page):
+    from lectures.estimator import estimate_memory
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        w.page.goto("file://" + calculator_page)
+        cases = random_layouts(250)
+        got = w.page.evaluate("cs => cs.map(c => window.course.estimateMemory(c[0], c[1]))",
+                              [[m, l] for m, l, _, _ in cases])
+        for (_, _, m, l), js in zip(cases, got):
+            py = estimate_memory(m, l)
+            assert set(js) == set(py), (set(js) ^ set(py))
+            for k, v in py.items():
+                assert js[k] == pytest.approx(v, rel=1e-9, abs=1e-9), (m.name, l, k)
+        w.check_clean()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("width,height", [(1280, 800), (390, 844)])
+def test_calculator_controls(browser, calculator_page, width, height):
+    w = Watched(browser, viewport={"width": width, "height": height})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        fig = pg.locator("figure.widget.live")
+        before = pg.locator(".widget-readout").text_content()
+        bar = lambda: pg.locator(".widget-svg svg rect >> nth=0").get_attribute("width")
+        width_before = bar()
+        tp = pg.locator(".widget-controls label", has_text="tp").locator("input")
+        tp.fill("2")
+        assert pg.locator(".widget-readout").text_content() != before and bar() != width_before
+        assert float(fig.get_attribute("data-redraw-ms")) < 16
+        pg.select_option(".widget-controls select >> nth=0", "Llama 3 70B")
+        assert "does NOT fit" in pg.locator(".widget-readout").text_content()
+        assert pg.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+        fig.screenshot(path=f"tests/artifacts/calculator_{width}.png")
+        w.check_clean()
+    finally:
+        w.close()

@@ -237,7 +237,240 @@
     redraw();
   }
 
-  var DRAW = { "schedule-explorer": drawExplorer };
+  // --- the memory estimator, a port of lectures/estimator.py --------------------------------
+  // Argument and field names follow ModelShape and Layout; numbers equal estimate_memory's.
+  var PRECISION_BYTES = null;   // from the widget's data: the Python table itself
+  function floorDiv(a, b) { return Math.floor(a / b); }
+  function shapeDefaults(m) {
+    var d = { mlp_matrices: 2, kv_expanded: false, bias: true, norm_params: 2, learned_positions: true, tied: false };
+    var out = {};
+    Object.keys(d).forEach(function (k) { out[k] = d[k]; });
+    Object.keys(m).forEach(function (k) { out[k] = m[k]; });
+    return out;
+  }
+  function layoutDefaults(l) {
+    var d = { dp: 1, pp: 1, cp: 1, tp: 1, zero: 0, micro_batch: 1, micro_batches: 1, recompute: "none",
+              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true };
+    var out = {};
+    Object.keys(d).forEach(function (k) { out[k] = d[k]; });
+    Object.keys(l).forEach(function (k) { out[k] = l[k]; });
+    return out;
+  }
+  function kvDim(m) { return m.kv_heads * floorDiv(m.hidden, m.heads); }
+  function layerParams(m, tp) {
+    var h = m.hidden, kv = kvDim(m), f = m.ffn, b = m.bias ? 1 : 0;
+    var sharded = (h * h + 2 * h * kv) + (h * h) + (m.mlp_matrices - 1) * h * f + f * h;
+    sharded += b * (h + 2 * kv + (m.mlp_matrices - 1) * f);
+    var replicated = b * (h + h) + 2 * m.norm_params * h;
+    return [sharded / tp, replicated];
+  }
+  function embeddingParams(m) { return m.vocab * m.hidden + (m.learned_positions ? 1 : 0) * m.seq * m.hidden; }
+  function headParams(m) { return m.norm_params * m.hidden + (m.tied ? 0 : m.vocab * m.hidden); }
+  function actElementsPerToken(m, tp, sp) {
+    var h = m.hidden, f = m.ffn, a = m.heads;
+    var kv = m.kv_expanded ? h : kvDim(m);
+    var mlp = (m.mlp_matrices === 2 ? 2 : 4) * f;
+    var split = (2 * h + 2 * kv + a + mlp) / tp;
+    var stream = 4 * h + 4;
+    return split + (sp ? stream / tp : stream);
+  }
+  function stageLayers(layers, pp) {
+    var out = [];
+    for (var k = 0; k < pp; k++) out.push(floorDiv((k + 1) * layers, pp) - floorDiv(k * layers, pp));
+    return out;
+  }
+  function inFlightMb(l, stage) {
+    if (l.pp === 1) return 1;
+    return l.schedule === "gpipe" ? l.micro_batches : Math.min(l.pp - stage, l.micro_batches);
+  }
+  function stageParams(m, l, stage) {
+    var tp = l.tp, first = stage === 0, last = stage === l.pp - 1;
+    var lp = layerParams(m, tp);
+    var n = stageLayers(m.layers, l.pp)[stage] * (lp[0] + lp[1]);
+    if (first) {
+      n += embeddingParams(m);
+      if (l.vocab_parallel) n -= m.vocab * m.hidden * (1 - 1 / tp);
+    }
+    if (last) {
+      var head = headParams(m);
+      if (l.vocab_parallel && !m.tied) head = m.norm_params * m.hidden + m.vocab * m.hidden / tp;
+      n += head;
+    }
+    return n;
+  }
+  function activationBytes(m, l, stage) {
+    var B = PRECISION_BYTES[l.precision].act;
+    var tokens = l.micro_batch * m.seq / l.cp;
+    var nLayers = stageLayers(m.layers, l.pp)[stage];
+    var perLayer = actElementsPerToken(m, l.tp, l.sp) * B;
+    var v = l.vocab_parallel ? m.vocab / l.tp : m.vocab;
+    var lossGrads = stage === l.pp - 1 ? 2 * v * 4 * tokens : 0;
+    var stored, transient;
+    if (l.recompute === "full") {
+      stored = nLayers * m.hidden * B * (l.sp ? 1 / l.tp : 1);
+      transient = Math.max(perLayer * tokens, lossGrads);
+    } else {
+      stored = nLayers * perLayer;
+      transient = lossGrads;
+    }
+    if (stage === 0) stored += 8;
+    if (stage === l.pp - 1) stored += (2 * m.hidden + 2) * B + v * 4 + 8;
+    return [tokens * stored * inFlightMb(l, stage), transient];
+  }
+  function estimateStage(m, l, stage) {
+    var B = PRECISION_BYTES[l.precision];
+    var n = stageParams(m, l, stage);
+    var dp = l.dp * l.cp, z = l.zero;
+    var lp = layerParams(m, l.tp), block = lp[0] + lp[1];
+    var gathered = Math.min(2, stageLayers(m.layers, l.pp)[stage]) * block * (B.weights + B.grads);
+    var act = activationBytes(m, l, stage);
+    var out = { stage: stage, params: n,
+                weights: B.weights * n / (z >= 3 ? dp : 1),
+                grads: B.grads * n / (z >= 2 ? dp : 1),
+                optimizer: B.optimizer * n / (z >= 1 ? dp : 1),
+                gathered: z >= 3 && dp > 1 ? gathered : 0,
+                activations: act[0] + act[1],
+                "stored activations": act[0] };
+    out.total = out.weights + out.grads + out.optimizer + out.gathered + out.activations;
+    return out;
+  }
+  course.estimateMemory = function (model, layout, stage) {
+    var m = shapeDefaults(model), l = layoutDefaults(layout);
+    if (stage !== undefined && stage !== null) return estimateStage(m, l, stage);
+    var best = null;
+    [0, l.pp - 1].forEach(function (s, i) {
+      if (i && s === 0) return;
+      var e = estimateStage(m, l, s);
+      if (!best || e.total > best.total) best = e;
+    });
+    return best;
+  };
+
+  function drawCalculator(root, data) {
+    PRECISION_BYTES = data.precision_bytes;
+    var body = root.querySelector(".widget-body");
+    body.hidden = false;
+    root.classList.add("live");
+    var form = el("div", { "class": "widget-controls" }, body);
+    function field(label, make) {
+      var wrap = el("label", {}, form);
+      wrap.appendChild(document.createTextNode(label + " "));
+      return make(wrap);
+    }
+    function select(label, values, value) {
+      return field(label, function (wrap) {
+        var s = el("select", {}, wrap);
+        values.forEach(function (v) { el("option", { value: v }, s).textContent = v; });
+        s.value = value;
+        return s;
+      });
+    }
+    function number(label, value, min) {
+      return field(label, function (wrap) {
+        return el("input", { type: "number", min: String(min === undefined ? 1 : min), step: "1", value: value,
+                             inputmode: "numeric" }, wrap);
+      });
+    }
+    function check(label, value) {
+      return field(label, function (wrap) {
+        var c = el("input", { type: "checkbox" }, wrap);
+        c.checked = value;
+        return c;
+      });
+    }
+    var presetNames = Object.keys(data.presets);
+    var preset = select("model", presetNames.concat(["custom"]), data.initial.model);
+    var shapeKeys = ["layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"];
+    var shapeInputs = {};
+    shapeKeys.forEach(function (k) { shapeInputs[k] = number(k, data.presets[data.initial.model][k]); });
+    var L = data.initial.layout;
+    var inp = {
+      dp: number("dp", L.dp), tp: number("tp", L.tp), pp: number("pp", L.pp), cp: number("cp", L.cp),
+      zero: select("ZeRO", [0, 1, 2, 3], L.zero), micro_batch: number("micro-batch", L.micro_batch),
+      micro_batches: number("micro-batches", L.micro_batches),
+      recompute: select("recompute", ["none", "full"], L.recompute),
+      precision: select("precision", Object.keys(data.precision_bytes), L.precision),
+      schedule: select("schedule", ["1f1b", "gpipe"], L.schedule), sp: check("SP", L.sp),
+      memory: number("device GB", data.initial.memory_gb, 0)
+    };
+    var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
+    var barBox = el("div", { "class": "widget-svg" }, body);
+    var timing = el("p", { "class": "widget-timing quiet" }, body);
+    var base = {};
+    function loadPreset() {
+      var p = data.presets[preset.value];
+      if (!p) return;
+      base = p;
+      shapeKeys.forEach(function (k) { shapeInputs[k].value = p[k]; });
+    }
+    function model() {
+      var m = {};
+      Object.keys(base).forEach(function (k) { m[k] = base[k]; });
+      shapeKeys.forEach(function (k) { m[k] = +shapeInputs[k].value; });
+      return m;
+    }
+    function layout() {
+      var l = {};
+      ["dp", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches"].forEach(function (k) { l[k] = +inp[k].value; });
+      l.recompute = inp.recompute.value; l.precision = inp.precision.value; l.schedule = inp.schedule.value;
+      l.sp = inp.sp.checked && l.tp > 1;
+      return l;
+    }
+    var PARTS = [["weights", "#4c78a8"], ["grads", "#f58518"], ["optimizer", "#54a24b"],
+                 ["gathered", "#b279a2"], ["activations", "#e45756"]];
+    function redraw() {
+      var t0 = performance.now();
+      var m = model(), l = layout(), problems = [];
+      if (m.hidden % m.heads) problems.push("hidden must be divisible by heads");
+      if (m.heads % m.kv_heads) problems.push("heads must be divisible by K/V heads");
+      if (l.pp > m.layers) problems.push("pp cannot exceed layers");
+      ["dp", "tp", "pp", "cp", "micro_batch", "micro_batches"].forEach(function (k) {
+        if (!(l[k] >= 1) || l[k] % 1) problems.push(k + " must be a whole number ≥ 1");
+      });
+      barBox.innerHTML = "";
+      if (problems.length) { out.textContent = "Not a valid layout: " + problems.join("; ") + "."; return; }
+      var e = course.estimateMemory(m, l), cap = (+inp.memory.value || 0) * 1e9;
+      var W = Math.max(300, Math.min(960, barBox.clientWidth || 720)), H = 68, left = 8;
+      var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "bytes per rank" }, barBox, true);
+      var top = Math.max(e.total, cap) || 1, scale = (W - 2 * left) / top, x = left;
+      PARTS.forEach(function (p) {
+        var w = e[p[0]] * scale;
+        if (w <= 0) return;
+        var r = el("rect", { x: x, y: 10, width: w, height: 34, fill: p[1] }, svg, true);
+        el("title", {}, r, true).textContent = p[0] + ": " + (e[p[0]] / 1e9).toFixed(2) + " GB";
+        x += w;
+      });
+      if (cap) {
+        el("line", { x1: left + cap * scale, x2: left + cap * scale, y1: 4, y2: 50, stroke: "#000", "stroke-width": 2 }, svg, true);
+        el("text", { x: Math.min(W - 4, left + cap * scale), y: 62, "font-size": 11, "text-anchor": "end" }, svg, true).textContent =
+          "device " + (cap / 1e9).toFixed(0) + " GB";
+      }
+      var legend = el("p", { "class": "widget-legend" }, barBox);
+      PARTS.forEach(function (p) {
+        el("span", { "class": "swatch swatch-" + p[0] }, legend).textContent = "■";
+        legend.appendChild(document.createTextNode(" " + p[0] + " " + (e[p[0]] / 1e9).toFixed(2) + " GB  "));
+      });
+      var fits = cap ? (e.total <= cap ? "fits" : "does NOT fit") : "";
+      out.textContent = "Per rank (pipeline stage " + e.stage + ", the most loaded): " + (e.total / 1e9).toFixed(2) +
+        " GB" + (cap ? ", " + fits + " in " + (cap / 1e9).toFixed(0) + " GB" : "") + "; " +
+        (l.dp * l.tp * l.pp * l.cp) + " ranks, global batch " + (l.dp * l.micro_batch * l.micro_batches) + " sequences.";
+      var ms = performance.now() - t0;
+      root.setAttribute("data-redraw-ms", ms.toFixed(3));
+      timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
+    }
+    preset.addEventListener("change", function () { loadPreset(); redraw(); });
+    shapeKeys.forEach(function (k) {
+      shapeInputs[k].addEventListener("input", function () { preset.value = "custom"; redraw(); });
+    });
+    Object.keys(inp).forEach(function (k) {
+      inp[k].addEventListener("input", redraw);
+      inp[k].addEventListener("change", redraw);
+    });
+    loadPreset();
+    redraw();
+  }
+
+  var DRAW = { "schedule-explorer": drawExplorer, "memory-calculator": drawCalculator };
   course.widgets = DRAW;
   Array.prototype.forEach.call(document.querySelectorAll("figure.widget[data-widget]"), function (root) {
     var draw = DRAW[root.getAttribute("data-widget")], src = root.querySelector("script.widget-data");
