@@ -1,14 +1,17 @@
 """The data behind lecture 07's memory calculator: the model presets (lecture 01's GPT, Llama 3
-8B and 70B), the bytes per parameter of each precision, and the layout it opens with.
+8B and 70B), the bytes per parameter of each precision, the step-time model's hardware constants,
+and the layout it opens with.
 
 The page's JavaScript (util/static/widgets.js) is a port of `estimate_memory` that takes the same
-argument names as `ModelShape` and `Layout`; tests/test_widgets.py checks it returns the same
-numbers for hundreds of random layouts."""
+argument names as `ModelShape` and `Layout`, and so is `step_time`; tests/test_widgets.py checks
+both return the same numbers for hundreds of random layouts."""
 import dataclasses
+import math
+import sys
 
 from lectures.estimator import PRECISION_BYTES, ModelShape
 from lectures.gpt import GPTConfig
-from lectures.step_time import LLAMA3_70B, LLAMA3_8B
+from lectures.step_time import LLAMA3_70B, LLAMA3_8B, h100_cluster
 
 
 def presets():
@@ -17,10 +20,26 @@ def presets():
     return {s.name: dataclasses.asdict(s) for s in shapes}
 
 
-def calculator_data(model="Llama 3 8B", layout=None, memory_gb=80):
-    """The widget's JSON: presets, precision table, and the layout shown first."""
+def calculator_data(model="Llama 3 8B", layout=None, memory_gb=80, hardware=()):
+    """The widget's JSON: presets, precision table, the step-time model's constants (the H100
+    cluster's, and any `Hardware` given, e.g. this machine's as the lecture measured it), and
+    the layout shown first."""
     layout = layout or {"dp": 8, "tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1,
                         "micro_batches": 1, "recompute": "full", "precision": "bf16",
                         "schedule": "1f1b", "sp": True}
+    machines = [h100_cluster(), *hardware]
     return {"presets": presets(), "precision_bytes": PRECISION_BYTES,
+            "hardware": {hw.name: _finite(dataclasses.asdict(hw)) for hw in machines},
             "initial": {"model": model, "layout": layout, "memory_gb": memory_gb}}
+
+
+def _finite(value):
+    """JSON has no infinity: an unlimited quantity (this machine's memory; a bandwidth the fit
+    found unbounded) becomes the largest float, which every formula treats the same way."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return math.copysign(sys.float_info.max, value)
+    return value

@@ -594,13 +594,9 @@ def memory_at_scale():
         logits — about 4 GB each for Llama 3 at one sequence of 8192 tokens without tensor
         parallelism.
 
-        Try it: the calculator below runs this estimator in the page (a JavaScript port that the
-        tests check against `estimate_memory` on hundreds of random layouts). Pick a model or type
-        a shape, change the layout, and watch which bar moves.
+        A calculator at the end of the published-scale section runs this estimator in the page
+        for any model and layout you type.
     """)
-    widget("memory-calculator", calculator_data(),
-           caption="Per-rank memory of the most loaded pipeline stage, from the estimator above; the "
-                   "black line is the device's memory. The static figure above shows the same for six layouts.")
 
 
 def draw_memory_bars(model, lays):
@@ -734,6 +730,7 @@ def step_time_model():
     cal = spawn(calibrate, ranks, cfg=run.cfg, batch_sizes=[1, 2, 4, 8], sizes=sizes,
                 repeats=5 if quick else 9, name=f"calibration: matmul, model compute, all-reduce, send/recv and a ring step, {ranks} ranks").returns[0]
     hw = this_machine(cal, run.cfg, ranks)
+    _RESULTS["this_machine"] = hw     # the calculator at published scale offers these constants too
     a_ar, b_ar = cal["fit_all_reduce"]
     a_p, b_p = cal["fit_p2p"]
     rows = [["matmul FLOP/s (one rank, {0}×{0} fp32)".format(cal["matmul"]["n"]), f"{cal['matmul']['flops'] / 1e9:.2f} GFLOP/s", cal["matmul"]["timing"].ms()],
@@ -1074,6 +1071,17 @@ def llama3_comparison(rows):
         leaves out memory-bound kernels, the exposed part of tensor-parallel and pipeline
         communication that NCCL cannot hide, stragglers, checkpointing and failures.
     """)
+    note("""
+        Try it: the calculator below runs the memory estimator and the step-time model in the
+        page (JavaScript ports that the tests check against `estimate_memory` and `step_time` on
+        hundreds of random layouts). Pick a model or type a shape, change the layout and the
+        hardware, and watch which bar moves and where the step's time goes.
+    """)
+    machines = [_RESULTS["this_machine"]] if "this_machine" in _RESULTS else []
+    widget("memory-calculator", calculator_data(hardware=machines),
+           caption="Per-rank memory of the most loaded pipeline stage (the black line is the device's "
+                   "memory) and the predicted step time with its parts, on the H100 cluster's constants "
+                   "or on this machine's as measured above.")
 
 
 def mfu_section():

@@ -186,6 +186,8 @@ LAYOUT_CHECKS = """() => {
   for (const d of document.querySelectorAll('.demo'))
     if (/printed nothing|timing spans/.test(d.innerText)) out.filler.push(label(d));
   out.tracebacks = document.querySelectorAll('.demo details.traceback').length;
+  out.widgets = [...document.querySelectorAll('figure.widget')].map(
+    f => f.classList.contains('live') ? 'live' : 'failed: ' + f.innerText.slice(-200));
   return out; }"""
 
 
@@ -195,6 +197,7 @@ def check_layout(page, name, width):
     assert not found["unscrolled"], f"{name} at {width} px: wider than the screen, no scroll box: {found['unscrolled']}"
     assert not found["unlinked"], f"{name}: figures without a full-size link: {found['unlinked']}"
     assert not found["filler"], f"{name}: demo boxes with filler text: {found['filler']}"
+    assert all(w == "live" for w in found["widgets"]), f"{name}: interactive figures that did not start: {found['widgets']}"
     return found
 
 

@@ -157,17 +157,43 @@ def test_calculator_controls(browser, calculator_page, width, height):
         pg = w.page
         pg.goto("file://" + calculator_page)
         fig = pg.locator("figure.widget.live")
-        before = pg.locator(".widget-readout").text_content()
+        before = pg.locator(".widget-readout >> nth=0").text_content()
         bar = lambda: pg.locator(".widget-svg svg rect >> nth=0").get_attribute("width")
         width_before = bar()
         tp = pg.locator(".widget-controls label", has_text="tp").locator("input")
         tp.fill("2")
-        assert pg.locator(".widget-readout").text_content() != before and bar() != width_before
+        assert pg.locator(".widget-readout >> nth=0").text_content() != before and bar() != width_before
         assert float(fig.get_attribute("data-redraw-ms")) < 16
+        step = pg.locator(".widget-readout >> nth=1").text_content()
+        pg.select_option(".widget-controls label:has-text('recompute') select", "none")
+        assert pg.locator(".widget-readout >> nth=1").text_content() != step   # the step time follows
         pg.select_option(".widget-controls select >> nth=0", "Llama 3 70B")
-        assert "does NOT fit" in pg.locator(".widget-readout").text_content()
+        assert "does NOT fit" in pg.locator(".widget-readout >> nth=0").text_content()
         assert pg.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
         fig.screenshot(path=f"tests/artifacts/calculator_{width}.png")
+        w.check_clean()
+    finally:
+        w.close()
+
+
+def test_javascript_step_time_equals_python_for_random_layouts(browser, calculator_page):
+    import dataclasses
+    from lectures.step_time import Hardware, h100_cluster, step_time
+    small = Hardware("a small machine", flops=2e10, memory=8e9, ranks_per_node=2, intra=(5e-5, 2e9),
+                     inter=(1e-4, 1e9), overhead=1e-3, step_overhead=2e-3, overlap=0.5, bucketed=False,
+                     p2p=(3e-5, 3e9), ring_step=(1e-4, 2e-4))
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        w.page.goto("file://" + calculator_page)
+        cases = random_layouts(200, seed=1)
+        for hw in (h100_cluster(), small):
+            got = w.page.evaluate("a => a[0].map(c => window.course.stepTime(c[0], c[1], a[1]))",
+                                  [[[m, l] for m, l, _, _ in cases], dataclasses.asdict(hw)])
+            for (_, _, m, l), js in zip(cases, got):
+                py = step_time(m, l, hw)
+                for k, v in py.items():
+                    assert js[k] == pytest.approx(v, rel=1e-9, abs=1e-15), (hw.name, m.name, l, k)
+        assert "Predicted step on" in w.page.locator(".widget-readout >> nth=1").text_content()
         w.check_clean()
     finally:
         w.close()

@@ -134,7 +134,7 @@ def widget(name, data, caption=""):
     """An interactive figure drawn in the page by util/static/widgets.js from `data` (JSON-ready).
     Without JavaScript it stays hidden: put the static figure that tells the same story beside it."""
     import json
-    json.dumps(data)   # refuse data the page could not carry, here rather than at render time
+    json.dumps(data, allow_nan=False)   # refuse what JSON cannot carry (inf, NaN, objects) here, loudly
     _current.add("widget", name=name, data=data, caption=caption)
 
 

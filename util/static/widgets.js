@@ -346,6 +346,90 @@
     return best;
   };
 
+  // --- the step-time model, a port of lectures/step_time.py --------------------------------
+  var MESH_AXES = ["dp", "pp", "cp", "tp"];
+  function tensorsPerLayer(m) {
+    return (4 + m.mlp_matrices) * (1 + (m.bias ? 1 : 0)) + 2 * (m.norm_params > 0 ? 1 : 0) * m.norm_params;
+  }
+  function axisLink(hw, l, axis) {
+    var sizes = { dp: l.dp, pp: l.pp, cp: l.cp, tp: l.tp }, k = MESH_AXES.indexOf(axis), stride = 1;
+    for (var i = k + 1; i < MESH_AXES.length; i++) stride *= sizes[MESH_AXES[i]];
+    return stride * sizes[axis] <= hw.ranks_per_node ? hw.intra : hw.inter;
+  }
+  function p2pLink(hw, l, axis) { return hw.p2p || axisLink(hw, l, axis); }
+  function allReduceTime(n, nbytes, link) {
+    return n === 1 ? 0.0 : 2 * (n - 1) * link[0] + 2 * (n - 1) / n * nbytes / link[1];
+  }
+  function gatherTime(n, nbytes, link) {
+    return n === 1 ? 0.0 : (n - 1) * link[0] + (n - 1) / n * nbytes / link[1];
+  }
+  function p2pTime(nbytes, link) { return link[0] + nbytes / link[1]; }
+  function dpTraffic(m, l, hw, stage, compute) {
+    var B = PRECISION_BYTES[l.precision], n = l.dp * l.cp;
+    if (n === 1) return [0.0, 0.0];
+    var link = l.dp > 1 ? axisLink(hw, l, "dp") : axisLink(hw, l, "cp");
+    var nLayers = stageLayers(m.layers, l.pp)[stage];
+    var gradBytes = stageParams(m, l, stage) * B.grads, weightBytes = stageParams(m, l, stage) * B.weights;
+    var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
+    var ar = function (b) { return k * allReduceTime(n, b / k, link); };
+    var rs = function (b) { return k * gatherTime(n, b / k, link); }, ag = rs;
+    var fwd = compute / 3, bwd = 2 * compute / 3, hide = hw.overlap, mb = l.micro_batches, z = l.zero, parts = [];
+    if (z === 0) parts = [[ar(gradBytes), bwd]];
+    else if (z === 1) parts = [[rs(gradBytes), bwd], [ag(weightBytes), fwd]];
+    else if (z === 2) {
+      for (var i = 0; i < mb; i++) parts.push([rs(gradBytes), bwd]);
+      parts.push([ag(weightBytes), fwd]);
+    } else {
+      for (var j = 0; j < mb; j++) { parts.push([ag(weightBytes), fwd]); parts.push([ag(weightBytes) + rs(gradBytes), bwd]); }
+    }
+    var exposed = 0, all = 0;
+    parts.forEach(function (p) { exposed += Math.max(0.0, p[0] - hide * p[1]); });
+    parts.forEach(function (p) { all += p[0]; });
+    return [exposed, all];
+  }
+  course.stepTime = function (model, layout, hw) {
+    var m = shapeDefaults(model), l = layoutDefaults(layout);
+    hw = Object.assign({ overhead: 0.0, step_overhead: 0.0, overlap: 0.0, bucketed: true, p2p: null,
+                         ring_step: [0.0, 0.0] }, hw);
+    var B = PRECISION_BYTES[l.precision];
+    var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
+    var sizes = stageLayers(m.layers, l.pp), worst = 0, best = -Infinity;
+    for (var s = 0; s < l.pp; s++) {
+      var key = sizes[s] + (s === l.pp - 1 ? 1 : 0) * m.vocab / (12 * m.hidden);
+      if (key > best) { best = key; worst = s; }
+    }
+    var nLayers = sizes[worst], sharded = layerParams(m, 1)[0];
+    var layerFlops = 6 * sharded + 12 * m.hidden * m.seq;
+    if (rc) layerFlops += 2 * sharded + 4 * m.hidden * m.seq;
+    var headFlops = worst === l.pp - 1 ? 6 * m.vocab * m.hidden : 0;
+    var flops = tokens * (nLayers * layerFlops + headFlops) / l.tp;
+    var compute = flops / hw.flops + nLayers * hw.overhead;
+    var act = tokens * m.hidden * B.act, tpLink = axisLink(hw, l, "tp");
+    var tp = (4 + 2 * rc) * nLayers * allReduceTime(l.tp, act, tpLink);
+    if (l.tp > 1) {
+      tp += (worst === 0 ? 1 : 0) * allReduceTime(l.tp, act, tpLink);
+      if (worst === l.pp - 1) tp += allReduceTime(l.tp, act, tpLink) + 3 * allReduceTime(l.tp, tokens * 4, tpLink);
+    }
+    var cp = 0.0;
+    if (l.cp > 1) {
+      var kv = 2 * tokens * kvDim(m) * B.act / l.tp, link = p2pLink(hw, l, "cp");
+      var passes = p2pTime(kv, link) * (1 + rc) + 2 * p2pTime(kv, link);
+      cp = nLayers * (l.cp - 1) * (passes + (1 + rc) * hw.ring_step[0] + hw.ring_step[1]);
+    }
+    var sends = l.pp > 1 ? 2 * p2pTime(act, p2pLink(hw, l, "pp")) : 0.0;
+    var slot = compute + tp + cp + sends, mb = l.micro_batches;
+    var pipeline = (mb + l.pp - 1) * slot;
+    var exposedDp = dpTraffic(m, l, hw, worst, compute)[0];
+    return { total: pipeline + exposedDp + hw.step_overhead, compute: mb * compute, tp: mb * tp, cp: mb * cp,
+             bubble: (l.pp - 1) * slot, pp: (mb + l.pp - 1) * sends, dp: exposedDp, flops: flops * mb };
+  };
+
+  function fmtBytes(x) {
+    if (x >= 1e9) return (x / 1e9).toFixed(2) + " GB";
+    if (x >= 1e6) return (x / 1e6).toFixed(2) + " MB";
+    return (x / 1e3).toFixed(1) + " KB";
+  }
+
   function drawCalculator(root, data) {
     PRECISION_BYTES = data.precision_bytes;
     var body = root.querySelector(".widget-body");
@@ -391,10 +475,12 @@
       recompute: select("recompute", ["none", "full"], L.recompute),
       precision: select("precision", Object.keys(data.precision_bytes), L.precision),
       schedule: select("schedule", ["1f1b", "gpipe"], L.schedule), sp: check("SP", L.sp),
-      memory: number("device GB", data.initial.memory_gb, 0)
+      memory: number("device GB", data.initial.memory_gb, 0),
+      hardware: select("step time on", Object.keys(data.hardware), Object.keys(data.hardware)[0])
     };
     var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
     var barBox = el("div", { "class": "widget-svg" }, body);
+    var stepOut = el("p", { "class": "widget-readout" }, body);
     var timing = el("p", { "class": "widget-timing quiet" }, body);
     var base = {};
     function loadPreset() {
@@ -437,7 +523,7 @@
         var w = e[p[0]] * scale;
         if (w <= 0) return;
         var r = el("rect", { x: x, y: 10, width: w, height: 34, fill: p[1] }, svg, true);
-        el("title", {}, r, true).textContent = p[0] + ": " + (e[p[0]] / 1e9).toFixed(2) + " GB";
+        el("title", {}, r, true).textContent = p[0] + ": " + fmtBytes(e[p[0]]);
         x += w;
       });
       if (cap) {
@@ -448,12 +534,17 @@
       var legend = el("p", { "class": "widget-legend" }, barBox);
       PARTS.forEach(function (p) {
         el("span", { "class": "swatch swatch-" + p[0] }, legend).textContent = "■";
-        legend.appendChild(document.createTextNode(" " + p[0] + " " + (e[p[0]] / 1e9).toFixed(2) + " GB  "));
+        legend.appendChild(document.createTextNode(" " + p[0] + " " + fmtBytes(e[p[0]]) + "  "));
       });
       var fits = cap ? (e.total <= cap ? "fits" : "does NOT fit") : "";
-      out.textContent = "Per rank (pipeline stage " + e.stage + ", the most loaded): " + (e.total / 1e9).toFixed(2) +
-        " GB" + (cap ? ", " + fits + " in " + (cap / 1e9).toFixed(0) + " GB" : "") + "; " +
+      out.textContent = "Per rank (pipeline stage " + e.stage + ", the most loaded): " + fmtBytes(e.total) +
+        (cap ? ", " + fits + " in " + (cap / 1e9).toFixed(0) + " GB" : "") + "; " +
         (l.dp * l.tp * l.pp * l.cp) + " ranks, global batch " + (l.dp * l.micro_batch * l.micro_batches) + " sequences.";
+      var hw = data.hardware[inp.hardware.value], st = course.stepTime(m, l, hw);
+      var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
+      stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
+        ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
+        fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + ", exposed data-parallel " + fmt(st.dp) + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
       timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
