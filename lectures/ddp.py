@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from lectures.collectives import binomial_broadcast_sends
 from util import span_at
 
 
@@ -23,8 +24,9 @@ class Collectives:
     a ring (NCCL's algorithm for large messages): all-reduce 2(N-1)/N of the tensor, reduce-scatter
     and all-gather (N-1)/N of the full tensor (`sent`). `sent_by_gloo` counts what gloo's own
     algorithms send instead: its reduce-scatter is a full all-reduce of the input followed by a
-    copy of this rank's chunk (2(N-1)/N, twice the ring's), and its broadcast has the root send
-    the whole tensor to each of the N-1 others. With `trace`, async operations record when they
+    copy of this rank's chunk (2(N-1)/N, twice the ring's), and its broadcast is a binomial tree
+    (the root sends the whole tensor ⌈log₂N⌉ times, other ranks as many times as they have
+    partners in the tree: `binomial_broadcast_sends`). With `trace`, async operations record when they
     were launched and when they completed, for timelines."""
 
     def __init__(self, world_size, trace=False):
@@ -41,7 +43,7 @@ class Collectives:
     def broadcast(self, t, src=0):
         root = dist.get_rank() == src and self.n > 1
         self.sent += t.numel() * t.element_size() if root else 0
-        self.sent_by_gloo += (self.n - 1) * t.numel() * t.element_size() if root else 0
+        self.sent_by_gloo += binomial_broadcast_sends(dist.get_rank(), self.n, src) * t.numel() * t.element_size()
         self.calls += 1
         dist.broadcast(t, src)
 

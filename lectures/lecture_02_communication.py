@@ -6,6 +6,7 @@ measures bandwidth the way nccl-tests does, fits the α–β cost model, makes a
 and overlaps communication with computation.
 """
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -18,7 +19,7 @@ from util import device, figure, note, see, settings, span, span_at, spawn, tabl
 from util.launch import choose_backend
 from util.measure import Timing, compare, errorbar, machine, measure, timing_ranks
 
-from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, bus_bandwidth_factor,
+from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
                                   crossover_bytes, fit_alpha_beta, optimal_bytes,
                                   pipelined_ring_all_reduce, ring_all_reduce, sweep, wire_bytes)
 
@@ -226,8 +227,11 @@ COLLECTIVES = [
 
 def draw_collective(name, before, after, sums):
     """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
-    rank the value came from; sums are grey; a reduce's non-destination buffers are hatched."""
-    return draw_stages(name, [("before", before, "none"), ("after", after, sums)])
+    rank the value came from; sums are grey; a reduce's non-destination buffers are hatched.
+    Wide results (all-gather's, gather's: n pieces per rank) stack the panels, so that the
+    figure stays readable when the page shrinks it to a phone's width."""
+    cells = sum(max((len(t) for t in data if t is not None), default=1) for data in (before, after))
+    return draw_stages(name, [("before", before, "none"), ("after", after, sums)], stacked=cells > 6)
 
 
 def draw_stages(name, panels, stacked=False):
@@ -252,12 +256,13 @@ def draw_stages(name, panels, stacked=False):
                                  gridspec_kw={"width_ratios": widths})
     axes = np.atleast_1d(axes)
     colours = plt.cm.Pastel1
+    big = 13 if stacked else 9          # stacked figures are shrunk most on a phone
     for k, (ax, (side, data, sums), width) in enumerate(zip(axes, panels, widths)):
         for r, t in enumerate(data):
             y = world_size - 1 - r
             values = t.tolist() if t is not None else []
             if not values:
-                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=9, color="0.5")
+                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=big, color="0.5")
             for i, v in enumerate(values):
                 kind = "moved"
                 if sums == "all" or (sums == "dst" and r == 0):
@@ -272,19 +277,20 @@ def draw_stages(name, panels, stacked=False):
                 ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
                                            hatch="///" if kind == "scratch" else None,
                                            linewidth=1.6 if kind == "owned" else 0.6))
-                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=9,
+                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=big,
                         color="0.45" if kind == "scratch" else "black",
                         fontweight="bold" if kind in ("sum", "owned") else "normal")
         ax.set_xlim(-0.1, width + 0.1)
         ax.set_ylim(-0.2, world_size)
         ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
-                      [f"rank {r}" for r in range(world_size)] if k == 0 or stacked else [])
+                      [f"rank {r}" for r in range(world_size)] if k == 0 or stacked else [],
+                      fontsize=big)
         ax.tick_params(length=0)
         ax.set_xticks([])
         for spine in ax.spines.values():
             spine.set_visible(False)
-        ax.set_title(side, fontsize=10)
-    fig.suptitle(name, fontweight="bold")
+        ax.set_title(side, fontsize=big + 1)
+    fig.suptitle(name, fontweight="bold", fontsize=big + 2)
     fig.tight_layout()
     return fig
 
@@ -551,15 +557,16 @@ def ring_step_by_step():
         steps) the finished chunks travel around the ring once more. Each rank sends
         $2(n-1)$ chunks of size $S/n$, i.e. $2(n-1)/n \\cdot S$ bytes.
 
-        **Why no algorithm sends less.** Take one element. Its $n$ inputs sit on $n$ different
+        **Why no algorithm sends less (a sketch).** Take one element. Its $n$ inputs sit on $n$ different
         ranks, and a message carries (a partial sum of) it from one rank to one other. Adding
         $n$ values held in $n$ places into one sum needs at least $n-1$ such transfers (each
         transfer merges at most two partial sums), and getting the result to the $n-1$ ranks
         that did not compute it needs at least $n-1$ more (each transfer informs one rank).
         So every element costs at least $2(n-1)$ transfers, and the whole buffer at least
         $2(n-1) \\cdot S$ bytes summed over all ranks; shared out among $n$ ranks, the
-        busiest rank sends at least $2(n-1)/n \\cdot S$ (Patarasuk & Yuan 2009 prove the
-        bound for any all-reduce). The ring meets it, with every rank equally busy. *That* is
+        busiest rank sends at least $2(n-1)/n \\cdot S$. This counting only sketches the idea
+        (it assumes, for one, that a transfer carries one partial sum of an element); the bound
+        itself, for any all-reduce, is proved by Patarasuk & Yuan (2009). The ring meets it, with every rank equally busy. *That* is
         why the ring is called bandwidth-optimal; that the volume barely grows with $n$ is a
         consequence, not the reason. Its weakness is latency: $2(n-1)$ sequential
         steps. Lengths that are not a multiple
@@ -642,7 +649,21 @@ def ring_raced():
         $2(n-1)$ Python-level exchanges (the pipelined one, one per slice), while the library
         runs its loop in C++ (and NCCL would switch to a tree). For large messages the ratio
         says how much a few lines of Python around `isend`/`irecv` cost once bytes dominate.
+
+        {pipelining_verdict(large[0], timings[-1][0], timings[-1][1])}
     """)
+
+
+def pipelining_verdict(size, ring, pipelined):
+    """Did cutting chunks into slices pay off at `size`? From the two rings' Timings."""
+    said = f"Pipelined against simple ring at {size}: {compare(pipelined, ring, 'pipelined', 'simple')}."
+    if pipelined.q3 < ring.q1:
+        return said + (" Moving one slice while adding the previous one hid some of the additions "
+                       "behind the transfers.")
+    return said + (" Pipelining pays only when moving and adding use different resources; here "
+                   "both are CPU work on the same cores (gloo copies bytes through loopback "
+                   "sockets with CPU threads), and every slice adds a Python-level exchange "
+                   "with its own fixed cost, so there is nothing to overlap and more to pay.")
 
 
 # =========================================================================================
@@ -684,7 +705,7 @@ def alpha_beta_sizes():
     """The all-reduce sizes of the α–β fit: every power of two in the sweep's range."""
     if device_is_gpu():
         return [4 * KB * 2 ** k for k in range(12 if settings.quick else 19)]
-    return [4 * KB * 2 ** k for k in range(7 if settings.quick else 15)]
+    return [4 * KB * 2 ** k for k in range(11 if settings.quick else 15)]     # up to 4 MB / 64 MB
 
 
 def wire_verdict(wire, nbytes, n):
@@ -708,9 +729,14 @@ def wire_verdict(wire, nbytes, n):
               "credits, not because adding costs time. NCCL runs a real ring reduce-scatter: "
               "$n-1$ steps, $(n-1)/n \\cdot S$ bytes per rank, half an all-reduce.")
     if ratio.get("broadcast", 1) > 1.2:
-        said.append(f"gloo's broadcast has the root write the whole buffer to every other rank: "
-                    f"{ratio['broadcast']:.2f}× the $S$ of a pipelined ring (NCCL's), so its "
-                    "busbw also undercounts.")
+        tree = binomial_broadcast_sends(0, n)
+        how = (f"a binomial tree: in each of $\\lceil \\log_2 n \\rceil = {tree}$ rounds every rank "
+               "holding the buffer sends it to one that does not, so the root writes it "
+               f"{tree} times" if abs(ratio["broadcast"] / tree - 1) < 0.02 else
+               "not a pipelined ring")
+        said.append(f"gloo's broadcast is {how}: the busiest rank wrote {ratio['broadcast']:.2f}× the "
+                    "$S$ a pipelined ring (NCCL's) sends per rank, while the ranks at the tree's "
+                    "leaves send nothing, so its busbw undercounts what the root moved.")
     fine = [k.replace("_", "-") for k in ratio if k not in ("reduce_scatter", "broadcast")
             and abs(ratio[k] - 1) < 0.05]
     if fine:
@@ -790,8 +816,7 @@ def bandwidth():
         Small messages reach only a sliver of the peak: their time is fixed per-call cost
         (latency). At the largest size, {human_bytes(sizes[-1])}, the curves end between
         **{last[worst]:.2f} GB/s** ({worst.replace('_', '-')}) and **{last[best]:.2f} GB/s**
-        ({best.replace('_', '-')}), a factor {last[best] / last[worst]:.1f} apart
-        ({machine(ranks)}).
+        ({best.replace('_', '-')}), a factor {last[best] / last[worst]:.1f} apart.
         {twice}
         On a GPU cluster, busbw is built so that every collective's curve approaches one
         ceiling, the bandwidth of the slowest link, because NCCL implements each of them with a
@@ -868,7 +893,7 @@ def draw_alpha_beta(sizes, timings, alpha, beta, regimes=None):
                    label=f"small sizes alone: α = {small_alpha * 1e6:.0f} µs")
         ax.plot(grid, (large_alpha + grid / large_beta) * 1e6, "--", color="tab:purple", lw=1.2,
                 label=f"large sizes alone: β = {large_beta / 1e9:.2f} GB/s")
-    if sizes[0] <= cross <= sizes[-1] * 4:
+    if sizes[0] <= cross <= sizes[-1]:           # S* only where it was measured, never extrapolated
         ax.axvline(cross, color="red", ls="--", lw=1, label=f"S* = αβ = {human_bytes(cross)}")
     ax.set_xlabel("all-reduce message size (bytes)")
     ax.set_ylabel("time (µs)")
@@ -876,6 +901,36 @@ def draw_alpha_beta(sizes, timings, alpha, beta, regimes=None):
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9)
     return fig
+
+
+def alpha_beta_verdict(sizes, times, alpha, beta):
+    """What the fitted α and β say, in words that stay inside the measured sizes: S* = αβ is
+    reported only where it falls between the smallest and largest size measured, and β beside
+    the highest algorithm bandwidth any measured size reached (β is a slope, reached only in
+    the limit of large messages)."""
+    sizes, times = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
+    algbw = sizes / times
+    top = int(algbw.argmax())
+    reached = (f"The highest algorithm bandwidth measured is {algbw[top] / 1e9:.3g} GB/s "
+               f"(at {human_bytes(sizes[top])})")
+    if not math.isfinite(beta):
+        return ("The times did not grow with size over this range, so the fit found no bandwidth "
+                "term: every size measured here is in the latency regime.")
+    cross = crossover_bytes(alpha, beta)
+    if cross > sizes[-1]:
+        return (f"The two terms would be equal only at $S^* = \\alpha\\beta$ ≈ {human_bytes(cross)}, "
+                f"beyond the largest size measured ({human_bytes(sizes[-1])}): no bandwidth regime "
+                f"was reached here, and β extrapolates the slope of the times. {reached}; even "
+                f"the largest size spent about {100 * alpha / times[-1]:.0f}% of its time on the "
+                "fixed cost, by the model.")
+    if cross < sizes[0]:
+        return (f"$S^* = \\alpha\\beta$ ≈ {human_bytes(cross)} lies below the smallest size measured: "
+                f"every size here is in the bandwidth regime. {reached}.")
+    below = [s for s in sizes if s < cross]
+    return (f"The two terms are equal at $S^* = \\alpha\\beta$ ≈ **{human_bytes(cross)}**, inside "
+            f"the measured range: below it (here {human_bytes(below[0])} to {human_bytes(below[-1])}) "
+            "the fixed cost is more than half of the modelled time, above it the bytes are. "
+            f"{reached}, {'below' if algbw[top] < beta else 'above'} β.")
 
 
 def alpha_beta():
@@ -908,7 +963,6 @@ def alpha_beta():
         timings = run.returns[0][0]
     times = np.array([t.median for t in timings])
     alpha, beta = fit_alpha_beta(sizes, times)
-    cross = crossover_bytes(alpha, beta)
     model = alpha + np.array(sizes) / beta
     rel = np.abs(model / times - 1)
     # the two regimes on their own: latency from the smaller half, bandwidth from the larger
@@ -924,11 +978,7 @@ def alpha_beta():
           header=["size", "measured µs, median (IQR)", "one-line model (µs)", "model − measured"],
           caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%; largest "
                   f"{rel.max() * 100:.0f}% (at {human_bytes(sizes[int(rel.argmax())])}).")
-    verdict = ("Latency stops dominating at about $S^* = \\alpha\\beta$ ≈ "
-               f"**{human_bytes(cross)}**: an all-reduce of anything smaller costs roughly the "
-               "same as an empty one.") if math.isfinite(cross) else (
-               "The times did not grow with size over this range, so the fit found no bandwidth "
-               "term: every size measured here is in the latency regime.")
+    verdict = alpha_beta_verdict(sizes, times, alpha, beta)
     if misfit:
         fits = (f"One straight line does not fit both regimes here: at {human_bytes(sizes[-1])} it "
                 f"predicts {model[-1] * 1e3:.3g} ms where {times[-1] * 1e3:.3g} ms was measured "
@@ -943,9 +993,9 @@ def alpha_beta():
         fits = (f"The line fits the whole range within {rel.max() * 100:.0f}% "
                 f"(at {human_bytes(sizes[int(rel.argmax())])}).")
     note(f"""
-        The fit ({machine(ranks)}) gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a
-        bandwidth of **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole
-        all-reduce, not of one link). {verdict} {fits}
+        The fit gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a bandwidth of
+        **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole all-reduce, not of one
+        link). {verdict} {fits}
 
         That is why data-parallel training packs gradients into buckets of megabytes (next
         lecture) instead of sending each small tensor on its own. The α here is mostly
@@ -960,6 +1010,14 @@ def alpha_beta():
 # =========================================================================================
 # 7. Hangs and timeouts
 # =========================================================================================
+
+def trim_build_paths(text):
+    """An error message without the source locations of PyTorch's build machine
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error" ->
+    "Read error"): they name files on a machine the reader never saw."""
+    text = re.sub(r"\[(?:/[^\]\s]*)+:\d+\]\s*", "", text or "")
+    return re.sub(r"/__w/\S+\s*", "", text)
+
 
 def skip_a_collective(rank, world_size):
     """The last rank forgets an all-reduce; the others wait for it until their timeout."""
@@ -993,13 +1051,13 @@ def hangs():
     for rank in range(world_size):
         mine = [r for r in run.records if r.get("rank") == rank]
         said = " ".join(r["text"].strip() for r in mine if r["kind"] == "output")
-        error = [r["text"].strip().splitlines()[-1] for r in mine if r["kind"] == "error"]
+        error = [trim_build_paths(r["text"].strip().splitlines()[-1]) for r in mine if r["kind"] == "error"]
         rows.append([rank, said or f"returned {run.returns[rank]!r}", error[0] if error else ""])
     table(rows, header=["rank", "what it did", "its error"],
           caption=f"Each rank of the demo (status: {run.status}). The ranks that waited gave up "
                   f"after the {timeout} s timeout; one may instead report that a peer closed the "
                   "connection, because a rank that gave up closes its links.")
-    note(f"The demo's error, as the launcher reports it:\n\n```text\n{run.error}\n```")
+    note(f"The demo's error, as the launcher reports it:\n\n```text\n{trim_build_paths(run.error)}\n```")
     note("""
         Finding the culprit in a real job:
 
@@ -1022,8 +1080,9 @@ def hangs():
           (PyTorch 2.13's name; older releases read `TORCH_NCCL_TRACE_BUFFER_SIZE`, which is
           still accepted); 0 records nothing. 2.13's source defaults it to 2,000 entries,
           older releases to 0, so set it explicitly. `TORCH_NCCL_DUMP_ON_TIMEOUT=1` only
-          *writes that buffer out* when the watchdog fires (to files named by
-          `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`), so set both. Comparing the ranks' last sequence
+          *writes that buffer out* when the watchdog fires (to files whose name starts with
+          `TORCH_FR_DUMP_TEMP_FILE`; the old name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` is still
+          read), so set both. Comparing the ranks' last sequence
           numbers names the rank that fell behind.
     """)
 
@@ -1100,6 +1159,24 @@ def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
     return {"compute": alone, "all-reduce": comm, "sequential": seq, "overlapped": ovl}
 
 
+def overlap_verdict(t):
+    """The overlap demo's result in words, from its timings (`t`: compute, all-reduce,
+    sequential, overlapped): util.measure.compare decides whether overlapping was faster,
+    slower, or not measurably different."""
+    seq, ovl = t["sequential"], t["overlapped"]
+    said = "Overlapped against sequential: " + compare(ovl, seq, "overlapped", "sequential") + "."
+    ideal = max(t["compute"].median, t["all-reduce"].median)
+    shorter = min(t["compute"].median, t["all-reduce"].median)
+    if ovl.q3 < seq.q1:
+        hidden = (seq.median - ovl.median) / max(1e-12, shorter)
+        said += (f" Perfect overlap would take the longer of the two alone, {ideal * 1e3:.3g} ms; "
+                 f"the overlap hid about {100 * min(hidden, 1):.0f}% of the shorter one.")
+    else:
+        said += (f" Perfect overlap would take {ideal * 1e3:.3g} ms (the longer of the two alone): "
+                 "starting the all-reduce early gained nothing here.")
+    return said
+
+
 def overlap():
     overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
     overlap_async()         # the collectives' mechanism: async_op=True and wait()
@@ -1165,22 +1242,10 @@ def overlap_async():
     table([[k, t[k].ms()] for k in ("compute", "all-reduce", "sequential", "overlapped")],
           header=["", "time, median (IQR)"],
           caption=f"{reps} repetitions each, slowest rank, {machine(ranks)}.")
-    seq, ovl = t["sequential"].median, t["overlapped"].median
-    ideal = max(t["compute"].median, t["all-reduce"].median)
-    hidden = (seq - ovl) / max(1e-12, min(t["compute"].median, t["all-reduce"].median))
-    if ovl < 0.95 * seq:
-        result = (f"a {seq / ovl:.2f}× speed-up. Perfect overlap would take the longer of the "
-                  f"two alone, {ideal * 1e3:.3g} ms; the overlap hid about {100 * min(hidden, 1):.0f}% "
-                  "of the shorter one")
-    else:
-        result = (f"{seq / ovl:.2f}× the speed: no gain here (perfect overlap would take "
-                  f"{ideal * 1e3:.3g} ms, the longer of the two alone)")
     note(f"""
-        Sequential: {t['sequential'].ms()}; overlapped: {t['overlapped'].ms()}: {result}
-        ({machine(ranks)}). What limits it here: gloo moves the bytes with CPU threads (copies into and
-        out of loopback sockets, and the additions of the reduction), and those threads need
-        the same cores as the matmuls. With one core or more per rank, the communication thread
-        still takes CPU time from the compute, so "at once" is partly "taking turns". On a GPU,
+        {overlap_verdict(t)} What limits it here: gloo moves the bytes with CPU threads (copies
+        into and out of loopback sockets, and the additions of the reduction), and those threads
+        need the same cores as the matmuls, so "at once" is partly "taking turns". On a GPU,
         compute runs on the SMs while NCCL's transfers use NVLink/the network and a few SMs of
         their own, so overlap comes much closer to the ideal. Data-parallel training uses
         exactly this: it starts each gradient bucket's all-reduce as soon as backward has

@@ -330,6 +330,16 @@ def _sp_traffic(cfg, b):
     return out
 
 
+def activation_formula(cfg, b, t, sp):
+    """Bytes one block saves for backward per rank (float32), in units of b·s·h: 4 + 12/t under
+    tensor parallelism, 16/t with sequence parallelism (every term divided by t, as in Korthikanti
+    et al. 2022, Table 2; no dropout, no s×s attention matrix here), plus the per-token statistics: 2 LayerNorms × (mean, rstd) per
+    position (sliced by SP) and the attention's log-sum-exp per head and position (split by heads)."""
+    unit = b * cfg.seq_len * cfg.d_model * 4
+    stats = 4 * (4 * b * cfg.seq_len / (t if sp else 1) + b * cfg.n_heads * cfg.seq_len / t)
+    return unit * (16 / t if sp else 4 + 12 / t) + stats
+
+
 def activation_memory(rank, world_size, cfg, b=4):
     """Activation bytes of one block on this rank, sequence parallelism off and on."""
     group, out = dist.group.WORLD, {}
@@ -416,9 +426,10 @@ def redistribute_table(rank, world_size):
     cases = [(Shard(0), Replicate()), (Shard(0), Shard(1)), (Replicate(), Shard(0)),
              (Partial(), Replicate()), (Partial(), Shard(0))]
     with _quiet_log("torch.distributed.tensor._collective_utils"):
-        # Shard(0) -> Shard(1) is an all-to-all, which gloo lacks: DTensor falls back to an
-        # all-gather and a slice and logs a warning on every rank. The table shows the fallback
-        # and the note under it explains it, so the warning is kept out of the build's output.
+        # Shard(0) -> Shard(1) is an all-to-all on NCCL. gloo runs all_to_all_single too, but
+        # DTensor's CPU path chooses an all-gather and a slice instead and logs a warning on every
+        # rank. The table shows that choice and the note under it explains it, so the warning is
+        # kept out of the build's output.
         for src, dst in cases:
             if isinstance(src, Partial):   # each rank holds full / N: the sum over ranks is `full`
                 dt = DTensor.from_local(full / world_size, mesh, [src], run_check=False)
@@ -604,12 +615,13 @@ def cut_figure(n, shapes):
         ax.set_xticks([])
         ax.set_yticks([])
         local = shapes["column weight"][::-1] if kind == "column" else shapes["row weight"][::-1]
-        ax.set_title(f"{kind}-parallel: A is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=10)
+        name = "A" if kind == "column" else "B"
+        ax.set_title(f"{kind}-parallel: {name} is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=10)
         ax.set_xlabel("output features" if kind == "column" else "output features (whole)", fontsize=10)
         ax.set_ylabel("input features (whole)" if kind == "column" else "input features", fontsize=10)
-    axes[0].text(0.5, -0.3, "Y_r = X A_r: a slice of Y, no collective", transform=axes[0].transAxes,
+    axes[0].text(0.5, -0.3, r"$Y_r = X A_r$: a slice of $Y$, no collective", transform=axes[0].transAxes,
                  ha="center", fontsize=10)
-    axes[1].text(0.5, -0.3, "Y = Σ_r X_r B_r: partial sums, all-reduce", transform=axes[1].transAxes,
+    axes[1].text(0.5, -0.3, r"$Z = \sum_r Y_r B_r$: partial sums, all-reduce", transform=axes[1].transAxes,
                  ha="center", fontsize=10)
     fig.tight_layout()
     return fig
@@ -882,23 +894,25 @@ def sp_activation_memory(cfg):
         the two LayerNorm outputs read by the projections (2), Q, K, V (3), the attention output
         (1), the MLP's hidden layer before and after GELU (4 + 4). Tensor parallelism splits the
         last 12 but not the first 4: $4 + 12/t$. With sequence parallelism the LayerNorm inputs
-        and the MLP input are slices, and only the all-gathered attention input (shared by Q, K,
-        V) is whole: $1 + 15/t$. (Plus per-token LayerNorm statistics and the attention's
-        log-sum-exp; CPU SDPA's flash kernel keeps no $s \\times s$ matrix, so the paper's
-        $5as/h$ term is absent. The paper's Megatron with a fused QKV reaches $16/t$.)
+        are slices, and the column-parallel layers (the fused QKV and `fc_in`) save only their
+        input's sequence slice and all-gather it again in backward, so nothing of size $bsh$ stays
+        whole: $16/t$. Every term is divided by $t$, as in Korthikanti et al.'s $sbh \\cdot 34/t$ for
+        Megatron with sequence parallelism (their count is in bytes of 16-bit values and includes
+        dropout masks, which this GPT has none of).
+        (Plus per-token LayerNorm statistics and the attention's log-sum-exp; CPU SDPA's flash
+        kernel keeps no $s \\times s$ matrix, so the paper's $5as/h$ term is absent.)
     """)
     see(saved_bytes)
     b = 4
     rows = []
-    unit = b * cfg.seq_len * cfg.d_model * 4
-    small = lambda t, sp: 4 * (4 * b * cfg.seq_len / (t if sp else 1) + b * cfg.n_heads * cfg.seq_len / t)
     block, x = GPT(cfg).blocks[0], torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True)
     one = saved_bytes(lambda: block(x), exclude=block.parameters())[1]
-    rows.append([1, "—", one, unit * 16 + small(1, False), one / (unit * 16 + small(1, False))])
+    formula = activation_formula(cfg, b, 1, False)
+    rows.append([1, "—", one, formula, one / formula])
     for t in tp_sizes():
         m = spawn(activation_memory, t, cfg=cfg, b=b, name=f"sequence parallelism: activation bytes, {t} ranks").returns[0]
         for sp in (False, True):
-            formula = unit * ((1 + 15 / t) if sp else (4 + 12 / t)) + small(t, sp)
+            formula = activation_formula(cfg, b, t, sp)
             rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
     table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
           caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
@@ -913,7 +927,10 @@ def sp_activation_memory(cfg):
     ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.25)
     ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=10)
     figure(fig, caption="one block's activation memory per rank: tensor parallelism alone leaves 4 units whole; "
-           "with sequence parallelism nearly everything shrinks with tp (the table's numbers)")
+           "with sequence parallelism all 16 shrink with tp (the table's numbers)")
+    exact = all(r[2] == r[3] for r in rows)
+    note("The measured bytes equal the formula exactly in every row: this code reaches the paper's $16/t$."
+         if exact else "Where measured and formula differ, the table's last column says by how much.")
 
 
 def sp_layernorm_gradients(cfg):
@@ -1005,10 +1022,16 @@ def tp_at_scale():
     table(rows, header=["", "shape", "MB per rank per layer (fwd + bwd)", "compute ms at peak",
                         "NVLink 450 GB/s: ms", "InfiniBand NDR 50 GB/s: ms"],
           caption="computed, not measured: H100 peak 989 TFLOP/s bf16; link speeds per direction as in lecture 02")
-    note("""
-        Over NVLink the communication is a fraction of the compute; over InfiniBand it would be
-        several times the compute, and nothing can hide it. Hence tensor parallelism stays inside
-        a node (tp ≤ 8) and data/pipeline parallelism span nodes.
+    nv = ", ".join(f"{r[0]}: {r[4] / r[3]:.2f}×" for r in rows)
+    ib = ", ".join(f"{r[0]}: {r[5] / r[3]:.1f}×" for r in rows)
+    note(f"""
+        Communication over compute, over NVLink: {nv}; over InfiniBand: {ib}. Both columns are
+        ideal: the compute assumes the GPU at its peak (a real layer runs below it, which shrinks
+        these ratios by the same factor), the links their full speed (a real all-reduce falls
+        short of it, which grows them). Over InfiniBand the all-reduces
+        would take longer than the matmuls they sit between, and most of them cannot be hidden
+        (the next matmul needs their result). Hence tensor parallelism stays inside a node
+        (tp ≤ 8) and data/pipeline parallelism span nodes.
     """)
 
 
@@ -1043,7 +1066,7 @@ def dtensor_redistribute():
         is an all-to-all on NCCL. gloo has an all-to-all too (`all_to_all_single` runs on CPU, uneven
         splits included), but DTensor's redistribution on CPU does not use it: it all-gathers the
         whole tensor and keeps its slice (and logs a warning whose comment claims gloo lacks
-        all-to-all), which is what the table shows. Same result, $t\times$ the memory and more bytes.
+        all-to-all), which is what the table shows. Same result, $t\\times$ the memory and more bytes.
     """)
 
 

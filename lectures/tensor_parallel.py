@@ -9,7 +9,9 @@ a row-parallel one needs one all-reduce forward and one backward. Sequence paral
 (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198) splits what stays replicated
 (LayerNorms, positions) along the sequence. Each layer has `from_full(layer, group)` (this rank's
 share of an ordinary layer, which is left untouched) and `full_tensors()` (the unsplit weights or
-gradients, for checks). The operators they are built from are in `lectures/tp_ops.py`, the
+gradients, for checks). A layer built fresh draws its shards on each rank and broadcasts what is
+replicated (a row-parallel bias, positions, K/V heads held by several ranks) from the group's
+first rank, so that the copies agree; every rank of the group must construct it. The operators they are built from are in `lectures/tp_ops.py`, the
 vocabulary-parallel embedding and loss in `lectures/vocab_parallel.py`, and the plan that applies
 them all to the GPT in `lectures/tp_gpt.py`.
 """
@@ -40,6 +42,17 @@ def _check_sequence_layout(x, sequence_parallel):
     if sequence_parallel and x.dim() != 3:
         raise ValueError(f"sequence parallelism splits dim {SEQ_DIM} of (batch, seq, hidden) "
                          f"activations; got a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+
+
+def _replicate_(t, group):
+    """Overwrite `t` with the group's first rank's values (a broadcast), so that a parameter every
+    rank holds a copy of starts equal on all of them. A fresh layer draws its values on each rank
+    from that rank's random stream; without this its replicated parameters would differ across
+    the ranks and the layer would silently compute with several different models."""
+    n, _ = _size_rank(group)
+    if t is not None and n > 1:
+        with torch.no_grad():
+            dist.broadcast(t.data, group=group, group_src=0)
 
 
 def _take(t, dim, group):
@@ -164,7 +177,7 @@ class RowParallelLinear(nn.Module):
       slice of the sequence, so its gradient is partial and goes through f."""
 
     def __init__(self, in_features, out_features, group, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, device=None, dtype=None):
+                 sequence_parallel=False, device=None, dtype=None, _sync_replicated=True):
         super().__init__()
         n, _ = _size_rank(group)
         if in_features % n:
@@ -180,6 +193,8 @@ class RowParallelLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+            if _sync_replicated:      # the bias is replicated: every rank takes rank 0's draw
+                _replicate_(self.bias, group)
 
     @classmethod
     def from_full(cls, linear, group, **options):
@@ -188,7 +203,7 @@ class RowParallelLinear(nn.Module):
             raise TypeError(f"RowParallelLinear.from_full needs an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
-                    device=w.device, dtype=w.dtype, **options)
+                    device=w.device, dtype=w.dtype, _sync_replicated=False, **options)
         with torch.no_grad():
             layer.weight.copy_(_take(w, 1, group))
             if layer.bias is not None:
@@ -251,14 +266,18 @@ class SequenceParallelPositions(nn.Embedding):
     """A replicated position table read only at this rank's slice of the positions, so that it
     adds to a sequence-parallel token embedding; its gradient is partial and goes through f."""
 
-    def __init__(self, num_embeddings, embedding_dim, group, device=None, dtype=None):
+    def __init__(self, num_embeddings, embedding_dim, group, device=None, dtype=None, _sync_replicated=True):
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
         self.group = group
+        _size_rank(group)
+        if _sync_replicated:          # replicated: every rank takes rank 0's draw
+            _replicate_(self.weight, group)
 
     @classmethod
     def from_full(cls, embedding, group):
         w = embedding.weight
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=w.device, dtype=w.dtype)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=w.device, dtype=w.dtype,
+                    _sync_replicated=False)
         with torch.no_grad():
             layer.weight.copy_(w)
         return layer
@@ -313,7 +332,7 @@ class TensorParallelAttention(nn.Module):
     Other (a, k, t) would give a rank query heads of unequal groups: refused."""
 
     def __init__(self, n_heads, n_kv_heads, head_dim, d_model, group, bias=True, sequence_parallel=False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, _sync_replicated=True):
         super().__init__()
         n, r = _size_rank(group)
         a, k, d = n_heads, n_kv_heads, head_dim
@@ -339,9 +358,29 @@ class TensorParallelAttention(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+        if _sync_replicated and self.kv_layout == "replicated":
+            self._share_kv_init()
         self.o_proj = RowParallelLinear(a * d, d_model, group, bias=bias, input_is_parallel=True,
-                                        sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                                        sequence_parallel=sequence_parallel, device=device, dtype=dtype,
+                                        _sync_replicated=_sync_replicated)
         self.attend = None
+
+    @torch.no_grad()
+    def _share_kv_init(self):
+        """Give every copy of a replicated K/V head its first holder's fresh values: one all-reduce
+        of a buffer with a slot per K/V head, which only the head's first holder fills."""
+        if self.tp == 1:
+            return
+        _, r = _size_rank(self.group)
+        first = r % (self.tp // self.kv_heads) == 0
+        for p in (self.weight, self.bias):
+            if p is None:
+                continue
+            kv = p[self.q_rows:]                               # [K rows; V rows] of one head
+            buf = kv.new_zeros((self.kv_heads,) + tuple(kv.shape))
+            if first:
+                buf[self.kv_held[0]] = kv
+            kv.copy_(_all_reduce(buf, self.group)[self.kv_held[0]])
 
     @classmethod
     def from_full(cls, attn, group, sequence_parallel=False):
@@ -352,7 +391,7 @@ class TensorParallelAttention(nn.Module):
         w = attn.q_proj.weight
         layer = cls(attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.q_proj.in_features, group,
                     bias=attn.q_proj.bias is not None, sequence_parallel=sequence_parallel,
-                    device=w.device, dtype=w.dtype)
+                    device=w.device, dtype=w.dtype, _sync_replicated=False)
         d = attn.head_dim
         q = torch.cat([torch.arange(i * d, (i + 1) * d) for i in layer.q_heads_held])
         kv = torch.cat([torch.arange(i * d, (i + 1) * d) for i in layer.kv_held])

@@ -174,7 +174,7 @@ class Zero3Layer:
     `gather()` starts (or finishes) the all-gather of the full tensors; `free()` drops them."""
 
     def __init__(self, linear, index, owner):
-        r, n = dist.get_rank(), owner.comm.n
+        r, n = owner.rank, owner.comm.n
         self.index, self.owner = index, owner
         self.shapes = [linear.weight.shape, linear.bias.shape]
         self.shards = [nn.Parameter(take_shard(t, r, n)) for t in (linear.weight, linear.bias)]
@@ -244,16 +244,31 @@ class Zero3(nn.Module):
     """ZeRO stage 3 (the idea behind FSDP): parameters, gradients and optimizer state all sharded.
     Built from a full model (then dropped), it runs the same Sequential layer by layer.
 
+    Each layer's full gradients are reduce-scattered asynchronously in its backward; at most
+    `in_flight` of them travel at once (the next layer's backward waits for the oldest, as
+    FSDP2 does). A gloo Work holds a full-size copy of its input until it is dropped, so
+    leaving them all pending until `step()` would keep every layer's full gradient alive. The
+    shard index is the rank inside `comm`'s group (the whole world unless `comm.group` says).
+
     It knows how to shard `nn.Linear` (with bias) only. Any other module that owns parameters
     (a LayerNorm, an Embedding) is refused at construction: left alone it would be neither
     synchronised nor stepped, and train wrongly in silence. Modules without parameters (tanh,
     GELU, dropout) run as they are."""
 
-    def __init__(self, model, comm, task):
+    def __init__(self, model, comm, task, in_flight=2):
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"Zero3 runs an nn.Sequential layer by layer; got {type(model).__name__}")
-        self.comm = comm
+        group = getattr(comm, "group", None)
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"Zero3: global rank {dist.get_rank()} is not in the group of the "
+                             "collectives it was given (comm.group): pass this rank's data-parallel group")
+        if comm.n != dist.get_world_size(group):
+            raise ValueError(f"Zero3: comm.n = {comm.n} but its group has {dist.get_world_size(group)} ranks")
+        if in_flight < 1:
+            raise ValueError(f"Zero3: in_flight must be at least 1, got {in_flight}")
+        self.comm, self.in_flight = comm, in_flight
         self.steps = []                   # Zero3Layer or a parameter-free module, in order
         self.layers = []
         for name, m in model.named_children():
@@ -293,17 +308,27 @@ class Zero3(nn.Module):
 
     def reduce_scatter_grads(self, layer, grads):
         for shard, g in zip(layer.shards, grads):
-            out = torch.empty_like(shard)
-            work = self.comm.reduce_scatter(out, padded(g, self.comm.n), async_op=True,
-                                            label="reduce-scatter (async)")
-            self.pending.append((work, shard, out))
+            out, full = torch.empty_like(shard), padded(g, self.comm.n)
+            work = self.comm.reduce_scatter(out, full, async_op=True, label="reduce-scatter (async)")
+            nbytes = full.numel() * full.element_size()
+            self.track(+nbytes)          # a full gradient lives until its reduce-scatter is retired
+            self.pending.append((work, shard, out, nbytes))
+        while len(self.pending) > self.in_flight:
+            self._retire()
+
+    def _retire(self):
+        """Wait for the oldest reduce-scatter, add its result to the shard's gradient, and drop
+        the Work (and with it the full gradient it holds)."""
+        work, shard, out, nbytes = self.pending.pop(0)
+        work.wait()
+        del work
+        self.track(-nbytes)
+        out.div_(self.comm.n)           # accumulation: micro-batches' shards add up
+        shard.grad = out if shard.grad is None else shard.grad.add_(out)
 
     def step(self):
-        for work, shard, out in self.pending:
-            work.wait()
-            out.div_(self.comm.n)       # accumulation: micro-batches' shards add up
-            shard.grad = out if shard.grad is None else shard.grad.add_(out)
-        self.pending.clear()
+        while self.pending:
+            self._retire()
         for layer in self.layers:       # a forward without backward may have left one gathered:
             layer.free()                # after the update that copy would be stale
         missing = [i for i, s in enumerate(self.shards) if s.grad is None]

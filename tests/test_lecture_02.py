@@ -451,3 +451,100 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
     for name in ("note", "see", "table", "figure"):
         monkeypatch.setattr(L, name, lambda *a, **k: None)
     L.alpha_beta()
+
+
+def broadcast_counted_and_written(rank, world_size, nbytes):
+    from lectures.ddp import Collectives
+    t = torch.zeros(nbytes // 4)
+    comm = Collectives(world_size)
+    comm.broadcast(t, src=0)                  # connections set up
+    comm.sent_by_gloo = 0
+    dist.barrier()
+    from util.measure import bytes_sent
+    with bytes_sent() as sent:
+        comm.broadcast(t, src=0)
+    dist.barrier()
+    return comm.sent_by_gloo, sent.bytes
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_gloo_broadcast_is_a_binomial_tree(n):
+    """gloo's broadcast is a binomial tree, not the root sending to each of the n-1 others: at
+    4 ranks, 1 MB the root wrote 2,097,344 bytes, rank 1 1,048,720 and ranks 2-3 48. The count
+    of Collectives.sent_by_gloo follows it rank by rank."""
+    nbytes = 2 ** 20
+    assert [C.binomial_broadcast_sends(r, n) for r in range(n)] == ([2, 0, 0] if n == 3 else [2, 1, 0, 0])
+    assert [C.binomial_broadcast_sends(r, 5) for r in range(5)] == [3, 1, 0, 0, 0]
+    assert [C.binomial_broadcast_sends(r, 6, root=2) for r in range(6)] == [0, 0, 3, 2, 0, 0]
+    for counted, written in spawn(broadcast_counted_and_written, n, nbytes=nbytes).returns:
+        if written is None:
+            pytest.skip("this kernel does not count written bytes")
+        assert written == pytest.approx(counted, abs=1024), (counted, written)
+
+
+def test_wire_verdict_names_the_broadcast_tree():
+    wire = {"all_reduce": 4195456, "broadcast": 6291648}
+    text = L.wire_verdict(wire, 3 * 2 ** 20, 3)
+    assert "binomial tree" in text and "to every other rank" not in text
+
+
+def test_alpha_beta_verdict_stays_inside_the_measured_sizes():
+    """The page said 'S* = αβ ≈ 614 KB: anything smaller costs roughly the same as an empty
+    one' with 256 KB the largest size measured (and 760 µs at 256 KB vs 456 µs at 4 KB)."""
+    sizes = [4096 * 2 ** k for k in range(7)]                       # 4 KB .. 256 KB
+    times = [456e-6 * (1 + 0.1 * k) for k in range(6)] + [760e-6]
+    alpha, beta = 380e-6, 1.62e9                                     # S* ≈ 614 KB
+    text = L.alpha_beta_verdict(sizes, times, alpha, beta)
+    assert "no bandwidth regime" in text and "beyond the largest size measured" in text
+    assert "empty one" not in text and "**" not in text
+    assert "0.345" in text                                           # 256 KB / 760 µs
+    inside = L.alpha_beta_verdict(sizes + [2 ** 20, 2 ** 22], times + [1e-3, 3e-3], 100e-6, 1.6e9)
+    assert "inside the measured range" in inside
+    assert L.alpha_beta_verdict(sizes, times, 1e-4, float("inf")).startswith("The times did not grow")
+
+
+def test_overlap_verdict_says_slower_when_it_was():
+    """'0.51× the speed: no gain here' for 2.74 ms sequential vs 5.41 ms overlapped: the words
+    now come from util.measure.compare."""
+    from util.measure import Timing
+    t = {"compute": Timing([1.3e-3, 1.4e-3, 1.5e-3]), "all-reduce": Timing([1.2e-3, 1.3e-3, 1.4e-3]),
+         "sequential": Timing([2.74e-3, 2.74e-3, 2.87e-3]), "overlapped": Timing([3.24e-3, 5.41e-3, 6.85e-3])}
+    text = L.overlap_verdict(t)
+    assert "sequential 1.97× faster than overlapped" in text, text
+    assert "gained nothing" in text
+    t["overlapped"] = Timing([1.5e-3, 1.6e-3, 1.7e-3])
+    assert "overlapped 1.71× faster" in L.overlap_verdict(t)
+
+
+def test_hang_errors_lose_the_build_path():
+    line = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+            "Timed out waiting 3000ms for recv operation to complete")
+    assert L.trim_build_paths(line) == "RuntimeError: Timed out waiting 3000ms for recv operation to complete"
+    assert L.trim_build_paths("plain message") == "plain message"
+
+
+def test_flight_recorder_names_the_dump_file_variable():
+    import inspect
+    src = inspect.getsource(L.hangs)
+    assert "TORCH_FR_DUMP_TEMP_FILE" in src and "still" in src
+
+
+def test_pipelining_verdict_from_the_numbers():
+    """The race had no verdict on pipelining (0.41× vs 0.55× of the built-in at 4 MB)."""
+    from util.measure import Timing
+    ring, piped = Timing([10e-3, 10.2e-3, 10.4e-3]), Timing([13e-3, 13.6e-3, 14e-3])
+    text = L.pipelining_verdict("4 MB", ring, piped)
+    assert "simple 1.33× faster than pipelined" in text and "same cores" in text
+    assert "hid some" in L.pipelining_verdict("4 MB", piped, ring)
+
+
+def test_wide_collective_figures_stack_for_phones():
+    """The all-gather figure was 1,699 px wide side by side (shown at 358 px on a phone)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    before = [torch.tensor([10. * r, 10. * r + 1]) for r in range(4)]
+    after = [torch.cat(before)] * 4
+    wide = L.draw_collective("all-gather", before, after, "none")
+    narrow = L.draw_collective("broadcast", before, before, "none")
+    assert wide.get_size_inches()[0] <= 9 and len({round(ax.get_position().x0, 2) for ax in wide.axes}) == 1
+    assert len({round(ax.get_position().x0, 2) for ax in narrow.axes}) == 2

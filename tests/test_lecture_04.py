@@ -421,3 +421,74 @@ def test_attention_backward_overlaps_like_the_mlp():
     labels = [s["label"] for s in spans if inside(s)]
     assert labels.count("all-reduce (async)") == 2 * 2, labels
     assert labels.count("all-reduce") == 0, labels
+
+
+def fresh_replicated(rank, world_size):
+    """A fresh layer of each kind built with a different seed on every rank: its replicated
+    parameters as this rank holds them."""
+    from lectures.tensor_parallel import SequenceParallelPositions, TensorParallelAttention
+    g = dist.group.WORLD
+    torch.manual_seed(100 + rank)   # each rank draws differently, as separate processes may
+    row = L.RowParallelLinear(8, 4, g)
+    pos = SequenceParallelPositions(6, 4, g)
+    attn = TensorParallelAttention(n_heads=4, n_kv_heads=1, head_dim=2, d_model=8, group=g)
+    return {"row bias": row.bias.detach(), "positions": pos.weight.detach(),
+            "K/V rows": attn.weight[attn.q_rows:].detach(), "K/V bias": attn.bias[attn.q_rows:].detach(),
+            "o_proj bias": attn.o_proj.bias.detach(), "row weight": row.weight.detach()}
+
+
+def test_fresh_layers_agree_on_replicated_parameters():
+    """Layers built without from_full used to initialise every parameter per rank, so the
+    replicated ones (a row-parallel bias, the positions, a K/V head held by several ranks)
+    differed across ranks: a silent wrong model. They are now broadcast from the first rank."""
+    got = spawn(fresh_replicated, 4).returns
+    for name in ("row bias", "positions", "K/V rows", "K/V bias", "o_proj bias"):
+        for r in range(1, 4):
+            assert torch.equal(got[r][name], got[0][name]), (name, r)
+    assert not torch.equal(got[1]["row weight"], got[0]["row weight"])   # shards stay per rank
+
+
+def test_activation_memory_equals_sixteen_over_t_with_sequence_parallelism():
+    """The column-parallel layers (fused QKV, fc_in) save only their sequence slice, so with SP a
+    block saves 16/t units of b·s·h plus per-token statistics, exactly (the page used 1 + 15/t and
+    printed 'measured / formula 0.94' without a word)."""
+    cfg = L.GPTConfig(seq_len=16, d_model=32, n_heads=4)
+    for t in (2, 4):
+        m = spawn(L.activation_memory, t, cfg=cfg, b=2).returns[0]
+        assert m[True] == L.activation_formula(cfg, 2, t, True), (t, m)
+        assert m[False] == L.activation_formula(cfg, 2, t, False), (t, m)
+
+
+def _string_constants(code):
+    for c in code.co_consts:
+        if isinstance(c, str):
+            yield c
+        elif hasattr(c, "co_consts"):
+            yield from _string_constants(c)
+
+
+@pytest.mark.parametrize("module", ["lecture_02_communication", "lecture_03_data_parallel",
+                                    "lecture_04_tensor_parallel"])
+def test_no_control_characters_in_page_text(module):
+    """'$t\\times$' in a non-raw string put a TAB on the page ('times' instead of t×): no string
+    in a lecture holds a control character other than a newline."""
+    import importlib
+    import re
+    mod = importlib.import_module(f"lectures.{module}")
+    bad = [(fn.__name__, s[:60]) for fn in vars(mod).values() if callable(fn) and hasattr(fn, "__code__")
+           and fn.__module__ == mod.__name__ for s in _string_constants(fn.__code__)
+           if re.search(r"[\x00-\x09\x0b-\x1f]", s)]
+    assert not bad, bad
+
+
+def test_cut_figure_names_both_matrices():
+    """The row-parallel panel is B (it said 'A is 12×8'), and its formula is mathtext, not
+    literal underscores."""
+    import matplotlib
+    matplotlib.use("Agg")
+    fig = L.cut_figure(2, {"column weight": (6, 8), "row weight": (8, 6)})
+    left, right = fig.axes
+    assert left.get_title().startswith("column-parallel: A is 8×12"), left.get_title()
+    assert right.get_title().startswith("row-parallel: B is 12×8"), right.get_title()
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts if "=" in t.get_text()]
+    assert texts and all(t.startswith("$") for t in texts), texts
