@@ -13,7 +13,7 @@
   time (a rank function: spawn it, or call it on every rank of a process group).
 - `wire_bytes`, `optimal_bytes`: the bytes each rank really writes to its sockets for one call
   of each collective (a rank function), beside what a bandwidth-optimal algorithm sends. On
-  gloo, reduce-scatter writes as much as an all-reduce: `reduce_scatter_tensor` there is a
+  gloo, reduce-scatter writes as much as an all-reduce: gloo's reduce-scatter is a
   clone, a full all-reduce and a copy of the rank's chunk; broadcast is a binomial tree
   (`binomial_broadcast_sends`), so the root writes ⌈log₂ n⌉ times the buffer.
 """

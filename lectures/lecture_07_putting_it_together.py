@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from util import device, figure, note, see, settings, spawn, table, widget
-from util.measure import machine, measure, measure_side_by_side, timing_ranks
+from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
 # tests and the notebook use stays importable from this file.
@@ -803,9 +803,9 @@ def wire_bytes():
     import matplotlib.pyplot as plt
     runs = _RESULTS.get("layouts") or many_layouts()
     shape = ModelShape.from_gpt(small_run().cfg)
-    note("""
+    note(f"""
         ## Checking the communication model exactly: bytes on the wire
-        Timings on two cores cannot check the communication model at 4 or 8 ranks, but bytes
+        Timings on {usable_cores()} cores cannot check the communication model at 4 or 8 ranks, but bytes
         can be checked exactly at any rank count. `step_bytes` predicts what each rank sends in
         one step, axis by axis, from the same counts the step-time model charges — per block
         and micro-batch for tp and cp, per micro-batch for pp, per step or per micro-batch for
