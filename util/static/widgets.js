@@ -139,7 +139,7 @@
     var names = [], seen = {};
     data.schedules.forEach(function (e) { if (!seen[e.name]) { seen[e.name] = 1; names.push(e.name); } });
     var sName = select("schedule", names), sP = select("p", []), sM = select("m", []), sV = select("chunks", []);
-    var cF = number("F", data.cost.F), cB = number("B", data.cost.B), cW = number("W", data.cost.W),
+    var cF = number("F per stage", data.cost.F), cB = number("B", data.cost.B), cW = number("W", data.cost.W),
         cS = number("send", data.cost.send);
     var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
     var legend = el("p", { "class": "widget-legend quiet" }, body);
@@ -168,13 +168,15 @@
       options(sM, uniq(data.schedules.filter(function (e) { return match(e, { p: 1 }); }).map(function (e) { return e.m; })));
       options(sV, uniq(data.schedules.filter(function (e) { return match(e, { p: 1, m: 1 }); }).map(function (e) { return e.chunks; })));
     }
-    function cost() {
-      return { F: +cF.value || 0, B: +cB.value || 0, W: +cW.value || 0, send: +cS.value || 0 };
+    // the inputs are per stage, as in the page's tables: a rank holding v chunks of its layers
+    // runs each chunk's action in 1/v of the time (the send does not shrink)
+    function cost(v) {
+      return { F: (+cF.value || 0) / v, B: (+cB.value || 0) / v, W: (+cW.value || 0) / v, send: +cS.value || 0 };
     }
     function redraw() {
       var t0 = performance.now();
       var e = entry(sName.value, +sP.value, +sM.value, +sV.value);
-      var c = cost(), sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), c);
+      var c = cost(e.chunks), sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), c);
       var split = e.lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
       // the timeline: one lane per rank, every action a box, one shared time axis
       svgBox.innerHTML = "";
@@ -202,8 +204,15 @@
       memBox.innerHTML = "";
       var mh = 22 * e.p + 30, msvg = el("svg", { viewBox: "0 0 " + W + " " + mh, role: "img",
                                                    "aria-label": "micro-batches held per rank" }, memBox, true);
-      var peaks = [], maxPeak = 1;
-      sim.timeline.forEach(function (row) { var f = inFlight(row, split); peaks.push(f); maxPeak = Math.max(maxPeak, f.peak); });
+      // held in micro-batches: a (micro-batch, chunk) counts 1/v, as on the page
+      var peaks = [], maxPeak = 1e-9;
+      sim.timeline.forEach(function (row) {
+        var f = inFlight(row, split);
+        f.steps = f.steps.map(function (st) { return [st[0], st[1] / e.chunks]; });
+        f.peak = f.peak / e.chunks;
+        peaks.push(f);
+        maxPeak = Math.max(maxPeak, f.peak);
+      });
       peaks.forEach(function (f, r) {
         var y0 = 14 + 22 * (r + 1), pts = [];
         f.steps.forEach(function (s, i) {
@@ -213,14 +222,15 @@
         });
         pts.push((left + sim.makespan * scale) + "," + pts[pts.length - 1].split(",")[1]);
         el("polyline", { points: pts.join(" "), fill: "none", stroke: "#555" }, msvg, true);
-        el("text", { x: 4, y: y0, "font-size": 10 }, msvg, true).textContent = "r" + r + " ≤" + f.peak;
+        el("text", { x: 4, y: y0, "font-size": 10 }, msvg, true).textContent = "r" + r + " ≤" + (+f.peak.toFixed(2));
       });
       el("text", { x: left, y: 11, "font-size": 10 }, msvg, true).textContent =
-        "activations held, in " + (e.chunks > 1 ? "chunk-" : "") + "micro-batches (peak ≤)";
-      var theory = e.theory === null || e.theory === undefined ? "no closed form here" : pct(e.theory) + " (F = B, W = 0, no send)";
+        "activations held, in micro-batches" + (e.chunks > 1 ? " (a chunk counts 1/" + e.chunks + ")" : "") + " (peak ≤)";
+      var theory = e.theory === null || e.theory === undefined ? "no closed form here" :
+        e.formula + " = " + pct(e.theory) + " (W = 0, free sends)";
       out.textContent = e.name + ", p = " + e.p + ", m = " + e.m + ", chunks = " + e.chunks +
         ": makespan " + sim.makespan.toFixed(2) + ", bubble " + pct(sim.bubble) +
-        " measured on this timeline; formula " + theory + "; most held on a rank: " + maxPeak + ".";
+        " measured on this timeline; formula " + theory + "; most held on a rank: " + (+maxPeak.toFixed(2)) + " micro-batches.";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
       timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
