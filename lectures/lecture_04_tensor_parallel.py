@@ -861,6 +861,7 @@ def sp_collectives(cfg):
         all-gather). A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the
         bytes are the same.
     """)
+    sp_split_figure(cfg, t=2, b=4)
     see(AllGatherSequence)
     see(ReduceScatterSequence)
     n = 2
@@ -885,6 +886,49 @@ def sp_collectives(cfg):
         keeping only its slice) and six small all-reduces of the LayerNorm and row-parallel bias
         gradients, which under SP each rank computes from its positions only.
     """)
+
+
+def sp_split_figure(cfg, t, b):
+    """One block with sequence parallelism, left to right: what each rank holds at every step
+    (its shape for this page's GPT) and the collective at each change of split."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+    s, h, f, hd = cfg.seq_len, cfg.d_model, cfg.ff, cfg.head_dim
+    seq, ten, col = "#9ecae1", "#fdae6b", "#d9d9d9"
+    steps = [("x", f"({b}, {s // t}, {h})", seq), ("LayerNorm", f"({b}, {s // t}, {h})", seq),
+             ("all-gather\n(g)", "", col), ("Q, K, V,\nattention, O", f"heads {cfg.n_heads // t} of {cfg.n_heads}", ten),
+             ("reduce-scatter\n(ḡ)", "", col), ("+ residual,\nLayerNorm", f"({b}, {s // t}, {h})", seq),
+             ("all-gather\n(g)", "", col), ("MLP", f"width {f // t} of {f}", ten),
+             ("reduce-scatter\n(ḡ)", "", col), ("+ residual", f"({b}, {s // t}, {h})", seq)]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    per_row, w = 5, 1.6
+    ax.set_xlim(0, per_row * w)
+    ax.set_ylim(-0.2, 4.3)
+    ax.axis("off")
+    for i, (name, shape, colour) in enumerate(steps):
+        row, k = divmod(i, per_row)
+        x0, y0 = k * w, 2.3 - 2.0 * row
+        collective = colour == col
+        ax.add_patch(FancyBboxPatch((x0 + 0.12, y0 + 0.35), w - 0.24, 0.95,
+                                    boxstyle="round,pad=0.02,rounding_size=0.08", facecolor=colour,
+                                    edgecolor="black", lw=0.8, linestyle="--" if collective else "-"))
+        ax.text(x0 + w / 2, y0 + 0.82, name, ha="center", va="center", fontsize=9.5)
+        if shape:
+            ax.text(x0 + w / 2, y0 + 0.12, shape, ha="center", va="center", fontsize=9, color="#333")
+        if k:
+            ax.annotate("", xy=(x0 + 0.12, y0 + 0.82), xytext=(x0 - 0.12, y0 + 0.82),
+                        arrowprops=dict(arrowstyle="->", lw=0.9))
+    # the second row continues the first: from the attention's reduce-scatter to the residual
+    ax.annotate("", xy=(w / 2, 0.3 + 1.3), xytext=(per_row * w - w / 2, 2.3 + 0.35),
+                arrowprops=dict(arrowstyle="->", lw=0.9, color="#666", shrinkA=0, shrinkB=0))
+    ax.text(0.1, 4.05, f"per rank, t = {t}:  blue = split along the sequence ({s // t} of {s} positions)",
+            fontsize=9.5, ha="left", va="center")
+    ax.text(0.1, 3.75, "orange = split across heads or MLP width;  grey dashed = the collective between",
+            fontsize=9.5, ha="left", va="center")
+    figure(fig, caption=f"Where sequence parallelism splits one block ({t} ranks, this page's GPT: b = {b}, s = {s}, "
+                        f"h = {h}, {cfg.n_heads} heads of {hd}, MLP width {f}). Every shape is what a rank holds. "
+                        "Backward runs the same path right to left with each collective swapped "
+                        "(all-gather ↔ reduce-scatter).")
 
 
 def sp_activation_memory(cfg):
