@@ -219,8 +219,9 @@ def estimate_memory(model, layout, stage=None):
     pp divides the layers (lecture 05); cp divides the tokens (lecture 06). `gathered` is
     ZeRO-3's working set: two blocks' weights and gradients unsharded at once (the block being
     computed and the next one prefetched, or its gradients waiting for their reduce-scatter)."""
-    if stage is None:   # the first stage holds the most micro-batches, the last the LM head
-        return max((estimate_memory(model, layout, s) for s in {0, layout.pp - 1}), key=lambda m: m["total"])
+    if stage is None:   # every stage: uneven layer counts can make a middle stage the heaviest
+        # (max keeps the first of equals: ties go to the earliest stage)
+        return max((estimate_memory(model, layout, s) for s in range(layout.pp)), key=lambda m: m["total"])
     B = PRECISION_BYTES[layout.precision]
     n = stage_params(model, layout, stage)
     dp, z = layout.dp * layout.cp, layout.zero

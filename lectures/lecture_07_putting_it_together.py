@@ -230,13 +230,28 @@ def this_machine(cal, cfg, world_size):
     on n ranks is 2(n−1) steps each moving 1/n of the buffer, so the fitted whole-collective
     (α, β) become per-step (α/(2(n−1)), β·2(n−1)/n), the form the model uses; point-to-point messages use the send/recv fit."""
     n = world_size
-    alpha_ar, beta_ar = cal["fit_all_reduce"]
-    link = (alpha_ar / (2 * (n - 1)), beta_ar * 2 * (n - 1) / n)
+    link = ring_link(cal, n)[0]
     overhead, per_flop = fit_line([f for _, f, _ in cal["compute"]], [t.median for _, _, t in cal["compute"]])
     return Hardware("this machine", flops=1 / per_flop, memory=float("inf"), ranks_per_node=10 ** 6,
                     intra=link, inter=link, overhead=overhead / cfg.n_layers,
                     step_overhead=cal["optimizer"].median, overlap=0.0, peak=cal["matmul"]["flops"],
-                    p2p=cal["fit_p2p"], bucketed=False, ring_step=ring_step_cost(cal))
+                    p2p=cal["fit_p2p"], bucketed=False, ring_step=ring_step_cost(cal), backend="gloo")
+
+
+def ring_link(cal, n):
+    """The per-ring-step (α, β) from the all-reduce fit, and whether β came from send/recv
+    instead. A fit over latency-bound sizes only finds no growth with size (β = ∞), which
+    would make every byte free: then a ring step, one message of 1/n of the buffer to a
+    neighbour, takes the send/recv fit's β. Refuses when neither fit saw bandwidth."""
+    alpha_ar, beta_ar = cal["fit_all_reduce"]
+    alpha = alpha_ar / (2 * (n - 1))
+    if math.isfinite(beta_ar) and beta_ar > 0:
+        return (alpha, beta_ar * 2 * (n - 1) / n), False
+    beta_p2p = cal["fit_p2p"][1]
+    if not (math.isfinite(beta_p2p) and beta_p2p > 0):
+        raise ValueError("neither the all-reduce nor the send/recv fit found a finite bandwidth: "
+                         "calibrate with larger messages (several MB)")
+    return (alpha, beta_p2p), True
 
 
 def ring_step_cost(cal):
@@ -726,25 +741,32 @@ def step_time_model():
     """)
     see(step_time)
     see(dp_traffic)
-    sizes = [4096 * 4 ** k for k in range(4 if quick else 6)]
+    # 4 KB to 4 MB (quick: 4-256 KB and 4 MB): the small sizes are latency-bound and fix α; β
+    # needs a size whose time grows with its bytes
+    sizes = [4096 * 4 ** k for k in range(4)] + [4 * 2 ** 20] if quick else [4096 * 4 ** k for k in range(6)]
     cal = spawn(calibrate, ranks, cfg=run.cfg, batch_sizes=[1, 2, 4, 8], sizes=sizes,
                 repeats=5 if quick else 9, name=f"calibration: matmul, model compute, all-reduce, send/recv and a ring step, {ranks} ranks").returns[0]
     hw = this_machine(cal, run.cfg, ranks)
     _RESULTS["this_machine"] = hw     # the calculator at published scale offers these constants too
     a_ar, b_ar = cal["fit_all_reduce"]
     a_p, b_p = cal["fit_p2p"]
+    fell_back = ring_link(cal, ranks)[1]
+    gbs = lambda b: f"{b / 1e9:.2f} GB/s" if math.isfinite(b) else "no growth with size (β = ∞)"
     rows = [["matmul FLOP/s (one rank, {0}×{0} fp32)".format(cal["matmul"]["n"]), f"{cal['matmul']['flops'] / 1e9:.2f} GFLOP/s", cal["matmul"]["timing"].ms()],
             ["model compute rate (fit over micro-batches 1–8)", f"{hw.flops / 1e9:.2f} GFLOP/s", ""],
             ["fixed cost per block and micro-batch", f"{hw.overhead * 1e3:.3f} ms", ""],
             ["optimizer step (whole model)", f"{hw.step_overhead * 1e3:.3f} ms", cal["optimizer"].ms()],
-            [f"all-reduce on {ranks} ranks: α, β", f"{a_ar * 1e6:.0f} µs, {b_ar / 1e9:.2f} GB/s", ""],
-            ["send/recv: α, β", f"{a_p * 1e6:.0f} µs, {b_p / 1e9:.2f} GB/s", ""]]
+            [f"all-reduce on {ranks} ranks: α, β", f"{a_ar * 1e6:.0f} µs, {gbs(b_ar)}",
+             "β not used: the send/recv β stands in" if fell_back else ""],
+            ["send/recv: α, β", f"{a_p * 1e6:.0f} µs, {gbs(b_p)}", ""]]
     if cal.get("ring"):
         rows.append(["ring-attention step beyond its FLOPs and bytes (forward, backward)",
                      f"{hw.ring_step[0] * 1e3:.3f} ms, {hw.ring_step[1] * 1e3:.3f} ms",
                      f"ring {cal['ring']['ring forward+backward'].ms()}; alone {cal['ring']['alone forward+backward'].ms()}"])
     table(rows, header=["constant", "value", "measured (median, IQR)"],
-          caption="The cost model's constants, all measured by this build's calibration runs.")
+          caption="The cost model's constants, all measured by this build's calibration runs."
+                  + (" The all-reduce fit found no growth with size (β = ∞, a latency-bound fit), which "
+                     "would make every byte free: ring steps use the send/recv β instead." if fell_back else ""))
     layouts = timing_layouts(run, ranks)
     # The full build times every valid layout, the quick one at least 6; one warm-up step is
     # enough here (the first step builds AdamW's state, later ones are alike).
@@ -777,6 +799,10 @@ def step_time_model():
     best_pred, best_meas = layouts[pred.index(min(pred))], layouts[meas.index(min(meas))]
     ratios = {k: statistics.median(v) for k, v in by_axis.items()}
     worst_axis = max(ratios, key=lambda k: abs(math.log(ratios[k])))
+    lo_ratio, hi_ratio = min(t / p for t, p in zip(meas, pred)), max(t / p for t, p in zip(meas, pred))
+    direction = ("so the model under-predicts every layout" if lo_ratio > 1 else
+                 "so the model over-predicts every layout" if hi_ratio < 1 else
+                 "so the model errs both ways")
     lo_rho, hi_rho = rho_interval(rho, len(layouts))
     verdict = ("ranks them better than" if rho_trivial < lo_rho else
                "ranks them worse than" if rho_trivial > hi_rho else
@@ -786,15 +812,44 @@ def step_time_model():
         constants at all — micro-batches × blocks on the busiest rank — reaches
         ρ = {rho_trivial:.2f}, so the cost model {verdict} counting work. With
         {len(layouts)} layouts a ρ is uncertain (95% interval {lo_rho:.2f}–{hi_rho:.2f}, Fisher's
-        z), which is why the absolute errors sit beside it: the model is furthest off for **{worst_axis}** (measured /
-        predicted {ratios[worst_axis]:.2f}). It predicts **{best_pred.label()}** fastest; the
+        z), which is why the absolute errors sit beside it: every layout measured
+        **{lo_ratio:.2f}–{hi_ratio:.2f}×** its prediction, {direction}, furthest for
+        **{worst_axis}** (median measured / predicted {ratios[worst_axis]:.2f}). The constants are
+        calibrated under the same load as the runs they predict, but on shared cores that load
+        changes between the calibration and the runs and from build to build, so the constants
+        (and this range) swing between builds; the ranking carries over better than the
+        absolute times. It predicts **{best_pred.label()}** fastest; the
         fastest measured was **{best_meas.label()}**. On a model this small the step is mostly
         fixed costs — per block, per message, per ring step — which is why the cost model
         carries those terms and counts messages, not only bytes; at published scale the FLOP
         and byte terms take over.
     """)
+    zero_note(layouts, pred, meas)
     _RESULTS.update(hw=hw, cal=cal, rho=rho, rho_trivial=rho_trivial, timed=list(zip(layouts, pred, times)))
     return rho
+
+
+def zero_note(layouts, pred, meas):
+    """ZeRO's layouts against plain data parallelism's, measured / predicted: what the model
+    charges ZeRO on gloo, and what it leaves out."""
+    by = {}
+    for l, p, t in zip(layouts, pred, meas):
+        if l.dp * l.cp > 1:
+            by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
+    if len(by) < 2:
+        return
+    rng = lambda v: f"{min(v):.2f}–{max(v):.2f}×" if len(v) > 1 else f"{v[0]:.2f}×"
+    note(f"""
+        **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
+        runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
+        ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
+        predicted: ZeRO layouts {rng(by["ZeRO"])}, plain data parallelism {rng(by["plain"])}.
+        {"ZeRO still costs more than the model charges: " if min(by["ZeRO"]) > max(by["plain"]) else
+         "What the model leaves out for ZeRO: "}gloo's reduce-scatter also clones the buffer and
+        copies the rank's chunk out, and each tensor is padded to a multiple of the group and
+        copied into and out of its shard — memory traffic, not bytes on the wire, which the
+        model does not count.
+    """)
 
 
 def wire_bytes():

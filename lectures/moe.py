@@ -173,28 +173,45 @@ class ExpertParallelMoE(nn.Module):
     the tokens each rank will send (the receivers size their buffers); (3) all-to-all the token
     rows, uneven splits; (4) run the local experts; (5) all-to-all the results back and combine
     them, weighted by the gates. `aux_loss` is this rank's share of the balance loss (the shares
-    sum to the whole)."""
+    sum to the whole).
 
-    def __init__(self, router, experts, n_experts, top_k, capacity_factor, group):
+    DeepSeek-V3's bias (`bias_update` > 0) is kept on every rank: the choice uses it, and
+    `update_bias` moves it by the *global* load (the all-gathered counts of step 1), so every
+    rank's copy stays the same without another collective."""
+
+    def __init__(self, router, experts, n_experts, top_k, capacity_factor, group, bias_update=0.0,
+                 expert_bias=None):
         super().__init__()
         self.group, self.n_experts, self.top_k, self.capacity_factor = group, n_experts, top_k, capacity_factor
         self.router, self.experts = router, experts
+        self.bias_update = bias_update
+        bias = torch.zeros(n_experts) if expert_bias is None else expert_bias.detach().clone()
+        if bias.shape != (n_experts,):
+            raise ValueError(f"expert_bias has shape {tuple(bias.shape)}, expected ({n_experts},)")
+        self.register_buffer("expert_bias", bias)
         self.aux_loss, self.stats = None, None
 
     @classmethod
     def from_full(cls, moe, group=None):
-        """This rank's part of `moe`: a copy of the router and of the experts it owns."""
+        """This rank's part of `moe`: a copy of the router, of the experts it owns and of
+        DeepSeek-V3's expert bias and its step γ."""
         group, n, r = group_info(group)
         counts, starts = expert_owners(moe.n_experts, n)
         mine = nn.ModuleList(copy.deepcopy(moe.experts[e]) for e in range(starts[r], starts[r] + counts[r]))
-        return cls(copy.deepcopy(moe.router), mine, moe.n_experts, moe.top_k, moe.capacity_factor, group)
+        return cls(copy.deepcopy(moe.router), mine, moe.n_experts, moe.top_k, moe.capacity_factor, group,
+                   bias_update=moe.bias_update, expert_bias=moe.expert_bias)
+
+    def update_bias(self):
+        """`MoE.update_bias` on the global load (`stats` holds all ranks' counts), so every rank
+        moves its copy of the bias identically."""
+        MoE.update_bias(self)
 
     def forward(self, x):
         group_info(self.group)                                         # refuse a rank outside the group
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         E, k = self.n_experts, self.top_k
-        probs, idx, gates = route(self.router, x, k)
+        probs, idx, gates = route(self.router, x, k, self.expert_bias if self.bias_update else None)
         pos, per_slot, total = self._global_queue(idx)                 # (1) everyone's choices
         cap = capacity(self.capacity_factor, total, k, E)
         keep = pos < cap

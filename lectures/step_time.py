@@ -42,6 +42,13 @@ class Hardware:
     bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
     p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
     ring_step: tuple = (0.0, 0.0)  # fixed seconds per ring-attention step (forward, backward)
+    # "nccl" or "gloo": gloo's reduce-scatter is a full all-reduce and a copy
+    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so `dp_traffic` charges it as one
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={self.backend!r}: 'nccl' or 'gloo'")
 
 
 def axis_link(hw, layout, axis):
@@ -103,7 +110,8 @@ def dp_traffic(model, layout, hw, stage, compute):
       ZeRO-3    every micro-batch gathers the weights for its forward and again for its
                 backward and reduce-scatters its gradients; nothing after the optimizer (the
                 updated shards are what the next forward gathers).
-    A fraction `hw.overlap` of the compute they run beside can hide them. Returns
+    On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as `collective_bytes`
+    counts it. A fraction `hw.overlap` of the compute they run beside can hide them. Returns
     (exposed seconds, collective seconds before hiding)."""
     B = PRECISION_BYTES[layout.precision]
     n = layout.dp * layout.cp
@@ -117,7 +125,8 @@ def dp_traffic(model, layout, hw, stage, compute):
     k = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (stage == 0)
                                + 3 * (stage == layout.pp - 1))
     ar = lambda nbytes: k * all_reduce_time(n, nbytes / k, link)
-    rs = ag = lambda nbytes: k * gather_time(n, nbytes / k, link)
+    ag = lambda nbytes: k * gather_time(n, nbytes / k, link)
+    rs = ar if hw.backend == "gloo" else ag
     fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
     m, z = layout.micro_batches, layout.zero
     if z == 0:

@@ -322,3 +322,48 @@ def test_rho_interval_and_the_trivial_predictor():
     lo, hi = L.rho_interval(0.8, 17)               # the 2-rank validation's size
     assert 0.45 < lo < 0.55 and 0.9 < hi < 0.95
     assert L.trivial_prediction(TOY, L.Layout(pp=2, micro_batches=4)) == 4 * 2
+
+
+def test_estimate_memory_takes_the_most_loaded_of_all_stages():
+    """It checked only the first and last stages: 10 layers on pp = 4 are split 2, 3, 2, 3, and
+    stage 1 (3 layers, 3 micro-batches held under 1F1B) is the heaviest, not stage 3."""
+    model = L.ModelShape("ten", layers=10, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=1000, seq=1024)
+    lay = L.Layout(pp=4, micro_batches=8, precision="bf16")
+    per_stage = [L.estimate_memory(model, lay, s)["total"] for s in range(4)]
+    est = L.estimate_memory(model, lay)
+    assert est["total"] == max(per_stage) and est["stage"] == per_stage.index(max(per_stage)) == 1
+    even = L.ModelShape("even", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=64, seq=16)
+    lay = L.Layout(pp=2, micro_batches=1)          # ties resolve to the earliest stage
+    totals = [L.estimate_memory(even, lay, s)["total"] for s in range(2)]
+    assert L.estimate_memory(even, lay)["stage"] == totals.index(max(totals))
+
+
+def test_gloo_reduce_scatter_is_charged_as_an_all_reduce():
+    """step_time charged ZeRO-1 on gloo the ring's reduce-scatter, so 'dp2 mb4×1' and 'dp2 ZeRO-1
+    mb4×1' had identical predictions, while step_bytes (and gloo) send a full all-reduce."""
+    model = L.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
+    link = (1e-5, 1e8)
+    gloo = L.Hardware("gloo", 1e9, 1e12, ranks_per_node=8, intra=link, inter=link, backend="gloo")
+    nccl = dataclasses.replace(gloo, backend="nccl")
+    plain, z1 = L.Layout(dp=2, micro_batch=4), L.Layout(dp=2, zero=1, micro_batch=4)
+    from lectures.step_time import all_reduce_time, gather_time, dp_traffic
+    from lectures.estimator import stage_params
+    g = stage_params(model, z1, 0) * 4
+    assert dp_traffic(model, z1, gloo, 0, 0.0)[1] == pytest.approx(all_reduce_time(2, g, link) + gather_time(2, g, link))
+    assert dp_traffic(model, z1, nccl, 0, 0.0)[1] == pytest.approx(2 * gather_time(2, g, link))
+    assert L.step_time(model, z1, gloo)["total"] > L.step_time(model, plain, gloo)["total"]
+    assert L.step_time(model, z1, nccl)["total"] == pytest.approx(L.step_time(model, plain, nccl)["total"])
+    with pytest.raises(ValueError, match="backend"):
+        L.Hardware("x", 1, 1, 1, link, link, backend="mpi")
+
+
+def test_a_latency_bound_all_reduce_fit_does_not_make_bytes_free():
+    """Quick calibration fitted all-reduce over 4-256 KB only: β = ∞, every TP and DP byte cost 0 s
+    ('337 µs, inf GB/s'). The ring link falls back to send/recv's β and says so; none refuses."""
+    cal = {"fit_all_reduce": (3.37e-4, math.inf), "fit_p2p": (5e-5, 2e9)}
+    link, fell_back = L.ring_link(cal, 4)
+    assert fell_back and link == pytest.approx((3.37e-4 / 6, 2e9))
+    link, fell_back = L.ring_link({"fit_all_reduce": (6e-4, 1e9), "fit_p2p": (5e-5, 2e9)}, 4)
+    assert not fell_back and link == pytest.approx((1e-4, 1e9 * 6 / 4))
+    with pytest.raises(ValueError, match="bandwidth"):
+        L.ring_link({"fit_all_reduce": (1e-4, math.inf), "fit_p2p": (1e-5, math.inf)}, 2)
