@@ -347,12 +347,11 @@
   course.estimateMemory = function (model, layout, stage) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
     if (stage !== undefined && stage !== null) return estimateStage(m, l, stage);
-    var best = null;
-    [0, l.pp - 1].forEach(function (s, i) {
-      if (i && s === 0) return;
+    var best = null;     // the most loaded stage; the earliest on ties
+    for (var s = 0; s < l.pp; s++) {
       var e = estimateStage(m, l, s);
       if (!best || e.total > best.total) best = e;
-    });
+    }
     return best;
   };
 
@@ -382,7 +381,8 @@
     var gradBytes = stageParams(m, l, stage) * B.grads, weightBytes = stageParams(m, l, stage) * B.weights;
     var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
     var ar = function (b) { return k * allReduceTime(n, b / k, link); };
-    var rs = function (b) { return k * gatherTime(n, b / k, link); }, ag = rs;
+    var ag = function (b) { return k * gatherTime(n, b / k, link); };
+    var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
     var fwd = compute / 3, bwd = 2 * compute / 3, hide = hw.overlap, mb = l.micro_batches, z = l.zero, parts = [];
     if (z === 0) parts = [[ar(gradBytes), bwd]];
     else if (z === 1) parts = [[rs(gradBytes), bwd], [ag(weightBytes), fwd]];
@@ -400,7 +400,7 @@
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
     hw = Object.assign({ overhead: 0.0, step_overhead: 0.0, overlap: 0.0, bucketed: true, p2p: null,
-                         ring_step: [0.0, 0.0] }, hw);
+                         ring_step: [0.0, 0.0], backend: "nccl" }, hw);
     var B = PRECISION_BYTES[l.precision];
     var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
     var sizes = stageLayers(m.layers, l.pp), worst = 0, best = -Infinity;
@@ -519,12 +519,20 @@
       var m = model(), l = layout(), problems = [];
       if (m.hidden % m.heads) problems.push("hidden must be divisible by heads");
       if (m.heads % m.kv_heads) problems.push("heads must be divisible by K/V heads");
-      if (l.pp > m.layers) problems.push("pp cannot exceed layers");
+      // the rules lecture 07's search applies to a layout (valid_layouts)
+      if (m.heads % l.tp || m.kv_heads % l.tp) problems.push("tp must divide the heads and the K/V heads");
+      if (m.layers % l.pp) problems.push("pp must divide the layers (equal stages)");
+      if (l.cp > 1 && m.seq % (2 * l.cp)) problems.push("the sequence must split into 2·cp zig-zag chunks");
+      if (l.pp > 1 && l.micro_batches < l.pp) problems.push("a pipeline needs at least pp micro-batches");
       ["dp", "tp", "pp", "cp", "micro_batch", "micro_batches"].forEach(function (k) {
         if (!(l[k] >= 1) || l[k] % 1) problems.push(k + " must be a whole number ≥ 1");
       });
       barBox.innerHTML = "";
-      if (problems.length) { out.textContent = "Not a valid layout: " + problems.join("; ") + "."; return; }
+      if (problems.length) {
+        out.textContent = "Not a valid layout: " + problems.join("; ") + ".";
+        stepOut.textContent = "";
+        return;
+      }
       var e = course.estimateMemory(m, l), cap = (+inp.memory.value || 0) * 1e9;
       var W = Math.max(300, Math.min(960, barBox.clientWidth || 720)), H = 68, left = 8;
       var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "bytes per rank" }, barBox, true);
