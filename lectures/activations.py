@@ -1,7 +1,7 @@
 """Activation memory: what one transformer block saves for backward, the formula of Korthikanti
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") reconciled with it
 term by term, and the two ways to hold less of it: recomputation (Chen et al. 2016, "Training Deep
-Nets with Sublinear Memory Cost"; selective recomputation as in Korthikanti et al.) and gradient
+Nets with Sublinear Memory Cost"; and a selective policy of our own, not Korthikanti et al.'s) and gradient
 accumulation over micro-batches.
 
 The bytes are measured with the course's two meters (lectures.memory): `SavedBytes` for what
@@ -62,9 +62,10 @@ def reconciled_bytes(cfg, batch_size, seq, attention="sdpa"):
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
-    """Selective recomputation policy: keep matmul outputs (expensive to redo), recompute the
-    cheap element-wise work and LayerNorms (Korthikanti et al. keep the matmuls and recompute
-    the attention core; the same trade, one rule)."""
+    """Our selective recomputation policy: keep matmul and attention outputs (expensive to redo),
+    recompute the cheap element-wise work and LayerNorms. Korthikanti et al.'s selective
+    recomputation is a different rule: it recomputes the attention core (scores, softmax,
+    dropout: the 5·a·s²·b term) and keeps the rest; fused attention keeps no s² tensor."""
     from torch.utils.checkpoint import CheckpointPolicy
     keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

@@ -36,9 +36,10 @@ from lectures.precision import (FORMATS, MasterWeights, accumulate, accumulation
                                 per_tensor_error, quantize_fp8, relative_error_across_magnitudes,
                                 round_to, scaled_mm_error, scaling_over_steps, train_curve,
                                 values_between)
-from lectures.roofline import copy_rate, elementwise_rate, matmul_rate, threads
-from lectures.training_memory import (MEM_CATEGORIES, by_category, fake_training_step,  # noqa: F401
-                                      held_by_training, memory_timeline)
+from lectures.roofline import (copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
+                               largest_cache_bytes, matmul_rate, threads)
+from lectures.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
+                                      fake_training_step, held_by_training, memory_timeline)
 
 
 # =========================================================================================
@@ -213,6 +214,16 @@ def anatomy_of_a_step():
     gap = ("the same count" if act_tracker == act_own else
            f"{act_tracker - act_own:,} bytes more" + (" — the loss, a one-element fp32 tensor, which "
            "nothing saves for backward" if act_tracker - act_own == loss.nbytes else ""))
+    after_bwd = rows[1]["tracker"]["Activation"]
+    residue = rows[1]["batch"] + rows[1]["loss"]
+    leftover = (f"After each backward MemTracker still files {after_bwd:,} bytes under activations, "
+                f"to the next forward: the batch's token ids and targets ({rows[1]['batch']:,} bytes, "
+                f"int64; autograd had saved them for the embedding's and the loss's backward, and the "
+                f"training loop still holds them) and the {rows[1]['loss']}-byte loss. They go when the "
+                f"next step's batch replaces them." if after_bwd == residue else
+                f"After each backward MemTracker still files {after_bwd:,} bytes under activations, "
+                f"{after_bwd - residue:+,} bytes beside the batch ({rows[1]['batch']:,}) and the loss "
+                f"({rows[1]['loss']}) that the loop still holds.")
     note(f"""
         Step 1 grows: AdamW allocates its two moments (m and v, {fmt_bytes(rows[2]['own']['Optstate'])}
         = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
@@ -220,9 +231,9 @@ def anatomy_of_a_step():
         {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
         autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
         {act_tracker:,} bytes under activations, {gap}. Everything else the forward made and
-        still holds is saved for backward: the logits themselves are freed as soon as
-        cross-entropy has taken their log-softmax, which it keeps (batch × sequence ×
-        vocabulary, fp32) for its backward. The
+        still holds is saved for backward (the batch's token ids and targets among it): the
+        logits themselves are freed as soon as cross-entropy has taken their log-softmax, which
+        it keeps (batch × sequence × vocabulary, fp32) for its backward. {leftover} The
         activations are {act_own / rows[0]['own']['Parameter']:.1f}×
         the parameters here: with a small model and a modest batch, activations already dominate.
         The last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
@@ -280,8 +291,13 @@ def parameters_and_bytes():
         any MLP width — and equals `sum(p.numel())` of the built model.
     """)
     see(param_count)
-    table(rows, header=["config", "estimate h·v + L(12h²+13h) + 2h", "param_count", "sum(p.numel())"],
-          caption="the last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
+    off = [f"{r[0].split(' v=')[0]}: {r[1] / r[2] - 1:+.0%}" for c, r in zip(configs, rows)
+           if c.ff != 4 * c.d_model]
+    table(rows, header=["config", "estimate h·v + L(12h²+13h) + 2h (assumes f = 4h)", "param_count",
+                        "sum(p.numel())"],
+          caption="the estimate assumes a 4h MLP and full-width K and V" +
+                  (f"; where f ≠ 4h it misses ({'; '.join(off)})" if off else "") +
+                  ". The last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
 
     cfg = GPTConfig()
     tokens, targets = batch(cfg, 8, 0)
@@ -297,9 +313,12 @@ def parameters_and_bytes():
         logits = auto(tokens)
     loss_fn(logits, targets).backward()
     auto_opt.step()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with CastWeightCopies(auto) as copies, torch.autocast("cpu", dtype=torch.bfloat16):
         logits = auto(tokens)
-    loss_fn(logits, targets).backward()  # gradients exist during the next step
+    loss = loss_fn(logits, targets)
+    auto_peak = dict(held_by_training(auto, auto_opt), Copies=copies.bytes)  # gradients from the last step still exist
+    loss.backward()                      # releases the bf16 copies; gradients exist during the next step
+    del logits, loss
     auto_held = held_by_training(auto, auto_opt)
     mixed = {}
     for acc in (False, True):
@@ -324,17 +343,26 @@ def parameters_and_bytes():
     rows += [["autocast bf16 (fp32 parameters are the master)", "fp32 parameters", auto_held["Parameter"] / psi],
              ["", "fp32 gradients", auto_held["Gradient"] / psi],
              ["", "fp32 Adam m and v", auto_held["Optstate"] / psi],
-             ["", "**total**", sum(auto_held.values()) / psi]]
-    note("""
+             ["", "**total**", sum(auto_held.values()) / psi],
+             ["", "bf16 weight copies saved by the forward, freed by the backward", copies.bytes / psi],
+             ["", "**total, forward to backward**", sum(auto_peak.values()) / psi]]
+    copied = copies.numel / psi
+    note(f"""
         Bytes per parameter, measured from the tensors a real setup holds after a step: fp32
         AdamW keeps 4 + 4 + 8 = 16. Mixed precision computes in bf16 but keeps an fp32 master
         copy for the update, because bf16 cannot represent small updates (below): 2 + 2 + 4 + 8
         = 16 again — mixed precision saves activation memory and time, not state — and 20 with
         an fp32 buffer that sums gradients over micro-batches. PyTorch's `torch.autocast` gets
         there another way: the parameters stay fp32 and are cast to bf16 inside each forward,
-        so it holds 4 + 4 + 8 = 16 as well (the bf16 copies live only during the forward).
-        This 16Ψ is what ZeRO (lecture 03) divides among ranks.
+        so after the step it holds 4 + 4 + 8 = 16 as well. The bf16 copies do not vanish with
+        the forward: each matmul saves its cast weight for the input gradient, so the copies
+        of the matmul weights, {copied:.0%} of the parameters (embeddings, LayerNorms and
+        biases keep no saved copy), stay alive until the backward has used them:
+        {copies.bytes / psi:.2f} bytes per parameter more, {sum(auto_peak.values()) / psi:.1f}
+        in all between forward and backward (counted by `CastWeightCopies` from the tensors
+        autograd saved). This 16Ψ is what ZeRO (lecture 03) divides among ranks.
     """)
+    see(CastWeightCopies)
     see(MasterWeights)
     table(rows, header=["setup", "tensor", "bytes per parameter (measured)"],
           caption=f"Ψ = {psi:,}")
@@ -419,8 +447,9 @@ def a_step_too_big_to_hold():
         sequence of {huge.seq_len} tokens is traced in {seconds:.1f} s without allocating it
         (the optimizer here keeps its moments in bf16 too).
     """)
-    table([[phase] + [r.get(c, 0) / 1e9 for c in MEM_CATEGORIES] + [r["Total"] / 1e9] for phase, r in fake.items()],
-          header=["after", "params GB", "grads GB", "optimizer GB", "activations GB", "temporaries GB", "total GB"],
+    table([[phase] + [fmt_bytes(r.get(c, 0)) for c in MEM_CATEGORIES] + [fmt_bytes(r["Total"])]
+           for phase, r in fake.items()],
+          header=["phase", "params", "grads", "optimizer", "activations", "temporaries", "total"],
           caption=f"Ψ = {psi:,}: 2Ψ bytes = {2 * psi / 1e9:.1f} GB of bf16 parameters (MemTracker under FakeTensorMode)")
 
 
@@ -443,7 +472,11 @@ def recomputation():
         `torch.utils.checkpoint` with `use_reentrant=False` keeps only a block's input and runs
         its forward again in backward ("full"); with `create_selective_checkpoint_contexts` a
         policy decides per operator: ours keeps the matmul and attention outputs and recomputes
-        LayerNorms and GELU ("selective"). Saved-tensor hooks cannot see inside a checkpoint,
+        LayerNorms and GELU ("selective" below: a selective policy of our own). It is not
+        Korthikanti et al.'s selective recomputation, which recomputes the attention core
+        (the scores, softmax and dropout behind the 5·a·s²·b term) and keeps the rest; fused
+        attention (`scaled_dot_product_attention`, above) already keeps no s² tensor, so that
+        term is gone here before any policy. Saved-tensor hooks cannot see inside a checkpoint,
         so the bytes held between forward and backward are measured with `LiveBytes`, a
         `TorchDispatchMode` that tracks every storage an operator creates until it is freed
         (views and in-place results of older tensors, such as a weight's transpose, are not
@@ -469,10 +502,9 @@ def recomputation():
         {compare(full, timings['none'], 'full recomputation', 'storing everything')}. Selective
         holds {held['selective']:.0%}:
         {compare(sel, timings['none'], 'selective recomputation', 'storing everything')}.
-        {"On a model this small, selective recomputation is the slowest: its policy is a "
+        {"On a model this small, our selective policy is the slowest: it is a "
          "Python call for every operator, forward and again during recomputation, which "
-         "costs more than the arithmetic it saves; at real sizes the matmuls dominate and "
-         "selective costs a few percent. " if selective_slowest else ""}
+         "costs more than the arithmetic it saves. " if selective_slowest else ""}
         {same_grads}
     """)
     show(recomputation_figure(results, timings),
@@ -624,7 +656,8 @@ def formats_and_rounding():
     ax.set_ylabel("median relative\nrounding error", fontsize=12)
     ax.legend(fontsize=11, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
               handlelength=1.5, columnspacing=1.0)
-    show(fig, caption="each format is accurate to ~eps/4 within its normal range; below it "
+    show(fig, caption="within its normal range each format's median error is about eps/4 and its "
+                        "worst case eps/2 (the unit roundoff, as in the table); below it "
                         "(subnormals) the error grows until values flush to zero (error 1), above "
                         "it e4m3fn saturates at 448 and the others overflow; fp32 errors are "
                         "clipped at 1e-9 for the plot")
@@ -812,8 +845,9 @@ def master_weights():
         two master-weight versions differ in what they keep: `MasterWeights` holds bf16
         parameters and gradients beside the fp32 copy (the 2 + 2 + 4 + 8 bytes above), while
         autocast holds fp32 parameters and gradients and makes bf16 copies of the weights
-        during each forward (4 + 4 + 8): the same 16 bytes per parameter, and activations in
-        bf16 either way where the matmuls produce them.
+        in each forward (4 + 4 + 8): the same 16 bytes per parameter after the step, plus 2 per
+        copied weight while the forward's copies wait for the backward, and activations in bf16 either
+        way where the matmuls produce them.
     """)
 
 
@@ -844,7 +878,9 @@ def tile_scaling():
         128×128 block of weights, so an outlier only costs its own tile. The OCP
         microscaling formats (MXFP8) go further: one scale per block of 32 consecutive values
         along the reduction dimension of both operands, and the scale itself is an 8-bit
-        power of two (e8m0); we round it up, so that no value saturates. Simulated here:
+        power of two (e8m0). The OCP specification takes 2^(⌊log2 amax⌋ − 8) for e4m3
+        (8 is e4m3's largest exponent): it rounds down, and a block's largest values may
+        saturate. Ours is a variant that rounds the scale up, so that no value saturates. Simulated here:
         quantize, dequantize, multiply with an fp32 sum; activations of {m} tokens × {k} in
         which 1% of the tokens are larger by the outlier factor, weights {k}×{n}; the error is
         the median over tokens of each output row's relative error. `torch._scaled_mm`
@@ -863,7 +899,7 @@ def tile_scaling():
         tensor (e4m3): one scale for everything pushed the ordinary tokens into e4m3's
         subnormals (below {torch.finfo(e4).smallest_normal} after scaling), while each 1×128
         tile keeps its own range. MXFP8's 1×32 blocks err {last[3]:.3g}, {mx_words} the tiles:
-        its blocks are finer, but a power-of-two scale rounded up leaves up to half of e4m3's
+        its blocks are finer, but our power-of-two scale rounded up leaves up to half of e4m3's
         range unused in each block. Without outliers the per-tensor and tile errors are within
         {abs(rows[0][2] / rows[0][1] - 1):.0%} of each other. e5m2 trades a mantissa bit for
         range: coarser everywhere, which suits gradients more than activations and weights
@@ -942,7 +978,10 @@ def delayed_scaling():
         ### Current against delayed scaling
         The scale needs the tensor's largest magnitude (amax) before the cast, which costs a
         pass over the tensor. *Current* scaling pays it; *delayed* scaling (NVIDIA's
-        Transformer Engine) uses the largest amax of the last {history} steps instead.
+        Transformer Engine) uses the largest amax of a window of past steps instead
+        (Transformer Engine's default window, `DelayedScaling(amax_history_len=1024,
+        amax_compute_algo="max")`, is 1024 steps; ours is {history}, so that the jump leaves
+        the window within the plot).
         When the amax jumps, the delayed scale is too small, and the e4m3 cast saturates:
         at step {jump}, where the amax grew 8×, {errs[jump][2]:.0%} of the values were clipped
         to ±448 and the cast erred {errs[jump][1]:.2g} against current scaling's
@@ -950,6 +989,8 @@ def delayed_scaling():
         DeepSeek-V3 and MXFP8 compute their scales from the current tile or block.
     """)
     see(scaling_over_steps)
+    see("https://nvidia.github.io/TransformerEngine/api/common.html",
+        "Transformer Engine, Common API: DelayedScaling (amax_history_len, amax_compute_algo)")
     import matplotlib.pyplot as plt
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=[1, 2])
     ax0.plot(range(steps), amax, "k.-")
@@ -1120,13 +1161,17 @@ def roofline():
     sizes = [64, 128, 256, 512] if settings.quick else [64, 128, 256, 512, 1024]
     cores = usable_cores()
     mm_one = {n: matmul_rate(n) for n in sizes}          # the demos' setting: one thread
-    nbytes = (16 if settings.quick else 64) * 2 ** 20
+    cache = largest_cache_bytes()
+    nbytes = copy_bytes_beyond_cache(cache)               # source + destination ≥ 4× the largest cache
     with threads(cores):                                  # the machine: every usable core
         mm = {n: matmul_rate(n) for n in sizes}
         bw, bw_t = copy_rate(nbytes)
         add = elementwise_rate(nbytes // 4, "add")
         gelu = elementwise_rate(nbytes // 4, "gelu")
     peak = max(r for r, _ in mm.values())
+    cache_words = (f"source and destination together are {2 * nbytes / cache:.0f}× the largest cache, "
+                   f"{fmt_bytes(cache)}, so this is memory's bandwidth, not a cache's" if cache else
+                   "this machine does not report its cache sizes; part of the copy may run in cache")
     note(f"""
         ## Deep dive: kernels and the roofline
         This section can be skipped on a first read: it explains why some operations are
@@ -1135,10 +1180,12 @@ def roofline():
         FLOP/s against arithmetic intensity (FLOP per byte moved):
         min(peak FLOP/s, intensity × bandwidth). With {cores} thread(s), in one process: the best fp32
         matmul reaches {peak / 1e9:.1f} GFLOP/s and copying {fmt_bytes(nbytes)} moves
-        {bw / 1e9:.1f} GB/s ({bw_t.ms()}), so the ridge is at
+        {bw / 1e9:.1f} GB/s ({bw_t.ms()}; {cache_words}), so the ridge is at
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
         here those with n/6 above the ridge (n ≥ {math.ceil(6 * peak / bw)}) can be compute
         bound; an element-wise add does 1 FLOP per 12 bytes and is bound by memory at any size.
+        GELU is plotted at an assumed 8 FLOP per element (its real count depends on how the
+        kernel evaluates erf).
 
         The GPU kernel techniques that the later lectures assume: **coalescing** (neighbouring
         threads read neighbouring addresses, so one memory transaction serves many),
@@ -1156,7 +1203,7 @@ def roofline():
         note(f"GPU ({torch.cuda.get_device_name(0)}): bf16 matmul {gpu_peak / 1e12:.0f} TFLOP/s, "
              f"copy {gpu_bw / 1e9:.0f} GB/s, ridge {gpu_peak / gpu_bw:.0f} FLOP/byte.")
     table([[f"matmul {n}×{n}", n / 6, r / 1e9, t.ms(), mm_one[n][0] / 1e9] for n, (r, t) in mm.items()]
-          + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
+          + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU (8 FLOP/element, assumed)", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
           header=["kernel", "FLOP per byte", f"GFLOP/s, {cores} thread(s)", "time", "GFLOP/s, 1 thread"],
           caption=f"fp32, {machine()}")
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -1166,7 +1213,7 @@ def roofline():
     for n, (r, _) in mm.items():
         ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", xytext=(5, -12), fontsize=11)
     ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
-    ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU")
+    ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)", fontsize=12)

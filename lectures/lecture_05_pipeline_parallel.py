@@ -16,8 +16,8 @@ from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.schedule_explorer import explorer_data
 from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, held, make_schedule,
-                                message_order, simulate, theory_bubble)
+from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, dualpipev_readme_bubble,
+                                held, make_schedule, message_order, simulate, theory_bubble)
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule, Simulation, dependencies  # noqa: F401  (re-exported)
 from util import device, figure, note, quiet, see, settings, spawn, table, widget
 from util.measure import compare, machine, measure, measure_side_by_side
@@ -385,19 +385,20 @@ def schedules_as_data():
           header=["rank", "1F1B actions, in order"])
     see(simulate, "simulate: the list scheduler that checks and times a schedule")
     layouts_figure(p)
-    rows, pairs = [], []
+    rows, pairs, free_w = [], [], {}
     for name, v in ALL:
         sch = make_schedule(name, p, m, v)
         check_schedule(sch)
         a, b = simulate(sch, chunk_cost(v, W=0)), simulate(sch, chunk_cost(v))
+        free_w[name] = a.bubble
         rows.append([name, v, pct(theory_bubble(name, p, m, v)), pct(a.bubble), pct(b.bubble),
                      f"{b.makespan:g}", f"{max(held(sch)) / v:g}"])
         if name != "naive":
             pairs.append((f"{name} (v={v})", b.timeline))
     table(rows, header=["schedule", "chunks v", "theory (F=B, W=0)", "simulated, F=B, W=0",
                         "simulated, F=B=W", "makespan, F=B=W", "most micro-batches held"],
-          caption=f"{p} ranks, {m} micro-batches; a chunk's action costs 1/v. With W = 0 splitting "
-                  "the backward gains nothing; once W costs as much as B, postponed Ws fill the "
+          caption=f"{p} ranks, {m} micro-batches; a chunk's action costs 1/v. {free_w_words(free_w)} "
+                  "Once W costs as much as B, postponed Ws fill the "
                   "idle slots. Held: micro-batches between F and the release of their activations "
                   "(W when split, else B), the most on any rank, a chunk counting 1/v.")
     import matplotlib.pyplot as plt
@@ -420,6 +421,30 @@ def schedules_as_data():
     widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
            caption="Every rank's timeline on one time axis, the bubble measured on it beside the "
                    "textbook formula, and the activations each rank holds over the step.")
+
+
+def free_w_words(free_w):
+    """What the split-backward lists do when W is free (W = 0), against 1F1B, from the simulated
+    bubbles {name: bubble}: the same, or better or worse by how many points."""
+    chunks = dict(ALL)
+    base = free_w["1f1b"]
+    split = [n for n in ("zb-h1", "zb-h2", "zb-v", "dualpipev") if n in free_w]
+    worse = [n for n in split if free_w[n] > base + 1e-9]
+    better = [n for n in split if free_w[n] < base - 1e-9]
+    same = [n for n in split if n not in worse and n not in better]
+    parts = []
+    if same:
+        parts.append(f"With W = 0 splitting the backward gains nothing: {', '.join(same)} "
+                     f"{'has' if len(same) == 1 else 'have'} 1F1B's {pct(base)}")
+    if better:
+        parts.append("; ".join(f"{n} is shorter ({pct(free_w[n])} against 1F1B's {pct(base)})"
+                               + (f", from its {chunks[n]} chunks per rank" if chunks[n] > 1 else "")
+                               for n in better))
+    if worse:
+        parts.append("; ".join(f"{n}'s list, built for F = B = W, loses "
+                               f"{100 * (free_w[n] - base):.1f} points when W is free "
+                               f"({pct(free_w[n])} against 1F1B's {pct(base)})" for n in worse))
+    return "; ".join(parts) + "."
 
 
 def layouts_figure(p):
@@ -550,7 +575,7 @@ def run_sleep_mode():
     runs = sleep_runs(ms)
     p = sleep_ranks()
     return ms, runs, spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
-                           delay=SLEEP, repeats=2 if settings.quick else 3,
+                           delay=SLEEP, repeats=5 if settings.quick else 7,
                            name=f"every schedule in sleep mode, {p} ranks")
 
 
@@ -569,8 +594,8 @@ def measured_schedules():
     p = sleep_ranks()
     ms, _, run = run_sleep_mode()
     R = run.returns
-    mode = sleep_mode(p)
-    naive_measured(R, p, mode)
+    naive_measured(R, p, sleep_mode(p))                 # the one place that says how sleep mode measures
+    mode = SLEEP_REF
     mem = gpipe_measured(R, p, ms, mode)
     one_f_one_b_memory(mem, ms, p)
     interleaved_measured(R, p)
@@ -579,11 +604,14 @@ def measured_schedules():
     return R
 
 
+SLEEP_REF = "Sleep mode, as described under “Naive model parallelism”"
+
+
 def sleep_mode(p):
     """The sentence that says how sleep mode was measured (captions and notes start with it)."""
-    return (f"**Sleep mode**: {p} ranks, each action also waits a fixed {SLEEP['F'] * 1e3:.0f} ms "
+    return (f"**Sleep mode**: each action also waits a fixed {SLEEP['F'] * 1e3:.0f} ms "
             f"(F, B and W alike, an unsplit backward {(SLEEP['B'] + SLEEP['W']) * 1e3:.0f} ms, a chunk's "
-            f"action that share of it), so the timeline shows the schedule rather than {p} "
+            f"action that share of it), so the timeline shows the schedule rather than the "
             f"ranks time-slicing; {machine(p)}")
 
 
@@ -676,8 +704,10 @@ def interleaved_measured(R, p):
         The cost is messages: a micro-batch crosses $vp - 1$ stage boundaries instead of
         $p - 1$, each way. Counted in this step: **{msgs['interleaved-1f1b']}** messages against
         **{msgs['1f1b m=8']}** ({msgs['interleaved-1f1b'] / msgs['1f1b m=8']:.2f}×; $(vp-1)/(p-1)$ =
-        {(v * p - 1) / (p - 1):.2f}). Megatron requires $m$ to be a multiple of $p$ (micro-batches
-        go in groups of $p$, chunk after chunk: depth-first). For other $m$ our lists use
+        {(v * p - 1) / (p - 1):.2f}). Megatron-LM's interleaved schedule required $m$ to be a
+        multiple of $p$ (micro-batches go in groups of $p$, chunk after chunk: depth-first), as
+        Narayanan et al. (2021) describe it; Megatron-Core has since relaxed this with a
+        configurable group size (`microbatch_group_size_per_vp_stage`). For other $m$ our lists use
         $\\lfloor m/p \\rfloor$ groups of at least $p$, the larger first (`group_sizes`); a short
         last group deadlocks — (p, m, v) = (6, 8, 2) did, before — and a test builds and
         simulates every size up to p = 8. Lamy-Poirier (2023) compares this depth-first
@@ -697,6 +727,18 @@ def zero_bubble_measured(R, p):
     most = {name: max(held(sch)) / sch.layout.chunks for name, sch in lists.items()}
     unit = {name: simulate(sch, chunk_cost(sch.layout.chunks)).makespan for name, sch in lists.items()}
     S = 2 * p                                           # DualPipeV's stages: the README's PP
+    cost = chunk_cost(2)                                # a chunk's F, B (input) and W: 1/2 each
+    full_b = cost["B"] + cost["W"]                      # the README's B is the full backward
+    readme = dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"])
+    dv = simulate(lists["dualpipev"], cost)
+    dv_idle = [dv.makespan - sum(e - b for _, b, e in row) for row in dv.timeline]
+    agree_words = ("The two agree." if all(abs(i - readme) < 1e-9 for i in dv_idle) else
+                   "The two are not the same count: the README states its formula for DeepSeek's "
+                   "reference schedule, whose pairs overlap, without a derivation we could map onto a "
+                   "list run pair by pair, and charging $F\\&B$ as $F + B$ is our assumption; we show "
+                   "both rather than force them to agree.")
+    idle_words = (f"{dv_idle[0]:g} on every rank" if len(set(dv_idle)) == 1 else
+                  f"{min(dv_idle):g} to {max(dv_idle):g}, by rank")
     note(f"""
         ## Zero bubble: split the backward
         A backward computes two things: the gradient with respect to the stage's input (B, which
@@ -758,7 +800,37 @@ def zero_bubble_measured(R, p):
         pair one after the other; its list is transcribed from the eight phases of the
         reference schedule. On the simulator it takes {unit['dualpipev']:g} units against ZB-V's
         {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}.
+
+        The README's formula, evaluated in the simulator's units: a chunk's $F$ = {cost['F']:g},
+        full backward $B$ = {full_b:g}, $W$ = {cost['W']:g}, and $F\&B = F + B$ = {cost['F'] + full_b:g}
+        since nothing overlaps here, give $(S/2-1)(F\&B+B-3W)$ = {p - 1}·{cost['F'] + full_b + full_b - 3 * cost['W']:g}
+        = **{readme:g}** units of idle time per rank. The simulated list idles **{idle_words}**
+        (a makespan of {dv.makespan:g} against {dv.makespan - dv_idle[0]:g} units of work per rank).
+        {agree_words}
     """)
+
+
+def verdict(a, b, a_name, b_name, least=3):
+    """`compare`'s words when both timings have at least `least` samples; otherwise both times
+    and no verdict (one cold sample, or two, cannot tell a difference from noise)."""
+    n = min(len(a.samples), len(b.samples))
+    if n >= least:
+        return compare(a, b, a_name, b_name)
+    count = "one sample" if n == 1 else f"{n} samples"
+    return f"{a_name} {a.ms()}, {b_name} {b.ms()} ({count}, no verdict)"
+
+
+def slower_or_faster(a, b, a_name, b_name, least=3):
+    """'b_name X, a_name Y: r× slower': a against b in that order, the ratio only where the
+    interquartile ranges do not overlap and both have `least` samples."""
+    times = f"{b_name} {b.ms()}, {a_name} {a.ms()}"
+    n = min(len(a.samples), len(b.samples))
+    if n < least:
+        return f"{times} ({'one sample' if n == 1 else f'{n} samples'}, no verdict)"
+    if a.q1 <= b.q3 and b.q1 <= a.q3:
+        return f"{times}: no measurable difference (the interquartile ranges overlap)"
+    r = a.median / b.median
+    return f"{times}: {r:.2f}× slower" if r > 1 else f"{times}: {1 / r:.2f}× faster"
 
 
 def _fewer(a, b):
@@ -836,7 +908,7 @@ def real_compute():
         micro-batch's activations again. The peak is therefore every kept input plus one
         micro-batch's activations, and the meter counts both (saves during F and during the
         re-run): **{gm / 2**20:.2f} MiB → {cm / 2**20:.2f} MiB** held at most, {gm / max(cm, 1):.1f}×
-        less. Time: checkpointing against plain GPipe, {compare(c, g, "with checkpointing", "without")}.
+        less. Time: {slower_or_faster(c, g, "with checkpointing", "plain GPipe")}.
         Every forward runs twice, and the re-run counts as busy time in the measured bubble
         ({pct(bub['gpipe + checkpointing'])} with checkpointing, {pct(bub['gpipe'])} without):
         extra compute fills idle slots, so for a checkpointed schedule the step time, not the
@@ -896,7 +968,7 @@ def pytorch_schedules():
         from it.
     """)
     run = spawn(compare_with_pytorch, p, cfg=cfg, m=m, mb_size=mb, classes=classes,
-                repeats=1 if settings.quick else 7, warmup=0 if settings.quick else 2,
+                repeats=3 if settings.quick else 7, warmup=1 if settings.quick else 2,
                 name=f"our schedules and PyTorch's, {p} ranks")
     R = run.returns
     labels = list(R[0]["losses"])
@@ -913,8 +985,8 @@ def pytorch_schedules():
     t = R[0]["times"]
     span = {n: simulate(make_schedule(n, p, m, 2), chunk_cost(2)).makespan for n in ("zb-v", "dualpipev")}
     note(f"""
-        ZB-V, ours against PyTorch's: {compare(t['ours: zb-v'], t['PyTorch ScheduleZBVZeroBubble'], 'ours', "PyTorch's")}.
-        ZB-V against DualPipeV, both ours: {compare(t['ours: zb-v'], t['ours: dualpipev'], 'ZB-V', 'DualPipeV')};
+        ZB-V, ours against PyTorch's: {verdict(t['ours: zb-v'], t['PyTorch ScheduleZBVZeroBubble'], 'ours', "PyTorch's")}.
+        ZB-V against DualPipeV, both ours: {verdict(t['ours: zb-v'], t['ours: dualpipev'], 'ZB-V', 'DualPipeV')};
         with m = {m} their lists take {span['zb-v']:g} and {span['dualpipev']:g} units on the
         simulator (F = B = W = 1 per stage), and DualPipeV's own advantage, overlapping each
         F&B pair's all-to-all, needs a GPU and expert parallelism.

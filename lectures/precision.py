@@ -264,8 +264,11 @@ def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn, power_of_two=False):
     """x (2-D) to fp8 with scales chosen so each group's largest |value| maps to the format's
     max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
     (DeepSeek-V3: 1×128 for activations, 128×128 for weights; MXFP8: 1×32 blocks along the
-    reduction dimension of both operands). `power_of_two`: the scale is rounded up to a power
-    of two, as an 8-bit exponent-only (e8m0) scale must be, so no value exceeds the max.
+    reduction dimension of both operands). `power_of_two`: the scale is a power of two, as an
+    8-bit exponent-only (e8m0) scale must be, rounded up so that no value exceeds the max. This
+    is a variant: the OCP MX specification takes 2^(floor(log2 amax) − emax), emax being the
+    element format's largest exponent (8 for e4m3), which rounds down and lets the largest
+    values of a block saturate.
     Returns (fp8 values, scales), scales shaped (rows/r, cols/c)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")

@@ -29,6 +29,35 @@ def matmul_rate(n, dtype=torch.float32, dev="cpu", repeats=7):
     return 2 * n ** 3 / t.median, t
 
 
+def largest_cache_bytes(cpu="/sys/devices/system/cpu/cpu0/cache"):
+    """The size of this CPU's largest cache (its last level, usually L3) in bytes, read from
+    Linux's sysfs (`index*/size`, such as "32768K"); None where the machine does not say."""
+    import glob
+    sizes = []
+    for path in glob.glob(f"{cpu}/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+def copy_bytes_beyond_cache(cache_bytes=None, fallback=64 * 2 ** 20):
+    """How many bytes to copy so that a copy measures memory, not cache: source and destination
+    together at least 4× the largest cache (so each buffer 2×). Without a known cache size,
+    `fallback` per buffer."""
+    cache_bytes = largest_cache_bytes() if cache_bytes is None else cache_bytes
+    if cache_bytes is None:
+        return fallback
+    if cache_bytes <= 0:
+        raise ValueError(f"cache size must be positive, not {cache_bytes}")
+    return 2 * cache_bytes
+
+
 def copy_rate(nbytes, dev="cpu", repeats=7):
     """(bytes/s, Timing) of copying `nbytes` between two buffers: each byte is read and written."""
     src = torch.randn(nbytes // 4, device=dev)
@@ -39,7 +68,8 @@ def copy_rate(nbytes, dev="cpu", repeats=7):
 
 def elementwise_rate(n, op="add", dev="cpu", repeats=7):
     """(FLOP/s, Timing, FLOP per byte) of x + y (1 FLOP per 12 bytes moved in fp32) or
-    GELU (counted as ~8 FLOP per 8 bytes moved)."""
+    GELU (an assumed count of 8 FLOP per element, per 8 bytes moved: the real count depends
+    on how the kernel evaluates erf or tanh)."""
     x, y = torch.randn(n, device=dev), torch.randn(n, device=dev)
     fn, flops, moved = {"add": (lambda: x + y, n, 12 * n), "gelu": (lambda: F.gelu(x), 8 * n, 8 * n)}[op]
     t = measure(fn, warmup=2, repeats=repeats)

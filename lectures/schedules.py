@@ -419,3 +419,13 @@ def theory_bubble(name, p, m, v=1):
     if name in ("interleaved-1f1b", "1f1b") and m % p == 0:   # Megatron's setting: m a multiple of p
         return (p - 1) / (v * m + p - 1)
     return None
+
+
+def dualpipev_readme_bubble(p, F, B, W, FB=None):
+    """DualPipeV's bubble as DeepSeek's DualPipe README states it, (S/2 − 1)(F&B + B − 3W), with
+    S = 2p stages on p devices: F, B, W a chunk's forward, full backward and weight backward,
+    F&B an overlapped forward-and-backward pair (F + B when nothing overlaps, as on a CPU)."""
+    if p < 1 or min(F, B, W) < 0 or W > B:
+        raise ValueError(f"need p >= 1 and 0 <= W <= B, F >= 0; got p={p}, F={F}, B={B}, W={W}")
+    FB = F + B if FB is None else FB
+    return (p - 1) * (FB + B - 3 * W)

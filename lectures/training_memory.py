@@ -38,10 +38,58 @@ def held_by_training(model, opt):
                             if torch.is_tensor(v) and v.dim() > 0)}
 
 
+class CastWeightCopies:
+    """Bytes of the low-precision weight copies autograd saves for backward inside `with meter:`.
+
+    Under `torch.autocast` a Linear casts its fp32 weight to bf16 and its matmul saves that copy
+    (as a transposed view) for the input gradient, so the copy lives from forward to backward,
+    not only during the forward. A saved tensor is such a copy when its autograd history, through
+    views, is one cast (`ToCopyBackward0`) of one of `model`'s parameters; each storage counts
+    once. `numel` counts the parameters copied."""
+
+    _VIEWS = {"TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+              "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0"}
+
+    def __init__(self, model):
+        self._params = {id(p) for p in model.parameters()}
+        self._copies = {}
+        self._hooks = None
+
+    @property
+    def bytes(self):
+        return sum(nbytes for _, nbytes in self._copies)
+
+    @property
+    def numel(self):
+        return sum(self._copies.values())
+
+    def _pack(self, t):
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ in self._VIEWS:
+            fn = fn.next_functions[0][0]
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            source = getattr(fn.next_functions[0][0], "variable", None)
+            if source is not None and id(source) in self._params:
+                st = t.untyped_storage()
+                self._copies[(st.data_ptr(), st.nbytes())] = source.numel()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
 def memory_timeline(cfg, batch_size, steps=3, lr=3e-3):
     """Train `steps` AdamW steps under PyTorch's MemTracker and sample it after every phase of
     each step; beside it, our own sums over the tensors, the bytes autograd saved, and the
-    most bytes alive at once in each phase (LiveBytes). Returns one row per phase."""
+    most bytes alive at once in each phase (LiveBytes). Returns one row per phase; `batch` is
+    the bytes of the step's token ids and targets and `loss` of the loss tensor, which the loop
+    holds to the end of the step (made inside the tracker, MemTracker files both under
+    activations)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -54,15 +102,17 @@ def memory_timeline(cfg, batch_size, steps=3, lr=3e-3):
             live.reset_peak()
             with SavedBytes(exclude=model.parameters()) as saved:
                 loss = loss_fn(model(tokens), targets)
+            held = dict(batch=tokens.nbytes + targets.nbytes, loss=loss.nbytes)
             rows.append(dict(step=step, phase="forward", tracker=by_category(tracker),
                              own=dict(held_by_training(model, opt), Activation=saved.total),
-                             peak=live.peak))
+                             peak=live.peak, **held))
             for phase, act in [("backward", loss.backward), ("optimizer step", opt.step),
                                ("zero_grad", opt.zero_grad)]:
                 live.reset_peak()
                 act()
                 rows.append(dict(step=step, phase=phase, tracker=by_category(tracker),
-                                 own=dict(held_by_training(model, opt), Activation=0), peak=live.peak))
+                                 own=dict(held_by_training(model, opt), Activation=0), peak=live.peak,
+                                 **held))
             del loss
             tracker.reset_mod_stats()      # per-module peaks start afresh each iteration
     return rows

@@ -425,3 +425,105 @@ def test_memory_phase_figure_labels_whole_and_legend_outside_the_bars():
     assert legend.y0 >= ax.get_window_extent().y1                     # the legend sits above the axes
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+# --- fresh-eyes review -----------------------------------------------------------------------
+
+def test_autocast_keeps_its_bf16_weight_copies_from_forward_to_backward():
+    """Review 01-1: every Linear's bf16 weight copy is saved for backward (2 bytes per weight
+    parameter) by the forward; without autocast nothing is copied."""
+    cfg = L.GPTConfig()
+    model = L.GPT(cfg)
+    tokens, targets = L.batch(cfg, 4, 0)
+    with L.CastWeightCopies(model) as copies, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = L.loss_fn(model(tokens), targets)
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert copies.bytes == 2 * sum(w.numel() for w in linear) and copies.numel == sum(w.numel() for w in linear)
+    assert 0 < copies.numel < L.param_count(cfg)                       # embeddings, norms, biases not copied
+    loss.backward()
+    with L.CastWeightCopies(model) as outside:                         # no autocast: nothing cast
+        L.loss_fn(model(tokens), targets)
+    assert outside.bytes == 0
+
+
+def _page_of(section):
+    """The notes, table cells and captions `section` records, as one lower-case string."""
+    from util import record
+    import matplotlib.pyplot as plt
+    rec = record.Recorder()
+    previous = record.use(rec)
+    try:
+        section()
+    finally:
+        record.use(previous)
+        plt.close("all")
+    return " ".join(str(v) for r in rec.records for k, v in r.items()
+                    if k in ("text", "rows", "header", "caption")).lower()
+
+
+def test_parameters_and_bytes_page_counts_autocast_copies_until_backward():
+    text = _page_of(L.parameters_and_bytes)
+    assert "live only during the forward" not in text
+    assert "bf16 weight copies saved by the forward, freed by the backward" in text
+    assert "assumes f = 4h" in text and "h=96 l=3 a=6 kv=3 f=200" in text   # review 01-7: the miss named
+
+
+def test_delayed_scaling_names_transformer_engines_window():
+    """Review 01-2: TE's default amax history is 1024 steps, ours 8 for the plot."""
+    text = _page_of(L.delayed_scaling)
+    assert "1024" in text and "last 8 steps" not in text
+
+
+def test_format_caption_gives_median_and_worst_case():
+    """Review 01-3: the curve is the median (about eps/4); the worst case is eps/2."""
+    text = _page_of(L.formats_and_rounding)
+    assert "worst case eps/2" in text and "accurate to ~eps/4" not in text
+
+
+def test_copy_size_is_beyond_the_largest_cache(tmp_path):
+    """Review 01-5: the bandwidth copy's two buffers are at least 4x the last-level cache."""
+    for level, size in enumerate(["32K", "1024K", "32768K"]):
+        (tmp_path / f"index{level}").mkdir()
+        (tmp_path / f"index{level}" / "size").write_text(size + "\n")
+    from lectures.roofline import copy_bytes_beyond_cache, largest_cache_bytes
+    assert largest_cache_bytes(str(tmp_path)) == 32 * 2 ** 20
+    assert 2 * copy_bytes_beyond_cache(32 * 2 ** 20) >= 4 * 32 * 2 ** 20
+    assert largest_cache_bytes(str(tmp_path / "missing")) is None
+    with pytest.raises(ValueError):
+        copy_bytes_beyond_cache(0)
+
+
+def test_memtracker_residue_after_backward_is_the_batch_and_the_loss():
+    """Review 01-6: the bytes MemTracker keeps under activations after a backward are the
+    batch's int64 token ids and targets and the 4-byte loss, nothing else."""
+    rows = L.memory_timeline(L.GPTConfig(), batch_size=16, steps=2)
+    for r in rows[1:4] + rows[5:8]:
+        assert r["tracker"]["Activation"] == r["batch"] + r["loss"] == 2 * 16 * 32 * 8 + 4
+
+
+def test_recomputation_policy_is_named_ours_and_the_papers_distinguished():
+    """Review 01-4 and 01-8: our selective policy is not Korthikanti et al.'s; no unsupported
+    'a few percent'."""
+    import inspect
+    src = inspect.getsource(L.recomputation)
+    assert "a selective policy of our own" in src and "It is not" in src and "few percent" not in src
+
+
+def test_mxfp8_scale_called_a_variant_of_the_ocp_rule():
+    """Review 01-9: the OCP scale is 2^(floor(log2 amax) - emax); ours rounds up."""
+    import math as m
+    x = torch.full((1, 32), 300.0)
+    _, scale = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    ocp = 2.0 ** (m.floor(m.log2(300.0)) - 8)                         # 2^0: 300 fits in e4m3's 448
+    assert scale.item() == 1.0 == ocp
+    x = torch.full((1, 32), 500.0)                                    # above 448 at scale 2^0
+    _, scale = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    assert scale.item() == 2.0 and 2.0 ** (m.floor(m.log2(500.0)) - 8) == 1.0   # OCP would saturate
+    assert "variant" in L.quantize_fp8.__doc__
+
+
+def test_fake_tensor_table_uses_readable_units():
+    """Review 01-11: small values in kB, not 1.6e-05 GB; the header is not 'after' again."""
+    import inspect
+    src = inspect.getsource(L.a_step_too_big_to_hold)
+    assert "fmt_bytes(r.get(c, 0))" in src and 'header=["phase"' in src

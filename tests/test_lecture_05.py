@@ -396,3 +396,55 @@ def test_checkpointing_counts_the_recomputation():
     assert out["peak_saved_bytes"] == 2 * xs[0].nbytes + one     # 3 inputs + one re-run minus its input
     for q, w in zip(net.parameters(), want):
         torch.testing.assert_close(q.grad, w)
+
+
+# --- fresh-eyes review -----------------------------------------------------------------------
+
+def test_dualpipev_readme_formula_beside_the_simulated_idle():
+    """Review 05-7: (S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
+    F&B = F + B is 3 units per rank at p = 4; the simulated list idles 1.5 on every rank."""
+    from lectures.schedules import dualpipev_readme_bubble
+    assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5) == 3.0
+    assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5, FB=1.0) == 1.5       # a perfect overlap: F&B = B
+    sim = L.simulate(L.make_schedule("dualpipev", 4, 8, 2), L.chunk_cost(2))
+    assert [sim.makespan - sum(e - b for _, b, e in row) for row in sim.timeline] == [1.5] * 4
+    with pytest.raises(ValueError):
+        dualpipev_readme_bubble(4, 0.5, 0.5, 1.0)                         # W cannot exceed the full B
+
+
+def test_free_w_caption_comes_from_the_numbers():
+    """Review 05-4: with W = 0 the V list built for F = B = W is worse than 1F1B, said so."""
+    free = {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, W=0)).bubble for n, v in L.ALL}
+    words = L.free_w_words(free)
+    assert "zb-v's list, built for F = B = W, loses 8.7 points" in words
+    assert "zb-h1, zb-h2 have 1F1B's 27.3%" in words
+
+
+def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
+    """Review 05-3 and 05-5: a single sample yields times and no verdict; the checkpointing
+    sentence names plain GPipe first and says 'slower'."""
+    from util.measure import Timing
+    one = L.verdict(Timing([0.0609]), Timing([0.0550]), "ours", "PyTorch's")
+    assert "one sample, no verdict" in one and "faster" not in one
+    words = L.slower_or_faster(Timing([0.103, 0.104, 0.102]), Timing([0.0836, 0.0840, 0.0830]),
+                               "with checkpointing", "plain GPipe")
+    assert words.startswith("plain GPipe 83.6") and "with checkpointing 103" in words
+    assert words.endswith(": 1.23× slower")                          # 0.103 / 0.0836
+    overlap = L.slower_or_faster(Timing([1.0, 2.0, 3.0]), Timing([1.5, 2.5, 3.5]), "a", "b")
+    assert "no measurable difference" in overlap
+
+
+def test_timed_comparisons_take_enough_samples():
+    """Review 05-3 and 05-6: PyTorch's comparison warms up and takes 3 repeats in quick mode;
+    sleep mode takes at least 5."""
+    import inspect
+    src = inspect.getsource(L.pytorch_schedules)
+    assert "repeats=3 if settings.quick" in src and "warmup=1 if settings.quick" in src
+    assert "repeats=5 if settings.quick" in inspect.getsource(L.run_sleep_mode)
+
+
+def test_sleep_caveat_said_once_and_megatron_claim_dated():
+    """Review 05-8 and 05-12."""
+    import inspect
+    assert inspect.getsource(L.measured_schedules).count("sleep_mode(p)") == 1
+    assert "microbatch_group_size_per_vp_stage" in inspect.getsource(L.interleaved_measured)
