@@ -382,8 +382,7 @@ def test_quick_build_has_every_section_and_figure(course_site):
             assert d["world_size"] <= max(2, usable_cores()), d["name"]
     # The page's header names the machine once (from the recorded environment); a sentence
     # beside a measurement says only how many ranks made it.
-    assert page["environment"]["device"] and "2 cores" not in notes
-    assert re.search(r"\(\d+ ranks?\)", notes)
+    assert page["environment"]["device"] and "2 cores" not in notes and "measured on a CPU" not in notes
     assert "**S* = " not in notes                            # the stray-asterisk markdown bug
     # Without a GPU the streams demo says it was skipped, and why.
     if not torch.cuda.is_available():
