@@ -802,8 +802,8 @@ def zero_bubble_measured(R, p):
         {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}.
 
         The README's formula, evaluated in the simulator's units: a chunk's $F$ = {cost['F']:g},
-        full backward $B$ = {full_b:g}, $W$ = {cost['W']:g}, and $F\&B = F + B$ = {cost['F'] + full_b:g}
-        since nothing overlaps here, give $(S/2-1)(F\&B+B-3W)$ = {p - 1}·{cost['F'] + full_b + full_b - 3 * cost['W']:g}
+        full backward $B$ = {full_b:g}, $W$ = {cost['W']:g}, and $F\\&B = F + B$ = {cost['F'] + full_b:g}
+        since nothing overlaps here, give $(S/2-1)(F\\&B+B-3W)$ = {p - 1}·{cost['F'] + full_b + full_b - 3 * cost['W']:g}
         = **{readme:g}** units of idle time per rank. The simulated list idles **{idle_words}**
         (a makespan of {dv.makespan:g} against {dv.makespan - dv_idle[0]:g} units of work per rank).
         {agree_words}
