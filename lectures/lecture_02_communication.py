@@ -721,7 +721,7 @@ def wire_verdict(wire, nbytes, n):
             f"bandwidth-optimal reduce-scatter sends, "
             + (f"the same as its all-reduce ({rs:,} and {ar:,} bytes)" if same else
                f"{rs / ar:.2f}× its all-reduce's ({rs:,} vs {ar:,} bytes)")
-            + ". That is how gloo implements it: `reduce_scatter_tensor` is a clone of the input, "
+            + ". That is how gloo implements it: its reduce-scatter is a clone of the input, "
               "a full all-reduce of the clone and a copy of this rank's chunk "
               "(`ProcessGroupGloo::reduce_scatter_tensor_coalesced` in PyTorch's source). Its busbw "
               f"divides an all-reduce's work by the reduce-scatter factor $(n-1)/n$, so its curve "
