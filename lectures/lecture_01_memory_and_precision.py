@@ -1013,10 +1013,16 @@ def flash_attention_idea():
     attention_memory()         # what that saves, measured, and what it costs in time
 
 
-def online_softmax_checks():
+def checked_attention_inputs(s=200):
+    """The generator and the float64 q, k, v both online-softmax checks use."""
     g = torch.Generator().manual_seed(0)
-    s = 200
     q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    return g, q, k, v
+
+
+def online_softmax_checks():
+    g, q, k, v = checked_attention_inputs()
+    s = q.shape[2]
     checks = []
     for causal in (False, True):
         for bs in (7, 64, 256):
@@ -1125,9 +1131,8 @@ def attention_memory():
 
 
 def flash_attention_backward():
-    g = torch.Generator().manual_seed(0)
-    s = 200
-    q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g, q, k, v = checked_attention_inputs()
+    s = q.shape[2]
     checks = []
     for causal in (False, True):
         for bs in (7, 64, 256):

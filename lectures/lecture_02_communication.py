@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
 from util.launch import choose_backend
-from util.measure import Timing, compare, errorbar, machine, measure, timing_ranks
+from util.measure import Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks
 
 from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
                                   crossover_bytes, fit_alpha_beta, optimal_bytes,
@@ -801,7 +801,7 @@ def bandwidth():
     if same_call:
         nb = same_call[-1]
         a, b = MEASURED['race', ranks, settings.quick, nb], MEASURED['sweep', ranks, settings.quick, nb]
-        agree = ("The page reports one call, measured twice, consistently." if a.q1 <= b.q3 and b.q1 <= a.q3
+        agree = ("The page reports one call, measured twice, consistently." if spreads_overlap(a, b)
                  else "Nothing differs but the context: in the race each call followed one of our "
                       "rings, here another all-reduce, on cores shared by every rank. That gap is "
                       "the size of this machine's noise; differences between variants smaller than "

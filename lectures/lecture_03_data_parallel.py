@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
-from util.measure import (Timing, bytes_sent, compare, errorbar, machine, measure, measure_side_by_side,
+from util.measure import (Timing, bytes_sent, compare, spreads_overlap, errorbar, machine, measure, measure_side_by_side,
                           timing_ranks)
 
 from lectures.compression import NesterovOuter, PowerSGD, average_update
@@ -1348,7 +1348,7 @@ def pytorch_versions():
           caption=f"timing model Ψ = {param_count(timed):,}, {machine(ranks)}; the same run as "
                   "the step-time table of the overlap section (the variants take turns in it), so "
                   "the DDP rows agree")
-    overlaps = lambda a, b: t[a].q1 <= t[b].q3 and t[b].q1 <= t[a].q3
+    overlaps = lambda a, b: spreads_overlap(t[a], t[b])
     if overlaps("zero3", "zero1"):
         z3 = ("Bytes are not the whole cost: our ZeRO-1 (and ZeRO-2's all-gather) runs its "
               "collectives one tensor at a time *after* backward, blocking, while ZeRO-3 issues its "

@@ -20,7 +20,7 @@ from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, dualp
                                 held, make_schedule, message_order, simulate, theory_bubble)
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule, Simulation, dependencies  # noqa: F401  (re-exported)
 from util import device, figure, note, quiet, see, settings, spawn, table, widget
-from util.measure import compare, machine, measure, measure_side_by_side
+from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap
 
 # =========================================================================================
 # 1. Rank functions: train with a schedule; the single-process reference
@@ -827,7 +827,7 @@ def slower_or_faster(a, b, a_name, b_name, least=3):
     n = min(len(a.samples), len(b.samples))
     if n < least:
         return f"{times} ({'one sample' if n == 1 else f'{n} samples'}, no verdict)"
-    if a.q1 <= b.q3 and b.q1 <= a.q3:
+    if spreads_overlap(a, b):
         return f"{times}: no measurable difference (the interquartile ranges overlap)"
     r = a.median / b.median
     return f"{times}: {r:.2f}× slower" if r > 1 else f"{times}: {1 / r:.2f}× faster"

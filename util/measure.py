@@ -100,11 +100,16 @@ class Timing:
         return self.ms()
 
 
+def spreads_overlap(a, b):
+    """Whether two timings' interquartile ranges overlap: then this machine cannot tell them apart."""
+    return a.q1 <= b.q3 and b.q1 <= a.q3
+
+
 def compare(a, b, a_name="ours", b_name="theirs"):
     """The words a page uses for two timings (`Timing`s): "no measurable difference here" when
     their interquartile ranges overlap, otherwise which is faster and by how much (the ratio of
     medians). One function, so no sentence can contradict the table beside it."""
-    if a.q1 <= b.q3 and b.q1 <= a.q3:
+    if spreads_overlap(a, b):
         return (f"no measurable difference here ({a_name} {a.ms()}, {b_name} {b.ms()}: the "
                 "interquartile ranges overlap)")
     fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
