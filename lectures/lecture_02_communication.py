@@ -6,7 +6,6 @@ measures bandwidth the way nccl-tests does, fits the α–β cost model, makes a
 and overlaps communication with computation.
 """
 import math
-import re
 import shutil
 import subprocess
 import time
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
 from util.launch import choose_backend
+from util.recording import trim_build_paths
 from util.measure import Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks
 
 from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
@@ -1010,14 +1010,6 @@ def alpha_beta():
 # =========================================================================================
 # 7. Hangs and timeouts
 # =========================================================================================
-
-def trim_build_paths(text):
-    """An error message without the source locations of PyTorch's build machine
-    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error" ->
-    "Read error"): they name files on a machine the reader never saw."""
-    text = re.sub(r"\[(?:/[^\]\s]*)+:\d+\]\s*", "", text or "")
-    return re.sub(r"/__w/\S+\s*", "", text)
-
 
 def skip_a_collective(rank, world_size):
     """The last rank forgets an all-reduce; the others wait for it until their timeout."""

@@ -19,6 +19,7 @@ Data flows one way: lecture -> records (util.record) -> recording file (here) ->
 """
 import json
 import os
+import re
 import tempfile
 
 SCHEMA = "course-lecture/1"
@@ -52,3 +53,11 @@ def load(path):
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) and rec.get("schema") == SCHEMA else None
+
+
+def trim_build_paths(text):
+    """An error message without the source locations of PyTorch's build machine
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error" ->
+    "Read error"): they name files on a machine the reader never saw."""
+    text = re.sub(r"\[(?:/[^\]\s]*)+:\d+\]\s*", "", text or "")
+    return re.sub(r"/__w/\S+\s*", "", text)

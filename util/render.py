@@ -24,7 +24,7 @@ import xml.etree.ElementTree as ET
 
 from markupsafe import Markup
 
-from util.recording import load, write_atomic
+from util.recording import load, trim_build_paths, write_atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)   # where lectures/notebooks/ is
@@ -391,9 +391,9 @@ class Page:
                 by_rank.setdefault(sub.get("rank"), []).append(part)
         columns = [{"title": f"rank {k}" if isinstance(k, int) else str(k), "parts": v}
                    for k, v in sorted(by_rank.items(), key=lambda kv: (not isinstance(kv[0], int), str(kv[0]).zfill(6)))]
-        rank_errors = [{"ranks": _rank_list(ranks), "text": _trim_build_paths(text)} for text, ranks in errors.items()]
+        rank_errors = [{"ranks": _rank_list(ranks), "text": trim_build_paths(text)} for text, ranks in errors.items()]
         return {"kind": "demo", "id": did, "status": status, "name": str(r.get("name", "")),
-                "error": _trim_build_paths(r.get("error")),
+                "error": trim_build_paths(r.get("error")),
                 "world_size": ws, "elapsed": format_seconds(r.get("elapsed")),
                 "label": {"ok": "ok", "failed": "failed", "skipped": "skipped",
                           "expected_failure": "expected failure — this is the lesson"}.get(status, status),
@@ -405,12 +405,6 @@ class Page:
         funcs = self.rec.get("functions", {})
         return [code_part(f.get("name", ""), f.get("file", ""), f.get("start", 1), f.get("code", ""))
                 for f in (funcs[k] for k in keys) if not os.path.isabs(str(f.get("file", "")))]
-
-
-def _trim_build_paths(text):
-    """PyTorch's messages name the path its C++ was built in ("/__w/pytorch/pytorch/third_party/
-    gloo/gloo/transport/..."): a reader needs the file, not the build machine's folders."""
-    return re.sub(r"/__w/pytorch/pytorch/(third_party/)?", "", text) if text else text
 
 
 def _rank_list(ranks):
