@@ -99,6 +99,7 @@ def draw_axis_groups(shape):
     """One small panel per axis: the mesh's ranks, each group of that axis in its own colour
     and joined by a line (from `axis_groups`, the lists make_mesh builds)."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch
     dp, pp, cp, tp = shape
     axes_shown = [a for a in MESH_AXES if shape[MESH_AXES.index(a)] > 1] + ["replica"]
     fig, axs = plt.subplots(1, len(axes_shown), figsize=(2.3 * len(axes_shown) + 0.4, 0.7 * dp * pp + 1.6))
@@ -110,8 +111,12 @@ def draw_axis_groups(shape):
         for g, members in enumerate(groups):
             colour = palette[g % len(palette)]
             xy = [where(r) for r in members]
-            if len(members) > 1:
-                ax.plot([x for x, _ in xy], [y for _, y in xy], color=colour, lw=3, alpha=0.5, zorder=1)
+            for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
+                # neighbours get a straight line; a pair with other ranks between them an arc
+                # that bows around those ranks instead of running through them
+                bend = 0 if abs(x1 - x0) + abs(y1 - y0) <= 1 else 0.35
+                ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-", color=colour, lw=3,
+                                             alpha=0.5, zorder=1, connectionstyle=f"arc3,rad={bend}"))
             for r, (x, y) in zip(members, xy):
                 ax.scatter([x], [y], s=420, color=colour, zorder=2)
                 ax.text(x, y, str(r), ha="center", va="center", color="white", fontsize=10, weight="bold", zorder=3)
@@ -962,7 +967,7 @@ def draw_decision_flow(outcomes):
     from real calls, each written beside the step where it stopped."""
     import matplotlib.pyplot as plt
     n = len(DECISION_STEPS)
-    fig, ax = plt.subplots(figsize=(6.2, 1.5 * n + 1.6))
+    fig, ax = plt.subplots(figsize=(6.2, 1.5 * n + 1.0))
     box = dict(boxstyle="round,pad=0.4", linewidth=1)
     ends = {i: [] for i in range(n)}
     recompute = []
@@ -972,8 +977,6 @@ def draw_decision_flow(outcomes):
             ends[step].append(label)
         if any("recomputation" in r for r in reasons):
             recompute.append(label)
-    ax.text(0.3, 0.6, "sequence ≥ 32K tokens? → context parallelism cp = 2 first",
-            ha="center", va="center", fontsize=11, style="italic")
     for i, (question, short, _) in enumerate(DECISION_STEPS):
         y = -1.4 * i - 0.6
         ax.text(0.3, y, question, ha="center", va="center", fontsize=11,
@@ -986,7 +989,8 @@ def draw_decision_flow(outcomes):
                                     "edgecolor": "#dd8452" if chosen else "0.7"})
         if i < n - 1:
             ax.annotate("", xy=(0.3, y - 0.95), xytext=(0.3, y - 0.45), arrowprops=dict(arrowstyle="->", lw=1.2))
-            ax.text(0.32, y - 0.7, "no", fontsize=10)
+            ax.text(0.32, y - 0.7, "no" + ("; sequence ≥ 32K tokens? then cp = 2 from here on" if i == 0 else ""),
+                    fontsize=10, style="normal" if i else "italic")
     y = -1.4 * n - 0.3
     ax.annotate("", xy=(0.3, y + 0.3), xytext=(0.3, y + 0.8), arrowprops=dict(arrowstyle="->", lw=1.2))
     ax.text(0.32, y + 0.5, "no", fontsize=10)
@@ -994,7 +998,7 @@ def draw_decision_flow(outcomes):
             + (f"\n(taken by {', '.join(recompute)})" if recompute else ""), ha="center", va="center",
             fontsize=11, bbox={**box, "facecolor": "#fbeeee", "edgecolor": "#c44e52"})
     ax.set_xlim(0, 1)
-    ax.set_ylim(y - 0.6, 1.0)
+    ax.set_ylim(y - 0.6, -0.05)
     ax.axis("off")
     fig.tight_layout()
     return fig
@@ -1337,8 +1341,9 @@ def remember():
           accumulated), optimizer state, ZeRO-3's gathered blocks, activations.
         * A cost model must charge what the code does: per step or per micro-batch, what can
           hide under what. Check it with absolute errors, not only a rank correlation.
-        * Pick a layout by rule of thumb (DP → ZeRO-3 → TP in a node → PP across nodes → CP for
-          long sequences), then let measurements decide.
+        * Pick a layout by rule of thumb (DP alone; if it does not fit, CP = 2 for sequences of
+          32K tokens or more, then ZeRO-3 → TP in a node → PP across nodes → full
+          recomputation), then let measurements decide.
 
         The notebook `lectures/notebooks/lecture_07_putting_it_together.ipynb` runs every
         section above and lets you train your own layout against one process.
