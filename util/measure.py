@@ -122,7 +122,9 @@ def _slowest_rank(seconds, group):
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
+    # NCCL reduces only tensors on this rank's GPU; gloo only CPU ones
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([seconds], dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
