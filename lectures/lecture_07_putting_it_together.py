@@ -1064,22 +1064,20 @@ def published_scale():
                 ys = [r["time"]["total"] for r in found]
                 ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
                 if fitting:
+                    best = fitting[0]["layout"].label().rsplit(" mb", 1)[0]
                     ax.scatter([fitting[0]["memory"]["total"] / 1e9], [fitting[0]["time"]["total"]],
-                               marker="*", s=150, color="#c44e52", label="fastest that fits")
-                    ax.annotate(fitting[0]["layout"].label().rsplit(" mb", 1)[0],
-                                (fitting[0]["memory"]["total"] / 1e9, fitting[0]["time"]["total"]),
-                                xytext=(-8, -4), textcoords="offset points", ha="right", va="top", fontsize=9,
-                                color="#c44e52")
+                               marker="*", s=150, color="#c44e52", label=f"fastest that fits:\n{best}")
                 if rule is not None:
                     ax.scatter([estimate_memory(model, rule)["total"] / 1e9], [step_time(model, rule, hw)["total"]],
-                               marker="D", s=50, color="#55a868", label="decision procedure")
+                               marker="D", s=110, facecolors="none", edgecolors="#55a868", linewidths=2,
+                               zorder=3, label="decision procedure")
                 ax.axvline(hw.memory / 1e9, color="black", ls="--", lw=1)
                 ax.set_xscale("log")
                 ax.set_yscale("log")
                 ax.set_xlabel("predicted GB per GPU")
                 ax.set_ylabel("predicted s per step")
                 ax.set_title(f"{model.name}, 512 GPUs: {len(found)} configurations", fontsize=10)
-                ax.legend(fontsize=9)
+                ax.legend(fontsize=9, loc="upper left")
     figure(fig, caption="Every configuration of the search at 512 GPUs: grey ones exceed the memory "
                         "limit (dashed line).")
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GB per GPU", "s per step", "MFU", "why"],
