@@ -492,3 +492,25 @@ def test_cut_figure_names_both_matrices():
     assert right.get_title().startswith("row-parallel: B is 12×8"), right.get_title()
     texts = [t.get_text() for ax in fig.axes for t in ax.texts if "=" in t.get_text()]
     assert texts and all(t.startswith("$") for t in texts), texts
+
+
+def test_training_state_per_rank_is_split_over_t_plus_what_stays_whole():
+    """Weights, gradients and Adam's moments per rank, measured from storages, are
+    16·(S/t + R) bytes (float32) at tp = 1, 2, 3, 4, with sequence parallelism off and on; the
+    parameters kept whole are exactly the norms, the positions and the row-parallel biases."""
+    cfg = L.GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_heads=12, n_layers=2)
+    full = dict(L.GPT(cfg).named_parameters())
+    whole = {k for k in full if any(w in k for w in ("ln1.", "ln2.", "ln_f.", "pos_emb.", "o_proj.bias", "fc_out.bias"))}
+    S, R = sum(full[k].numel() for k in full if k not in whole), sum(full[k].numel() for k in whole)
+    for t in (1, 2, 3, 4):
+        for sp in ((False, True) if t > 1 else (False,)):
+            got = spawn(L.training_state_bytes, t, cfg=cfg, sequence_parallel=sp).returns
+            for m in got:
+                assert m == got[0]
+            m = got[0]
+            assert m["sharded parameters"] + m["replicated parameters"] == 4 * (S / t + R), (t, sp, m)
+            assert m["replicated parameters"] == (4 * R if t > 1 else 0), (t, sp, m)
+            assert m["gradients"] == 4 * (S / t + R) and m["Adam moments"] == 8 * (S / t + R), (t, sp, m)
+            if t > 1:
+                assert set(m["replicated names"]) == {k.split(".", 2)[-1] if k.startswith("blocks.") else k
+                                                      for k in whole}, m["replicated names"]
