@@ -1991,7 +1991,14 @@ def summary():
         - Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (the same
           bytes in a ring) and splits the activations TP left whole, at the price of
           all-reducing the replicated LayerNorm gradients.
-        - Most of TP's communication blocks the next matmul: keep tp inside a node.
+        - A rank holds $16(S/t + R)$ bytes of weights, gradients and Adam state: TP divides the
+          split parameters by $t$ and leaves the norms and row-parallel biases whole.
+        - A dropout mask on a replicated activation must be the same on every TP rank, one on a
+          split activation different on each: two streams (Megatron's RNG tracker), and masks
+          that are a function of a key survive recomputation.
+        - Most of TP's communication blocks the next matmul: keep tp inside a node. Cutting the
+          matmul into per-rank pieces on a ring (async TP) lets the sequence-parallel collectives
+          travel beside it; each rank's matmul also gets thinner as $t$ grows.
 
         The companion notebook, `lectures/notebooks/lecture_04_tensor_parallel.ipynb`, runs every
         section above and lets you split the GPT your way (`make jupyter` opens it).
