@@ -39,6 +39,7 @@ class Traffic:
     sends: int = 0
     bytes: int = 0
     matmul_rows: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)   # "post", "matmul", "wait", in order
 
 
 _traffic = None   # a Traffic while counting()
@@ -70,6 +71,17 @@ def without_overlap():
         _overlap = previous
 
 
+def _check_no_autograd(x, weight, what):
+    """The bare rings are forward only: autograd would see the received chunks as constants and
+    drop the other ranks' terms from the gradients, silently. Training goes through
+    AllGatherMatmul / MatmulReduceScatter (column_parallel / row_parallel), whose forward calls
+    the ring with gradients off."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        raise RuntimeError(f"{what} is the forward ring only and has no backward; to train, use "
+                           "column_parallel/row_parallel (AllGatherMatmul/MatmulReduceScatter), "
+                           "or call it under torch.no_grad()")
+
+
 def _check(x, weight, what):
     if x.dim() != 3:
         raise ValueError(f"{what}: activations are (batch, seq, hidden), split along dim {SEQ_DIM}; "
@@ -85,6 +97,7 @@ def _partial_matmul(x, weight):
     """One of the t pieces: this chunk of positions times the weight."""
     if _traffic is not None:
         _traffic.matmul_rows.append(x.shape[0] * x.shape[1])
+        _traffic.events.append("matmul")
     with _collective("partial matmul"):
         return F.linear(x, weight)
 
@@ -99,18 +112,24 @@ class _RingStep:
         send = send.contiguous()
         self.send, self.recv = send, recv            # kept alive until the transfer is done
         prev, nxt = dist.get_global_rank(group, (r - 1) % t), dist.get_global_rank(group, (r + 1) % t)
-        self.start = time.perf_counter()
+        posting = time.perf_counter()
         self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, prev, group),
                                              dist.P2POp(dist.isend, send, nxt, group)])
+        self.start = time.perf_counter()   # posting can take the rank's time too: its own span
+        if tp_ops._trace:
+            span_at("posting a transfer", posting, self.start)
         if _traffic is not None:
             _traffic.sends += 1
             _traffic.bytes += send.numel() * send.element_size()
+            _traffic.events.append("post")
         if not _overlap:
             self._finish()
 
     def _finish(self):
         # a gloo point-to-point Work must be waited for once: a second wait() on a receive
         # waits for another message and times out
+        if self.works and _traffic is not None:
+            _traffic.events.append("wait")
         for work in self.works:
             work.wait()
         self.works = []
@@ -130,6 +149,7 @@ def all_gather_matmul(x_shard, weight, group, return_gathered=False):
     rank multiplies the chunk of rank r−k while passing it on to r+1 and receiving r−k−1's.
     With `return_gathered`, also the gathered input (backward needs it for the weight gradient)."""
     _check(x_shard, weight, "all_gather_matmul")
+    _check_no_autograd(x_shard, weight, "all_gather_matmul")
     t, r = _size_rank(group)
     _check_same_shard(x_shard, group, "all_gather_matmul")
     held = x_shard.contiguous()
@@ -149,9 +169,11 @@ def matmul_reduce_scatter(x, weight, group):
     computes its term of chunk r−k−1, adds the running sum that arrived from r−1, and sends it
     on to r+1 while the next term is computed. After t steps it holds the sum of chunk r."""
     _check(x, weight, "matmul_reduce_scatter")
+    _check_no_autograd(x, weight, "matmul_reduce_scatter")
     t, r = _size_rank(group)
-    _check_same_shard(x, group, "matmul_reduce_scatter")
     _check_divisible(x, SEQ_DIM, t, "matmul_reduce_scatter")
+    # what travels is a partial sum (b, s/t, out): its shape must agree on every rank, weight included
+    _check_same_shard(x.new_empty(1).expand(*x.shape[:-1], weight.shape[0]), group, "matmul_reduce_scatter")
     pieces, step = x.chunk(t, SEQ_DIM), None
     for k in range(t):
         partial = _partial_matmul(pieces[(r - k - 1) % t], weight)   # while the last sum travels

@@ -370,6 +370,9 @@ def training_state_bytes(rank, world_size, cfg, sequence_parallel=False):
     """What one rank holds between steps of AdamW training: parameters, gradients and the
     optimizer's two moments, measured from the tensors' storages after one step; the parameters
     split in two, those the plan shards and those it keeps whole on every rank."""
+    if cfg.kv_heads % world_size:   # then each K/V head is held by several ranks: neither split nor whole
+        raise ValueError(f"training_state_bytes sorts parameters into split and whole; with {cfg.kv_heads} "
+                         f"K/V heads on {world_size} ranks the K/V weights are replicated in part")
     full = dict(GPT(cfg).named_parameters())
     model = parallelize_gpt(GPT(cfg).to(device()), dist.group.WORLD, sequence_parallel=sequence_parallel)
     opt = torch.optim.AdamW(model.parameters())
@@ -390,22 +393,27 @@ def training_state_bytes(rank, world_size, cfg, sequence_parallel=False):
 def gemm_rates(rank, world_size, tokens, widths, tps, repeats=5):
     """{(h, t): (column-parallel FLOP/s, row-parallel FLOP/s)} of one rank's share of an MLP's two
     matmuls: (tokens × h)·(h × 4h/t) and (tokens × 4h/t)·(4h/t × h), the shapes tensor
-    parallelism leaves each of t ranks. One thread on a CPU; bf16 on a GPU."""
-    from util.measure import measure
+    parallelism leaves each of t ranks. For each h, every share is timed side by side with the
+    others (interleaved repeats), so that noise hits the baseline t = 1 like the rest. One
+    thread on a CPU; bf16 on a GPU."""
+    from util.measure import measure_side_by_side
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rand = lambda *shape: torch.randn(*shape, dtype=dtype, device=dev)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
     try:
         for h in widths:
+            fns = {}
             for t in tps:
-                x, w_in = torch.randn(tokens, h, dtype=dtype, device=dev), torch.randn(h, 4 * h // t, dtype=dtype, device=dev)
-                hid, w_out = torch.randn(tokens, 4 * h // t, dtype=dtype, device=dev), torch.randn(4 * h // t, h, dtype=dtype, device=dev)
+                x, w_in, hid, w_out = rand(tokens, h), rand(h, 4 * h // t), rand(tokens, 4 * h // t), rand(4 * h // t, h)
+                fns[(t, 0)] = lambda x=x, w=w_in: x @ w
+                fns[(t, 1)] = lambda x=hid, w=w_out: x @ w
+            times = measure_side_by_side(fns, warmup=2, repeats=repeats)
+            for t in tps:
                 flops = 2 * tokens * h * (4 * h // t)
-                col = measure(lambda: x @ w_in, warmup=2, repeats=repeats, group=None)
-                row = measure(lambda: hid @ w_out, warmup=2, repeats=repeats, group=None)
-                out[(h, t)] = (flops / col.median, flops / row.median)
+                out[(h, t)] = (flops / times[(t, 0)].median, flops / times[(t, 1)].median)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -611,9 +619,11 @@ def _train_dropout_mlp(m, masks, streams, p, steps, lr, b, s, group=None):
 
 
 def _gather(t, group):
-    every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, t.contiguous(), group=group)
-    return every
+    """Every rank's `t`, gathered through this rank's collective device (the GPU under NCCL)."""
+    on = t.to(device()).contiguous()
+    every = [torch.empty_like(on) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, on, group=group)
+    return [e.to(t.device) for e in every]
 
 
 def _agreement(keep, group):
@@ -1123,7 +1133,9 @@ def memory_per_rank():
         in float32 a rank holds 16 bytes per parameter it owns: the weight, its gradient and two
         moments (lecture 01). A parameter the plan splits is owned by one rank in $t$; one it keeps
         whole (the LayerNorms, the row-parallel biases, the learned positions) is owned by all of
-        them. So a rank holds $16\\,(S/t + R)$ bytes for $S$ split and $R$ replicated parameters.
+        them. So a rank holds $16\\,(S/t + R)$ bytes for $S$ split and $R$ replicated parameters
+        (with the K/V heads split, $t$ dividing their number; under grouped-query attention with
+        more ranks than K/V heads each K/V head sits on several ranks, which adds its share back).
         Measured from the storages of the tensors each rank holds after one AdamW step:
     """)
     see(training_state_bytes)
@@ -1163,7 +1175,7 @@ def memory_per_rank():
     ax.set_ylabel("kB per rank (measured)")
     ax.legend(fontsize=8, frameon=False)
     figure(fig, caption="what a rank holds between steps: everything shrinks with tp except the replicated parameters "
-           "and their gradients and moments (the bars stand above the dashed ideal by that much)")
+           "and their gradients and moments (the bars stand above the dashed ideal by 16R(1 − 1/t))")
     last = rows[-1]
     names = ", ".join(f"`{n}`" for n in parts[ts[-1]]["replicated names"])
     note(f"""
@@ -1372,7 +1384,8 @@ def dropout_two_kinds_of_activation():
         out: the attention-probability dropout does, and with sequence parallelism the whole
         `TransformerBlock` runs inside the fork (its hidden dropout then acts on sequence shards).
         Without SP the hidden dropout (`bias_dropout_add`) uses the default state, alike on every
-        rank.
+        rank. Data-parallel replicas see different samples, so sharing masks across them does
+        no harm.
     """)
     see("https://arxiv.org/abs/1706.03762", "Vaswani et al. 2017, Attention Is All You Need (section 5.4, residual dropout)")
     see("https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/tensor_parallel/random.py",
@@ -1442,8 +1455,18 @@ def dropout_two_streams_measured():
         `{dt['tracker'].replace('NoneType', 'none')}`): `F.dropout` of a DTensor sharded on its
         last dimension gave the {n} shards masks that agree on {dt['agreement']:.0%} of their
         elements (independent masks: {expected:.0%}){"; DTensor warned: *" + dt['warnings'][0] + "*"
-        if dt['warnings'] else ""}.
+        if dt['warnings'] else ""}. {_dtensor_dropout_verdict(dt['agreement'], expected)}
     """)
+
+
+def _dtensor_dropout_verdict(agreement, expected):
+    if agreement == 1:
+        return ("Every shard got the same mask: the *same seed* failure of the table above, "
+                "because this course's launcher seeds every rank's default generator alike. A "
+                "split activation must not get that.")
+    if abs(agreement - expected) < 0.05:
+        return "The shards' masks are as independent as they should be."
+    return "The shards' masks are neither identical nor independent."
 
 
 def _dropout_verdict(setup, r, expected, steps):
@@ -1643,7 +1666,7 @@ def async_tensor_parallelism():
     b, s, h = (4, 256, 64) if settings.quick else (8, 512, 64)   # matmuls and collectives take similar times
     async_tp_idea()                         # why the SP collectives block, and the ring that hides them
     r = async_tp_timeline(b, s, h)          # measured: partial matmuls beside transfers, and the bytes
-    async_tp_timing(b, s, h, r["bytes"])    # measured: plain vs decomposed, forward + backward
+    async_tp_timing(b, s, h, r["bytes"], r["overlap"])   # measured: plain vs decomposed, fwd + bwd
     async_tp_pytorch(r["pytorch on CPU"])   # PyTorch's version, and where it runs
 
 
@@ -1688,10 +1711,12 @@ def async_tp_timeline(b, s, h):
     figure(async_tp_figure(run.spans), caption=f"one SP MLP forward (b = {b}, s = {s}, h = {h}), measured on 2 "
            "ranks. A transfer's bar ends when wait() returned (gloo's send/receive reports no earlier "
            "completion), so it may have finished sooner; red is time spent waiting for it")
-    overlap = async_tp_overlap(run.spans)
+    overlap = r["overlap"] = async_tp_overlap(run.spans)
     note(f"""
         In the plain forward, rank 0 spent {overlap['plain collectives'] * 1e3:.2f} ms in the two
-        collectives and ran no matmul during them. In the decomposed forward it had a transfer in
+        collectives and ran no matmul during them. In the decomposed forward it spent
+        {overlap['posting'] * 1e3:.2f} ms *posting* its transfers (handing them to gloo takes
+        the rank's own time), then had a transfer in
         flight for {overlap['in flight'] * 1e3:.2f} ms, of which {overlap['hidden'] * 1e3:.2f} ms
         overlapped a partial matmul, and it waited {overlap['waiting'] * 1e3:.2f} ms in all.
         {same_output(r['max |plain - decomposed|'])}
@@ -1709,7 +1734,7 @@ def async_tp_timeline(b, s, h):
     why = (": gloo's reduce-scatter is an all-reduce followed by a slice, as the sequence-parallelism "
            "section measured") if more > 1.1 else ""
     note(f"""
-        The decomposed ops sent {"exactly" if dec["counted"] == ring else "not"} the ring formula's
+        The decomposed ops {"sent exactly" if dec["counted"] == ring else "did not send exactly"} the ring formula's
         bytes, in {dec['sends']} transfers of one chunk; what reached the sockets is
         {dec['written'] / dec['counted']:.3f}× that (gloo's headers, and the all-reduce of the
         bias gradient). The plain collectives wrote {more:.2f}× the ring's bytes{why}.
@@ -1717,14 +1742,14 @@ def async_tp_timeline(b, s, h):
     return r
 
 
-def async_tp_timing(b, s, h, sent):
+def async_tp_timing(b, s, h, sent, traced):
     from util.measure import machine, timing_ranks
     ranks = timing_ranks(2)
     times = spawn(async_tp_times, ranks, b=b, s=s, h=h, repeats=5 if settings.quick else 21,
                   name=f"async TP: SP MLP step times, {ranks} ranks").returns[0]
     table([[k, v.ms()] for k, v in times.items()], header=["SP MLP forward + backward", "median (IQR)"],
           caption=f"b = {b}, s = {s}, h = {h}, float32, {machine(ranks)}, one thread each")
-    async_tp_verdict(times, sent["plain"]["written"] / sent["decomposed"]["written"])
+    async_tp_verdict(times, sent["plain"]["written"] / sent["decomposed"]["written"], traced, ranks)
 
 
 def same_output(diff):
@@ -1744,6 +1769,7 @@ def async_tp_overlap(spans):
     hidden = sum(max(0.0, min(tr["end"], mm["end"]) - max(tr["start"], mm["start"]))
                  for tr in mine if tr["label"] == "transfer (posted → done)" for mm in matmuls)
     return {"plain collectives": total("all-gather") + total("reduce-scatter"),
+            "posting": total("posting a transfer"),
             "in flight": total("transfer (posted → done)"), "hidden": hidden,
             "waiting": total("waiting for the transfer")}
 
@@ -1754,7 +1780,7 @@ def async_tp_figure(spans):
     import matplotlib.pyplot as plt
     colours = {"matmul": "#4c72b0", "partial matmul": "#4c72b0", "all-gather": "#dd8452",
                "reduce-scatter": "#dd8452", "transfer (posted → done)": "#dd8452",
-               "waiting for the transfer": "#c44e52"}
+               "waiting for the transfer": "#c44e52", "posting a transfer": "#8172b3"}
     fig, axes = plt.subplots(2, 1, figsize=(8, 3.6), sharex=True)
     for ax, name in zip(axes, ("plain", "decomposed")):
         ticks = []
@@ -1768,7 +1794,7 @@ def async_tp_figure(spans):
             y = row * 1.2
             for sp in inside:
                 lane = y + (0.45 if "matmul" in sp["label"] else 0)
-                height = 0.25 if sp["label"] == "waiting for the transfer" else 0.4
+                height = 0.25 if sp["label"] in ("waiting for the transfer", "posting a transfer") else 0.4
                 ax.barh(lane, (sp["end"] - sp["start"]) * 1e3, left=(sp["start"] - t0) * 1e3, height=height,
                         color=colours[sp["label"]], edgecolor="black", linewidth=0.3)
             ticks.append((y + 0.22, f"rank {rank}"))
@@ -1776,38 +1802,52 @@ def async_tp_figure(spans):
         ax.set_title(f"{name}: " + ("all-gather, matmul, …, matmul, reduce-scatter" if name == "plain"
                                     else "partial matmuls while the chunks travel"), fontsize=10, loc="left")
     axes[-1].set_xlabel("time since the forward started (ms)")
-    labels = ["matmul (whole or partial)", "collective, or transfer in flight", "waiting for a transfer"]
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4c72b0", "#dd8452", "#c44e52")],
-               labels=labels, loc="lower center", ncol=3, frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    labels = ["matmul (whole or partial)", "collective, or transfer in flight", "posting a transfer",
+              "waiting for a transfer"]
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4c72b0", "#dd8452", "#8172b3", "#c44e52")],
+               labels=labels, loc="lower center", ncol=2, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
 
-def async_tp_verdict(times, more_bytes):
+def async_tp_verdict(times, more_bytes, traced, ranks):
     """The timing table's conclusion, worded from the measurements: the overlap's effect is the
-    ring against itself without overlap; the ring's sends against gloo's collectives apart."""
-    from util.measure import compare
+    ring against itself without overlap; the ring's sends against gloo's collectives apart; the
+    reasons from the traced forward (`traced`: async_tp_overlap's seconds)."""
+    from util.measure import compare, spreads_overlap, usable_cores
     plain, dec, serial = times["plain"], times["decomposed"], times["decomposed, no overlap"]
     mm, coll = times["matmuls alone"], times["collectives alone"]
-    most = min(mm.median, coll.median)   # what perfect overlap could take off
-    from util.measure import spreads_overlap
-    won = dec.median < serial.median and not spreads_overlap(dec, serial)
+    most, gain = min(mm.median, coll.median), serial.median - dec.median   # most: perfect overlap's win
+    if spreads_overlap(dec, serial):
+        how = "Here the overlap won nothing this machine can measure."
+    elif gain > 0:
+        how = (f"Here it won {gain * 1e3:.2f} ms of the {most * 1e3:.2f} ms it could"
+               + (", about all of it." if gain >= 0.8 * most else "."))
+    else:
+        how = "Here the overlapped ring was slower than the same ring waiting at once."
+    rest = plain.median - mm.median - coll.median
     gloo = (f" (gloo's reduce-scatter is an all-reduce and a slice: the plain step wrote {more_bytes:.2f}× "
-            "the ring's bytes, above)" if more_bytes > 1.1 else "")
+            "the ring's bytes, above)" if more_bytes > 1.1 and serial.median < plain.median
+            and not spreads_overlap(serial, plain) else "")
+    spare = ("; with one core per rank, that copying competes with the matmul it should hide behind"
+             if usable_cores() <= ranks else "")
     note(f"""
         Three runs separate two effects. **The overlap**, the ring against the same ring whose
         transfers are waited for at once: {compare(dec, serial, 'overlapped', 'not overlapped')}.
         Apart, the matmuls take {mm.median * 1e3:.2f} ms and the plain collectives
-        {coll.median * 1e3:.2f} ms, so perfect overlap could win at most {most * 1e3:.2f} ms.
-        **The collectives**, the ring without overlap against gloo's all-gather and
+        {coll.median * 1e3:.2f} ms, so perfect overlap could win at most {most * 1e3:.2f} ms
+        {f"(the plain step's other {rest * 1e3:.2f} ms are neither: GELU, autograd's bookkeeping, the bias gradient's all-reduce)" if rest > 0 else ""}.
+        {how} **The collectives**, the ring without overlap against gloo's all-gather and
         reduce-scatter: {compare(serial, plain, 'ring sends', 'plain collectives')}{gloo}.
         Together, decomposed against plain: {compare(dec, plain, 'decomposed', 'plain')}.
 
-        {"It wins less than it could" if won else "Overlap is hard here"}, because a transfer "in flight" is not free for the CPU: gloo's I/O
-        thread and the kernel's TCP stack copy every byte, on the same single core per rank
-        that runs the matmul it should hide behind. The ring also cuts each matmul into $t$
-        shorter ones, each paying its own call overhead. On GPUs the bytes move over NVLink
-        while the tensor cores compute, and that is where decomposition pays.
+        What limits the overlap on this machine, from the traced forward above: posting the
+        transfers took {traced['posting'] * 1e3:.2f} ms of the rank's own time, and of
+        {traced['in flight'] * 1e3:.2f} ms in flight only {traced['hidden'] * 1e3:.2f} ms ran beside a
+        partial matmul. gloo moves the bytes with the CPU, its I/O thread and the kernel's TCP
+        stack copying them{spare}. The ring also cuts each matmul into $t$ shorter ones, each
+        paying its own call overhead. On GPUs a copy engine or NVLink moves the bytes while the
+        tensor cores compute, which is where PyTorch reports its gains (below).
     """)
 
 
@@ -1823,10 +1863,12 @@ def async_tp_pytorch(cpu_error):
         same way in reverse: each rank writes its term for another rank's chunk into its buffer,
         that rank copies it, and each rank sums its $t$ terms at the end.
 
-        You do not call these ops yourself: with `torch._inductor.config._micro_pipeline_tp = True`,
+        You need not call these ops yourself: with `torch._inductor.config._micro_pipeline_tp = True`,
         a pass of `torch.compile` replaces an all-gather followed by matmuls, or a matmul followed
-        by a reduce-scatter, with them. torchtitan turns this on with
-        `--parallelism.enable_async_tensor_parallel`, and refuses it without compiling the model.
+        by a reduce-scatter, with them. torchtitan has an `enable_async_tensor_parallel` option
+        for it (its section of the config has moved between versions), and refuses it without
+        compiling the model. Ours is the simplest form of the decomposition: one direction
+        around the ring, one send and one receive per step.
         In torch {torch.__version__} the ops have CUDA kernels only:
         called on CPU tensors here, the op {ran}. The compiler pass also returns early when NCCL
         is not available ({"it is" if torch_dist.is_nccl_available() else "it is not, in this build"}).
@@ -1851,8 +1893,9 @@ def gemm_efficiency():
         a rank's share of the MLP is a $({tokens} \\times h)\\cdot(h \\times 4h/t)$ matmul
         (column-parallel) and a $({tokens} \\times 4h/t)\\cdot(4h/t \\times h)$ one (row-parallel),
         and as $4h/t$ shrinks the matrix gets too thin to keep the arithmetic units busy: there is
-        less reuse of each loaded value, and fixed per-call costs weigh more. Measured here, one
-        thread, the rate each share reaches, against the unsplit ($t$ = 1) matmul of the same width:
+        less reuse of each loaded value, and fixed per-call costs weigh more. Measured here
+        ({"bf16 on the GPU" if on_gpu else "float32, one CPU thread"}), the rate each share reaches,
+        against the unsplit ($t$ = 1) matmul of the same width:
     """)
     see(gemm_rates)
     rates = spawn(gemm_rates, 1, tokens=tokens, widths=widths, tps=tps, repeats=3 if settings.quick else 7,
@@ -1878,23 +1921,24 @@ def gemm_efficiency():
                         "column efficiency vs t=1", "row efficiency vs t=1"],
           caption=f"measured, median of repeats; {machine(1)}")
     too_thin = lambda h, t: any(rates[(h, t)][k] < 0.8 * rates[(h, 1)][k] for k in (0, 1))
-    slow = {h: next((4 * h // t for t in tps if too_thin(h, t)), None) for h in widths}
+    slow = {h: next((t for t in tps if too_thin(h, t)), None) for h in widths}   # the first t too thin
     faster = [h for h in widths if any(rates[(h, t)][k] > 1.1 * rates[(h, 1)][k] for t in tps for k in (0, 1))]
-    said = "; ".join(f"h = {h}: from local width {w} on" if w else f"h = {h}: not in this range"
-                     for h, w in slow.items())
-    first_t = [4 * h // w if w else math.inf for h, w in slow.items()]   # the first t that is too thin, per h
-    ordered = any(w for w in slow.values()) and first_t == sorted(first_t)
+    said = "; ".join(f"h = {h}: from t = {t} on (local width {4 * h // t})" if t else f"h = {h}: not up to t = {tps[-1]}"
+                     for h, t in slow.items())
+    firsts = [t or math.inf for t in slow.values()]
+    if not any(slow.values()):
+        verdict = "No share fell below 80% in this range."
+    elif firsts == sorted(firsts):
+        verdict = ("The narrower the model, the smaller the t at which its shares get too thin: a wide "
+                   "model can be split further before each rank wastes compute.")
+    else:
+        verdict = ("This run does not order the widths as expected (the narrower model first); the "
+                   "table's rows say what it measured.")
     note(f"""
-        Where a rank's share first runs below 80% of the unsplit matmul's rate: {said}.
-    """ + ("""
-        The narrower the model, the sooner its shares get too thin: what matters is the local
-        width $4h/t$, not $t$, so a wide model can be split further before each rank wastes compute.
-    """ if ordered else """
-        This run does not order the widths clearly (a shared two-core machine is noisy); the
-        table's rows say what it measured.
-    """) + (f"""
-        Some shares run *faster* than the whole (h = {", ".join(map(str, faster))}): a smaller
-        weight fits this CPU's caches better.
+        Where a rank's share first runs below 80% of the unsplit matmul's rate: {said}. {verdict}
+    """ + (f"""
+        Some shares run *faster* than the unsplit matmul (h = {", ".join(map(str, faster))}): a
+        smaller weight can fit a faster level of the {"GPU's" if on_gpu else "CPU's"} memory hierarchy.
     """ if faster else ""))
 
 
@@ -1992,10 +2036,11 @@ def summary():
           bytes in a ring) and splits the activations TP left whole, at the price of
           all-reducing the replicated LayerNorm gradients.
         - A rank holds $16(S/t + R)$ bytes of weights, gradients and Adam state: TP divides the
-          split parameters by $t$ and leaves the norms and row-parallel biases whole.
+          split parameters by $t$ (K/V heads too, when $t$ divides them) and leaves the norms,
+          positions and row-parallel biases whole.
         - A dropout mask on a replicated activation must be the same on every TP rank, one on a
-          split activation different on each: two streams (Megatron's RNG tracker), and masks
-          that are a function of a key survive recomputation.
+          split activation different on each: two streams (Megatron's RNG tracker). Masks that
+          are a function of a key survive recomputation with no generator state to save.
         - Most of TP's communication blocks the next matmul: keep tp inside a node. Cutting the
           matmul into per-rank pieces on a ring (async TP) lets the sequence-parallel collectives
           travel beside it; each rank's matmul also gets thinner as $t$ grows.

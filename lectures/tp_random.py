@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lectures.tp_ops import _size_rank
+from util import device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ def _check_p(p):
 
 def keep_mask(key, shape, p, device="cpu"):
     """The boolean keep-mask (True = kept, probability 1 - p) for `key` and `shape`: the same
-    every time it is asked for, in any process."""
+    every time it is asked for, in any process on the same kind of device (a CPU generator
+    and a CUDA one draw different numbers from the same seed)."""
     _check_p(p)
     shape = tuple(shape)
     if key.slice_of is None:
@@ -116,7 +118,7 @@ class TPRandom:
     def _same_everywhere(self, number, message):
         if self.size == 1:
             return
-        mine = torch.tensor([number], dtype=torch.int64)
+        mine = torch.tensor([number], dtype=torch.int64, device=device())   # NCCL needs it on the GPU
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         values = [int(v) for v in every]

@@ -5,6 +5,8 @@ decomposition moves.
 One spawn per world size (1, 2, 3, 4) runs every check on the ranks; each rank also computes the
 one-process reference from identically seeded tensors. Sizes are awkward on purpose: batch 3,
 hidden 7, output 5, sequences of 2t and 3t positions, float64."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,8 +92,14 @@ def _misuse(g, t, r):
              "wrong weight": lambda: A.all_gather_matmul(torch.randn(B, 2, H, dtype=F64), w.t(), g),
              "wrong dtype": lambda: A.matmul_reduce_scatter(torch.randn(B, 2 * t, H), w, g),
              "sequence not divisible": lambda: A.matmul_reduce_scatter(torch.randn(B, 2 * t + 1, H, dtype=F64), w, g)}
+    leaf = torch.randn(B, 2 * t, H, dtype=F64, requires_grad=True)
+    cases["all_gather_matmul with autograd"] = lambda: A.all_gather_matmul(leaf, w, g)
+    cases["matmul_reduce_scatter with autograd"] = lambda: A.matmul_reduce_scatter(leaf, w, g)
     if t > 1:   # rank 0 holds one position more than the others
         cases["unequal shards"] = lambda: A.all_gather_matmul(torch.randn(B, 2 + (r == 0), H, dtype=F64), w, g)
+        # each rank's weight one row wider than the last: the partial sums that travel differ
+        cases["weights of unequal width"] = lambda: A.matmul_reduce_scatter(
+            torch.randn(B, 2 * t, H, dtype=F64), torch.randn(OUT + r, H, dtype=F64), g)
     if t == 3:  # the last rank is handed a group it is not in (only it calls: the others would wait)
         pair = dist.new_group([0, 1])
         if r == 2:
@@ -102,7 +110,7 @@ def _misuse(g, t, r):
         try:
             fn()
             got[name] = None
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             got[name] = str(e)
     # no_grad forward: works, and equals the forward with autograd
     fc_in, fc_out = _mlp_pair(g, t, 2)
@@ -138,6 +146,14 @@ def checks(rank, world_size):
         d = _train(g, t, r, 2 * t, True, lambda p: torch.optim.SGD(p, lr=0.1))
     out["diffs"].update({f"ring without overlap: {k}": v for k, v in d.items()})
     out["without overlap sends"] = c.sends
+    # the order of what a rank does: a transfer is posted, a partial matmul runs, then it is waited for
+    x, w = torch.randn(B, 2 * t, H, dtype=F64), torch.randn(OUT, H, dtype=F64)
+    out["events"] = {}
+    for overlap in (True, False):
+        with torch.no_grad(), A.counting() as c, (contextlib.nullcontext() if overlap else A.without_overlap()):
+            A.all_gather_matmul(_split(x, 1, g), w, g)
+            A.matmul_reduce_scatter(x, w, g)
+        out["events"][overlap] = c.events
     if t == 4:   # two groups of 2: group ranks are not global ranks
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         d = _train(groups[r // 2], 2, r % 2, 6, True, lambda p: torch.optim.SGD(p, lr=0.1))
@@ -186,7 +202,27 @@ def test_misuse_fails_clearly_or_works(results, t):
         else:
             assert m["sequence not divisible"] is None       # one rank: nothing to split
         assert m["no_grad forward"] == 0
+        assert "forward ring only" in m["all_gather_matmul with autograd"]
+        assert "forward ring only" in m["matmul_reduce_scatter with autograd"]
+        if t > 1:
+            assert "shards differ" in m["weights of unequal width"]
     last = results[t][-1]["misuse"]
     if t == 3:
         assert "is not a member" in last["group without this rank"]
         assert "is not a member" in last["MLP on a group without this rank"]
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_every_transfer_travels_beside_a_partial_matmul(results, t):
+    """Wang et al.'s point: between posting a transfer and waiting for it, the rank runs a partial
+    matmul. The control run (without_overlap) waits at once: same sends, nothing beside them."""
+    for res in results[t]:
+        overlapped, serial = res["events"][True], res["events"][False]
+        assert overlapped.count("post") == serial.count("post") == 2 * (t - 1)
+        assert overlapped.count("matmul") == serial.count("matmul") == 2 * t
+        for i, e in enumerate(overlapped):
+            if e == "post":
+                assert overlapped[i + 1] == "matmul" and "wait" in overlapped[i + 1:], overlapped
+        for i, e in enumerate(serial):
+            if e == "post":
+                assert serial[i + 1] == "wait", serial
