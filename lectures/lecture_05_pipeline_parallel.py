@@ -717,6 +717,30 @@ def interleaved_measured(R, p):
     """)
 
 
+def dualpipev_idle_law(cost, ps=range(2, 9)):
+    """Whether the gap between our DualPipeV list and the README's formula is one law at every p
+    (simulated for p = 2..8, m = 2p + 2), as a sentence."""
+    full_b = cost["B"] + cost["W"]
+    ratios, fill, hidden = set(), True, True
+    for p in ps:
+        run = simulate(make_schedule("dualpipev", p, 2 * p + 2, 2), cost)
+        idle = {run.makespan - sum(e - b for _, b, e in row) for row in run.timeline}
+        if len(idle) > 1:
+            return f"At p = {p} the ranks idle unequally ({sorted(idle)}): no single law."
+        idle = idle.pop()
+        fill = fill and abs(idle - (p - 1) * cost["F"]) < 1e-9
+        hidden = hidden and abs(idle - dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"], FB=full_b)) < 1e-9
+        ratios.add(round(dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"]) / idle, 9))
+    if len(ratios) > 1:
+        return f"The ratio of the README's count to ours changes with p ({sorted(ratios)})."
+    ours = ("$(p-1)F$, the time the first forward takes to reach the last device" if fill
+            else "the same at every rank")
+    return (f"The gap is systematic: for every p from {ps[0]} to {ps[-1]} (m = 2p + 2) each rank of "
+            f"our list idles {ours}, and the README's count is {ratios.pop():g}× that"
+            + (" (with these costs ours equals the README's formula with $F\\&B = B$, as if each "
+               "pair's forward hid entirely inside its backward)." if hidden else "."))
+
+
 def zero_bubble_measured(R, p):
     m = 8
     names = [("1f1b m=8", "1f1b", 1), ("zb-h1", "zb-h1", 1), ("zb-h2", "zb-h2", 1), ("zb-v", "zb-v", 2),
@@ -739,6 +763,7 @@ def zero_bubble_measured(R, p):
                    "both rather than force them to agree.")
     idle_words = (f"{dv_idle[0]:g} on every rank" if len(set(dv_idle)) == 1 else
                   f"{min(dv_idle):g} to {max(dv_idle):g}, by rank")
+    law = dualpipev_idle_law(cost)
     note(f"""
         ## Zero bubble: split the backward
         A backward computes two things: the gradient with respect to the stage's input (B, which
@@ -806,7 +831,7 @@ def zero_bubble_measured(R, p):
         since nothing overlaps here, give $(S/2-1)(F\\&B+B-3W)$ = {p - 1}·{cost['F'] + full_b + full_b - 3 * cost['W']:g}
         = **{readme:g}** units of idle time per rank. The simulated list idles **{idle_words}**
         (a makespan of {dv.makespan:g} against {dv.makespan - dv_idle[0]:g} units of work per rank).
-        {agree_words}
+        {agree_words} {law}
     """)
 
 

@@ -412,6 +412,18 @@ def test_dualpipev_readme_formula_beside_the_simulated_idle():
         dualpipev_readme_bubble(4, 0.5, 0.5, 1.0)                         # W cannot exceed the full B
 
 
+def test_dualpipev_gap_is_one_law_at_every_p():
+    """The page's sentence about the gap: each rank idles (p − 1)·F for p = 2..8, and the README's
+    count is 2× that at F = B = W per chunk (checked here by simulation, not by the sentence)."""
+    cost = L.chunk_cost(2)
+    for p in range(2, 9):
+        for m in (2 * p, 2 * p + 2, 3 * p + 1):
+            sim = L.simulate(L.make_schedule("dualpipev", p, m, 2), cost)
+            idle = [sim.makespan - sum(e - b for _, b, e in row) for row in sim.timeline]
+            assert idle == pytest.approx([(p - 1) * cost["F"]] * p), (p, m, idle)
+    assert "2× that" in L.dualpipev_idle_law(cost) and "$(p-1)F$" in L.dualpipev_idle_law(cost)
+
+
 def test_free_w_caption_comes_from_the_numbers():
     """Review 05-4: with W = 0 the V list built for F = B = W is worse than 1F1B, said so."""
     free = {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, W=0)).bubble for n, v in L.ALL}
