@@ -811,9 +811,10 @@ def intro():
 
         **What you will learn:** how a weight matrix is cut by columns or by rows and which
         collective joins the pieces; Megatron's conjugate operators f and g; a tensor-parallel
-        MLP, attention (with grouped-query K/V heads) and vocabulary; sequence parallelism and
-        the activation memory it saves; why tensor parallelism's communication sits on the
-        critical path. **What you need:** lecture 01's GPT (blocks, heads, LayerNorm) and
+        MLP, attention (with grouped-query K/V heads) and vocabulary; what each rank then holds;
+        sequence parallelism and the activation memory it saves; dropout masks under TP and SP;
+        why tensor parallelism's communication sits on the critical path, and how cutting the
+        matmul into pieces (async TP) hides part of it. **What you need:** lecture 01's GPT (blocks, heads, LayerNorm) and
         lecture 02's collectives (all-reduce = reduce-scatter + all-gather); in PyTorch,
         `torch.autograd.Function` (a forward and a hand-written backward) and `nn.Linear`.
     """)
