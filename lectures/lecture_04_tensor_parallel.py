@@ -24,8 +24,8 @@ from lectures.memory import saved_bytes
 # The building blocks, each in its module; the names are imported here too so that
 # `from lectures.lecture_04_tensor_parallel import parallelize_gpt` keeps working.
 from lectures.tensor_parallel import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
-                                      RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions,
-                                      ShareKVHeads, TensorParallelAttention)
+                                      RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions)
+from lectures.tp_attention import ShareKVHeads, TensorParallelAttention  # noqa: F401
 from lectures.tp_gpt import (check_splittable, dtensor_plan, full_parameters, gpt_plan,  # noqa: F401
                              parallelize_gpt, parallelize_gpt_dtensor, tp_group, tp_loss)
 from lectures.tp_ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFromRegion,  # noqa: F401

@@ -1,6 +1,5 @@
 """Tensor-parallel layers: column- and row-parallel linear, the sequence-parallel LayerNorm and
-positions, and the attention with Q, K, V fused into one column-parallel matmul (K/V heads split,
-or replicated under grouped-query attention when tp exceeds them).
+positions. The attention built from them is in `lectures/tp_attention.py`.
 
 Megatron-LM (Shoeybi et al. 2019, https://arxiv.org/abs/1909.08053) splits a Linear's weight by
 output rows (column-parallel: each rank computes its slice of the output features) or by input
@@ -11,9 +10,9 @@ a row-parallel one needs one all-reduce forward and one backward. Sequence paral
 share of an ordinary layer, which is left untouched) and `full_tensors()` (the unsplit weights or
 gradients, for checks). A layer built fresh draws its shards on each rank and broadcasts what is
 replicated (a row-parallel bias, positions, K/V heads held by several ranks) from the group's
-first rank, so that the copies agree; every rank of the group must construct it. The operators they are built from are in `lectures/tp_ops.py`, the
-vocabulary-parallel embedding and loss in `lectures/vocab_parallel.py`, and the plan that applies
-them all to the GPT in `lectures/tp_gpt.py`.
+first rank, so that the copies agree; every rank of the group must construct it. The operators
+they are built from are in `lectures/tp_ops.py`, the vocabulary-parallel embedding and loss in
+`lectures/vocab_parallel.py`, and the plan that applies them all to the GPT in `lectures/tp_gpt.py`.
 """
 import math
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.tp_ops import (SEQ_DIM, _all_gather, _check_same_shard, _all_reduce, _all_reduce_async_, _collective, _reduce_scatter_async,
+from lectures.tp_ops import (SEQ_DIM, _all_gather, _check_same_shard, _all_reduce_async_, _collective, _reduce_scatter_async,
                              _size_rank, _split, copy_to_region, gather_from_region, reduce_from_region,
                              reduce_scatter_sequence, scatter_to_region)
 
@@ -285,160 +284,3 @@ class SequenceParallelPositions(nn.Embedding):
     def forward(self, positions):
         mine = _split(positions, positions.dim() - 1, self.group)
         return F.embedding(mine, copy_to_region(self.weight, self.group))
-
-
-class ShareKVHeads(torch.autograd.Function):
-    """Identity forward; backward, sums the K and V rows of each gradient over the ranks that hold
-    the same (replicated) K/V head, so that every copy of a head gets the gradient of all the
-    query heads that read it. One all-reduce over the tensor-parallel group of a buffer with a
-    slot per K/V head (each rank fills its head's slot): the bytes of the whole K/V gradient,
-    which for one K/V head (multi-query attention) is exactly the head's gradient."""
-
-    @staticmethod
-    def forward(ctx, layout, *params):
-        ctx.layout = layout
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        lay = ctx.layout
-        kv = slice(lay.q_rows, lay.q_rows + 2 * lay.kv_rows)
-        mine = torch.cat([g[kv].reshape(-1) for g in grads])
-        buf = mine.new_zeros(lay.kv_heads, mine.numel())
-        buf[lay.kv_held[0]] = mine
-        summed = _all_reduce(buf, lay.group)[lay.kv_held[0]]
-        out, at = [], 0
-        for g in grads:
-            g = g.clone()
-            n = g[kv].numel()
-            g[kv] = summed[at:at + n].view_as(g[kv])
-            at += n
-            out.append(g)
-        return (None, *out)
-
-
-class TensorParallelAttention(nn.Module):
-    """Lecture 01's CausalSelfAttention split by heads, with Q, K and V FUSED into one
-    column-parallel matmul, as in Megatron-LM: this rank's weight is [W_q; W_k; W_v] for its a/t
-    query heads and the K/V heads they read. One matmul means one f: in backward the input
-    gradient's all-reduce is started before the Q/K/V weight gradient is computed, and travels
-    while it is (ColumnParallelLinearFunction). The output projection is row-parallel.
-
-    K/V heads under grouped-query attention (a query heads, k K/V heads, t ranks):
-    - t divides k ("split"): each rank holds k/t K/V heads, like the query heads.
-    - k divides t ("replicated"): each rank's a/t query heads all read one K/V head; that head
-      is held by the t/k ranks that need it (vLLM's replication of K/V heads), and its gradient
-      is summed over them (ShareKVHeads).
-    Other (a, k, t) would give a rank query heads of unequal groups: refused."""
-
-    def __init__(self, n_heads, n_kv_heads, head_dim, d_model, group, bias=True, sequence_parallel=False,
-                 device=None, dtype=None, _sync_replicated=True):
-        super().__init__()
-        n, r = _size_rank(group)
-        a, k, d = n_heads, n_kv_heads, head_dim
-        if a % n:
-            raise ValueError(f"TensorParallelAttention: tp={n} must divide the {a} attention heads")
-        if k % n == 0:
-            self.kv_layout, held = "split", list(range(r * k // n, (r + 1) * k // n))
-        elif n % k == 0:
-            self.kv_layout, held = "replicated", [r // (n // k)]
-        else:
-            raise ValueError(f"TensorParallelAttention: tp={n} must divide the {k} K/V heads or be a "
-                             f"multiple of them (else a rank's {a // n} query heads read K/V heads "
-                             "in unequal groups)")
-        self.group, self.sequence_parallel, self.head_dim = group, sequence_parallel, d
-        self.n_heads, self.kv_heads, self.tp = a, k, n
-        self.q_heads_held = list(range(r * a // n, (r + 1) * a // n))
-        self.kv_held = held
-        self.q_rows, self.kv_rows = len(self.q_heads_held) * d, len(held) * d
-        rows = self.q_rows + 2 * self.kv_rows
-        self.weight = nn.Parameter(torch.empty(rows, d_model, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
-        bound = 1 / math.sqrt(d_model)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-        if _sync_replicated and self.kv_layout == "replicated":
-            self._share_kv_init()
-        self.o_proj = RowParallelLinear(a * d, d_model, group, bias=bias, input_is_parallel=True,
-                                        sequence_parallel=sequence_parallel, device=device, dtype=dtype,
-                                        _sync_replicated=_sync_replicated)
-        self.attend = None
-
-    @torch.no_grad()
-    def _share_kv_init(self):
-        """Give every copy of a replicated K/V head its first holder's fresh values: one all-reduce
-        of a buffer with a slot per K/V head, which only the head's first holder fills."""
-        if self.tp == 1:
-            return
-        _, r = _size_rank(self.group)
-        first = r % (self.tp // self.kv_heads) == 0
-        for p in (self.weight, self.bias):
-            if p is None:
-                continue
-            kv = p[self.q_rows:]                               # [K rows; V rows] of one head
-            buf = kv.new_zeros((self.kv_heads,) + tuple(kv.shape))
-            if first:
-                buf[self.kv_held[0]] = kv
-            kv.copy_(_all_reduce(buf, self.group)[self.kv_held[0]])
-
-    @classmethod
-    def from_full(cls, attn, group, sequence_parallel=False):
-        """This rank's heads of lecture 01's CausalSelfAttention (which is left untouched)."""
-        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
-            raise TypeError(f"TensorParallelAttention.from_full needs lecture 01's CausalSelfAttention, "
-                            f"got {type(attn).__name__}")
-        w = attn.q_proj.weight
-        layer = cls(attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.q_proj.in_features, group,
-                    bias=attn.q_proj.bias is not None, sequence_parallel=sequence_parallel,
-                    device=w.device, dtype=w.dtype, _sync_replicated=False)
-        d = attn.head_dim
-        q = torch.cat([torch.arange(i * d, (i + 1) * d) for i in layer.q_heads_held])
-        kv = torch.cat([torch.arange(i * d, (i + 1) * d) for i in layer.kv_held])
-        with torch.no_grad():
-            layer.weight.copy_(torch.cat([attn.q_proj.weight[q], attn.k_proj.weight[kv], attn.v_proj.weight[kv]]))
-            if layer.bias is not None:
-                layer.bias.copy_(torch.cat([attn.q_proj.bias[q], attn.k_proj.bias[kv], attn.v_proj.bias[kv]]))
-        layer.o_proj = RowParallelLinear.from_full(attn.o_proj, group, input_is_parallel=True,
-                                                   sequence_parallel=sequence_parallel)
-        layer.attend = attn.attend
-        return layer
-
-    def forward(self, x):
-        _check_sequence_layout(x, self.sequence_parallel)
-        w, b = self.weight, self.bias
-        if self.kv_layout == "replicated" and self.tp > 1:
-            w, b = (ShareKVHeads.apply(self, w, b) if b is not None else (ShareKVHeads.apply(self, w)[0], None))
-        qkv = ColumnParallelLinearFunction.apply(x, w, b, self.group, self.sequence_parallel)
-        bsz, s, _ = qkv.shape
-        d, heads, kv_heads = self.head_dim, len(self.q_heads_held), len(self.kv_held)
-        q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        q = q.reshape(bsz, s, heads, d).transpose(1, 2)
-        k = k.reshape(bsz, s, kv_heads, d).transpose(1, 2)
-        v = v.reshape(bsz, s, kv_heads, d).transpose(1, 2)
-        if kv_heads != heads:   # grouped-query attention, as in lecture 01's CausalSelfAttention
-            k = k.repeat_interleave(heads // kv_heads, dim=1)
-            v = v.repeat_interleave(heads // kv_heads, dim=1)
-        y = self.attend(q, k, v)
-        return self.o_proj(y.transpose(1, 2).reshape(bsz, s, heads * d))
-
-    def full_tensors(self, grad=False):
-        """The unsplit q_proj, k_proj and v_proj weights and biases, or their gradients
-        (all-gathered; o_proj is a child with its own full_tensors)."""
-        out = {}
-        for name, p in (("weight", self.weight), ("bias", self.bias)):
-            if p is None:
-                continue
-            every = _all_gather(_value(p, grad).unsqueeze(0), 0, self.group)   # (t, rows, ...)
-            q = every[:, :self.q_rows].flatten(0, 1)
-            k = every[:, self.q_rows:self.q_rows + self.kv_rows]
-            v = every[:, self.q_rows + self.kv_rows:]
-            if self.kv_layout == "replicated":   # one copy of each head: its first holder's
-                k, v = k[::self.tp // self.kv_heads], v[::self.tp // self.kv_heads]
-            out[f"q_proj.{name}"], out[f"k_proj.{name}"], out[f"v_proj.{name}"] = q, k.flatten(0, 1), v.flatten(0, 1)
-        return out
-
-    def extra_repr(self):
-        return (f"query heads {self.q_heads_held} of {self.n_heads}, K/V heads {self.kv_held} of "
-                f"{self.kv_heads} ({self.kv_layout}), fused [W_q; W_k; W_v] {tuple(self.weight.shape)}, "
-                f"sequence_parallel={self.sequence_parallel}")

@@ -15,7 +15,8 @@ import functools
 import torch.distributed as dist
 
 from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                      SequenceParallelPositions, TensorParallelAttention, _value)
+                                      SequenceParallelPositions, _value)
+from lectures.tp_attention import TensorParallelAttention
 from lectures.tp_ops import _size_rank
 from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
