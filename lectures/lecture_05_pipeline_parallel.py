@@ -16,9 +16,11 @@ from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.schedule_explorer import explorer_data
 from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.schedules import (SCHEDULES, Action, Layout, check_schedule, dualpipev_readme_bubble,
-                                held, make_schedule, message_order, simulate, theory_bubble)
-from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule, Simulation, dependencies  # noqa: F401  (re-exported)
+from lectures.schedule_sim import (check_schedule, dualpipev_readme_bubble, held, message_order, simulate,
+                                   theory_bubble)
+from lectures.schedule_sim import Simulation, dependencies  # noqa: F401  (re-exported)
+from lectures.schedules import SCHEDULES, Action, Layout, make_schedule
+from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
 from util import device, figure, note, quiet, see, settings, spawn, table, widget
 from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap
 

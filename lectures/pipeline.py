@@ -24,7 +24,8 @@ from torch import nn
 
 from lectures.gpt import GPT, loss_fn
 from lectures.memory import SavedBytes
-from lectures.schedules import Schedule, check_schedule, make_schedule, message_order
+from lectures.schedule_sim import check_schedule, message_order
+from lectures.schedules import Schedule, make_schedule
 from util import device, span_at
 
 

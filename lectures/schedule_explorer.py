@@ -3,7 +3,8 @@ grid of (schedule, p, m, chunks), as compact text, with each one's textbook bubb
 
 The page's JavaScript (util/static/widgets.js) holds only a port of `simulate`; the schedules it
 simulates are these lists, so what a student explores is exactly what the executor runs."""
-from lectures.schedules import SCHEDULES, make_schedule, simulate, theory_bubble
+from lectures.schedule_sim import simulate, theory_bubble
+from lectures.schedules import SCHEDULES, make_schedule
 
 GRID_P = (2, 3, 4, 6, 8)
 GRID_M = (1, 2, 3, 4, 5, 6, 8, 12, 16)   # m below p, m not a multiple of p: the cases the page discusses

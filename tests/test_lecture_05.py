@@ -9,7 +9,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.gpt import GPTConfig
 from lectures.memory import saved_bytes
-from lectures import schedules as S
+from lectures import schedule_sim as S
 from util import spawn
 from tests.conftest import built
 
@@ -403,7 +403,7 @@ def test_checkpointing_counts_the_recomputation():
 def test_dualpipev_readme_formula_beside_the_simulated_idle():
     """Review 05-7: (S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
     F&B = F + B is 3 units per rank at p = 4; the simulated list idles 1.5 on every rank."""
-    from lectures.schedules import dualpipev_readme_bubble
+    from lectures.schedule_sim import dualpipev_readme_bubble
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5) == 3.0
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5, FB=1.0) == 1.5       # a perfect overlap: F&B = B
     sim = L.simulate(L.make_schedule("dualpipev", 4, 8, 2), L.chunk_cost(2))

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from lectures.schedule_explorer import explorer_data
-from lectures.schedules import make_schedule, simulate
+from lectures.schedule_sim import simulate
+from lectures.schedules import make_schedule
 from tests.conftest import Watched
 from util import render
 
@@ -211,7 +212,7 @@ def test_explorer_shows_the_pages_numbers(browser, explorer_page, name, p, m, v)
     """Opened on a schedule, the explorer says what the page's tables say: costs per stage
     (a chunk's action takes 1/v), the makespan, and the most micro-batches a rank holds (a
     chunk counting 1/v)."""
-    from lectures.schedules import held
+    from lectures.schedule_sim import held
     sched = make_schedule(name, p, m, v)
     want = simulate(sched, {"F": 1 / v, "B": 1 / v, "W": 1 / v})
     w = Watched(browser, viewport={"width": 1280, "height": 800})

@@ -3,14 +3,14 @@
 // page's static figures tell the same story.
 //
 // window.course.simulate(name, p, m, chunks, cost) runs lecture 05's pipeline simulator
-// (lectures/schedules.py: simulate) on the action lists the Python make_schedule produced for
+// (lectures/schedule_sim.py: simulate) on the action lists the Python make_schedule produced for
 // this page, and returns the same makespan and bubble.
 (function () {
   "use strict";
   var course = (window.course = window.course || {});
   var schedules = {};          // "name|p|m|chunks" -> {name, p, m, chunks, style, ranks, theory}
 
-  // --- the simulator, a line-by-line port of lectures/schedules.py -----------------------
+  // --- the simulator, a line-by-line port of lectures/schedule_sim.py -----------------------
   function parseAction(text) {
     var m = /^([FBW])(\d+)(?:\.(\d+))?$/.exec(text);
     if (!m) throw new Error("not an action: " + text);
