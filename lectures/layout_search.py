@@ -68,10 +68,11 @@ def search(model, world, global_batch, hw, **space):
 def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
     """The syllabus' rule of thumb, step by step, returning (layout, reasons):
     1. fits with plain data parallelism (+ ZeRO-1/2) on every rank? → DP.
-    2. else split the model, trying in order until it fits: ZeRO-3 on every rank (FSDP);
+    2. else, for sequences of `seq_threshold` tokens or more, cp = 2 in every split below;
+    3. split the model, trying in order until it fits: ZeRO-3 on every rank (FSDP);
        TP within a node (2, 4, 8 — the sizes that divide the heads and K/V heads); then
-       the largest such TP with PP across nodes; first without, then with full recomputation;
-    3. long sequences (activations) → CP;
+       the largest such TP with PP across nodes; the whole chain first without, then with
+       full recomputation;
     4. micro-batch 1, and as many micro-batches as the global batch leaves per dp rank.
     Returns (None, reasons) when nothing fits."""
     reasons = []

@@ -95,9 +95,22 @@ def draw_mesh(shape, highlight=0):
     return fig
 
 
+def _passes_through(a, b, points):
+    """Whether the segment a–b runs through any of `points` other than its ends."""
+    (x0, y0), (x1, y1) = a, b
+    for x, y in points:
+        if (x, y) in (a, b):
+            continue
+        on_line = abs((x1 - x0) * (y - y0) - (y1 - y0) * (x - x0)) < 1e-9
+        if on_line and min(x0, x1) <= x <= max(x0, x1) and min(y0, y1) <= y <= max(y0, y1):
+            return True
+    return False
+
+
 def draw_axis_groups(shape):
     """One small panel per axis: the mesh's ranks, each group of that axis in its own colour
-    and joined by a line (from `axis_groups`, the lists make_mesh builds)."""
+    and joined by lines, bowed around any rank they would pass through (from `axis_groups`,
+    the lists make_mesh builds)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch
     dp, pp, cp, tp = shape
@@ -106,16 +119,20 @@ def draw_axis_groups(shape):
     palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
     where = lambda r: (mesh_coords(r, shape)["cp"] * tp + mesh_coords(r, shape)["tp"],
                        -(mesh_coords(r, shape)["dp"] * pp + mesh_coords(r, shape)["pp"]))
+    everyone = [where(r) for r in range(math.prod(shape))]
     for ax, axis in zip(axs, axes_shown):
         groups = replica_groups(shape) if axis == "replica" else axis_groups(shape, axis)
+        columns = {}   # groups started so far in each column
         for g, members in enumerate(groups):
             colour = palette[g % len(palette)]
             xy = [where(r) for r in members]
-            for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
-                # neighbours get a straight line; a pair with other ranks between them an arc
-                # that bows around those ranks instead of running through them
-                bend = 0 if abs(x1 - x0) + abs(y1 - y0) <= 1 else 0.35
-                ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-", color=colour, lw=3,
+            side = columns.setdefault(xy[0][0], 0)
+            columns[xy[0][0]] += 1
+            for a, b in zip(xy, xy[1:]):
+                # a straight line, unless another rank sits on it: then an arc that bows around
+                # that rank, the groups that start in the same column bowing to alternate sides
+                bend = (0.35 if side % 2 == 0 else -0.35) if _passes_through(a, b, everyone) else 0
+                ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-", color=colour, lw=3,
                                              alpha=0.5, zorder=1, connectionstyle=f"arc3,rad={bend}"))
             for r, (x, y) in zip(members, xy):
                 ax.scatter([x], [y], s=420, color=colour, zorder=2)
@@ -1340,8 +1357,8 @@ def remember():
         * A cost model must charge what the code does: per step or per micro-batch, what can
           hide under what. Check it with absolute errors, not only a rank correlation.
         * Pick a layout by rule of thumb (DP alone; if it does not fit, CP = 2 for sequences of
-          32K tokens or more, then ZeRO-3 → TP in a node → PP across nodes → full
-          recomputation), then let measurements decide.
+          32K tokens or more, then ZeRO-3 → TP in a node → PP across nodes, then the same chain
+          with full recomputation), then let measurements decide.
 
         The notebook `lectures/notebooks/lecture_07_putting_it_together.ipynb` runs every
         section above and lets you train your own layout against one process.

@@ -88,7 +88,7 @@ class PipelineExecutor:
     for inputs, so any schedule the simulator can finish runs without deadlock. gloo matches
     messages by tag (kind, stage, micro-batch); NCCL ignores tags and matches each pair of ranks
     in posting order. So receives are posted in the order the sender sends
-    (`schedules.message_order`): to receive a message, a rank first posts the receives of every
+    (`schedule_sim.message_order`): to receive a message, a rank first posts the receives of every
     message that peer sends before it. In interleaved 1F1B with m not a multiple of p, and in
     DualPipeV at p >= 3, a rank needs a peer's messages in another order than the peer sends
     them; posting receives in the order needed would swap same-shaped tensors on NCCL.

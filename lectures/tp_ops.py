@@ -6,7 +6,7 @@ all-reduce backward) where a replicated tensor enters, g (all-reduce forward, id
 where partial sums leave. Sequence parallelism (Korthikanti et al. 2022,
 https://arxiv.org/abs/2205.05198) replaces them with an all-gather / reduce-scatter pair along the
 sequence. Each operator is a tiny `torch.autograd.Function` (lecture 04 shows them with see());
-the layers built from them are in `lectures/tensor_parallel.py`.
+the layers built from them are in `lectures/tensor_parallel.py` and `lectures/tp_attention.py`.
 
 Every operator takes the process group explicitly (as torch.distributed does) and never changes
 the tensor it was given. Inside `traced()`, every collective records a span on this rank's

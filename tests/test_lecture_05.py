@@ -412,16 +412,18 @@ def test_dualpipev_readme_formula_beside_the_simulated_idle():
         dualpipev_readme_bubble(4, 0.5, 0.5, 1.0)                         # W cannot exceed the full B
 
 
-def test_dualpipev_gap_is_one_law_at_every_p():
-    """The page's sentence about the gap: each rank idles (p − 1)·F for p = 2..8, and the README's
-    count is 2× that at F = B = W per chunk (checked here by simulation, not by the sentence)."""
+def test_dualpipev_gap_is_one_law_at_every_p_with_equal_costs():
+    """The page's sentence about the gap, with its costs (F = B = W per chunk): each rank idles
+    (p − 1)·F for p = 2..8, and the README's count is 2× that (checked here by simulation, not by
+    the sentence). With other costs the idle is not (p − 1)·F: the sentence says so."""
     cost = L.chunk_cost(2)
     for p in range(2, 9):
         for m in (2 * p, 2 * p + 2, 3 * p + 1):
             sim = L.simulate(L.make_schedule("dualpipev", p, m, 2), cost)
             idle = [sim.makespan - sum(e - b for _, b, e in row) for row in sim.timeline]
             assert idle == pytest.approx([(p - 1) * cost["F"]] * p), (p, m, idle)
-    assert "2× that" in L.dualpipev_idle_law(cost) and "$(p-1)F$" in L.dualpipev_idle_law(cost)
+    said = L.dualpipev_idle_law(cost)
+    assert "2× ours" in said and "idles $(p-1)F$" in said and "equal per chunk" in said, said
 
 
 def test_free_w_caption_comes_from_the_numbers():
