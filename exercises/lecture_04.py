@@ -59,34 +59,6 @@ def g(x, group):
     return Reduce.apply(x)
 
 
-def f_swapped(x, group):
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            out = x.clone()
-            dist.all_reduce(out, group=group)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-    return Reduce.apply(x)
-
-
-def g_swapped(x, group):
-    class Copy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
-    return Copy.apply(x)
-
-
 def f_averages(x, group):
     class Copy(torch.autograd.Function):
         @staticmethod
@@ -141,7 +113,7 @@ exercise(
         "    \"\"\"Megatron's g: all-reduce (sum) forward, identity backward.\"\"\"\n"
         "    raise NotImplementedError(\"hint: the mirror image of f\")\n"),
     harness=check_f_and_g, solution=(f, g),
-    wrong={"f and g swapped": (f_swapped, g_swapped),
+    wrong={"f and g swapped": (g, f),
            "f averages the gradient": (f_averages, g),
            "g all-reduces backward too": (f, g_reduces_both_ways)},
     hint="forward and backward are conjugate: what one does in the forward, the other does in "

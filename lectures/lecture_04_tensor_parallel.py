@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import warnings
+from statistics import mean
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from lectures.async_tp import (AllGatherMatmul, MatmulReduceScatter, SequencePar
                                all_gather_matmul, counting, matmul_reduce_scatter, without_overlap)
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.memory import saved_bytes
+from lectures.roofline import threads
+from lectures.training_memory import held_by_training
 # The building blocks, each in its module; the names are imported here too so that
 # `from lectures.lecture_04_tensor_parallel import parallelize_gpt` keeps working.
 from lectures.tensor_parallel import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
@@ -355,21 +358,11 @@ def activation_memory(rank, world_size, cfg, b=4):
     return out
 
 
-def _storage_bytes(tensors):
-    """Bytes of the distinct storages behind `tensors` (a view shares its base's storage; a
-    storage counts once, as the allocator sees it)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def training_state_bytes(rank, world_size, cfg, sequence_parallel=False):
     """What one rank holds between steps of AdamW training: parameters, gradients and the
-    optimizer's two moments, measured from the tensors' storages after one step; the parameters
-    split in two, those the plan shards and those it keeps whole on every rank."""
+    optimizer's two moments after one step (lecture 01's held_by_training, from the tensors
+    themselves); the parameters split in two, those the plan shards and those it keeps whole on
+    every rank."""
     if cfg.kv_heads % world_size:   # then each K/V head is held by several ranks: neither split nor whole
         raise ValueError(f"training_state_bytes sorts parameters into split and whole; with {cfg.kv_heads} "
                          f"K/V heads on {world_size} ranks the K/V weights are replicated in part")
@@ -379,15 +372,13 @@ def training_state_bytes(rank, world_size, cfg, sequence_parallel=False):
     tokens, targets = (t.to(device()) for t in batch(cfg, 4, 0))
     tp_loss(model, tokens, targets).backward()
     opt.step()
-    params = dict(model.named_parameters())
-    whole = [p for k, p in params.items() if k in full and p.shape == full[k].shape and world_size > 1]
-    moments = [v for state in opt.state.values() for k, v in state.items() if k != "step"]
-    return {"sharded parameters": _storage_bytes(p for p in params.values() if not any(p is w for w in whole)),
-            "replicated parameters": _storage_bytes(whole),
-            "gradients": _storage_bytes(p.grad for p in params.values()),
-            "Adam moments": _storage_bytes(moments),
-            "replicated names": sorted({k.split(".", 2)[-1] if k.startswith("blocks.") else k
-                                        for k, p in params.items() if any(p is w for w in whole)})}
+    held = held_by_training(model, opt)
+    whole = {k: p for k, p in model.named_parameters()
+             if k in full and p.shape == full[k].shape and world_size > 1}
+    replicated = sum(p.nbytes for p in whole.values())
+    return {"sharded parameters": held["Parameter"] - replicated, "replicated parameters": replicated,
+            "gradients": held["Gradient"], "Adam moments": held["Optstate"],
+            "replicated names": sorted({k.split(".", 2)[-1] if k.startswith("blocks.") else k for k in whole})}
 
 
 def gemm_rates(rank, world_size, tokens, widths, tps, repeats=5):
@@ -400,22 +391,18 @@ def gemm_rates(rank, world_size, tokens, widths, tps, repeats=5):
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rand = lambda *shape: torch.randn(*shape, dtype=dtype, device=dev)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     out = {}
-    try:
-        for h in widths:
-            fns = {}
-            for t in tps:
-                x, w_in, hid, w_out = rand(tokens, h), rand(h, 4 * h // t), rand(tokens, 4 * h // t), rand(4 * h // t, h)
-                fns[(t, 0)] = lambda x=x, w=w_in: x @ w
-                fns[(t, 1)] = lambda x=hid, w=w_out: x @ w
+    for h in widths:
+        fns = {}
+        for t in tps:
+            x, w_in, hid, w_out = rand(tokens, h), rand(h, 4 * h // t), rand(tokens, 4 * h // t), rand(4 * h // t, h)
+            fns[(t, 0)] = lambda x=x, w=w_in: x @ w
+            fns[(t, 1)] = lambda x=hid, w=w_out: x @ w
+        with threads(1):
             times = measure_side_by_side(fns, warmup=2, repeats=repeats)
-            for t in tps:
-                flops = 2 * tokens * h * (4 * h // t)
-                out[(h, t)] = (flops / times[(t, 0)].median, flops / times[(t, 1)].median)
-    finally:
-        torch.set_num_threads(threads)
+        for t in tps:
+            flops = 2 * tokens * h * (4 * h // t)
+            out[(h, t)] = (flops / times[(t, 0)].median, flops / times[(t, 1)].median)
     return out
 
 
@@ -473,13 +460,8 @@ def time_steps(rank, world_size, cfg, batch_size=16, kinds=("ours",), repeats=7)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             steps[kind] = dt_step
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # one core per rank, whatever the number of ranks
-    try:
-        with quiet(), shard_checks(False):
-            return measure_side_by_side(steps, warmup=2, repeats=repeats)
-    finally:
-        torch.set_num_threads(threads)
+    with threads(1), quiet(), shard_checks(False):   # one core per rank, whatever the number of ranks
+        return measure_side_by_side(steps, warmup=2, repeats=repeats)
 
 
 def redistribute_table(rank, world_size):
@@ -689,12 +671,8 @@ def mask_draw_times(rank, world_size, shape, p=0.1, repeats=9):
     streams = TPRandom(0, dist.group.WORLD)
     draws = {"split stream: this shard": lambda: keep_mask(streams.split("hidden"), shape, p),
              "one-process mask: whole tensor, sliced": lambda: keep_mask(streams.one_process(-1, "hidden"), shape, p)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # one core per rank
-    try:
+    with threads(1):   # one core per rank
         return measure_side_by_side(draws, warmup=2, repeats=repeats)
-    finally:
-        torch.set_num_threads(threads)
 
 
 
@@ -763,13 +741,8 @@ def async_tp_times(rank, world_size, b, s, h, repeats=9):
     steps["matmuls alone"] = lambda: (F.linear(F.gelu(F.linear(xf, m.w_in, m.b_in)), m.w_out) * G).sum().backward()
     steps["collectives alone"] = lambda: (_all_gather(xs.detach(), 1, group), _reduce_scatter(whole, 1, group),
                                           _all_gather(Gs, 1, group), _reduce_scatter(whole, 1, group))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # one core per rank
-    try:
-        with quiet(), shard_checks(False):
-            return measure_side_by_side(steps, warmup=2, repeats=repeats)
-    finally:
-        torch.set_num_threads(threads)
+    with threads(1), quiet(), shard_checks(False):   # one core per rank
+        return measure_side_by_side(steps, warmup=2, repeats=repeats)
 
 
 # =========================================================================================
@@ -1137,7 +1110,7 @@ def memory_per_rank():
         them. So a rank holds $16\\,(S/t + R)$ bytes for $S$ split and $R$ replicated parameters
         (with the K/V heads split, $t$ dividing their number; under grouped-query attention with
         more ranks than K/V heads each K/V head sits on several ranks, which adds its share back).
-        Measured from the storages of the tensors each rank holds after one AdamW step:
+        Measured from the tensors each rank holds after one AdamW step:
     """)
     see(training_state_bytes)
     full = dict(GPT(cfg).named_parameters())
@@ -1152,7 +1125,7 @@ def memory_per_rank():
         except ValueError:
             continue
         m = spawn(training_state_bytes, t, cfg=cfg, name=f"weights, gradients, Adam per rank, tp={t}").returns
-        if any({k: v for k, v in r.items() if k != "replicated names"} != {k: v for k, v in m[0].items() if k != "replicated names"} for r in m):
+        if any(r != m[0] for r in m):
             raise RuntimeError(f"tp={t}: ranks hold different amounts: {m}")
         m = parts[t] = m[0]
         total = m["sharded parameters"] + m["replicated parameters"] + m["gradients"] + m["Adam moments"]
@@ -1428,7 +1401,6 @@ def dropout_two_streams_measured():
     """)
     rows = []
     for setup, r in runs.items():
-        mean = lambda xs: sum(xs) / len(xs)
         vs = r.get("vs one process")
         rows.append([setup, mean(r["hidden agreement"]), mean(r["residual agreement"]), r["spread"]["block output"],
                      r["spread"]["LayerNorm weights"], r["spread"]["row-parallel bias"],
@@ -1442,7 +1414,7 @@ def dropout_two_streams_measured():
            "the split hidden's shard (positions × this rank's hidden units) and the replicated output (positions × features)")
     note("\n".join(f"- {_dropout_verdict(setup, r, expected, steps)}" for setup, r in runs.items()))
     right = [setup for setup, r in runs.items() if r["spread"]["block output"] == 0
-             and abs(sum(r["hidden agreement"]) / steps - expected) < 0.1]
+             and abs(mean(r["hidden agreement"]) - expected) < 0.1]
     note(f"Both right: {', '.join(right) or 'none of them'}." if len(right) != len(runs) else "All four got both right.")
     dt = spawn(dtensor_dropout_agreement, n, p=p, name=f"DTensor dropout of a sharded tensor, {n} ranks").returns[0]
     note(f"""
@@ -1472,7 +1444,6 @@ def _dtensor_dropout_verdict(agreement, expected):
 
 def _dropout_verdict(setup, r, expected, steps):
     """One sentence per way of drawing masks, its words chosen by the measured numbers."""
-    mean = lambda xs: sum(xs) / len(xs)
     hidden, residual, spread = mean(r["hidden agreement"]), mean(r["residual agreement"]), r["spread"]
     split = ("as independent masks do" if abs(hidden - expected) < 0.1 else
              "identical on both ranks" if hidden == 1 else "not as independent masks do")

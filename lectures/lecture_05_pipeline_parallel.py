@@ -727,7 +727,7 @@ def dualpipev_idle_law(cost, ps=range(2, 9)):
     for p in ps:
         for m in (2 * p, 2 * p + 2, 3 * p + 1):
             run = simulate(make_schedule("dualpipev", p, m, 2), cost)
-            idle = {round(run.makespan - sum(e - b for _, b, e in row), 9) for row in run.timeline}
+            idle = {round(run.makespan - busy, 9) for busy in run.busy}
             if len(idle) > 1:
                 return f"At p = {p}, m = {m} the ranks idle unequally ({sorted(idle)}): no single law."
             idle = idle.pop()
@@ -758,7 +758,7 @@ def zero_bubble_measured(R, p):
     full_b = cost["B"] + cost["W"]                      # the README's B is the full backward
     readme = dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"])
     dv = simulate(lists["dualpipev"], cost)
-    dv_idle = [dv.makespan - sum(e - b for _, b, e in row) for row in dv.timeline]
+    dv_idle = [dv.makespan - busy for busy in dv.busy]
     agree_words = ("The two agree." if all(abs(i - readme) < 1e-9 for i in dv_idle) else
                    "The two are not the same count: the README states its formula for DeepSeek's "
                    "reference schedule, whose pairs overlap, without a derivation we could map onto a "

@@ -33,6 +33,7 @@ from lectures.moe import AllToAll, ExpertParallelMoE, MoE, balance_loss, expert_
 from lectures.moe import route_logits  # noqa: F401
 from lectures.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
 from lectures.ring_attention import RingAttention, RingTransfer, ring_attention, tracing
+from lectures.roofline import threads
 from lectures.sequence_layout import (causal_work, group_info, layout_segments, sequence_positions, shard_sequence,
                                       split_sizes, striped_positions, unshard_sequence, zigzag_shard, zigzag_unshard)
 from lectures.sequence_layout import contiguous_shard, zigzag_chunks  # noqa: F401
@@ -266,12 +267,8 @@ def rank_compute(rank, world_size, seq_len, heads, head_dim, ranks, layouts=("co
     shared machine hits every share alike. One thread: a second thread on a shared core mostly
     waits, and its stalls dominated the shares (a 1-ms share once timed at 750 ms). Returns
     {(layout, r): Timing}."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         return _rank_compute(seq_len, heads, head_dim, ranks, layouts, repeats)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _rank_compute(seq_len, heads, head_dim, ranks, layouts, repeats):
