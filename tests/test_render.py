@@ -147,7 +147,7 @@ def test_tables_numbers_and_code(page):
     assert '<span class="linenos">10</span>' in html
     # show code: the section's functions, including the demo's rank function, not library code
     second = html.split('id="second-section"')[1]
-    code = second.split("</details>")[0]
+    code = second.split('<details class="show-code">')[1].split("</details>")[0]
     assert "show code" in code and "<code>ring_step</code>" in code and "<code>intro</code>" in code
     assert "multiprocessing" not in html
     # the reference link and the header line
@@ -270,8 +270,10 @@ def test_index_lists_lectures_and_notebooks(tmp_path):
     assert "other.html" not in html and "broken" not in html
     assert "<dt>rank, world size</dt>" in html and "<dt>gloo and NCCL</dt>" in html   # the primer
     assert html.count('class="lecture-card') == 2
-    assert "build failed" in html and '<b class="bad">1 failed</b>' in html
-    assert "2026-01-02 03:04 UTC" in html and "CPU: test, 2 cores" in html and "backend gloo" in html
+    assert "build failed" in html and "min</b> to read" in html and "builds in 12.50 s" in html
+    # a start: the map of the course, the two commands, what this build took and on what machine
+    assert '<svg class="course-map wide"' in html and '<svg class="course-map tall"' in html
+    assert "make test" in html and "25.00 s" in html and "CPU: test, 2 cores" in html
     assert "&lt;script&gt;" in html and re.findall(r"<script\b[^>]*>", html) == SCRIPTS
     assert "What lecture_a teaches, in one line." in html          # each lecture's summary
     # every lecture page links its neighbours, even when built one by one

@@ -128,6 +128,16 @@ def record_html(rec, functions=None):
         return ""
     if kind == "demo":
         return demo_html(rec, functions or {})
+    if kind == "deep_dive":
+        return (f'<div style="{_BOX}font-size:13px;"><b>Deep dive:</b> {inline_html(rec["title"])} '
+                f'(on the lecture\'s appendix page)</div>' if rec.get("edge") == "begin" else "")
+    if kind == "cheat":
+        return (f'<div style="font-size:13px;"><b>{html.escape(rec["topic"])}</b>: {inline_html(rec["formula"])}'
+                f' · measured here: <b>{html.escape(fmt(rec["value"]))}</b> {html.escape(rec.get("unit", ""))}</div>')
+    if kind == "published":
+        return (f'<div style="{_BOX}"><div style="font-size:11px;color:#8a6d0b;">PUBLISHED ON GPUS · NOT MEASURED HERE'
+                f'</div>{markdown_html(rec["text"])}<div style="font-size:12px;"><a href="{html.escape(rec["url"])}" '
+                f'target="_blank" rel="noopener">{inline_html(rec["source"])}</a></div></div>')
     return f"<pre>{html.escape(json.dumps(rec, default=str)[:2000])}</pre>"
 
 
@@ -152,6 +162,12 @@ def record_text(rec):
         return f"[span] {rec['label']}"
     if kind == "demo":
         return demo_text(rec)
+    if kind == "deep_dive":
+        return f"[deep dive] {rec['title']}" if rec.get("edge") == "begin" else ""
+    if kind == "cheat":
+        return f"{rec['topic']}: {rec['formula']} (measured here: {fmt(rec['value'])} {rec.get('unit', '')})".rstrip()
+    if kind == "published":
+        return f"[published on GPUs, not measured here] {rec['text']} ({rec['source']} <{rec['url']}>)"
     return json.dumps(rec, default=str)
 
 
@@ -197,7 +213,7 @@ def demo_html(rec, functions):
                          f'{body}</div>')
         parts.append("</div>")
     if spans:
-        parts.append(f'<div style="font-size:11px;color:#777;">{spans} timed span(s) recorded '
+        parts.append(f'<div style="font-size:11px;color:#777;">{spans} timed span{"" if spans == 1 else "s"} recorded '
                      f'(draw them with <code>timeline(run.spans)</code>)</div>')
     parts.append("</div>")
     return "".join(parts)
@@ -226,7 +242,7 @@ class NotebookRecorder(record.Recorder):
     """Records like the build does, and shows each record in the notebook as it arrives."""
 
     def show(self, rec):
-        if rec["kind"] == "span":
+        if rec["kind"] == "span" or (rec["kind"] == "deep_dive" and rec.get("edge") == "end"):
             return
         bundle = {"text/plain": record_text(rec), "text/html": record_html(rec, self.functions)}
         if rec["kind"] == "note":

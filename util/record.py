@@ -151,15 +151,55 @@ def table(rows, header=None, caption=""):
     _current.add("table", header=list(header) if header else None, rows=rows, caption=caption)
 
 
-def see(obj, title=None):
-    """Show a function's or class's source (with file and line), or cite a URL."""
+def see(obj, title=None, *, lesson=False):
+    """Show a function's or class's source (with file and line), or cite a URL.
+
+    A listing is folded behind "show code" on the page unless `lesson=True`: keep that for the
+    few lines whose code *is* the lesson (the f/g operators, a ring's step), after a picture."""
     if isinstance(obj, str):
         _current.add("link", url=obj, title=title or obj)
         return
     obj = inspect.unwrap(obj)
     lines, start = inspect.getsourcelines(obj)
     _current.add("code", name=getattr(obj, "__qualname__", str(obj)),
-                 file=relpath(inspect.getsourcefile(obj)), start=start, code="".join(lines))
+                 file=relpath(inspect.getsourcefile(obj)), start=start, code="".join(lines),
+                 lesson=bool(lesson))
+
+
+@contextlib.contextmanager
+def deep_dive(title, teaser):
+    """Sections recorded inside go to the lecture's appendix page; the main path keeps a one-line
+    pointer (`teaser`: what the reader finds there) at this spot. The narration is unchanged:
+
+        with deep_dive("Dropout under tensor parallelism", "why masks must agree on copies"):
+            dropout_and_random_numbers()
+    """
+    _current.add("deep_dive", edge="begin", title=title, teaser=teaser)
+    try:
+        yield
+    finally:
+        _current.add("deep_dive", edge="end", title=title)
+
+
+def cheat(topic, formula, value, unit="", *, what=""):
+    """An entry of the course's cheatsheet: a formula the lecture teaches (Markdown with $math$)
+    beside the value this run measured for it. It links back to the section it was recorded in.
+    `value` must be a number this run produced (it is shown on the lecture page as well)."""
+    value = _plain(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"cheat(): the measured value must be a number, got {value!r}")
+    _current.add("cheat", topic=topic, formula=formula, value=value, unit=unit, what=what)
+
+
+def published(text, url, source):
+    """A figure published on GPUs, shown beside a measurement this CPU cannot make pay off; the
+    page marks it as not measured here. `text` says what was reported (Markdown), `source` cites."""
+    _current.add("published", text=textwrap.dedent(text).strip(), url=url, source=source)
+
+
+def plural(n, word, many=None):
+    """'1 head', '3 heads', '2 all-reduces' (`many` for irregular plurals): never 'head(s)'."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 @contextlib.contextmanager

@@ -244,24 +244,57 @@ class Page:
     """Turns the records of one recording into sections of parts (plain dicts the templates
     draw), collecting figure and image files as it goes."""
 
-    def __init__(self, recording, files_dir_name):
+    def __init__(self, recording, files_dir_name, name="lecture"):
         self.rec = recording
         self.files_name = files_dir_name
+        self.name = name
+        self.page = f"{name}.html"
+        self.appendix_page = f"{name}_appendix.html"
         self.files = {}          # file name in <lecture>_files -> bytes
         self.title = None
-        self.ids = set()
-        self.sections = []       # {"id", "title_html", "title_text", "parts", "keys", "failed"}
+        self.ids = set()         # one id space for the page and its appendix
+        self.sections = []       # {"id", "title_html", "title_text", "parts", "keys", "failed", "page"}
+        self.appendix = []       # the deep dives' sections, for the appendix page
+        self.dives = []          # {"id", "title", "teaser", "from"}: each deep dive, in order
+        self.cheats = []         # cheat records with the page and section they were recorded in
+        self.widgets = []        # (widget name, page, section id)
+        self._dive = None        # the deep dive being recorded, or None on the main path
         self.demo_count = 0
-        self.failed_demos = []   # {"id", "name"}
+        self.failed_demos = []   # {"id", "name", "page"}
         self._new_section(None, None)
 
-    def _new_section(self, sid, title_html, title_text=""):
-        self.sections.append({"id": sid, "title_html": title_html, "title_text": title_text,
-                              "parts": [], "keys": [], "failed": False})
+    @property
+    def _sections(self):
+        return self.appendix if self._dive else self.sections
+
+    def _new_section(self, sid, title_html, title_text="", dive=None):
+        self._sections.append({"id": sid, "title_html": title_html, "title_text": title_text,
+                               "parts": [], "keys": [], "failed": False, "dive": dive,
+                               "page": self.appendix_page if self._dive else self.page})
 
     @property
     def cur(self):
-        return self.sections[-1]
+        return self._sections[-1]
+
+    def here(self):
+        """Link to the current section (page#id)."""
+        sid = next((s["id"] for s in reversed(self._sections) if s["id"]), None)
+        return self.cur["page"] + (f"#{sid}" if sid else "")
+
+    def _deep_dive(self, r):
+        if r.get("edge") == "begin":
+            if self._dive:
+                raise ValueError(f"deep_dive({r.get('title')!r}) inside deep_dive({self._dive['title']!r})")
+            back = self.here()
+            sid = _slug(_plain_text(r.get("title", "")), self.ids)
+            self._dive = {"id": sid, "title": markdown_inline(r.get("title", "")),
+                          "teaser": markdown_inline(r.get("teaser", "")), "from": back}
+            self.dives.append(self._dive)
+            self.sections[-1]["parts"].append({"kind": "dive_link", "href": f"{self.appendix_page}#{sid}",
+                                               **self._dive})
+            self._new_section(sid, self._dive["title"], _plain_text(r.get("title", "")), dive=self._dive)
+        else:
+            self._dive = None
 
     def _key(self, key):
         if key and key in self.rec.get("functions", {}) and key not in self.cur["keys"]:
@@ -269,6 +302,8 @@ class Page:
 
     def add_top(self, r):
         """A record of the lecture's own process: may open sections (notes with headings)."""
+        if r.get("kind") == "deep_dive":
+            return self._deep_dive(r)
         if r.get("kind") != "note":
             self._key((r.get("source") or {}).get("key"))
             part = self.part(r)
@@ -311,7 +346,25 @@ class Page:
                 "safe": _safe_url(url), "host": _host(url)}
 
     def p_code(self, r):
-        return code_part(r.get("name", ""), r.get("file", ""), r.get("start") or 1, r.get("code", ""))
+        return {**code_part(r.get("name", ""), r.get("file", ""), r.get("start") or 1, r.get("code", "")),
+                "lesson": bool(r.get("lesson"))}
+
+    def p_cheat(self, r):
+        anchor = "cheat-" + _slug(f"{self.name[:10]} {r.get('topic', '')}", self.ids)
+        section = next((s for s in reversed(self._sections) if s["id"]), None)
+        entry = {"topic": str(r.get("topic", "")), "formula": markdown_inline(r.get("formula", "")),
+                 "value": r.get("value"), "text": format_number(r.get("value")), "unit": str(r.get("unit", "")),
+                 "what": markdown_inline(r.get("what", "")) if r.get("what") else None, "anchor": anchor,
+                 "href": f'{self.cur["page"]}#{anchor}', "section": section["id"] if section else None,
+                 "section_title": section["title_html"] if section else None}
+        if r.get("rank") is None:
+            self.cheats.append(entry)
+        return {"kind": "cheat", **entry}
+
+    def p_published(self, r):
+        url = r.get("url", "")
+        return {"kind": "published", "html": markdown(r.get("text", "")), "url": url,
+                "safe": _safe_url(url), "source": markdown_inline(r.get("source", ""))}
 
     def p_table(self, r):
         header, rows = r.get("header"), r.get("rows") or []
@@ -341,6 +394,7 @@ class Page:
                 "caption": markdown_inline(cap) if cap else None}
 
     def p_widget(self, r):
+        self.widgets.append((str(r.get("name", "")), self.here()))
         # JSON inside <script type="application/json"> is data, never run; "</" is escaped so
         # nothing in it can close the element
         data = json.dumps(r.get("data"), separators=(",", ":")).replace("</", "<\\/")
@@ -372,7 +426,7 @@ class Page:
             self._key((sub.get("source") or {}).get("key"))
         if status == "failed":
             self.cur["failed"] = True
-            self.failed_demos.append({"id": did, "name": r.get("name", "")})
+            self.failed_demos.append({"id": did, "name": r.get("name", ""), "page": self.cur["page"]})
         ws = r.get("world_size") or 0
         # A rank gets a card only when it has something to say: its notes, tables, figures or
         # printed output. What it returned is data for the lecture's own tables, and stray stderr
@@ -392,7 +446,10 @@ class Page:
         columns = [{"title": f"rank {k}" if isinstance(k, int) else str(k), "parts": v}
                    for k, v in sorted(by_rank.items(), key=lambda kv: (not isinstance(kv[0], int), str(kv[0]).zfill(6)))]
         rank_errors = [{"ranks": _rank_list(ranks), "text": trim_build_paths(text)} for text, ranks in errors.items()]
-        return {"kind": "demo", "id": did, "status": status, "name": str(r.get("name", "")),
+        # a demo that ran fine and has nothing to show draws no bar (its results are in the
+        # lecture's own tables and figures)
+        quiet_ok = status == "ok" and not columns and not rank_errors and not r.get("error")
+        return {"kind": "demo", "id": did, "status": status, "name": str(r.get("name", "")), "quiet": quiet_ok,
                 "error": trim_build_paths(r.get("error")),
                 "world_size": ws, "elapsed": format_seconds(r.get("elapsed")),
                 "label": {"ok": "ok", "failed": "failed", "skipped": "skipped",
@@ -404,7 +461,8 @@ class Page:
         """The functions behind a section ("show code"), leaving out library code."""
         funcs = self.rec.get("functions", {})
         return [code_part(f.get("name", ""), f.get("file", ""), f.get("start", 1), f.get("code", ""))
-                for f in (funcs[k] for k in keys) if not os.path.isabs(str(f.get("file", "")))]
+                for f in (funcs[k] for k in keys)
+                if not os.path.isabs(str(f.get("file", ""))) and not str(f.get("name", "")).startswith("<")]
 
 
 def _rank_list(ranks):
@@ -503,42 +561,75 @@ def _titles(recordings):
     return [(stem, rec.get("title") or stem) for stem, rec in recordings]
 
 
-def lecture_html(rec, files_dir_name, previous=None, next=None):
-    """(page HTML, {file name: bytes}) for a recording."""
-    page = Page(rec, files_dir_name)
+def reading_minutes(sections):
+    """Minutes to read these sections: 200 words a minute of prose and captions, half a minute
+    per figure, table or widget, rounded up to 5."""
+    words, pictures = 0, 0
+    for s in sections:
+        for p in s["parts"]:
+            if p["kind"] in ("note", "published"):
+                words += len(re.sub(r"<[^>]+>", " ", str(p.get("html", ""))).split())
+            elif p["kind"] in ("figure", "table", "widget", "image"):
+                pictures += 1
+                words += len(re.sub(r"<[^>]+>", " ", str(p.get("caption") or "")).split())
+    return max(5, 5 * math.ceil((words / 200 + pictures / 2) / 5))
+
+
+def lecture_page(rec, name):
+    """The Page (sections of the main path and of the appendix) of one recording."""
+    page = Page(rec, f"{name}_files", name)
     for r in rec.get("records") or []:
         page.add_top(r)
-    for s in page.sections:
+    for s in page.sections + page.appendix:
         s["code"] = page.code_for(s["keys"])
+    return page
+
+
+def lecture_html(rec, name, previous=None, next=None):
+    """(page HTML, appendix HTML or None, {file name: bytes}) for a recording."""
+    page = lecture_page(rec, name)
     title = page.title or rec.get("title") or rec.get("lecture", "lecture")
     status = rec.get("status", "ok")
     subtitle = rec.get("title") if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title) else None
-    text = templates().get_template("lecture.html").render(
-        page_title=title, body_class="lecture" + (" build-failed" if status != "ok" else ""),
-        title_html=markdown_inline(title), title_text=_plain_text(title), subtitle=subtitle,
-        meta=_meta_line(rec), about_numbers=about_numbers(rec.get("environment") or {}),
-        file=str(rec.get("file", "")), failed=status != "ok",
-        failed_demos=page.failed_demos, sections=page.sections, previous=previous, next=next,
-        exercises=rec.get("exercises") or [], lecture=rec.get("lecture", ""))
-    return text, page.files
+    common = dict(title_html=markdown_inline(title), title_text=_plain_text(title),
+                  meta=_meta_line(rec), about_numbers=about_numbers(rec.get("environment") or {}),
+                  file=str(rec.get("file", "")), failed=status != "ok", failed_demos=page.failed_demos,
+                  previous=previous, next=next, lecture=name, main_page=page.page, dives=page.dives,
+                  appendix_page=page.appendix_page, minutes=reading_minutes(page.sections))
+    lecture = templates().get_template("lecture.html")
+    text = lecture.render(page_title=title, subtitle=subtitle, sections=page.sections,
+                          body_class="lecture" + (" build-failed" if status != "ok" else ""),
+                          exercises=rec.get("exercises") or [], appendix=False, **common)
+    appendix = None
+    if page.appendix:
+        appendix = lecture.render(page_title=f"Deep dives: {title}", subtitle=None, sections=page.appendix,
+                                  body_class="lecture appendix", exercises=[], appendix=True,
+                                  appendix_minutes=reading_minutes(page.appendix), **common)
+    return text, appendix, page.files
 
 
 def render_lecture(json_path):
-    """Write <out>/<lecture>.html (+ <lecture>_files/ and static/) for one recording."""
+    """Write <out>/<lecture>.html (+ <lecture>_appendix.html for its deep dives, <lecture>_files/
+    and static/) for one recording."""
     json_path = os.path.abspath(json_path)
     out_dir = os.path.dirname(json_path)
     with open(json_path, encoding="utf-8") as f:
         rec = json.load(f)
     name = rec.get("lecture") or os.path.splitext(os.path.basename(json_path))[0]
     files_name = f"{name}_files"
-    text, files = lecture_html(rec, files_name, *_neighbours(_titles(_load_recordings(out_dir)), name))
+    text, appendix, files = lecture_html(rec, name, *_neighbours(_titles(_load_recordings(out_dir)), name))
     write_static(out_dir)
     files_dir = os.path.join(out_dir, files_name)
     for fname, data in files.items():
         write_atomic(os.path.join(files_dir, fname), data)
+    appendix_path = os.path.join(out_dir, f"{name}_appendix.html")
+    if appendix:
+        write_atomic(appendix_path, appendix)
     page = os.path.join(out_dir, f"{name}.html")
     write_atomic(page, text)
     # the new page is in: drop what only the old page used
+    if not appendix and os.path.exists(appendix_path):
+        os.unlink(appendix_path)
     if os.path.isdir(files_dir):
         for fname in os.listdir(files_dir):
             if fname not in files:
@@ -563,33 +654,51 @@ def _load_recordings(out_dir):
 
 
 def render_index(out_dir):
-    """Write <out>/index.html listing every lecture recording in <out>, in order, each with
-    its one-line summary, and link each lecture page to its neighbours (re-rendering a page
-    whose previous/next changed, so building lectures one by one keeps the links right)."""
+    """Write <out>/index.html (a start: the course's map, setup, and every lecture recording in
+    <out> in order, with its reading time, notebook and exercises) and <out>/cheatsheet.html
+    (every formula the lectures recorded with cheat(), beside the value this build measured), and
+    link each lecture page to its neighbours (re-rendering a page whose previous/next changed, so
+    building lectures one by one keeps the links right)."""
     out_dir = os.path.abspath(out_dir)
     write_static(out_dir)
-    lectures = []
+    lectures, cheats, calculator = [], [], None
     recordings = _load_recordings(out_dir)
     for stem, rec in recordings:
         name = rec.get("lecture") or stem
+        page = lecture_page(rec, name)
         env = rec.get("environment") or {}
-        page = f"{name}.html"
         nb = f"notebooks/{name}.html"
         source = os.path.join("lectures", "notebooks", f"{name}.ipynb")
+        html_page = f"{name}.html"
+        title = rec.get("title") or name
         lectures.append({
-            "name": name, "title": rec.get("title") or name,
+            "name": name, "title": title, "number": re.sub(r"^lecture_(\d+).*", r"\1", name),
             "summary": markdown_inline(rec["summary"]) if rec.get("summary") else None,
             "status": rec.get("status", "ok"),
-            "page": page if os.path.isfile(os.path.join(out_dir, page)) else None,
+            "page": html_page if os.path.isfile(os.path.join(out_dir, html_page)) else None,
+            "appendix": page.appendix_page if page.appendix else None,
+            "minutes": reading_minutes(page.sections),
+            "appendix_minutes": reading_minutes(page.appendix) if page.appendix else None,
+            "built": format_seconds(rec.get("elapsed")) + (" (quick sizes)" if env.get("quick") else ""),
             "notebook": nb if os.path.isfile(os.path.join(out_dir, nb)) else None,
             "notebook_source": source if os.path.isfile(os.path.join(REPO, source)) else None,
-            "meta": [_built(rec), env.get("device", "unknown device"),
-                     f'backend {env.get("backend", "?")}', _demo_counts(rec.get("demos") or {}),
-                     format_seconds(rec.get("elapsed")) + (" (quick sizes)" if env.get("quick") else "")]})
+            "exercises": rec.get("exercises") or []})
+        cheats += [{**c, "lecture": title, "lecture_name": name} for c in page.cheats]
+        for widget_name, where in page.widgets:
+            if widget_name == "memory-calculator":
+                calculator = where
+    env = (recordings[0][1].get("environment") or {}) if recordings else {}
+    total = sum(r.get("elapsed") or 0 for _, r in recordings)
+    common = dict(lectures=lectures, device=env.get("device", "an unknown machine"),
+                  build_time=format_seconds(total) if recordings else None, calculator=calculator)
     text = templates().get_template("index.html").render(
-        page_title="Distributed training, executable course", body_class="index", lectures=lectures)
+        page_title="Distributed training, executable course", body_class="index", **common)
     path = os.path.join(out_dir, "index.html")
     write_atomic(path, text)
+    sheet = templates().get_template("cheatsheet.html").render(
+        page_title="Cheatsheet: distributed training, executable course", body_class="cheatsheet",
+        cheats=cheats, **common)
+    write_atomic(os.path.join(out_dir, "cheatsheet.html"), sheet)
     _relink(out_dir, _titles(recordings))
     return path
 
