@@ -321,3 +321,89 @@ def test_try_it_yourself_box_lists_the_notebook_exercises(tmp_path):
     write(tmp_path, recording(tmp_path))                 # a lecture without exercises has no box
     assert "try-it" not in open(render.render_lecture(str(tmp_path / "content" / "lecture_demo.json")),
                                 encoding="utf-8").read()
+
+
+def _recorded(tmp_path, narrate):
+    """A recording made by `narrate()` through the real narration API."""
+    from util import record
+    rec = recording(tmp_path, demos=False)
+    recorder = record.Recorder()
+    previous = record.use(recorder)
+    try:
+        narrate(record)
+    finally:
+        record.use(previous)
+    rec["records"] = recorder.records
+    rec["functions"] = recorder.functions
+    write(tmp_path, rec)
+    return tmp_path / "content"
+
+
+def _lesson_code():
+    return 1
+
+
+def _folded_code():
+    return 2
+
+
+def test_a_first_read_folds_code_moves_deep_dives_and_keeps_a_cheatsheet(tmp_path):
+    def narrate(r):
+        r.note("# Title\n## Main section")
+        r.see(_folded_code)
+        r.see(_lesson_code, lesson=True)
+        r.cheat("ring all-reduce bytes", "$2(n-1)/n \\cdot S$", 1536, "bytes", what="per rank")
+        with r.deep_dive("The gory details", "what a careful reader finds"):
+            r.note("## Details\nDeep text.")
+            r.cheat("deep number", "$x$", 0.25)
+            r.published("A paper says **29%**.", "https://example.org/p", "Someone 2024")
+        r.note("Back on the main path.\n## Second main section\nMore.")
+        r.table([[i, i * i] for i in range(18)], header=["i", "i²"])
+    out = _recorded(tmp_path, narrate)
+    html = open(render.render_lecture(str(out / "lecture_demo.json")), encoding="utf-8").read()
+    main = html.split('id="main-section"')[1].split("</section>")[0]
+    listings = main.split('<details class="show-code">')[0]   # the section's own code folds at its end
+    # listings fold unless they are the lesson
+    assert '<details class="listing"><summary>show code <code>_folded_code</code>' in main
+    assert listings.count('<figure class="code') == 2 and listings.count('<details class="listing">') == 1
+    # the deep dive left a pointer here and its text went to the appendix page
+    assert 'href="lecture_demo_appendix.html#the-gory-details"' in main and "what a careful reader finds" in main
+    assert "<p>Deep text.</p>" not in html and "Back on the main path." in main
+    assert 'id="details"' not in html and 'href="lecture_demo_appendix.html#the-gory-details"' in html
+    appendix = (out / "lecture_demo_appendix.html").read_text()
+    assert "<p>Deep text.</p>" in appendix and 'id="details"' in appendix and "<p>Back on the main path.</p>" not in appendix
+    assert 'A deep dive of <a href="lecture_demo.html#main-section">this spot in the lecture</a>' in appendix
+    assert "published on GPUs · not measured here" in appendix and "<strong>29%</strong>" in appendix
+    # a long table shows 8 rows, all 18 one click away
+    second = html.split('id="second-main-section"')[1]
+    assert "show all 18 rows" in second and second.split("<details")[0].count("<tr>") == 9
+    # the cheatsheet: each value beside its formula, linked to its line on the page
+    render.render_index(str(out))
+    sheet = (out / "cheatsheet.html").read_text()
+    assert 'title="1536">1,536</span> bytes' in sheet and 'href="lecture_demo.html#cheat-' in sheet
+    assert 'href="lecture_demo_appendix.html#cheat-' in sheet and 'title="0.25">0.25<' in sheet
+    anchor = re.search(r'href="lecture_demo.html#(cheat-[^"]+)"', sheet).group(1)
+    line = html.split(f'id="{anchor}"')[1].split("</p>")[0]
+    assert '<b class="value">1,536</b> bytes' in line
+    # a lecture that loses its deep dives loses its appendix page
+    out = _recorded(tmp_path, lambda r: r.note("# Title\n## Only"))
+    render.render_lecture(str(out / "lecture_demo.json"))
+    assert not (out / "lecture_demo_appendix.html").exists()
+
+
+def test_cheat_takes_measured_numbers_and_plural_never_says_s():
+    from util import record
+    with pytest.raises(TypeError, match="must be a number"):
+        record.cheat("x", "$x$", "16 bytes")
+    assert record.plural(1, "head") == "1 head" and record.plural(3, "head") == "3 heads"
+    assert record.plural(2, "all-reduce") == "2 all-reduces" and record.plural(0, "copy", "copies") == "0 copies"
+
+
+def test_a_demo_with_nothing_to_show_draws_no_bar(tmp_path):
+    rec = recording(tmp_path)
+    rec["records"].append({"kind": "demo", "name": "silent", "world_size": 2, "status": "ok", "elapsed": 0.1,
+                           "error": None, "function": None, "records": [], "source": src("intro", 20),
+                           "rank": None, "t": 0.0})
+    path = write(tmp_path, rec)
+    html = open(render.render_lecture(str(path)), encoding="utf-8").read()
+    assert "silent" not in html and 'class="demo demo-ok"' in html   # the demo that has a card keeps it

@@ -137,7 +137,7 @@ def record_html(rec, functions=None):
     if kind == "published":
         return (f'<div style="{_BOX}"><div style="font-size:11px;color:#8a6d0b;">PUBLISHED ON GPUS · NOT MEASURED HERE'
                 f'</div>{markdown_html(rec["text"])}<div style="font-size:12px;"><a href="{html.escape(rec["url"])}" '
-                f'target="_blank" rel="noopener">{inline_html(rec["source"])}</a></div></div>')
+                f'target="_blank" rel="noopener">{inline_html(rec["cite"])}</a></div></div>')
     return f"<pre>{html.escape(json.dumps(rec, default=str)[:2000])}</pre>"
 
 
@@ -167,7 +167,7 @@ def record_text(rec):
     if kind == "cheat":
         return f"{rec['topic']}: {rec['formula']} (measured here: {fmt(rec['value'])} {rec.get('unit', '')})".rstrip()
     if kind == "published":
-        return f"[published on GPUs, not measured here] {rec['text']} ({rec['source']} <{rec['url']}>)"
+        return f"[published on GPUs, not measured here] {rec['text']} ({rec['cite']} <{rec['url']}>)"
     return json.dumps(rec, default=str)
 
 

@@ -191,10 +191,11 @@ def cheat(topic, formula, value, unit="", *, what=""):
     _current.add("cheat", topic=topic, formula=formula, value=value, unit=unit, what=what)
 
 
-def published(text, url, source):
+def published(text, url, cite):
     """A figure published on GPUs, shown beside a measurement this CPU cannot make pay off; the
-    page marks it as not measured here. `text` says what was reported (Markdown), `source` cites."""
-    _current.add("published", text=textwrap.dedent(text).strip(), url=url, source=source)
+    page marks it as not measured here. `text` says what was reported (Markdown), `cite` names
+    the paper or post (authors, year, title) at `url`."""
+    _current.add("published", text=textwrap.dedent(text).strip(), url=url, cite=cite)
 
 
 def plural(n, word, many=None):

@@ -364,7 +364,7 @@ class Page:
     def p_published(self, r):
         url = r.get("url", "")
         return {"kind": "published", "html": markdown(r.get("text", "")), "url": url,
-                "safe": _safe_url(url), "source": markdown_inline(r.get("source", ""))}
+                "safe": _safe_url(url), "cite": markdown_inline(r.get("cite", ""))}
 
     def p_table(self, r):
         header, rows = r.get("header"), r.get("rows") or []
