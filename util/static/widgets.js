@@ -101,7 +101,7 @@
     if (parent) parent.appendChild(e);
     return e;
   }
-  var COLOURS = { F: "#4c78a8", B: "#e45756", W: "#54a24b" };
+  var COLOURS = { F: "#4c78a8", B: "#f58518", W: "#54a24b" };   // as lecture 05's static figures: F blue, B orange, W green
   function pct(x) { return (100 * x).toFixed(1) + "%"; }
 
   // In flight: micro-batches whose forward ran on this rank and whose activations are not yet
