@@ -39,7 +39,8 @@ from lectures.tp_ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFro
                              scatter_to_sequence, shard_checks, traced)
 from lectures.tp_random import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
 from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
+from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
+                  table, timeline)
 
 # =========================================================================================
 # 1. Rank functions: train the split GPT, and the single-process reference
@@ -795,55 +796,26 @@ def intro():
     see("https://arxiv.org/abs/2205.05198", "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models")
 
 
-def conjugate_operators():
-    note("""
-        ## The conjugate operators f and g
-        A tensor-parallel region starts where a replicated tensor is used by split weights and
-        ends where split partial results are summed. Two operators mark the borders, each the
-        other's transpose: **f** is the identity forward (every rank already has the input) and an
-        all-reduce backward (each rank's slice of the weights contributes part of the input's
-        gradient); **g** is an all-reduce forward (the partial sums are added) and the identity
-        backward (the summed output's gradient is already on every rank). Each is an
-        `autograd.Function` that takes its process group explicitly and never changes its input.
-    """)
-    see(CopyToRegion)
-    see(ReduceFromRegion)
-    note("Gathering or splitting the last dimension are a conjugate pair too, and so are the "
-         "sequence-parallel all-gather and reduce-scatter (further down):")
-    see(GatherFromRegion)
-    see(ScatterToRegion)
-
-
 def column_and_row():
+    note("## Column- and row-parallel linear")
+    n = tp_sizes()[-1]
+    r = spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks").returns[0]
+    figure(cut_figure(n, r["shapes"]), caption=f"the two cuts of a weight matrix over {n} ranks, with the shapes "
+           "rank 0 held in this run (math orientation: Y = XA)")
     note("""
-        ## Column- and row-parallel linear
-        Write a linear layer as $Y = XA$ with $A$ of shape $h_{in} \\times h_{out}$. Split $A$ by
-        **columns**, $A = [A_1, \\dots, A_N]$: rank $r$ computes $Y_r = XA_r$, its slice of the output
-        features, and nothing needs adding (gather the slices only if someone needs all of $Y$).
-        Split $A$ by **rows** and $X$ by columns to match: rank $r$ computes $X_r A_r$, a full-size
-        *partial* result, and $Y = \\sum_r X_r A_r$ takes an all-reduce. A column-parallel layer
+        Write a linear layer as $Y = XA$. Cut $A$ by **columns**, $A = [A_1, \\dots, A_t]$: rank $r$
+        computes $Y_r = XA_r$, its slice of the output features, and nothing needs adding. Cut the
+        next layer's $B$ by **rows**: rank $r$ multiplies its slice $Y_r$ by $B_r$, a full-size
+        *partial* result, and the sum over ranks takes an all-reduce. So a column-parallel layer
         followed by a row-parallel one needs no communication in between: the split output of the
-        first is exactly the split input of the second. (`nn.Linear` stores $A^T$, so a column
-        slice of $A$ is a slice of the weight's rows.)
+        first is exactly the split input of the second.
     """)
+    table([[k, v] for k, v in r["diffs"].items()],
+          header=["max |ours − nn.Linear in one process|", f"{n} ranks (rank 0)"],
+          caption="the column → row pair above against the unsplit pair: float32 rounding (the same "
+                  "sums, added in another order)")
     see(ColumnParallelLinear)
     see(RowParallelLinear)
-    ref_shapes = None
-    for n in tp_sizes():
-        run = spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks")
-        r = run.returns[0]
-        if ref_shapes is None:
-            ref_shapes = {"x": r["shapes"]["x"]}
-        table([[k, str(v)] for k, v in r["shapes"].items()] + [[f"max |ours − one process|: {k}", v] for k, v in r["diffs"].items()],
-              header=["", f"{n} ranks (rank 0)"],
-              caption=f"what each of {n} ranks holds, and the largest difference from nn.Linear in one process")
-    figure(cut_figure(n, r["shapes"]), caption=f"the two cuts of a weight matrix over {n} ranks, with the shapes "
-           "rank 0 held in the run above (math orientation: Y = XA)")
-    note("""
-        The differences are float32 rounding (the sums are added in another order). The input
-        gradient is the interesting one: each rank's column slice contributes $dY_r A_r^T$, and
-        f's all-reduce adds them.
-    """)
 
 
 def cut_figure(n, shapes):
@@ -852,7 +824,7 @@ def cut_figure(n, shapes):
     import matplotlib.pyplot as plt
     colours = [plt.cm.tab10(i) for i in range(n)]
     h_out, h_in = shapes["column weight"][0] * n, shapes["column weight"][1]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(6.4, 3.6))
     for ax, kind in zip(axes, ("column", "row")):
         rows, cols = (h_in, h_out) if kind == "column" else (h_out, h_in)
         for r in range(n):
@@ -862,7 +834,7 @@ def cut_figure(n, shapes):
                 rect = (0, rows - (r + 1) * rows / n, cols, rows / n)
             ax.add_patch(plt.Rectangle(rect[:2], rect[2], rect[3], color=colours[r], alpha=0.75, ec="black"))
             ax.text(rect[0] + rect[2] / 2, rect[1] + rect[3] / 2, f"rank {r}", ha="center", va="center",
-                    fontsize=10, rotation=90 if kind == "column" else 0)
+                    fontsize=13, rotation=90 if kind == "column" else 0)
         ax.set_xlim(0, cols)
         ax.set_ylim(0, rows)
         ax.set_aspect("equal")
@@ -870,13 +842,13 @@ def cut_figure(n, shapes):
         ax.set_yticks([])
         local = shapes["column weight"][::-1] if kind == "column" else shapes["row weight"][::-1]
         name = "A" if kind == "column" else "B"
-        ax.set_title(f"{kind}-parallel: {name} is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=10)
-        ax.set_xlabel("output features" if kind == "column" else "output features (whole)", fontsize=10)
-        ax.set_ylabel("input features (whole)" if kind == "column" else "input features", fontsize=10)
-    axes[0].text(0.5, -0.3, r"$Y_r = X A_r$: a slice of $Y$, no collective", transform=axes[0].transAxes,
-                 ha="center", fontsize=10)
-    axes[1].text(0.5, -0.3, r"$Z = \sum_r Y_r B_r$: partial sums, all-reduce", transform=axes[1].transAxes,
-                 ha="center", fontsize=10)
+        ax.set_title(f"{kind}-parallel: {name} is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=13)
+        ax.set_xlabel("outputs" if kind == "column" else "outputs (whole)", fontsize=13)
+        ax.set_ylabel("inputs (whole)" if kind == "column" else "inputs", fontsize=13)
+    axes[0].text(0.5, -0.22, r"$Y_r = X A_r$: no collective", transform=axes[0].transAxes,
+                 ha="center", va="top", fontsize=13)
+    axes[1].text(0.5, -0.22, r"$Z = \sum_r Y_r B_r$: all-reduce", transform=axes[1].transAxes,
+                 ha="center", va="top", fontsize=13)
     fig.tight_layout()
     return fig
 
@@ -885,90 +857,81 @@ def fg_figure(n, counts):
     """The Megatron MLP on n ranks between f and g, with the collective each runs forward and
     backward (the counts measured by CommDebugMode in the demo)."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 1.8 + 0.9 * n))
+    fig, ax = plt.subplots(figsize=(6.4, 1.6 + 0.85 * n))
     ax.set_xlim(0, 10)
-    ax.set_ylim(-1.5, n - 0.4)
+    ax.set_ylim(-1.7, n - 0.4)
     ax.set_axis_off()
-    box = lambda x, y, text, c: (ax.add_patch(plt.Rectangle((x - 0.55, y - 0.25), 1.1, 0.5, color=c, alpha=0.8)),
-                                 ax.text(x, y, text, ha="center", va="center", fontsize=10))
+    box = lambda x, y, text, c: (ax.add_patch(plt.Rectangle((x - 0.62, y - 0.3), 1.24, 0.6, color=c, alpha=0.8)),
+                                 ax.text(x, y, text, ha="center", va="center", fontsize=13))
     mid = (n - 1) / 2
-    box(0.6, mid, "X\n(whole)", "#cccccc")
+    box(0.6, mid, "$X$", "#cccccc")
     box(2.2, mid, "f", "#8fbc8f")
     for r in range(n):
         y = n - 1 - r
-        ax.annotate("", xy=(3.45, y), xytext=(2.75, mid), arrowprops=dict(arrowstyle="->"))
-        box(4.0, y, f"X·A_{r}", plt.cm.tab10(r))
+        ax.annotate("", xy=(3.35, y), xytext=(2.85, mid), arrowprops=dict(arrowstyle="->"))
+        box(4.0, y, f"$XA_{r}$", plt.cm.tab10(r))
         box(5.6, y, "GELU", plt.cm.tab10(r))
-        box(7.2, y, f"·B_{r}", plt.cm.tab10(r))
-        ax.annotate("", xy=(5.05, y), xytext=(4.55, y), arrowprops=dict(arrowstyle="->"))
-        ax.annotate("", xy=(6.65, y), xytext=(6.15, y), arrowprops=dict(arrowstyle="->"))
-        ax.annotate("", xy=(8.25, mid), xytext=(7.75, y), arrowprops=dict(arrowstyle="->"))
-        ax.text(9.9, y, f"rank {r}", ha="right", va="center", fontsize=9, color="gray")
+        box(7.2, y, f"$\\cdot B_{r}$", plt.cm.tab10(r))
+        ax.annotate("", xy=(4.98, y), xytext=(4.62, y), arrowprops=dict(arrowstyle="->"))
+        ax.annotate("", xy=(6.58, y), xytext=(6.22, y), arrowprops=dict(arrowstyle="->"))
+        ax.annotate("", xy=(8.18, mid), xytext=(7.82, y), arrowprops=dict(arrowstyle="->"))
     box(8.8, mid, "g", "#8fbc8f")
-    ax.annotate("", xy=(1.65, mid), xytext=(1.15, mid), arrowprops=dict(arrowstyle="->"))
+    ax.annotate("", xy=(1.58, mid), xytext=(1.22, mid), arrowprops=dict(arrowstyle="->"))
     fwd = ", ".join(f"{k} ×{v}" for k, v in counts["forward"].items()) or "none"
     bwd = ", ".join(f"{k} ×{v}" for k, v in counts["backward"].items()) or "none"
-    ax.text(2.2, -0.55, "f: identity forward,\nall-reduce backward", ha="center", va="center", fontsize=10)
-    ax.text(8.8, -0.55, "g: all-reduce forward,\nidentity backward", ha="center", va="center", fontsize=10)
-    ax.text(5.5, -1.25, f"measured: forward {fwd}; backward {bwd}", ha="center", va="center", fontsize=10)
+    ax.text(2.2, -0.75, "f: identity fwd,\nall-reduce bwd", ha="center", va="center", fontsize=12)
+    ax.text(8.8, -0.75, "g: all-reduce fwd,\nidentity bwd", ha="center", va="center", fontsize=12)
+    ax.text(5.5, -1.55, f"measured: fwd {fwd}; bwd {bwd}", ha="center", va="center", fontsize=12)
     return fig
 
 
 def megatron_mlp():
+    note("## f and g: the Megatron MLP, one all-reduce each way")
+    n = 2 if settings.quick or settings.world_size not in (2, 4) else settings.world_size
+    r = spawn(mlp_comms, n, name=f"Megatron MLP collectives, {n} ranks").returns[0]
+    figure(fg_figure(n, r["ours"]), caption=f"the Megatron MLP on {n} ranks: f where the whole input "
+           "enters, g where the partial sums leave; the counts are the ones this run measured (table below)")
     note("""
-        ## The Megatron MLP: one all-reduce each way
-        $\\mathrm{MLP}(X) = \\mathrm{GELU}(XA)B$ with $A$ column-parallel and $B$ row-parallel: the
-        GELU is elementwise, so it runs on each rank's slice. Forward: f (nothing), two local
-        matmuls, g (one all-reduce). Backward: g (nothing), two local matmuls, f (one all-reduce).
-        Splitting $A$ by rows instead would need an all-reduce *before* the GELU, which does not
-        commute with the sum. Counted below with PyTorch's `CommDebugMode`, for ours and for the
+        $\\mathrm{MLP}(X) = \\mathrm{GELU}(XA)B$ with $A$ cut by columns and $B$ by rows: GELU is
+        elementwise, so it runs on each rank's slice, and the only collectives sit at the borders.
+        Megatron-LM names them. **f**, where the replicated input enters, is the identity forward
+        and an all-reduce backward (each rank's slice of $A$ gives part of the input's gradient);
+        **g**, where the partial sums leave, is an all-reduce forward and the identity backward.
+        Each is the other's transpose. Counted with PyTorch's `CommDebugMode`, for ours and for the
         same MLP split by DTensor's `ColwiseParallel`/`RowwiseParallel`:
     """)
-    n = 2 if settings.quick or settings.world_size not in (2, 4) else settings.world_size
-    rows = []
-    for sp in (False, True):
-        r = spawn(mlp_comms, n, sequence_parallel=sp,
-                  name=f"Megatron MLP collectives, {'SP' if sp else 'no SP'}, {n} ranks").returns[0]
-        for who in ("ours", "DTensor"):
-            rows.append(["with SP" if sp else "without SP", who, fmt_counts(r[who]["forward"]),
-                         fmt_counts(r[who]["backward"]), r[who]["bytes"]])
-        rows.append(["with SP" if sp else "without SP", "max |ours − DTensor| (output)", r["max |ours - DTensor|"], "", ""])
-        if not sp:
-            fg_counts = r["ours"]
-    figure(fg_figure(n, fg_counts), caption=f"the Megatron MLP on {n} ranks: f where the whole input enters, g "
-           "where the partial sums leave; the counts are the ones in the table below")
-    table(rows, header=["", "", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
-          caption=f"collectives in one MLP forward and backward, {n} ranks (CommDebugMode; bytes from /proc/self/io)")
+    rows = [[who, fmt_counts(r[who]["forward"]), fmt_counts(r[who]["backward"]), r[who]["bytes"]]
+            for who in ("ours", "DTensor")]
+    table(rows, header=["", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
+          caption=f"collectives in one MLP forward and backward, {n} ranks, b = 4, s = 8, h = 16, float32 "
+                  f"(CommDebugMode; bytes from /proc/self/io); the outputs differ by "
+                  f"{r['max |ours - DTensor|']:.1e}")
+    act = 4 * 8 * 16 * 4
+    if r["ours"]["bytes"] is not None:
+        cheat("TP traffic of one MLP (f and g)",
+              "one all-reduce of the $(b, s, h)$ activation forward (g) and one backward (f): "
+              "$2 \\cdot \\frac{2(t-1)}{t}\\,bsh$ values sent per rank",
+              r["ours"]["bytes"], "bytes",
+              what=f"measured on the sockets, t = {n}, b·s·h = 512 float32 values ({act:,} bytes; the "
+                   f"ring formula gives {int(2 * 2 * (n - 1) / n * act):,}, plus gloo's headers)")
     note("""
-        One all-reduce forward, one backward, for both. With sequence parallelism (below) each
-        all-reduce becomes an all-gather on the way in and a reduce-scatter on the way out; ours
-        also all-gathers the input a second time in backward, because it keeps only its slice of
-        the input for the weight gradient (Megatron-LM does the same to save memory); DTensor keeps
-        the gathered input instead. Our column-parallel backward also starts the input
-        gradient's all-reduce before it computes the weight gradient, so the two overlap:
+        One all-reduce forward, one backward, for both. The two operators are a few lines each:
+    """)
+    see(CopyToRegion, lesson=True)
+    see(ReduceFromRegion, lesson=True)
+    note("""
+        Our column-parallel backward also starts the input gradient's all-reduce before it computes
+        the weight gradient, so the two overlap (`ColumnParallelLinearFunction`). Gathering and
+        splitting the last dimension are a conjugate pair too, and so are sequence parallelism's
+        all-gather and reduce-scatter (below).
     """)
     see(ColumnParallelLinearFunction)
+    see(GatherFromRegion)
+    see(ScatterToRegion)
 
 
 def attention_heads():
-    note("""
-        ## Attention: whole heads per rank
-        Heads are independent until the output projection, so Q, K and V are column-parallel
-        (each rank keeps $a/t$ whole heads), attention runs locally on those heads, and the output
-        projection is row-parallel: again one all-reduce each way. This needs $t \\mid a$. As in
-        Megatron-LM, Q, K and V are **one** column-parallel matmul: this rank's weight is
-        $[W_q; W_k; W_v]$ for its heads, one f on the input, and in backward one input-gradient
-        all-reduce that overlaps the Q/K/V weight gradient (three layers behind one shared f would
-        leave that all-reduce blocking, after all three).
-
-        Grouped-query attention has fewer K/V heads, $k < a$. When $t \\mid k$ they are split like
-        the queries. When $k \\mid t$, each rank's $a/t$ query heads all read the same K/V head, so
-        the rank holds that one head: each K/V head is replicated on the $t/k$ ranks that read it
-        (vLLM's layout), and its gradient is summed over them. Other combinations would give a
-        rank query heads from unequal groups, and are refused.
-    """)
-    see(TensorParallelAttention)
-    see(ShareKVHeads)
+    note("## Attention: whole heads per rank")
     base = GPTConfig(n_layers=1, seq_len=8, d_model=32)
     overrides = [dict(n_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]
     rows, layouts = [], {}
@@ -985,25 +948,33 @@ def attention_heads():
             rows.append([n, cfg.n_heads, k, len(g["q heads"]), len(g["kv heads"]), g["kv kind"],
                          str(g["qkv weight"]), f"{held} of {2 * k * d * h}", traffic,
                          (g["logits"] - ref["logits"]).abs().max().item(), max_diff(g["grads"], ref["grads"])])
+    figure(gqa_figure(layouts), caption="what each rank holds in this run: its query heads (blue) and the K/V "
+           "heads they read (orange); an orange head on several ranks is replicated")
+    note("""
+        Heads are independent until the output projection, so Q, K and V are column-parallel (each
+        rank keeps $a/t$ whole heads, which needs $t \\mid a$), attention runs locally, and the output
+        projection is row-parallel: again one all-reduce each way. As in Megatron-LM, Q, K and V are
+        **one** column-parallel matmul, so one f and one input-gradient all-reduce that overlaps
+        their weight gradients.
+
+        Grouped-query attention has fewer K/V heads, $k < a$. When $t \\mid k$ they are split like
+        the queries. When $k \\mid t$, each rank's query heads all read one K/V head, so that head is
+        replicated on the $t/k$ ranks that read it (vLLM's layout) and its gradient is summed over
+        them: $2dh$ K/V elements per rank instead of $2kdh/t$, and one more all-reduce per layer in
+        backward. Other combinations are refused. One step of a one-layer GPT against one process:
+    """)
     table(rows, header=["tp", "heads", "K/V heads", "Q heads per rank", "K/V heads per rank", "K/V layout",
                         "fused Q/K/V weight per rank", "K/V weight elements per rank (of the whole)",
                         "extra all-reduce in backward (buffer bytes)", "max |Δ logits|", "max |Δ gradient|"],
-          caption="one step of a one-layer GPT against one process; float32")
-    note("""
-        A replicated K/V head costs memory (each reader holds it: $2dh$ elements per rank instead of
-        $2kdh/t$) and one all-reduce per layer in backward, of a buffer with a slot per K/V head
-        (weights and biases), to sum each head's gradient over its readers. With one K/V head
-        (multi-query attention) that buffer is exactly the head's gradient; with more, an
-        all-reduce over only the $t/k$ readers of each head (a subgroup) would move $k\\times$
-        fewer bytes.
-    """)
-    figure(gqa_figure(layouts), caption="what each rank holds: its query heads (blue) and the K/V heads "
-           "they read (orange); an orange head on several ranks is replicated (taken from the split layers)")
+          caption="float32; the extra all-reduce sums a replicated K/V head's gradient over its readers")
     n = tp_sizes()[-1]
     bad = dataclasses_replace(base, n_heads=n - 1, d_model=8 * (n - 1))
-    msg = spawn(refuse_split, n, cfg=bad, name=f"attention heads: tp={n} does not divide {n - 1} head(s)").returns[0]
-    note(f"With {n - 1} head(s) and {n} ranks there is no way to give each rank whole heads, and "
+    msg = spawn(refuse_split, n, cfg=bad,
+                name=f"attention heads: tp={n} does not divide {plural(n - 1, 'head')}").returns[0]
+    note(f"With {plural(n - 1, 'head')} and {n} ranks there is no way to give each rank whole heads, and "
          f"`parallelize_gpt` says so: *{msg}*")
+    see(TensorParallelAttention)
+    see(ShareKVHeads)
 
 
 def gqa_figure(layouts):
@@ -1040,42 +1011,42 @@ def dataclasses_replace(cfg, **changes):
 
 
 def vocab_parallel():
+    note("## Vocabulary-parallel embedding and cross-entropy")
+    vocab = 1024 if settings.quick else 8192
+    got = {n: spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
+           for n in tp_sizes()}
+    import matplotlib.pyplot as plt
+    full = next(iter(got.values()))["full logits"]
+    labels = ["one process: the full logits"] + [f"tp={n}: largest tensor a rank holds" for n in got]
+    values = [full] + [r["largest"] for r in got.values()]
+    fig, ax = plt.subplots(figsize=(6.4, 0.7 + 0.55 * len(values)))
+    bars = ax.barh(range(len(values)), [v / 1e3 for v in values], color=["gray"] + ["#4c72b0"] * len(got))
+    ax.bar_label(bars, labels=[f"{v / 1e3:.0f} kB" for v in values], padding=3, fontsize=12)
+    ax.set_yticks(range(len(values)), labels, fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlim(0, full / 1e3 * 1.3)
+    ax.set_xlabel("kB (measured)", fontsize=12)
+    figure(fig, caption=f"vocabulary {vocab}, batch 4 × 32 tokens: with the vocabulary split, the largest "
+           "tensor a rank holds is its slice of the logits")
     note("""
-        ## Vocabulary-parallel embedding and cross-entropy
         The embedding table and the LM head are $v \\times h$, the largest matrices of a small
-        model. Split the vocabulary: rank $r$ owns token ids $[rv/t, (r+1)v/t)$. The embedding
-        looks up the tokens it owns, writes zeros for the rest, and g sums the ranks' rows. The
-        LM head is column-parallel and keeps its slice of the logits; the loss is then computed
-        from the slices: the max, the sum of exponentials and the target's logit are each
-        all-reduced (one number per token each), and the $(b, s, v)$ logits never exist anywhere.
+        model. Split the vocabulary: rank $r$ owns token ids $[rv/t, (r+1)v/t)$; its embedding writes
+        zeros for the tokens it does not own, and g sums the ranks' rows. The LM head is
+        column-parallel and keeps its slice of the logits; the loss needs only three per-token
+        all-reduces (the max, the sum of exponentials, the target's logit), so the $(b, s, v)$
+        logits never exist anywhere.
     """)
+    table([[n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"])]
+           for n, r in got.items()],
+          header=["tp", "loss", "one process", "|Δ loss|", "max |Δ embedding grad|", "local logits"],
+          caption=f"vocabulary {vocab}, batch 4 × 32 tokens, h = 32")
     see(VocabParallelEmbedding)
     see(vocab_parallel_cross_entropy)
-    vocab = 1024 if settings.quick else 8192
-    rows = []
-    for n in tp_sizes():
-        r = spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
-        rows.append([n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"]),
-                     r["largest"], r["full logits"]])
-    table(rows, header=["tp", "loss", "one process", "|Δ loss|", "max |Δ embedding grad|", "local logits",
-                        "largest tensor a rank holds (bytes)", "full logits (bytes)"],
-          caption=f"vocabulary {vocab}, batch 4 × 32 tokens, h = 32")
-    note("The largest tensor a rank holds shrinks with tp: the logits it keeps are 1/tp of the full ones.")
 
 
 def training():
     cfg, steps = demo_cfg(), (10 if settings.quick else 60)
-    note(f"""
-        ## A tensor-parallel GPT trains on lecture 01's task
-        `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
-        PyTorch, and a dict from module names to how each is split is applied afterwards. It
-        returns a copy, so the unsplit model stays available for comparison. Every module that
-        owns parameters must be in the plan, or it refuses. Below, lecture 01's GPT
-        ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.seq_len})
-        trains for {steps} AdamW steps (batch 16) split over {" and ".join(map(str, tp_sizes()))} ranks, beside one process.
-    """)
-    see(gpt_plan)
-    see(parallelize_gpt)
+    note("## A tensor-parallel GPT trains on lecture 01's task")
     ref = train_reference(cfg, steps=steps, batch_size=16)
     runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}").returns
             for n in tp_sizes()}
@@ -1084,10 +1055,18 @@ def training():
     ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
     for n, style in zip(tp_sizes(), ("-", "--")):
         ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.legend()
+    ax.set_xlabel("step", fontsize=12)
+    ax.set_ylabel("loss (nats/token)", fontsize=12)
+    ax.legend(fontsize=12)
     figure(fig, caption="training loss, tensor-parallel on top of one process")
+    note(f"""
+        `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
+        PyTorch, and a dict from module names to how each is split is applied afterwards (every
+        module that owns parameters must be in the plan, or it refuses). Lecture 01's GPT
+        ({cfg.n_layers} layers, h = {cfg.d_model}, {plural(cfg.n_heads, 'head')}, sequence {cfg.seq_len})
+        trained for {steps} AdamW steps (batch 16) split over {" and ".join(map(str, tp_sizes()))} ranks,
+        beside one process:
+    """)
     rows = []
     for n, r in runs.items():
         spread = max(max_diff(x["params"], r[0]["params"]) for x in r)
@@ -1095,24 +1074,15 @@ def training():
     table(rows, header=["tp", "final loss", "one process", "max |Δ parameter| vs one process",
                         "max |Δ| between ranks' gathered parameters"],
           caption=f"after {steps} steps (float32: the differences are rounding, amplified a little by Adam)")
+    see(gpt_plan)
+    see(parallelize_gpt)
 
 
 def memory_per_rank():
     """Per-rank weights, gradients and optimizer state under TP: the sharded part falls as 1/t,
     the replicated part (norms, row-parallel biases, positions) does not."""
     cfg = demo_cfg()
-    note("""
-        ## What each rank holds: weights, gradients and Adam's moments
-        Activations were one reason to split a layer; the model's state is the other. With AdamW
-        in float32 a rank holds 16 bytes per parameter it owns: the weight, its gradient and two
-        moments (lecture 01). A parameter the plan splits is owned by one rank in $t$; one it keeps
-        whole (the LayerNorms, the row-parallel biases, the learned positions) is owned by all of
-        them. So a rank holds $16\\,(S/t + R)$ bytes for $S$ split and $R$ replicated parameters
-        (with the K/V heads split, $t$ dividing their number; under grouped-query attention with
-        more ranks than K/V heads each K/V head sits on several ranks, which adds its share back).
-        Measured from the tensors each rank holds after one AdamW step:
-    """)
-    see(training_state_bytes)
+    note("## What each rank holds: weights, gradients and Adam's moments")
     full = dict(GPT(cfg).named_parameters())
     n_full = sum(p.numel() for p in full.values())
     # what the plan keeps whole: the norms, the positions, the row-parallel layers' biases
@@ -1132,11 +1102,8 @@ def memory_per_rank():
         predicted = 16 * ((n_full - n_whole) / t + n_whole)
         rows.append([t, m["sharded parameters"], m["replicated parameters"], m["gradients"], m["Adam moments"],
                      total, predicted, total / (16 * n_full)])
-    table(rows, header=["tp", "split parameters", "replicated parameters", "gradients", "Adam moments",
-                        "total per rank (bytes, measured)", "16·(S/t + R)", "share of one process"],
-          caption=f"lecture 01's GPT ({n_full:,} parameters), float32, AdamW; per rank, every rank alike")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ts = list(parts)
     keys = ("sharded parameters", "replicated parameters", "gradients", "Adam moments")
     bottom = [0.0] * len(ts)
@@ -1145,12 +1112,28 @@ def memory_per_rank():
         ax.bar([str(t) for t in ts], vals, bottom=bottom, color=colour, label=key.replace("sharded", "split"))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot([str(t) for t in ts], [16 * n_full / t / 1e3 for t in ts], "k--", lw=1, label="one process ÷ tp")
-    ax.set_xlabel("tp")
-    ax.set_ylabel("kB per rank (measured)")
-    ax.legend(fontsize=8, frameon=False)
-    figure(fig, caption="what a rank holds between steps: everything shrinks with tp except the replicated parameters "
-           "and their gradients and moments (the bars stand above the dashed ideal by 16R(1 − 1/t))")
+    ax.set_xlabel("tp", fontsize=12)
+    ax.set_ylabel("kB per rank (measured)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11, frameon=False)
+    figure(fig, caption="what a rank holds between steps, measured: everything shrinks with tp except the "
+           "replicated parameters and their gradients and moments (the bars stand above the dashed "
+           "ideal by 16R(1 − 1/t))")
+    note("""
+        With AdamW in float32 a rank holds 16 bytes per parameter it owns: the weight, its gradient
+        and two moments (lecture 01). A parameter the plan splits is owned by one rank in $t$; one
+        it keeps whole (the LayerNorms, the row-parallel biases, the learned positions) by all of
+        them. So a rank holds $16\\,(S/t + R)$ bytes for $S$ split and $R$ replicated parameters
+        (K/V heads replicated under grouped-query attention add their share back). Measured from
+        the tensors each rank holds after one AdamW step:
+    """)
+    table(rows, header=["tp", "split parameters", "replicated parameters", "gradients", "Adam moments",
+                        "total per rank (bytes, measured)", "16·(S/t + R)", "share of one process"],
+          caption=f"lecture 01's GPT ({n_full:,} parameters), float32, AdamW; per rank, every rank alike")
     last = rows[-1]
+    cheat("TP training state per rank", "$16\\,(S/t + R)$ bytes: $S$ split, $R$ replicated parameters, "
+          "float32 AdamW", last[5], "bytes",
+          what=f"measured per rank at tp = {last[0]}, {n_full:,} parameters ({last[7]:.1%} of one process)")
     names = ", ".join(f"`{n}`" for n in parts[ts[-1]]["replicated names"])
     note(f"""
         At tp = {last[0]} a rank holds {last[7]:.1%} of one process's {16 * n_full / 1e3:.0f} kB, not
@@ -1162,7 +1145,7 @@ def memory_per_rank():
         parallelism divides the state by almost exactly $t$. What it leaves is replicated across
         the data-parallel ranks; ZeRO (lecture 03) splits it there.
     """)
-
+    see(training_state_bytes)
 
 
 def sequence_parallelism():
@@ -1173,19 +1156,17 @@ def sequence_parallelism():
 
 
 def sp_collectives(cfg):
-    note("""
-        ## Sequence parallelism
-        Tensor parallelism leaves the LayerNorms, the residual adds (and dropout) replicated: every
-        rank computes them on the whole $(b, s, h)$ activation and keeps the whole thing for
-        backward. Korthikanti et al. split those along the sequence instead: each rank owns $s/t$
-        positions there. Entering a tensor-parallel region then takes an **all-gather** along the
-        sequence (backward: reduce-scatter), and leaving it a **reduce-scatter** (backward:
-        all-gather). A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the
-        bytes are the same.
-    """)
+    note("## Sequence parallelism")
     sp_split_figure(cfg, t=2, b=4)
-    see(AllGatherSequence)
-    see(ReduceScatterSequence)
+    note("""
+        Tensor parallelism leaves the LayerNorms, the residual adds (and dropout) replicated: every
+        rank computes them on the whole $(b, s, h)$ activation and keeps it for backward.
+        Korthikanti et al. split those along the sequence instead. Entering a tensor-parallel
+        region then takes an **all-gather** along the sequence where f stood (backward:
+        reduce-scatter), and leaving it a **reduce-scatter** where g stood (backward: all-gather).
+        A ring all-reduce *is* a reduce-scatter followed by an all-gather, so in a ring the bytes
+        are the same.
+    """)
     n = 2
     r = spawn(sp_traffic, n, cfg=cfg, name=f"sequence parallelism: one block's collectives, {n} ranks").returns[0]
     table([["off" if not sp else "on", fmt_counts(r[sp]["forward"]), fmt_counts(r[sp]["backward"]), r[sp]["bytes"]]
@@ -1208,6 +1189,8 @@ def sp_collectives(cfg):
         keeping only its slice) and six small all-reduces of the LayerNorm and row-parallel bias
         gradients, which under SP each rank computes from its positions only.
     """)
+    see(AllGatherSequence)
+    see(ReduceScatterSequence)
 
 
 def sp_split_figure(cfg, t, b):
@@ -1218,11 +1201,11 @@ def sp_split_figure(cfg, t, b):
     s, h, f, hd = cfg.seq_len, cfg.d_model, cfg.ff, cfg.head_dim
     seq, ten, col = "#9ecae1", "#fdae6b", "#d9d9d9"
     steps = [("x", f"({b}, {s // t}, {h})", seq), ("LayerNorm", f"({b}, {s // t}, {h})", seq),
-             ("all-gather\n(g)", "", col), ("Q, K, V,\nattention, O", f"heads {cfg.n_heads // t} of {cfg.n_heads}", ten),
-             ("reduce-scatter\n(ḡ)", "", col), ("+ residual,\nLayerNorm", f"({b}, {s // t}, {h})", seq),
-             ("all-gather\n(g)", "", col), ("MLP", f"width {f // t} of {f}", ten),
-             ("reduce-scatter\n(ḡ)", "", col), ("+ residual", f"({b}, {s // t}, {h})", seq)]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+             ("all-gather\n(f's place)", "", col), ("Q, K, V,\nattention, O", f"heads {cfg.n_heads // t} of {cfg.n_heads}", ten),
+             ("reduce-scatter\n(g's place)", "", col), ("+ residual,\nLayerNorm", f"({b}, {s // t}, {h})", seq),
+             ("all-gather\n(f's place)", "", col), ("MLP", f"width {f // t} of {f}", ten),
+             ("reduce-scatter\n(g's place)", "", col), ("+ residual", f"({b}, {s // t}, {h})", seq)]
+    fig, ax = plt.subplots(figsize=(7, 4))
     per_row, w = 5, 1.6
     ax.set_xlim(0, per_row * w)
     ax.set_ylim(-0.2, 4.3)
@@ -1234,19 +1217,19 @@ def sp_split_figure(cfg, t, b):
         ax.add_patch(FancyBboxPatch((x0 + 0.12, y0 + 0.35), w - 0.24, 0.95,
                                     boxstyle="round,pad=0.02,rounding_size=0.08", facecolor=colour,
                                     edgecolor="black", lw=0.8, linestyle="--" if collective else "-"))
-        ax.text(x0 + w / 2, y0 + 0.82, name, ha="center", va="center", fontsize=9.5)
+        ax.text(x0 + w / 2, y0 + 0.82, name, ha="center", va="center", fontsize=11)
         if shape:
-            ax.text(x0 + w / 2, y0 + 0.12, shape, ha="center", va="center", fontsize=9, color="#333")
+            ax.text(x0 + w / 2, y0 + 0.12, shape, ha="center", va="center", fontsize=11, color="#333")
         if k:
             ax.annotate("", xy=(x0 + 0.12, y0 + 0.82), xytext=(x0 - 0.12, y0 + 0.82),
                         arrowprops=dict(arrowstyle="->", lw=0.9))
     # the second row continues the first: from the attention's reduce-scatter to the residual
     ax.annotate("", xy=(w / 2, 0.3 + 1.3), xytext=(per_row * w - w / 2, 2.3 + 0.35),
                 arrowprops=dict(arrowstyle="->", lw=0.9, color="#666", shrinkA=0, shrinkB=0))
-    ax.text(0.1, 4.05, f"per rank, t = {t}:  blue = split along the sequence ({s // t} of {s} positions)",
-            fontsize=9.5, ha="left", va="center")
-    ax.text(0.1, 3.75, "orange = split across heads or MLP width;  grey dashed = the collective between",
-            fontsize=9.5, ha="left", va="center")
+    ax.text(0.1, 4.1, f"t = {t}. blue: split along the sequence ({s // t} of {s} positions)",
+            fontsize=11, ha="left", va="center")
+    ax.text(0.1, 3.75, "orange: split across heads or MLP width; grey: a collective",
+            fontsize=11, ha="left", va="center")
     figure(fig, caption=f"Where sequence parallelism splits one block ({t} ranks, this page's GPT: b = {b}, s = {s}, "
                         f"h = {h}, {cfg.n_heads} heads of {hd}, MLP width {f}). Every shape is what a rank holds. "
                         "Backward runs the same path right to left with each collective swapped "
@@ -1254,21 +1237,6 @@ def sp_split_figure(cfg, t, b):
 
 
 def sp_activation_memory(cfg):
-    note("""
-        **Activation memory.** For one block, autograd saves (units of $bsh$ values, from counting
-        what this code saves): the block input and the attention residual (LayerNorm inputs, 2),
-        the two LayerNorm outputs read by the projections (2), Q, K, V (3), the attention output
-        (1), the MLP's hidden layer before and after GELU (4 + 4). Tensor parallelism splits the
-        last 12 but not the first 4: $4 + 12/t$. With sequence parallelism the LayerNorm inputs
-        are slices, and the column-parallel layers (the fused QKV and `fc_in`) save only their
-        input's sequence slice and all-gather it again in backward, so nothing of size $bsh$ stays
-        whole: $16/t$. Every term is divided by $t$, as in Korthikanti et al.'s $sbh \\cdot 34/t$ for
-        Megatron with sequence parallelism (their count is in bytes of 16-bit values and includes
-        dropout masks, which this GPT has none of).
-        (Plus per-token LayerNorm statistics and the attention's log-sum-exp; CPU SDPA's flash
-        kernel keeps no $s \\times s$ matrix, so the paper's $5as/h$ term is absent.)
-    """)
-    see(saved_bytes)
     b = 4
     rows = []
     block, x = GPT(cfg).blocks[0], torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True)
@@ -1280,23 +1248,41 @@ def sp_activation_memory(cfg):
         for sp in (False, True):
             formula = activation_formula(cfg, b, t, sp)
             rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
-    table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
-          caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.5 * len(rows)))
     labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
     colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
     bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color=colours)
-    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=9)
-    ax.set_yticks(range(len(rows)), labels, fontsize=10)
+    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=12)
+    ax.set_yticks(range(len(rows)), labels, fontsize=12)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.25)
-    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=10)
+    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=12)
+    note("**Activation memory.**")
     figure(fig, caption="one block's activation memory per rank: tensor parallelism alone leaves 4 units whole; "
            "with sequence parallelism all 16 shrink with tp (the table's numbers)")
+    note("""
+        For one block, autograd saves (in units of $bsh$ values, counted from what this code saves)
+        the block input and the attention residual (2), the two LayerNorm outputs (2), Q, K, V (3),
+        the attention output (1) and the MLP's hidden layer before and after GELU (4 + 4). Tensor
+        parallelism splits the last 12 but not the first 4: $4 + 12/t$. With sequence parallelism
+        the LayerNorm inputs are slices, and the column-parallel layers save only their input's
+        sequence slice and all-gather it again in backward: $16/t$, as in Korthikanti et al.'s
+        $sbh \\cdot 34/t$ (their count is in bytes of 16-bit values and includes dropout masks, which
+        this GPT has none of; per-token LayerNorm statistics come on top, and CPU SDPA's flash
+        kernel keeps no $s \\times s$ matrix, so the paper's $5as/h$ term is absent).
+    """)
+    table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
+          caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
     exact = all(r[2] == r[3] for r in rows)
     note("The measured bytes equal the formula exactly in every row: this code reaches the paper's $16/t$."
          if exact else "Where measured and formula differ, the table's last column says by how much.")
+    sp_row = next(r for r in rows if r[1] == "on")
+    cheat("Activation memory of a block under TP and SP",
+          "$bsh\\,(4 + 12/t)$ values without SP, $16\\,bsh/t$ with SP (float32 here, no dropout)",
+          sp_row[2], "bytes",
+          what=f"measured per rank at tp = {sp_row[0]} with SP, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}")
+    see(saved_bytes)
 
 
 def sp_layernorm_gradients(cfg):
@@ -1306,7 +1292,6 @@ def sp_layernorm_gradients(cfg):
         here, by passing the weights through f — or the replicas drift apart and none equals the
         one-process model:
     """)
-    see(SequenceParallelLayerNorm)
     steps = 5
     ref = train_reference(cfg, steps=steps, batch_size=8)
     rows = []
@@ -1319,6 +1304,12 @@ def sp_layernorm_gradients(cfg):
     table(rows, header=["LayerNorm gradients", f"max |Δ parameter| vs one process after {steps} steps",
                         "max |rank 0 − rank 1| of the LayerNorm weights"],
           caption="sequence parallelism, 2 ranks")
+    see(SequenceParallelLayerNorm)
+    note("""
+        Dropout, which this GPT does not use, meets the same two kinds of activation: a mask on a
+        replicated tensor must be the same on every rank, one on a split tensor different on each,
+        so tensor parallelism needs two random streams.
+    """)
 
 
 def dropout_and_random_numbers():
@@ -1549,39 +1540,37 @@ def dropout_exact_one_process():
         process) at the price of drawing the whole tensor on every rank: {n}× the random numbers
         of its shard, a price that grows with tp. Drawing costs time in proportion to the
         count, so the two should differ by about {n}×; measured: {compare(whole, split,
-        "whole-and-slice", "shard only")}.
+        "whole-and-slice", "drawing the shard alone")}.
     """)
 
 def critical_path():
     tp_timeline_and_step_times(demo_cfg())   # measured here: what waits for what
     tp_at_scale()                           # computed: why tp stays inside a node
     gemm_efficiency()                       # measured: thin matrices run below the machine's rate
-    async_tensor_parallelism()              # measured here: the collectives cut up and hidden
 
 
 def tp_timeline_and_step_times(cfg):
     from util.measure import machine, timing_ranks
-    note("""
-        ## Communication on the critical path
-        Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
-        Tensor parallelism's cannot, mostly: the next matmul needs the all-reduced activation.
-        Only the input-gradient all-reduce of a column-parallel layer has work to hide behind (the
-        weight gradient). A block has two column-parallel matmuls, the MLP's `fc_in` and the
-        attention's fused Q/K/V, so each backward starts two all-reduces early; had Q, K and V
-        stayed three layers behind one f, the attention's all-reduce would run after all three
-        weight gradients, blocking. The timeline of one block on 2 ranks:
-    """)
+    note("## Communication on the critical path")
     run = spawn(traced_block, 2, cfg=cfg, b=8, name="TP block timeline, 2 ranks")
     figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
            caption="per-rank spans measured on the ranks; each async all-reduce overlaps a weight-gradient matmul")
+    note("""
+        Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
+        Tensor parallelism's mostly cannot: the next matmul needs the all-reduced activation. Only
+        the input-gradient all-reduce of a column-parallel layer has work to hide behind (the weight
+        gradient), and a block has two column-parallel matmuls, the MLP's `fc_in` and the
+        attention's fused Q/K/V.
+    """)
     mine = [sp for sp in run.spans if sp["rank"] == 0]
     back = [sp for sp in mine if sp["label"] == "backward"]
     in_back = [sp["label"] for sp in mine if any(b["start"] <= sp["start"] <= b["end"] for b in back)]
     asyncs, blocking = in_back.count("all-reduce (async)"), in_back.count("all-reduce")
     note(f"""
-        In {len(back)} backward passes rank 0 ran {asyncs} asynchronous all-reduce(s) (each
-        beside a weight-gradient matmul) and {blocking} blocking one(s). The forward's two
-        all-reduces (g after `o_proj` and after `fc_out`) block: the residual add needs them.
+        In {plural(len(back), 'backward pass', 'backward passes')} rank 0 ran
+        {plural(asyncs, 'asynchronous all-reduce')} (each beside a weight-gradient matmul) and
+        {plural(blocking, 'blocking one')}. The forward's two all-reduces (g after `o_proj` and after `fc_out`)
+        block: the residual add needs them.
     """)
     ranks = timing_ranks(4)
     tps = [t for t in (1, 2, 4, 8) if t <= ranks]
@@ -1630,7 +1619,10 @@ def tp_at_scale():
         short of it, which grows them). Over InfiniBand the all-reduces
         would take longer than the matmuls they sit between, and most of them cannot be hidden
         (the next matmul needs their result). Hence tensor parallelism stays inside a node
-        (tp ≤ 8) and data/pipeline parallelism span nodes.
+        (tp ≤ 8) and data/pipeline parallelism span nodes. Inside the node, asynchronous tensor
+        parallelism cuts each matmul into ring steps so that sequence parallelism's collectives
+        travel beside it: the deep dive below traces and times it here, beside what PyTorch
+        reports on H100s.
     """)
 
 
@@ -1844,11 +1836,22 @@ def async_tp_pytorch(cpu_error):
         In torch {torch.__version__} the ops have CUDA kernels only:
         called on CPU tensors here, the op {ran}. The compiler pass also returns early when NCCL
         is not available ({"it is" if torch_dist.is_nccl_available() else "it is not, in this build"}).
-        PyTorch reports up to ~29% faster forward passes and ~8% faster training steps on
-        Llama 3 models with torchtitan.
     """)
-    see("https://discuss.pytorch.org/t/distributed-w-torchtitan-introducing-async-tensor-parallelism-in-pytorch/209487",
-        "PyTorch dev-discuss: Introducing Async Tensor Parallelism in PyTorch (torchtitan)")
+    published("""
+        "up to ~29% forward pass speedup and ~8% E2E speedup in Llama3 8B, and up to ~20% forward
+        pass speedup and ~8% E2E speedup in Llama3 70B" (64 H100s, 8 per host with NVSwitch, bf16,
+        torch.compile; the post notes these H100s are HBM2e parts at a lower power limit).
+        torchtitan's later benchmark (June 2025): 1.09× tokens/s on Llama3 70B with 256 H100s
+        (597.3 → 652.4 tokens/s).
+    """, "https://discuss.pytorch.org/t/distributed-w-torchtitan-introducing-async-tensor-parallelism-in-pytorch/209487",
+        "PyTorch, \"[Distributed w/ TorchTitan] Introducing Async Tensor Parallelism in PyTorch\" (2024)")
+    note("""
+        This CPU cannot show that gain: gloo moves every byte with the same cores that run the
+        partial matmuls, where an H100 moves them over NVLink with copy engines while its tensor
+        cores compute.
+    """)
+    see("https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
+        "torchtitan benchmark: async TP on Llama3 70B, 256 H100s (June 2025)")
     see("https://github.com/pytorch/torchtitan", "torchtitan")
 
 
@@ -2024,16 +2027,21 @@ def summary():
 
 def main():
     intro()
-    conjugate_operators()       # the two operators everything else is built from
     column_and_row()            # the two ways to split one matrix
-    megatron_mlp()              # composing them: one all-reduce per direction
+    megatron_mlp()              # composing them between f and g: one all-reduce per direction
     attention_heads()           # the same for attention, including GQA
     vocab_parallel()            # the biggest matrices: embedding, head and the loss
     training()                  # the whole GPT, split and trained, equal to one process
     memory_per_rank()           # weights, gradients and Adam per rank: 1/t, except what stays whole
     sequence_parallelism()      # what TP leaves replicated, split along the sequence
-    dropout_and_random_numbers()  # masks alike on replicated copies, distinct on shards
+    with deep_dive("Dropout and random numbers under TP",
+                   "why masks must agree on replicated copies and differ on shards, measured four ways"):
+        dropout_and_random_numbers()
     critical_path()             # why TP stays inside a node
+    with deep_dive("Asynchronous tensor parallelism",
+                   "cutting each matmul into ring steps so the SP collectives travel beside it, traced "
+                   "and timed, with PyTorch's GPU figures"):
+        async_tensor_parallelism()
     dtensor_section()           # the same thing as sharding annotations
     summary()                   # what to remember, and where to try it
 
