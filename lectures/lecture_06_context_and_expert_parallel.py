@@ -37,7 +37,7 @@ from lectures.roofline import threads
 from lectures.sequence_layout import (causal_work, group_info, layout_segments, sequence_positions, shard_sequence,
                                       split_sizes, striped_positions, unshard_sequence, zigzag_shard, zigzag_unshard)
 from lectures.sequence_layout import contiguous_shard, zigzag_chunks  # noqa: F401
-from util import device, figure, note, see, settings, span_at, spawn, table, timeline
+from util import cheat, deep_dive, device, figure, note, published, see, settings, span_at, spawn, table, timeline
 
 # =========================================================================================
 # Demos: context-parallel attention and the GPT, against one process
@@ -549,18 +549,7 @@ def intro():
 
 
 def what_needs_other_ranks():
-    note("""
-        ## Only attention needs the other ranks
-        Split a sequence of s tokens over n ranks. Embeddings, LayerNorms, the MLPs, the LM head
-        and the loss act on each token by itself: rank r computes them for its tokens alone, with
-        its copy of the weights (each token embeds at its *global* position, which lecture 01's
-        `GPT.embed(tokens, positions)` allows). Attention is the exception: a query at position i
-        needs the keys and values of every position j ≤ i, and most of those live on other ranks.
-        So context parallelism replaces one function, `CausalSelfAttention.attend`, and the
-        weights' gradients are summed over the ranks, as in data parallelism.
-    """)
-    see(context_parallel_gpt)
-    see(sequence_positions)
+    note("## Only attention needs the other ranks")
     ref = reference_gpt_gradients()
     rows = []
     for n, attention, layout in [(2, "ring", "zigzag"), (4, "ring", "contiguous"), (4, "ulysses", "zigzag")]:
@@ -569,13 +558,33 @@ def what_needs_other_ranks():
         logit_diff = max((x["logits"] - ref["logits"][:, x["positions"]]).abs().max().item() for x in r)
         grad_diff = max((r[0]["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items())
         rows.append([n, attention, layout, r[0]["loss"], logit_diff, grad_diff])
-    table(rows, header=["ranks", "attention", "layout", "loss", "max |Δ logits|", "max |Δ gradient|"],
-          caption=f"lecture 01's GPT (float64) with the sequence split over the ranks, against one process "
-                  f"(loss {ref['loss']:.10f})")
     lens = [64, 128, 256] if settings.quick else [64, 128, 256, 512]
     one = spawn(activation_memory, 1, seq_lens=lens, name="activation memory, whole sequence").returns[0]
     per = {n: spawn(activation_memory, n, seq_lens=lens, name=f"activation memory, CP over {n} ranks").returns
            for n in (2, 4)}
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
+    for n in (2, 4):
+        ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("activations kept (MiB)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11)
+    figure(fig, caption="activation memory per rank falls as 1/n: the point of context parallelism")
+    note("""
+        Split a sequence of s tokens over n ranks. Embeddings, LayerNorms, the MLPs, the LM head
+        and the loss act on each token by itself: rank r computes them for its tokens alone, with
+        its copy of the weights (each token embeds at its *global* position, which lecture 01's
+        `GPT.embed(tokens, positions)` allows). Attention is the exception: a query at position i
+        needs the keys and values of every position j ≤ i, and most of those live on other ranks.
+        So context parallelism replaces one function, `CausalSelfAttention.attend`, and the
+        weights' gradients are summed over the ranks, as in data parallelism. The check: the
+        GPT's logits and gradients against one process (first table); the memory (second).
+    """)
+    table(rows, header=["ranks", "attention", "layout", "loss", "max |Δ logits|", "max |Δ gradient|"],
+          caption=f"lecture 01's GPT (float64) with the sequence split over the ranks, against one process "
+                  f"(loss {ref['loss']:.10f})")
     table([[S, one[S] / 2**20] + [max(x[S] for x in per[n]) / 2**20 for n in (2, 4)] +
            [one[S] / max(x[S] for x in per[4])] for S in lens],
           header=["sequence length", "1 rank (MiB)", "CP=2, per rank", "CP=4, per rank", "1 rank / CP=4"],
@@ -583,20 +592,28 @@ def what_needs_other_ranks():
                   "excluded), measured with a saved-tensors hook; attention here never stores the s×s "
                   "score matrix (backward recomputes it block by block, as FlashAttention does), so the "
                   "activations scale as s/n")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
-    for n in (2, 4):
-        ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
-    ax.set_xlabel("sequence length s")
-    ax.set_ylabel("activations kept for backward (MiB)")
-    ax.legend()
-    figure(fig, caption="activation memory per rank falls as 1/n: the point of context parallelism")
+    top = lens[-1]
+    ratio4 = one[top] / max(x[top] for x in per[4])
+    cheat("CP activation memory", "activations per rank $\\propto s/n$", round(ratio4, 2), "×",
+          what=f"one rank's saved activations over CP = 4's per rank, s = {top}, measured")
+    published("""
+        torchtitan's benchmark (Dec 2024, Table 2): Llama 3.1 8B on 8 H100s trains at sequence
+        lengths up to 262,144 with CP 8 (548 tokens/s per GPU), where 32K with CP 1 gave 3,890.
+    """, "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
+              "torchtitan, Llama 3 on H100s, December 2024")
+    note("""
+        Here the sequences are a few hundred tokens and the machine's memory is never the limit,
+        so this page can show the 1/n but not what it buys: a sequence that would not fit on one
+        device at all.
+    """)
+    see(context_parallel_gpt)
+    see(sequence_positions)
 
 
 def ring_attention_section():
+    note("## Ring attention")
+    ring_steps_figure(4)
     note(r"""
-        ## Ring attention
         Ring attention (Liu et al. 2023) never gathers the whole sequence. At step t, rank r attends
         with its queries to the K/V block of rank r−t, while it already sends that block on to
         rank r+1 and receives the next one from r−1: after n steps every query has seen every
@@ -637,7 +654,6 @@ def ring_attention_section():
     table(rows, header=["ranks", "layout", "mask", "max |Δ output|", "|Δ dQ|", "|Δ dK|", "|Δ dV|"],
           caption=f"ring attention against PyTorch's scaled_dot_product_attention on the whole sequence "
                   f"(float64, s = {S}: no layout splits it evenly)")
-    ring_steps_figure(4)
     from util.measure import machine, timing_ranks
     n = timing_ranks(4)
     S, h, d = attention_sizes()
@@ -688,7 +704,7 @@ def ring_steps_figure(n):
     import matplotlib.pyplot as plt
     from lectures.ring_attention import ring_source
     colors = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
     for step in range(n):
         for r in range(n):
             src = ring_source(r, step, n)
@@ -773,8 +789,9 @@ def balance_sizes():
 def load_balance_section():
     import matplotlib.pyplot as plt
     from util.measure import Timing, compare, machine, timing_ranks
+    note("## Causal masking unbalances the ring: zig-zag and striped layouts")
+    attention_blocks_figure(16, 4)
     note("""
-        ## Causal masking unbalances the ring: zig-zag and striped layouts
         With causal attention a query sees only earlier keys, and a kernel skips the masked
         entries (the diagonal block costs about half a full one). Split the sequence into
         contiguous chunks and rank 0 computes half a block while the last rank computes n − 1 full
@@ -791,7 +808,6 @@ def load_balance_section():
     see(layout_segments)
     see(striped_positions)
     see(causal_work)
-    attention_blocks_figure(16, 4)
     ns = list(range(2, 9))
     S0 = 8192
     imb = {layout: [max(w) / min(w) for w in (ring_work(S0, m, layout) for m in ns)] for layout in LAYOUTS}
@@ -983,6 +999,11 @@ def ulysses_section():
           caption=f"bytes rank 0 wrote to its sockets (/proc/self/io), s = {S}, {h} heads, head dim {d}, float32; "
                   f"model: ring 2(n−1) K/V forward + 2(n−1) K/V and 2n dK/dV backward shards; Ulysses 4 all-to-alls "
                   f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings")
+    got = {(row[0], row[1]): row[3] * 2**20 / shards[row[0]] for row in rows}   # fwd+bwd bytes in q shards
+    cheat("ring attention bytes", "per rank, forward + backward: $(6n-4)$ K/V-sized shards (K, V around the ring twice, dK/dV once)",
+          round(got[4, "ring"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 20)")
+    cheat("Ulysses bytes", "per rank, forward + backward: $8\\,\\frac{n-1}{n}$ shards (4 all-to-alls each way)",
+          round(got[4, "ulysses"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 6)")
     extra = [(row[0], (row[3] - row[2]) / (2 * (row[0] - 1) * shards[row[0]] / 2**20)) for row in rows if row[1] == "all-gather"]
     note(f"""
         The ring and Ulysses send what the model says, plus small headers. The all-gather
@@ -997,9 +1018,22 @@ def ulysses_section():
           header=["variant", "forward+backward"],
           caption=f"the three variants' times from the run of the all-gather section (one measurement per page); "
                   f"causal, s = {S}, {h} heads, head dim {d}, float32; {machine(n)}")
-    note(f"Ulysses against the ring: {compare(t['ulysses'], t['ring'], 'Ulysses', 'the ring')}.")
+    bytes_ratio = got[n, "ulysses"] / got[n, "ring"] if (n, "ulysses") in got else None
+    verdict = compare(t['ulysses'], t['ring'], 'Ulysses', 'the ring')
+    note(f"""
+        Ulysses against the ring: {verdict}.{f" Ulysses sent {bytes_ratio:.2f}× the ring's bytes at {n} ranks." if bytes_ratio else ""}
+        On this machine the bytes do not decide the time; what differs is how the two wait. The ring posts each transfer
+        without blocking and computes while it travels; each of Ulysses' eight all-to-alls per
+        forward+backward blocks until every rank has arrived, so a rank held up by the other
+        processes on these cores holds all of them up, and every all-to-all also copies whole
+        tensors between sequence order and head order. On GPUs with NVLink the all-to-alls are
+        short and Ulysses' smaller, n-independent volume is what counts.
+    """)
     msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
-    note(f"With 2 heads on 4 ranks Ulysses refuses: *{msg}*")
+    note(f"""
+        With 2 heads on 4 ranks Ulysses refuses: *{msg}* USP combines Ulysses with a ring to go
+        past that limit:
+    """)
 
 
 def pytorch_context_parallel():
@@ -1142,21 +1176,46 @@ def mixture_of_experts():
                         "DeepSeek-V3's bias, a deep dive below)")
     tail = max(1, steps // 10)
     mean = lambda xs: sum(xs[-tail:]) / tail
+    spread = lambda tpe: f"{min(min(l) for l in tpe)}–{max(max(l) for l in tpe)}"
     table([[label, mean(log["loss"]), mean(log["aux"]), mean(log["max_load"]), mean(log["dropped"]),
-            str(log["tokens_per_expert"])] for label, log in zip(labels, r)],
+            spread(log["tokens_per_expert"])] for label, log in zip(labels, r)],
           header=["balancing", "loss", "balance loss", "busiest / mean load", "dropped fraction",
-                  "tokens per expert (last step, per layer)"],
+                  "tokens per expert, last step (fewest–most, any layer)"],
           caption=f"means over the last {tail} steps")
     _TRAINING.update(logs=r, labels=labels)
     load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
     loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
+    load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
+    note(f"""
+        Without balancing the busiest expert ended at {load[labels[0]]:.2f}× the mean load; with
+        the balance loss at α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×. How the weight α was chosen,
+        what balancing does to the loss, and balancing without a loss are a deep dive:
+    """)
+
+
+def alpha_words():
+    """Why α = AUX_WEIGHT, from the balancing runs of mixture_of_experts() (kept in _TRAINING)."""
+    r, labels = _TRAINING.get("logs"), _TRAINING.get("labels")
+    if not r:
+        return
+    steps = len(r[0]["loss"])
+    tail = max(1, steps // 10)
+    mean = lambda xs: sum(xs[-tail:]) / tail
+    load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
+    loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
+    base, a1, a2 = loss[labels[0]], loss[labels[1]], loss[labels[2]]
+    if all(abs(x / base - 1) < LOSS_NOISE for x in (a1, a2)):     # say "no clear difference" once
+        loss_sentence = (f"The loss over the last steps: {a1:.3f} with α = 0.01 and {a2:.3f} with "
+                         f"α = {AUX_WEIGHT}, against {base:.3f} without balancing: no clear difference here.")
+    else:
+        loss_sentence = (f"The loss over the last steps: {loss_words(a1, base, 'α = 0.01')}; "
+                         f"{loss_words(a2, base, f'α = {AUX_WEIGHT}')}.")
     note(f"""
         **Why α = {AUX_WEIGHT} here, 10× Switch's 0.01.** Fedus et al. chose α = 10⁻² as large enough to
         balance and small enough not to disturb the language-modelling loss, over runs of many
         thousands of steps. This run has {steps} steps: with α = 0.01 the busiest expert ended at {load[labels[1]]:.2f}× the mean
-        load (none: {load[labels[0]]:.2f}×), with α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×. The
-        loss over the last steps: {loss_words(loss[labels[1]], loss[labels[0]], "α = 0.01")};
-        {loss_words(loss[labels[2]], loss[labels[0]], f"α = {AUX_WEIGHT}")}. {SINGLE_RUN}
+        load (none: {load[labels[0]]:.2f}×), with α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×.
+        {loss_sentence} {SINGLE_RUN}
         Balancing can cost loss (the router is pushed away from its preferred experts) or save
         it (fewer dropped tokens: {mean(r[0]["dropped"]):.1%} of choices dropped without
         balancing, {mean(r[2]["dropped"]):.1%} with α = {AUX_WEIGHT}). The larger weight is for a
@@ -1216,6 +1275,9 @@ def expert_parallelism():
         last_rows = [x["stats"]["rows_sent"] for x in r]
         imbalance.append([n, (out - ref["out"]).abs().max().item(), same_drops, max(recv) / (sum(recv) / n),
                           f"{r[0]['time'].ms()} ({machine(n)})"])
+    r4 = [row for row in rows if row[0] == 4 and row[1] == 0][0]
+    cheat("EP all-to-all bytes", "per rank, forward + backward: remote rows × $h$ × 4 bytes × 2 all-to-alls × 2 passes",
+          round(r4[5], 1), "KiB", what=f"rank 0 of 4, {tokens} tokens, top-{k}, measured (model: {r4[6]:.1f} KiB)")
     table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
                         "KiB sent fwd+bwd (measured)", "KiB model: remote rows × 2 passes × 2 all-to-alls"],
           caption=f"{tokens} tokens per rank, d_model {d_model}, {E} experts, top-{k}, capacity factor 1.25, float32")
@@ -1333,7 +1395,7 @@ def usp_deep_dive():
     import matplotlib.pyplot as plt
     note("""
         ## Deep dive: Ulysses × ring (USP)
-        This section can be skipped on a first read. Ulysses is limited by the number of heads,
+        Ulysses is limited by the number of heads,
         the ring by its growing traffic; USP (Fang & Zhao 2024) combines them on a 2-D grid of
         ranks: the sequence is split over a ring dimension of size R and, within each ring
         position, over a Ulysses dimension of size U. The Ulysses all-to-all turns each
@@ -1371,8 +1433,8 @@ def usp_deep_dive():
 
 def balancing_deep_dive():
     note("""
-        ## Deep dive: balancing without a loss, and the router z-loss
-        This section can be skipped on a first read. An auxiliary loss balances by pushing on the
+        ## Deep dive: the balance loss's weight, balancing without a loss, and the router z-loss
+        An auxiliary loss balances by pushing on the
         router's gradients, which also pulls against the language-modelling loss. DeepSeek-V3
         balances without a loss: each expert has a bias added to its score *only when choosing*
         the top-k experts (the gate still uses the unbiased score), and after each step the bias
@@ -1385,6 +1447,7 @@ def balancing_deep_dive():
     """.replace("{γ}", str(BIAS_STEP)))
     see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (§2.1.2, auxiliary-loss-free load balancing)")
     see("https://arxiv.org/abs/2202.08906", "Zoph et al. 2022: ST-MoE: Designing Stable and Transferable Sparse Expert Models (router z-loss)")
+    alpha_words()
     see(MoE.update_bias)
     see(z_loss)
     log = _TRAINING.get("logs")
@@ -1399,7 +1462,7 @@ def balancing_deep_dive():
 def node_limited_deep_dive():
     note("""
         ## Deep dive: why DeepSeek-V3 limits each token to 4 nodes
-        This section can be skipped on a first read. With hundreds of fine-grained experts and
+        With hundreds of fine-grained experts and
         top-8 routing, a token's experts could sit on up to 8 different nodes, and every copy
         crosses the slow inter-node network (InfiniBand) both ways. DeepSeek-V3 first picks at
         most 4 nodes per token (by the best expert scores on each node), then the experts within
@@ -1438,14 +1501,17 @@ def main():
     load_balance_section()       # causal masking unbalances contiguous chunks; zig-zag
     allgather_section()          # the simpler variant and what it costs in memory
     ulysses_section()            # all-to-all to head shards: bytes compared, its limit
+    with deep_dive("Ulysses × ring (USP)", "how a 2-D grid of ranks lifts Ulysses' limit of one rank per head"):
+        usp_deep_dive()
     pytorch_context_parallel()   # PyTorch's own (all-gather by default), with a small CPU shim
     mixture_of_experts()         # router, capacity, balance loss, in training
+    with deep_dive("Balancing the experts", "the balance loss's weight, DeepSeek-V3's bias instead of a loss, "
+                                            "and the router z-loss, on the training runs above"):
+        balancing_deep_dive()
     expert_parallelism()         # experts across ranks, tokens by all-to-all
+    with deep_dive("Node-limited routing", "why DeepSeek-V3 sends each token to at most 4 nodes"):
+        node_limited_deep_dive()
     expert_gradient_groups()     # EP inside DP: which gradients reduce over which group
-    # Deep dives, off the main path.
-    usp_deep_dive()              # Ulysses x ring on a 2-D grid of ranks
-    balancing_deep_dive()        # DeepSeek-V3's bias instead of a loss; the router z-loss
-    node_limited_deep_dive()     # why DeepSeek-V3 sends a token to at most 4 nodes
     what_to_remember()           # the lecture in six lines, and its notebook
 
 
