@@ -15,6 +15,7 @@ schedule of lectures/schedules.py on real ranks.
 Lecture 05 runs every schedule with it and checks loss, gradients and parameters against one
 process (tests/test_lecture_05.py); lecture 07 runs it on the pipeline axis of a mesh.
 """
+import collections
 import contextlib
 import time
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from lectures.gpt import GPT, loss_fn
 from lectures.memory import SavedBytes
-from lectures.schedule_sim import check_schedule, message_order
+from lectures.schedule_sim import UNIT_COSTS, check_schedule, message_slots, simulate
 from lectures.schedules import Schedule, make_schedule
 from util import device, span_at
 
@@ -83,15 +84,15 @@ class PipelineExecutor:
     `loss_fn(output, target)`), the `layout`, this rank's index in `group` and the shape and
     dtype of what crosses a stage boundary.
 
-    Sends never block: each is an `isend` posted in one `batch_isend_irecv` together with the
-    receive the next action needs, and waited for at the end of the step. The only waits are
-    for inputs, so any schedule the simulator can finish runs without deadlock. gloo matches
-    messages by tag (kind, stage, micro-batch); NCCL ignores tags and matches each pair of ranks
-    in posting order. So receives are posted in the order the sender sends
-    (`schedule_sim.message_order`): to receive a message, a rank first posts the receives of every
-    message that peer sends before it. In interleaved 1F1B with m not a multiple of p, and in
-    DualPipeV at p >= 3, a rank needs a peer's messages in another order than the peer sends
-    them; posting receives in the order needed would swap same-shaped tensors on NCCL.
+    Messages follow `communication_plan`: each goes out in a `batch_isend_irecv` that both its
+    ends post at the same slot of one clock (`schedule_sim.message_slots`), every rank posting
+    its batches in slot order, and a rank waits for a message only when an action needs it,
+    waiting for every Work of its batch. That holds under NCCL's rules as well as gloo's: NCCL
+    returns one Work for a whole batch (a receive's data is there only once it is waited for),
+    runs a rank's batches one after another on one stream, matches a pair's sends and receives
+    in posting order whatever the tags, and completes a send only when its receive runs.
+    `schedule_sim.p2p_deadlock` runs the plans under those rules; the tests run the executor
+    under a stand-in that has them.
 
     `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
     B + W): sleep mode, for more ranks than cores. `checkpoint` keeps only each micro-batch's
@@ -111,9 +112,8 @@ class PipelineExecutor:
         if self.split and checkpoint:
             raise ValueError("checkpointing with a split backward is not supported here")
         self.leaves = {c: param_leaves(mod) for c, mod in modules.items()}
-        # What each peer sends this rank, in the peer's order: receives are posted in that order.
-        self.sent_to_me = {src: keys for (src, dst), keys in message_order(schedule, self.layout).items()
-                           if dst == rank}
+        self.microbatches = schedule.microbatches
+        self.plan = communication_plan(schedule, rank, self.layout)
         self.messages = 0
 
     # --- one step: for each action, receive its input, compute, send what it produced --------
@@ -127,38 +127,53 @@ class PipelineExecutor:
         accumulate into the modules' parameters (each micro-batch's loss is divided by m, so
         they are those of the mean loss). Returns the mean loss on the last stage's rank (else
         None), the measured (action, start, end) list, and the peak bytes saved for backward."""
+        if len(inputs) != self.microbatches or len(targets) != self.microbatches:
+            raise ValueError(f"this schedule runs {self.microbatches} micro-batches; got {len(inputs)} "
+                             f"inputs and {len(targets)} targets (make a schedule for that many)")
         self.inputs, self.targets, self.m = inputs, targets, len(inputs)
-        self.local, self.inbox, self.sending, self.state = {}, {}, [], {}
-        self.expected = {src: list(reversed(keys)) for src, keys in self.sent_to_me.items()}  # pop() = next
+        self.local, self.outbox, self.inbox, self.state = {}, {}, {}, {}
+        self.batch_of, self.batches = {}, []     # key -> the Works of its batch; batches not waited for
         self.posted = []            # (peer, "send" or "recv", key) in posting order, for tests
         # One meter per step, entered around every forward: its `live` is what autograd still
         # holds for backward (released as each backward uses it), its `peak` the most at once.
         self.meter = SavedBytes(exclude=[p for mod in self.modules.values() for p in mod.parameters()])
         self.loss_sum, self.messages, events = None, 0, []
         self.kept = self.peak_kept = 0      # checkpointing: bytes of kept inputs; the most held
-        if self.actions:
-            ops = []
-            self._post_recv(self.actions[0], ops)
-            self._launch(ops)
-        for n, a in enumerate(self.actions):
-            # Wait for this action's input first: the span below is compute only, so idle time
-            # (the bubble) shows as a gap in the timeline.
-            received = self._receive(a)
-            t0 = time.perf_counter()
-            produced = self._compute(a, received)
-            pause = self.delay.get(a.kind, 0) + (self.delay.get("W", 0) if a.kind == "B" and not self.split else 0)
-            if pause:
-                time.sleep(pause)
-            t1 = time.perf_counter()
-            events.append((a, t0, t1))
-            if record:
-                span_at(a.kind, t0, t1)
-            self._send_and_prefetch(n, a, produced)
-        for work, _ in self.sending:
-            work.wait()
+        for what, arg in self.plan:
+            if what == "post":
+                self._post(arg)
+            elif what == "wait":
+                self._wait(arg)
+            else:
+                events.append(self._run(self.actions[arg], record))
+        for works in self.batches:          # the batches not waited for yet: sends in flight
+            for work in works:
+                work.wait()
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
                 "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
                 "messages": self.messages}
+
+    def _run(self, a, record):
+        """One action: its input (waited for already), the compute, and what it produced put
+        where the plan will send it (or handed over, when the next stage is this rank's too)."""
+        received = self._receive(a)
+        t0 = time.perf_counter()
+        produced = self._compute(a, received)
+        pause = self.delay.get(a.kind, 0) + (self.delay.get("W", 0) if a.kind == "B" and not self.split else 0)
+        if pause:
+            time.sleep(pause)
+        t1 = time.perf_counter()
+        if record:
+            span_at(a.kind, t0, t1)
+        s = self.layout.stage(self.rank, a.chunk)
+        key = (("act", s + 1, a.microbatch) if a.kind == "F" and s < self.layout.stages - 1 else
+               ("grad", s - 1, a.microbatch) if a.kind == "B" and s > 0 else None)
+        if key:
+            if self.layout.place(key[1])[0] == self.rank:     # the V's turn: a local hand-over
+                self.local[key] = produced.detach()
+            else:
+                self.outbox[key] = produced
+        return a, t0, t1
 
     def _receive(self, a):
         """The input of action `a`: F's activation (the micro-batch itself on the first stage),
@@ -218,19 +233,6 @@ class PipelineExecutor:
         st = self.state.pop((a.microbatch, a.chunk))
         for module, y, dy in st["weight_work"]:
             torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
-
-    def _send_and_prefetch(self, n, a, produced):
-        """Post, in one batch, the send of what action n produced and the receive the next
-        action needs: posting both together is what keeps two neighbours from deadlocking."""
-        s = self.layout.stage(self.rank, a.chunk)
-        ops = []
-        if a.kind == "F" and s < self.layout.stages - 1:
-            self._send("act", s + 1, a.microbatch, produced, ops)
-        elif a.kind == "B" and s > 0:
-            self._send("grad", s - 1, a.microbatch, produced, ops)
-        if n + 1 < len(self.actions):
-            self._post_recv(self.actions[n + 1], ops)
-        self._launch(ops)
 
     # --- the computations -------------------------------------------------------------------
 
@@ -314,50 +316,81 @@ class PipelineExecutor:
             return ("grad", s, a.microbatch), s + 1
         return None
 
-    def _post_recv(self, a, ops):
-        """Post the receive action `a` needs, after those of every message its sender sends
-        earlier (posting order is what NCCL matches by)."""
-        need = self._incoming(a)
-        if not need or need[0] in self.inbox:
-            return
-        src = self.layout.place(need[1])[0]
-        queue = self.expected[src]
-        while True:
-            key = queue.pop()
-            buf = torch.empty(self.shape, dtype=self.dtype, device=device())
-            self.inbox[key] = [buf, None]
-            self.posted.append((src, "recv", key))
-            ops.append((dist.P2POp(dist.irecv, buf, self._global(src), self.group, self._tag(*key)), key))
-            if key == need[0]:
-                return
+    def _post(self, batch):
+        """One batch_isend_irecv of the plan: sends of what earlier actions produced, receives
+        into fresh buffers."""
+        ops, recvs = [], []
+        for op, peer, key in batch:
+            self.posted.append((peer, op, key))
+            if op == "send":
+                self.messages += 1
+                tensor = self.outbox.pop(key).contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), self.group, self._tag(*key)))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=device())
+                self.inbox[key] = buf
+                recvs.append(key)
+                ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group, self._tag(*key)))
+        works = dist.batch_isend_irecv(ops)
+        self.batches.append(works)
+        for key in recvs:
+            self.batch_of[key] = works
+
+    def _wait(self, key):
+        """Wait for every Work of the batch that receives `key` (NCCL returns one for the whole
+        batch, gloo one per op: either way the buffer is complete only after all are waited),
+        once: a batch with two receives is not waited for again."""
+        works = self.batch_of.pop(key)
+        if any(w is works for w in self.batches):
+            self.batches = [w for w in self.batches if w is not works]
+            for work in works:
+                work.wait()
 
     def _take(self, key):
-        """The tensor for `key`: local hand-over, or the posted receive, waited for."""
+        """The tensor for `key`: a local hand-over, or a receive the plan has waited for."""
         if key in self.local:
             return self.local.pop(key)
-        buf, work = self.inbox.pop(key)
-        if work is not None:
-            work.wait()
-        return buf
+        return self.inbox.pop(key)
 
-    def _launch(self, ops):
-        if ops:
-            works = dist.batch_isend_irecv([op for op, _ in ops])
-            for (op, key), work in zip(ops, works):
-                if key is None:
-                    self.sending.append((work, op.tensor))
-                else:
-                    self.inbox[key][1] = work
 
-    def _send(self, kind, stage, mb, tensor, ops):
-        dest = self.layout.place(stage)[0]
-        if dest == self.rank:                                # the V's turn: a local hand-over
-            self.local[(kind, stage, mb)] = tensor.detach()
-            return
-        self.messages += 1
-        self.posted.append((dest, "send", (kind, stage, mb)))
-        ops.append((dist.P2POp(dist.isend, tensor.contiguous(), self._peer(stage), self.group,
-                               self._tag(kind, stage, mb)), None))
+def communication_plan(schedule, rank, layout=None):
+    """What rank `rank` does, in order: ("post", batch) posts one batch_isend_irecv, a batch being
+    [(op, peer, key)] with op "send" or "recv"; ("wait", key) waits for the batch that receives
+    `key`; ("run", n) runs action n of the rank's list.
+
+    Both ends of a message post it in their batch of the same slot (`message_slots`: the time
+    its data is ready under unit costs), a rank posts each slot's batch before it starts an
+    action at or after that slot, and waits for an input just before the action that needs it.
+    Batches of one slot therefore meet across all ranks once every earlier slot is done, so no
+    cycle of waits can form, even where batches run one after another and a send completes
+    only when its receive runs (NCCL); inside a batch, ops are sorted by key, so a pair posts
+    its messages in the same order at both ends."""
+    layout = layout or schedule.layout
+    slots = message_slots(schedule, layout)
+    batches = collections.defaultdict(list)
+    for key, slot in slots.items():
+        kind, stage, _ = key
+        src = layout.place(stage - 1 if kind == "act" else stage + 1)[0]
+        dst = layout.place(stage)[0]
+        if src == rank:
+            batches[slot].append(("send", dst, key))
+        elif dst == rank:
+            batches[slot].append(("recv", src, key))
+    order = sorted(batches)
+    starts = [start for _, start, _ in simulate(schedule, UNIT_COSTS, layout).timeline[rank]]
+    plan, i = [], 0
+    for n, (a, start) in enumerate(zip(schedule[rank], starts)):
+        while i < len(order) and order[i] <= start:
+            plan.append(("post", sorted(batches[order[i]], key=lambda op: op[2])))
+            i += 1
+        s = layout.stage(rank, a.chunk)
+        need = (("act", s, a.microbatch) if a.kind == "F" and s > 0 else
+                ("grad", s, a.microbatch) if a.kind == "B" and s < layout.stages - 1 else None)
+        if need in slots:
+            plan.append(("wait", need))
+        plan.append(("run", n))
+    plan += [("post", sorted(batches[slot], key=lambda op: op[2])) for slot in order[i:]]
+    return plan
 
 
 def gradients_by_name(stage_modules):

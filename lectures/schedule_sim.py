@@ -3,7 +3,8 @@ per rank (`lectures/schedules.py`) is complete; `simulate` runs it against a cos
 reports the bubble, or a deadlock; `theory_bubble` gives the textbook formulas and
 `dualpipev_readme_bubble` DeepSeek's; `held` counts the micro-batches a rank holds; `message_order`
 lists what each pair of ranks exchanges, in the order the sender produces it (NCCL matches a
-pair's messages in posting order).
+pair's messages in posting order); `message_slots` gives each message a time on one clock that
+both its ends post it at, and `p2p_deadlock` runs the ranks' posting programs under NCCL's rules.
 """
 import collections
 import typing
@@ -139,3 +140,81 @@ def dualpipev_readme_bubble(p, F, B, W, FB=None):
         raise ValueError(f"need p >= 1 and 0 <= W <= B, F >= 0; got p={p}, F={F}, B={B}, W={W}")
     FB = F + B if FB is None else FB
     return (p - 1) * (FB + B - 3 * W)
+
+
+UNIT_COSTS = {"F": 1, "B": 1, "W": 1}     # integers: every time on this clock is exact
+
+
+def message_slots(schedule, layout=None):
+    """{(kind, stage, microbatch): slot} for every message between two ranks: the time its data
+    is ready when every action costs one unit (a whole backward two) and sends are free. Both
+    ends post the message in their batch of that slot, and every rank posts its batches in slot
+    order; so the batches of one slot meet across all ranks once every earlier slot is done,
+    which is what NCCL needs (see p2p_deadlock)."""
+    layout = layout or schedule.layout
+    sim = simulate(schedule, UNIT_COSTS, layout)
+    slots = {}
+    for r, row in enumerate(sim.timeline):
+        for a, _, end in row:
+            s = layout.stage(r, a.chunk)
+            key = (("act", s + 1, a.microbatch) if a.kind == "F" and s < layout.stages - 1 else
+                   ("grad", s - 1, a.microbatch) if a.kind == "B" and s > 0 else None)
+            if key and layout.place(key[1])[0] != r:
+                slots[key] = end
+    return slots
+
+
+def p2p_deadlock(programs):
+    """Run every rank's posting program under NCCL's rules; None if all finish, else what is stuck.
+
+    `programs[r]` is a list of ("post", [(op, peer, key), ...]) with op "send" or "recv" (one
+    batch_isend_irecv), and ("wait", key): the rank's host waits until the batch holding `key`
+    is done. At the end a rank waits for all its batches. The rules: a rank's batches run one
+    after another, in posting order, on one stream; the ops of one batch run together; between
+    two ranks the k-th send posted matches the k-th receive posted (tags are ignored); a send
+    completes only when its matching receive runs (no buffering), and a batch is done when all
+    its ops are."""
+    n = len(programs)
+    pc, streams, batch_of, done = [0] * n, [collections.deque() for _ in range(n)], {}, set()
+    sent, recvd = collections.Counter(), collections.Counter()
+    serial = 0
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):                      # each host runs until it must wait
+            while pc[r] < len(programs[r]):
+                what, arg = programs[r][pc[r]]
+                if what == "wait":
+                    if batch_of[r, arg] not in done:
+                        break
+                elif what == "post":
+                    serial += 1
+                    ops = []
+                    for op, peer, key in arg:
+                        pair = (r, peer) if op == "send" else (peer, r)
+                        count = sent if op == "send" else recvd
+                        ops.append({"op": op, "pair": pair, "k": count[pair], "done": False})
+                        count[pair] += 1
+                        batch_of[r, key] = serial
+                    streams[r].append((serial, ops))
+                pc[r] += 1
+                progress = True
+        for r in range(n):                      # the batches at the heads of the streams meet
+            if not streams[r]:
+                continue
+            for op in streams[r][0][1]:
+                if op["done"] or op["op"] != "send":
+                    continue
+                peer = op["pair"][1]
+                if streams[peer]:
+                    for other in streams[peer][0][1]:
+                        if other["op"] == "recv" and other["pair"] == op["pair"] and other["k"] == op["k"]:
+                            op["done"] = other["done"] = progress = True
+        for r in range(n):
+            while streams[r] and all(op["done"] for op in streams[r][0][1]):
+                done.add(streams[r].popleft()[0])
+                progress = True
+    stuck = [(r, programs[r][pc[r]] if pc[r] < len(programs[r]) else "end",
+              [(op["op"], op["pair"], op["k"]) for op in streams[r][0][1] if not op["done"]] if streams[r] else [])
+             for r in range(n) if pc[r] < len(programs[r]) or streams[r]]
+    return stuck or None
