@@ -13,7 +13,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from util import device, figure, note, see, settings, spawn, table, widget
+from util import cheat, deep_dive, device, figure, note, published, see, settings, spawn, table, widget
 from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
@@ -75,7 +75,7 @@ def draw_mesh(shape, highlight=0):
         ax.add_patch(Rectangle((x + 0.05, -y - 0.95), 0.9, 0.9, facecolor=face, edgecolor="black", lw=0.8))
         ax.text(x + 0.5, -y - 0.42, f"{rank}", ha="center", va="center", fontsize=11, weight="bold")
         ax.text(x + 0.5, -y - 0.78, f"d{c['dp']} p{c['pp']} c{c['cp']} t{c['tp']}",
-                ha="center", va="center", fontsize=6.5)
+                ha="center", va="center", fontsize=8)
         for j, axis in enumerate(a for a in MESH_AXES if a in inside and shape[MESH_AXES.index(a)] > 1):
             ax.add_patch(Rectangle((x + 0.05 + 0.04 * j, -y - 0.95 + 0.04 * j), 0.9 - 0.08 * j,
                                    0.9 - 0.08 * j, fill=False, edgecolor=colours[axis], lw=2))
@@ -89,8 +89,8 @@ def draw_mesh(shape, highlight=0):
     ax.tick_params(length=0)
     for s in ax.spines.values():
         s.set_visible(False)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}: global rank, coordinates", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=10, frameon=False)
+    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -375,8 +375,12 @@ def intro():
 
 
 def the_mesh():
+    note("## The device mesh")
+    figure(draw_mesh((2, 2, 1, 2), highlight=5),
+           caption="8 ranks as dp=2 × pp=2 × cp=1 × tp=2. Rank 5's groups are outlined: its tp "
+                   "group {4, 5} (neighbours), its pp group {5, 7}, its dp group {1, 5} (the "
+                   "farthest apart).")
     note("""
-        ## The device mesh
         Lay the ranks out on a grid of shape (dp, pp, cp, tp). Global rank
         $r = ((d\\cdot PP + p)\\cdot CP + c)\\cdot TP + t$: the tensor-parallel index varies
         fastest, so a tensor-parallel group is a run of consecutive ranks — on a GPU cluster,
@@ -393,11 +397,6 @@ def the_mesh():
     see(mesh_coords)
     see(axis_groups)
     see(make_mesh)
-    shape = (2, 2, 1, 2)
-    figure(draw_mesh(shape, highlight=5),
-           caption="8 ranks as dp=2 × pp=2 × cp=1 × tp=2. Rank 5's groups are outlined: its tp "
-                   "group {4, 5} (neighbours), its pp group {5, 7}, its dp group {1, 5} (the "
-                   "farthest apart).")
     figure(draw_axis_groups((2, 2, 1, 2)),
            caption="The same 8 ranks, one panel per axis: every group of that axis in its own colour "
                    "(make_mesh's lists). Each rank is in exactly one group per axis; the tp groups are "
@@ -412,18 +411,20 @@ def the_mesh():
     for shape in [(2, 1, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1), (1, 1, 2, 2)]:
         got = spawn(compare_meshes, 4, shape=shape,
                     name=f"mesh dp{shape[0]} pp{shape[1]} cp{shape[2]} tp{shape[3]}: ours vs init_device_mesh").returns
-        for r, g in enumerate(got):
-            same = all(g["ours"][a] == g["torch"][a] for a in MESH_AXES)
-            counted = all(g.get("sums", {}).get(a, 1) == len(g["ours"][a]) for a in MESH_AXES)
-            agree &= same and counted
-            rows.append(["×".join(map(str, shape)), r, " ".join(f"{a}{g['coords'][a]}" for a in MESH_AXES)]
-                        + [str(g["ours"][a]) + ("" if g["ours"][a] == g["torch"][a] else f" ≠ {g['torch'][a]}")
-                           for a in MESH_AXES])
+        same = sum(all(g["ours"][a] == g["torch"][a] for a in MESH_AXES) for g in got)
+        counted = sum(all(g.get("sums", {}).get(a, 1) == len(g["ours"][a]) for a in MESH_AXES) for g in got)
+        agree &= same == counted == len(got)
+        groups = {a: sorted({tuple(g["ours"][a]) for g in got}) for a in MESH_AXES}
+        rows.append(["×".join(map(str, shape))]
+                    + [" ".join(str(list(x)) for x in groups[a]) if shape[MESH_AXES.index(a)] > 1 else "—"
+                       for a in MESH_AXES]
+                    + [f"{same} of {len(got)}", f"{counted} of {len(got)}"])
     assert agree, "our groups differ from init_device_mesh's"
-    table(rows, header=["dp×pp×cp×tp", "rank", "coordinates", "dp group", "pp group", "cp group", "tp group"],
-          caption="Each rank's group on every axis, from our make_mesh; PyTorch's init_device_mesh "
-                  "with mesh_dim_names=('dp', 'pp', 'cp', 'tp') gives the same lists on every rank "
-                  "(checked, and an all-reduce over each group counts its members).")
+    table(rows, header=["dp×pp×cp×tp", "dp groups", "pp groups", "cp groups", "tp groups",
+                        "ranks whose groups equal init_device_mesh's", "all-reduce counts the members"],
+          caption="Every group of every axis on 4 ranks, from our make_mesh; PyTorch's init_device_mesh "
+                  "with mesh_dim_names=('dp', 'pp', 'cp', 'tp') gives the same lists on every rank, and an "
+                  "all-reduce over each group counts its members.")
     _RESULTS["mesh_agrees"] = agree
 
 
@@ -461,8 +462,8 @@ def draw_layout_agreement(ref, runs, rows):
 def many_layouts():
     run = small_run()
     cfg = run.cfg
-    note(f"""
-        ## One model, many layouts
+    note("## One model, many layouts")
+    idea = f"""
         Lecture 01's GPT ({cfg.n_layers} layers, h = {cfg.d_model}, {cfg.n_heads} heads,
         sequences of {cfg.seq_len} tokens, vocabulary {cfg.vocab_size}; Ψ = {param_count(cfg):,})
         on its Markov-chain task, global batch {run.global_batch} sequences, AdamW, {run.steps}
@@ -475,9 +476,7 @@ def many_layouts():
         parallelism splits tokens, not weights — and AdamW or lecture 03's ZeRO-1 or ZeRO-2 on
         that group. One thin adapter is written here: lecture 03's collectives run on the whole
         world, so `GroupCollectives` gives them an explicit group (and ZeRO its shard index).
-    """)
-    see(LayoutTrainer)
-    see(GroupCollectives)
+    """
     ref = reference_run(run)
     runs = []
     cases = list(LAYOUTS_4) + [LAYOUT_8]
@@ -497,6 +496,9 @@ def many_layouts():
                    f"({len(runs)} layouts on {' and '.join(sorted({str(l.world) for _, l, _ in runs}))} ranks: they coincide). Bottom: how far each layout is "
                    f"from one process, on a log scale — float32 summation order, far below the 1e-4 "
                    f"the build requires.")
+    note(idea)
+    see(LayoutTrainer)
+    see(GroupCollectives)
     table(rows, header=["layout", "mesh and micro-batching", "ranks", "last loss",
                         "max |Δ loss| vs one process", "max |Δ parameter| vs one process"],
           caption=f"After {run.steps} AdamW steps, every parameter (tensor-parallel slices gathered, "
@@ -544,8 +546,10 @@ def memory_estimator():
     see(ModelShape.act_elements_per_token)
     see(estimate_memory)
     memory_of_the_layouts(runs, shape)
-    memory_with_recomputation(cfg, shape, sp_shown=any(lay.sp for _, lay, _ in runs))
     memory_at_scale()
+    with deep_dive("Sequence parallelism and full recomputation in the estimator",
+                   "where the estimator follows Megatron-LM rather than lecture 04, and full recomputation measured"):
+        memory_with_recomputation(cfg, shape, sp_shown=any(lay.sp for _, lay, _ in runs))
 
 
 def memory_of_the_layouts(runs, shape):
@@ -581,16 +585,24 @@ def memory_of_the_layouts(runs, shape):
         indices, a stage's received input.
     """)
     _RESULTS["memory_worst"] = worst
+    plain = next(((name, got) for name, lay, got in runs if lay.dp > 1 and lay.world == lay.dp and not lay.zero), None)
+    if plain:
+        m = plain[1][0]["memory"]
+        per_param = (m["weights"] + m["grads"] + m["optimizer"]) / (m["weights"] / 4)   # float32 weights: 4 bytes each
+        cheat("bytes per parameter", "$4 + 4 + 8 = 16$ bytes per parameter (fp32 weights, gradients, AdamW's two moments); "
+              "ZeRO-$k$ divides its parts by dp·cp", round(per_param, 2), "bytes",
+              what=f"rank 0 of the {plain[0]} layout, measured from the tensors it held")
 
 
 def memory_with_recomputation(cfg, shape, sp_shown):
     """What the layouts leave out: sequence parallelism's gap, and full recomputation checked
     in one process."""
     note(f"""
+        ## Deep dive: sequence parallelism and full recomputation in the estimator
         **Sequence parallelism**: the estimator follows Megatron-LM, which splits every
         residual-stream tensor over tp and re-gathers the norm outputs in backward; lecture
         04's version keeps an all-gathered input for backward
-        ({"the dp×tp + SP row's error above" if sp_shown else "the full build's dp×tp + SP run shows the gap; the tests bound it"}).
+        ({"the dp×tp + SP row's error in the memory table of the main page" if sp_shown else "the full build's dp×tp + SP run shows the gap; the tests bound it"}).
         **Full recomputation** is not among the layouts, so it is checked here in one process
         with lecture 01's `Recomputed` blocks: only each block's input stays saved between
         forward and backward.
@@ -626,7 +638,9 @@ def memory_at_scale():
     note("""
         At this scale three terms the small runs cannot show decide what fits: gradients are
         accumulated in fp32 (Megatron-LM and Llama 3: 2 + 4 + 12 = 18 bytes per parameter, not
-        the ZeRO paper's 16), ZeRO-3 keeps about two blocks' weights and gradients unsharded
+        the ZeRO paper's 16; lecture 01's 20 is another recipe, which keeps the bf16 gradients
+        beside a separate fp32 buffer that sums them, where Megatron-LM accumulates straight into
+        the fp32 one), ZeRO-3 keeps about two blocks' weights and gradients unsharded
         while it computes (`gathered`), and the loss's backward holds two fp32 copies of the
         logits — about 4 GB each for Llama 3 at one sequence of 8192 tokens without tensor
         parallelism.
@@ -714,15 +728,23 @@ def draw_predicted_vs_measured(layouts, pred, times, rho, ranks):
     from matplotlib.ticker import FuncFormatter
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
     seen = set()
+    vals = [x * 1e3 for x in pred] + [t.median * 1e3 for t in times]
+    lo, hi = min(vals) * 0.7, max(vals) * 1.4
+    frac = lambda v: (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo))   # axis fraction
+    placed = []                                  # label positions already used, in axis fractions
     for i, (l, p, t) in enumerate(zip(layouts, pred, times), 1):
         axis = next((a for a in MESH_AXES if getattr(l, a) > 1), "one rank")
         ax.errorbar([p * 1e3], [t.median * 1e3], yerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]],
                     fmt="o", ms=6, capsize=2, color=AXIS_COLOURS[axis],
                     label=None if axis in seen else f"splits {axis}")
         seen.add(axis)
-        ax.annotate(str(i), (p * 1e3, t.median * 1e3), xytext=(5, 3), textcoords="offset points", fontsize=10)
-    vals = [x * 1e3 for x in pred] + [t.median * 1e3 for t in times]
-    lo, hi = min(vals) * 0.7, max(vals) * 1.4
+        fx, fy = frac(p * 1e3), frac(t.median * 1e3)
+        k = 0                                    # move a label up, one line at a time, until it is free
+        while any(abs(fx - x) < 0.045 and abs(fy + 0.04 * k - y) < 0.035 for x, y in placed) and k < 12:
+            k += 1
+        placed.append((fx, fy + 0.04 * k))
+        ax.annotate(str(i), (p * 1e3, t.median * 1e3), xytext=(5, 3 + 13 * k), textcoords="offset points",
+                    fontsize=10, arrowprops=dict(arrowstyle="-", color="0.6", lw=0.5) if k else None)
     ax.plot([lo, hi], [lo, hi], color="0.6", ls="--", lw=1, label="measured = predicted")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
@@ -822,9 +844,15 @@ def step_time_model():
     ratios = {k: statistics.median(v) for k, v in by_axis.items()}
     worst_axis = max(ratios, key=lambda k: abs(math.log(ratios[k])))
     lo_ratio, hi_ratio = min(t / p for t, p in zip(meas, pred)), max(t / p for t, p in zip(meas, pred))
-    direction = ("so the model under-predicts every layout" if lo_ratio > 1 else
-                 "so the model over-predicts every layout" if hi_ratio < 1 else
-                 "so the model errs both ways")
+    slower = sum(t > p for t, p in zip(meas, pred))
+    n_lay = len(meas)
+    direction = ("so the model under-predicts every layout" if slower == n_lay else
+                 "so the model over-predicts every layout" if slower == 0 else
+                 f"{slower} of {n_lay} slower than predicted, so the model mostly under-predicts"
+                 if slower >= 0.75 * n_lay else
+                 f"{n_lay - slower} of {n_lay} faster than predicted, so the model mostly over-predicts"
+                 if slower <= 0.25 * n_lay else
+                 f"{slower} of {n_lay} slower than predicted and {n_lay - slower} faster, so the model errs both ways")
     lo_rho, hi_rho = rho_interval(rho, len(layouts))
     verdict = ("ranks them better than" if rho_trivial < lo_rho else
                "ranks them worse than" if rho_trivial > hi_rho else
@@ -941,6 +969,10 @@ def wire_bytes():
         1.4.
     """)
     _RESULTS["wire_ratios"] = ratios
+    cheat("collective bytes", "per rank: ring all-reduce $2\\frac{n-1}{n}$ of the tensor, all-gather and reduce-scatter "
+          "$\\frac{n-1}{n}$ each (gloo's reduce-scatter: an all-reduce), summed by `step_bytes` over a step",
+          round(statistics.median(r for _, _, r in ratios), 3), "× predicted",
+          what=f"median measured / predicted bytes over {len(ratios)} ranks and layouts (/proc/self/io)")
 
 
 def search_here():
@@ -1051,6 +1083,17 @@ def published_scale():
         ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
         reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
     """)
+    note("""
+        The assumption that data-parallel traffic hides under the backward rests on GPU
+        measurements like the one below; this CPU cannot check it, because gloo moves the bytes
+        with CPU threads that compete with the very compute they would hide under.
+    """)
+    published("""
+        Li et al. 2020 (PyTorch Distributed: Experiences on Accelerating Data Parallel Training,
+        PVLDB 13(12)), with gradient bucketing and communication overlapped with the backward:
+        "when configured appropriately, the PyTorch distributed data parallel module attains
+        near-linear scalability using 256 GPUs".
+    """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
     see(decision_procedure)
     rows, agree, outcomes = [], [], []
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
@@ -1183,13 +1226,11 @@ def mfu_section():
             fixed per-operation costs, not in matmuls.
         """)
         _RESULTS["mfu_here"] = u
-    published = _RESULTS.get("published") or []
-    if published:
-        best = [r for r in published if r[2] == "search: fastest that fits"]
-        table([[r[0], r[1], r[3], f"{100 * r[6]:.0f}%"] for r in best],
-              header=["model", "GPUs", "layout", "predicted MFU"],
-              caption="Predicted at published scale (bounded by the assumed GEMM efficiency).")
+        cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
+              round(100 * u, 2), "%", what=f"fastest measured layout, {best[0].label()}, peak = the measured matmul rate")
     note("""
+        At published scale the search's picks are predicted at the MFUs in the table under
+        “Against what Meta ran” above, an upper bound set by the assumed GEMM efficiency.
         Public reference points: PaLM 540B trained at 46.2% MFU on 6144 TPU v4 chips
         (Chowdhery et al. 2022); Megatron-LM with selective recomputation and sequence
         parallelism reached 56.3% MFU for a 1T-parameter model on A100s (Korthikanti et al.
@@ -1272,8 +1313,8 @@ def pytorch_pieces():
     run = Run(steps=3)     # enough steps for AdamW's state to matter; PyTorch's pieces start slowly
     note("""
         ## Deep dive: the same layouts from PyTorch's own pieces
-        You can skip this section on a first read: it rebuilds what the lecture built with
-        PyTorch's own building blocks, to show they agree. PyTorch ships every piece: `init_device_mesh` for the mesh, `parallelize_module`
+        This rebuilds what the lecture built with PyTorch's own building blocks, to show they
+        agree. PyTorch ships every piece: `init_device_mesh` for the mesh, `parallelize_module`
         with `ColwiseParallel` / `RowwiseParallel` for tensor parallelism (DTensor
         parameters; `loss_parallel()` computes the loss on vocabulary-sharded logits),
         `fully_shard` (FSDP2) on the dp dimension, and `PipelineStage` with `Schedule1F1B`
@@ -1314,8 +1355,7 @@ def pytorch_pieces():
 def notes():
     note("""
         ## Deep dive: launching across nodes, NCCL, and what to check first
-        You can skip this section on a first read: it is practice for running on a real
-        cluster, not part of the lecture's argument.
+        Practice for running on a real cluster, beyond the lecture's argument.
 
         **Launch.** Every rank runs the same program; `torchrun` starts one process per GPU on
         each node and they meet at a rendezvous endpoint:
@@ -1375,8 +1415,12 @@ def main():
     wire_bytes()            # the communication model checked exactly: bytes per rank and step
     published_scale()       # the same search for an 8B and a 70B model on H100s
     mfu_section()           # how much of the hardware a step uses
-    pytorch_pieces()        # deep dive: the same layouts from PyTorch's own building blocks
-    notes()                 # deep dive: multi-node launch, NCCL, and what to check first
+    with deep_dive("The same layouts from PyTorch's own pieces",
+                   "init_device_mesh, parallelize_module, fully_shard and PipelineStage train the same model"):
+        pytorch_pieces()
+    with deep_dive("Launching across nodes, NCCL, and what to check first",
+                   "torchrun and Slurm, NCCL's environment variables, and a checklist for a slow run"):
+        notes()
     remember()              # what to remember
 
 
