@@ -79,7 +79,7 @@ def test_first_difference_names_the_element():
     g[1, 2] = 5.0
     assert engine.first_difference(e, g) == "element [1, 2]: expected 0, got 5 (1 of 6 elements differ)"
     assert engine.first_difference([1, e], [1, g]).startswith("result[1]: element [1, 2]")
-    assert engine.first_difference({"a": 1}, {"a": 1, "b": 2}) == "unexpected key(s) ['b']"
+    assert engine.first_difference({"a": 1}, {"a": 1, "b": 2}) == "unexpected key ['b']"
     assert engine.first_difference([1, 2], [1]) == "length: expected 2 items, got 1"
     assert engine.first_difference(e, g[:1]) == "shape: expected (2, 3), got (1, 3)"
     assert engine.first_difference(float("nan"), float("nan")) is None

@@ -74,7 +74,7 @@ def test_failing_demo_fails_the_build_promptly_and_still_writes_the_page(tmp_pat
     rec = load(tmp_path, "failing_lecture")
     assert rec["status"] == "failed" and rec["demos"]["failed"] == 1
     demo = next(r for r in rec["records"] if r["kind"] == "demo")
-    assert demo["status"] == "failed" and "rank(s) [1] raised" in demo["error"]
+    assert demo["status"] == "failed" and "rank 1 raised" in demo["error"]
     assert any("Traceback" in r["text"] for r in demo["records"] if r["kind"] == "error")
     assert not any("Never reached" in r.get("text", "") for r in rec["records"])
     assert (tmp_path / "failing_lecture.html").exists()

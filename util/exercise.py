@@ -125,7 +125,7 @@ def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
             if diff:
                 return diff
         extra = [k for k in got if k not in expected]
-        return f"{at}unexpected key(s) {extra}" if extra else None
+        return f"{at}unexpected {'key' if len(extra) == 1 else 'keys'} {extra}" if extra else None
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
             return f"{at}expected a {type(expected).__name__}, got {type(got).__name__}: {_fmt(got)}"
@@ -206,7 +206,7 @@ def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-
             diff = first_difference(expected, value, rtol, atol)
             if diff:
                 return _verdict(name, False, f"rank {rank}, {case}: {diff}{hint_line}", seconds, printed)
-    return _verdict(name, True, f"passed on {world_size} real ranks, {cases} case(s)"
+    return _verdict(name, True, f"passed on {world_size} real ranks, {cases} case{'' if cases == 1 else 's'}"
                     + (f" ({sizes})" if sizes else "") + f", in {seconds:.1f} s", seconds, printed)
 
 

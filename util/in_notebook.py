@@ -340,7 +340,7 @@ def checks(**values):
               "text/html": f'<div style="{_BOX}"><b>checks</b><table style="font-size:13px;">{rows}</table></div>'})
     failed = [k for k, v in values.items() if v is False]
     if failed:
-        raise AssertionError(f"check(s) failed: {', '.join(failed)}")
+        raise AssertionError(f"{'check' if len(failed) == 1 else 'checks'} failed: {', '.join(failed)}")
 
 
 def exercise_verdict(verdict):

@@ -297,7 +297,7 @@ class Pool:
         ready = self._collect(new, deadline=time.monotonic() + 300)
         if len(ready) < len(new):
             dead = [r for r in new if r not in ready and self.procs[r].exitcode is not None]
-            raise RuntimeError(f"could not start rank(s) {[r for r in new if r not in ready]}: " +
+            raise RuntimeError(f"could not start {record.rank_list([r for r in new if r not in ready])}: " +
                                (f"exit codes {[self.procs[r].exitcode for r in dead]}" if dead
                                 else "timed out"))
         seconds = time.perf_counter() - start
@@ -367,14 +367,14 @@ def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=No
         return None
     parts = []
     if failed:
-        parts.append(f"rank(s) {failed} raised")
+        parts.append(f"{record.rank_list(failed)} raised")
     if missing:
         dead = dead_of(missing) if dead_of else []
         stuck = [r for r in missing if r not in dead]
         if dead:
-            parts.append(f"rank(s) {dead} died (exit codes {[exitcode(r) for r in dead]})")
+            parts.append(f"{record.rank_list(dead)} died (exit codes {[exitcode(r) for r in dead]})")
         if stuck:
-            parts.append(f"rank(s) {stuck} did not finish" +
+            parts.append(f"{record.rank_list(stuck)} did not finish" +
                          (f" within {timeout:g} s of rank {first_done} finishing; a "
                           "rank probably skipped a collective" if first_done is not None and not failed
                           else " and were stopped"))
@@ -537,7 +537,7 @@ def _finish(run, results, error, expect_error):
             run.error += f"\n{last}"
             finished = sorted(r for r, m in results.items() if m["ok"])
             if "imed out" in last and finished:
-                run.error += (f"\nrank(s) {finished} had already finished: a rank probably "
+                run.error += (f"\n{record.rank_list(finished)} had already finished: a rank probably "
                               "skipped a collective that the others were waiting in")
         run.status = "expected_failure" if expect_error else "failed"
     elif expect_error:

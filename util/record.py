@@ -198,6 +198,14 @@ def published(text, url, cite):
     _current.add("published", text=textwrap.dedent(text).strip(), url=url, cite=cite)
 
 
+def rank_list(ranks):
+    """'rank 2', 'ranks 0, 1 and 3' (never 'rank(s) [0, 1, 3]')."""
+    ranks = sorted(r for r in ranks if isinstance(r, int))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}" if ranks else "a rank"
+
+
 def plural(n, word, many=None):
     """'1 head', '3 heads', '2 all-reduces' (`many` for irregular plurals): never 'head(s)'."""
     return f"{n} {word if n == 1 else (many or word + 's')}"

@@ -24,6 +24,7 @@ import xml.etree.ElementTree as ET
 
 from markupsafe import Markup
 
+from util.record import rank_list
 from util.recording import load, trim_build_paths, write_atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -445,7 +446,7 @@ class Page:
                 by_rank.setdefault(sub.get("rank"), []).append(part)
         columns = [{"title": f"rank {k}" if isinstance(k, int) else str(k), "parts": v}
                    for k, v in sorted(by_rank.items(), key=lambda kv: (not isinstance(kv[0], int), str(kv[0]).zfill(6)))]
-        rank_errors = [{"ranks": _rank_list(ranks), "text": trim_build_paths(text)} for text, ranks in errors.items()]
+        rank_errors = [{"ranks": rank_list(ranks), "text": trim_build_paths(text)} for text, ranks in errors.items()]
         # a demo that ran fine and has nothing to show draws no bar (its results are in the
         # lecture's own tables and figures)
         quiet_ok = status == "ok" and not columns and not rank_errors and not r.get("error")
@@ -463,14 +464,6 @@ class Page:
         return [code_part(f.get("name", ""), f.get("file", ""), f.get("start", 1), f.get("code", ""))
                 for f in (funcs[k] for k in keys)
                 if not os.path.isabs(str(f.get("file", ""))) and not str(f.get("name", "")).startswith("<")]
-
-
-def _rank_list(ranks):
-    """'rank 2', 'ranks 0, 1 and 3'."""
-    ranks = sorted(r for r in ranks if isinstance(r, int))
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}" if ranks else "a rank"
 
 
 def code_part(name, file, start, code):
