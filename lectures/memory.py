@@ -131,6 +131,23 @@ class SavedBytes:
     def reset_peak(self):
         self.peak = self.live
 
+    def hold(self, tensors):
+        """Count tensors held for the backward outside autograd (a split backward keeps each
+        module's output gradient from B to W): their storages join `live` until `let_go`.
+        Returns the bytes added."""
+        held = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            if (st.data_ptr(), st.nbytes()) not in self._refs:
+                held[st.data_ptr()] = st.nbytes()
+        added = sum(held.values())
+        self.live += added
+        self.peak = max(self.peak, self.live)
+        return added
+
+    def let_go(self, nbytes):
+        self.live -= nbytes
+
     def __enter__(self):
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()

@@ -219,7 +219,8 @@ class PipelineExecutor:
     def _run_backward(self, a, g):
         """B: the whole backward, or (split) only its input half. Unsplit, autograd has now
         released the micro-batch's saved tensors, and we drop the graph's ends; split, they
-        stay until W."""
+        stay until W, and so do the output gradients of the parameter-owning modules (the
+        meter counts both)."""
         if self.checkpoint:
             return self._recompute_backward(a, self.state.pop((a.microbatch, a.chunk)), g)
         dx = self._backward(self.state[a.microbatch, a.chunk], g)
@@ -233,6 +234,8 @@ class PipelineExecutor:
         st = self.state.pop((a.microbatch, a.chunk))
         for module, y, dy in st["weight_work"]:
             torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
+        if self.track_memory:
+            self.meter.let_go(st["held_grads"])
 
     # --- the computations -------------------------------------------------------------------
 
@@ -294,6 +297,9 @@ class PipelineExecutor:
         dx = grads[0] if x.requires_grad else None
         dys = grads[1:] if x.requires_grad else grads
         st["weight_work"] = [(mod, y, dy) for (mod, y), dy in zip(seen, dys) if dy is not None]
+        # the output gradients wait here until W: memory the split backward holds on top of what
+        # autograd saved in the forward
+        st["held_grads"] = self.meter.hold([dy for _, _, dy in st["weight_work"]]) if self.track_memory else 0
         return dx
 
     # --- messages: who, which tag, posting and taking -------------------------------------
