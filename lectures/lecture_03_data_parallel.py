@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from util import device, figure, note, quiet, see, settings, span, spawn, table, timeline
+from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
+                  table, timeline)
 from util.measure import (Timing, bytes_sent, compare, spreads_overlap, errorbar, machine, measure, measure_side_by_side,
                           timing_ranks)
 
@@ -665,82 +666,118 @@ def intro():
 def the_task():
     task = small_task()
     note(f"""
-        ## The model, the data, the reference
-        A stack of `Linear` layers with tanh between them, widths {task.sizes}: that is
-        Ψ = {param_count(task):,} parameters, a number divisible by neither 2 nor 4, so every
-        shard boundary below is awkward on purpose. The data are Gaussian inputs labelled by a
-        fixed random "teacher" network, so there is something to learn; everything is
-        generated from a seed, identically on every rank. The loss is the mean squared error,
-        the optimizer AdamW.
-
-        The reference is one process that sees the whole global batch of {task.batch} rows:
+        **The model, the data, the reference.** A stack of `Linear` layers with tanh between them,
+        widths {task.sizes}: Ψ = {param_count(task):,} parameters, a number divisible by neither 2
+        nor 4, so every shard boundary below is awkward on purpose. The data are Gaussian inputs
+        labelled by a fixed random "teacher" network, generated from a seed identically on every
+        rank; the loss is the mean squared error, the optimizer AdamW. The reference is one process
+        that sees the whole global batch of {task.batch} rows, and every parallel version below must
+        equal it.
     """)
     see(make_model)
     see(make_batches)
     see(reference_train)
-    ref = reference_train(task)
-    table([[i + 1, l, c] for i, (l, c) in enumerate(zip(ref["losses"], ref["checksums"]))],
-          header=["step", "loss", "parameter checksum"], caption="single process, whole batch")
+
+
+def ddp_figure(ref, runs, apart):
+    """Loss per step of one process and of each DDP run (which lie on top of each other), and the
+    parameter checksums of two replicas started without the broadcast (which never meet)."""
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3.2))
+    steps = range(1, len(ref["losses"]) + 1)
+    left.plot(steps, ref["losses"], lw=6, alpha=0.3, color="k", label="one process")
+    for (n, r), style in zip(runs.items(), ("o-", "s--", "^:")):
+        left.plot(steps, r[0]["losses"], style, ms=5, label=plural(n, "rank"))
+    left.set_xlabel("step", fontsize=12)
+    left.set_ylabel("loss", fontsize=12)
+    left.set_title("with the broadcast", fontsize=12)
+    left.legend(fontsize=10, frameon=False)
+    for r, (k, run) in enumerate(apart.items()):
+        right.plot(steps, run["checksums"], "o-", ms=5, label=f"rank {k}")
+    right.set_xlabel("step", fontsize=12)
+    right.set_ylabel("parameter checksum", fontsize=12)
+    right.set_title("without it: replicas never meet", fontsize=12)
+    right.legend(fontsize=10, frameon=False)
+    for ax in (left, right):
+        ax.tick_params(labelsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def ddp_from_scratch():
     task = small_task()
+    note("## DDP from scratch")
+    ref = reference_train(task)
+    runs = {n: spawn(train_data_parallel, n, task=task, name=f"DDP from scratch, {n} ranks").returns
+            for n in (1, 2, 4)}
+    a, b = spawn(train_data_parallel, 2, task=task, broadcast=False, name="DDP without the broadcast").returns
+    figure(ddp_figure(ref, runs, {0: a, 1: b}),
+           caption=f"left: the loss of {task.steps} AdamW steps on 1, 2 and 4 ranks lies on the one-process "
+                   "curve; right: two ranks that skip the broadcast apply the same averaged gradients to "
+                   "different weights")
     note("""
-        ## DDP from scratch
-        Three ingredients. (1) Start equal: every rank initialises its own random weights (we
-        seed them by rank to make the point), then takes rank 0's with a broadcast.
-        (2) Split the data: rank r reads rows [r·B/N, (r+1)·B/N) of every global batch.
-        (3) Average the gradients: each rank's gradient is the mean over its B/N rows; the
-        all-reduce sums the N of them and we divide by N, which is exactly the mean over all B
-        rows — so the optimizer step is the single-process step, on every rank.
+        Three ingredients. (1) Start equal: every rank initialises its own random weights (seeded
+        by rank to make the point), then takes rank 0's with a broadcast. (2) Split the data: rank
+        r reads rows [r·B/N, (r+1)·B/N) of every global batch. (3) Average the gradients: each
+        rank's gradient is the mean over its B/N rows; the all-reduce sums the N of them and we
+        divide by N, which is exactly the mean over all B rows, so every rank takes the
+        single-process step.
+    """)
+    rows = []
+    for world_size, r in runs.items():
+        diff = max_diff(r[0]["params"], ref["params"])
+        spread = max(max_diff(x["params"], r[0]["params"]) for x in r)
+        same = all(x["checksums"] == r[0]["checksums"] for x in r)
+        assert spread == 0 and diff < 1e-4, (spread, diff)
+        rows.append([world_size, r[0]["losses"][-1], "yes" if same else "no", spread, diff])
+    table(rows, header=["ranks", "last loss (mean over ranks)", "checksums equal on every rank, every step",
+                        "max |Δ| between replicas", "max |Δ| vs one process"],
+          caption=f"after {task.steps} steps; one process ends at loss {ref['losses'][-1]:.6f}. The "
+                  "differences from one process are float32 rounding: the same sums, added in another order")
+    note(f"""
+        Without the broadcast, the last checksums are {a['checksums'][-1]:.6f} on rank 0 and
+        {b['checksums'][-1]:.6f} on rank 1.
     """)
     see(broadcast_parameters)
     see(shard_rows)
     see(AllReduceAfterBackward)
     see(data_parallel_step)
-    ref = reference_train(task)
-    rows = []
-    for world_size in (1, 2, 4):
-        run = spawn(train_data_parallel, world_size, task=task, name=f"DDP from scratch, {world_size} ranks")
-        r = run.returns
-        for step in range(task.steps):
-            rows.append([world_size, step + 1, r[0]["losses"][step]] +
-                        [r[k]["checksums"][step] if k < world_size else "" for k in range(4)] +
-                        [ref["checksums"][step]])
-        diff = max_diff(r[0]["params"], ref["params"])
-        spread = max(max_diff(x["params"], r[0]["params"]) for x in r)
-        assert spread == 0 and diff < 1e-4, (spread, diff)
-        why = ("bit for bit" if diff == 0 else
-               "float32 rounding: the same sums, added in a different order")
-        note(f"**{world_size} rank(s)**: after {task.steps} steps the replicas differ by at most "
-             f"{spread:.1e} (bit-identical), and from the single-process run by {diff:.1e} ({why}).")
-    table(rows, header=["ranks", "step", "loss (mean over ranks)", "rank 0 checksum", "rank 1",
-                        "rank 2", "rank 3", "single process"],
-          caption="per-rank parameter checksums after every step, beside the single-process run")
-    run = spawn(train_data_parallel, 2, task=task, broadcast=False, name="DDP without the broadcast")
-    a, b = run.returns
-    note(f"""
-        Leave out the broadcast and the replicas never meet: they apply the *same* averaged
-        gradient to *different* weights. Checksums after the last step: rank 0
-        {a['checksums'][-1]:.6f}, rank 1 {b['checksums'][-1]:.6f}.
-    """)
+
+
+def sampler_figure(result, rows):
+    """What each rank reads in each epoch (`result[drop_last][rank][epoch]`: its indices), one
+    cell per index; an index drawn twice in an epoch is red, so padding shows at a glance."""
+    import matplotlib.pyplot as plt
+    n = len(result[False])
+    fig, axes = plt.subplots(2, 2, figsize=(7.5, 1.2 + 0.95 * n), sharex=True)
+    width = max(len(result[d][r][e]) for d in result for r in range(n) for e in range(2))
+    for i, drop_last in enumerate((False, True)):
+        for epoch in range(2):
+            ax = axes[i, epoch]
+            lists = [result[drop_last][r][epoch] for r in range(n)]
+            seen = [x for l in lists for x in l]
+            for r, l in enumerate(lists):
+                for j, x in enumerate(l):
+                    twice = seen.count(x) > 1
+                    ax.add_patch(plt.Rectangle((j, n - 1 - r), 0.92, 0.85,
+                                               color="#c44e52" if twice else "#4c72b0", alpha=0.85))
+                    ax.text(j + 0.46, n - 1 - r + 0.42, str(x), ha="center", va="center", color="white",
+                            fontsize=11)
+            ax.set_xlim(0, width)
+            ax.set_ylim(0, n)
+            ax.set_yticks([n - 1 - r + 0.42 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=11)
+            ax.set_xticks([])
+            ax.set_title(f"{'drop_last' if drop_last else 'padding (default)'}, epoch {epoch}", fontsize=12)
+            for spine in ax.spines.values():
+                spine.set_visible(False)
+    fig.tight_layout()
+    return fig
 
 
 def data_sharding():
     n = settings.world_size
     rows = 4 * n + 1 if n > 1 else 7            # never a multiple of the ranks
-    note(f"""
-        ## Data sharding: every rank its own samples
-        Above, each rank cut its slice out of a global batch that every rank generated. Real
-        data come from a dataset, and the usual tool is a sampler per rank:
-        `torch.utils.data.DistributedSampler` shuffles the indices with a seed that all ranks
-        share, then rank r takes every N-th index starting at r. Two details decide whether it
-        is right. `set_epoch(e)` must be called every epoch, or every epoch repeats the same
-        order. And when N does not divide the dataset, the sampler either *pads* (the default:
-        it repeats the first indices so every rank gets as many, and some samples count twice)
-        or *drops* the tail (`drop_last=True`). Here {rows} rows on {n} ranks, two epochs:
-    """)
-    see(sampler_epochs)
+    note("## Data sharding: every rank its own samples")
     result = {}
     for drop_last in (False, True):
         run = spawn(sampler_epochs, n, n_rows=rows, epochs=2, drop_last=drop_last,
@@ -748,92 +785,58 @@ def data_sharding():
         result[drop_last] = run.returns
     forgot = spawn(sampler_epochs, n, n_rows=rows, epochs=2, drop_last=True, set_epoch=False,
                    name=f"DistributedSampler without set_epoch, {rows} rows on {n} ranks").returns
+    figure(sampler_figure(result, rows),
+           caption=f"the indices DistributedSampler handed each of {n} ranks, {rows} rows, two epochs; "
+                   "red: a sample read twice in the epoch (the padding)")
     table_rows = []
     for drop_last, per_rank in result.items():
         for epoch in range(2):
-            lists = [r[epoch] for r in per_rank]
-            seen = [i for l in lists for i in l]
-            table_rows.append([f"drop_last={drop_last}", epoch,
-                               " | ".join(",".join(map(str, l)) for l in lists),
-                               len(seen), len(set(seen)), rows - len(set(seen)),
-                               len(seen) - len(set(seen))])
-    table(table_rows, header=["sampler", "epoch", "indices per rank (rank 0 | rank 1 | …)",
-                              "samples drawn", "distinct", "never drawn", "drawn twice"],
-          caption="what each rank reads; with padding some samples are read twice, with "
-                  "drop_last some are skipped this epoch (a different few each epoch)")
+            seen = [i for r in per_rank for i in r[epoch]]
+            table_rows.append([f"drop_last={drop_last}", epoch, len(seen), len(set(seen)),
+                               rows - len(set(seen)), len(seen) - len(set(seen))])
     same = all(r[0] == r[1] for r in forgot)
     note(f"""
-        With `drop_last=True` the ranks' indices are disjoint in every epoch (checked in the
-        tests); the default pads instead, so {table_rows[0][6]} sample(s) per epoch count
-        twice. Without `set_epoch` both epochs come out in
-        {'the same order on every rank' if same else 'different orders (unexpected)'}.
-
-        **The uneven last batch.** A hand-made partition without padding (rank r takes rows
-        r, r+N, …) gives ranks *different numbers of batches* when N does not divide the
-        rows. The ranks with one batch more then call one all-reduce more than the others, and
-        wait for partners that never come: the hang of lecture 02, hidden in a data loader.
-        Three fixes: pad (the sampler's default), drop the tail (`drop_last=True`), or let
-        the finished ranks keep answering — `torch.distributed.algorithms.Join` around the
-        loop makes a rank that ran out of data shadow the others' all-reduces with zeros
-        until all are done.
+        Real data come from a dataset, and the usual tool is a sampler per rank:
+        `DistributedSampler` shuffles the indices with a seed all ranks share, then rank r takes
+        every N-th index starting at r. `set_epoch(e)` must be called every epoch, or every epoch
+        repeats the same order (here, without it, both epochs came out in
+        {'the same order on every rank' if same else 'different orders (unexpected)'}). When N does
+        not divide the dataset the sampler *pads* (the default: it repeats the first indices, so
+        {plural(table_rows[0][5], 'sample')} per epoch count twice here) or *drops* the tail
+        (`drop_last=True`: the ranks' indices are disjoint, and a different few are skipped each
+        epoch).
     """)
-    see(uneven_with_join)
+    table(table_rows, header=["sampler", "epoch", "samples drawn", "distinct", "never drawn", "drawn twice"],
+          caption=f"{rows} rows on {n} ranks, counted from the indices above")
     batch = 2
     counts = [len(strided_batches(r, n, rows, batch)) for r in range(n)]
     run = spawn(uneven_with_join, n, n_rows=rows, batch=batch,
                 name=f"PyTorch DDP inside Join, uneven batch counts {counts}, {n} ranks")
-    table([[r, x["batches"], x["checksum"]] for r, x in enumerate(run.returns)],
-          header=["rank", "batches it had", "parameter checksum at the end"],
-          caption="different numbers of batches, no hang, and the same model on every rank")
+    sums = {x["checksum"] for x in run.returns}
+    note(f"""
+        **The uneven last batch.** A hand-made partition without padding (rank r takes rows r,
+        r+N, …) gives ranks different numbers of batches: the ranks with one batch more call one
+        all-reduce more, and wait for partners that never come (lecture 02's hang, hidden in a data
+        loader). Pad, drop the tail, or wrap the loop in `torch.distributed.algorithms.Join`, which
+        makes a rank that ran out answer the others' all-reduces with zeros until all are done.
+        Here PyTorch's DDP inside `Join` ran batch counts {counts} on {n} ranks without a hang and
+        ended with {'the same model on every rank' if len(sums) == 1 else 'different models (unexpected)'}
+        (parameter checksum {next(iter(sums)):.6f}).
+    """)
+    see(sampler_epochs)
+    see(uneven_with_join)
 
 
 def overlap_and_buckets():
     task = timing_task()
-    note("""
-        ## Overlap communication with backward, and bucket it
-        The naive version waits for the whole backward pass and only then starts talking. But
-        the last layer's gradients are ready first, long before the first layer's: a hook that
-        fires when a parameter's gradient is complete
-        (`register_post_accumulate_grad_hook`) can start its all-reduce asynchronously while
-        autograd keeps working on the earlier layers. The optimizer waits on all the handles.
-
-        Sending one message per parameter pays the per-message latency many times over, so
-        DDP packs gradients into buckets (PyTorch's default is 25 MB) and all-reduces a bucket
-        once all its gradients are in.
-    """)
-    see(OverlappedAllReduce)
-    see(BucketedAllReduce)
-    check = small_task()
-    ref = reference_train(check)
-    rows = []
-    for kind, kw in [("overlapped", {}), ("bucketed", {"bucket_mb": 0.002})]:
-        for world_size in (2, 4):
-            r = spawn(train_data_parallel, world_size, task=check, grad_sync=kind,
-                      name=f"{kind} DDP, {world_size} ranks", **kw).returns
-            rows.append([kind, world_size, max_diff(r[0]["params"], ref["params"]),
-                         max(max_diff(x["params"], r[0]["params"]) for x in r)])
-    table(rows, header=["gradient sync", "ranks", "max |Δ| vs single process", "max |Δ| between replicas"],
-          caption="still the same training (bucketed with 2 kB buckets, so the small model has several)")
-
+    note("## Overlap communication with backward, and bucket it")
     psi = param_count(task)
     ranks = timing_world()
     bucket_mb = 2.0 if not settings.quick else 0.25
-    note(f"""
-        Timing needs a model where communication matters: widths {task.sizes}, Ψ = {psi:,}
-        parameters ({psi * 4 / 2**20:.1f} MB of float32 gradients), global batch {task.batch},
-        on {machine(ranks)}. Our buckets are {bucket_mb} MB and PyTorch's DDP
-        gets the same `bucket_cap_mb`. The variants take turns in the same processes, several
-        repetitions each after a warm-up; the table gives the median and interquartile range
-        of the slowest rank's time per step.
-    """)
     kinds = ["naive", "overlapped", "bucketed", "ddp"]
-    times = step_times()
     names = {"naive": "all-reduce after backward", "overlapped": "per-parameter async all-reduce",
              "bucketed": f"bucketed ({bucket_mb} MB)", "ddp": "PyTorch DistributedDataParallel"}
-    table([[names[k], times[k].ms(), times[k].median / times["naive"].median] for k in kinds],
-          header=["gradient sync", "time per step, median (IQR)", "relative to naive"],
-          caption=f"{machine(ranks)}")
-    for kind in ("naive", "overlapped", "bucketed"):
+    for kind in ("naive", "bucketed", "overlapped"):
         run = spawn(traced_steps, ranks, task=task, kind=kind, bucket_mb=bucket_mb,
                     name=f"timeline of two steps: {names[kind]}, {ranks} ranks")
         spans, merged = merge_in_flight(run.spans)
@@ -843,16 +846,53 @@ def overlap_and_buckets():
                        + (f"; the {merged} per-parameter all-reduces of each rank overlap one "
                           "another, so they are drawn as one bar per stretch of time in which at "
                           "least one was in flight." if merged else "."))
+        if kind == "bucketed":
+            note("""
+                The naive version waits for the whole backward pass and only then talks. But the
+                last layer's gradients are ready first: a hook that fires when a parameter's
+                gradient is complete (`register_post_accumulate_grad_hook`) can start its
+                all-reduce asynchronously while autograd works on the earlier layers, and the
+                optimizer waits on the handles. One message per parameter pays the per-message
+                latency many times over, so DDP packs gradients into buckets (PyTorch's default
+                is 25 MB) and all-reduces a bucket once all its gradients are in.
+            """)
+    check = small_task()
+    ref = reference_train(check)
+    worst = 0.0
+    for kind, kw in [("overlapped", {}), ("bucketed", {"bucket_mb": 0.002})]:
+        for world_size in (2, 4):
+            r = spawn(train_data_parallel, world_size, task=check, grad_sync=kind,
+                      name=f"{kind} DDP, {world_size} ranks", **kw).returns
+            assert max(max_diff(x["params"], r[0]["params"]) for x in r) == 0
+            worst = max(worst, max_diff(r[0]["params"], ref["params"]))
+    times = step_times()
+    table([[names[k], times[k].ms(), times[k].median / times["naive"].median] for k in kinds],
+          header=["gradient sync", "time per step, median (IQR)", "relative to naive"],
+          caption=f"widths {task.sizes}, Ψ = {psi:,} ({psi * 4 / 2**20:.1f} MB of float32 gradients), "
+                  f"global batch {task.batch}, {machine(ranks)}; PyTorch's DDP gets the same "
+                  "`bucket_cap_mb`; the variants take turns, several repetitions each, slowest rank")
     best = min(kinds, key=lambda k: times[k].median)
     note(f"""
-        In the naive timeline all communication sits after backward; with hooks it starts
-        during backward and runs underneath it. Lowest median here: {names[best]}; against
+        Both hooked syncs still train the one-process model (replicas bit-identical, at most
+        {worst:.1e} from one process on 2 and 4 ranks). Lowest median here: {names[best]}; against
         the naive sync, {compare(times[best], times['naive'], names[best], 'the naive sync')
                          if best != 'naive' else 'the naive sync itself'}. gloo's communication threads
         compete with the compute for the cores, so overlap hides less than on a GPU, where
         NCCL's transfers run beside the compute kernels.
     """)
-    bucket_sweep()
+    published("""
+        "when configured appropriately, the PyTorch distributed data parallel module attains
+        near-linear scalability using 256 GPUs", with bucketed gradients whose all-reduces overlap
+        the backward pass and the option to skip synchronization on accumulation steps.
+    """, "https://arxiv.org/abs/2006.15704",
+        "Li et al. 2020, \"PyTorch Distributed: Experiences on Accelerating Data Parallel Training\", PVLDB 13(12)")
+    note("""
+        Why a CPU shows little of it: gloo moves the bytes with the same cores that run backward,
+        where a GPU's NCCL transfers run on their own hardware beside the compute kernels. How big
+        a bucket should be, swept on a model of many small tensors, is a deep dive:
+    """)
+    see(OverlappedAllReduce)
+    see(BucketedAllReduce)
 
 
 def step_times():
@@ -903,45 +943,43 @@ def bucket_sweep():
     sizes = [1e-6] + [float(f"{w * k:.2g}") for k in (0.5, 2, 6)] + [25.0]
     counts = {mb: len(plan_buckets(params, mb)) for mb in sizes}
     kinds = ["overlapped"] + [f"bucketed:{mb}" for mb in sizes]
-    note(f"""
-        **How big should a bucket be?** Bucketing matters when there are many small tensors,
-        so this sweep uses a deeper, narrower stack: widths {task.sizes[0]} → {task.sizes[1]} ×
-        {len(task.sizes) - 2} → {task.sizes[-1]}, {len(params)} parameter tensors, the largest
-        {max(p.numel() for p in params) * 4 / 1024:.0f} KB, Ψ = {param_count(task):,}
-        ({param_count(task) * 4 / 2**20:.2f} MB). The bucket counts below come from the code's
-        own `plan_buckets` (a bucket never splits a tensor, so a limit below the smallest
-        tensor gives one bucket per parameter, and one above Ψ gives a single bucket that can
-        only start when backward has finished).
-    """)
-    see(plan_buckets)
     t = spawn(time_variants, ranks, task=task, kinds=kinds, reps=5,
               name=f"bucket-size sweep, {len(params)} small tensors, {ranks} ranks").returns[0]
     label = {"overlapped": "per-parameter (no buckets)",
              **{f"bucketed:{mb}": f"{mb:g} MB" for mb in sizes}}
     label[f"bucketed:{sizes[0]}"] = "one per tensor (limit below every tensor)"
     nbuckets = {"overlapped": len(params), **{f"bucketed:{mb}": counts[mb] for mb in sizes}}
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    errorbar(ax, [nbuckets[k] for k in kinds], [t[k] for k in kinds], fmt="o-")
+    ax.set_xscale("log")
+    ax.set_xlabel("all-reduce messages per step (buckets)", fontsize=12)
+    ax.set_ylabel("ms per step", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.grid(alpha=0.3, which="both")
+    note("## How big should a bucket be?")
+    figure(fig, caption=f"Step time against the number of buckets: median and IQR, {machine(ranks)}.")
+    note(f"""
+        Bucketing matters when there are many small tensors, so this sweep uses a deeper, narrower
+        stack: widths {task.sizes[0]} → {task.sizes[1]} × {len(task.sizes) - 2} → {task.sizes[-1]},
+        {len(params)} parameter tensors, the largest {max(p.numel() for p in params) * 4 / 1024:.0f} KB,
+        Ψ = {param_count(task):,} ({param_count(task) * 4 / 2**20:.2f} MB). The bucket counts come
+        from the code's own `plan_buckets`: a bucket never splits a tensor, so a limit below the
+        smallest tensor gives one bucket per parameter, and one above Ψ a single bucket that can
+        only start when backward has finished.
+    """)
     table([[label[k], nbuckets[k], t[k].ms()] for k in kinds],
           header=["bucket size", "buckets (counted)", "time per step, median (IQR)"],
           caption=f"{machine(ranks)}; the variants take turns in one run")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    errorbar(ax, [nbuckets[k] for k in kinds], [t[k] for k in kinds], fmt="o-")
-    ax.set_xscale("log")
-    ax.set_xlabel("all-reduce messages per step (buckets)")
-    ax.set_ylabel("ms per step")
-    ax.grid(alpha=0.3, which="both")
-    figure(fig, caption=f"Step time against the number of buckets: median and IQR, {machine(ranks)}.")
     best = min(kinds, key=lambda k: t[k].median)
     one = f"bucketed:{sizes[-1]}"
     per_param = t["overlapped"].median
-    verdict = []
-    verdict.append(f"The fastest setting here is {label[best]} ({nbuckets[best]} "
-                   f"message{'s' if nbuckets[best] != 1 else ''} per step).")
+    verdict = [f"The fastest setting here is {label[best]} ({plural(nbuckets[best], 'message')} per step)."]
     if best == one:
         verdict.append(
             "That is the one setting that cannot overlap at all: its all-reduce starts only after "
-            "backward. Against one message per tensor, "
-            f"{compare(t[one], t['overlapped'], 'one bucket', 'one message per tensor')}. On this "
+            f"backward. Against the per-parameter all-reduces (no buckets), "
+            f"{compare(t[one], t['overlapped'], 'one bucket', 'per-parameter')}. On this "
             "machine overlap buys little (gloo's threads need the same cores as backward), while "
             f"every extra message costs its latency α and a pass of copies: with {len(params)} "
             "small tensors, fewer messages win, even if they wait.")
@@ -950,7 +988,7 @@ def bucket_sweep():
                        "cannot start until backward has produced the last gradient, so none of it "
                        "overlaps.")
     if per_param > t[best].median * 1.05:
-        verdict.append(f"One message per tensor ({t['overlapped'].ms()}) pays the per-call "
+        verdict.append(f"The per-parameter all-reduces ({t['overlapped'].ms()}) pay the per-call "
                        f"latency α (lecture 02) {len(params)} times per step.")
     else:
         verdict.append("Per-parameter all-reduces are not slower than buckets on this machine: "
@@ -958,35 +996,56 @@ def bucket_sweep():
                        "over memory on the same cores), and with only a few ranks on one host "
                        "gloo's per-call latency is small next to that copy and to the compute.")
     note(" ".join(verdict))
+    see(plan_buckets)
 
 
 def hide_the_all_reduce():
     task = timing_task()
     ranks = timing_world()
     psi = param_count(task)
-    note(f"""
-        ## Can data parallelism hide the all-reduce?
-        Overlap hides communication only if there is enough backward to hide it behind. The
-        budget, per step: the all-reduce of 2Ψ bytes of 16-bit gradients (4Ψ in our float32)
-        takes about $\\frac{{2(n-1)}}{{n}} \\cdot \\frac{{\\text{{gradient bytes}}}}{{\\text{{busbw}}}}$,
-        and it can start only as buckets fill during backward, so it is hidden when it is
-        shorter than backward. Backward's time grows with the batch per rank, the all-reduce's
-        does not: shrinking the batch per rank (more ranks, same global batch) eventually
-        exposes the communication. First with this run's own measurements (the timing model,
-        Ψ = {psi:,}, {task.batch // ranks} rows per rank):
-    """)
-    see(budget_probe)
+    note("## Can data parallelism hide the all-reduce?")
     t = spawn(budget_probe, ranks, task=task,
               name=f"overlap budget: backward vs gradient all-reduce, {ranks} ranks").returns[0]
     backward = max(1e-9, t["forward+backward"].median - t["forward"].median)
     comm = t["all-reduce"].median
     busbw = 2 * (ranks - 1) / ranks * 4 * psi / comm
+    at_scale = published_scale_numbers()
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.4))
+    for ax, (title, bwd, ar, unit) in zip(axes, [("this run (measured)", backward * 1e3, comm * 1e3, "ms"),
+                                                 ("7B on H100s (computed)", at_scale["backward"],
+                                                  at_scale["comm"], "s")]):
+        bars = ax.barh([0, 1], [bwd, ar], color=["#dd8452", "#8172b3"])
+        ax.bar_label(bars, labels=[f"{bwd:.3g} {unit}", f"{ar:.3g} {unit}"], padding=3, fontsize=12)
+        ax.set_yticks([0, 1], ["backward", "all-reduce"], fontsize=12)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(bwd, ar) * 1.45)
+        ax.set_xticks([])
+        ax.set_title(title, fontsize=12)
+        for spine in ("top", "right", "bottom"):
+            ax.spines[spine].set_visible(False)
+    fig.tight_layout()
+    figure(fig, caption="the overlap budget: the gradient all-reduce can hide only behind as much backward "
+                        "as there is; left, this run's medians; right, the published-scale estimate below")
+    note(f"""
+        The all-reduce of the gradients (2Ψ bytes in 16-bit, 4Ψ in our float32) takes about
+        $\\frac{{2(n-1)}}{{n}} \\cdot \\frac{{\\text{{gradient bytes}}}}{{\\text{{busbw}}}}$ and starts
+        only as buckets fill during backward, so it is hidden when it is shorter than backward.
+        Backward's time grows with the batch per rank, the all-reduce's does not: shrinking the
+        batch per rank (more ranks, same global batch) eventually exposes it. Measured on the
+        timing model (Ψ = {psi:,}, {task.batch // ranks} rows per rank):
+    """)
     table([["forward", t["forward"].ms()], ["forward + backward", t["forward+backward"].ms()],
            ["backward (difference of medians)", f"{backward * 1e3:.3g} ms"],
            [f"all-reduce of all {4 * psi / 2**20:.1f} MB of gradients", t["all-reduce"].ms()],
            ["bus bandwidth of that all-reduce", f"{busbw / 1e9:.2f} GB/s"],
            ["all-reduce / backward", f"{comm / backward:.2f}"]],
           header=["measured", "median (IQR)"], caption=machine(ranks))
+    cheat("Ring all-reduce time (DP's gradients)",
+          "$\\frac{2(n-1)}{n} \\cdot \\frac{\\text{gradient bytes}}{\\text{busbw}}$; hidden when shorter than backward",
+          round(busbw / 1e9, 3), "GB/s",
+          what=f"the bus bandwidth this run measured: {4 * psi / 2**20:.1f} MB of float32 gradients on "
+               f"{ranks} ranks in {comm * 1e3:.3g} ms")
     verdict = ("shorter than backward: with perfect overlap it would be hidden" if comm < backward
                else "longer than backward: even perfect overlap leaves "
                     f"{(comm - backward) * 1e3:.3g} ms per step exposed")
@@ -996,16 +1055,22 @@ def hide_the_all_reduce():
 
         **At published scale.** {published_scale()}
     """)
+    see(budget_probe)
     see("https://www.nvidia.com/en-us/data-center/h100/", title="NVIDIA H100 datasheet (989 TFLOP/s dense BF16, SXM)")
     see("https://www.nvidia.com/en-us/networking/infiniband-adapters/", title="NVIDIA ConnectX-7: 400 Gb/s NDR InfiniBand")
+
+
+def published_scale_numbers(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
+    """The seconds of `published_scale`: the all-reduce and the backward of one step."""
+    return {"comm": 2 * (2 * psi) / nic, "backward": 4 * psi * tokens / (mfu * peak)}
 
 
 def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
     """The overlap budget of a 7B model on H100s with one 400 Gb/s NDR port each, in words: the
     ring all-reduce of the bf16 gradient (2Ψ bytes, each rank sending 2(n-1)/n of it, about 4Ψ
     bytes) against backward (about 4Ψ FLOPs per token) at `mfu` of the dense bf16 peak."""
-    comm = 2 * (2 * psi) / nic
-    backward = 4 * psi * tokens / (mfu * peak)
+    seconds = published_scale_numbers(psi, nic, tokens, peak, mfu)
+    comm, backward = seconds["comm"], seconds["backward"]
     ratio = backward / comm
     verdict = (f"Backward is {ratio:.1f}× the all-reduce: with overlap it hides {ratio:.1f} times "
                "over, so this configuration is far from communication-bound, and would stay "
@@ -1028,20 +1093,10 @@ def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
 
 def gradient_accumulation():
     task = small_task()
-    note("""
-        ## Gradient accumulation: skip the all-reduce until the last micro-batch
-        When the batch that fits in memory is smaller than the batch we want, run several
-        micro-batches and let autograd add their gradients up in `.grad` (each loss divided by
-        the number of micro-batches). Only the last micro-batch's hooks all-reduce — the
-        `no_sync` idea — so accumulation costs no extra communication. The result is the large
-        batch, exactly. Three numbers name every configuration, and they multiply:
-
-        $$\\text{global batch} = \\text{micro-batch} \\times \\text{accumulation steps}
-        \\times \\text{data-parallel ranks}$$
-    """)
+    note("## Gradient accumulation: skip the all-reduce until the last micro-batch")
     ref = reference_train(task)
     rows = []
-    for world_size, micro in [(2, 3), (4, 3), (2, 6)]:
+    for world_size, micro in [(2, 1), (2, 3), (4, 3), (2, 6)]:
         for kind in ("overlapped", "bucketed"):
             r = spawn(train_data_parallel, world_size, task=task, grad_sync=kind, micro_batches=micro,
                       bucket_mb=0.002,
@@ -1049,6 +1104,32 @@ def gradient_accumulation():
             mbs = task.batch // world_size // micro
             rows.append([mbs, micro, world_size, mbs * micro * world_size, kind,
                          max_diff(r[0]["params"], ref["params"]), r[0]["bytes_per_step"]])
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
+    for kind, marker in (("overlapped", "o"), ("bucketed", "s")):
+        for ranks_, colour in ((2, "#4c72b0"), (4, "#dd8452")):
+            pts = [(r[1], r[6] / 1e3) for r in rows if r[4] == kind and r[2] == ranks_]
+            if pts:
+                ax.plot(*zip(*pts), marker + "-", color=colour, ms=7,
+                        label=f"{ranks_} ranks, {kind}")
+    ax.set_xlabel("micro-batches accumulated per step", fontsize=12)
+    ax.set_ylabel("kB sent per step\nper rank (counted)", fontsize=12)
+    ax.set_ylim(0, max(r[6] for r in rows) / 1e3 * 1.3)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=10, frameon=False, ncol=2, loc="lower right")
+    figure(fig, caption="the traffic per step does not grow with the number of micro-batches: one all-reduce "
+                        "per step, after the last one")
+    note("""
+        When the batch that fits in memory is smaller than the batch we want, run several
+        micro-batches and let autograd add their gradients up in `.grad` (each loss divided by the
+        number of micro-batches). Only the last micro-batch's hooks all-reduce, the `no_sync`
+        idea, so accumulation costs no extra communication, and the result is the large batch,
+        exactly. Three numbers name every configuration, and they multiply: the global batch is
+
+        $$B = b \\times a \\times N$$
+
+        for a micro-batch of $b$ rows, $a$ accumulation steps and $N$ data-parallel ranks.
+    """)
     table(rows, header=["micro-batch", "accumulation steps", "DP ranks", "global batch (product)",
                         "sync", f"max |Δ| vs one process, batch {task.batch}",
                         "bytes sent per step per rank (counted)"],
@@ -1056,45 +1137,48 @@ def gradient_accumulation():
                   "per step whatever the number of micro-batches")
 
 
+def stage_measurements():
+    """What each rank held and sent under DP and ZeRO-1/2/3 on the memory model: measured once,
+    shown by the ZeRO section's picture and the memory section's tables."""
+    n = settings.world_size
+    key = (n, settings.quick)
+    if key not in _STAGES:
+        _STAGES[key] = spawn(measure_stages, n, task=memory_task(),
+                             name=f"memory and traffic, {n} ranks").returns
+    return _STAGES[key]
+
+
+_STAGES = {}
+
+
 def zero_stages():
     task = small_task()
+    n = settings.world_size
+    note("## ZeRO-1, ZeRO-2, ZeRO-3")
+    stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    figure(draw_holdings(stage_measurements(), stages),
+           caption=f"What each of the {n} ranks holds, drawn from the bytes each one measured (the memory "
+                   "model below): a full block is a replica, a short block at the rank's own position is "
+                   "its 1/N shard. DP replicates everything; ZeRO-1 shards the optimizer state, ZeRO-2 "
+                   "the gradients too, ZeRO-3 the parameters too (transient full tensors left out).")
     note("""
-        ## ZeRO-1, ZeRO-2, ZeRO-3
-        With mixed-precision Adam, each parameter costs 2 bytes (fp16/bf16 weight) + 2
-        (gradient) + K = 12 (fp32 master weight, first and second moment), and plain data
-        parallelism stores all of it N times. ZeRO (Rajbhandari et al. 2020) shards it:
+        With mixed-precision Adam each parameter costs 2 bytes (16-bit weight) + 2 (gradient) +
+        12 (fp32 master weight and two moments), and plain data parallelism stores all of it N
+        times. ZeRO (Rajbhandari et al. 2020) shards it:
 
         * **ZeRO-1** shards the optimizer state. Gradients are *reduce-scattered* (rank r
           receives the averaged gradient of its shard only), each rank runs AdamW on its shard,
-          and the updated shards are *all-gathered* back into the full parameters.
-          Reduce-scatter + all-gather moves the same bytes as one all-reduce.
-        * **ZeRO-2** also shards gradients: a gradient is reduce-scattered as soon as backward
-          produces it, and the full gradient is dropped.
+          and the updated shards are *all-gathered* back: together the bytes of one all-reduce.
+        * **ZeRO-2** also shards gradients: each is reduce-scattered as soon as backward produces
+          it, and the full gradient is dropped.
         * **ZeRO-3** shards the parameters too. A layer's weights exist in full only while it
-          runs: gathered just before its forward (the next layer's gather is launched
-          meanwhile: prefetch), freed right after, gathered again for its backward, freed
-          again, gradients reduce-scattered into the shards.
+          runs: gathered before its forward (the next layer's gather launched meanwhile:
+          prefetch), freed, gathered again for its backward, freed again.
 
-        How to cut: ours flattens *each* tensor, pads it to a multiple of N and cuts it into N
-        equal pieces, so every shard has the same size whatever the shape. That is neither of
-        PyTorch's layouts: FSDP1 flattens *all* of a unit's tensors into one `FlatParameter`
-        and shards that (one collective per unit, but parameters lose their identity); FSDP2
-        keeps each parameter as a `DTensor` sharded along dim 0 (`Shard(0)`: whole rows, the
-        last rank's piece shorter or empty), so a shard is still a tensor of the original rank
-        that the optimizer and checkpoints can address. We chose per-tensor flattening for
-        equal shards and one collective per tensor. The AdamW update is written out and
-        applied to shards.
-    """)
-    see(adamw_update)
-    see(Zero1)
-    see(Zero2)
-    see(Zero3Layer)
-    see(Zero3LinearFunction)
-    note("""
-        A common bug in public ZeRO-3 sketches: hooking the gather for backward onto the
-        layer's *input* gradient, which never exists for the first layer, so it never trains.
-        Here the shards are inputs of the autograd function, so its backward runs for every
-        layer; the check below asks that every parameter tensor changed.
+        Ours flattens *each* tensor, pads it to a multiple of N and cuts N equal pieces. FSDP1
+        instead flattens all of a unit's tensors into one `FlatParameter`; FSDP2 keeps each
+        parameter as a `DTensor` sharded along dim 0 (`Shard(0)`), so a shard is still a tensor
+        the optimizer and checkpoints can address. Against single-process AdamW:
     """)
     ref = reference_train(task)
     rows = []
@@ -1123,9 +1207,17 @@ def zero_stages():
         backward and step): ZeRO-3 keeps the last layer gathered after its forward because its
         backward comes next, but under `no_grad` no backward comes, and a copy kept past
         `step()` would be the pre-step weights; ours frees it when no backward can follow, and
-        `step()` drops any gathered copy. Modules it cannot shard (anything with parameters
-        but `Linear`) are refused when the model is wrapped, with a message naming them.
+        `step()` drops any gathered copy. And a common bug in public ZeRO-3 sketches hooks the
+        gather for backward onto the layer's *input* gradient, which never exists for the first
+        layer, so it never trains: here the shards are inputs of the autograd function, and the
+        table checks that every parameter tensor changed. Modules it cannot shard (anything with
+        parameters but `Linear`) are refused when the model is wrapped.
     """)
+    see(adamw_update)
+    see(Zero1)
+    see(Zero2)
+    see(Zero3Layer)
+    see(Zero3LinearFunction)
 
 
 def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
@@ -1146,8 +1238,10 @@ def draw_holdings(per_rank, stages):
     full = {c: max(1, per_rank[0]["DP"]["held"][c]) for c in parts}
     scale = 1 / sum(full.values())
     colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
-    fig, axes = plt.subplots(len(stages), 1, figsize=(7.5, len(stages) * (0.42 * n + 0.75)),
-                             sharex=True)
+    cols = 2 if len(stages) > 2 else 1
+    rows_ = -(-len(stages) // cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(8, rows_ * (0.34 * n + 0.9)), sharex=True, squeeze=False)
+    axes = list(axes.flat)
     for ax, stage in zip(axes, stages):
         for r in range(n):
             y = n - 1 - r
@@ -1167,8 +1261,8 @@ def draw_holdings(per_rank, stages):
         ax.set_xlim(0, 1)
         ax.set_ylim(0, n)
         ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)],
-                      fontsize=9)
-        ax.set_title(stage, fontsize=11, loc="left")
+                      fontsize=12)
+        ax.set_title(stage, fontsize=13, loc="left")
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
@@ -1176,8 +1270,8 @@ def draw_holdings(per_rank, stages):
     for c in parts:
         ticks.append(x0 + full[c] * scale * 0.48)
         x0 += full[c] * scale
-    axes[-1].set_xticks(ticks, ["parameters", "gradients", "optimizer state (2 moments)"],
-                        fontsize=10)
+    for ax in axes[-cols:]:
+        ax.set_xticks(ticks, ["params", "grads", "Adam state"], fontsize=12)
     fig.tight_layout()
     return fig
 
@@ -1187,21 +1281,42 @@ def memory_and_traffic():
     task = memory_task()
     n = settings.world_size
     psi = param_count(task)
-    note(f"""
-        ## Memory per rank and bytes on the wire, measured
-        A deeper model for this one: {len(task.sizes) - 1} layers, Ψ = {psi:,}, on {n} ranks.
-        Each rank reports the bytes of the tensors it actually holds: parameters, gradients,
-        optimizer state, and separately the *transient* full tensors (ZeRO-2's full gradients
-        waiting to be reduce-scattered, ZeRO-3's gathered layers and its full gradients in
-        flight), at their peak.
-
-        This run is float32 throughout (on CPU there is no fast half precision), so its
-        formula is 4Ψ + 4Ψ + 8Ψ (weights, gradients, two Adam moments; no separate master
-        copy). The ZeRO paper's mixed-precision accounting is 2Ψ + 2Ψ + 12Ψ; both are listed.
-    """)
-    run = spawn(measure_stages, n, task=task, name=f"memory and traffic, {n} ranks")
+    note("## Memory per rank and bytes on the wire, measured")
+    returns = stage_measurements()
     stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-    got = run.returns[0]
+    got = returns[0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "transient": "#c0c0c0"}
+    for i, s in enumerate(stages):
+        h = got[s]["held"]
+        predicted = dict(zip(["params", "grads", "optimizer"], formula_bytes(psi, n, s, 4, 4, 8)))
+        for dx, parts, hatch in [(-0.2, h, None), (0.2, predicted, "//")]:
+            bottom = 0
+            for key in ["params", "grads", "optimizer", "transient"]:
+                value = parts.get(key, 0) / 2**20
+                ax.bar(i + dx, value, 0.38, bottom=bottom, color=colours[key], hatch=hatch,
+                       edgecolor="black", linewidth=0.4, label=key if i == 0 and dx < 0 else None)
+                bottom += value
+    tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
+                  for s in stages) / 2**20
+    ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
+    ax.set_xticks(range(len(stages)), [f"{s}\nmeas. | form." for s in stages], fontsize=12)
+    ax.set_ylabel("MB per rank", fontsize=12)
+    ax.tick_params(axis="y", labelsize=11)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=12, frameon=False)
+    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=12)
+    fig.tight_layout()
+    figure(fig, caption="Measured (left bar of each pair) beside the 4Ψ + 4Ψ + 8Ψ formula "
+                        "(right, hatched); grey: the transient full tensors at their peak.")
+    note(f"""
+        A deeper model for this one: {len(task.sizes) - 1} layers, Ψ = {psi:,}, on {n} ranks. Each
+        rank reports the bytes of the tensors it actually holds (parameters, gradients, optimizer
+        state) and separately the *transient* full tensors at their peak (ZeRO-2's full gradients
+        waiting to be reduce-scattered, ZeRO-3's gathered layers and full gradients in flight).
+        This run is float32 throughout, so its formula is 4Ψ + 4Ψ + 8Ψ (weights, gradients, two
+        Adam moments, no separate master copy); the ZeRO paper's mixed-precision accounting is
+        2Ψ + 2Ψ + 12Ψ. Both are listed:
+    """)
     rows = []
     for s in stages:
         h = got[s]["held"]
@@ -1219,35 +1334,13 @@ def memory_and_traffic():
         note("On a GPU this table also shows `torch.cuda.max_memory_allocated()` per stage "
              "(activations and workspace included); this build ran on CPU, where there is none.")
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "transient": "#c0c0c0"}
-    for i, s in enumerate(stages):
-        h = got[s]["held"]
-        predicted = dict(zip(["params", "grads", "optimizer"], formula_bytes(psi, n, s, 4, 4, 8)))
-        for dx, parts, hatch in [(-0.2, h, None), (0.2, predicted, "//")]:
-            bottom = 0
-            for key in ["params", "grads", "optimizer", "transient"]:
-                value = parts.get(key, 0) / 2**20
-                ax.bar(i + dx, value, 0.38, bottom=bottom, color=colours[key], hatch=hatch,
-                       edgecolor="black", linewidth=0.4, label=key if i == 0 and dx < 0 else None)
-                bottom += value
-    tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
-                  for s in stages) / 2**20
-    ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
-    ax.set_xticks(range(len(stages)), [f"{s}\nmeasured | formula" for s in stages], fontsize=10)
-    ax.set_ylabel("MB per rank")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=10, frameon=False)
-    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=11)
-    fig.tight_layout()
-    figure(fig, caption="Measured (left bar of each pair) beside the 4Ψ + 4Ψ + 8Ψ formula "
-                        "(right, hatched); grey: the transient full tensors at their peak.")
-    figure(draw_holdings(run.returns, stages),
-           caption=f"What each of the {n} ranks holds, drawn from the bytes each one measured: "
-                   "a full block is a replica, a short block at the rank's own position is its "
-                   "1/N shard. DP replicates everything; ZeRO-1 shards the optimizer state, "
-                   "ZeRO-2 the gradients too, ZeRO-3 the parameters too (transient full tensors "
-                   "left out).")
-
+    cheat("Training state per rank under ZeRO",
+          "$(2+2+12)\\Psi$ (DP) → $(2+2+\\frac{12}{N})\\Psi$ → $(2+\\frac{14}{N})\\Psi$ → $\\frac{16}{N}\\Psi$ bytes "
+          "(mixed-precision Adam; $4+4+8$ in float32)",
+          round(sum(got["ZeRO-3"]["held"][c] for c in ("params", "grads", "optimizer")) / psi, 3),
+          "bytes per parameter",
+          what=f"ZeRO-3 in float32 on N = {n} ranks, measured on rank 0 (16/N = {16 / n:g} plus padding; "
+               "transient full tensors left out)")
     note(f"""
         Measured and predicted agree up to padding (each tensor is padded to a multiple of
         N) and the transient full tensors, which the formulas leave out: ZeRO-3 holds about two
@@ -1294,33 +1387,75 @@ def memory_and_traffic():
         (`util.measure.bytes_sent`, from Linux's `/proc/self/io`).
 
         Against the rings, DP's measured bytes are {ring_ratio['DP']:.2f}× the count, but
-        ZeRO-1 and ZeRO-2 write {ring_ratio['ZeRO-1']:.2f}× and {ring_ratio['ZeRO-2']:.2f}×,
+        ZeRO-1 and ZeRO-2 write {both_ratios(ring_ratio['ZeRO-1'], ring_ratio['ZeRO-2'])},
         ZeRO-3 {ring_ratio['ZeRO-3']:.2f}×. These are not headers, and they do not shrink with
         size: gloo's reduce-scatter is a full all-reduce plus a copy (lecture 02 measured it
         writing an all-reduce's bytes), so reduce-scatter + all-gather costs
         2 + 1 = 3 ring passes instead of 1 + 1 = 2 (gloo count / ring count
         {rs_share['ZeRO-1']:.2f} for ZeRO-1), and ZeRO-3's two all-gathers and one
         reduce-scatter cost 1 + 1 + 2 = 4 instead of 3 ({rs_share['ZeRO-3']:.2f}). Against
-        the gloo count, measured is {min(gloo_ratio.values()):.2f}–{max(gloo_ratio.values()):.2f}×
+        the gloo count, measured is {span_of(gloo_ratio.values())}
         for every stage: what remains is gloo's message headers, the padding of each tensor to
         a multiple of N, and the naive sync's one small all-reduce that agrees on which
         parameters have gradients. With NCCL, whose reduce-scatter is a real ring, ZeRO-1 and
         ZeRO-2 send what DP sends, and ZeRO-3 1.5× that, for holding only 1/N of the
         parameters.
     """)
+    cheat("DP gradient all-reduce per step",
+          "ring: $2\\,\\frac{N-1}{N}$ × the gradient bytes sent per rank",
+          got["DP"]["wire_per_step"], "bytes",
+          what=f"measured on rank 0's sockets, N = {n}, {4 * psi:,} bytes of float32 gradients (gloo's "
+               "headers included)")
+    cheat("ZeRO-3 traffic per step",
+          "ring: $3\\,\\frac{N-1}{N}\\,\\Psi$ values per rank (all-gather forward and backward, "
+          "reduce-scatter): 1.5× DP's",
+          round(got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"], 3), "× DP's bytes",
+          what=f"measured on rank 0's sockets, N = {n}; on gloo, whose reduce-scatter is an all-reduce, "
+               "the count is 4/3 of a ring's")
     see(Collectives)
+
+
+def both_ratios(a, b):
+    """'1.50× and 1.52×', or '1.50× each' when they print alike."""
+    return f"{a:.2f}× each" if f"{a:.2f}" == f"{b:.2f}" else f"{a:.2f}× and {b:.2f}×"
+
+
+def span_of(values):
+    """'1.00–1.03×', or '1.01×' when the range prints as one number."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
 
 
 def pytorch_versions():
     task = small_task()
+    note("## PyTorch's own: DistributedDataParallel and FSDP2")
+    t = step_times()        # the run of the overlap section: every variant measured once
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    pairs = [("DDP", "bucketed", "ddp"), ("ZeRO-3 / FSDP2", "zero3", "fsdp2"), ("ZeRO-1", "zero1", None),
+             ("ZeRO-2", "zero2", None)]
+    for i, (name, ours, theirs) in enumerate(pairs):
+        for dy, key, colour, who in ((-0.17, ours, "#4c72b0", "ours"), (0.17, theirs, "#dd8452", "PyTorch")):
+            if key is None:
+                continue
+            m = t[key].median * 1e3
+            ax.barh(i + dy, m, 0.32, color=colour, label=who if i == 0 else None,
+                    xerr=[[m - t[key].q1 * 1e3], [t[key].q3 * 1e3 - m]], capsize=3)
+            ax.text(m * 1.02 + 0.02, i + dy, f"{m:.3g} ms", va="center", fontsize=11)
+    ax.set_yticks(range(len(pairs)), [p[0] for p in pairs], fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median, IQR)", fontsize=12)
+    ax.set_xlim(0, max(t[k].q3 for p in pairs for k in p[1:] if k) * 1e3 * 1.3)
+    ax.legend(fontsize=11, frameon=False, loc="lower right")
+    figure(fig, caption=f"time per step, ours beside PyTorch's on the timing model (Ψ = "
+                        f"{param_count(timing_task()):,}), {machine(timing_world())}: the same run as the "
+                        "overlap section's table (the variants take turns in it)")
     note("""
-        ## PyTorch's own: DistributedDataParallel and FSDP2
         `DistributedDataParallel` is the bucketed, overlapped all-reduce above, in C++.
         FSDP2 (`torch.distributed.fsdp.fully_shard`) is ZeRO-3 on per-parameter `DTensor`
         shards; we make each `Linear` its own unit, as in our ZeRO-3. On CPU it needs a CPU
         device mesh: `init_device_mesh("cpu", (N,))`.
     """)
-    see(wrap_pytorch)
     n = settings.world_size
     ref = reference_train(task)
     results = {
@@ -1330,24 +1465,10 @@ def pytorch_versions():
         "ours: ZeRO-3": spawn(train_zero, n, task=task, stage=3, name="ours: ZeRO-3").returns[0],
         "PyTorch FSDP2": spawn(train_pytorch, n, task=task, kind="fsdp2", name="PyTorch FSDP2").returns[0],
     }
-    table([[step + 1, ref["losses"][step]] + [r["losses"][step] for r in results.values()]
-           for step in range(task.steps)],
-          header=["step", "single process"] + list(results), caption=f"losses, {n} ranks")
-    table([[k, max_diff(r["params"], ref["params"])] for k, r in results.items()],
-          header=["implementation", "max |Δ param| vs single process"])
-    timed = timing_task()
-    ranks = timing_world()
-    t = step_times()        # the run of the overlap section: every variant measured once
-    ratio = lambda a, b: t[a].median / t[b].median
-    table([["DDP", t["bucketed"].ms(), t["ddp"].ms(), ratio("bucketed", "ddp")],
-           ["ZeRO-3 / FSDP2", t["zero3"].ms(), t["fsdp2"].ms(), ratio("zero3", "fsdp2")],
-           ["ZeRO-1 (ours only)", t["zero1"].ms(), None, None],
-           ["ZeRO-2 (ours only)", t["zero2"].ms(), None, None]],
-          header=["", "ours, per step: median (IQR)", "PyTorch, per step: median (IQR)",
-                  "ours / PyTorch (medians)"],
-          caption=f"timing model Ψ = {param_count(timed):,}, {machine(ranks)}; the same run as "
-                  "the step-time table of the overlap section (the variants take turns in it), so "
-                  "the DDP rows agree")
+    table([[k, r["losses"][-1], max_diff(r["params"], ref["params"])] for k, r in results.items()],
+          header=["implementation", f"last loss (one process: {ref['losses'][-1]:.6f})",
+                  "max |Δ param| vs single process"],
+          caption=f"{n} ranks, {task.steps} AdamW steps on the small task")
     overlaps = lambda a, b: spreads_overlap(t[a], t[b])
     if overlaps("zero3", "zero1"):
         z3 = ("Bytes are not the whole cost: our ZeRO-1 (and ZeRO-2's all-gather) runs its "
@@ -1376,7 +1497,7 @@ def pytorch_versions():
         fsdp = ("FSDP2 packs each unit's shards into one buffer per collective and overlaps its "
                 "communication on its own streams; ours issues one collective per tensor.")
     note(f"""
-        **Reading the table.** Our ZeRO-3 against our ZeRO-1:
+        **Reading the figure.** Our ZeRO-3 against our ZeRO-1:
         {compare(t['zero3'], t['zero1'], 'ZeRO-3', 'ZeRO-1')}, although ZeRO-3 sends 1.5× the
         bytes of a ring (4/3 of ZeRO-1's on gloo, whose reduce-scatter is an all-reduce). {z3}
         {zero2_words(t)}
@@ -1386,6 +1507,7 @@ def pytorch_versions():
         Our version is smaller because it handles one case (a `Sequential` of `Linear`s, fp32,
         no mixed precision, no checkpointing of its state).
     """)
+    see(wrap_pytorch)
 
 
 def zero2_words(t):
@@ -1405,8 +1527,33 @@ def fsdp2_knobs():
     task = Task(sizes=(32, 256, 256, 10), batch=16, steps=3)
     n = settings.world_size
     psi = param_count(task)
+    note("## FSDP2's knobs, with numbers")
+    ref = reference_train(task)
+    variants = [("plain model, no FSDP (every rank a full replica)", {"wrap": False}),
+                ("FSDP2, reshard_after_forward=True", {}),
+                ("FSDP2, reshard_after_forward=False", {"reshard": False}),
+                ("FSDP2, bf16 params, fp32 reduce", {"mixed": True})]
+    if n == 4:
+        variants.append(("HSDP on a 2x2 mesh (shard 2, replicate 2)", {"hsdp": True}))
+    rows, got = [], {}
+    for label, kw in variants:
+        r = spawn(fsdp2_variant, n, task=task, name=f"{label}, {n} ranks", **kw).returns
+        got[label] = r[0]
+        rows.append([label, r[0]["held"], r[0]["wire_per_step"], r[0]["activations"],
+                     max_diff(r[0]["params"], ref["params"]) if kw.get("wrap", True) else None])
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.5 * len(rows)))
+    short = [r[0].replace("FSDP2, ", "").replace(" (every rank a full replica)", "")
+             .replace(" (shard 2, replicate 2)", "") for r in rows]
+    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color="#8172b3")
+    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=11)
+    ax.set_yticks(range(len(rows)), short, fontsize=11)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    ax.set_xlabel("bytes written per step by rank 0 (kB, measured)", fontsize=12)
+    figure(fig, caption=f"FSDP2 with one knob changed at a time, {n} ranks, Ψ = {psi:,}: what a rank "
+                        "wrote to its sockets per step")
     note(f"""
-        ## FSDP2's knobs, with numbers
         `fully_shard` has a few settings that trade memory against communication. Each run
         below trains the same model (widths {task.sizes}, Ψ = {psi:,}) on {n} ranks with one
         knob changed, and reports what a rank holds, what it wrote to its sockets per step
@@ -1423,20 +1570,6 @@ def fsdp2_knobs():
           gradients. In a cluster the shard group is a node (fast NVLink), the replicas span
           nodes.
     """)
-    see(fsdp2_variant)
-    ref = reference_train(task)
-    variants = [("plain model, no FSDP (every rank a full replica)", {"wrap": False}),
-                ("FSDP2, reshard_after_forward=True", {}),
-                ("FSDP2, reshard_after_forward=False", {"reshard": False}),
-                ("FSDP2, bf16 params, fp32 reduce", {"mixed": True})]
-    if n == 4:
-        variants.append(("HSDP on a 2x2 mesh (shard 2, replicate 2)", {"hsdp": True}))
-    rows, got = [], {}
-    for label, kw in variants:
-        r = spawn(fsdp2_variant, n, task=task, name=f"{label}, {n} ranks", **kw).returns
-        got[label] = r[0]
-        rows.append([label, r[0]["held"], r[0]["wire_per_step"], r[0]["activations"],
-                     max_diff(r[0]["params"], ref["params"]) if kw.get("wrap", True) else None])
     table(rows, header=["run", "parameter bytes held per rank", "bytes written per step (measured)",
                         "activation bytes saved for backward", "max |Δ param| vs one process"],
           caption=f"rank 0, {n} ranks, Ψ = {psi:,} ({4 * psi:,} bytes in fp32)")
@@ -1467,6 +1600,7 @@ def fsdp2_knobs():
         (lectures 01 and 06).
     """)
     see("https://github.com/pytorch/pytorch/issues/114299", title="PyTorch RFC: per-parameter-sharding FSDP (FSDP2 design)")
+    see(fsdp2_variant)
 
 
 def local_sgd_words(final, noise=0.05):
@@ -1615,20 +1749,7 @@ def batch_and_learning_rate():
     batches = [8, 32, 128] if settings.quick else [8, 32, 128, 512]
     samples = base_batch * (100 if settings.quick else 300)
     rules = ["none", "sqrt", "linear"]
-    note(f"""
-        ## Batch size and learning rate
-        Data parallelism grows the global batch with the number of ranks (times micro-batch
-        times accumulation). With a fixed budget of samples a bigger batch means fewer steps,
-        and each step must then move further: the learning rate has to grow. Goyal et al.
-        (2017) scale it *linearly* with the batch (k times the batch, k times the rate), after
-        a warm-up; the *square-root* rule (Krizhevsky 2014; Hoffer et al. 2017) scales it by
-        √k, which keeps the variance of each update constant: a batch k times larger divides
-        the gradient noise's variance by k, and a rate √k times larger multiplies the update's
-        variance by k. A small experiment: plain SGD on the teacher task, {samples:,} samples
-        in all, batch {base_batch} at rate {base_lr} as the base, a linear warm-up over the
-        first tenth of the steps, the held-out loss at the end (one run per point).
-    """)
-    see(train_at_batch)
+    note("## Batch size and learning rate")
     configs = [(b, r) for b in batches for r in rules]
     got = {}
     run = spawn(lr_scaling, ranks, configs=configs, base_batch=base_batch, base_lr=base_lr,
@@ -1640,11 +1761,24 @@ def batch_and_learning_rate():
         ax.plot(batches, [got[b, rule] for b in batches], style, label=f"{rule} scaling")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch (same number of samples in all)")
-    ax.set_ylabel("held-out loss at the end")
+    ax.set_xlabel("global batch (same samples in all)", fontsize=12)
+    ax.set_ylabel("held-out loss at the end", fontsize=12)
+    ax.tick_params(labelsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=11)
     figure(fig, caption="final held-out loss against batch size for three learning-rate rules")
+    note(f"""
+        Data parallelism grows the global batch with the number of ranks (times micro-batch
+        times accumulation). With a fixed budget of samples a bigger batch means fewer steps,
+        and each step must then move further: the learning rate has to grow. Goyal et al.
+        (2017) scale it *linearly* with the batch (k times the batch, k times the rate), after
+        a warm-up; the *square-root* rule (Krizhevsky 2014; Hoffer et al. 2017) scales it by
+        √k, which keeps the variance of each update constant: a batch k times larger divides
+        the gradient noise's variance by k, and a rate √k times larger multiplies the update's
+        variance by k. A small experiment: plain SGD on the teacher task, {samples:,} samples
+        in all, batch {base_batch} at rate {base_lr} as the base, a linear warm-up over the
+        first tenth of the steps, the held-out loss at the end (one run per point).
+    """)
     table([[b, samples // b, *(got[b, r] for r in rules)] for b in batches],
           header=["global batch", "steps", *(f"loss, {r} scaling" for r in rules)])
     note(f"""
@@ -1658,6 +1792,7 @@ def batch_and_learning_rate():
         change how stable a large batch is, not this limit. What holds for this small
         regression need not hold for a transformer; the experiment is the method.
     """)
+    see(train_at_batch)
 
 
 def best_rules(got, batches, rules, base_batch):
@@ -1678,21 +1813,29 @@ def best_rules(got, batches, rules, base_batch):
 
 def scaling_notes():
     note("""
-        ## Notes: very large batches, offload, further reading
-        **Very large batches.** Goyal et al. trained ResNet-50 with batches of 8k in an hour
-        with linear scaling and warm-up. Past that, layer-wise adaptive rates keep very large
-        batches stable: LARS for SGD and LAMB for Adam (You et al.). Historic arc: ImageNet ResNet-50 went from about 29 hours on 8 P100 GPUs (the baseline reported
-        by Goyal et al. 2017, not He et al. 2016, whose paper introduced the network) to 74.7
-        seconds on 2,048 V100 GPUs (Yamazaki et al. 2019, in the paper's own title).
-
-        **Offload.** ZeRO-Offload keeps the fp32 optimizer state and the update on the CPU and
-        the compute on the GPU, ZeRO-Infinity adds NVMe; both trade PCIe bandwidth for GPU
-        memory. Data parallelism alone stops helping in two ways: every rank must still hold
-        a whole layer's weights and activations (ZeRO-3 shards the storage, but each layer is
-        gathered in full to compute), and past the critical batch size more replicas add
-        samples that no longer shorten training. Tensor and pipeline parallelism, the next
+        **Offload, and where data parallelism stops.** ZeRO-Offload keeps the fp32 optimizer state
+        and the update on the CPU and the compute on the GPU, ZeRO-Infinity adds NVMe; both trade
+        PCIe bandwidth for GPU memory. Data parallelism alone stops helping in two ways: every rank
+        must still hold a whole layer's weights and activations (ZeRO-3 shards the storage, but
+        each layer is gathered in full to compute), and past the critical batch size more replicas
+        add samples that no longer shorten training. Tensor and pipeline parallelism, the next
         lectures, split each layer and the model itself, which is what lets a model larger than
-        one device's memory train at all.
+        one device's memory train at all. Where bytes, not steps, are scarce (across
+        datacentres), ranks can also talk less often or send compressed updates: local SGD,
+        DiLoCo and PowerSGD, measured on the appendix page, after the history of very large
+        batches and the references.
+    """)
+
+
+def further_reading():
+    note("""
+        ## Very large batches, and further reading
+        Goyal et al. trained ResNet-50 with batches of 8k in an hour with linear scaling and
+        warm-up. Past that, layer-wise adaptive rates keep very large batches stable: LARS for SGD
+        and LAMB for Adam (You et al.). Historic arc: ImageNet ResNet-50 went from about 29 hours
+        on 8 P100 GPUs (the baseline reported by Goyal et al. 2017, not He et al. 2016, whose paper
+        introduced the network) to 74.7 seconds on 2,048 V100 GPUs (Yamazaki et al. 2019, in the
+        paper's own title).
     """)
     for url, title in [
         ("https://arxiv.org/abs/1706.02677", "Goyal et al. 2017, Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"),
@@ -1737,7 +1880,10 @@ def main():
     the_task()                  # the model, the data and the one-process reference
     ddp_from_scratch()          # broadcast, split the batch, average gradients: equal to one process
     data_sharding()             # a sampler per rank, and the uneven last batch that hangs
-    overlap_and_buckets()       # start all-reduces during backward; how big a bucket
+    overlap_and_buckets()       # start all-reduces during backward, in buckets
+    with deep_dive("Bucket size, swept",
+                   "a sweep from one message per tensor to one bucket, on a model of many small tensors"):
+        bucket_sweep()
     hide_the_all_reduce()       # is there enough backward to hide the all-reduce behind?
     gradient_accumulation()     # gbs = mbs x accumulation x dp, one all-reduce per step
     batch_and_learning_rate()   # bigger batches need bigger steps: linear vs square-root
@@ -1745,10 +1891,15 @@ def main():
     memory_and_traffic()        # what each rank holds and sends: formula, counted, measured
     pytorch_versions()          # the same with PyTorch's DDP and FSDP2, and their speed
     fsdp2_knobs()               # reshard_after_forward, mixed precision, HSDP; activations stay
-    scaling_notes()             # very large batches, offload, references
-    # Deep dives, off the main path: talk less often, send fewer bytes.
-    local_sgd_section()         # local SGD, masks and int8, DiLoCo's outer Nesterov step
-    powersgd_section()          # low-rank gradients inside data parallelism
+    scaling_notes()             # offload, and where data parallelism stops
+    # Deep dives, on the appendix page: history and references; talk less often, send fewer bytes.
+    with deep_dive("Further reading", "very large batches from 29 hours to 74.7 seconds, and the papers"):
+        further_reading()
+    with deep_dive("Local SGD, compressed updates and DiLoCo",
+                   "sync every H steps, masks and int8, DiLoCo's outer Nesterov step, per step and per byte"):
+        local_sgd_section()
+    with deep_dive("PowerSGD", "low-rank gradients inside data parallelism, ours beside PyTorch's hook"):
+        powersgd_section()
     what_to_remember()          # the lecture in seven lines, and its notebook
 
 
