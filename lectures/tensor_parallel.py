@@ -59,6 +59,23 @@ def _take(t, dim, group):
     return None if t is None else _split(t.detach(), dim, group)
 
 
+def _shard_of_full(full_shape, dim, group, init, device=None, dtype=None):
+    """This rank's slice along `dim` (None: all of it) of ONE full tensor drawn with `init` (Megatron's CPU
+    initialisation). The launcher seeds every rank alike, so each rank draws the same full tensor
+    and keeps a different slice: together they hold one layer, the one nn.Linear (or nn.Embedding)
+    would draw with that seed. Drawing only the shard would give every rank the same numbers, and
+    a fresh tensor-parallel layer 1/t of its width. Costs one full tensor, briefly, per rank."""
+    full = torch.empty(full_shape, device=device, dtype=dtype)
+    init(full)
+    return full if dim is None else _take(full, dim, group).clone()
+
+
+def _linear_init(fan_in):
+    """nn.Linear's initialisation, U(±1/√fan_in) for the weight and the bias alike."""
+    bound = 1 / math.sqrt(fan_in)
+    return lambda t: nn.init.uniform_(t, -bound, bound)
+
+
 class ColumnParallelLinearFunction(torch.autograd.Function):
     """f (or the sequence all-gather) fused with the matmul, so that backward can overlap:
 
@@ -121,15 +138,11 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel, self.enter_region = sequence_parallel, enter_region
         self.in_features, self.out_features, self.full_out_features = in_features, out_features // n, out_features
-        self.weight = nn.Parameter(torch.empty(out_features // n, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features // n, device=device, dtype=dtype)) if bias else None
-        # A fresh layer's shards are initialised independently per rank, from the full layer's
-        # distribution U(±1/√in_features) (each row's fan-in is whole here); from_full() is how
-        # to get a layer equal to a given one-process nn.Linear.
-        bound = 1 / math.sqrt(in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        # This rank's rows of the nn.Linear(in_features, out_features) this seed would draw
+        # (weight first, then bias, as nn.Linear draws them); from_full() slices a given one.
+        init = _linear_init(in_features)
+        self.weight = nn.Parameter(_shard_of_full((out_features, in_features), 0, group, init, device, dtype))
+        self.bias = nn.Parameter(_shard_of_full((out_features,), 0, group, init, device, dtype)) if bias else None
 
     @classmethod
     def from_full(cls, linear, group, **options):
@@ -183,16 +196,15 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear: {in_features} input features do not split over {n} ranks")
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_features, self.full_in_features, self.out_features = in_features // n, in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // n, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        # Initialise like the full nn.Linear(in_features, out_features): U(±1/√in_features).
-        # kaiming_uniform_ on the shard would take its fan-in from the shard's in_features / n
-        # columns and draw √n too wide.
-        bound = 1 / math.sqrt(in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-            if _sync_replicated:      # the bias is replicated: every rank takes rank 0's draw
+        # This rank's input columns of the nn.Linear(in_features, out_features) this seed would
+        # draw: U(±1/√in_features), the full fan-in (kaiming_uniform_ on the shard would take
+        # in_features / n and draw √n too wide).
+        init = _linear_init(in_features)
+        self.weight = nn.Parameter(_shard_of_full((out_features, in_features), 1, group, init, device, dtype))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(_shard_of_full((out_features,), None, group, init, device, dtype))
+            if _sync_replicated:      # replicated: equal already under one seed; ranks seeded apart take rank 0's
                 _replicate_(self.bias, group)
 
     @classmethod

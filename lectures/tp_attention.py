@@ -5,13 +5,12 @@ them, and otherwise replicated on the ranks whose query heads read them (as vLLM
 gradients summed over those ranks by `ShareKVHeads`. The linear layers it is built from are in
 `lectures/tensor_parallel.py`.
 """
-import math
 
 import torch
 from torch import nn
 
 from lectures.tensor_parallel import (ColumnParallelLinearFunction, RowParallelLinear, _check_sequence_layout,
-                                      _value)
+                                     _linear_init, _shard_of_full, _value)
 from lectures.tp_ops import _all_gather, _all_reduce, _size_rank
 
 
@@ -80,14 +79,18 @@ class TensorParallelAttention(nn.Module):
         self.kv_held = held
         self.q_rows, self.kv_rows = len(self.q_heads_held) * d, len(held) * d
         rows = self.q_rows + 2 * self.kv_rows
-        self.weight = nn.Parameter(torch.empty(rows, d_model, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
-        bound = 1 / math.sqrt(d_model)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        # This rank's heads of the Q, K and V projections lecture 01's attention would draw with
+        # this seed (q, k, v, each weight then bias, as its nn.Linears draw them), then o_proj
+        rows_of = lambda heads: torch.cat([torch.arange(i * d, (i + 1) * d) for i in heads])
+        q, kv = rows_of(self.q_heads_held), rows_of(held)
+        init = _linear_init(d_model)
+        draw = lambda shape: _shard_of_full(shape, None, group, init, device, dtype)
+        (qw, qb), (kw, kb), (vw, vb) = [(draw((n_rows, d_model)), draw((n_rows,)) if bias else None)
+                                        for n_rows in (a * d, k * d, k * d)]
+        self.weight = nn.Parameter(torch.cat([qw[q], kw[kv], vw[kv]]))
+        self.bias = nn.Parameter(torch.cat([qb[q], kb[kv], vb[kv]])) if bias else None
         if _sync_replicated and self.kv_layout == "replicated":
-            self._share_kv_init()
+            self._share_kv_init()     # equal already under one seed; ranks seeded apart take the first holder's
         self.o_proj = RowParallelLinear(a * d, d_model, group, bias=bias, input_is_parallel=True,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype,
                                         _sync_replicated=_sync_replicated)

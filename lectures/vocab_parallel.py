@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.tensor_parallel import _take, _value
+from lectures.tensor_parallel import _shard_of_full, _take, _value
 from lectures.tp_ops import _all_gather, _all_reduce, _size_rank, reduce_from_region, reduce_scatter_sequence
 
 
@@ -30,8 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per = num_embeddings // n
         self.start, self.end = r * per, (r + 1) * per
-        self.weight = nn.Parameter(torch.empty(per, embedding_dim, device=device, dtype=dtype))
-        nn.init.normal_(self.weight)
+        # this rank's rows of the nn.Embedding this seed would draw (N(0, 1), the whole table)
+        self.weight = nn.Parameter(_shard_of_full((num_embeddings, embedding_dim), 0, group, nn.init.normal_,
+                                                  device, dtype))
 
     @classmethod
     def from_full(cls, embedding, group, **options):

@@ -1,0 +1,66 @@
+"""Fresh tensor-parallel layers, built on ranks seeded the way the launcher seeds them (every rank
+alike), hold the shards of ONE full layer: the one nn.Linear, nn.Embedding or lecture 01's
+attention would draw with that seed, sliced (issue 30). Before, each rank drew its shard from the
+shared seed, so every rank held the same numbers and a fresh model had 1/t of its width."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lectures import lecture_04_tensor_parallel as L
+from lectures.gpt import CausalSelfAttention, GPTConfig
+from util import spawn
+
+
+def fresh_layers(rank, world_size):
+    """{name: largest |fresh shard - slice of the one-process layer|} and how far the shards of
+    rank 0 and rank 1 differ, with the launcher's seeding (no seed set here)."""
+    g, n, r = dist.group.WORLD, world_size, rank
+    seeded = torch.random.get_rng_state()          # the launcher's: the same on every rank
+    out = {}
+
+    def again():
+        torch.random.set_rng_state(seeded)
+
+    def shards_differ(t):
+        full = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(full, t.detach().contiguous())
+        return min((full[0] - full[i]).abs().max().item() for i in range(1, n))
+
+    again(); col = L.ColumnParallelLinear(7, 6 * n, g)
+    again(); ref = nn.Linear(7, 6 * n)
+    out["column weight"] = (col.weight - ref.weight.chunk(n, 0)[r]).abs().max().item()
+    out["column bias"] = (col.bias - ref.bias.chunk(n, 0)[r]).abs().max().item()
+    out["column shards differ"] = shards_differ(col.weight)
+
+    again(); row = L.RowParallelLinear(5 * n, 4, g)
+    again(); ref = nn.Linear(5 * n, 4)
+    out["row weight"] = (row.weight - ref.weight.chunk(n, 1)[r]).abs().max().item()
+    out["row bias"] = (row.bias - ref.bias).abs().max().item()
+    out["row shards differ"] = shards_differ(row.weight)
+
+    again(); emb = L.VocabParallelEmbedding(8 * n, 3, g)
+    again(); ref = nn.Embedding(8 * n, 3)
+    out["embedding"] = (emb.weight - ref.weight.chunk(n, 0)[r]).abs().max().item()
+    out["embedding shards differ"] = shards_differ(emb.weight)
+
+    for kv in (n, 1):                                        # K/V heads split, then replicated
+        cfg = GPTConfig(d_model=4 * n, n_heads=2 * n, n_kv_heads=kv, seq_len=8)
+        again(); attn = L.TensorParallelAttention(cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model, g)
+        again(); want = L.TensorParallelAttention.from_full(CausalSelfAttention(cfg), g)
+        for name in ("weight", "bias", "o_proj.weight", "o_proj.bias"):
+            got, ref_t = attn.get_parameter(name), want.get_parameter(name)
+            out[f"attention kv={kv} {name}"] = (got - ref_t).abs().max().item()
+        out[f"attention kv={kv} shards differ"] = shards_differ(attn.weight[:attn.q_rows])
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fresh_layers_hold_one_full_layer(n):
+    runs = spawn(fresh_layers, n, name=f"fresh TP layers, tp={n}").returns
+    for rank, out in enumerate(runs):
+        for name, value in out.items():
+            if name.endswith("shards differ"):
+                assert value > 0.01, f"rank {rank}: {name}: the ranks hold the same numbers"
+            else:
+                assert value == 0, f"rank {rank}: {name} differs from the one-process layer by {value}"
