@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from util import device, figure, note, see, settings, spawn, table
+from util import cheat, deep_dive, device, figure, note, plural, published, see, settings, spawn, table
 from util.measure import compare, machine, measure, usable_cores
 
 from lectures.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
@@ -103,7 +103,6 @@ def fmt_bytes(n):
 
 def intro():
     note("""
-        ## Memory and precision on one device
         Every later lecture splits something — the batch, the layers, the sequence, the
         optimizer state — across devices. What there is to split, and how many bytes each
         piece takes, is decided here on one device: a training step holds parameters,
@@ -120,8 +119,8 @@ def intro():
 
         **What you need.** No earlier lecture: this is the first. PyTorch basics — tensors,
         `nn.Module`, `loss.backward()` and an optimizer step — and the idea of a float
-        (sign, exponent, mantissa). Three deep dives at the end (fp8 scaling,
-        FlashAttention's backward, the roofline) can wait for a second reading.
+        (sign, exponent, mantissa). Three deep dives (fp8 scaling, FlashAttention's
+        backward, the roofline) wait on this lecture's appendix page for a second reading.
     """)
 
 
@@ -141,8 +140,18 @@ def the_model_and_task():
         losses.append(loss.item())
     seconds = time.perf_counter() - start
     floor = entropy_rate(cfg)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 2.8))
+    ax.plot(range(1, steps + 1), losses, label="training loss")
+    ax.axhline(floor, color="gray", ls="--", label="entropy rate (best possible)")
+    ax.axhline(math.log(cfg.vocab_size), color="gray", ls=":", label="uniform guess")
+    ax.set_xlabel("step", fontsize=12)
+    ax.set_ylabel("loss (nats/token)", fontsize=12)
+    ax.legend(fontsize=11)
+    note("## The model and the task")
+    show(fig, caption=f"AdamW, lr 3e-3, batch 16 × {cfg.seq_len} tokens, {steps} steps in "
+                        f"{seconds:.1f} s ({machine()}): from {losses[0]:.2f} to {losses[-1]:.2f}")
     note(f"""
-        ## The model and the task
         A pre-LayerNorm GPT: token and learned position embeddings, L blocks of
         x + attention(LN(x)) then x + MLP(LN(x)), a final LayerNorm and a linear head.
         Q, K and V are separate projections (lecture 04 splits their heads across ranks, and
@@ -154,9 +163,6 @@ def the_model_and_task():
         {math.log(cfg.vocab_size):.3f}. `batch(cfg, batch_size, step)` depends only on its
         arguments, so every rank of a later lecture builds the same global batch.
     """)
-    see(GPTConfig)
-    see(Block)
-    see(batch)
     ranks = min(2, settings.world_size)        # two ranks show it; more only cost start-up time
     run = spawn(same_on_every_rank, ranks, cfg=cfg,
                 name="batch and initial weights built on every rank")
@@ -165,47 +171,30 @@ def the_model_and_task():
           header=["rank", "sum of batch 3's tokens", "sum of its first column", "sum of the initial weights"],
           caption=f"{ranks} ranks each built batch 3 and GPT(cfg) alone: "
                   + ("identical on every rank" if same else "**ranks disagree**"))
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3))
-    ax.plot(range(1, steps + 1), losses, label="training loss")
-    ax.axhline(floor, color="gray", ls="--", label="entropy rate (best possible)")
-    ax.axhline(math.log(cfg.vocab_size), color="gray", ls=":", label="uniform guess")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.legend(fontsize=10)
-    show(fig, caption=f"AdamW, lr 3e-3, batch 16 × {cfg.seq_len} tokens, {steps} steps in "
-                        f"{seconds:.1f} s ({machine()}): from {losses[0]:.2f} to {losses[-1]:.2f}")
+    see(GPTConfig)
+    see(Block)
+    see(batch)
 
 
 def anatomy_of_a_step():
     cfg = GPTConfig()
     rows = memory_timeline(cfg, batch_size=16, steps=3)
-    note("""
-        ## Anatomy of a step, measured
-        PyTorch's `MemTracker` (in `torch.distributed._tools.mem_tracker`) is a
-        `TorchDispatchMode`: every operator's outputs pass through it on their way out of
-        PyTorch's dispatcher, and it files each new tensor storage under parameter, gradient,
-        optimizer state, activation or temporary until the storage is freed. It works on the
-        CPU. It watches tensors, not the allocator: memory a kernel uses inside and frees
-        before returning (a workspace, a matmul's packed copy of its operands) and the
-        allocator's rounding and caching are invisible to it, as they are to the course's own
-        meters (`lectures/memory.py`). We train three AdamW steps and read it after each
-        phase of each step (calling `reset_mod_stats()` between iterations), and beside it our
-        own accounting from the tensors themselves (parameter and gradient sizes, the optimizer
-        state dict, and the bytes autograd saved for backward, de-duplicated by storage).
-    """)
-    see(memory_timeline)
-    table([[r["step"], r["phase"]] + [r["tracker"].get(c, 0) for c in MEM_CATEGORIES] +
-           [r["tracker"]["Total"], r["own"]["Parameter"], r["own"]["Gradient"], r["own"]["Optstate"],
-            r["own"]["Activation"], r["peak"]] for r in rows],
-          header=["step", "after", "params", "grads", "optimizer", "activations", "temporaries",
-                  "MemTracker total", "own: params", "own: grads", "own: optimizer",
-                  "own: saved for backward", "LiveBytes peak in phase"],
-          caption=f"bytes, GPT {param_count(cfg):,} parameters, batch 16 × {cfg.seq_len}, fp32 AdamW")
+    note("## Anatomy of a step, measured")
     show(memory_phases_figure(rows),
-           caption="memory after each phase of the first three steps (MemTracker): the optimizer "
+           caption="memory after each phase (forward, backward, optimizer step, zero_grad) of the "
+                   "first three steps (MemTracker): the optimizer "
                    "state appears at step 1's optimizer step and stays; gradients live from "
                    "backward to zero_grad; activations from forward to backward")
+    note("""
+        PyTorch's `MemTracker` (`torch.distributed._tools.mem_tracker`; it works on the CPU)
+        sees every tensor an operator creates and files it under parameter, gradient,
+        optimizer state, activation or temporary until it is freed. We train three AdamW
+        steps and read it after each phase, beside our own count from the tensors themselves
+        (parameters, gradients, the optimizer state dict, and the bytes autograd saved for
+        backward, each storage once). Like the course's own meters (`lectures/memory.py`), it
+        sees tensors, not the allocator: a kernel's internal workspace and the allocator's
+        rounding and caching are invisible to it.
+    """)
     first, later = rows[2]["tracker"]["Total"], rows[6]["tracker"]["Total"]
     top = max(rows, key=lambda r: r["peak"])
     act_tracker, act_own = rows[0]["tracker"]["Activation"], rows[0]["own"]["Activation"]
@@ -230,17 +219,23 @@ def anatomy_of_a_step():
         `step()`. From then on the pattern repeats: after the optimizer step the total is
         {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
         autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
-        {act_tracker:,} bytes under activations, {gap}. Everything else the forward made and
-        still holds is saved for backward (the batch's token ids and targets among it): the
-        logits themselves are freed as soon as cross-entropy has taken their log-softmax, which
-        it keeps (batch × sequence × vocabulary, fp32) for its backward. {leftover} The
-        activations are {act_own / rows[0]['own']['Parameter']:.1f}×
-        the parameters here: with a small model and a modest batch, activations already dominate.
-        The last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
+        {act_tracker:,} bytes under activations, {gap}. The logits themselves are freed as
+        soon as cross-entropy has taken their log-softmax, which it keeps for its backward.
+        {leftover} The activations are {act_own / rows[0]['own']['Parameter']:.1f}× the
+        parameters here: with a small model and a modest batch, activations already dominate.
+        The table's last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
         were allocated since training began, so everything but the parameters. It is highest
         in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])}, {top['peak'] / rows[0]['own']['Parameter']:.1f}× the
         parameters).
     """)
+    table([[r["step"], r["phase"]] + [r["tracker"].get(c, 0) for c in MEM_CATEGORIES] +
+           [r["tracker"]["Total"], r["own"]["Parameter"], r["own"]["Gradient"], r["own"]["Optstate"],
+            r["own"]["Activation"], r["peak"]] for r in rows],
+          header=["step", "after", "params", "grads", "optimizer", "activations", "temporaries",
+                  "MemTracker total", "own: params", "own: grads", "own: optimizer",
+                  "own: saved for backward", "LiveBytes peak in phase"],
+          caption=f"bytes, GPT {param_count(cfg):,} parameters, batch 16 × {cfg.seq_len}, fp32 AdamW")
+    see(memory_timeline)
 
 
 def memory_phases_figure(rows):
@@ -249,9 +244,8 @@ def memory_phases_figure(rows):
     import numpy as np
     names = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state",
              "Activation": "activations", "Temp": "temporaries"}
-    short = {"forward": "forward", "backward": "backward", "optimizer step": "optimizer",
-             "zero_grad": "zero_grad"}
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    short = {"forward": "fwd", "backward": "bwd", "optimizer step": "opt", "zero_grad": "zero"}
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     x = np.arange(len(rows)) + np.array([r["step"] - 1 for r in rows]) * 0.6   # a gap between steps
     bottom = np.zeros(len(rows))
     for c in MEM_CATEGORIES:
@@ -260,7 +254,7 @@ def memory_phases_figure(rows):
             ax.bar(x, vals, bottom=bottom, width=0.8, label=names[c])
         bottom += vals
     ax.set_ylim(0, bottom.max() * 1.18)
-    ax.set_xticks(x, [short[r["phase"]] for r in rows], rotation=45, ha="right", fontsize=12)
+    ax.set_xticks(x, [short[r["phase"]] for r in rows], fontsize=12)
     for step in sorted({r["step"] for r in rows}):
         xs = [xi for xi, r in zip(x, rows) if r["step"] == step]
         ax.text(sum(xs) / len(xs), bottom.max() * 1.06, f"step {step}", ha="center", fontsize=12)
@@ -275,30 +269,13 @@ def parameters_and_bytes():
     configs = [GPTConfig(), GPTConfig(n_kv_heads=2), GPTConfig(tie_embeddings=True),
                GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, n_layers=3, d_ff=200, vocab_size=101, seq_len=17),
                GPTConfig(d_model=768, n_heads=12, n_layers=12, vocab_size=50257, seq_len=1024, tie_embeddings=True)]
-    rows = []
+    est_rows = []
     for c in configs:
         h, v, L = c.d_model, c.vocab_size, c.n_layers
         numel = sum(p.numel() for p in GPT(c).parameters()) if h < 512 else None
-        rows.append([f"h={h} L={L} a={c.n_heads} kv={c.kv_heads} f={c.ff} v={v} s={c.seq_len}"
+        est_rows.append([f"h={h} L={L} a={c.n_heads} kv={c.kv_heads} f={c.ff} v={v} s={c.seq_len}"
                      + (" tied" if c.tie_embeddings else ""),
                      h * v + L * (12 * h * h + 13 * h) + 2 * h, param_count(c), numel])
-    note("""
-        ## Parameters and bytes per parameter
-        The usual estimate Ψ ≈ h·v + L·(12h² + 13h) + 2h counts an embedding, per layer 4h² + 4h
-        for attention (Q, K, V, O with biases), 8h² + 5h for a 4h MLP, 4h for two LayerNorms,
-        and a final LayerNorm. `param_count` is the exact count for this architecture — learned
-        positions (s·h), an untied head (h·v), K and V narrower under grouped-query attention,
-        any MLP width — and equals `sum(p.numel())` of the built model.
-    """)
-    see(param_count)
-    off = [f"{r[0].split(' v=')[0]}: {r[1] / r[2] - 1:+.0%}" for c, r in zip(configs, rows)
-           if c.ff != 4 * c.d_model]
-    table(rows, header=["config", "estimate h·v + L(12h²+13h) + 2h (assumes f = 4h)", "param_count",
-                        "sum(p.numel())"],
-          caption="the estimate assumes a 4h MLP and full-width K and V" +
-                  (f"; where f ≠ 4h it misses ({'; '.join(off)})" if off else "") +
-                  ". The last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
-
     cfg = GPTConfig()
     tokens, targets = batch(cfg, 8, 0)
     fp32 = GPT(cfg)
@@ -331,45 +308,97 @@ def parameters_and_bytes():
         mw.step()
         loss_fn(model(tokens), targets).backward()       # gradients exist during the next step
         mixed[acc] = mw.held()
-    rows = [["fp32 AdamW", "parameters", fp32_held["Parameter"] / psi],
-            ["", "gradients", fp32_held["Gradient"] / psi],
-            ["", "Adam m and v", fp32_held["Optstate"] / psi],
-            ["", "**total**", sum(fp32_held.values()) / psi]]
-    for acc in (False, True):
-        label = "bf16 + fp32 master" + (", fp32 grad accumulation" if acc else "")
-        for i, (k, b) in enumerate(mixed[acc].items()):
-            rows.append([label if i == 0 else "", k, b / psi])
-        rows.append(["", "**total**", sum(mixed[acc].values()) / psi])
-    rows += [["autocast bf16 (fp32 parameters are the master)", "fp32 parameters", auto_held["Parameter"] / psi],
-             ["", "fp32 gradients", auto_held["Gradient"] / psi],
-             ["", "fp32 Adam m and v", auto_held["Optstate"] / psi],
-             ["", "**total**", sum(auto_held.values()) / psi],
-             ["", "bf16 weight copies saved by the forward, freed by the backward", copies.bytes / psi],
-             ["", "**total, forward to backward**", sum(auto_peak.values()) / psi]]
     copied = copies.numel / psi
+    mixed_total, acc_total = sum(mixed[False].values()) / psi, sum(mixed[True].values()) / psi
+    note("## Parameters and bytes per parameter")
+    show(bytes_per_parameter_figure(
+             {"fp32 AdamW": fp32_held, "bf16 + fp32 master": mixed[False],
+              "+ fp32 grad accumulation": mixed[True], "autocast bf16, after the step": auto_held,
+              "autocast bf16, fwd to bwd": auto_peak}, psi),
+         caption="bytes per parameter, measured from the tensors each setup holds after a step "
+                 "(autocast also between a forward and its backward)")
     note(f"""
-        Bytes per parameter, measured from the tensors a real setup holds after a step: fp32
-        AdamW keeps 4 + 4 + 8 = 16. Mixed precision computes in bf16 but keeps an fp32 master
-        copy for the update, because bf16 cannot represent small updates (below): 2 + 2 + 4 + 8
-        = 16 again — mixed precision saves activation memory and time, not state — and 20 with
-        an fp32 buffer that sums gradients over micro-batches. PyTorch's `torch.autocast` gets
-        there another way: the parameters stay fp32 and are cast to bf16 inside each forward,
-        so after the step it holds 4 + 4 + 8 = 16 as well. The bf16 copies do not vanish with
-        the forward: each matmul saves its cast weight for the input gradient, so the copies
-        of the matmul weights, {copied:.0%} of the parameters (embeddings, LayerNorms and
-        biases keep no saved copy), stay alive until the backward has used them:
-        {copies.bytes / psi:.2f} bytes per parameter more, {sum(auto_peak.values()) / psi:.1f}
-        in all between forward and backward (counted by `CastWeightCopies` from the tensors
-        autograd saved). This 16Ψ is what ZeRO (lecture 03) divides among ranks.
+        fp32 AdamW keeps 4 + 4 + 8 = 16 bytes per parameter: weights, gradients, and Adam's m
+        and v. Mixed precision computes in bf16 but keeps an fp32 master copy for the update,
+        because bf16 cannot represent small updates (below): 2 + 2 + 4 + 8 =
+        {mixed_total:.0f} again. Mixed precision saves activation memory and time, not state.
+        An fp32 buffer that sums gradients over micro-batches makes it {acc_total:.0f}
+        (2 + 2 + 4 + 4 + 8: the bf16 gradient the backward writes, then the fp32 sum); lecture
+        07 counts 18 for the same idea as Megatron-LM and Llama 3 do it (2 + 4 + 12), where
+        the backward adds straight into the fp32 gradient and no bf16 gradient is kept.
+        `torch.autocast` keeps fp32 parameters (they are the master) and casts them to bf16
+        inside each forward: 16 after the step, and the bf16 copies of the matmul weights
+        ({copied:.0%} of the parameters) stay alive until the backward has used them,
+        {sum(auto_peak.values()) / psi:.1f} in all between forward and backward. This 16Ψ is
+        what ZeRO (lecture 03) divides among ranks.
     """)
+    cheat("bytes per parameter, mixed-precision AdamW",
+          "$2 + 2 + 4 + 4 + 4 = 16$ bytes: bf16 weights and gradients, fp32 master, Adam's $m$ and $v$",
+          mixed_total, "bytes per parameter", what=f"measured from the tensors `MasterWeights` holds, Ψ = {psi:,}")
+    columns = {"weights": ("Parameter", "bf16 parameters"), "gradients": ("Gradient", "bf16 gradients"),
+               "fp32 master": ("fp32 master parameters",), "Adam m and v": ("Optstate", "fp32 Adam m and v"),
+               "fp32 grad accumulation": ("fp32 gradient accumulation",),
+               "bf16 weight copies saved by the forward, freed by the backward": ("Copies",)}
+    setups = {"fp32 AdamW": fp32_held, "bf16 + fp32 master": mixed[False],
+              "bf16 + fp32 master, fp32 grad accumulation": mixed[True],
+              "autocast bf16 (fp32 parameters are the master)": auto_held,
+              "autocast bf16, forward to backward": auto_peak}
+    table([[name] + [sum(held.get(k, 0) for k in keys) / psi for keys in columns.values()]
+           + [sum(held.values()) / psi] for name, held in setups.items()],
+          header=["setup", *columns, "total"],
+          caption=f"bytes per parameter, measured; Ψ = {psi:,}")
     see(CastWeightCopies)
     see(MasterWeights)
-    table(rows, header=["setup", "tensor", "bytes per parameter (measured)"],
-          caption=f"Ψ = {psi:,}")
+    note("""
+        The usual estimate Ψ ≈ h·v + L·(12h² + 13h) + 2h counts an embedding, per layer 4h² + 4h
+        for attention (Q, K, V, O with biases), 8h² + 5h for a 4h MLP, 4h for two LayerNorms,
+        and a final LayerNorm. `param_count` is the exact count for this architecture — learned
+        positions (s·h), an untied head (h·v), K and V narrower under grouped-query attention,
+        any MLP width — and equals `sum(p.numel())` of the built model.
+    """)
+    see(param_count)
+    off = [f"{r[0].split(' v=')[0]}: {r[1] / r[2] - 1:+.0%}" for c, r in zip(configs, est_rows)
+           if c.ff != 4 * c.d_model]
+    table(est_rows, header=["config", "estimate h·v + L(12h²+13h) + 2h (assumes f = 4h)", "param_count",
+                        "sum(p.numel())"],
+          caption="the estimate assumes a 4h MLP and full-width K and V" +
+                  (f"; where f ≠ 4h it misses ({'; '.join(off)})" if off else "") +
+                  ". The last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
+
+
+def bytes_per_parameter_figure(setups, psi):
+    """Horizontal stacked bars: bytes per parameter by role, one bar per setup (measured)."""
+    import matplotlib.pyplot as plt
+    roles = [("weights (bf16)", "#9ecae1", ("bf16 parameters",)),
+             ("weights (fp32)", "#3182bd", ("Parameter",)),
+             ("gradients (bf16)", "#fdae6b", ("bf16 gradients",)),
+             ("gradients (fp32)", "#e6550d", ("Gradient", "fp32 gradient accumulation")),
+             ("fp32 master weights", "#31a354", ("fp32 master parameters",)),
+             ("Adam m and v (fp32)", "#756bb1", ("Optstate", "fp32 Adam m and v")),
+             ("bf16 weight copies", "#bdbdbd", ("Copies",))]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = list(setups)
+    for i, name in enumerate(names):
+        left = 0
+        for label, color, keys in roles:
+            w = sum(setups[name].get(k, 0) for k in keys) / psi
+            if w:
+                ax.barh(i, w, left=left, color=color, edgecolor="white",
+                        label=label if label not in ax.get_legend_handles_labels()[1] else None)
+                left += w
+        ax.text(left + 0.2, i, f"{left:.3g}", va="center", fontsize=12)
+    ax.set_yticks(range(len(names)), names, fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(sum(v.values()) for v in setups.values()) / psi * 1.12)
+    ax.set_xlabel("bytes per parameter", fontsize=12)
+    ax.tick_params(labelsize=12)
+    ax.legend(fontsize=11, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
+    return fig
 
 
 def activation_memory():
     saved_against_formula()    # what autograd saves for one block, term by term against the paper
+    saved_tensor_by_tensor()   # the same, tensor by tensor
     a_step_too_big_to_hold()   # the same tracker on shapes alone, at billions of parameters
 
 
@@ -383,27 +412,22 @@ def saved_against_formula():
         measured["naive"].append(block_activations(cfg, b, s, naive_causal_attention).total)
     reconciled = {k: [sum(reconciled_bytes(cfg, b, s, k).values()) for s in seqs] for k in measured}
     paper = [korthikanti_bytes(cfg, b, s) for s in seqs]
-    note("""
-        ## Activation memory against the formula
-        Korthikanti et al. count what one transformer layer keeps for backward in 16-bit with
-        dropout: s·b·h·(34 + 5·a·s/h) bytes. We measure what autograd really saves for one
-        of our blocks: `torch.autograd.graph.saved_tensors_hooks` sees every tensor saved for
-        backward; we count each storage once (q, k and v are views of separate projections,
-        but the output of LN1 feeds all three and is saved once) and leave out the weights.
-    """)
-    see(SavedBytes)
     s0 = seqs[-1]
     saved = block_activations(cfg, b, s0, causal_attention)
     sbh = s0 * b * cfg.d_model
-    table([[str(list(shape)), str(dtype).replace("torch.", ""), n, n / (sbh * 4)] for shape, dtype, n in saved.tensors],
-          header=["shape", "dtype", "bytes", "in units of 4·s·b·h"],
-          caption=f"what one block saves (fused attention), s = {s0}, b = {b}, h = {cfg.d_model}")
     terms = reconciled_bytes(cfg, b, s0, "sdpa")
     terms_naive = reconciled_bytes(cfg, b, s0, "naive")
-    table([[k, v] for k, v in terms.items()] + [["**total (reconciled)**", sum(terms.values())],
-                                                ["**measured**", saved.total]],
-          header=["term", "bytes"], caption=f"reconciliation, fused attention, s = {s0}")
-    see(reconciled_bytes)
+    note("## Activation memory against the formula")
+    show(activations_figure(seqs, measured, reconciled, paper),
+         caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
+                 "linear in s with the fused kernel, quadratic once a·s/h outgrows the rest with naive attention")
+    note("""
+        Korthikanti et al. count what one transformer layer keeps for backward in 16-bit with
+        dropout: s·b·h·(34 + 5·a·s/h) bytes. We measure what autograd really saves for one
+        of our blocks: `torch.autograd.graph.saved_tensors_hooks` sees every tensor saved for
+        backward; we count each storage once (the output of LN1 feeds Q, K and V and is
+        saved once) and leave out the weights.
+    """)
     note(f"""
         Term by term: the paper's 34·s·b·h bytes are 16 tensors of s·b·h elements at 2 bytes
         each (32) plus two dropout masks of s·b·h elements at 1 byte each (2). Ours keeps the
@@ -418,20 +442,58 @@ def saved_against_formula():
         ({sum(m == r for m, r in zip(measured['sdpa'] + measured['naive'], reconciled['sdpa'] + reconciled['naive']))}
         of {2 * len(seqs)} sizes).
     """)
+    cheat("activation memory per layer",
+          "$s b h \\left(34 + 5 \\frac{a s}{h}\\right)$ bytes in 16-bit with dropout (Korthikanti et al.); "
+          "fp32, no dropout, fused attention: $\\approx 64\\, s b h$",
+          saved.total / sbh, "bytes per s·b·h",
+          what=f"one block's saved tensors, fused attention, s = {s0}, b = {b}, h = {cfg.d_model}")
+    table([[k, v] for k, v in terms.items()] + [["**total (reconciled)**", sum(terms.values())],
+                                                ["**measured**", saved.total]],
+          header=["term", "bytes"], caption=f"reconciliation, fused attention, s = {s0}")
+    see(SavedBytes)
+    see(reconciled_bytes)
+
+
+def saved_tensor_by_tensor(s0=None):
+    """The tensors one block saves for backward, grouped by shape (fused attention)."""
+    cfg = GPTConfig()
+    b = 2
+    s0 = s0 or (128 if settings.quick else 512)
+    saved = block_activations(cfg, b, s0, causal_attention)
+    sbh = s0 * b * cfg.d_model
+    note(f"""
+        ## What one block saves, tensor by tensor
+        The reconciliation above names each term; here are the tensors autograd saved for one
+        block at s = {s0}, as `SavedBytes` saw them, grouped by shape and dtype.
+    """)
+    groups = {}
+    for shape, dtype, n in saved.tensors:
+        key = (str(list(shape)), str(dtype).replace("torch.", ""), n)
+        groups[key] = groups.get(key, 0) + 1
+    table([[shape, dtype, count, n, count * n / (sbh * 4)] for (shape, dtype, n), count in
+           sorted(groups.items(), key=lambda kv: -kv[0][2] * kv[1])],
+          header=["shape", "dtype", "tensors", "bytes each", "all of them, in units of 4·s·b·h"],
+          caption=f"what one block saves (fused attention), s = {s0}, b = {b}, h = {cfg.d_model}: "
+                  f"{plural(len(saved.tensors), 'tensor')} of {plural(len(groups), 'shape')}")
+    see(SavedBytes)
+
+
+def activations_figure(seqs, measured, reconciled, paper):
+    """Bytes one block saves against s: measured (points), reconciled (lines), the paper × 2."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    ax.plot(seqs, [m / 1e6 for m in measured["naive"]], "o", label="measured, naive attention")
-    ax.plot(seqs, [m / 1e6 for m in measured["sdpa"]], "s", label="measured, fused (SDPA)")
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.plot(seqs, [m / 1e6 for m in measured["naive"]], "o", color="C0", label="measured, naive attention")
+    ax.plot(seqs, [m / 1e6 for m in measured["sdpa"]], "s", color="C1", label="measured, fused (SDPA)")
     ax.plot(seqs, [r / 1e6 for r in reconciled["naive"]], "-", color="C0", lw=1, label="reconciled, naive")
     ax.plot(seqs, [r / 1e6 for r in reconciled["sdpa"]], "-", color="C1", lw=1, label="reconciled, fused")
     ax.plot(seqs, [2 * p / 1e6 for p in paper], "--", color="gray", label="paper × 2 (fp32)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length s")
-    ax.set_ylabel("MB saved per layer")
-    ax.legend(fontsize=10)
-    show(fig, caption=f"activations saved by one block, b = {b}, h = {cfg.d_model}, a = {cfg.n_heads}: "
-                        "linear in s with the fused kernel, quadratic once a·s/h outgrows the rest with naive attention")
+    ax.set_xticks(seqs, [str(x) for x in seqs])
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("MB saved per layer", fontsize=12)
+    ax.legend(fontsize=11)
+    return fig
 
 
 def a_step_too_big_to_hold():
@@ -441,7 +503,8 @@ def a_step_too_big_to_hold():
     seconds = time.perf_counter() - start
     psi = param_count(huge)
     note(f"""
-        The same tracker runs under `FakeTensorMode`, where tensors have shapes and dtypes but
+        ## Memory of a step too big to hold
+        The tracker of the anatomy section runs under `FakeTensorMode`, where tensors have shapes and dtypes but
         no storage. A GPT with h = {huge.d_model}, {huge.n_layers} layers and a vocabulary of
         {huge.vocab_size} has {psi / 1e9:.2f} billion parameters; one bf16 training step on one
         sequence of {huge.seq_len} tokens is traced in {seconds:.1f} s without allocating it
@@ -466,57 +529,63 @@ def recomputation():
             loss_fn(model(tokens), targets).backward()
         timings[mode] = measure(step, warmup=1, repeats=5 if settings.quick else 9)
     ref = results["none"]["grads"]
+    note("## Activation recomputation")
+    show(recomputation_figure(results, timings),
+         caption=f"what each recomputation mode holds between forward and backward, and its "
+                 f"forward + backward time (median, bars: interquartile range), {machine()}")
     note("""
-        ## Activation recomputation
         Keep fewer activations and recompute the rest during backward (Chen et al. 2016).
-        `torch.utils.checkpoint` with `use_reentrant=False` keeps only a block's input and runs
-        its forward again in backward ("full"); with `create_selective_checkpoint_contexts` a
-        policy decides per operator: ours keeps the matmul and attention outputs and recomputes
-        LayerNorms and GELU ("selective" below: a selective policy of our own). It is not
-        Korthikanti et al.'s selective recomputation, which recomputes the attention core
-        (the scores, softmax and dropout behind the 5·a·s²·b term) and keeps the rest; fused
-        attention (`scaled_dot_product_attention`, above) already keeps no s² tensor, so that
-        term is gone here before any policy. Saved-tensor hooks cannot see inside a checkpoint,
-        so the bytes held between forward and backward are measured with `LiveBytes`, a
-        `TorchDispatchMode` that tracks every storage an operator creates until it is freed
-        (views and in-place results of older tensors, such as a weight's transpose, are not
-        new memory and are not counted).
+        `torch.utils.checkpoint` keeps only a block's input and runs its forward again in
+        backward ("full"); with `create_selective_checkpoint_contexts` a policy decides per
+        operator: "selective" below is a selective policy of our own, which keeps the matmul and
+        attention outputs and recomputes LayerNorms and GELU. It is not Korthikanti et al.'s selective recomputation, which recomputes the
+        attention core behind the 5·a·s²·b term: fused attention already keeps no s² tensor.
+        Saved-tensor hooks cannot see inside a checkpoint, so the bytes are measured with
+        `LiveBytes`, which tracks every storage an operator creates until it is freed.
     """)
-    see(_save_matmuls)
-    see(Recomputed)
-    table([[m, r["held"], r["held"] / results["none"]["held"], r["peak"], timings[m].ms(),
-            timings[m].median / timings["none"].median,
-            max((r["grads"][k] - ref[k]).abs().max().item() for k in ref)] for m, r in results.items()],
-          header=["recomputation", "bytes held after forward", "vs none", "peak bytes fwd+bwd",
-                  "forward+backward", "time vs none", "max |Δ grad| vs none"],
-          caption=f"GPT with {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len}, {machine()}")
     held = {m: results[m]["held"] / results["none"]["held"] for m in results}
     worst = max((r["grads"][k] - ref[k]).abs().max().item() for r in results.values() for k in ref)
     same_grads = ("The gradients are identical: the recomputed forward does the same arithmetic."
                   if worst == 0 else f"The gradients agree to {worst:.1g} (rounding).")
     sel, full = timings["selective"], timings["full"]
-    selective_slowest = sel.q1 > full.q3           # beyond the spread, not just the medians
+    sel_slower = sel.q1 > full.q3               # beyond the spread, not just the medians
+    sel_faster = sel.q3 < full.q1
+    heavier = results["selective"]["held"] / results["full"]["held"]
+    if heavier > 1 and not sel_faster:
+        verdict = (f"Selective against full: selective holds {heavier:.1f}× full's bytes and "
+                   + ("is slower too" if sel_slower else "is not measurably faster")
+                   + f" ({compare(sel, full, 'selective', 'full')}), so on this model our "
+                   "selective policy loses to full recomputation"
+                   + (" on both counts" if sel_slower else "") + ": it keeps the matmul outputs, "
+                   "most of a block's bytes, and pays a Python call per operator. Selective pays "
+                   "where what it drops is large to store and cheap to recompute, like the s² "
+                   "attention core at long sequences without a fused kernel.")
+    else:
+        verdict = (f"Selective against full: selective holds {heavier:.1f}× full's bytes; "
+                   f"{compare(sel, full, 'selective', 'full')}.")
     note(f"""
         Full recomputation holds {held['full']:.0%} of the bytes (only each block's input
         stays). Forward + backward:
         {compare(full, timings['none'], 'full recomputation', 'storing everything')}. Selective
         holds {held['selective']:.0%}:
         {compare(sel, timings['none'], 'selective recomputation', 'storing everything')}.
-        {"On a model this small, our selective policy is the slowest: it is a "
-         "Python call for every operator, forward and again during recomputation, which "
-         "costs more than the arithmetic it saves. " if selective_slowest else ""}
-        {same_grads}
+        {verdict} {same_grads}
     """)
-    show(recomputation_figure(results, timings),
-           caption=f"what each recomputation mode holds between forward and backward, and its "
-                   f"forward + backward time (median, bars: interquartile range), {machine()}")
+    table([[m, r["held"], r["held"] / results["none"]["held"], r["peak"], timings[m].ms(),
+            timings[m].median / timings["none"].median,
+            max((r["grads"][k] - ref[k]).abs().max().item() for k in ref)] for m, r in results.items()],
+          header=["recomputation", "bytes held after forward", "vs none", "peak bytes fwd+bwd",
+                  "forward+backward", "time vs none", "max |Δ grad| vs none"],
+          caption=f"GPT with {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len}, {machine()}")
+    see(_save_matmuls)
+    see(Recomputed)
 
 
 def recomputation_figure(results, timings):
     """Two panels: bytes held after the forward, and time of forward + backward, per mode."""
     import matplotlib.pyplot as plt
     modes = list(results)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 2.9))
     held = [results[m]["held"] / 1e6 for m in modes]
     ax1.bar(modes, held, color=["C0", "C1", "C2"])
     for i, h in enumerate(held):
@@ -547,35 +616,8 @@ def logits_memory():
         rows.append([v, whole["held"], whole["log_softmax"], whole["log_softmax"] / whole["held"],
                      chunked["held"], whole["peak"], chunked["peak"],
                      max((whole["grads"][k] - chunked["grads"][k]).abs().max().item() for k in whole["grads"])])
-    cfg = GPTConfig()
-    note(f"""
-        ## The logits: a large share at large vocabularies
-        Cross-entropy saves its fp32 log-softmax, one number per token and vocabulary entry:
-        b·s·v·4 bytes, beside the blocks' b·s·h-sized tensors. Our GPT's vocabulary of
-        {cfg.vocab_size} hides it; real vocabularies are 32k–256k entries against h of a few
-        thousand. The fix is to never hold all of it: compute the head and the loss a chunk of
-        tokens at a time, each chunk under a checkpoint, so one chunk's logits exist in the
-        forward and again when the backward recomputes them. Cut Cross-Entropy (Wijmans et
-        al. 2024) goes further on GPUs: one kernel computes the log-sum-exp over the
-        vocabulary block by block in on-chip memory, the online softmax of the attention
-        section below applied to the loss, and never writes the logits to memory at all.
-    """)
-    see(chunked_cross_entropy)
-    table(rows, header=["vocabulary v", "held after forward, whole loss", "of which fp32 log-softmax (b·s·v·4)",
-                        "share", f"held after forward, chunks of {chunk} tokens", "peak fwd+bwd, whole",
-                        "peak fwd+bwd, chunked", "max |Δ grad|"],
-          caption=f"GPT with h = {cfg.d_model}, {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len} "
-                  "random tokens, bytes measured with LiveBytes")
-    v = vocabs[-1]
-    note(f"""
-        At v = {v} the log-softmax is {rows[-1][3]:.0%} of what the forward holds for backward;
-        chunked, the forward holds {fmt_bytes(rows[-1][4])} instead of {fmt_bytes(rows[-1][1])}
-        and the peak of the whole step falls from {fmt_bytes(rows[-1][5])} to
-        {fmt_bytes(rows[-1][6])} (what remains at large v is mostly the head's and the
-        embedding's gradients, v·h each). The gradients agree to rounding.
-    """)
-    see("https://arxiv.org/abs/2411.09009", "Wijmans et al. 2024, Cut Your Losses in Large-Vocabulary Language Models")
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    note("## The logits: a large share at large vocabularies")
+    fig, ax = plt.subplots(figsize=(8, 3.2))
     x = np.arange(len(vocabs))
     rest = [held[v][0] / 1e6 - held[v][2] / 1e6 for v in vocabs]
     ax.bar(x - 0.2, rest, 0.38, color="C0", label="whole loss: everything else")
@@ -591,6 +633,37 @@ def logits_memory():
     ax.legend(fontsize=11, loc="upper left")
     show(fig, caption="what the forward holds for backward as the vocabulary grows, with the whole "
                         "loss and with chunked cross-entropy (LiveBytes)")
+    cfg = GPTConfig()
+    note(f"""
+        Cross-entropy saves its fp32 log-softmax, one number per token and vocabulary entry:
+        b·s·v·4 bytes, beside the blocks' b·s·h-sized tensors. Our GPT's vocabulary of
+        {cfg.vocab_size} hides it; real vocabularies are 32k–256k entries against h of a few
+        thousand. The fix is to never hold all of it: compute the head and the loss a chunk of
+        tokens at a time, each chunk under a checkpoint, so one chunk's logits exist in the
+        forward and again when the backward recomputes them. Cut Cross-Entropy (Wijmans et
+        al. 2024) goes further on GPUs: one kernel computes the log-sum-exp over the
+        vocabulary block by block in on-chip memory, the online softmax of the attention
+        section below applied to the loss, and never writes the logits to memory at all.
+    """)
+    v = vocabs[-1]
+    note(f"""
+        At v = {v} the log-softmax is {rows[-1][3]:.0%} of what the forward holds for backward;
+        chunked, the forward holds {fmt_bytes(rows[-1][4])} instead of {fmt_bytes(rows[-1][1])}
+        and the peak of the whole step falls from {fmt_bytes(rows[-1][5])} to
+        {fmt_bytes(rows[-1][6])} (what remains at large v is mostly the head's and the
+        embedding's gradients, v·h each). The gradients agree to rounding.
+    """)
+    cheat("the loss's fp32 log-softmax",
+          "$4\\, b s v$ bytes held for backward; chunked cross-entropy holds one chunk's",
+          rows[-1][1] / rows[-1][4], "× fewer bytes held with chunks",
+          what=f"held after the forward, whole loss against chunks of {chunk} tokens, v = {v}, LiveBytes")
+    table(rows, header=["vocabulary v", "held after forward, whole loss", "of which fp32 log-softmax (b·s·v·4)",
+                        "share", f"held after forward, chunks of {chunk} tokens", "peak fwd+bwd, whole",
+                        "peak fwd+bwd, chunked", "max |Δ grad|"],
+          caption=f"GPT with h = {cfg.d_model}, {cfg.n_layers} layers, batch {bsz} × {cfg.seq_len} "
+                  "random tokens, bytes measured with LiveBytes")
+    see(chunked_cross_entropy)
+    see("https://arxiv.org/abs/2411.09009", "Wijmans et al. 2024, Cut Your Losses in Large-Vocabulary Language Models")
 
 
 def accumulation():
@@ -609,17 +682,38 @@ def accumulation():
                  f"with k = {k}: part of what a forward holds does not shrink with the micro-batch)")
     else:
         falls = f"yet here the bytes held after a forward do not fall ({ratio:.2f}× with k = {k})"
+    note("## Gradient accumulation")
+    show(accumulation_figure(rows),
+         caption="the most bytes a forward holds for backward, for the same global batch of "
+                 f"{bsz} sequences cut into k micro-batches (bars), against 1/k of one batch's (dashed)")
     note(f"""
-        ## Gradient accumulation
         k micro-batches of b/k sequences, each loss divided by k, backward after each: the
         gradients sum to the big batch's. Activations are held for one micro-batch at a time,
         {falls} for the same global batch (global batch = micro-batch ×
         accumulation steps × data-parallel ranks, lecture 03).
     """)
-    see(accumulated_gradients)
     table(rows, header=["micro-batches k", "sequences per micro-batch", "most bytes held after a forward",
                         "one batch's ÷ this", "max |Δ grad| vs one batch"],
           caption="fp32; the differences are rounding (sums in another order)")
+    see(accumulated_gradients)
+
+
+def accumulation_figure(rows):
+    """Bytes held after a forward per number of micro-batches, against the ideal 1/k."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ks = [r[0] for r in rows]
+    mb = [r[2] / 1e6 for r in rows]
+    ax.bar(range(len(ks)), mb, color="C0", width=0.6)
+    ax.plot(range(len(ks)), [mb[0] / k for k in ks], "k--", marker="_", ms=20, label="1/k of one batch")
+    for i, (m, r) in enumerate(zip(mb, rows)):
+        ax.text(i, m, fmt_bytes(r[2]), ha="center", va="bottom", fontsize=12)
+    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks], fontsize=12)
+    ax.set_ylim(0, max(mb) * 1.2)
+    ax.set_ylabel("MB held after a forward", fontsize=12)
+    ax.tick_params(labelsize=12)
+    ax.legend(fontsize=12)
+    return fig
 
 
 def number_formats():
@@ -630,8 +724,10 @@ def number_formats():
 
 def formats_and_rounding():
     import matplotlib.pyplot as plt
+    note("## Number formats: range against resolution")
+    show(format_bits_figure(), caption="the bits of each format, from torch.finfo: mantissa "
+                                         "bits = −log2(eps), exponent bits = the rest after the sign")
     note("""
-        ## Number formats: range against resolution
         A float is sign × 2^exponent × 1.mantissa. Exponent bits buy range, mantissa bits
         resolution: between 1 and 2 a format with m mantissa bits has 2^m + 1 values (both
         ends included), so rounding there errs by at most 2^−(m+1) relative. `torch.finfo`
@@ -639,8 +735,6 @@ def formats_and_rounding():
         floats are ordered like their bits read as integers); and we round 200,001 evenly
         spaced values in [1, 2] to each format and measure the worst error.
     """)
-    show(format_bits_figure(), caption="the bits of each format, from torch.finfo: mantissa "
-                                         "bits = −log2(eps), exponent bits = the rest after the sign")
     table([list(format_properties(n, d).values()) for n, d in FORMATS.items()],
           header=list(format_properties("fp32", torch.float32).keys()))
     exps = list(range(-12, 7)) if settings.quick else [e / 2 for e in range(-26, 14)]
@@ -661,6 +755,14 @@ def formats_and_rounding():
                         "(subnormals) the error grows until values flush to zero (error 1), above "
                         "it e4m3fn saturates at 448 and the others overflow; fp32 errors are "
                         "clipped at 1e-9 for the plot")
+    note("""
+        Beyond the largest value fp16 and e5m2 overflow to inf; e4m3fn has no infinity and
+        saturates, which the fp8 deep dive shows.
+    """)
+
+
+def saturation():
+    note("## e4m3 saturates instead of overflowing")
     over = overflow_table()
     table([[name] + vals for name, vals in over.items()],
           header=["format", "1e3 becomes", "1e6 becomes", "inf becomes", "NaN becomes"],
@@ -670,9 +772,9 @@ def formats_and_rounding():
         Past their largest value fp16 and e5m2 overflow to inf, which a check can see. e4m3fn
         has no infinity, and PyTorch's cast to it **saturates**: 1e6 becomes {e4[1]:g} and even
         inf becomes {e4[2]:g}. Saturation hides overflow: a tensor cast with too large a scale
-        comes back finite and wrong, and no inf/NaN test (the one loss scaling relies on,
-        below) fires. Whoever casts to e4m3 must choose the scale from the tensor's largest
-        magnitude, as the fp8 deep dive does.
+        comes back finite and wrong, and no inf/NaN test (the one loss scaling relies on)
+        fires. Whoever casts to e4m3 must choose the scale from the tensor's largest
+        magnitude, as the rest of this deep dive does.
     """)
 
 
@@ -721,19 +823,6 @@ def loss_scaling():
         rows.append(["none" if sc is None else f"2^{int(math.log2(sc))}", count["flushed to zero"] / count["elements"],
                      count["subnormal"] / count["elements"], gradient_error(g, ref),
                      "skip (inf found)" if skipped else "step"])
-    note(f"""
-        ### fp16 needs loss scaling
-        fp16 has bf16's precision eight times over but a smallest normal of
-        {torch.finfo(torch.float16).smallest_normal:.3g}: gradients, which are small, fall into the
-        subnormals (fewer bits) or flush to zero. We store every gradient of the GPT in fp16 as
-        it flows backward (each module's incoming gradient and each parameter's gradient are
-        rounded) and count. Multiplying the loss by S moves them all up by S; `GradScaler`
-        divides by S again in fp32 before the step and skips a step whose gradients overflowed
-        (then halves S). Micikevicius et al. (2018) introduced exactly this.
-    """)
-    see(fp16_gradients)
-    table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
-                        "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
     rms = gradient_rms(ref)
     # The bias of K has a zero gradient in exact arithmetic (adding the same number to all of a
     # query's scores leaves its softmax unchanged): its fp32 "gradient" is rounding noise.
@@ -741,29 +830,12 @@ def loss_scaling():
     noise = [k for k in rms if rms[k] < 1e-6 * typical]
     real = sorted((k for k in rms if k not in noise), key=rms.get)
     smallest, largest = real[:4], real[-2:]
-    table([[k, rms[k]] + [per_tensor[sc][k] for sc in scales] for k in smallest + largest],
-          header=["parameter", "gradient RMS (fp32)"] + ["error, " + r[0] for r in rows],
-          caption="‖g − g_fp32‖ / ‖g_fp32‖ per tensor: the four with the smallest gradients, then the two "
-                  "with the largest")
     worst = max(smallest, key=lambda k: per_tensor[None][k])
     left_out = (f"(Left out: {', '.join(f'`{k}`' for k in noise)}, whose gradient is zero in exact "
                 "arithmetic — adding the same number to all of a query's scores leaves its softmax "
                 "unchanged.)" if noise else "")
     s16 = 2.0 ** 16
-    note(f"""
-        The error over all parameters together hardly moves
-        ({rows[0][3]:.2g} unscaled, {rows[2][3]:.2g} with 2^16), because it is dominated by
-        the largest gradients, which fp16 stores well. The damage is in the smallest: `{worst}`
-        (gradient RMS {rms[worst]:.2g}) comes back {per_tensor[None][worst]:.1%} wrong without
-        scaling and {per_tensor[s16][worst]:.2%} wrong with 2^16, a
-        {per_tensor[None][worst] / per_tensor[s16][worst]:.0f}× difference. Those are whole
-        tensors (here {", ".join(f"`{k}`" for k in smallest)}) learning from gradients
-        that kept a few bits each; in a deeper
-        model or later in training, when gradients shrink, they flush to zero entirely and the
-        layer stops learning. Too large a scale overflows: at 2^24 the scaler finds inf and
-        skips the step{"" if rows[3][4].startswith("skip") else " (not here: this run found none)"}.
-        {left_out}
-    """)
+    note("## fp16 needs loss scaling")
     fig, ax = plt.subplots(figsize=(8, 3.8))
     xs = [rms[k] for k in real]
     for sc, marker, label in ((None, "o", "no scaling"), (s16, "s", "loss scale 2^16")):
@@ -779,6 +851,36 @@ def loss_scaling():
     show(fig, caption="one point per parameter tensor: without scaling, the tensors with the "
                         "smallest gradients lose the most; scaling the loss lifts them above fp16's "
                         "subnormals")
+    note(f"""
+        fp16 has bf16's precision eight times over but a smallest normal of
+        {torch.finfo(torch.float16).smallest_normal:.3g}: gradients, which are small, fall into the
+        subnormals (fewer bits) or flush to zero. We store every gradient of the GPT in fp16 as
+        it flows backward (each module's incoming gradient and each parameter's gradient are
+        rounded) and count. Multiplying the loss by S moves them all up by S; `GradScaler`
+        divides by S again in fp32 before the step and skips a step whose gradients overflowed
+        (then halves S). Micikevicius et al. (2018) introduced exactly this.
+    """)
+    note(f"""
+        The error over all parameters together hardly moves
+        ({rows[0][3]:.2g} unscaled, {rows[2][3]:.2g} with 2^16), because it is dominated by
+        the largest gradients, which fp16 stores well. The damage is in the smallest: `{worst}`
+        (gradient RMS {rms[worst]:.2g}) comes back {per_tensor[None][worst]:.1%} wrong without
+        scaling and {per_tensor[s16][worst]:.2%} wrong with 2^16, a
+        {per_tensor[None][worst] / per_tensor[s16][worst]:.0f}× difference. Those are whole
+        tensors (here {", ".join(f"`{k}`" for k in smallest)}) learning from gradients
+        that kept a few bits each; in a deeper
+        model or later in training, when gradients shrink, they flush to zero entirely and the
+        layer stops learning. Too large a scale overflows: at 2^24 the scaler finds inf and
+        skips the step{"" if rows[3][4].startswith("skip") else " (not here: this run found none)"}.
+        {left_out}
+    """)
+    table(rows, header=["loss scale", "gradient elements flushed to 0", "subnormal", "‖g − g_fp32‖ / ‖g_fp32‖",
+                        "GradScaler"], caption=f"the GPT's real gradients, batch {bsz} × {cfg.seq_len}")
+    table([[k, rms[k]] + [per_tensor[sc][k] for sc in scales] for k in smallest + largest],
+          header=["parameter", "gradient RMS (fp32)"] + ["error, " + r[0] for r in rows],
+          caption="‖g − g_fp32‖ / ‖g_fp32‖ per tensor: the four with the smallest gradients, then the two "
+                  "with the largest")
+    see(fp16_gradients)
 
 
 def master_weights():
@@ -793,28 +895,12 @@ def master_weights():
     frozen_at = freeze_threshold(lr)
     bf16_model = GPT(dataclasses.replace(cfg, dtype="bfloat16"))
     frozen = frozen_fraction(bf16_model.parameters(), lr)
-    note(f"""
-        ### bf16 needs fp32 master weights
-        bf16 keeps fp32's range (no loss scaling) with 8 bits of precision: a weight w in
-        [2^e, 2^(e+1)) moves only in steps of ulp(w) = 2^e·eps (eps = {eps}), and an update
-        smaller than half a step rounds away. AdamW's update, lr·m̂/(√v̂ + ε), is at most about
-        lr, and an update of size lr rounds away exactly when lr < ulp(w)/2: with
-        lr = {lr}, every bf16 weight with |w| ≥ {frozen_at:g}
-        (`freeze_threshold`) cannot move at all — here {frozen:.1%} of the initial weights,
-        all LayerNorm gains among them. Smaller weights freeze whenever their own update is
-        below half their step, and Adam's update is often far below lr once noisy gradients
-        average out in m̂. Training the same GPT four ways: fp32; bf16 weights
-        updated in place; bf16 weights with an fp32 master copy that the optimizer updates
-        (`MasterWeights`, above); and PyTorch's own mixed precision, `torch.autocast`, where
-        the parameters stay fp32 — they are the master weights — and are cast to bf16 for
-        each matmul of the forward.
-    """)
-    see(freeze_threshold)
+    note("## bf16 needs fp32 master weights")
     styles = {"fp32": dict(color="black", lw=4, alpha=0.35),
               "bf16 weights": dict(color="C3", lw=1.8),
               "bf16 + fp32 master": dict(color="C0", lw=1.5, ls="--"),
               "autocast bf16": dict(color="C2", lw=1.5, ls=":")}
-    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True, height_ratios=[3, 2])
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True, height_ratios=[3, 2])
     for v, (c, _) in curves.items():
         ax.plot(*zip(*c), label=v, **styles[v])
     ref = dict(curves["fp32"][0])
@@ -829,10 +915,22 @@ def master_weights():
     fig.tight_layout()
     show(fig, caption=f"AdamW lr {lr}, batch 8; fp32 is the wide grey line, and the lower panel "
                         "shows each variant's distance from it on one shared step axis")
+    note(f"""
+        bf16 keeps fp32's range (no loss scaling) with 8 bits of precision: a weight w in
+        [2^e, 2^(e+1)) moves only in steps of ulp(w) = 2^e·eps (eps = {eps}), and an update
+        smaller than half a step rounds away. AdamW's update, lr·m̂/(√v̂ + ε), is at most about
+        lr, and an update of size lr rounds away exactly when lr < ulp(w)/2: with
+        lr = {lr}, every bf16 weight with |w| ≥ {frozen_at:g}
+        (`freeze_threshold`) cannot move at all — here {frozen:.1%} of the initial weights,
+        all LayerNorm gains among them. Smaller weights freeze whenever their own update is
+        below half their step, and Adam's update is often far below lr once noisy gradients
+        average out in m̂. Training the same GPT four ways: fp32; bf16 weights
+        updated in place; bf16 weights with an fp32 master copy that the optimizer updates
+        (`MasterWeights`, above); and PyTorch's own mixed precision, `torch.autocast`, where
+        the parameters stay fp32 — they are the master weights — and are cast to bf16 for
+        each matmul of the forward.
+    """)
     final = {v: c[-1][1] for v, (c, _) in curves.items()}
-    table([[v, final[v], final[v] - final["fp32"], u] for v, (c, u) in curves.items()],
-          header=["variant", f"loss after {steps} steps", "minus fp32's",
-                  "weights the optimizer updates left unchanged by the last step"])
     gap = {v: abs(final[v] - final["fp32"]) for v in variants[1:]}
     behind = "bf16 weights updated in place fall behind fp32" if final["bf16 weights"] > final["fp32"] \
         and gap["bf16 weights"] > 2 * max(gap["bf16 + fp32 master"], gap["autocast bf16"]) \
@@ -849,9 +947,19 @@ def master_weights():
         copied weight while the forward's copies wait for the backward, and activations in bf16 either
         way where the matmuls produce them.
     """)
+    cheat("bf16 weights that cannot move",
+          "an update $u$ rounds away when $|u| < \\mathrm{ulp}(w)/2$; with $u \\approx$ lr, every $|w| \\ge$ "
+          "`freeze_threshold(lr)` is frozen",
+          100 * curves["bf16 weights"][1], "% of the bf16 weights unchanged by the last step",
+          what=f"bf16 weights updated in place, AdamW lr = {lr}, step {steps}")
+    table([[v, final[v], final[v] - final["fp32"], u] for v, (c, u) in curves.items()],
+          header=["variant", f"loss after {steps} steps", "minus fp32's",
+                  "weights the optimizer updates left unchanged by the last step"])
+    see(freeze_threshold)
 
 
 def fp8_scaling():
+    saturation()               # e4m3fn has no inf: a cast beyond its range saturates, silently
     tile_scaling()             # one scale per tensor, per DeepSeek tile, per MXFP8 block
     fp8_accumulation()         # tensor cores sum fp8 products in ~14 bits: promote to fp32
     delayed_scaling()          # a scale from past steps' amax saturates when the amax jumps
@@ -1029,8 +1137,14 @@ def online_softmax_checks():
             out = online_softmax_attention(q, k, v, bs, causal=causal)
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             checks.append([causal, bs, (out - ref).abs().max().item()])
+    note("## FlashAttention's idea: attention in blocks with an online softmax")
+    show(attention_blocks_figure(s=16, block=4),
+           caption="causal attention over 16 positions in blocks of 4 keys: each coloured column is "
+                   "one step of the loop in `online_softmax_attention`, merged into the running result; "
+                   "grey scores lie in the query's future and are masked (this plain-PyTorch version "
+                   "still computes them; FlashAttention also cuts the queries into blocks and skips "
+                   "tiles wholly in the future)")
     note("""
-        ## FlashAttention's idea: attention in blocks with an online softmax
         softmax(QKᵀ)V needs, for each query, the maximum and the sum of exponentials over all
         keys. Computed over blocks of keys, a running result can absorb the next block: keep
         each block's output and log-sum-exp (lse); two partial results combine with weights
@@ -1040,17 +1154,13 @@ def online_softmax_checks():
         `merge_attention` is the piece lecture 06's ring attention reuses: each rank's block
         of keys arrives, is attended, and merged.
     """)
-    see(attention_with_lse)
-    see(merge_attention)
-    show(attention_blocks_figure(s=16, block=4),
-           caption="causal attention over 16 positions in blocks of 4 keys: each coloured column is "
-                   "one step of the loop in `online_softmax_attention`, merged into the running result; "
-                   "grey scores lie in the query's future and are masked (this plain-PyTorch version "
-                   "still computes them; FlashAttention also cuts the queries into blocks and skips "
-                   "tiles wholly in the future)")
-    table(checks, header=["causal", "block size", "max |Δ out| vs SDPA"],
+    table([[causal, ", ".join(str(c[1]) for c in checks if c[0] == causal),
+            max(c[2] for c in checks if c[0] == causal)] for causal in (False, True)],
+          header=["causal", "block sizes", "max |Δ out| vs SDPA, any block size"],
           caption=f"float64, (2, 3, {s}, 16): block sizes that do not divide s = {s} included "
                   "(gradients: see the deep dive on the backward)")
+    see(merge_attention, lesson=True)
+    see(attention_with_lse)
 
 
 def attention_blocks_figure(s, block):
@@ -1058,7 +1168,7 @@ def attention_blocks_figure(s, block):
     the same loop bounds as `_blocked_forward`."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
     starts = [st for st in range(0, s, block) if st <= s - 1]
     for i, st in enumerate(starts):
         width = min(block, s - st)
@@ -1094,14 +1204,29 @@ def attention_memory():
             times[s, name] = t = measure(lambda: fn(*xs), warmup=1, repeats=5)
             rows.append([s, name, attention_peak_bytes(fn, b, heads, s, d),
                          attention_peak_bytes(fn, b, heads, s, d, backward=True), t.ms()])
-    table(rows, header=["s", "attention", "peak bytes, forward", "peak bytes, forward + backward", "forward time"],
-          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
-                  f"backward's include their gradients), measured with LiveBytes; {machine()}")
     names = list(variants)
     peaks = {name: [r[2] for r in rows if r[1] == name] for name in names}
     naive, online = peaks[names[0]], peaks[names[1]]
     growth = len(seqs) - 1        # doublings of s from the first row to the last
     longest = seqs[-1]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ends = sorted(peaks, key=lambda name: peaks[name][-1])
+    for (name, ys), marker in zip(peaks.items(), "os^"):
+        ax.plot(seqs, [y / 1e6 for y in ys], marker + "-", label=name)
+        # labels at the right end, moved apart where two curves end close together
+        close = [other for other in ends if abs(math.log(peaks[other][-1] / ys[-1])) < 0.35]
+        shift = 7 * (2 * close.index(name) - (len(close) - 1)) if len(close) > 1 else 0
+        ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
+                    xytext=(6, -3 + shift), fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seqs, [str(x) for x in seqs])
+    ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("peak MB, forward", fontsize=12)
+    ax.legend(fontsize=11, loc="upper left")
+    show(fig, caption=f"forward peak beyond q, k, v (LiveBytes), {heads} heads of {d}: the s × s "
+                        "scores grow 4× per doubling of s, the blocked and fused versions 2×")
     note(f"""
         The naive version's bytes grow as s², the blocked one's as s·block (from s = {seqs[0]}
         to {seqs[-1]}, the forward peaks grow {naive[-1] / naive[0]:.0f}× and
@@ -1112,20 +1237,13 @@ def attention_memory():
         (the fused kernel does the same in C++ with the tiles in cache), and
         {compare(times[longest, names[1]], times[longest, names[0]], "our blocked version", "the naive one")}.
     """)
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    for (name, ys), marker in zip(peaks.items(), "os^"):
-        ax.plot(seqs, [y / 1e6 for y in ys], marker + "-", label=name)
-        ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
-                    xytext=(6, -3), fontsize=11)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(seqs, [str(x) for x in seqs])
-    ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("peak MB, forward", fontsize=12)
-    ax.legend(fontsize=11, loc="upper left")
-    show(fig, caption=f"forward peak beyond q, k, v (LiveBytes), {heads} heads of {d}: the s × s "
-                        "scores grow 4× per doubling of s, the blocked and fused versions 2×")
+    table([[name] + [r[2] for r in rows if r[1] == name]
+           + [r[3] for r in rows if r[1] == name and r[0] == longest] + [times[longest, name].ms()]
+           for name in names],
+          header=["attention"] + [f"peak bytes forward, s = {x}" for x in seqs]
+                 + [f"peak bytes fwd + bwd, s = {longest}", f"forward time, s = {longest}"],
+          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
+                  f"backward's include their gradients), measured with LiveBytes; {machine()}")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
 
@@ -1183,7 +1301,7 @@ def roofline():
         slow, which later lectures mention but do not build on. A kernel is limited either by
         arithmetic or by moving bytes. The roofline (Williams et al. 2009) plots attainable
         FLOP/s against arithmetic intensity (FLOP per byte moved):
-        min(peak FLOP/s, intensity × bandwidth). With {cores} thread(s), in one process: the best fp32
+        min(peak FLOP/s, intensity × bandwidth). With {plural(cores, 'thread')}, in one process: the best fp32
         matmul reaches {peak / 1e9:.1f} GFLOP/s and copying {fmt_bytes(nbytes)} moves
         {bw / 1e9:.1f} GB/s ({bw_t.ms()}; {cache_words}), so the ridge is at
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
@@ -1199,6 +1317,10 @@ def roofline():
         and **fusion** (one kernel for a chain of element-wise operations, so the intermediate
         never goes to memory: the GELU below moves its bytes once).
     """)
+    cheat("roofline ridge point",
+          "attainable FLOP/s $= \\min(\\text{peak},\\ I \\cdot \\text{bandwidth})$; compute-bound above "
+          "$I^* = \\text{peak} / \\text{bandwidth}$ FLOP per byte",
+          peak / bw, "FLOP/byte", what=f"fp32 matmul peak over copy bandwidth, {plural(cores, 'thread')}, this machine")
     if not torch.cuda.is_available():
         note("No GPU on this machine: the GPU roofline measurement is skipped; on a GPU the "
              "same functions (`matmul_rate`, `copy_rate` with `dev='cuda'`) measure it.")
@@ -1209,14 +1331,16 @@ def roofline():
              f"copy {gpu_bw / 1e9:.0f} GB/s, ridge {gpu_peak / gpu_bw:.0f} FLOP/byte.")
     table([[f"matmul {n}×{n}", n / 6, r / 1e9, t.ms(), mm_one[n][0] / 1e9] for n, (r, t) in mm.items()]
           + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU (8 FLOP/element, assumed)", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
-          header=["kernel", "FLOP per byte", f"GFLOP/s, {cores} thread(s)", "time", "GFLOP/s, 1 thread"],
+          header=["kernel", "FLOP per byte", f"GFLOP/s, {plural(cores, 'thread')}", "time", "GFLOP/s, 1 thread"],
           caption=f"fp32, {machine()}")
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = [2 ** e for e in range(-5, 10)]
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
     ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
-    for n, (r, _) in mm.items():
-        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", xytext=(5, -12), fontsize=11)
+    for i, (n, (r, _)) in enumerate(mm.items()):     # labels alternate below and above the points
+        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points",
+                    xytext=(6, -16) if i % 2 == 0 else (-8, 8), ha="left" if i % 2 == 0 else "right",
+                    fontsize=11)
     ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
     ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")
     ax.set_xscale("log", base=2)
@@ -1268,15 +1392,23 @@ def main():
     the_model_and_task()       # the GPT and data every later lecture trains
     anatomy_of_a_step()        # what a training step holds, phase by phase
     parameters_and_bytes()     # Ψ in closed form; 16 bytes per parameter
-    activation_memory()        # the paper's formula against what autograd saves
+    saved_against_formula()    # the paper's formula against what autograd saves
+    with deep_dive("What one block saves, tensor by tensor", "the shapes behind the reconciliation's terms"):
+        saved_tensor_by_tensor()
+    with deep_dive("A step too big to hold", "MemTracker on shapes alone: a billion-parameter step traced without its memory"):
+        a_step_too_big_to_hold()
     recomputation()            # trade compute for activation memory
     logits_memory()            # the loss's fp32 log-softmax, and chunked cross-entropy
     accumulation()             # trade steps for activation memory
     number_formats()           # range vs resolution; loss scaling; master weights
     flash_attention_idea()     # attention without the s × s matrix (lecture 06 builds on it)
-    fp8_scaling()              # deep dive: fp8 needs fine-grained scales, fp32 sums, current amax
-    flash_attention_backward()  # deep dive: recompute the tiles from the saved lse
-    roofline()                 # deep dive: what this machine does per second
+    with deep_dive("FP8 with fine-grained scales",
+                   "why e4m3 needs a scale per tile, fp32 sums and the current amax"):
+        fp8_scaling()
+    with deep_dive("FlashAttention's backward", "how the tiles are recomputed from the saved log-sum-exp"):
+        flash_attention_backward()
+    with deep_dive("Kernels and the roofline", "what this machine does per second, and where a kernel is memory-bound"):
+        roofline()
     references()
     what_to_remember()         # the main story in six lines, and the notebook
 
