@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from util import device, figure, note, see, settings, span, span_at, spawn, table, timeline
+from util import (cheat, deep_dive, device, figure, note, plural, published, see, settings, span, span_at,
+                  spawn, table, timeline)
 from util.launch import choose_backend
-from util.recording import trim_build_paths
+from util.recording import trim_build_paths  # noqa: F401  (tests use it from here)
 from util.measure import Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks
 
 from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
@@ -62,7 +63,7 @@ def machine_topology():
             "L1d cache", "L2 cache", "L3 cache", "NUMA node(s)", "Hypervisor vendor")
     if shutil.which("lscpu"):
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30)
-        lines = [l for l in out.stdout.splitlines() if l.strip().startswith(keep)]
+        lines = [l.replace("(s)", "s") for l in out.stdout.splitlines() if l.strip().startswith(keep)]
         if lines:
             return "lscpu (selected lines)", "\n".join(lines)
     with open("/proc/cpuinfo") as f:
@@ -77,12 +78,58 @@ def copy_time(nbytes, repeats):
     return measure(lambda: dst.copy_(src), warmup=1, repeats=repeats)
 
 
+H100_LEVELS = [  # level, bandwidth in GB/s per direction (published; sources in the table below)
+    ("HBM3", 3350), ("NVLink 4\n(GPU↔GPU)", 450), ("PCIe Gen5 x16\n(GPU↔CPU)", 64), ("InfiniBand NDR\n(node↔node)", 50)]
+
+
+def draw_hierarchy(copy_gbs):
+    """Published H100 bandwidths per level (bars, log scale) beside this machine's measured copy."""
+    import matplotlib.pyplot as plt
+    names = [n for n, _ in H100_LEVELS] + ["this machine:\nmemory copy"]
+    values = [v for _, v in H100_LEVELS] + [copy_gbs]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    bars = ax.barh(range(len(names)), values, color=["#4c72b0"] * len(H100_LEVELS) + ["#dd8452"])
+    for bar, v in zip(bars, values):
+        ax.text(v * 1.1, bar.get_y() + bar.get_height() / 2, f"{v:,.3g} GB/s", va="center", fontsize=12)
+    ax.set_xscale("log")
+    ax.set_xlim(min(values) / 3, max(values) * 12)
+    ax.set_yticks(range(len(names)), names, fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s per direction (log scale)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend([bars[0], bars[-1]], ["H100 SXM node (published)", "measured by this build"],
+              fontsize=11, loc="lower right")
+    return fig
+
+
 def hardware():
-    note("""
-        ## The hardware hierarchy
+    hardware_hierarchy()    # published H100 levels beside this machine's memory copy
+    this_machine()          # what the build machine says about itself
+
+
+def hardware_hierarchy():
+    nbytes = (16 if settings.quick else 256) * MB
+    t = copy_time(nbytes, repeats=5 if settings.quick else 9)
+    bw = nbytes / t.median
+    note("## The hardware hierarchy")
+    figure(draw_hierarchy(bw / 1e9),
+           caption="Each step away from the arithmetic costs bandwidth: an H100 node's levels "
+                   "(published figures, not measured here) and this machine's memory copy (measured).")
+    note(f"""
         Data lives at several distances from the arithmetic units, and each step outwards is
-        larger and slower. On an NVIDIA H100 SXM (figures from NVIDIA's H100 datasheet and
-        architecture whitepaper, linked at the end):
+        larger and slower: from HBM to NVLink to InfiniBand, roughly an order of magnitude in
+        bandwidth per hop. That shapes every layout later in the course: the chattiest scheme
+        (tensor parallelism: several all-reduces of activations in every layer, on the
+        critical path) stays inside a node on NVLink. Data parallelism goes outermost, across
+        nodes, not because it moves few bytes (its all-reduce carries the whole gradient: with
+        Ψ parameters in bf16 a ring sends about 4Ψ bytes per rank per step) but because it
+        talks once per step and that traffic can hide behind backward (lecture 03).
+
+        Measured now, in the lecture process: copying a {human_bytes(nbytes)} buffer in main
+        memory runs at **{bw / 1e9:.1f} GB/s** (median of {len(t.samples)} copies after a
+        warm-up, IQR {nbytes / t.q3 / 1e9:.1f}–{nbytes / t.q1 / 1e9:.1f} GB/s). On a CPU-only
+        machine every "link" between ranks is this memory: gloo moves data between processes
+        through the kernel's loopback TCP, so the bandwidths measured below are a fraction of it.
     """)
     table([
         ["registers", "256 KB per SM (132 SMs)", "next to the ALUs", "H100 whitepaper"],
@@ -94,38 +141,17 @@ def hardware():
         ["InfiniBand NDR (node↔node)", "one 400 Gb/s port per GPU", "50 GB/s per direction", "ConnectX-7 / NDR spec"],
     ], header=["level", "size", "bandwidth", "source"],
        caption="Memory and interconnect hierarchy of an H100 SXM node (published figures, not measured here).")
-    note("""
-        From HBM (3.35 TB/s) to NVLink (450 GB/s per direction) to InfiniBand (50 GB/s per
-        direction per GPU), every hop outwards costs roughly an order of magnitude in
-        bandwidth. That single fact shapes every parallelism layout later in the course: the
-        chattiest scheme (tensor parallelism: several all-reduces of activations in every
-        layer, on the critical path) stays inside a node on NVLink. Data parallelism goes
-        outermost, across nodes, not because it moves few bytes (its all-reduce carries the
-        whole gradient: with Ψ parameters in bf16 the gradient is 2Ψ bytes, and a ring
-        all-reduce sends $2(n-1)/n$ of it, about 4Ψ bytes per rank per step; pipeline
-        parallelism, which only passes activations between neighbouring stages, usually moves
-        fewer) but because it
-        talks once per step and that traffic can hide behind backward (lecture 03), so a slow
-        link costs little as long as backward is long enough.
 
-        This page was built on the machine below; here is what it says about itself
-        (`nvidia-smi topo -m` lists which GPUs talk over NVLink (`NV#`) or PCIe (`PIX`, `PHB`,
+
+def this_machine():
+    note("""
+        ## The build machine's topology
+        `nvidia-smi topo -m` lists which GPUs talk over NVLink (`NV#`) or PCIe (`PIX`, `PHB`,
         `SYS`); without GPUs we record the CPU layout, since the "ranks" here are processes
-        sharing these cores and one memory):
+        sharing these cores and one memory.
     """)
     source, text = machine_topology()
     note(f"Output of `{source}` on the build machine:\n\n```text\n{text}\n```")
-    nbytes = (16 if settings.quick else 256) * MB
-    t = copy_time(nbytes, repeats=5 if settings.quick else 9)
-    bw = nbytes / t.median
-    note(f"""
-        Measured now, in the lecture process: copying a {human_bytes(nbytes)}
-        buffer in main memory runs at **{bw / 1e9:.1f} GB/s** (median of {len(t.samples)}
-        copies after a warm-up, IQR {nbytes / t.q3 / 1e9:.1f}–{nbytes / t.q1 / 1e9:.1f} GB/s;
-        each byte is read once and written once). On a CPU-only machine every "link" between ranks is this
-        memory: gloo moves data between processes through the kernel's loopback TCP, so the
-        bandwidths measured below will be a fraction of it.
-    """)
 
 
 # =========================================================================================
@@ -255,55 +281,100 @@ def draw_stages(name, panels, stacked=False):
                                                           0.55 * world_size + 1.0),
                                  gridspec_kw={"width_ratios": widths})
     axes = np.atleast_1d(axes)
-    colours = plt.cm.Pastel1
     big = 13 if stacked else 9          # stacked figures are shrunk most on a phone
     for k, (ax, (side, data, sums), width) in enumerate(zip(axes, panels, widths)):
-        for r, t in enumerate(data):
-            y = world_size - 1 - r
-            values = t.tolist() if t is not None else []
-            if not values:
-                ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=big, color="0.5")
-            for i, v in enumerate(values):
-                kind = "moved"
-                if sums == "all" or (sums == "dst" and r == 0):
-                    kind = "sum"
-                elif sums == "dst":
-                    kind = "scratch"
-                elif sums in ("mine", "gathered"):
-                    kind = "owned"      # a finished sum, in the colour of the rank that owns it
-                owner = r if sums == "mine" else i * world_size // len(values)
-                face = {"moved": colours(origin.get(v, 8) % 9), "sum": "0.82", "scratch": "white",
-                        "owned": colours(owner % 9)}[kind]
-                ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
-                                           hatch="///" if kind == "scratch" else None,
-                                           linewidth=1.6 if kind == "owned" else 0.6))
-                ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=big,
-                        color="0.45" if kind == "scratch" else "black",
-                        fontweight="bold" if kind in ("sum", "owned") else "normal")
-        ax.set_xlim(-0.1, width + 0.1)
-        ax.set_ylim(-0.2, world_size)
-        ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
-                      [f"rank {r}" for r in range(world_size)] if k == 0 or stacked else [],
-                      fontsize=big)
-        ax.tick_params(length=0)
-        ax.set_xticks([])
-        for spine in ax.spines.values():
-            spine.set_visible(False)
-        ax.set_title(side, fontsize=big + 1)
+        _draw_panel(ax, side, data, sums, width, origin, big, ranks=k == 0 or stacked)
     fig.suptitle(name, fontweight="bold", fontsize=big + 2)
     fig.tight_layout()
     return fig
 
 
+def _draw_panel(ax, side, data, sums, width, origin, big, ranks=True):
+    """One stage of a collective on `ax`: a row of cells per rank (see `draw_stages`)."""
+    import matplotlib.pyplot as plt
+    world_size = len(data)
+    colours = plt.cm.Pastel1
+    for r, t in enumerate(data):
+        y = world_size - 1 - r
+        values = t.tolist() if t is not None else []
+        if not values:
+            ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=big, color="0.5")
+        for i, v in enumerate(values):
+            kind = "moved"
+            if sums == "all" or (sums == "dst" and r == 0):
+                kind = "sum"
+            elif sums == "dst":
+                kind = "scratch"
+            elif sums in ("mine", "gathered"):
+                kind = "owned"      # a finished sum, in the colour of the rank that owns it
+            owner = r if sums == "mine" else i * world_size // len(values)
+            face = {"moved": colours(origin.get(v, 8) % 9), "sum": "0.82", "scratch": "white",
+                    "owned": colours(owner % 9)}[kind]
+            ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
+                                       hatch="///" if kind == "scratch" else None,
+                                       linewidth=1.6 if kind == "owned" else 0.6))
+            ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=big,
+                    color="0.45" if kind == "scratch" else "black",
+                    fontweight="bold" if kind in ("sum", "owned") else "normal")
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(-0.2, world_size)
+    ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
+                  [f"rank {r}" for r in range(world_size)] if ranks else [],
+                  fontsize=big)
+    ax.tick_params(length=0)
+    ax.set_xticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(side, fontsize=big + 1)
+
+
+def draw_gallery(results, columns=2):
+    """Every collective in one figure: `results` maps a name to (before, after, sums), drawn as
+    two small panels (before | after) per collective, `columns` collectives side by side."""
+    import matplotlib.pyplot as plt
+    names = list(results)
+    world_size = len(next(iter(results.values()))[0])
+    width = max(max((len(t) for t in data if t is not None), default=1)
+                for before, after, _ in results.values() for data in (before, after))
+    rows = math.ceil(len(names) / columns)
+    fig = plt.figure(figsize=(columns * (0.62 * 2 * width + 1.5), rows * (0.5 * world_size + 0.95)))
+    outer = fig.add_gridspec(rows, columns, hspace=0.75, wspace=0.15)
+    for i, name in enumerate(names):
+        before, after, sums = results[name]
+        origin = {}
+        for r, t in enumerate(before):
+            for v in (t.tolist() if t is not None else []):
+                origin.setdefault(v, r)
+        inner = outer[i // columns, i % columns].subgridspec(1, 2, wspace=0.08)
+        for k, (side, data, kind) in enumerate((("before", before, "none"), ("after", after, sums))):
+            ax = fig.add_subplot(inner[0, k])
+            _draw_panel(ax, side, data, kind, width, origin, 12, ranks=k == 0 and i % columns == 0)
+            ax.title.set_fontsize(11)
+            if k == 0:
+                ax.text(1.04, 1.32, name, transform=ax.transAxes, ha="center", va="bottom",
+                        fontsize=14, fontweight="bold")
+    return fig
+
+
 def collectives():
     world_size = settings.world_size
+    results, said = {}, []
+    for name, fn, what, sums in COLLECTIVES:
+        run = spawn(fn, world_size, chunk=1, name=f"{name}, {world_size} ranks")
+        results[name] = ([r["before"] for r in run.returns], [r["after"] for r in run.returns], sums)
+        said.append(f"**{name}**: {what}")
+    note("## The eight collectives, and send/recv")
+    figure(draw_gallery(results),
+           caption="Drawn from the tensors the ranks returned. " + "; ".join(said) + ". Colour: the rank "
+                   "a value came from; grey and bold: a sum over ranks; hatched: a reduce's scratch "
+                   "buffers, which only rank 0 may read.")
     note(f"""
-        ## The eight collectives, and send/recv
-        A *collective* is an operation that every rank of a group calls together. Each demo
-        below runs on {world_size} real ranks (processes; gloo on CPU, NCCL on GPUs). Rank $r$
+        A *collective* is an operation that every rank of a group calls together. Each panel
+        above ran on {world_size} real ranks (processes; gloo on CPU, NCCL on GPUs). Rank $r$
         starts with values $10r + i$, so every value tells where it came from (23 is element 3
-        of rank 2). The figures are drawn from the tensors the ranks returned: colour = the
-        rank a value came from, grey and bold = a sum over ranks.
+        of rank 2). The reductions (reduce, reduce-scatter, all-reduce) sum by default; `op=`
+        picks `MAX`, `MIN`, `PRODUCT` or `AVG` (NCCL). Send and receive are not collectives:
+        only the two ranks involved take part, and a send must meet a matching receive.
 
         Two libraries implement these calls under `torch.distributed`: **gloo** (CPU tensors,
         TCP between processes; what this page uses without GPUs) and **NCCL** (GPU tensors over
@@ -312,20 +383,6 @@ def collectives():
         *tree* (logarithmic latency, for small messages and many nodes).
     """)
     see(demo_all_to_all)
-    for name, fn, what, sums in COLLECTIVES:
-        run = spawn(fn, world_size, name=f"{name}, {world_size} ranks")
-        before = [r["before"] for r in run.returns]
-        after = [r["after"] for r in run.returns]
-        extra = ""
-        if sums == "dst":
-            extra = (" Only rank 0's result is defined: gloo used the other ranks' buffers as "
-                     "scratch space for partial sums (hatched), so never read them.")
-        figure(draw_collective(name, before, after, sums), caption=f"**{name}**: {what}.{extra}")
-    note("""
-        The reductions (reduce, reduce-scatter, all-reduce) sum by default; `op=` picks
-        `MAX`, `MIN`, `PRODUCT` or `AVG` (NCCL). Send and receive are not collectives: only the
-        two ranks involved take part, and a send must meet a matching receive.
-    """)
     see(demo_send_recv)
 
 
@@ -360,15 +417,8 @@ def all_reduce_in_two_halves(rank, world_size, chunk=2):
 def all_reduce_decomposed():
     world_size = settings.world_size
     length = world_size * (1000 if settings.quick else 100_000)
-    note("""
-        ## All-reduce = reduce-scatter + all-gather
-        After a reduce-scatter every rank owns the finished sum of one piece; an all-gather then
-        hands every piece to every rank. That is an all-reduce, and it is how bandwidth-optimal
-        all-reduce algorithms (and ZeRO/FSDP, later) work. The picture is drawn from the
-        tensors of a run on real ranks, the same $10r + i$ inputs as above:
-    """)
-    see(all_reduce_in_two_halves)
     run = spawn(all_reduce_in_two_halves, world_size, name=f"all-reduce in two halves, {world_size} ranks")
+    note("## All-reduce = reduce-scatter + all-gather")
     figure(draw_stages("all-reduce = reduce-scatter + all-gather",
                        [("before", [r["before"] for r in run.returns], "none"),
                         ("after reduce-scatter", [r["scattered"] for r in run.returns], "mine"),
@@ -378,22 +428,27 @@ def all_reduce_decomposed():
                    "rank r holds the sum over all ranks of piece r only (bold, in rank r's colour). "
                    "Bottom: the all-gather copies every rank's finished piece to everyone; every "
                    "row now holds the all-reduce's result.")
-    note(f"Checked on {world_size} ranks with {length:,} elements each, against `dist.all_reduce`:")
-    see(all_reduce_two_ways)
+    note(f"""
+        After a reduce-scatter every rank owns the finished sum of one piece; an all-gather then
+        hands every piece to every rank. That is an all-reduce, and it is how bandwidth-optimal
+        all-reduce algorithms (and ZeRO/FSDP, later) work. Checked on {world_size} ranks with
+        {length:,} elements each, against `dist.all_reduce`:
+    """)
     rows = []
     for integer in (True, False):
         run = spawn(all_reduce_two_ways, world_size, length=length, integer=integer,
                     name=("integer data" if integer else "random floats")
                          + ": all-reduce vs reduce-scatter + all-gather")
         reference = sum(r["input"].double() for r in run.returns)
-        for rank, r in enumerate(run.returns):
-            rows.append(["integers" if integer else "random floats", rank,
-                         (r["direct"] - r["composed"]).abs().max().item(),
-                         (r["composed"].double() - reference).abs().max().item()])
-    table(rows, header=["data", "rank", "max |all-reduce − (reduce-scatter + all-gather)|",
-                        "max |composed − float64 sum|"],
+        rows.append(["integers" if integer else "random floats", world_size,
+                     max((r["direct"] - r["composed"]).abs().max().item() for r in run.returns),
+                     max((r["composed"].double() - reference).abs().max().item() for r in run.returns)])
+    table(rows, header=["data", "ranks", "max |all-reduce − (reduce-scatter + all-gather)|, any rank",
+                        "max |composed − float64 sum|, any rank"],
           caption="Both routes give the same sum. With integer-valued data they agree exactly; "
                   "with random floats any difference is rounding from a different order of additions.")
+    see(all_reduce_in_two_halves)
+    see(all_reduce_two_ways)
 
 
 # =========================================================================================
@@ -548,15 +603,28 @@ def ring():
 
 def ring_step_by_step():
     world_size = settings.world_size
+    run = spawn(ring_trace, world_size, name=f"ring trace, one element per chunk, {world_size} ranks")
+    note("## Ring all-reduce from send and receive")
+    figure(draw_ring_arrows(run.returns),
+           caption=f"The messages of the ring on {world_size} ranks, step by step, read from the "
+                   f"recorded trace. Each arrow is one send to the right neighbour; its label is the "
+                   f"chunk and the value it carried (rank r contributes 2ʳ, so the value's binary "
+                   f"digits say whose data it already contains). In the reduce-scatter the values "
+                   f"grow as partial sums travel; in the all-gather every chunk carries the full "
+                   f"sum, {2 ** world_size - 1}.")
     note("""
-        ## Ring all-reduce from send and receive
         Arrange the $n$ ranks in a ring and cut the buffer into $n$ chunks. In the
         **reduce-scatter phase** ($n-1$ steps) every rank sends one chunk to its right
         neighbour and adds the chunk arriving from its left into its own copy; afterwards rank
         $r$ holds the complete sum of chunk $r+1$. In the **all-gather phase** ($n-1$ more
         steps) the finished chunks travel around the ring once more. Each rank sends
         $2(n-1)$ chunks of size $S/n$, i.e. $2(n-1)/n \\cdot S$ bytes.
-
+    """)
+    figure(draw_ring_trace(run.returns),
+           caption=f"The ring on {world_size} ranks, recorded step by step. Rank r contributes "
+                   f"2ʳ to every chunk, so a value's binary digits say whose data it already "
+                   f"contains ({2 ** world_size - 1} = everyone's). Red: the chunk received in that step.")
+    note("""
         **Why no algorithm sends less (a sketch).** Take one element. Its $n$ inputs sit on $n$ different
         ranks, and a message carries (a partial sum of) it from one rank to one other. Adding
         $n$ values held in $n$ places into one sum needs at least $n-1$ such transfers (each
@@ -571,50 +639,41 @@ def ring_step_by_step():
         consequence, not the reason. Its weakness is latency: $2(n-1)$ sequential
         steps. Lengths that are not a multiple
         of $n$ give chunks whose sizes differ by one (some may even be empty); every rank
-        computes the same split, so sender and receiver always agree.
+        computes the same split, so sender and receiver always agree. A pipelined variant,
+        both rings checked against `dist.all_reduce` and raced against it, waits in the
+        appendix.
     """)
-    see(ring_all_reduce)
+    see(ring_all_reduce, lesson=True)
     see(_ring_buffer)
     see(_exchange)
-    run = spawn(ring_trace, world_size, name=f"ring trace, one element per chunk, {world_size} ranks")
-    figure(draw_ring_arrows(run.returns),
-           caption=f"The messages of the ring on {world_size} ranks, step by step, read from the "
-                   f"recorded trace. Each arrow is one send to the right neighbour; its label is the "
-                   f"chunk and the value it carried (rank r contributes 2ʳ, so the value's binary "
-                   f"digits say whose data it already contains). In the reduce-scatter the values "
-                   f"grow as partial sums travel; in the all-gather every chunk carries the full "
-                   f"sum, {2 ** world_size - 1}.")
-    figure(draw_ring_trace(run.returns),
-           caption=f"The ring on {world_size} ranks, recorded step by step. Rank r contributes "
-                   f"2ʳ to every chunk, so a value's binary digits say whose data it already "
-                   f"contains ({2 ** world_size - 1} = everyone's). Red: the chunk received in that step.")
 
 
 def ring_checked():
     world_size = settings.world_size
     lengths = [1, 2, 3, 7, 13, 97, 1000, 4099]
     note("""
+        ## A pipelined ring, checked and raced
         Waiting for a whole chunk before passing it on leaves the link idle while a rank adds.
         Real implementations cut chunks into slices and overlap moving one slice with adding
         the previous one — a pipeline. Whether that pays off depends on whether moving and
-        adding really use different resources; the table below measures it here:
+        adding really use different resources; the race below measures it here.
     """)
-    see(pipelined_ring_all_reduce)
     run = spawn(ring_vs_builtin, world_size, lengths=lengths,
                 name=f"rings vs dist.all_reduce, awkward lengths, {world_size} ranks")
     rows = []
-    for k, length in enumerate(lengths):
-        reference = sum(r[k][0].double() for r in run.returns)
-        row = [length]
-        for j in (1, 2):    # ring, pipelined ring
-            row.append(max((r[k][j] - r[k][3]).abs().max().item() for r in run.returns))
-            row.append(max((r[k][j].double() - reference).abs().max().item() for r in run.returns))
-        rows.append(row)
-    table(rows, header=["length", "max |ring − dist.all_reduce|", "max |ring − float64 sum|",
-                        "max |pipelined − dist.all_reduce|", "max |pipelined − float64 sum|"],
+    for j, variant in ((1, "ring"), (2, "pipelined ring")):
+        worst_builtin = worst_exact = 0.0
+        for k in range(len(lengths)):
+            reference = sum(r[k][0].double() for r in run.returns)
+            worst_builtin = max(worst_builtin, max((r[k][j] - r[k][3]).abs().max().item() for r in run.returns))
+            worst_exact = max(worst_exact, max((r[k][j].double() - reference).abs().max().item() for r in run.returns))
+        rows.append([variant, worst_builtin, worst_exact])
+    table(rows, header=["variant", "max |ours − dist.all_reduce|", "max |ours − float64 sum|"],
           caption=f"Both hand-written rings agree with the built-in on {world_size} ranks for "
-                  "awkward lengths (the differences are float rounding: the additions happen in "
-                  "a different order).")
+                  f"awkward lengths ({', '.join(map(str, lengths))}; the largest difference over "
+                  "all of them and every rank): the differences are float rounding, the additions "
+                  "happen in a different order.")
+    see(pipelined_ring_all_reduce)
 
 
 def ring_raced():
@@ -692,12 +751,13 @@ def draw_busbw(names, sizes, timings, ranks):
         errorbar(ax, these, bus, scale=1, marker="o", label=name.replace("_", "-"))
     ticks = min(sizes, key=len)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], rotation=45, fontsize=9)
-    ax.set_xlabel("message size S")
-    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], rotation=45, fontsize=11)
+    ax.set_xlabel("message size S", fontsize=12)
+    ax.set_ylabel("bus bandwidth (GB/s)", fontsize=12)
+    ax.tick_params(labelsize=11)
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"busbw vs size, {ranks} ranks")
+    ax.legend(fontsize=11)
+    ax.set_title(f"busbw vs size, {ranks} ranks", fontsize=12)
     return fig
 
 
@@ -749,8 +809,18 @@ def bandwidth():
     ranks = timing_ranks(settings.world_size)
     sizes = sweep_sizes()
     warmup, iters = (1, 5) if settings.quick else (2, 9)
+    plan = {name: sizes for name in SWEPT}
+    plan["all_reduce"] = sorted(set(sizes) | set(alpha_beta_sizes()))
+    run = spawn(sweep, ranks, collectives=SWEPT, sizes=plan, warmup=warmup, iters=iters,
+                name=f"busbw sweep, 5 collectives x {len(sizes)} sizes, {ranks} ranks")
+    timings = run.returns[0]
+    for nbytes, t in zip(plan["all_reduce"], timings[SWEPT.index("all_reduce")]):
+        MEASURED["sweep", ranks, settings.quick, nbytes] = t
+    note("## Measuring bandwidth the nccl-tests way")
+    figure(draw_busbw(SWEPT, [plan[n] for n in SWEPT], timings, ranks),
+           caption=f"Bus bandwidth of each collective as the message grows: median and "
+                   f"interquartile range of {iters} single calls, {machine(ranks)}.")
     note(f"""
-        ## Measuring bandwidth the nccl-tests way
         [nccl-tests](https://github.com/NVIDIA/nccl-tests) is how everyone measures collectives.
         For each message size $S$ it reports two numbers:
 
@@ -766,25 +836,13 @@ def bandwidth():
         then times a batch of back-to-back iterations (20 by default) and divides by their
         number: one *mean* per size, in which consecutive calls may overlap their start-up costs.
         Here each call is timed *alone*: a barrier, one call, the slowest rank's time (a
-        collective is done when its last rank is), repeated {iters} times after {warmup}
-        warm-up call(s); we report the median and the interquartile range. Single calls include
+        collective is done when its last rank is), repeated {iters} times after
+        {plural(warmup, 'warm-up call')}; we report the median and the interquartile range. Single calls include
         the full latency of every call, so our small-message times are, if anything, higher
         than nccl-tests' would be. {len(sizes)} sizes from {human_bytes(sizes[0])} to
         {human_bytes(sizes[-1])}, {machine(ranks)}; all-reduce also at every power of two in
         between, for the α–β fit of the next section.
     """)
-    see(bus_bandwidth_factor)
-    see(measure)
-    plan = {name: sizes for name in SWEPT}
-    plan["all_reduce"] = sorted(set(sizes) | set(alpha_beta_sizes()))
-    run = spawn(sweep, ranks, collectives=SWEPT, sizes=plan, warmup=warmup, iters=iters,
-                name=f"busbw sweep, 5 collectives x {len(sizes)} sizes, {ranks} ranks")
-    timings = run.returns[0]
-    for nbytes, t in zip(plan["all_reduce"], timings[SWEPT.index("all_reduce")]):
-        MEASURED["sweep", ranks, settings.quick, nbytes] = t
-    figure(draw_busbw(SWEPT, [plan[n] for n in SWEPT], timings, ranks),
-           caption=f"Bus bandwidth of each collective as the message grows: median and "
-                   f"interquartile range of {iters} single calls, {machine(ranks)}.")
     rows = []
     for name, ts in zip(SWEPT, timings):
         for nbytes, t in zip(plan[name], ts):
@@ -808,7 +866,7 @@ def bandwidth():
                       "it say nothing.")
         twice = f"""
         The built-in all-reduce of {human_bytes(nb)} was also timed in the race against our
-        rings above; the two measurements of the same call: {compare(
+        rings (appendix); the two measurements of the same call: {compare(
             MEASURED['race', ranks, settings.quick, nb], MEASURED['sweep', ranks, settings.quick, nb],
             'in the race', 'in this sweep')}. {agree}
         """
@@ -827,7 +885,9 @@ def bandwidth():
         bytes each rank wrote to its sockets (`util.measure.bytes_sent`, from Linux's
         `/proc/self/io`) beside what a bandwidth-optimal algorithm sends.
     """)
-    see(wire_bytes)
+    cheat("bus bandwidth", "$\\mathrm{busbw} = \\frac{S}{t} \\cdot \\frac{2(n-1)}{n}$ for all-reduce (nccl-tests)",
+          bandwidths("all_reduce", plan["all_reduce"][-1], timings[SWEPT.index("all_reduce")][-1].median, ranks)[1] / 1e9,
+          "GB/s", what=f"all-reduce of {human_bytes(plan['all_reduce'][-1])}, {ranks} ranks, median of {iters} calls")
     nbytes = min(sizes[-1], 4 * MB)
     run = spawn(wire_bytes, ranks, collectives=SWEPT, nbytes=nbytes,
                 name=f"bytes on the wire, one call of each collective, {human_bytes(nbytes)}, {ranks} ranks")
@@ -836,17 +896,26 @@ def bandwidth():
              "comparison is skipped on this build.*")
         return
     wire = {k: max(r[k] for r in run.returns) for k in SWEPT}
+    figure(draw_wire(wire, nbytes, ranks),
+           caption="The bytes of the table: what each collective should send (outline) and what "
+                   "gloo's busiest rank wrote (filled).")
     table([[k.replace("_", "-"), optimal_bytes(k, nbytes, ranks), wire[k],
             wire[k] / optimal_bytes(k, nbytes, ranks)] for k in SWEPT],
           header=["collective", "bandwidth-optimal bytes per rank (NCCL's ring)",
                   "written to sockets, busiest rank (measured)", "measured / optimal"],
           caption=f"One call on a {human_bytes(nbytes)} buffer (nccl-tests' S), {ranks} ranks, "
                   f"{choose_backend(ranks)}; optimal = $f(n) \\cdot S$.")
-    figure(draw_wire(wire, nbytes, ranks),
-           caption="The bytes of the table: what each collective should send (outline) and what "
-                   "gloo's busiest rank wrote (filled).")
     note(wire_verdict(wire, nbytes, ranks) + " On a DGX H100 the common ceiling would be "
          "NVLink's ~450 GB/s per direction.")
+    cheat("ring all-reduce bytes per rank", "$2\\,\\frac{n-1}{n}\\,S$ sent by each rank (the least any all-reduce can send)",
+          wire["all_reduce"] / nbytes, "× S",
+          what=f"written to sockets by the busiest rank, one all-reduce of S = {human_bytes(nbytes)}, {ranks} ranks, gloo")
+    cheat("all-gather bytes per rank", "$\\frac{n-1}{n}\\,S$ per rank, $S$ the gathered output",
+          wire["all_gather"] / nbytes, "× S",
+          what=f"written to sockets by the busiest rank, S = {human_bytes(nbytes)}, {ranks} ranks, gloo")
+    see(bus_bandwidth_factor)
+    see(measure)
+    see(wire_bytes)
 
 
 def draw_wire(wire, nbytes, n):
@@ -860,12 +929,13 @@ def draw_wire(wire, nbytes, n):
             edgecolor="black", lw=1.5, label="bandwidth-optimal (NCCL's ring)")
     for i, k in enumerate(names):
         ax.text(wire[k] / MB, i, f" {wire[k] / optimal_bytes(k, nbytes, n):.2f}×", va="center",
-                fontsize=10)
-    ax.set_yticks(y, [k.replace("_", "-") for k in names], fontsize=10)
+                fontsize=12)
+    ax.set_yticks(y, [k.replace("_", "-") for k in names], fontsize=12)
     ax.invert_yaxis()
     ax.set_xlim(0, max(wire.values()) / MB * 1.25)
-    ax.set_xlabel(f"MB sent per rank, one call on S = {human_bytes(nbytes)}, {n} ranks")
-    ax.legend(fontsize=9, loc="lower right")
+    ax.set_xlabel(f"MB sent per rank, S = {human_bytes(nbytes)}, {n} ranks", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -934,29 +1004,19 @@ def alpha_beta_verdict(sizes, times, alpha, beta):
 
 
 def alpha_beta():
+    fit = alpha_beta_fit()          # the model, fitted to the sweep's all-reduce timings
+    alpha_beta_details(fit)         # size by size, and where one line stops fitting
+
+
+def alpha_beta_fit():
+    """The α–β section of the main path; returns what `alpha_beta_details` shows."""
     ranks = timing_ranks(settings.world_size)
     sizes = alpha_beta_sizes()
     warmup, iters = (1, 5) if settings.quick else (2, 9)
-    note("""
-        ## The α–β cost model
-        A message of $S$ bytes costs a fixed start-up time plus its size over a bandwidth:
-
-        $$t(S) \\approx \\alpha + \\frac{S}{\\beta}$$
-
-        $\\alpha$ (latency) collects everything that does not depend on size: the call into the
-        library, synchronising with the other ranks, the network's round trip. $\\beta$ is the
-        bandwidth the collective achieves on large messages. The two terms are equal at
-        $S^* = \\alpha\\beta$: below it latency dominates and sending more data is almost
-        free, above it time grows linearly with size. We fit both to all-reduce timings,
-        minimising relative error so small and large messages count alike, exactly (a
-        two-unknown non-negative least-squares problem):
-    """)
-    see(fit_alpha_beta)
     keys = [("sweep", ranks, settings.quick, nb) for nb in sizes]
-    if all(k in MEASURED for k in keys):
+    reused = all(k in MEASURED for k in keys)
+    if reused:
         timings = [MEASURED[k] for k in keys]
-        note("The timings are the all-reduce sweep of the previous section (measured once, "
-             "read twice).")
     else:       # this section on its own (a notebook cell): measure
         run = spawn(sweep, ranks, collectives=["all_reduce"], sizes=sizes, warmup=warmup,
                     iters=iters, name=f"all-reduce sweep for the α–β fit, {len(sizes)} sizes, {ranks} ranks")
@@ -970,37 +1030,66 @@ def alpha_beta():
     small_alpha, _ = fit_alpha_beta(sizes[:half], times[:half])
     large_alpha, large_beta = fit_alpha_beta(sizes[half:], times[half:])
     misfit = rel[-1] > 0.15 or rel[0] > 0.15
+    note("## The α–β cost model")
     figure(draw_alpha_beta(sizes, timings, alpha, beta,
                            regimes=(small_alpha, large_alpha, large_beta) if misfit else None),
            caption=f"All-reduce time and the fitted α–β model, {machine(ranks)}.")
+    note("""
+        A message of $S$ bytes costs a fixed start-up time plus its size over a bandwidth:
+
+        $$t(S) \\approx \\alpha + \\frac{S}{\\beta}$$
+
+        $\\alpha$ (latency) collects everything that does not depend on size: the call into the
+        library, synchronising with the other ranks, the network's round trip. $\\beta$ is the
+        bandwidth the collective achieves on large messages. The two terms are equal at
+        $S^* = \\alpha\\beta$: below it latency dominates and sending more data is almost
+        free, above it time grows linearly with size. We fit both to the all-reduce timings of
+        the sweep above""" + (" (measured once, read twice)" if reused else "") + """, minimising
+        relative error so small and large messages count alike.
+    """)
+    verdict = alpha_beta_verdict(sizes, times, alpha, beta)
+    note(f"""
+        The fit gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a bandwidth of
+        **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole all-reduce, not of one
+        link). {verdict} That is why data-parallel training packs gradients into buckets of
+        megabytes (next lecture) instead of sending each small tensor on its own. The α here
+        is mostly software (Python, gloo's TCP round trips through the kernel); on NVLink with
+        NCCL it is a few microseconds.
+    """)
+    cheat("all-reduce latency α", "$t(S) \\approx \\alpha + S/\\beta$: the fixed cost per call",
+          alpha * 1e6, "µs", what=f"fitted to the all-reduce sweep, {ranks} ranks, {choose_backend(ranks)}")
+    cheat("all-reduce bandwidth β", "$t(S) \\approx \\alpha + S/\\beta$: $\\beta$ is the slope's inverse",
+          beta / 1e9, "GB/s", what=f"fitted to the all-reduce sweep, {ranks} ranks, {choose_backend(ranks)}")
+    see(fit_alpha_beta)
+    return {"sizes": sizes, "timings": timings, "times": times, "model": model, "rel": rel,
+            "small_alpha": small_alpha, "large_beta": large_beta, "misfit": misfit}
+
+
+def alpha_beta_details(fit):
+    """The fit size by size, whether one line fits both regimes, and the ring's refined model."""
+    sizes, timings, times, model, rel = (fit[k] for k in ("sizes", "timings", "times", "model", "rel"))
+    note("## The α–β fit, size by size")
     table([[human_bytes(s), us(t), m * 1e6, f"{100 * (m / t.median - 1):+.0f}%"]
            for s, t, m in zip(sizes, timings, model)],
           header=["size", "measured µs, median (IQR)", "one-line model (µs)", "model − measured"],
           caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%; largest "
                   f"{rel.max() * 100:.0f}% (at {human_bytes(sizes[int(rel.argmax())])}).")
-    verdict = alpha_beta_verdict(sizes, times, alpha, beta)
-    if misfit:
+    if fit["misfit"]:
         fits = (f"One straight line does not fit both regimes here: at {human_bytes(sizes[-1])} it "
                 f"predicts {model[-1] * 1e3:.3g} ms where {times[-1] * 1e3:.3g} ms was measured "
                 f"({100 * (model[-1] / times[-1] - 1):+.0f}%), and at {human_bytes(sizes[0])} "
                 f"{model[0] * 1e6:.0f} µs for {times[0] * 1e6:.0f} µs. Fitted separately, the "
-                f"smaller half gives α ≈ {small_alpha * 1e6:.0f} µs and the larger half "
-                f"β ≈ {large_beta / 1e9:.2f} GB/s (dashed lines): the bandwidth this machine "
-                "reaches depends on the size (caches, socket buffers, gloo switching "
+                f"smaller half gives α ≈ {fit['small_alpha'] * 1e6:.0f} µs and the larger half "
+                f"β ≈ {fit['large_beta'] / 1e9:.2f} GB/s (dashed lines in the figure): the bandwidth "
+                "this machine reaches depends on the size (caches, socket buffers, gloo switching "
                 "algorithms), which the model's single β cannot express. Use α from small "
                 "messages and β from the sizes you will really send.")
     else:
         fits = (f"The line fits the whole range within {rel.max() * 100:.0f}% "
                 f"(at {human_bytes(sizes[int(rel.argmax())])}).")
     note(f"""
-        The fit gives a latency of **α ≈ {alpha * 1e6:.0f} µs** and a bandwidth of
-        **β ≈ {beta / 1e9:.2f} GB/s** (algorithm bandwidth of the whole all-reduce, not of one
-        link). {verdict} {fits}
-
-        That is why data-parallel training packs gradients into buckets of megabytes (next
-        lecture) instead of sending each small tensor on its own. The α here is mostly
-        software (Python, gloo's TCP round trips through the kernel); on NVLink with NCCL it
-        is a few microseconds. For a ring the model can be refined per link:
+        {fits} The fit itself is exact: a two-unknown non-negative least-squares problem
+        (`fit_alpha_beta`). For a ring the model can be refined per link:
         $t = 2(n-1)\\,\\alpha_\\text{{link}} + \\frac{{2(n-1)}}{{n}}\\frac{{S}}{{\\beta_\\text{{link}}}}$
         — the latency term grows with the number of ranks, which is why NCCL uses trees for
         small messages on many nodes.
@@ -1025,33 +1114,62 @@ def skip_a_collective(rank, world_size):
 
 
 def hangs():
+    hang_demo()             # one rank skips an all-reduce: the others wait until the timeout
+    finding_the_culprit()   # the switches and logs that name the rank in a real job
+
+
+def draw_hang(waited, world_size, timeout):
+    """One bar per rank: how long it waited inside the all-reduce (from its own output)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 0.55 * world_size + 1.3))
+    for rank in range(world_size):
+        w = waited.get(rank)
+        if w is None:
+            ax.text(0.05, rank, "skipped the all-reduce, returned at once", va="center", fontsize=12,
+                    color="#c44e52")
+        else:
+            ax.barh(rank, w, color="#8c8c8c", height=0.6)
+            ax.text(w + 0.05, rank, f"waited {w:.1f} s", va="center", fontsize=12)
+    ax.axvline(timeout, color="#c44e52", ls="--", lw=1.5)
+    ax.text(timeout, -0.75, f"timeout {timeout} s", color="#c44e52", ha="center", fontsize=12)
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=12)
+    ax.set_ylim(world_size - 0.5, -1.1)
+    ax.set_xlim(0, timeout * 1.6)
+    ax.set_xlabel("seconds inside dist.all_reduce", fontsize=12)
+    ax.tick_params(labelsize=11)
+    return fig
+
+
+def hang_demo():
     world_size = settings.world_size
     timeout = 3
+    note("## Hangs and timeouts")
     note(f"""
-        ## Hangs and timeouts
         A collective completes only when *every* rank of the group has called it, and ranks
         must call collectives in the same order with matching shapes. If one rank skips a call
         (a data-dependent `if`, an early `return`, a different number of batches), the others
         wait for it forever: the job hangs with no error and full GPUs. The process group's
         `timeout` turns that hang into an error. Below, the last rank skips an all-reduce and
-        the others give up after {timeout} seconds (this failure is the lesson, and expected):
+        the others give up after {timeout} seconds (this failure is the lesson, and expected;
+        a rank may instead report that a peer closed the connection, because a rank that gave
+        up closes its links). In a real job, `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `NCCL_DEBUG=INFO`
+        and the flight recorder name the rank that fell behind.
     """)
-    see(skip_a_collective)
     run = spawn(skip_a_collective, world_size, expect_error=True, timeout=timeout,
                 name=f"hang: the last rank skips an all-reduce, {timeout} s timeout")
-    rows = []
-    for rank in range(world_size):
-        mine = [r for r in run.records if r.get("rank") == rank]
-        said = " ".join(r["text"].strip() for r in mine if r["kind"] == "output")
-        error = [trim_build_paths(r["text"].strip().splitlines()[-1]) for r in mine if r["kind"] == "error"]
-        rows.append([rank, said or f"returned {run.returns[rank]!r}", error[0] if error else ""])
-    table(rows, header=["rank", "what it did", "its error"],
-          caption=f"Each rank of the demo (status: {run.status}). The ranks that waited gave up "
-                  f"after the {timeout} s timeout; one may instead report that a peer closed the "
-                  "connection, because a rank that gave up closes its links.")
-    note(f"The demo's error, as the launcher reports it:\n\n```text\n{trim_build_paths(run.error)}\n```")
+    waited = {}
+    for r in run.records:
+        if r.get("kind") == "output" and r["text"].strip().startswith("waited"):
+            waited[r.get("rank")] = float(r["text"].split()[1])
+    figure(draw_hang(waited, world_size, timeout),
+           caption=f"The demo above, read from each rank's own output: the last rank skipped the "
+                   f"all-reduce, and {plural(len(waited), 'rank')} waited in it until the {timeout} s timeout.")
+    see(skip_a_collective)
+
+
+def finding_the_culprit():
     note("""
-        Finding the culprit in a real job:
+        ## Finding the culprit in a real job
 
         - `TORCH_DISTRIBUTED_DEBUG=DETAIL` makes PyTorch check, before every collective, that
           all ranks are calling the same operation with the same shapes (it wraps the process
@@ -1170,17 +1288,14 @@ def overlap_verdict(t):
 
 
 def overlap():
-    overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
     overlap_async()         # the collectives' mechanism: async_op=True and wait()
+    overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
 
 
 def overlap_streams():
     note("""
-        ## Overlapping communication with computation
-        Communication that waits for computation, and computation that waits for
-        communication, both waste the hardware. Two mechanisms let them run at once.
-
-        **CUDA streams.** A GPU executes kernels from different streams concurrently when it
+        ## CUDA streams
+        A GPU executes kernels from different streams concurrently when it
         has the resources; copies between host and device run on separate copy engines. Put a
         host-to-device copy on a side stream and a matmul on the default stream, and the copy
         is hidden behind the matmul (NCCL runs its kernels on its own streams the same way).
@@ -1213,24 +1328,25 @@ def overlap_async():
     numel = (1 * MB if settings.quick else 8 * MB) // 4
     matmul_n, matmuls = (128, 20) if settings.quick else (256, 40)
     reps = 5 if settings.quick else 9
-    note(f"""
-        **`async_op=True`.** Every collective can return immediately with a work handle
-        instead of blocking; `handle.wait()` blocks until it is done (on GPUs: makes the current
-        stream wait). Between the two, the rank is free to compute — as long as that
-        computation does not touch the buffer being reduced. Below, each of {ranks} ranks
-        all-reduces a {human_bytes(numel * 4)} buffer and runs {matmuls} {matmul_n}×{matmul_n}
-        matmuls, first one after the other, then with the all-reduce started before the
-        matmuls. Each variant is timed {reps} times after a warm-up (barrier before each,
-        slowest rank); the figure is one extra repetition with every span recorded. The async
-        all-reduce's bar ends when its completion callback fired.
-    """)
-    see(async_overlap)
+    note("## Overlapping communication with computation")
     run = spawn(async_overlap, ranks, numel=numel, matmul_n=matmul_n, matmuls=matmuls, reps=reps,
                 name=f"overlap: compute with an async all-reduce, {ranks} ranks")
     t = run.returns[0]
     figure(timeline(run.spans, title=f"sequential, then overlapped ({ranks} ranks)"),
            caption="Measured spans of the traced repetition on every rank: compute then "
                    "all-reduce, then the same work with the all-reduce in flight during the compute.")
+    note(f"""
+        Communication that waits for computation, and computation that waits for
+        communication, both waste the hardware. Every collective can return immediately with a work handle
+        instead of blocking; `handle.wait()` blocks until it is done (on GPUs: makes the current
+        stream wait). Between the two, the rank is free to compute — as long as that
+        computation does not touch the buffer being reduced. Here each of {ranks} ranks
+        all-reduces a {human_bytes(numel * 4)} buffer and runs {matmuls} {matmul_n}×{matmul_n}
+        matmuls, first one after the other, then with the all-reduce started before the
+        matmuls. Each variant is timed {reps} times after a warm-up (barrier before each,
+        slowest rank); the figure is one extra repetition with every span recorded. The async
+        all-reduce's bar ends when its completion callback fired.
+    """)
     table([[k, t[k].ms()] for k in ("compute", "all-reduce", "sequential", "overlapped")],
           header=["", "time, median (IQR)"],
           caption=f"{reps} repetitions each, slowest rank, {machine(ranks)}.")
@@ -1241,8 +1357,17 @@ def overlap_async():
         compute runs on the SMs while NCCL's transfers use NVLink/the network and a few SMs of
         their own, so overlap comes much closer to the ideal. Data-parallel training uses
         exactly this: it starts each gradient bucket's all-reduce as soon as backward has
-        produced it (lecture 03).
+        produced it (lecture 03). {"Here it paid off in part; on GPUs" if t["overlapped"].q3 < t["sequential"].q1
+        else "This CPU cannot show it pay off, because gloo's transfers and the matmuls share the same cores; on GPUs"}
+        that overlap, with bucketing, is what makes data parallelism scale:
     """)
+    published("""
+        PyTorch's DDP, which buckets gradients and overlaps their all-reduce with the backward
+        (and can skip synchronisation), *"when configured appropriately, [...] attains
+        near-linear scalability using 256 GPUs"*.
+    """, "https://arxiv.org/abs/2006.15704",
+        "Li et al. 2020, PyTorch Distributed: Experiences on Accelerating Data Parallel Training, PVLDB 13(12)")
+    see(async_overlap)
 
 
 # =========================================================================================
@@ -1304,21 +1429,33 @@ def main():
         can send; how to measure collectives the way NCCL's own benchmarks do (and what the
         bytes on the wire say about gloo); the α–β model of their cost and where it stops
         fitting; what happens when ranks disagree; and how to hide communication behind
-        computation. Every number on this page was measured while building it.
+        computation.
 
         **What you need.** Lecture 01 (a training step, and what its gradients weigh);
         PyTorch tensors (`view`, `chunk`, in-place ops); and the primer on the index page:
         what a rank, a world size and a process group are, and that every rank runs the same
         function (SPMD).
     """)
-    hardware()
-    collectives()
-    all_reduce_decomposed()
-    ring()
-    bandwidth()
-    alpha_beta()
-    hangs()
-    overlap()
+    hardware_hierarchy()    # each hop outwards costs an order of magnitude in bandwidth
+    with deep_dive("The build machine's topology", "what `nvidia-smi topo -m` or `lscpu` says about the machine that built this page"):
+        this_machine()
+    collectives()           # the eight collectives and send/recv, on real ranks
+    all_reduce_decomposed()  # the two halves ZeRO and FSDP use apart
+    ring_step_by_step()     # all-reduce from messages between neighbours
+    with deep_dive("A pipelined ring, checked and raced", "both hand-written rings against dist.all_reduce: "
+                   "awkward lengths, and how fast they are"):
+        ring_checked()
+        ring_raced()
+    bandwidth()             # algbw and busbw, and the bytes really on the wire
+    fit = alpha_beta_fit()  # t ≈ α + S/β
+    with deep_dive("The α–β fit, size by size", "the model against every size, and where one line stops fitting"):
+        alpha_beta_details(fit)
+    hang_demo()             # one rank skips a collective: the others wait until the timeout
+    with deep_dive("Finding the culprit in a real job", "TORCH_DISTRIBUTED_DEBUG, NCCL_DEBUG and the flight recorder"):
+        finding_the_culprit()
+    overlap_async()         # async_op=True: communication under computation
+    with deep_dive("CUDA streams", "the GPU's own overlap: kernels and copies on separate streams"):
+        overlap_streams()
     further_reading()
     what_to_remember()      # the lecture in seven lines, and its notebook
 

@@ -524,7 +524,7 @@ def test_hang_errors_lose_the_build_path():
 
 def test_flight_recorder_names_the_dump_file_variable():
     import inspect
-    src = inspect.getsource(L.hangs)
+    src = inspect.getsource(L.finding_the_culprit)      # the hang section's deep dive
     assert "TORCH_FR_DUMP_TEMP_FILE" in src and "still" in src
 
 
