@@ -542,12 +542,11 @@ def executor_matches():
     note(f"""
         ## One executor for every schedule
         `PipelineExecutor` runs one rank's list. Before an action it waits for that action's
-        input (a receive posted earlier, or a local hand-over at the turn of a V); after it, it
-        posts in one `batch_isend_irecv` the send of what it produced together with the receive
-        the next action needs. Sends never block, so the only waits are for data, and any
-        schedule that the simulator can finish cannot deadlock. Receives are posted in the order
-        the sending rank sends (`message_order`), which is what NCCL needs (the deep dive at the
-        end shows why). The split backward asks autograd
+        input (a message, or a local hand-over at the turn of a V). Its messages go out in
+        `batch_isend_irecv` batches that both ends post at the same slot of one shared clock
+        (`communication_plan`), every rank in slot order: any schedule the simulator can finish
+        cannot deadlock, and each pair of ranks posts its messages in the same order at both
+        ends, which NCCL needs (a deep dive shows why). The split backward asks autograd
         only for the gradients of the stage input and of each parameter-owning module's output
         (`torch.autograd.grad` skips the weight-gradient products it was not asked for); W
         later turns those into weight gradients one module at a time.
@@ -1149,9 +1148,10 @@ def deep_dive_posting_order():
         gradients. In DualPipeV at p = {p}, m = {m}, rank {src} sends rank {dst} {len(sent)}
         messages, and {moved} of them sit at another position in the order rank {dst} needs
         them (below). Interleaved 1F1B does it too at some sizes where $m$ is not a multiple
-        of $p$ (p = 2, m = 5, for one). So the executor posts, before the receive an action needs, the receives of
-        every message that peer sends earlier (`message_order` gives the order); a test runs
-        every schedule with ranks as threads and a stand-in that matches as NCCL does.
+        of $p$ (p = 2, m = 5, for one). So the executor posts each message at both ends in the same slot of one
+        shared clock (`communication_plan`, from `schedule_sim.message_slots`), which makes every
+        pair's posting orders equal; a test runs every schedule with ranks as threads and a
+        stand-in that matches as NCCL does.
     """)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 2.6))
@@ -1210,8 +1210,8 @@ def what_to_remember():
           its gain needs GPUs and expert parallelism.
         - Checkpointing keeps each stage's input and re-runs its forward in backward: the peak
           is all kept inputs plus one micro-batch's activations, and the re-run is busy time.
-        - Post a send with its matching receive (`batch_isend_irecv`), and post a pair's
-          receives in the order the peer sends: NCCL ignores tags.
+        - Post a send with its matching receive (`batch_isend_irecv`), and make both ends of
+          every pair post their messages in the same order: NCCL ignores tags.
 
         The companion notebook, `lectures/notebooks/lecture_05_pipeline_parallel.ipynb`, runs
         every section of this page cell by cell; change the schedule, p and m at its top.
