@@ -585,13 +585,13 @@ def memory_of_the_layouts(runs, shape):
         indices, a stage's received input.
     """)
     _RESULTS["memory_worst"] = worst
-    plain = next(((name, got) for name, lay, got in runs if lay.dp > 1 and lay.world == lay.dp and not lay.zero), None)
+    plain = next(((name, got) for name, lay, got in runs if not lay.zero), None)   # no ZeRO: every state whole
     if plain:
         m = plain[1][0]["memory"]
         per_param = (m["weights"] + m["grads"] + m["optimizer"]) / (m["weights"] / 4)   # float32 weights: 4 bytes each
         cheat("bytes per parameter", "$4 + 4 + 8 = 16$ bytes per parameter (fp32 weights, gradients, AdamW's two moments); "
               "ZeRO-$k$ divides its parts by dp·cp", round(per_param, 2), "bytes",
-              what=f"rank 0 of the {plain[0]} layout, measured from the tensors it held")
+              what=f"per parameter rank 0 holds, {plain[0]} layout, measured from its tensors")
 
 
 def memory_with_recomputation(cfg, shape, sp_shown):
