@@ -462,8 +462,7 @@ def saved_tensor_by_tensor(s0=None):
     saved = block_activations(cfg, b, s0, causal_attention)
     sbh = s0 * b * cfg.d_model
     note(f"""
-        ## What one block saves, tensor by tensor
-        The reconciliation above names each term; here are the tensors autograd saved for one
+        The lecture's reconciliation names each term; here are the tensors autograd saved for one
         block at s = {s0}, as `SavedBytes` saw them, grouped by shape and dtype.
     """)
     groups = {}
@@ -503,7 +502,6 @@ def a_step_too_big_to_hold():
     seconds = time.perf_counter() - start
     psi = param_count(huge)
     note(f"""
-        ## Memory of a step too big to hold
         The tracker of the anatomy section runs under `FakeTensorMode`, where tensors have shapes and dtypes but
         no storage. A GPT with h = {huge.d_model}, {huge.n_layers} layers and a vocabulary of
         {huge.vocab_size} has {psi / 1e9:.2f} billion parameters; one bf16 training step on one

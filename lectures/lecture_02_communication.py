@@ -87,10 +87,11 @@ def draw_hierarchy(copy_gbs):
     import matplotlib.pyplot as plt
     names = [n for n, _ in H100_LEVELS] + ["this machine:\nmemory copy"]
     values = [v for _, v in H100_LEVELS] + [copy_gbs]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = plt.subplots(figsize=(6.2, 3.4))
     bars = ax.barh(range(len(names)), values, color=["#4c72b0"] * len(H100_LEVELS) + ["#dd8452"])
     for bar, v in zip(bars, values):
-        ax.text(v * 1.1, bar.get_y() + bar.get_height() / 2, f"{v:,.3g} GB/s", va="center", fontsize=12)
+        ax.text(v * 1.1, bar.get_y() + bar.get_height() / 2,
+                f"{v:,.0f} GB/s" if v >= 100 else f"{v:.3g} GB/s", va="center", fontsize=12)
     ax.set_xscale("log")
     ax.set_xlim(min(values) / 3, max(values) * 12)
     ax.set_yticks(range(len(names)), names, fontsize=12)
@@ -145,7 +146,6 @@ def hardware_hierarchy():
 
 def this_machine():
     note("""
-        ## The build machine's topology
         `nvidia-smi topo -m` lists which GPUs talk over NVLink (`NV#`) or PCIe (`PIX`, `PHB`,
         `SYS`); without GPUs we record the CPU layout, since the "ranks" here are processes
         sharing these cores and one memory.
@@ -652,7 +652,6 @@ def ring_checked():
     world_size = settings.world_size
     lengths = [1, 2, 3, 7, 13, 97, 1000, 4099]
     note("""
-        ## A pipelined ring, checked and raced
         Waiting for a whole chunk before passing it on leaves the link idle while a rank adds.
         Real implementations cut chunks into slices and overlap moving one slice with adding
         the previous one — a pipeline. Whether that pays off depends on whether moving and
@@ -1068,7 +1067,6 @@ def alpha_beta_fit():
 def alpha_beta_details(fit):
     """The fit size by size, whether one line fits both regimes, and the ring's refined model."""
     sizes, timings, times, model, rel = (fit[k] for k in ("sizes", "timings", "times", "model", "rel"))
-    note("## The α–β fit, size by size")
     table([[human_bytes(s), us(t), m * 1e6, f"{100 * (m / t.median - 1):+.0f}%"]
            for s, t, m in zip(sizes, timings, model)],
           header=["size", "measured µs, median (IQR)", "one-line model (µs)", "model − measured"],
@@ -1169,8 +1167,6 @@ def hang_demo():
 
 def finding_the_culprit():
     note("""
-        ## Finding the culprit in a real job
-
         - `TORCH_DISTRIBUTED_DEBUG=DETAIL` makes PyTorch check, before every collective, that
           all ranks are calling the same operation with the same shapes (it wraps the process
           group and compares fingerprints with an extra all-gather). A mismatch becomes an error
@@ -1294,7 +1290,6 @@ def overlap():
 
 def overlap_streams():
     note("""
-        ## CUDA streams
         A GPU executes kernels from different streams concurrently when it
         has the resources; copies between host and device run on separate copy engines. Put a
         host-to-device copy on a side stream and a matmul on the default stream, and the copy
