@@ -14,9 +14,11 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 LECTURES := $(sort $(basename $(notdir $(wildcard lectures/lecture_*.py))))
-RUNFLAGS := $(if $(QUICK),--quick) $(if $(LAUNCHER),--launcher $(LAUNCHER)) \
+# QUICK=0 (or no, false, off) means off, as it reads
+on = $(filter-out 0 no false off,$(1))
+RUNFLAGS := $(if $(call on,$(QUICK)),--quick) $(if $(LAUNCHER),--launcher $(LAUNCHER)) \
             $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(TIMEOUT),--timeout $(TIMEOUT)) \
-            $(if $(BACKEND),--backend $(BACKEND)) $(if $(VERBOSE),--verbose)
+            $(if $(BACKEND),--backend $(BACKEND)) $(if $(call on,$(VERBOSE)),--verbose)
 NBFLAGS  := $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE)) $(if $(BACKEND),--backend $(BACKEND))
 export PYTHONUNBUFFERED := 1
 export MPLBACKEND := Agg
@@ -55,7 +57,7 @@ test-torchrun: $(STAMP)
 	@$(PY) -m pytest tests -m torchrun
 
 notebooks: $(STAMP)
-	@$(PY) -m util.build_notebooks $(if $(QUICK),--quick) $(NBFLAGS)
+	@$(PY) -m util.build_notebooks $(if $(call on,$(QUICK)),--quick) $(NBFLAGS)
 
 jupyter: $(STAMP)
 	@$(PY) -c "from util.build_notebooks import register_kernel; register_kernel()"

@@ -234,3 +234,57 @@ def test_dtensor_works_after_the_workers_changed_process_group():
     assert spawn(dtensor_row_parallel_sum, 4, groups_before=5, name="dtensor before").returns == [want] * 4
     spawn(succeed, 2, name="another world size")
     assert spawn(dtensor_row_parallel_sum, 4, name="dtensor after").returns == [want] * 4
+
+
+# --- runs that cannot break the launcher (adversarial.md, area 4) ---------------------------
+
+def spin_forever(rank, world_size):
+    step = 0
+    while step < 3:        # a student's loop whose counter never changes
+        pass
+
+
+def returns_numpy(rank, world_size):
+    import numpy as np
+    return {"array": np.arange(3) * rank, "scalar": np.float32(rank), "count": np.int64(7)}["scalar" if rank else "array"]
+
+
+def tear_down_the_group(rank, world_size):
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()       # a tutorial's last line
+
+
+def die_while_others_work(rank, world_size):
+    if rank == 1:
+        os._exit(5)
+    time.sleep(30)            # busy with something else: nothing tells them rank 1 is gone
+
+
+def test_ranks_that_all_loop_end_at_the_deadline_saying_where_they_were():
+    start = time.monotonic()
+    with pytest.raises(DemoFailed) as e:
+        spawn(spin_forever, 2, deadline=4)
+    assert time.monotonic() - start < 15
+    error = e.value.run.error
+    assert "did not finish within the demo's deadline of 4 s" in error, error
+    assert "rank 0 was at tests/test_launch.py:" in error and "in spin_forever" in error, error
+    assert spawn(say_rank, 2).returns[0]["sum"] == 1.0           # the next demo runs on fresh ranks
+
+
+def test_numpy_values_come_back_from_ranks():
+    run = spawn(returns_numpy, 2)
+    assert list(run.returns[0]) == [0, 0, 0] and float(run.returns[1]) == 1.0
+
+
+def test_a_demo_that_destroys_the_group_does_not_poison_the_next():
+    spawn(tear_down_the_group, 2)
+    assert spawn(say_rank, 2).returns[1]["world"] == 2
+
+
+def test_the_failure_sentence_says_who_died_and_who_was_stopped():
+    start = time.monotonic()
+    with pytest.raises(DemoFailed) as e:
+        spawn(die_while_others_work, 3)
+    assert time.monotonic() - start < 10
+    error = e.value.run.error
+    assert "rank 1 died (exit codes [5])" in error and "ranks 0 and 2 were stopped after rank 1 died" in error, error

@@ -23,6 +23,7 @@ import time
 from util import launch, record
 
 CHECK_TIMEOUT = 10.0   # seconds a rank may wait in a collective before the check calls it a hang
+CHECK_DEADLINE = 30.0  # seconds a whole check may run (a student's endless loop ends here)
 
 
 class NoSource(ValueError):
@@ -171,7 +172,7 @@ def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-
     previous = record.use(quiet)
     run, error = None, None
     try:
-        run = launch.spawn(on_rank, world_size, name=f"check {name}", timeout=CHECK_TIMEOUT,
+        run = launch.spawn(on_rank, world_size, name=f"check {name}", timeout=CHECK_TIMEOUT, deadline=CHECK_DEADLINE,
                            harness=harness, sources=sources, given=given or {}, kwargs=kwargs or {})
     except launch.DemoFailed as e:
         run, error = e.run, e.run.error
@@ -192,7 +193,9 @@ def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-
             detail = f"rank {rank} raised:\n{tail}"
         else:
             detail = error.replace(f"demo 'check {name}'", "the check")
-        if "did not finish" in error or "imed out" in error:
+        if "deadline" in error:
+            detail += "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"
+        elif "did not finish" in error or "imed out" in error:
             detail += (f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
                        "matching recv, and every rank must call the same collectives)")
         return _verdict(name, False, detail + hint_line, seconds, printed)

@@ -26,7 +26,12 @@ import io
 import multiprocessing
 import os
 import pickle
+import queue
 import random
+import re
+import shutil
+import signal
+import tempfile
 import sys
 import time
 import traceback
@@ -41,6 +46,7 @@ class Settings:
     backend: str = None         # None: nccl when there is a GPU per rank, else gloo
     launcher: str = "pool"      # pool | spawn (torchrun is detected from the environment)
     timeout: float = 60.0       # seconds a collective may wait before it is an error
+    deadline: float = 900.0     # seconds a whole demo may run before its ranks are stopped
     progress: bool = False      # one status line per demo on stderr
     verbose: bool = False       # also print the traceback of a demo that failed as expected
 
@@ -112,7 +118,12 @@ def _reset(seed, threads):
 def _run_task(rank, world_size, fn, kwargs, threads):
     import torch.distributed as dist
     _reset(0, threads)
-    dist.barrier()              # everyone starts together: spans line up across ranks
+    try:
+        dist.barrier()          # everyone starts together: spans line up across ranks
+    except Exception as e:
+        raise RuntimeError("the process group was unusable at the start of this demo: the previous "
+                           "demo or check probably caught a collective's error and returned (the "
+                           f"group is broken after a timeout); its error: {e}") from e
     recorder = record.Recorder(rank=rank)
     previous = record.use(recorder)
     out, err = io.StringIO(), io.StringIO()
@@ -142,6 +153,23 @@ def _run_task(rank, world_size, fn, kwargs, threads):
     return result
 
 
+def _run_task_or_error(rank, world_size, fn, kwargs, threads):
+    try:
+        return _run_task(rank, world_size, fn, kwargs, threads)
+    except Exception:
+        return _error_result(rank)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def _dumps(result):
     try:
         return pickle.dumps(result)
@@ -168,11 +196,17 @@ def _forget_meshes():
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # Python's
 
 
-def _worker(rank, port, backend, tasks, results):
+def _worker(rank, port, backend, tasks, results, parent=None, stack_file=None):
     """A rank that lives across demos. Each task names the group it runs in (world size and
     timeout); when that changes, the rank leaves its old process group and joins the new one,
-    which costs milliseconds where a new process costs seconds."""
+    which costs milliseconds where a new process costs seconds. It exits when the lecture's
+    process (`parent`) is gone, however that ended, and writes its Python stack to `stack_file`
+    on SIGUSR1 (what a rank was doing when its demo ran out of time)."""
     os.environ.setdefault("MPLBACKEND", "Agg")
+    if stack_file:
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=False)
     global _device
     import torch
     import torch.distributed as dist
@@ -184,7 +218,12 @@ def _worker(rank, port, backend, tasks, results):
     results.put(pickle.dumps({"rank": rank, "ready": True}))
     joined = None
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent and not _alive(parent):      # the lecture's process died: so do we
+                os._exit(0)
+            continue
         if task is None:
             break
         (generation, world_size, timeout), blob = task
@@ -203,7 +242,9 @@ def _worker(rank, port, backend, tasks, results):
             results.put(pickle.dumps(_error_result(rank)))
             continue
         threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no thrashing
-        results.put(_dumps(_run_task(rank, world_size, fn, kwargs, threads)))
+        results.put(_dumps(_run_task_or_error(rank, world_size, fn, kwargs, threads)))
+        if not dist.is_initialized():   # the demo destroyed the group (a tutorial's last line): join anew
+            joined = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -282,6 +323,7 @@ class Pool:
         self.tasks, self.procs = [], []
         self.group, self.generation = None, 0
         self.sources = SourceWatch()  # the code the workers import
+        self.stacks = tempfile.mkdtemp(prefix="course-stacks-")   # where a rank writes its stack on SIGUSR1
 
     def grow(self, world_size):
         new = range(len(self.procs), world_size)
@@ -292,7 +334,8 @@ class Pool:
             self.tasks.append(self.ctx.Queue())
             self.procs.append(self.ctx.Process(target=_worker, daemon=True, name=f"rank{r}",
                                                args=(r, self.store.port, self.backend,
-                                                     self.tasks[r], self.results)))
+                                                     self.tasks[r], self.results, os.getpid(),
+                                                     os.path.join(self.stacks, f"rank{r}.txt"))))
             self.procs[r].start()
         ready = self._collect(new, deadline=time.monotonic() + 300)
         if len(ready) < len(new):
@@ -326,8 +369,29 @@ class Pool:
                 deadline = on_result(msg, got, deadline) or deadline
         return got
 
-    def run(self, fn, kwargs, world_size, timeout):
-        """Run a demo (workers already started); returns (per-rank results, error or None)."""
+    def where(self, ranks):
+        """{rank: 'file:line in function'} of each rank's innermost frame in the project's code,
+        read from the stack it writes on SIGUSR1."""
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        out = {}
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(self.stacks, f"rank{r}.txt")) as f:
+                    text = f.read()
+                frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text.split("Current thread")[-1])
+                mine = [f for f in frames if os.path.abspath(f[0]).startswith(record.ROOT + os.sep)
+                        and os.sep + "util" + os.sep not in f[0]]
+                if mine:    # faulthandler lists the innermost frame first
+                    out[r] = f"{record.relpath(mine[0][0])}:{mine[0][1]} in {mine[0][2]}"
+        return out
+
+    def run(self, fn, kwargs, world_size, timeout, deadline=None):
+        """Run a demo (workers already started); returns (per-rank results, error or None).
+        Ranks that have not reported `deadline` seconds after the demo started are stopped,
+        and the error says where each of them was."""
         if self.group != (world_size, timeout):
             self.group, self.generation = (world_size, timeout), self.generation + 1
         task = ((self.generation, world_size, timeout), pickle.dumps((fn, kwargs)))
@@ -343,11 +407,22 @@ class Pool:
             if not first_done:                     # others must follow within the timeout
                 first_done.append(msg["rank"])
                 return min(deadline, now + timeout + 5)
-        got = self._collect(ranks, float("inf"), on_result)
-        return got, _describe_failure(got, ranks, timeout, first_done and first_done[0],
-                                      self._dead, lambda r: self.procs[r].exitcode)
+        deadline = deadline or settings.deadline
+        end = time.monotonic() + deadline
+        got = self._collect(ranks, end, on_result)
+        error = _describe_failure(got, ranks, timeout, first_done and first_done[0],
+                                  self._dead, lambda r: self.procs[r].exitcode)
+        late = [r for r in ranks if r not in got]
+        if late and time.monotonic() >= end and not first_done and not self._dead(ranks) \
+                and all(m["ok"] for m in got.values()):
+            at = self.where(late)
+            error = (f"{record.rank_list(late)} did not finish within the demo's deadline of {deadline:g} s "
+                     "(an endless loop or a very long wait?) and were stopped"
+                     + "".join(f"; rank {r} was at {w}" for r, w in sorted(at.items())))
+        return got, error
 
     def close(self):
+        shutil.rmtree(self.stacks, ignore_errors=True)
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
@@ -374,10 +449,11 @@ def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=No
         if dead:
             parts.append(f"{record.rank_list(dead)} died (exit codes {[exitcode(r) for r in dead]})")
         if stuck:
-            parts.append(f"{record.rank_list(stuck)} did not finish" +
-                         (f" within {timeout:g} s of rank {first_done} finishing; a "
-                          "rank probably skipped a collective" if first_done is not None and not failed
-                          else " and were stopped"))
+            parts.append(f"{record.rank_list(stuck)} " + (
+                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} died" if dead else
+                f"did not finish within {timeout:g} s of rank {first_done} finishing; a rank probably "
+                "skipped a collective" if first_done is not None and not failed else
+                f"{'was' if len(stuck) == 1 else 'were'} stopped"))
     return "; ".join(parts)
 
 
@@ -432,13 +508,15 @@ def _pooled(backend, world_size):
     return pool
 
 
-def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, **kwargs):
+def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, deadline=None, **kwargs):
     """Run `fn(rank, world_size, **kwargs)` on `world_size` ranks and record what they did.
 
     Returns a `Run`. A failed demo is recorded and raises `DemoFailed`, unless `expect_error`
     (then a failure is the lesson, and success is the error). `timeout` (seconds) overrides
-    the build's collective timeout for this demo. `name` (default: the function's name) must
-    be unique within the lecture.
+    the build's collective timeout for this demo, and `deadline` (seconds) the time the whole
+    demo may take (`settings.deadline`): past it, ranks that never reported (an endless loop)
+    are stopped and the error says where each one was. `name` (default: the function's name)
+    must be unique within the lecture.
     """
     world_size = world_size or settings.world_size
     timeout = float(timeout or settings.timeout)
@@ -455,7 +533,7 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, *
         start = time.perf_counter()
         error = "the launcher failed"
         try:
-            results, error = pool.run(fn, kwargs, world_size, timeout)
+            results, error = pool.run(fn, kwargs, world_size, timeout, deadline)
         finally:  # a failure may leave ranks stuck in a collective: never reuse them
             if settings.launcher == "spawn" or error:
                 _pools.pop(backend, None)
@@ -499,8 +577,9 @@ def summarize(value, limit=160):
     if isinstance(value, (bool, int, float)):
         return repr(value)
     name = type(value).__name__
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"{name}{tuple(value.shape)} {value.dtype}" if value.numel() > 8 else repr(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):     # a torch tensor, a numpy array or scalar
+        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 1)
+        return f"{name}{tuple(value.shape)} {value.dtype}" if size > 8 else repr(value)
     if isinstance(value, dict):
         keys = ", ".join(str(k) for k in value)
         text = f"dict with keys: {keys}"

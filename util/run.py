@@ -14,8 +14,11 @@ documented in util/recording.py.
 import argparse
 import datetime
 import importlib
+import importlib.util
 import os
+import math
 import platform
+import signal
 import socket
 import sys
 import time
@@ -48,13 +51,18 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
-    if args.timeout <= 0:
-        p.error("--timeout must be positive")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 86400):
+        p.error(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}")
     if args.backend == "nccl":
         import torch
         if not torch.cuda.is_available():
             p.error("--backend nccl needs CUDA GPUs, and none are visible")
     args.module = resolve(args.lecture, p)
+    module = importlib.import_module(args.module)   # importing a lecture has no side effects
+    sizes = getattr(module, "WORLD_SIZES", None)
+    if sizes and args.world_size not in sizes:
+        p.error(f"{args.lecture} runs its demos on {', '.join(map(str, sizes))} ranks, not "
+                f"--world-size {args.world_size}")
     return args
 
 
@@ -71,8 +79,15 @@ def resolve(name, parser):
                            if f.startswith("lecture_") and f.endswith(".py"))
             parser.error(f"no lecture {name!r}; known: {', '.join(known) or 'none'}")
         return "lectures." + name
-    if importlib.util.find_spec(name.split(".")[0]) is None:
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ImportError:
+        found = False
+    if not found:
         parser.error(f"no module {name!r}")
+    module = importlib.import_module(name)
+    if not callable(getattr(module, "main", None)):
+        parser.error(f"{name!r} is not a lecture: it has no main()")
     return name
 
 
@@ -160,9 +175,21 @@ def exercises_of(name):
     return [{"name": n, "title": t} for n, t in exercises.listing(name)]
 
 
+def _stop_on_sigterm():
+    """SIGTERM ends the build as Ctrl-C does: the exit handlers run and stop the worker processes
+    (Python's default would die at once and leave them running)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    _stop_on_sigterm()
     rec = build(args)
+    if rec["status"] != "ok" and rec["demos"]["total"] == 0 and os.path.exists(
+            os.path.join(args.out, rec["lecture"] + ".html")):
+        print(f"{rec['lecture']}: the lecture failed before any demo ran; the previous page is kept",
+              file=sys.stderr)
+        return 1
     if launch.in_torchrun() and int(os.environ["RANK"]) != 0:
         return 0 if rec["status"] == "ok" else 1
     path = os.path.join(args.out, rec["lecture"] + ".json")
