@@ -314,6 +314,10 @@ class Page:
         for level, title, body in split_note(r.get("text", "")):
             if level == 1 and self.title is None:
                 self.title = title
+            elif level and self._dive and self.cur["id"] == self._dive["id"] and not self.cur["parts"]:
+                # a deep dive's first section heading names the dive's own section (one title,
+                # not the dive's above the section's); its id stays the one the pointer links to
+                self.cur["title_html"], self.cur["title_text"] = markdown_inline(title), _plain_text(title)
             elif level:
                 sid = _slug(_plain_text(title), self.ids)
                 self._new_section(sid, markdown_inline(title), _plain_text(title))
