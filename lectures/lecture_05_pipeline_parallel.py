@@ -845,7 +845,10 @@ def zero_bubble_measured(R, p):
 
         (A postponed W keeps its micro-batch's saved tensors until it runs: that is why ZB-H1
         holds $p$ micro-batches on every rank where 1F1B holds $p - r$; the memory figure under
-        “Every schedule” below draws it.)
+        “Every schedule” below draws it. It also keeps what B computed for it, the gradient of
+        every weight-owning module's output, which the meter counts too: measured, ZB-H1's peak
+        is {peak['zb-h1'] / peak['1f1b m=8']:.2f}× 1F1B's, not 1F1B's peak, and ZB-H2's
+        {peak['zb-h2'] / peak['1f1b m=8']:.2f}×.)
 
         **DualPipeV** (DeepSeek-AI 2024) is a V like ZB-V built for mixtures of experts: it
         runs the forward of one micro-batch together with the backward of another (a pair the

@@ -266,11 +266,13 @@ def test_one_stage_step_under_no_grad_equals_autograd():
 # frees the other nodes' saved tensors only when the graph itself goes. A pack hook that kept a
 # saved *output* (tanh's here, LayerNorm's mean and rstd in the GPT) with its grad_fn made a
 # reference cycle through C++ that was never freed: ZB-H1 leaked, and this test caught it.
-@pytest.mark.parametrize("name,held", [("gpipe", 3), ("1f1b", 1), ("zb-h1", 1)])
-def test_executor_meters_what_autograd_holds(name, held):
+@pytest.mark.parametrize("name,held,grads", [("gpipe", 3, 0), ("1f1b", 1, 0), ("zb-h1", 1, 1), ("zb-h2", 1, 1)])
+def test_executor_meters_what_autograd_holds(name, held, grads):
     """Peak bytes saved for backward, one stage: GPipe holds every micro-batch's activations at
-    once, 1F1B and ZB-H1 one micro-batch's, which is what saved_bytes measures for one forward;
-    by the end of the step autograd has released them all."""
+    once, 1F1B and ZB-H1 one micro-batch's, which is what saved_bytes measures for one forward.
+    A split backward also keeps each Linear's output gradient from B until W: by hand,
+    5 × 16 + 5 × 4 float64 = 800 bytes per micro-batch (the meter once missed them). By the end
+    of the step everything is released."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
     xs = [torch.randn(5, 8, dtype=torch.float64) for _ in range(3)]
@@ -279,7 +281,7 @@ def test_executor_meters_what_autograd_holds(name, held):
     assert one > 0
     ex = L.PipelineExecutor(L.make_schedule(name, 1, 3), {0: net}, 0, (5, 4),
                             loss_fn=lambda y, t: (y - t).pow(2).mean(), dtype=torch.float64)
-    assert ex.step(xs, ts)["peak_saved_bytes"] == held * one
+    assert ex.step(xs, ts)["peak_saved_bytes"] == held * one + grads * (5 * 16 + 5 * 4) * 8
     assert ex.meter.live == 0
 
 
