@@ -18,12 +18,21 @@ holds. tests/test_lecture_07.py checks it against what every rank of every layou
 """
 import dataclasses
 import functools
+import numbers
 
 from lectures.mesh import MESH_AXES
 
 # =========================================================================================
 # Per-rank memory: weights, gradients, optimizer state, activations
 # =========================================================================================
+
+def _whole_numbers(obj, names):
+    """Refuse sizes that cannot mean anything: each must be an int ≥ 1 (not a bool, not 2.5)."""
+    for k in names:
+        v = getattr(obj, k)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{type(obj).__name__}.{k}={v!r}: must be a whole number ≥ 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -42,6 +51,18 @@ class ModelShape:
     norm_params: int = 2   # LayerNorm: weight + bias per feature; RMSNorm: 1
     learned_positions: bool = True
     tied: bool = False
+
+    def __post_init__(self):
+        _whole_numbers(self, ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"))
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} (whole heads)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
+                             "(each K/V head serves a whole group of query heads)")
+        if self.mlp_matrices not in (2, 3):
+            raise ValueError(f"mlp_matrices={self.mlp_matrices!r}: 2 (GELU MLP) or 3 (SwiGLU)")
+        if self.norm_params not in (0, 1, 2):
+            raise ValueError(f"norm_params={self.norm_params!r}: 0, 1 (RMSNorm) or 2 (LayerNorm)")
 
     @classmethod
     def from_gpt(cls, cfg, name="lecture 01 GPT"):
@@ -119,6 +140,19 @@ class Layout:
     sp: bool = False               # sequence parallelism with tp
     schedule: str = "1f1b"         # "1f1b" or "gpipe"
     vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
+    virtual_stages: int = 1        # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+
+    def __post_init__(self):
+        _whole_numbers(self, ("dp", "pp", "cp", "tp", "micro_batch", "micro_batches", "virtual_stages"))
+        checks = {"zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "precision": tuple(PRECISION_BYTES),
+                  "schedule": SCHEDULES}
+        for k, allowed in checks.items():
+            v = getattr(self, k)
+            if isinstance(v, bool) or v not in allowed:
+                raise ValueError(f"Layout.{k}={v!r}: must be one of {', '.join(map(repr, allowed))}")
+        if self.virtual_stages > 1 and (self.pp == 1 or self.schedule != "1f1b"):
+            raise ValueError(f"virtual_stages={self.virtual_stages} interleaves a pipeline: it needs pp > 1 "
+                             f"and schedule '1f1b' (got pp={self.pp}, schedule={self.schedule!r})")
 
     @property
     def world(self):
@@ -142,6 +176,8 @@ class Layout:
         return " ".join(parts)
 
 
+RECOMPUTE = ("none", "full")
+SCHEDULES = ("1f1b", "gpipe")
 PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
     "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
     # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
@@ -159,12 +195,35 @@ def stage_layers(layers, pp):
     return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
 
 
-def in_flight(layout, stage):
-    """Micro-batches whose activations a stage holds at its peak: all m under GPipe, at most
-    pp − stage under 1F1B (the first stage waits longest for its backward)."""
-    if layout.pp == 1:
+def rank_layers(layers, pp, v=1):
+    """Blocks on each pipeline rank when every rank holds v chunks: chunk c of rank r is stage
+    c·pp + r of lecture 05's looped layout (v = 1: `stage_layers`)."""
+    stages = stage_layers(layers, pp * v)
+    return [sum(stages[c * pp + r] for c in range(v)) for r in range(pp)]
+
+
+def held_chunks(layout, stage):
+    """(micro-batch, chunk)s whose activations a pipeline rank holds at its peak, as lecture
+    05's `held` counts them on its schedules: all m·v under GPipe; under 1F1B the warm-up's
+    forwards and one more. Interleaved 1F1B's warm-up is 2(p − stage − 1) + (v − 1)·g forwards,
+    g the size of its first group of micro-batches (`group_sizes`), so the first rank holds
+    p·(1 + (p − 1)/(p·v)) micro-batches' worth instead of p (Narayanan et al. 2021, §2.2)."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    if p == 1:
         return 1
-    return layout.micro_batches if layout.schedule == "gpipe" else min(layout.pp - stage, layout.micro_batches)
+    if layout.schedule == "gpipe":
+        return m * v
+    if v == 1:
+        return min(p - stage, m)
+    first_group = -(-m // max(1, m // p))
+    return min(m * v, 2 * (p - stage - 1) + (v - 1) * first_group + 1)
+
+
+def in_flight(layout, stage):
+    """Micro-batches' worth of activations a stage holds at its peak: all m under GPipe, at most
+    pp − stage under 1F1B (the first stage waits longest for its backward); with v chunks per
+    rank a held chunk is 1/v of the rank's blocks."""
+    return held_chunks(layout, stage) / layout.virtual_stages
 
 
 def stage_params(model, layout, stage):
@@ -172,7 +231,7 @@ def stage_params(model, layout, stage):
     `vocab_parallel` the token embedding and the LM head are split by vocabulary rows."""
     tp, first, last = layout.tp, stage == 0, stage == layout.pp - 1
     sharded, replicated = model.layer_params(tp)
-    n = stage_layers(model.layers, layout.pp)[stage] * (sharded + replicated)
+    n = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage] * (sharded + replicated)
     if first:
         n += model.embedding_params()
         if layout.vocab_parallel:
@@ -194,7 +253,7 @@ def activation_bytes(model, layout, stage):
     Llama 3 at micro-batch 1 × 8192). Tokens per micro-batch on this rank: micro_batch · s / cp."""
     B = PRECISION_BYTES[layout.precision]["act"]
     tokens = layout.micro_batch * model.seq / layout.cp
-    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
     per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
     v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
     loss_grads = 2 * v * 4 * tokens if stage == layout.pp - 1 else 0
@@ -226,7 +285,7 @@ def estimate_memory(model, layout, stage=None):
     n = stage_params(model, layout, stage)
     dp, z = layout.dp * layout.cp, layout.zero
     block = sum(model.layer_params(layout.tp))
-    gathered = min(2, stage_layers(model.layers, layout.pp)[stage]) * block * (B["weights"] + B["grads"])
+    gathered = min(2, rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]) * block * (B["weights"] + B["grads"])
     out = {"stage": stage, "params": n,
            "weights": B["weights"] * n / (dp if z >= 3 else 1),
            "grads": B["grads"] * n / (dp if z >= 2 else 1),

@@ -22,7 +22,8 @@ from lectures.activations import with_recomputation
 from lectures.calculator import calculator_data
 from lectures.collectives import fit_alpha_beta
 from lectures.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
-                                estimate_memory, in_flight, stage_layers, stage_params)
+                                estimate_memory, held_chunks, in_flight, rank_layers, stage_layers,
+                                stage_params)
 from lectures.gpt import GPT, batch, loss_fn, param_count
 from lectures.layout_search import decision_procedure, divisors, search, valid_layouts  # noqa: F401
 from lectures.layout_trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
@@ -32,8 +33,9 @@ from lectures.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords,
                            replica_groups, torch_mesh)
 from lectures.pytorch_layout import pytorch_layout, pytorch_tp_plan  # noqa: F401
 from lectures.step_time import (ASSUMED, H100_MEMORY, H100_PEAK_BF16, IB_BW, LLAMA3_70B,  # noqa: F401
-                                LLAMA3_8B, NVLINK_BW, Hardware, all_reduce_time, axis_link, dp_traffic,
-                                flops_per_token, gather_time, h100_cluster, mfu, p2p_link,
+                                LLAMA3_8B, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW,
+                                Hardware, all_reduce_time, axis_link, collective_bytes, dp_traffic,
+                                flops_per_token, tp_collectives, gather_time, h100_cluster, mfu, p2p_link,
                                 p2p_time, step_bytes, step_time)
 
 
@@ -667,7 +669,7 @@ def draw_memory_bars(model, lays):
         text = f"{bottom:,.0f} GB ↑" if bottom > top else f"{bottom:.0f} GB"
         ax.text(i, min(bottom, top * 0.93) + 2, text, ha="center", va="bottom", fontsize=9,
                 weight="bold" if bottom > top else None)
-    ax.axhline(H100_MEMORY / 1e9, color="black", ls="--", lw=1, label="H100: 80 GB")
+    ax.axhline(H100_MEMORY / 1e9, color="black", ls="--", lw=1, label=f"H100: {H100_MEMORY / 2 ** 30:.0f} GiB")
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(lays)), [l for l, _ in lays], fontsize=9, rotation=20, ha="right")
     ax.set_ylabel("GB per GPU", fontsize=10)
@@ -1061,7 +1063,7 @@ def published_scale():
         ## At published scale: an 8B and a 70B model on 64–512 H100s
         The same estimator and cost model, with published hardware numbers instead of
         measured ones: an H100 SXM does {H100_PEAK_BF16 / 1e12:.0f} TFLOP/s of dense BF16 and
-        holds {H100_MEMORY / 1e9:.0f} GB; NVLink 4 gives each GPU 900 GB/s counting both
+        holds {H100_MEMORY / 2 ** 30:.0f} GiB ({H100_MEMORY / 1e9:.1f} GB); NVLink 4 gives each GPU 900 GB/s counting both
         directions ({NVLINK_BW / 1e9:.0f} GB/s each way); a DGX H100 node has 8 GPUs and one
         400 Gb/s InfiniBand NDR port per GPU ({IB_BW / 1e9:.0f} GB/s). Models: Llama 3 8B and
         70B (grouped-query attention with 8 K/V heads, SwiGLU, vocabulary 128,256), sequences of

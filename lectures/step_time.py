@@ -12,12 +12,12 @@ with measured step times; `h100_cluster()` holds published H100 numbers for the 
 - `Hardware`: FLOP/s, memory and the (α, β) of links inside and across nodes.
 - `step_time(model, layout, hw)`: seconds per step and its parts (compute, tp, cp, pp, bubble, dp).
 - `flops_per_token`, `mfu`: useful work, and how much of the hardware's peak a step uses.
-- `LLAMA3_8B`, `LLAMA3_70B`, `h100_cluster()`: published models and hardware.
+- `LLAMA3_8B`, `LLAMA3_70B`, `LLAMA3_405B`, `h100_cluster()`: published models and hardware.
 """
 import dataclasses
 import math
 
-from lectures.estimator import PRECISION_BYTES, ModelShape, stage_layers, stage_params
+from lectures.estimator import PRECISION_BYTES, ModelShape, rank_layers, stage_params
 from lectures.mesh import MESH_AXES
 
 # =========================================================================================
@@ -118,7 +118,7 @@ def dp_traffic(model, layout, hw, stage, compute):
     if n == 1:
         return 0.0, 0.0
     link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
-    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
     grad_bytes = stage_params(model, layout, stage) * B["grads"]
     weight_bytes = stage_params(model, layout, stage) * B["weights"]
     # One message for all gradients (bucketed), or one per parameter tensor.
@@ -129,15 +129,15 @@ def dp_traffic(model, layout, hw, stage, compute):
     rs = ar if hw.backend == "gloo" else ag
     fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
     m, z = layout.micro_batches, layout.zero
-    if z == 0:
-        parts = [(ar(grad_bytes), bwd)]
+    if z == 0:   # (seconds, compute it can hide under, how many times per step)
+        parts = [(ar(grad_bytes), bwd, 1)]
     elif z == 1:
-        parts = [(rs(grad_bytes), bwd), (ag(weight_bytes), fwd)]
+        parts = [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
     elif z == 2:
-        parts = [(rs(grad_bytes), bwd)] * m + [(ag(weight_bytes), fwd)]
+        parts = [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
     else:
-        parts = [(ag(weight_bytes), fwd), (ag(weight_bytes) + rs(grad_bytes), bwd)] * m
-    return (sum(max(0.0, t - hide * under) for t, under in parts), sum(t for t, _ in parts))
+        parts = [(ag(weight_bytes), fwd, m), (ag(weight_bytes) + rs(grad_bytes), bwd, m)]
+    return (sum(k * max(0.0, t - hide * under) for t, under, k in parts), sum(k * t for t, _, k in parts))
 
 
 def step_time(model, layout, hw):
@@ -147,21 +147,24 @@ def step_time(model, layout, hw):
               cost per block (Python and kernel launches: what dominates tiny models);
               full recomputation adds the forward again;
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
-              2 backward; sequence parallelism moves the same bytes as reduce-scatter +
-              all-gather), 6 with full recomputation (the forward's 2 run again);
+              2 backward), 6 with full recomputation (the forward's 2 run again); sequence
+              parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
+              `step_bytes` uses);
     cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
               backward (K, V, dK, dV), each with its bytes and a fixed cost per step
               (`hw.ring_step`: launching a block of attention, merging, waiting); full
               recomputation runs the forward's steps again;
-    pp        (m + pp − 1) slots of one micro-batch each (the bubble is pp − 1 of them), plus
-              a send of activations forward and of gradients backward per slot;
+    pp        m slots of one micro-batch each plus the bubble, (pp − 1)/v slots with v
+              virtual stages (interleaved 1F1B; lecture 05), and per slot v sends of
+              activations forward and v of gradients backward;
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
               every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
               under the compute it runs beside (`hw.overlap`)."""
     B = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
     rc = layout.recompute == "full"
-    sizes = stage_layers(model.layers, layout.pp)
+    v = layout.virtual_stages
+    sizes = rank_layers(model.layers, layout.pp, v)
     worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
     n_layers = sizes[worst]
     sharded, _ = model.layer_params()
@@ -173,27 +176,47 @@ def step_time(model, layout, hw):
     compute = flops / hw.flops + n_layers * hw.overhead
     act = tokens * model.hidden * B["act"]
     tp_link = axis_link(hw, layout, "tp")
-    tp = (4 + 2 * rc) * n_layers * all_reduce_time(layout.tp, act, tp_link)
-    if layout.tp > 1:   # the vocabulary-parallel embedding, LM head and loss (as step_bytes counts)
-        tp += (worst == 0) * all_reduce_time(layout.tp, act, tp_link)
-        if worst == layout.pp - 1:
-            tp += all_reduce_time(layout.tp, act, tp_link) + 3 * all_reduce_time(layout.tp, tokens * 4, tp_link)
+    seconds = {"all-reduce": lambda b: all_reduce_time(layout.tp, b, tp_link),
+               "all-gather": lambda b: gather_time(layout.tp, b, tp_link),
+               "reduce-scatter": lambda b: (all_reduce_time if hw.backend == "gloo" else gather_time)(layout.tp, b, tp_link)}
+    tp = sum(k * seconds[kind](b) for kind, b, k in
+             tp_collectives(layout, n_layers, worst == 0, worst == layout.pp - 1, act, tokens, rc))
     cp = 0.0
     if layout.cp > 1:
         kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
         step_fwd, step_bwd = hw.ring_step
         passes = p2p_time(kv, p2p_link(hw, layout, "cp")) * (1 + rc) + 2 * p2p_time(kv, p2p_link(hw, layout, "cp"))
         cp = n_layers * (layout.cp - 1) * (passes + (1 + rc) * step_fwd + step_bwd)
-    # a pipeline slot: one micro-batch's forward and backward on this stage, and its sends
-    sends = 2 * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
+    # a micro-batch's forward and backward on this rank and its sends: with v chunks a
+    # micro-batch enters and leaves the rank v times (v sends of activations, v of gradients)
+    sends = 2 * v * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
     slot = compute + tp + cp + sends
     m = layout.micro_batches
-    pipeline = (m + layout.pp - 1) * slot
+    bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
     exposed_dp, _ = dp_traffic(model, layout, hw, worst, compute)
-    total = pipeline + exposed_dp + hw.step_overhead
+    total = m * slot + bubble + exposed_dp + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
-            "bubble": (layout.pp - 1) * slot, "pp": (m + layout.pp - 1) * sends,
-            "dp": exposed_dp, "flops": flops * m}
+            "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m}
+
+
+def tp_collectives(layout, n_layers, first, last, act, tokens, recompute=False):
+    """[(kind, bytes of the whole tensor, how many)] of one micro-batch's tensor-parallel
+    collectives on a rank of `n_layers` blocks, as the trainer runs them — what `step_bytes`
+    counts and `step_time` charges. Per block: 2 all-reduces forward and 2 backward; with
+    sequence parallelism 2 all-gathers and 2 reduce-scatters forward, their conjugates backward
+    and the 2 column-parallel inputs gathered again (Megatron-LM keeps them sharded): 6 + 4.
+    Full recomputation runs the forward's again. The first stage's vocabulary-parallel
+    embedding, the last stage's LM head and its loss (3 all-reduces of one fp32 per token)."""
+    if layout.tp == 1:
+        return []
+    if layout.sp:
+        ops = [("all-gather", act, n_layers * (6 + 2 * recompute)),
+               ("reduce-scatter", act, n_layers * (4 + 2 * recompute))]
+        ops += [("reduce-scatter", act, first), ("all-gather", act, first)]
+        ops += [("all-gather", act, 2 * last), ("reduce-scatter", act, last)]
+    else:
+        ops = [("all-reduce", act, n_layers * (4 + 2 * recompute) + first + last)]
+    return ops + [("all-reduce", tokens * 4, 3 * last)]
 
 
 def mfu(model, tokens_per_second, peak_flops_total):
@@ -209,8 +232,14 @@ LLAMA3_8B = ModelShape("Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=
 LLAMA3_70B = ModelShape("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
                         vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
                         learned_positions=False)
+# Llama 3 405B (Llama 3 report, Table 3): 126 layers, width 16,384, FFN 53,248, 128 heads and 8
+# K/V heads; "405B" parameters, which the shape reproduces (tests/test_lecture_07.py).
+LLAMA3_405B = ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                         vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
+                         learned_positions=False)
+LLAMA3_405B_PUBLISHED_PARAMS = 405e9
 H100_PEAK_BF16 = 989.4e12        # dense BF16 tensor-core FLOP/s, H100 SXM (NVIDIA datasheet)
-H100_MEMORY = 80e9               # HBM3 bytes
+H100_MEMORY = 80 * 2 ** 30       # HBM3 bytes: "80 GB" on the datasheet is 80 GiB
 NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
 IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
@@ -263,44 +292,41 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None):
       dp   over the dp·cp replicas, per parameter tensor (`tensor_sizes`: element counts of the
            stage's tensors, padded for ZeRO to a multiple of the group): ZeRO-0 an all-reduce;
            ZeRO-1 a reduce-scatter and an all-gather; ZeRO-2 a reduce-scatter per micro-batch
-           and an all-gather.
-    Element sizes from `layout.precision` (activations and gradients alike)."""
+           and an all-gather; ZeRO-3 per micro-batch two all-gathers (forward, backward) and a
+           reduce-scatter — `dp_traffic`'s count.
+    Element sizes from `layout.precision`: activations at their width, gradients at the
+    gradients' (fp32 in mixed precision), gathered weights at the weights' (bf16)."""
     B = PRECISION_BYTES[layout.precision]["act"]
     tokens = layout.micro_batch * model.seq / layout.cp
     m, tp, cp = layout.micro_batches, layout.tp, layout.cp
     first, last = stage == 0, stage == layout.pp - 1
-    n_layers = stage_layers(model.layers, layout.pp)[stage]
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
     act = tokens * model.hidden * B
     c = lambda kind, n, nbytes: collective_bytes(kind, n, nbytes, backend)
     out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
-    if tp > 1:
-        if layout.sp:
-            block = 6 * c("all-gather", tp, act) + 4 * c("reduce-scatter", tp, act)
-            embed = c("reduce-scatter", tp, act) + c("all-gather", tp, act)
-            head = 2 * c("all-gather", tp, act) + c("reduce-scatter", tp, act)
-        else:
-            block = 4 * c("all-reduce", tp, act)
-            embed = c("all-reduce", tp, act)
-            head = c("all-reduce", tp, act)
-        loss = 3 * c("all-reduce", tp, tokens * 4)
-        out["tp"] = m * (n_layers * block + first * embed + last * (head + loss))
+    rc = layout.recompute == "full"
+    out["tp"] = m * sum(k * c(kind, tp, b) for kind, b, k in tp_collectives(layout, n_layers, first, last, act, tokens, rc))
     if cp > 1:
         kv_dim = model.hidden if model.kv_expanded else model.kv_dim
         kv = 2 * layout.micro_batch * (model.seq / cp) * kv_dim / tp * B
-        out["cp"] = m * n_layers * ((cp - 1) * kv + (cp - 1) * kv + cp * kv)
-    if layout.pp > 1:
+        out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
+    if layout.pp > 1:   # v chunks: every chunk sends forward but the model's last, backward but its first
+        v = layout.virtual_stages
         boundary = layout.micro_batch * model.seq * model.hidden * B
-        out["pp"] = m * boundary * ((not last) + (not first))
+        out["pp"] = m * boundary * ((v - last) + (v - first))
     n = layout.dp * layout.cp
     if n > 1:
-        g = PRECISION_BYTES[layout.precision]["grads"]
+        W, G = PRECISION_BYTES[layout.precision]["weights"], PRECISION_BYTES[layout.precision]["grads"]
         sizes = tensor_sizes if tensor_sizes is not None else [stage_params(model, layout, stage)]
-        padded = sum(-(-s // n) * n if layout.zero else s for s in sizes) * g
+        padded = sum(-(-s // n) * n if layout.zero else s for s in sizes)
+        # gradients travel at their width (fp32 in mixed precision), weights at theirs (bf16)
         if layout.zero == 0:
-            out["dp"] = c("all-reduce", n, padded)
+            out["dp"] = c("all-reduce", n, padded * G)
         elif layout.zero == 1:
-            out["dp"] = c("reduce-scatter", n, padded) + c("all-gather", n, padded)
-        else:
-            out["dp"] = m * c("reduce-scatter", n, padded) + c("all-gather", n, padded)
+            out["dp"] = c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
+        elif layout.zero == 2:
+            out["dp"] = m * c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
+        else:   # ZeRO-3: every micro-batch gathers the weights for forward and for backward
+            out["dp"] = m * (2 * c("all-gather", n, padded * W) + c("reduce-scatter", n, padded * G))
     out["total"] = sum(out.values())
     return out

@@ -149,6 +149,8 @@ def test_parameter_formulas():
         assert sum(1 for _ in L1.GPT(cfg).blocks[0].parameters()) == L.ModelShape.from_gpt(cfg).tensors_per_layer()
     assert L.LLAMA3_8B.params() == pytest.approx(8.03e9, rel=0.002)       # Llama 3 model card
     assert L.LLAMA3_70B.params() == pytest.approx(70.55e9, rel=0.002)
+    assert L.LLAMA3_405B.params() == pytest.approx(L.LLAMA3_405B_PUBLISHED_PARAMS, rel=0.01)   # "405B"
+    assert L.H100_MEMORY == 80 * 2 ** 30
     # the per-rank shares add up to the whole model
     model = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
     lay = L.Layout(pp=2, tp=2)
@@ -307,7 +309,10 @@ def test_decision_procedure_edge_cases():
     assert rule is not None and rule.tp == 1 and rule.zero == 3, why   # no tp in {2, 4, 8} divides 3 heads
     rule, why = L.decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=1.0))
     assert rule is None and why[-1] == "nothing fits"
-    rule, why = L.decision_procedure(L.LLAMA3_8B, 64, 512, hw)     # the docstring's ZeRO-3 is tried
+    # the docstring's ZeRO-3 is tried: 8B on 64 ranks fits with ZeRO-2 in 0.9 × 80 GiB, not in 72 GB
+    z2 = L.estimate_memory(L.LLAMA3_8B, L.Layout(dp=64, zero=2, micro_batches=8, precision="bf16"))["total"]
+    assert 72e9 < z2 < hw.memory
+    rule, why = L.decision_procedure(L.LLAMA3_8B, 64, 512, dataclasses.replace(hw, memory=72e9))
     assert rule.zero == 3 and any("ZeRO-3" in r for r in why)
 
 
@@ -374,3 +379,83 @@ def test_a_latency_bound_all_reduce_fit_does_not_make_bytes_free():
     assert not fell_back and link == pytest.approx((1e-4, 1e9 * 6 / 4))
     with pytest.raises(ValueError, match="bandwidth"):
         L.ring_link({"fit_all_reduce": (1e-4, math.inf), "fit_p2p": (1e-5, math.inf)}, 2)
+
+
+def test_model_and_layout_refuse_what_they_cannot_mean():
+    base = dict(name="x", layers=2, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=10, seq=8)
+    for bad, words in [(dict(kv_heads=0), "kv_heads=0"), (dict(heads=3), "divisible by heads"),
+                       (dict(kv_heads=3), "divisible by kv_heads"), (dict(hidden=-64), "hidden=-64"),
+                       (dict(ffn=14336.5), "ffn=14336.5"), (dict(layers=True), "layers=True"),
+                       (dict(mlp_matrices=4), "mlp_matrices")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+            L.ModelShape(**{**base, **bad})
+    for bad, words in [(dict(zero=5), "zero=5"), (dict(zero=-1), "zero=-1"), (dict(recompute="selective"), "recompute"),
+                       (dict(precision="fp8"), "precision"), (dict(pp=0), "pp=0"), (dict(dp=2.5), "dp=2.5"),
+                       (dict(schedule="interleaved"), "schedule"), (dict(virtual_stages=0), "virtual_stages=0"),
+                       (dict(virtual_stages=2), "needs pp > 1"),
+                       (dict(pp=2, micro_batches=2, virtual_stages=2, schedule="gpipe"), "schedule '1f1b'")]:
+        with pytest.raises(ValueError, match=words):
+            L.Layout(**bad)
+    L.Layout(pp=2, micro_batches=4, virtual_stages=2)        # what they can mean still works
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 4, 2), (4, 5, 2), (3, 7, 2),
+                                   (4, 12, 3), (8, 16, 4), (4, 9, 4), (5, 13, 3), (16, 32, 4)])
+def test_held_micro_batches_equal_lecture_05s_simulator(p, m, v):
+    """The estimator's held (micro-batch, chunk)s on every rank are what lecture 05's schedule
+    holds (`held` on its action lists), for 1F1B, interleaved 1F1B and GPipe."""
+    from lectures.schedule_sim import held
+    from lectures.schedules import make_schedule
+    for schedule in ("1f1b", "gpipe"):
+        if schedule == "gpipe" and v > 1:
+            continue
+        lay = L.Layout(pp=p, micro_batches=m, virtual_stages=v, schedule=schedule)
+        sim = held(make_schedule(schedule if v == 1 else "interleaved-1f1b", p, m, v))
+        assert [L.held_chunks(lay, s) for s in range(p)] == sim, (schedule, p, m, v)
+        assert [L.in_flight(lay, s) for s in range(p)] == [h / v for h in sim]
+
+
+def test_interleaving_divides_the_bubble_and_multiplies_the_sends():
+    hw = L.Hardware("toy", flops=1e12, memory=1e12, ranks_per_node=1, intra=(0.0, 1e9), inter=(1e-5, 1e9))
+    model = L.ModelShape("toy", layers=16, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=512, seq=128)
+    plain = L.step_time(model, L.Layout(pp=4, micro_batches=8), hw)
+    for v in (2, 4):
+        t = L.step_time(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), hw)
+        slot = t["compute"] / 8 + t["pp"] / 8
+        assert t["bubble"] == pytest.approx(3 / v * slot)                         # (p − 1)/(v·m) of m slots
+        assert t["pp"] == pytest.approx(v * plain["pp"], rel=1e-3)              # v sends each way per micro-batch
+        b = L.step_bytes(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), 1)
+        assert b["pp"] == v * L.step_bytes(model, L.Layout(pp=4, micro_batches=8), 1)["pp"]
+        assert L.step_bytes(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), 0)["pp"] == b["pp"] * (2 * v - 1) / (2 * v)
+    # the first rank holds p(1 + (p − 1)/(p·v)) micro-batches' worth (Narayanan et al. 2021)
+    assert L.in_flight(L.Layout(pp=4, micro_batches=8, virtual_stages=2), 0) == 4 * (1 + 3 / 8)
+
+
+def test_step_bytes_counts_bf16_gathers_and_zero3():
+    """B1: the weights' all-gather travels at 2 bytes in bf16; B2: ZeRO-3 gathers twice per
+    micro-batch and reduce-scatters once (dp_traffic's count), not ZeRO-2's."""
+    lay = lambda z: L.Layout(dp=8, zero=z, micro_batches=4, precision="bf16")
+    psi = L.stage_params(L.LLAMA3_8B, lay(2), 0)
+    padded = -(-psi // 8) * 8
+    c = lambda kind, b: L.collective_bytes(kind, 8, b, "nccl")
+    assert L.step_bytes(L.LLAMA3_8B, lay(2), 0, "nccl")["dp"] == pytest.approx(
+        4 * c("reduce-scatter", 4 * padded) + c("all-gather", 2 * padded))
+    assert L.step_bytes(L.LLAMA3_8B, lay(3), 0, "nccl")["dp"] == pytest.approx(
+        4 * (2 * c("all-gather", 2 * padded) + c("reduce-scatter", 4 * padded)))
+    # the step-time model charges the same bytes: with α = 0 and β = 1 its seconds are bytes
+    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    for z in (0, 1, 2, 3):
+        _, moved = L.dp_traffic(L.LLAMA3_8B, lay(z), hw, 0, 0.0)
+        assert moved == pytest.approx(L.step_bytes(L.LLAMA3_8B, lay(z), 0, "nccl", tensor_sizes=[psi])["dp"], rel=1e-6)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_step_time_charges_the_tensor_parallel_bytes_step_bytes_counts(sp):
+    """W4: sequence parallelism's 6 all-gathers + 4 reduce-scatters per block are charged in
+    time as step_bytes counts them (α = 0, β = 1 turns seconds into bytes)."""
+    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    for pp in (1, 2):
+        lay = L.Layout(tp=4, pp=pp, micro_batches=2, sp=sp, precision="bf16")
+        t = L.step_time(L.LLAMA3_8B, lay, hw)
+        worst = pp - 1
+        assert t["tp"] == pytest.approx(L.step_bytes(L.LLAMA3_8B, lay, worst, "nccl")["tp"], rel=1e-9)
