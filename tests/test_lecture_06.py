@@ -502,3 +502,21 @@ def test_balanced_shares_within_their_own_noise_are_not_flagged():
     counted = L.ring_work(1024, 4, "zigzag")
     timed, why = L.share_spread(counted, [ms(10, 10.4, 12), ms(10.5, 10.8, 12.4), ms(10.9, 11, 12.5), ms(10.2, 10.3, 12)])
     assert why is None and 1.0 < timed < 1.1
+
+
+def test_zigzag_speedups_are_read_against_the_balance_ceiling():
+    """Review M2: the page read "zig-zag 2.25× faster" (80.2 vs 180 ms at 2 ranks) as balance, where
+    the counts allow at most (2n − 1)/n = 1.5×. The ceiling is counted, and a ratio above it is said
+    to be something else."""
+    from util.measure import Timing
+    for n in (2, 3, 4, 8):
+        assert L.balance_ceiling(4096, n) == pytest.approx((2 * n - 1) / n, rel=2e-3)
+        assert L.balance_ceiling(4096, n) < L.whole_diagonal_ceiling(n) < 2
+    ms = lambda *xs: Timing([x / 1e3 for x in xs])
+    ceiling = L.balance_ceiling(1024, 2)
+    within = L.speedup_words(ms(20, 21, 22), ms(26, 27, 28), 2, ceiling)
+    assert "balance allows at most 1.50× at 2 ranks" in within and "more than" not in within
+    review = L.speedup_words(ms(79, 80.2, 81), ms(178, 180, 182), 2, ceiling)
+    assert "more than balance can give" in review and "not read as zig-zag's gain" in review
+    between = L.speedup_words(ms(10, 10, 10), ms(15.5, 15.5, 15.5), 2, ceiling)   # 1.55: above 1.5, below 1.6
+    assert "diagonal block" in between and "more than" not in between
