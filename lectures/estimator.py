@@ -124,6 +124,22 @@ class ModelShape:
         stream = 4 * h + 4                                     # x, norm out, x2, norm out, stats
         return split + (stream / tp if sp else stream)
 
+    @functools.cache
+    def act_elements_selective(self, tp=1, sp=False):
+        """Elements per token and block under selective recomputation (Korthikanti et al. 2022,
+        §5: recompute what takes much memory and few FLOPs): the norms' outputs are recomputed
+        from their inputs and statistics, the MLP's activation (GELU's output; SwiGLU's
+        silu(gate) and product) from the matrix outputs, so only the matrices' own outputs,
+        flash attention's Q, K, V, output and log-sum-exp, and the two residual-stream inputs
+        stay. No matrix product runs again: its FLOPs are not counted (memory-bound work is
+        not in the step-time model at all)."""
+        h, f, a = self.hidden, self.ffn, self.heads
+        kv = h if self.kv_expanded else self.kv_dim
+        mlp = (1 if self.mlp_matrices == 2 else 2) * f
+        split = (2 * h + 2 * kv + a + mlp) / tp
+        stream = 2 * h + 4                                     # x, x2, the norms' statistics
+        return split + (stream / tp if sp else stream)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -135,7 +151,7 @@ class Layout:
     zero: int = 0                  # ZeRO stage on the dp axis (0: plain data parallelism)
     micro_batch: int = 1           # sequences per micro-batch on one dp rank
     micro_batches: int = 1         # m: micro-batches per step (pipeline / accumulation)
-    recompute: str = "none"        # "none" or "full" (keep only each block's input)
+    recompute: str = "none"        # "none", "selective" (recompute norms and the MLP's activation) or "full"
     precision: str = "fp32"        # "fp32", "bf16" (mixed: bf16 weights/grads, fp32 master + Adam), "fp64"
     sp: bool = False               # sequence parallelism with tp
     schedule: str = "1f1b"         # "1f1b" or "gpipe"
@@ -169,14 +185,14 @@ class Layout:
         if self.sp:
             parts.append("SP")
         if self.recompute != "none":
-            parts.append("recompute")
+            parts.append("recompute" if self.recompute == "full" else "selective recompute")
         if self.pp > 1 and self.schedule != "1f1b":
             parts.append(self.schedule)
         parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
         return " ".join(parts)
 
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
 PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
     "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
@@ -260,6 +276,9 @@ def activation_bytes(model, layout, stage):
     if layout.recompute == "full":
         stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
         transient = max(per_layer * tokens, loss_grads)
+    elif layout.recompute == "selective":   # one block's recomputed norms and activation at a time
+        kept = model.act_elements_selective(layout.tp, layout.sp) * B
+        stored, transient = n_layers * kept, max((per_layer - kept) * tokens, loss_grads)
     else:
         stored, transient = n_layers * per_layer, loss_grads
     if stage == 0:

@@ -251,8 +251,13 @@ ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, 
            "fraction of that compute hiding data-parallel traffic": 1.0}
 
 
-def h100_cluster():
-    a = ASSUMED
+def h100_cluster(**changed):
+    """The published H100 cluster with the ASSUMED constants, any of them `changed` by name
+    (what a calibration fits: `h100_cluster(**{"sustained fraction of peak for large GEMMs": 0.8})`)."""
+    unknown = set(changed) - set(ASSUMED)
+    if unknown:
+        raise ValueError(f"not an assumed constant: {sorted(unknown)}; choose from {sorted(ASSUMED)}")
+    a = {**ASSUMED, **changed}
     return Hardware("DGX H100 cluster (8 GPUs per node)", flops=a["sustained fraction of peak for large GEMMs"] * H100_PEAK_BF16,
                     memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
                     intra=(a["α per ring step in a node (s)"], a["achieved fraction of link bandwidth"] * NVLINK_BW),

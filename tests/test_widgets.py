@@ -127,11 +127,13 @@ def random_layouts(n, seed=0):
         m = rng.choice(shapes)
         pp = rng.choice([p for p in (1, 2, 3, 4, 8) if p <= m.layers])
         tp = rng.choice([1, 2, 4, 8])
+        schedule = rng.choice(["1f1b", "gpipe"])
+        v = rng.choice([v for v in (1, 2, 3, 5) if pp * v <= m.layers]) if pp > 1 and schedule == "1f1b" else 1
         out.append((m, Layout(dp=rng.choice([1, 2, 3, 8, 64]), pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
                               zero=rng.choice([0, 1, 2, 3]), micro_batch=rng.choice([1, 2, 4]),
-                              micro_batches=rng.choice([1, 3, 8]), recompute=rng.choice(["none", "full"]),
+                              micro_batches=rng.choice([1, 3, 8, 13]), recompute=rng.choice(["none", "selective", "full"]),
                               precision=rng.choice(["fp32", "bf16", "fp64"]), sp=tp > 1 and rng.random() < 0.5,
-                              schedule=rng.choice(["1f1b", "gpipe"]), vocab_parallel=rng.random() < 0.8)))
+                              schedule=schedule, vocab_parallel=rng.random() < 0.8, virtual_stages=v)))
     return [(dataclasses.asdict(m), dataclasses.asdict(l), m, l) for m, l in out]
 
 
@@ -240,5 +242,64 @@ def test_calculator_refuses_layouts_the_search_would_not_make(browser, calculato
         tp.fill("8")
         assert "Per rank" in pg.locator(".widget-readout >> nth=0").text_content()
         w.check_clean()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("kv_heads", "0", "kv_heads must be a whole number"), ("layers", "", "layers must be a whole number"),
+    ("hidden", "-4096", "hidden must be a whole number"), ("heads", "0", "heads must be a whole number"),
+    ("hidden", "1e200", "hidden must be a whole number"), ("ffn", "14336.5", "ffn must be a whole number"),
+    ("vocab", "128256.7", "vocab must be a whole number"), ("kv_heads", "5", "heads must be divisible by K/V heads"),
+    ("device GiB", "-80", "device GiB must be a number"), ("virtual stages", "0", "virtual-stages must be a whole number"),
+    ("virtual stages", "2", "virtual stages interleave a 1F1B pipeline")])
+def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page, field, value, words):
+    """adversarial.md items 13 and 28: every model field and the device memory are checked in
+    words, as ModelShape and Layout check them; no NaN, Infinity or negative size is shown."""
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        box = pg.locator(".widget-controls label", has_text=field).locator("input").first
+        box.fill(value)
+        text = pg.locator(".widget-readout >> nth=0").text_content()
+        assert words in text, text
+        for bad in ("NaN", "Infinity", "-"):
+            assert bad not in text.replace("K/V", "").replace("virtual-stages", "").replace("1F1B", ""), text
+        assert pg.locator(".widget-readout >> nth=1").text_content() == ""
+        w.check_clean()
+    finally:
+        w.close()
+
+
+def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_page):
+    """adversarial.md item 23: ZeRO-3 with millions of micro-batches is one multiplication."""
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        pg.select_option(".widget-controls label:has-text('ZeRO') select", "3")
+        mbs = pg.locator(".widget-controls label", has_text="micro-batches").locator("input")
+        times = []
+        for value in ("4000000", "9999999", "4000001"):
+            mbs.fill(value)
+            times.append(float(pg.locator("figure.widget.live").get_attribute("data-redraw-ms")))
+        assert min(times) < 16, times
+        assert "Predicted step on" in pg.locator(".widget-readout >> nth=1").text_content()
+        w.check_clean()
+    finally:
+        w.close()
+
+
+def test_calculator_and_search_share_the_memory_cap(browser, calculator_page):
+    """Review M5: the calculator opens at the search's memory cap (0.9 × 80 GiB), so the two
+    agree on what fits."""
+    from lectures.step_time import h100_cluster
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        cap = float(pg.locator(".widget-controls label", has_text="device GiB").locator("input").input_value())
+        assert cap == pytest.approx(h100_cluster().memory / 2 ** 30, abs=0.01)
     finally:
         w.close()

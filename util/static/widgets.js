@@ -260,7 +260,7 @@
   }
   function layoutDefaults(l) {
     var d = { dp: 1, pp: 1, cp: 1, tp: 1, zero: 0, micro_batch: 1, micro_batches: 1, recompute: "none",
-              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true };
+              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true, virtual_stages: 1 };
     var out = {};
     Object.keys(d).forEach(function (k) { out[k] = d[k]; });
     Object.keys(l).forEach(function (k) { out[k] = l[k]; });
@@ -284,19 +284,41 @@
     var stream = 4 * h + 4;
     return split + (sp ? stream / tp : stream);
   }
+  function actElementsSelective(m, tp, sp) {
+    var h = m.hidden, f = m.ffn, a = m.heads;
+    var kv = m.kv_expanded ? h : kvDim(m);
+    var mlp = (m.mlp_matrices === 2 ? 1 : 2) * f;
+    var split = (2 * h + 2 * kv + a + mlp) / tp;
+    var stream = 2 * h + 4;
+    return split + (sp ? stream / tp : stream);
+  }
   function stageLayers(layers, pp) {
     var out = [];
     for (var k = 0; k < pp; k++) out.push(floorDiv((k + 1) * layers, pp) - floorDiv(k * layers, pp));
     return out;
   }
-  function inFlightMb(l, stage) {
-    if (l.pp === 1) return 1;
-    return l.schedule === "gpipe" ? l.micro_batches : Math.min(l.pp - stage, l.micro_batches);
+  function rankLayers(layers, pp, v) {   // chunk c of rank r is stage c·pp + r
+    var stages = stageLayers(layers, pp * v), out = [];
+    for (var r = 0; r < pp; r++) {
+      var n = 0;
+      for (var c = 0; c < v; c++) n += stages[c * pp + r];
+      out.push(n);
+    }
+    return out;
   }
+  function heldChunks(l, stage) {
+    var p = l.pp, mb = l.micro_batches, v = l.virtual_stages;
+    if (p === 1) return 1;
+    if (l.schedule === "gpipe") return mb * v;
+    if (v === 1) return Math.min(p - stage, mb);
+    var firstGroup = Math.ceil(mb / Math.max(1, floorDiv(mb, p)));
+    return Math.min(mb * v, 2 * (p - stage - 1) + (v - 1) * firstGroup + 1);
+  }
+  function inFlightMb(l, stage) { return heldChunks(l, stage) / l.virtual_stages; }
   function stageParams(m, l, stage) {
     var tp = l.tp, first = stage === 0, last = stage === l.pp - 1;
     var lp = layerParams(m, tp);
-    var n = stageLayers(m.layers, l.pp)[stage] * (lp[0] + lp[1]);
+    var n = rankLayers(m.layers, l.pp, l.virtual_stages)[stage] * (lp[0] + lp[1]);
     if (first) {
       n += embeddingParams(m);
       if (l.vocab_parallel) n -= m.vocab * m.hidden * (1 - 1 / tp);
@@ -311,7 +333,7 @@
   function activationBytes(m, l, stage) {
     var B = PRECISION_BYTES[l.precision].act;
     var tokens = l.micro_batch * m.seq / l.cp;
-    var nLayers = stageLayers(m.layers, l.pp)[stage];
+    var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
     var perLayer = actElementsPerToken(m, l.tp, l.sp) * B;
     var v = l.vocab_parallel ? m.vocab / l.tp : m.vocab;
     var lossGrads = stage === l.pp - 1 ? 2 * v * 4 * tokens : 0;
@@ -319,6 +341,10 @@
     if (l.recompute === "full") {
       stored = nLayers * m.hidden * B * (l.sp ? 1 / l.tp : 1);
       transient = Math.max(perLayer * tokens, lossGrads);
+    } else if (l.recompute === "selective") {
+      var kept = actElementsSelective(m, l.tp, l.sp) * B;
+      stored = nLayers * kept;
+      transient = Math.max((perLayer - kept) * tokens, lossGrads);
     } else {
       stored = nLayers * perLayer;
       transient = lossGrads;
@@ -332,7 +358,7 @@
     var n = stageParams(m, l, stage);
     var dp = l.dp * l.cp, z = l.zero;
     var lp = layerParams(m, l.tp), block = lp[0] + lp[1];
-    var gathered = Math.min(2, stageLayers(m.layers, l.pp)[stage]) * block * (B.weights + B.grads);
+    var gathered = Math.min(2, rankLayers(m.layers, l.pp, l.virtual_stages)[stage]) * block * (B.weights + B.grads);
     var act = activationBytes(m, l, stage);
     var out = { stage: stage, params: n,
                 weights: B.weights * n / (z >= 3 ? dp : 1),
@@ -377,24 +403,21 @@
     var B = PRECISION_BYTES[l.precision], n = l.dp * l.cp;
     if (n === 1) return [0.0, 0.0];
     var link = l.dp > 1 ? axisLink(hw, l, "dp") : axisLink(hw, l, "cp");
-    var nLayers = stageLayers(m.layers, l.pp)[stage];
+    var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
     var gradBytes = stageParams(m, l, stage) * B.grads, weightBytes = stageParams(m, l, stage) * B.weights;
     var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
     var ar = function (b) { return k * allReduceTime(n, b / k, link); };
     var ag = function (b) { return k * gatherTime(n, b / k, link); };
     var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
     var fwd = compute / 3, bwd = 2 * compute / 3, hide = hw.overlap, mb = l.micro_batches, z = l.zero, parts = [];
-    if (z === 0) parts = [[ar(gradBytes), bwd]];
-    else if (z === 1) parts = [[rs(gradBytes), bwd], [ag(weightBytes), fwd]];
-    else if (z === 2) {
-      for (var i = 0; i < mb; i++) parts.push([rs(gradBytes), bwd]);
-      parts.push([ag(weightBytes), fwd]);
-    } else {
-      for (var j = 0; j < mb; j++) { parts.push([ag(weightBytes), fwd]); parts.push([ag(weightBytes) + rs(gradBytes), bwd]); }
-    }
+    // [seconds, compute it can hide under, times per step]: no loop per micro-batch
+    if (z === 0) parts = [[ar(gradBytes), bwd, 1]];
+    else if (z === 1) parts = [[rs(gradBytes), bwd, 1], [ag(weightBytes), fwd, 1]];
+    else if (z === 2) parts = [[rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]];
+    else parts = [[ag(weightBytes), fwd, mb], [ag(weightBytes) + rs(gradBytes), bwd, mb]];
     var exposed = 0, all = 0;
-    parts.forEach(function (p) { exposed += Math.max(0.0, p[0] - hide * p[1]); });
-    parts.forEach(function (p) { all += p[0]; });
+    parts.forEach(function (p) { exposed += p[2] * Math.max(0.0, p[0] - hide * p[1]); });
+    parts.forEach(function (p) { all += p[2] * p[0]; });
     return [exposed, all];
   }
   course.stepTime = function (model, layout, hw) {
@@ -403,7 +426,7 @@
                          ring_step: [0.0, 0.0], backend: "nccl" }, hw);
     var B = PRECISION_BYTES[l.precision];
     var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
-    var sizes = stageLayers(m.layers, l.pp), worst = 0, best = -Infinity;
+    var v = l.virtual_stages, sizes = rankLayers(m.layers, l.pp, v), worst = 0, best = -Infinity;
     for (var s = 0; s < l.pp; s++) {
       var key = sizes[s] + (s === l.pp - 1 ? 1 : 0) * m.vocab / (12 * m.hidden);
       if (key > best) { best = key; worst = s; }
@@ -415,29 +438,46 @@
     var flops = tokens * (nLayers * layerFlops + headFlops) / l.tp;
     var compute = flops / hw.flops + nLayers * hw.overhead;
     var act = tokens * m.hidden * B.act, tpLink = axisLink(hw, l, "tp");
-    var tp = (4 + 2 * rc) * nLayers * allReduceTime(l.tp, act, tpLink);
-    if (l.tp > 1) {
-      tp += (worst === 0 ? 1 : 0) * allReduceTime(l.tp, act, tpLink);
-      if (worst === l.pp - 1) tp += allReduceTime(l.tp, act, tpLink) + 3 * allReduceTime(l.tp, tokens * 4, tpLink);
-    }
+    var seconds = {
+      "all-reduce": function (b) { return allReduceTime(l.tp, b, tpLink); },
+      "all-gather": function (b) { return gatherTime(l.tp, b, tpLink); },
+      "reduce-scatter": function (b) { return hw.backend === "gloo" ? allReduceTime(l.tp, b, tpLink) : gatherTime(l.tp, b, tpLink); }
+    };
+    var tp = 0;
+    tpCollectives(l, nLayers, worst === 0 ? 1 : 0, worst === l.pp - 1 ? 1 : 0, act, tokens, rc).forEach(function (op) {
+      tp += op[2] * seconds[op[0]](op[1]);
+    });
     var cp = 0.0;
     if (l.cp > 1) {
       var kv = 2 * tokens * kvDim(m) * B.act / l.tp, link = p2pLink(hw, l, "cp");
       var passes = p2pTime(kv, link) * (1 + rc) + 2 * p2pTime(kv, link);
       cp = nLayers * (l.cp - 1) * (passes + (1 + rc) * hw.ring_step[0] + hw.ring_step[1]);
     }
-    var sends = l.pp > 1 ? 2 * p2pTime(act, p2pLink(hw, l, "pp")) : 0.0;
+    var sends = l.pp > 1 ? 2 * v * p2pTime(act, p2pLink(hw, l, "pp")) : 0.0;
     var slot = compute + tp + cp + sends, mb = l.micro_batches;
-    var pipeline = (mb + l.pp - 1) * slot;
+    var bubble = (l.pp - 1) / v * slot;
     var exposedDp = dpTraffic(m, l, hw, worst, compute)[0];
-    return { total: pipeline + exposedDp + hw.step_overhead, compute: mb * compute, tp: mb * tp, cp: mb * cp,
-             bubble: (l.pp - 1) * slot, pp: (mb + l.pp - 1) * sends, dp: exposedDp, flops: flops * mb };
+    return { total: mb * slot + bubble + exposedDp + hw.step_overhead, compute: mb * compute, tp: mb * tp, cp: mb * cp,
+             bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb };
   };
+  function tpCollectives(l, nLayers, first, last, act, tokens, rc) {   // step_time.tp_collectives
+    if (l.tp === 1) return [];
+    var ops;
+    if (l.sp) {
+      ops = [["all-gather", act, nLayers * (6 + 2 * rc)], ["reduce-scatter", act, nLayers * (4 + 2 * rc)],
+             ["reduce-scatter", act, first], ["all-gather", act, first],
+             ["all-gather", act, 2 * last], ["reduce-scatter", act, last]];
+    } else {
+      ops = [["all-reduce", act, nLayers * (4 + 2 * rc) + first + last]];
+    }
+    return ops.concat([["all-reduce", tokens * 4, 3 * last]]);
+  }
 
+  var GiB = Math.pow(2, 30);
   function fmtBytes(x) {
-    if (x >= 1e9) return (x / 1e9).toFixed(2) + " GB";
-    if (x >= 1e6) return (x / 1e6).toFixed(2) + " MB";
-    return (x / 1e3).toFixed(1) + " KB";
+    if (x >= GiB) return (x / GiB).toFixed(2) + " GiB";
+    if (x >= Math.pow(2, 20)) return (x / Math.pow(2, 20)).toFixed(2) + " MiB";
+    return (x / 1024).toFixed(1) + " KiB";
   }
 
   function drawCalculator(root, data) {
@@ -482,10 +522,11 @@
       dp: number("dp", L.dp), tp: number("tp", L.tp), pp: number("pp", L.pp), cp: number("cp", L.cp),
       zero: select("ZeRO", [0, 1, 2, 3], L.zero), micro_batch: number("micro-batch", L.micro_batch),
       micro_batches: number("micro-batches", L.micro_batches),
-      recompute: select("recompute", ["none", "full"], L.recompute),
+      virtual_stages: number("virtual stages", L.virtual_stages || 1),
+      recompute: select("recompute", ["none", "selective", "full"], L.recompute),
       precision: select("precision", Object.keys(data.precision_bytes), L.precision),
       schedule: select("schedule", ["1f1b", "gpipe"], L.schedule), sp: check("SP", L.sp),
-      memory: number("device GB", data.initial.memory_gb, 0),
+      memory: number("device GiB", data.initial.memory_gib, 0),
       hardware: select("step time on", Object.keys(data.hardware), Object.keys(data.hardware)[0])
     };
     var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
@@ -507,7 +548,7 @@
     }
     function layout() {
       var l = {};
-      ["dp", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches"].forEach(function (k) { l[k] = +inp[k].value; });
+      ["dp", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) { l[k] = +inp[k].value; });
       l.recompute = inp.recompute.value; l.precision = inp.precision.value; l.schedule = inp.schedule.value;
       l.sp = inp.sp.checked && l.tp > 1;
       return l;
@@ -517,23 +558,33 @@
     function redraw() {
       var t0 = performance.now();
       var m = model(), l = layout(), problems = [];
-      if (m.hidden % m.heads) problems.push("hidden must be divisible by heads");
-      if (m.heads % m.kv_heads) problems.push("heads must be divisible by K/V heads");
-      // the rules lecture 07's search applies to a layout (valid_layouts)
-      if (m.heads % l.tp || m.kv_heads % l.tp) problems.push("tp must divide the heads and the K/V heads");
-      if (m.layers % l.pp) problems.push("pp must divide the layers (equal stages)");
-      if (l.cp > 1 && m.seq % (2 * l.cp)) problems.push("the sequence must split into 2·cp zig-zag chunks");
-      if (l.pp > 1 && l.micro_batches < l.pp) problems.push("a pipeline needs at least pp micro-batches");
-      ["dp", "tp", "pp", "cp", "micro_batch", "micro_batches"].forEach(function (k) {
-        if (!(l[k] >= 1) || l[k] % 1) problems.push(k + " must be a whole number ≥ 1");
+      // what ModelShape and Layout refuse, then the rules lecture 07's search applies (valid_layouts);
+      // a number must also stay a safe integer, so no product below overflows into Infinity or NaN
+      var whole = function (x) { return x >= 1 && x % 1 === 0 && x <= 1e7; };
+      shapeKeys.forEach(function (k) {
+        if (!whole(m[k])) problems.push(k + " must be a whole number from 1 to 10,000,000");
       });
+      ["dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) {
+        if (!whole(l[k])) problems.push(k.replace("_", "-") + " must be a whole number from 1 to 10,000,000");
+      });
+      var gib = +inp.memory.value;
+      if (inp.memory.value === "" || !(gib >= 0 && gib <= 1e6)) problems.push("device GiB must be a number from 0 to 1,000,000");
+      if (!problems.length) {
+        if (m.hidden % m.heads) problems.push("hidden must be divisible by heads");
+        if (m.heads % m.kv_heads) problems.push("heads must be divisible by K/V heads");
+        if (m.heads % l.tp || m.kv_heads % l.tp) problems.push("tp must divide the heads and the K/V heads");
+        if (l.pp * l.virtual_stages > m.layers) problems.push("pp × virtual stages must not exceed the layers (a block per chunk)");
+        if (l.virtual_stages > 1 && (l.pp === 1 || l.schedule !== "1f1b")) problems.push("virtual stages interleave a 1F1B pipeline: pp > 1 and schedule 1f1b");
+        if (l.cp > 1 && m.seq % (2 * l.cp)) problems.push("the sequence must split into 2·cp zig-zag chunks");
+        if (l.pp > 1 && l.micro_batches < l.pp) problems.push("a pipeline needs at least pp micro-batches");
+      }
       barBox.innerHTML = "";
       if (problems.length) {
         out.textContent = "Not a valid layout: " + problems.join("; ") + ".";
         stepOut.textContent = "";
         return;
       }
-      var e = course.estimateMemory(m, l), cap = (+inp.memory.value || 0) * 1e9;
+      var e = course.estimateMemory(m, l), cap = gib * GiB;
       var W = Math.max(300, Math.min(960, barBox.clientWidth || 720)), H = 68, left = 8;
       var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "bytes per rank" }, barBox, true);
       var top = Math.max(e.total, cap) || 1, scale = (W - 2 * left) / top, x = left;
@@ -547,7 +598,7 @@
       if (cap) {
         el("line", { x1: left + cap * scale, x2: left + cap * scale, y1: 4, y2: 50, stroke: "#000", "stroke-width": 2 }, svg, true);
         el("text", { x: Math.min(W - 4, left + cap * scale), y: 62, "font-size": 11, "text-anchor": "end" }, svg, true).textContent =
-          "device " + (cap / 1e9).toFixed(0) + " GB";
+          "device " + fmtBytes(cap);
       }
       var legend = el("p", { "class": "widget-legend" }, barBox);
       PARTS.forEach(function (p) {
@@ -556,7 +607,7 @@
       });
       var fits = cap ? (e.total <= cap ? "fits" : "does NOT fit") : "";
       out.textContent = "Per rank (pipeline stage " + e.stage + ", the most loaded): " + fmtBytes(e.total) +
-        (cap ? ", " + fits + " in " + (cap / 1e9).toFixed(0) + " GB" : "") + "; " +
+        (cap ? ", " + fits + " in " + fmtBytes(cap) : "") + "; " +
         (l.dp * l.tp * l.pp * l.cp) + " ranks, global batch " + (l.dp * l.micro_batch * l.micro_batches) + " sequences.";
       var hw = data.hardware[inp.hardware.value], st = course.stepTime(m, l, hw);
       var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
