@@ -409,3 +409,35 @@ def test_a_demo_with_nothing_to_show_draws_no_bar(tmp_path):
     path = write(tmp_path, rec)
     html = open(render.render_lecture(str(path)), encoding="utf-8").read()
     assert "silent" not in html and 'class="demo demo-ok"' in html   # the demo that has a card keeps it
+
+
+
+def test_a_wide_figure_has_a_phone_drawing_narrower_than_itself(monkeypatch):
+    """record.figure keeps a second, narrower SVG of a wide figure (its text then larger relative
+    to the plot on a phone); a figure already phone-sized keeps one drawing."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from util import record
+    added = []
+    monkeypatch.setattr(record._current, "add", lambda kind, **kw: added.append(kw))
+    for width in (9.0, 4.0):
+        fig, ax = plt.subplots(figsize=(width, 3))
+        ax.plot([0, 1], [0, 1])
+        record.figure(fig)
+    wide, narrow = added
+    width_pt = lambda svg: float(re.search(r'width="([\d.]+)pt"', svg).group(1))
+    assert "phone_svg" not in narrow
+    assert width_pt(wide["phone_svg"]) < 0.7 * width_pt(wide["svg"])
+
+
+def test_the_page_serves_the_phone_drawing_below_600_px(tmp_path):
+    rec = recording(tmp_path)
+    for r in rec["records"]:
+        if r["kind"] == "figure":
+            r["phone_svg"] = SVG.replace("10", "5")
+    html = open(render.render_lecture(str(write(tmp_path, rec))), encoding="utf-8").read()
+    files = tmp_path / "content" / "lecture_demo_files"
+    assert '<source media="(max-width: 600px)" srcset="lecture_demo_files/fig-01-phone.svg">' in html
+    assert (files / "fig-01-phone.svg").read_text() == SVG.replace("10", "5")
+    assert 'src="lecture_demo_files/fig-01.svg"' in html

@@ -119,15 +119,42 @@ def image(path_or_url, caption="", width=None):
     _current.add("image", src=str(path_or_url), caption=caption, width=width)
 
 
+PHONE_INCHES = 5.0  # a phone's figure: drawn this wide, its 10 pt text is ~10 px at 390 px
+
+
+def _svg(fig):
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    return buf.getvalue()
+
+
+def _phone_svg(fig):
+    """The same figure drawn narrower, so that on a phone its text is not shrunk to a few pixels
+    (the page shows it below 600 px; "full size" still opens the wide one). Fonts keep their
+    point sizes, so they grow relative to the plot; wide galleries shrink at most to half."""
+    import warnings
+    w, h = fig.get_size_inches()
+    if w <= PHONE_INCHES * 1.05:
+        return None
+    f = max(PHONE_INCHES / w, 0.5)
+    fig.set_size_inches(w * f, h * max(f, 0.75))
+    if fig.get_layout_engine() is None:     # re-fit labels to the smaller canvas
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fig.tight_layout()
+    return _svg(fig)
+
+
 def figure(fig, caption=""):
-    """A matplotlib figure, kept as SVG text (the renderer writes it beside the page)."""
+    """A matplotlib figure, kept as SVG text (the renderer writes it beside the page), and a
+    narrower drawing of it for phones."""
     import matplotlib
     import matplotlib.pyplot as plt
     matplotlib.rcParams["svg.hashsalt"] = "course"  # stable ids: rebuilding changes nothing
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    svg = _svg(fig)
+    phone = _phone_svg(fig)
     plt.close(fig)
-    _current.add("figure", svg=buf.getvalue(), caption=caption)
+    _current.add("figure", svg=svg, caption=caption, **({"phone_svg": phone} if phone else {}))
 
 
 def widget(name, data, caption=""):

@@ -391,10 +391,12 @@ class Page:
         return f"{self.files_name}/{name}"
 
     def p_figure(self, r):
-        n = sum(1 for f in self.files if f.startswith("fig-")) + 1
+        n = sum(1 for f in self.files if f.startswith("fig-") and not f.endswith("-phone.svg")) + 1
         svg = r.get("svg", "")
         cap = r.get("caption") or ""
+        phone = r.get("phone_svg")
         return {"kind": "figure", "src": self._file(f"fig-{n:02d}.svg", svg.encode("utf-8")),
+                "phone": self._file(f"fig-{n:02d}-phone.svg", phone.encode("utf-8")) if phone else None,
                 "caption_text": cap,
                 "caption": markdown_inline(cap) if cap else None}
 
