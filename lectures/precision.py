@@ -265,10 +265,11 @@ def quantize_fp8(x, tile=None, dtype=torch.float8_e4m3fn, power_of_two=False):
     max. `tile=None`: one scale for the whole tensor; `tile=(r, c)`: one per r×c tile
     (DeepSeek-V3: 1×128 for activations, 128×128 for weights; MXFP8: 1×32 blocks along the
     reduction dimension of both operands). `power_of_two`: the scale is a power of two, as an
-    8-bit exponent-only (e8m0) scale must be, rounded up so that no value exceeds the max. This
-    is a variant: the OCP MX specification takes 2^(floor(log2 amax) − emax), emax being the
-    element format's largest exponent (8 for e4m3), which rounds down and lets the largest
-    values of a block saturate.
+    8-bit exponent-only (e8m0) scale must be, rounded up so that no value exceeds the max:
+    NVIDIA's MXFP8 training recipe (Mishra et al. 2025). The OCP MX specification's rule is
+    2^(floor(log2 amax) − emax), emax being the element format's largest exponent (8 for
+    e4m3), which rounds down and lets the largest values of a block saturate; the recipe found
+    it diverged.
     Returns (fp8 values, scales), scales shaped (rows/r, cols/c)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a matrix, got shape {tuple(x.shape)}")
@@ -297,50 +298,62 @@ def row_errors(approx, exact):
     return (approx.double() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
 
 
-def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn, power_of_two=False):
+def fp8_matmul_error(a, w, a_tile=None, w_tile=None, dtype=torch.float8_e4m3fn, power_of_two=False,
+                     channels=None):
     """Median over output rows (tokens) of the relative error of an fp8 matmul simulated on the
     CPU: quantize both operands, dequantize, multiply with an fp32 sum (what DeepSeek-V3's
     kernels reach by promoting partial sums to fp32, see `accumulate`). Per row, because a few
-    huge rows would otherwise decide the whole norm."""
-    exact = a.double() @ w.double()
+    huge rows would otherwise decide the whole norm. `channels` (a boolean mask over a's
+    columns): measure only the part of the product those channels carry, after quantizing
+    the whole tensors, so that a few huge channels cannot hide what happened to the others."""
     qa = dequantize_fp8(*quantize_fp8(a, a_tile, dtype, power_of_two))
     qw = dequantize_fp8(*quantize_fp8(w, w_tile, dtype, power_of_two))
-    return row_errors(qa @ qw, exact).median().item()
+    if channels is not None:
+        a, w, qa, qw = a[:, channels], w[channels], qa[:, channels], qw[channels]
+    return row_errors(qa @ qw, a.double() @ w.double()).median().item()
 
 
-def keep_bits(x, bits):
-    """x (float64) with only `bits` significant bits, the rest cut off (rounded toward zero)."""
+def keep_bits(x, bits, rounding="truncate"):
+    """x (float64) with only `bits` significant bits, the rest cut off (`truncate`: toward
+    zero) or rounded to the nearest (`nearest`)."""
+    cut = {"truncate": torch.trunc, "nearest": torch.round}[rounding]
     mantissa, exponent = torch.frexp(x)
-    return torch.ldexp(torch.trunc(mantissa * 2.0 ** bits) / 2.0 ** bits, exponent)
+    return torch.ldexp(cut(mantissa * 2.0 ** bits) / 2.0 ** bits, exponent)
 
 
-def accumulate(a, b, bits=14, promote_every=None):
-    """a (m×k) @ b (k×n) with the running sum over k kept to `bits` significant bits after
-    every addition: a model of an fp8 tensor core's accumulator, which DeepSeek-V3 (§3.3.2)
-    measured to retain around 14 bits on H800 GPUs, against fp32's 24. With `promote_every`
-    = N_C, every N_C products the partial sum is added into an fp32 accumulator and restarted,
-    DeepSeek-V3's fix (N_C = 128). The products themselves are exact (fp8 × fp8 fits in
-    float64). Loops over k: for small matrices."""
+def accumulate(a, b, bits=14, promote_every=None, group=1, rounding="truncate"):
+    """a (m×k) @ b (k×n) with the running sum over k kept to `bits` significant bits: a model
+    of an fp8 tensor core's accumulator, which DeepSeek-V3 (§3.3.2) measured to retain around
+    14 bits on H800 GPUs, against fp32's 24. The hardware's rounding is not documented, so it
+    is a parameter: every `group` products are summed exactly, then added to the running sum,
+    whose result is cut to `bits` (`rounding`: "truncate" toward zero or "nearest"). With
+    `promote_every` = N_C, every N_C products the partial sum is added into an fp32
+    accumulator and restarted, DeepSeek-V3's fix (N_C = 128). The products themselves are
+    exact (fp8 × fp8 fits in float64). Loops over k: for small matrices."""
     if promote_every is not None and promote_every < 1:
         raise ValueError(f"promote_every must be a positive number of products, got {promote_every}")
+    if group < 1 or (promote_every and promote_every % group):
+        raise ValueError(f"group must be a positive divisor of promote_every, got {group} and {promote_every}")
     a, b = a.double(), b.double()
     total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
     partial = torch.zeros_like(total)
-    for i in range(a.shape[1]):
-        partial = keep_bits(partial + a[:, i:i + 1] * b[i:i + 1, :], bits)
-        if promote_every and (i + 1) % promote_every == 0:
+    for i in range(0, a.shape[1], group):
+        partial = keep_bits(partial + a[:, i:i + group] @ b[i:i + group, :], bits, rounding)
+        if promote_every and (i + group) % promote_every == 0:
             total, partial = (total + partial).float().double(), torch.zeros_like(partial)
     return (total + partial).float().double() if promote_every else partial
 
 
-def accumulation_error(k, bits=14, promote_every=None, m=32, n=32, seed=0):
-    """Median over rows of the relative error that the accumulator alone adds to an e4m3
-    matmul of a (m×k) by (k×n): both operands are e4m3 values already, compared with their
-    exact product."""
+def accumulation_error(k, bits=14, promote_every=None, group=1, rounding="truncate", m=32, n=32, seed=0,
+                       worst=False):
+    """Median (or, with `worst`, largest) over rows of the relative error that the
+    accumulator alone adds to an e4m3 matmul of a (m×k) by (k×n): both operands are e4m3
+    values already, compared with their exact product."""
     g = torch.Generator().manual_seed(seed)
     a = round_to(torch.randn(m, k, generator=g), torch.float8_e4m3fn)
     b = round_to(torch.randn(k, n, generator=g), torch.float8_e4m3fn)
-    return row_errors(accumulate(a, b, bits, promote_every), a.double() @ b.double()).median().item()
+    errors = row_errors(accumulate(a, b, bits, promote_every, group, rounding), a.double() @ b.double())
+    return (errors.max() if worst else errors.median()).item()
 
 
 def scaling_over_steps(amax_per_step, history=16, dtype=torch.float8_e4m3fn, numel=4096, seed=0):
@@ -367,32 +380,49 @@ def scaling_over_steps(amax_per_step, history=16, dtype=torch.float8_e4m3fn, num
     return out
 
 
-def scaled_mm_error(a, w, rowwise=False):
+def scaled_mm_error(a, w, rowwise=False, channels=None):
     """The same with PyTorch's fp8 matmul `torch._scaled_mm` (e4m3, tensor-wise or row-wise
-    scales: a per row of a, one per column of w). None if this build cannot run it."""
-    exact = a.double() @ w.double()
+    scales: a per row of a, one per column of w). `channels` as in `fp8_matmul_error`: the
+    other channels are zeroed after quantizing (fp8 zero is exact). None if this build cannot
+    run it."""
+    if rowwise:
+        qa, sa = quantize_fp8(a, (1, a.shape[1]))
+        qw, sw = quantize_fp8(w.t().contiguous(), (1, w.shape[0]))
+        sa, sw, out_dtype = sa.float(), sw.float().t(), torch.bfloat16
+    else:
+        (qa, sa), (qw, sw) = quantize_fp8(a), quantize_fp8(w.t().contiguous())
+        sa, sw, out_dtype = sa.reshape(()), sw.reshape(()), torch.float32
+    if channels is not None:
+        qa.view(torch.uint8)[:, ~channels] = 0
+        a, w = a[:, channels], w[channels]
     try:
-        if rowwise:
-            qa, sa = quantize_fp8(a, (1, a.shape[1]))
-            qw, sw = quantize_fp8(w.t().contiguous(), (1, w.shape[0]))
-            out = torch._scaled_mm(qa, qw.t(), sa.float(), sw.float().t(), out_dtype=torch.bfloat16)
-        else:
-            qa, sa = quantize_fp8(a)
-            qw, sw = quantize_fp8(w.t().contiguous())
-            out = torch._scaled_mm(qa, qw.t(), sa.reshape(()), sw.reshape(()), out_dtype=torch.float32)
+        out = torch._scaled_mm(qa, qw.t(), sa, sw, out_dtype=out_dtype)
     except (RuntimeError, NotImplementedError):
         return None
-    return row_errors(out, exact).median().item()
+    return row_errors(out, a.double() @ w.double()).median().item()
 
 
-def outlier_matrices(m, k, n, outlier=1000.0, frac=0.01, seed=0):
-    """Activations (m tokens × k) where a few tokens are `outlier` times larger than the rest
-    (LLMs have such "massive activations"), and Gaussian weights (k×n) with a few large
-    entries."""
+def outlier_matrices(m, k, n, outlier=1000.0, frac=0.01, channel_frac=0.002, seed=0):
+    """Activations (m tokens × k channels) with outliers of both kinds LLMs show, `outlier`
+    times larger than the rest: whole tokens (a fraction `frac`; Sun et al. 2024's "massive
+    activations" sit on a few tokens) and whole channels (a fraction `channel_frac`, at least
+    one; Dettmers et al. 2022's outlier features are a few fixed channels across all tokens).
+    Where they cross, the value is `outlier` times larger, not its square. Gaussian weights
+    (k×n) with a few large entries."""
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g)
-    rows = torch.randperm(m, generator=g)[:max(1, int(frac * m))]
-    a[rows] *= outlier
+    factor = torch.ones(m, k)
+    factor[torch.randperm(m, generator=g)[:max(1, int(frac * m))]] = outlier
+    factor[:, ~ordinary_channels(k, channel_frac, seed)] = outlier
     w = torch.randn(k, n, generator=g) * 0.02
     w[torch.rand(k, n, generator=g) < 0.001] *= 50
-    return a, w
+    return a * factor, w
+
+
+def ordinary_channels(k, channel_frac=0.002, seed=0):
+    """Boolean mask over k channels: those that `outlier_matrices` with the same arguments
+    leaves ordinary."""
+    g = torch.Generator().manual_seed(seed + 1)
+    keep = torch.ones(k, dtype=torch.bool)
+    keep[torch.randperm(k, generator=g)[:max(1, int(channel_frac * k))]] = False
+    return keep

@@ -5,7 +5,6 @@ visual performance model"), attainable FLOP/s = min(peak, intensity × bandwidth
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from util.measure import measure
 
@@ -69,8 +68,11 @@ def copy_rate(nbytes, dev="cpu", repeats=7):
 def elementwise_rate(n, op="add", dev="cpu", repeats=7):
     """(FLOP/s, Timing, FLOP per byte) of x + y (1 FLOP per 12 bytes moved in fp32) or
     GELU (an assumed count of 8 FLOP per element, per 8 bytes moved: the real count depends
-    on how the kernel evaluates erf or tanh)."""
-    x, y = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    fn, flops, moved = {"add": (lambda: x + y, n, 12 * n), "gelu": (lambda: F.gelu(x), 8 * n, 8 * n)}[op]
+    on how the kernel evaluates erf or tanh). Both write into a buffer allocated once, as
+    `copy_rate` does: a fresh output per call would time the allocator mapping, faulting
+    and zeroing new pages, not the kernel's traffic."""
+    x, y, out = torch.randn(n, device=dev), torch.randn(n, device=dev), torch.empty(n, device=dev)
+    fn, flops, moved = {"add": (lambda: torch.add(x, y, out=out), n, 12 * n),
+                        "gelu": (lambda: torch.ops.aten.gelu.out(x, out=out), 8 * n, 8 * n)}[op]
     t = measure(fn, warmup=2, repeats=repeats)
     return flops / t.median, t, flops / moved
