@@ -188,6 +188,8 @@ class Layout:
             parts.append("recompute" if self.recompute == "full" else "selective recompute")
         if self.pp > 1 and self.schedule != "1f1b":
             parts.append(self.schedule)
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
         parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
         return " ".join(parts)
 

@@ -23,10 +23,11 @@ def divisors(n):
 
 
 def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("none",),
-                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,)):
+                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,), virtual_stages=(1,)):
     """Every Layout with dp·pp·cp·tp = world that can run this model:
       tp divides the heads and the K/V heads (each rank holds whole heads), at most `max_tp`;
-      pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches;
+      pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches; with
+      v > 1 virtual stages pp·v divides the layers (equal chunks);
       cp: the sequence splits into 2·cp equal zig-zag chunks;
       dp divides the global batch; the rest of each dp rank's batch is m micro-batches of
       `micro_batch` sequences; ZeRO stages > 0 only when dp·cp > 1 (ZeRO shards over the
@@ -46,11 +47,11 @@ def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("no
             m = per_rank // mb
             if pp > 1 and m < pp:
                 continue
-            for zero, rc, s in itertools.product(zero_stages, recompute, sp):
-                if (zero and dp * cp == 1) or (s and tp == 1):
+            for zero, rc, s, v in itertools.product(zero_stages, recompute, sp, virtual_stages):
+                if (zero and dp * cp == 1) or (s and tp == 1) or (v > 1 and (pp == 1 or model.layers % (pp * v))):
                     continue
                 out.append(Layout(dp, pp, cp, tp, zero=zero, micro_batch=mb, micro_batches=m,
-                                  recompute=rc, precision=precision, sp=s))
+                                  recompute=rc, precision=precision, sp=s, virtual_stages=v))
     return out
 
 
@@ -158,13 +159,14 @@ def open_knobs(model, mesh, per_dp, micro_batch_sizes=(1, 2), virtual_stages=(1,
     return out
 
 
-def table4_row(row, model, hw):
-    """The search's fastest layout that fits on the row's mesh, with its predicted MFU."""
+def table4_row(row, model, hw, **knobs):
+    """The search's fastest layout that fits on the row's mesh, with its predicted MFU
+    (`knobs` narrow `open_knobs`, e.g. virtual_stages=(1,))."""
     from lectures.step_time import mfu
     shape = dataclasses.replace(model, seq=row["seq"])
     mesh = {k: row[k] for k in ("dp", "pp", "cp", "tp")}
     best = None
-    for lay in open_knobs(shape, mesh, row["per_dp"]):
+    for lay in open_knobs(shape, mesh, row["per_dp"], **knobs):
         mem = estimate_memory(shape, lay)["total"]
         if mem > hw.memory:
             continue
@@ -197,3 +199,29 @@ def reproduce_table4(model, make_hw, fit_on=0, rows=LLAMA3_TABLE4):
         best = table4_row(row, model, hw)
         out.append((row, best, None if best is None else best["mfu"] / row["mfu"] - 1))
     return frac, out
+
+
+def attention_slowdown_needed(row, best, model, hw):
+    """How many times slower than the GEMMs attention would have to run for the model to
+    predict `row`'s measured MFU with `best`: the step must grow by T_measured − T_predicted,
+    and a micro-batch's extra time is paid m + (pp − 1)/v times (every slot and the bubble)."""
+    from lectures.step_time import flops_per_token
+    shape = dataclasses.replace(model, seq=row["seq"])
+    lay, t = best["layout"], best["time"]
+    measured = lay.global_batch * shape.seq * flops_per_token(shape)[0] / (row["mfu"] * row["gpus"] * hw.peak)
+    per_slot = (measured - t["total"]) / (lay.micro_batches + (lay.pp - 1) / lay.virtual_stages)
+    sharded, _ = shape.layer_params()
+    share = 12 * shape.hidden * shape.seq / (6 * sharded + 12 * shape.hidden * shape.seq)   # of a block's FLOPs
+    attention = share * t["compute"] / lay.micro_batches                                  # (no head on this rank)
+    return 1 + per_slot / attention
+
+
+def near_ties(rows, band):
+    """The fitting rows within `band` (relative) of the fastest, and what separates them:
+    {field: sorted values} for the knobs that differ, and those all of them share."""
+    fitting = [r for r in rows if r["fits"]]
+    best = fitting[0]["time"]["total"]
+    group = [r for r in fitting if r["time"]["total"] <= best * (1 + band)]
+    fields = ("dp", "pp", "cp", "tp", "virtual_stages", "zero", "recompute", "sp", "micro_batch")
+    values = {f: sorted({getattr(r["layout"], f) for r in group}, key=lambda x: (str(type(x)), x)) for f in fields}
+    return group, {f: v for f, v in values.items() if len(v) > 1}, {f: v[0] for f, v in values.items() if len(v) == 1}
