@@ -452,21 +452,26 @@ def pytorch_cp_demo(rank, world_size, check_len, seq_len, heads, head_dim):
 def train_moe_gpt(rank, world_size, configs, steps, n_experts=4, top_k=1, capacity_factor=1.25,
                   batch_size=16, lr=3e-3):
     """Rank r trains its own copy with configs[r] = {"aux": balance-loss weight, "bias": DeepSeek-V3's
-    bias step γ (0 = off)} (independent runs side by side, no communication). Returns per-step
-    loss, balance loss, z-loss, expert load and dropped fraction."""
+    bias step γ (0 = off), "z": router z-loss weight} (independent runs side by side, no
+    communication). Returns per-step loss, balance loss, z-loss, the mean largest router logit, expert load
+    and dropped fraction."""
     cfg = gpt_config("float32")
     model = moe_gpt(cfg, n_experts, top_k, capacity_factor).to(device())
-    alpha, gamma = configs[rank].get("aux", 0.0), configs[rank].get("bias", 0.0)
+    alpha, gamma, zeta = (configs[rank].get(key, 0.0) for key in ("aux", "bias", "z"))
     moes = [b.mlp for b in model.blocks]
+    logits = []                                # every router's mean largest logit, this step
     for m in moes:
         m.bias_update = gamma
+        m.router.register_forward_hook(lambda mod, inp, out: logits.append(out.detach().amax(-1).mean().item()))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    log = {"loss": [], "aux": [], "z": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
+    log = {"loss": [], "aux": [], "z": [], "max_logit": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
     for step in range(steps):
         tokens, targets = batch(cfg, batch_size, step)
+        logits.clear()
         loss = loss_fn(model(tokens.to(device())), targets.to(device()))
         aux = sum(m.aux_loss for m in moes) / len(moes)
-        (loss + alpha * aux).backward()
+        z = sum(m.z_loss for m in moes) / len(moes)
+        (loss + alpha * aux + zeta * z).backward()
         opt.step()
         opt.zero_grad()
         if gamma:
@@ -475,7 +480,8 @@ def train_moe_gpt(rank, world_size, configs, steps, n_experts=4, top_k=1, capaci
         counts = torch.tensor([m.stats["tokens_per_expert"] for m in moes], dtype=torch.float64)
         log["loss"].append(loss.item())
         log["aux"].append(aux.item())
-        log["z"].append(sum(m.z_loss.item() for m in moes) / len(moes))
+        log["z"].append(z.item())
+        log["max_logit"].append(sum(logits) / len(logits))
         log["max_load"].append((counts.max(1).values / counts.mean(1)).mean().item())
         log["dropped"].append(sum(m.stats["dropped"] for m in moes) / sum(m.stats["assignments"] for m in moes))
     log["tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
@@ -1239,7 +1245,7 @@ def mixture_of_experts():
           header=["balancing", "loss", "balance loss", "busiest / mean load", "dropped fraction",
                   "tokens per expert, last step (fewest–most, any layer)"],
           caption=f"means over the last {tail} steps")
-    _TRAINING.update(logs=r, labels=labels)
+    _TRAINING.update(logs=r, labels=labels, configs=configs, steps=steps)
     load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
     loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
     load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
@@ -1284,14 +1290,14 @@ LOSS_NOISE = 0.05   # single runs of one seed: loss differences below 5% are not
 SINGLE_RUN = "(One run of one seed each: differences under 5% are not ranked.)"
 
 
-def loss_words(loss, baseline, name):
-    """A loss against the unbalanced run's, in words from its sign and size: "no clear difference"
-    within LOSS_NOISE (single runs), otherwise higher or lower by the percentage."""
+def loss_words(loss, baseline, name, without="without balancing"):
+    """A loss against a baseline run's (by default the unbalanced one), in words from its sign and
+    size: "no clear difference" within LOSS_NOISE (single runs), otherwise higher or lower by the
+    percentage."""
     rel = loss / baseline - 1
     if abs(rel) < LOSS_NOISE:
-        return f"{name} {loss:.3f} against {baseline:.3f} without balancing, no clear difference here"
-    return (f"{name} {loss:.3f}, {abs(rel):.0%} {'higher' if rel > 0 else 'lower'} than {baseline:.3f} "
-            "without balancing")
+        return f"{name} {loss:.3f} against {baseline:.3f} {without}, no clear difference here"
+    return f"{name} {loss:.3f}, {abs(rel):.0%} {'higher' if rel > 0 else 'lower'} than {baseline:.3f} {without}"
 
 
 BIAS_STEP = 0.01
@@ -1497,23 +1503,65 @@ def balancing_deep_dive():
         the top-k experts (the gate still uses the unbiased score), and after each step the bias
         of every overloaded expert falls by γ and every underloaded one rises by γ (they use
         γ = 0.001 for most of training, with a very small sequence-wise balance loss beside it).
-        The fourth run of the training above did exactly this with γ = {γ}, without any balance
-        loss. ST-MoE's **router z-loss** is another auxiliary term, for stability rather than
-        balance: the mean squared log-sum-exp of the router logits, which keeps them small
-        where a softmax in low precision stays accurate (weight 10⁻³ in ST-MoE).
+        The fourth run of the training above did this with γ = {γ}, without any balance loss,
+        and with two simplifications: its scores are the softmax probabilities, where DeepSeek-V3's
+        affinities are sigmoids normalised over the chosen experts, and its γ is 10× theirs, to
+        act within a short run.
     """.replace("{γ}", str(BIAS_STEP)))
     see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (§2.1.2, auxiliary-loss-free load balancing)")
-    see("https://arxiv.org/abs/2202.08906", "Zoph et al. 2022: ST-MoE: Designing Stable and Transferable Sparse Expert Models (router z-loss)")
     alpha_words()
     see(MoE.update_bias)
+    z_loss_section()
+
+
+Z_WEIGHT = 1e-3   # ST-MoE's router z-loss weight
+
+
+def z_loss_section():
+    """ST-MoE's router z-loss, trained: the α = AUX_WEIGHT run again with the z-loss in its loss,
+    against the same run without it (both from mixture_of_experts())."""
+    note("""
+        **The router z-loss.** ST-MoE adds another auxiliary term, for stability rather than
+        balance: the mean squared log-sum-exp of the router logits, $\\frac{1}{T}\\sum_t (\\log\\sum_e
+        e^{x_{t,e}})^2$. It pulls each token's log-sum-exp towards 0, so no logit can grow
+        large, where an exponential in low precision loses its digits (weight 10⁻³ in ST-MoE). Since
+        the softmax ignores a common shift, the term need not change the routing: it is smallest
+        when the log-sum-exp is 0, which for equal logits means −log E each, not 0.
+    """)
+    see("https://arxiv.org/abs/2202.08906", "Zoph et al. 2022: ST-MoE: Designing Stable and Transferable Sparse Expert Models (router z-loss)")
     see(z_loss)
-    log = _TRAINING.get("logs")
-    if log:
-        tail = max(1, len(log[0]["loss"]) // 10)
-        mean = lambda xs: sum(xs[-tail:]) / tail
-        table([[label, mean(lg["max_load"]), mean(lg["loss"]), mean(lg["z"])] for label, lg in zip(_TRAINING["labels"], log)],
-              header=["balancing", "busiest / mean load", "loss", "router z-loss (not trained on)"],
-              caption=f"the training runs above, means over the last {tail} steps")
+    logs, configs = _TRAINING.get("logs"), _TRAINING.get("configs")
+    if not logs:
+        return
+    base = configs.index({"aux": AUX_WEIGHT})
+    z_run = spawn(train_moe_gpt, 1, configs=[dict(configs[base], z=Z_WEIGHT)], steps=_TRAINING["steps"], batch_size=8,
+                  name="MoE GPT training with the router z-loss").returns[0]
+    runs = {f"balance loss α = {AUX_WEIGHT}": logs[base], f"the same, + z-loss × {Z_WEIGHT:g}": z_run}
+    tail = max(1, _TRAINING["steps"] // 10)
+    mean = lambda xs: sum(xs[-tail:]) / tail
+    table([[name, mean(lg["z"]), mean(lg["max_logit"]), mean(lg["loss"]), mean(lg["max_load"])]
+           for name, lg in runs.items()],
+          header=["run", "router z-loss", "largest logit per token (mean)", "loss", "busiest / mean load"],
+          caption=f"the same model, data and seed, {_TRAINING['steps']} steps, with and without the z-loss in the "
+                  f"loss; means over the last {tail} steps, over the router of every layer")
+    (a, b) = runs.values()
+    note(f"""
+        Trained with the z-loss, the routers' z-loss ended at {mean(b["z"]):.3f} against
+        {mean(a["z"]):.3f} without it ({mean(b["z"]) / mean(a["z"]):.2f}×), and each token's largest logit at
+        {mean(b["max_logit"]):.3f} against {mean(a["max_logit"]):.3f}: {z_words(a, b, mean)}
+        {loss_words(mean(b["loss"]), mean(a["loss"]), "The loss", "without the z-loss")}. {SINGLE_RUN}
+    """)
+    labels = _TRAINING["labels"]
+    table([[label, mean(lg["max_load"]), mean(lg["loss"]), mean(lg["z"])] for label, lg in zip(labels, logs)],
+          header=["balancing", "busiest / mean load", "loss", "router z-loss (not in the loss)"],
+          caption=f"the four balancing runs above, means over the last {tail} steps: none of them trains on the z-loss")
+
+
+def z_words(without, with_z, mean):
+    """Whether the z-loss run's logits ended smaller, in words from the numbers."""
+    if mean(with_z["z"]) < mean(without["z"]) and mean(with_z["max_logit"]) < mean(without["max_logit"]):
+        return "the term did what it is for, in a run this short."
+    return "in a run this short the term has not yet moved the logits down."
 
 
 def node_limited_deep_dive():
@@ -1563,7 +1611,7 @@ def main():
     pytorch_context_parallel()   # PyTorch's own (all-gather by default), with a small CPU shim
     mixture_of_experts()         # router, capacity, balance loss, in training
     with deep_dive("Balancing the experts", "the balance loss's weight, DeepSeek-V3's bias instead of a loss, "
-                                            "and the router z-loss, on the training runs above"):
+                                            "and the router z-loss, trained beside the runs above"):
         balancing_deep_dive()
     expert_parallelism()         # experts across ranks, tokens by all-to-all
     with deep_dive("Node-limited routing", "why DeepSeek-V3 sends each token to at most 4 nodes"):
