@@ -16,8 +16,8 @@ from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.schedule_explorer import explorer_data
 from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.schedule_sim import (check_schedule, dualpipev_readme_bubble, held, message_order, simulate,
-                                   theory_bubble)
+from lectures.schedule_sim import (check_schedule, consecutive_steps, dualpipev_readme_bubble, held, message_order,
+                                   qi_bubble, simulate, steady_step, theory_bubble)
 from lectures.schedule_sim import Simulation, dependencies  # noqa: F401  (re-exported)
 from lectures.schedules import SCHEDULES, Action, Layout, make_schedule
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
@@ -630,7 +630,7 @@ def measured_schedules():
     interleaved_measured(R, p)
     zero_bubble_measured(R, p)
     with deep_dive("DualPipeV's bubble formula against our list",
-                   "the README's (S/2−1)(F&B+B−3W) evaluated, and the one law that links it to the simulated idle time"):
+                   "the README's (S/2−1)(F&B+B−3W) against DualPipeV run pair by pair and as its reference runs it"):
         dualpipev_formula(p)
     every_schedule_measured(R, p, mode)                 # all of them side by side, with the explorer
     return R
@@ -718,7 +718,8 @@ def one_f_one_b_memory(mem, ms, p):
                   caption=f"Micro-batches each rank holds over one simulated step ({p} ranks, {top} micro-batches): "
                           "GPipe climbs to m on every rank, 1F1B stops at p − r on rank r.")
     note(f"""
-        1F1B (PipeDream-Flush, Narayanan et al. 2021) starts the backward of micro-batch 0 as
+        1F1B (PipeDream-Flush, from Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel
+        DNN Training", the paper of PipeDream-2BW) starts the backward of micro-batch 0 as
         soon as it can and then alternates one forward with one backward. Rank $r$ holds at
         most $p - r$ micro-batches, whatever $m$: at m = {top} the measured peak is
         **{mem['1f1b', top] / 2**10:.0f} KiB** against GPipe's **{mem['gpipe', top] / 2**10:.0f} KiB**
@@ -753,7 +754,7 @@ def interleaved_measured(R, p):
         configurable group size (`microbatch_group_size_per_vp_stage`). For other $m$ our lists use
         $\\lfloor m/p \\rfloor$ groups of at least $p$, the larger first (`group_sizes`); a short
         last group deadlocks — (p, m, v) = (6, 8, 2) did, before — and a test builds and
-        simulates every size up to p = 8. Lamy-Poirier (2023) compares this depth-first
+        simulates every size up to p = 8. {interleaved_memory_words(p, v)} Lamy-Poirier (2023) compares this depth-first
         order with breadth-first (all micro-batches through chunk 0 first: `gpipe` with
         chunks > 1 here), which suits data-parallel sharding better; Llama 3 trained with an
         interleaved schedule whose mix of the two is tunable.
@@ -765,29 +766,45 @@ def interleaved_measured(R, p):
           what=f"messages counted in one step, p = {p}, v = {v}")
 
 
-def dualpipev_idle_law(cost, ps=range(2, 9)):
-    """Whether the gap between our DualPipeV list and the README's formula is one law at every p
-    (simulated for p = 2..8 at m = 2p, 2p + 2 and 3p + 1, with these costs), as a sentence."""
-    full_b = cost["B"] + cost["W"]
-    ratios, per_f = set(), set()
+def interleaved_memory_words(p, v):
+    """What interleaving costs in memory, counted on the lists: the micro-batches rank 0 holds at
+    m = 2p against 1F1B's p, and at p < m < 2p, where one group holds every micro-batch."""
+    def rank0(name, m, chunks):
+        return held(make_schedule(name, p, m, chunks))[0] / chunks
+    two_p = rank0("interleaved-1f1b", 2 * p, v)
+    between = {m: rank0("interleaved-1f1b", m, v) for m in range(p + 1, 2 * p)}
+    words = (f"Interleaving also costs memory: at m = {2 * p} rank 0 holds {two_p:g} micro-batches "
+             f"({rank0('1f1b', 2 * p, 1):g} with 1F1B; $p + (p-1)/v$ = {p + (p - 1) / v:g}), the chunk-0 "
+             "forwards of a whole group running before its first backward.")
+    if not between:
+        return words
+    lo, hi = min(between), max(between)
+    if all(h == m for m, h in between.items()):
+        sizes = f"m = {lo}" if lo == hi else f"m = {lo} to {hi}"
+        return words + (f" With $p < m < 2p$ ({sizes} here) there is one group, so rank 0 "
+                        f"holds all $m$ micro-batches at once, GPipe's memory: {between[hi]:g} at m = {hi}.")
+    return words + " With $p < m < 2p$ rank 0 holds " + ", ".join(f"{h:g} at m = {m}" for m, h in between.items()) + "."
+
+
+def most_idle(sim):
+    """The idle time of the rank that idles most in a simulated step."""
+    return max(sim.makespan - busy for busy in sim.busy)
+
+
+def dualpipev_readme_holds(F, B_in, W, ps=range(2, 9), overlaps=(1.0, 0.5, 0.0)):
+    """Whether DeepSeek's (S/2 − 1)(F&B + B − 3W) equals the most idle rank of DualPipeV run as
+    the reference runs it (each F&B pair one unit, simulate(pair=...)), for every p in `ps`,
+    m = 2p, 2p + 3, 4p, and F&B from F + B (no overlap, 1.0) down to the longer of the two
+    (a perfect overlap, 0.0). Returns (holds, the largest |formula − simulation|)."""
+    full_b, worst = B_in + W, 0.0
     for p in ps:
-        for m in (2 * p, 2 * p + 2, 3 * p + 1):
-            run = simulate(make_schedule("dualpipev", p, m, 2), cost)
-            idle = {round(run.makespan - busy, 9) for busy in run.busy}
-            if len(idle) > 1:
-                return f"At p = {p}, m = {m} the ranks idle unequally ({sorted(idle)}): no single law."
-            idle = idle.pop()
-            per_f.add(round(idle / ((p - 1) * cost["F"]), 9))
-            ratios.add(round(dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"]) / idle, 9))
-    if len(ratios) > 1:
-        return f"The ratio of the README's count to ours changes with p and m ({sorted(ratios)})."
-    ours = (f"$(p-1)F$" if per_f == {1.0} else
-            f"{per_f.pop():g}·$(p-1)F$" if len(per_f) == 1 else "the same on every rank")
-    costs = ("F, B and W equal per chunk" if cost["F"] == cost["B"] == cost["W"] else
-             f"F = {cost['F']:g}, B = {cost['B']:g}, W = {cost['W']:g} per chunk")
-    return (f"With these costs ({costs}) the gap is one law: for every p from "
-            f"{ps[0]} to {ps[-1]} and m = 2p, 2p + 2, 3p + 1, each rank of our list idles {ours}, and "
-            f"the README's count is {ratios.pop():g}× ours. Other costs give other ratios.")
+        for m in (2 * p, 2 * p + 3, 4 * p):
+            sched = make_schedule("dualpipev", p, m, 2)
+            for share in overlaps:
+                fb = max(F, full_b) + share * min(F, full_b)
+                sim = simulate(sched, {"F": F, "B": B_in, "W": W}, pair=fb)
+                worst = max(worst, abs(dualpipev_readme_bubble(p, F, full_b, W, fb) - most_idle(sim)))
+    return worst < 1e-9, worst
 
 
 def zero_bubble_measured(R, p):
@@ -822,21 +839,25 @@ def zero_bubble_measured(R, p):
           on rank 0 while the last ranks finish, which a synchronous optimizer step forbids
           (gradient clipping and NaN checks need every rank's gradients). Qi et al. (sec. 4)
           replace that synchronisation by a *post-validation*: each rank steps at once and
-          rolls the rare failing step back. One step followed by a synchronous AdamW, as here,
-          cannot show it.
+          rolls the rare failing step back. Then the head of one step fills the tail of the
+          one before, and what a step costs is Qi et al.'s $m(F+B+W) + (p-1)(F+B-2W)$: a
+          bubble of $(p-1)(F+B-2W)$, zero only where $F + B = 2W$. The figure below runs two
+          steps back to back on the simulator.
         - **ZB-V** (Qi et al. 2024) puts two half-size chunks on each rank in a V (the layout
           figure above): the head halves, because the first forward reaches rank $p-1$ after
           $p - 1$ half-stage forwards, and under 1F1B's memory ($2p$ half-size chunks = $p$
-          micro-batches) nearly all the rest goes: {unit['zb-v']:g} units. Our ZB-H2 and ZB-V
-          lists come from a small greedy scheduler under those bounds (`_greedy`: B first, then F
-          within the bound, then W), not the papers' hand-made lists.
+          micro-batches) the rest goes: {unit['zb-v']:g} units, the V's head of $p-1$
+          half-stage forwards and nothing else. Our ZB-V is the paper's hand-made list, in the
+          order PyTorch's `ScheduleZBVZeroBubble` runs it (a test compares the two for every
+          $p \\le 8$ and $m \\le 4p+1$); our ZB-H2 comes from a small greedy scheduler under its
+          bound (`_greedy`: B first, then F within the bound, then W), not the paper's list.
 
         In sleep mode F, B and W each wait {SLEEP['F'] * 1e3:.0f} ms (a chunk's action half
         that), so 1F1B's unsplit backward is twice a forward. Measured at m = {m}:
 
         | | 1F1B | ZB-H1 | ZB-H2 | ZB-V | DualPipeV |
         |---|---|---|---|---|---|
-        | paper's bubble | $(p-1)(F+B+W)$ | $(p-1)(F+B-W)$ | ≈ 0 across steps | ≈ the V's head | $(S/2-1)(F\\&B+B-3W)$ |
+        | paper's bubble | $(p-1)(F+B+W)$ | $(p-1)(F+B-W)$ | $(p-1)(F+B-2W)$ across steps | the V's head | $(S/2-1)(F\\&B+B-3W)$ |
         | paper's micro-batches held | $p$ | $p$ | $2p-1$ | $p$ | $S + 1$ chunks |
         | most held in our lists | {most['1f1b']:g} | {most['zb-h1']:g} | {most['zb-h2']:g} | {most['zb-v']:g} | {most['dualpipev'] * 2:g} chunks |
         | bubble, simulated | {pct(rows_['1f1b m=8']['simulated'])} | {pct(rows_['zb-h1']['simulated'])} | {pct(rows_['zb-h2']['simulated'])} | {pct(rows_['zb-v']['simulated'])} | {pct(rows_['dualpipev']['simulated'])} |
@@ -849,7 +870,10 @@ def zero_bubble_measured(R, p):
         every weight-owning module's output, which the meter counts too: measured, ZB-H1's peak
         is {peak['zb-h1'] / peak['1f1b m=8']:.2f}× 1F1B's, not 1F1B's peak, and ZB-H2's
         {peak['zb-h2'] / peak['1f1b m=8']:.2f}×.)
-
+    """)
+    zb_h2_two_steps(p, m)
+    unequal_costs(p, m)
+    note(f"""
         **DualPipeV** (DeepSeek-AI 2024) is a V like ZB-V built for mixtures of experts: it
         runs the forward of one micro-batch together with the backward of another (a pair the
         DualPipe README writes $F\\&B$), so that one's computation hides the other's
@@ -862,6 +886,70 @@ def zero_bubble_measured(R, p):
     cheat("ZB-H1 bubble", "bubble $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$",
           round(100 * rows_["zb-h1"]["measured"], 1), "%",
           what=f"ZB-H1, p = {p}, m = {m}, sleep mode, measured (1F1B: {pct(rows_['1f1b m=8']['measured'])})")
+
+
+def zb_h2_two_steps(p, m, cost=None):
+    """ZB-H2's zero bubble: two steps run back to back (no synchronising optimizer step), on the
+    simulator, against one step; and the per-step time against Qi et al.'s formula."""
+    import matplotlib.pyplot as plt
+    cost = cost or chunk_cost(1)
+    sched = make_schedule("zb-h2", p, m)
+    one, two = simulate(sched, cost), simulate(consecutive_steps(sched, 2), cost)
+    steady = two.makespan - one.makespan
+    work = m * (cost["F"] + cost["B"] + cost["W"])
+    fig, ax = plt.subplots(figsize=(8, 0.6 * p + 1.4))
+    draw_rows(ax, two.timeline, f"zb-h2, two steps back to back: {two.makespan:g} units "
+              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1, fontsize=11)
+    ax.axvline(one.makespan, color="black", ls=":", lw=1.2)
+    figure(fig, caption=f"{p} ranks, {m} micro-batches per step, simulated (the second step's micro-batches "
+                        f"are numbered from {m}). One step alone takes {one.makespan:g} units; the second "
+                        f"adds {steady:g}, which is its {work:g} units of work and "
+                        f"{_idle_words(steady - work)}: the first ranks start step 2 while the last finish "
+                        "step 1, so the parallelogram's head fills the tail (dotted: where one step alone ends).")
+
+
+def _idle_words(idle):
+    return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
+
+
+UNEQUAL = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.0, 0.5)]   # (F, B, W) per stage
+
+
+def unequal_costs(p, m, costs=UNEQUAL):
+    """The zero-bubble lists simulated under unequal F, B, W, beside Qi et al.'s formulas; and
+    ZB-V against ZB-H1 in words, from the makespans."""
+    names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+    rows, span = [], {}
+    for F, B, W in costs:
+        got = {n: simulate(make_schedule(n, p, m, v), chunk_cost(v, F, B, W)).makespan for n, v in names}
+        across = steady_step(make_schedule("zb-h2", p, m), chunk_cost(1, F, B, W))
+        span[F, B, W] = got
+        work = m * (F + B + W)
+        rows.append([f"{F:g}, {B:g}, {W:g}"] +
+                    [f"{got[n]:g}" + (f" ({work + qi_bubble(n, p, F, B, W):g})" if n in ("1f1b", "zb-h1") else "")
+                     for n in ("1f1b", "zb-h1")] +
+                    [f"{got['zb-h2']:g}", f"{across:g} ({work + qi_bubble('zb-h2', p, F, B, W):g})",
+                     f"{got['zb-v']:g}", f"{got['dualpipev']:g}"])
+    table(rows, header=["F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step", "ZB-H2, per step back to back",
+                        "ZB-V", "DualPipeV"],
+          caption=f"Makespans on the simulator, {p} ranks, {m} micro-batches (a chunk's action 1/2 of a stage's), "
+                  "in brackets $m(F+B+W)$ plus Qi et al.'s bubble for 1F1B, ZB-H1 and ZB-H2. The second row "
+                  "keeps a whole backward at twice a forward, as in a transformer, with W the smaller half.")
+    note(zbv_against_zbh1(span))
+
+
+def zbv_against_zbh1(span):
+    """ZB-V against ZB-H1 from the simulated makespans {(F, B, W): {name: makespan}}, in words."""
+    shorter = [c for c, got in span.items() if got["zb-v"] < got["zb-h1"] - 1e-9]
+    pairs = ", ".join(f"{got['zb-v']:g} against {got['zb-h1']:g} at ({', '.join(f'{x:g}' for x in c)})"
+                      for c, got in span.items())
+    if len(shorter) == len(span):
+        verdict = "ZB-V is shorter than ZB-H1 at every one of these costs"
+    elif not shorter:
+        verdict = "ZB-V is not shorter than ZB-H1 at any of these costs"
+    else:
+        verdict = f"ZB-V is shorter than ZB-H1 at {len(shorter)} of these {len(span)} costs"
+    return (f"{verdict} ({pairs}), with the same memory ($p$ micro-batches, in half-size chunks).")
 
 
 def zero_bubble_picture(p, m):
@@ -882,24 +970,27 @@ def zero_bubble_picture(p, m):
 
 
 def dualpipev_formula(p, m=8):
-    """Deep dive: the DualPipe README's bubble formula against our DualPipeV list."""
+    """Deep dive: the DualPipe README's bubble formula against DualPipeV run pair by pair (our
+    executor) and as the reference runs it (each F&B pair one unit)."""
     lists = {name: make_schedule(name, p, m, 2) for name in ("zb-v", "dualpipev")}
     most = {name: max(held(sch)) / 2 for name, sch in lists.items()}
     unit = {name: simulate(sch, chunk_cost(2)).makespan for name, sch in lists.items()}
     S = 2 * p                                           # DualPipeV's stages: the README's PP
     cost = chunk_cost(2)                                # a chunk's F, B (input) and W: 1/2 each
-    full_b = cost["B"] + cost["W"]                      # the README's B is the full backward
-    readme = dualpipev_readme_bubble(p, cost["F"], full_b, cost["W"])
-    dv = simulate(lists["dualpipev"], cost)
-    dv_idle = [dv.makespan - busy for busy in dv.busy]
-    agree_words = ("The two agree." if all(abs(i - readme) < 1e-9 for i in dv_idle) else
-                   "The two are not the same count: the README states its formula for DeepSeek's "
-                   "reference schedule, whose pairs overlap, without a derivation we could map onto a "
-                   "list run pair by pair, and charging $F\\&B$ as $F + B$ is our assumption; we show "
-                   "both rather than force them to agree.")
-    idle_words = (f"{dv_idle[0]:g} on every rank" if len(set(dv_idle)) == 1 else
-                  f"{min(dv_idle):g} to {max(dv_idle):g}, by rank")
-    law = dualpipev_idle_law(cost)
+    F, B_in, W = cost["F"], cost["B"], cost["W"]
+    full_b = B_in + W                                   # the README's B is the full backward
+    fbs = {"no overlap": F + full_b, "a perfect overlap": max(F, full_b)}
+    readme = {k: dualpipev_readme_bubble(p, F, full_b, W, fb) for k, fb in fbs.items()}
+    paired = {k: most_idle(simulate(lists["dualpipev"], cost, pair=fb)) for k, fb in fbs.items()}
+    ours = most_idle(simulate(lists["dualpipev"], cost))
+    holds, _ = dualpipev_readme_holds(F, B_in, W)
+    other = chunk_cost(2, 1.0, 1.2, 0.8)
+    other_holds, other_gap = dualpipev_readme_holds(other["F"], other["B"], other["W"])
+    exact = ("equals it exactly" if holds else "does not equal it")
+    gap = paired["no overlap"] - ours
+    hop_words = (f"which saves each of the $p-1$ hops down the V a backward: $(p-1)B_{{in}}$ = {gap:g} "
+                 f"units, a factor only because $F = B_{{in}}$ here" if abs(gap - (p - 1) * B_in) < 1e-9 else
+                 f"{gap:g} units apart")
     note(f"""
         ## Deep dive: DualPipeV's bubble formula
         **DualPipeV** is the V-shaped, "cut-in-half" DualPipe. DualPipe (DeepSeek-AI 2024,
@@ -912,17 +1003,29 @@ def dualpipev_formula(p, m=8):
         of the other, from two different micro-batches, run *together*: the overlap is within
         each pair — one's computation runs while the other's messages travel — and it exists
         to hide the expert-parallel all-to-all (dispatch and combine) of DeepSeek's
-        mixture-of-experts layers (lecture 06). A CPU rank cannot overlap them, so we run each
-        pair one after the other; its list is transcribed from the eight phases of the
-        reference schedule. On the simulator it takes {unit['dualpipev']:g} units against ZB-V's
-        {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}.
+        mixture-of-experts layers (lecture 06). A CPU rank cannot overlap them, so our
+        executor runs each pair's forward, then its backward; the list is transcribed from the
+        eight phases of the reference schedule. On the simulator it takes {unit['dualpipev']:g}
+        units against ZB-V's {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against
+        ZB-V's {most['zb-v'] * 2:g}.
 
-        The README's formula, evaluated in the simulator's units: a chunk's $F$ = {cost['F']:g},
-        full backward $B$ = {full_b:g}, $W$ = {cost['W']:g}, and $F\\&B = F + B$ = {cost['F'] + full_b:g}
-        since nothing overlaps here, give $(S/2-1)(F\\&B+B-3W)$ = {p - 1}·{cost['F'] + full_b + full_b - 3 * cost['W']:g}
-        = **{readme:g}** units of idle time per rank. The simulated list idles **{idle_words}**
-        (a makespan of {dv.makespan:g} against {dv.makespan - dv_idle[0]:g} units of work per rank).
-        {agree_words} {law}
+        Whose idle time does the formula count? Not our executor's: with a chunk's $F$ =
+        $B_{{in}}$ = $W$ = {F:g} (so the README's full $B$ = {full_b:g}) and no overlap
+        ($F\\&B = F + B$ = {fbs['no overlap']:g}), the formula gives **{readme['no overlap']:g}**
+        units per rank, while our pair-by-pair list idles **{ours:g}** on its most idle rank.
+        The reference schedule runs a pair as one interleaved unit: it starts when both inputs
+        are there and the forward's output leaves only when the whole pair ends. Simulated that
+        way (`simulate(..., pair=F&B)`), the most idle rank idles **{paired['no overlap']:g}**
+        with no overlap and **{paired['a perfect overlap']:g}** with a perfect one ($F\\&B$ =
+        {fbs['a perfect overlap']:g}), where the formula says {readme['no overlap']:g} and
+        {readme['a perfect overlap']:g}. For every $p$ from 2 to 8, $m = 2p, 2p+3, 4p$ and
+        $F\\&B$ from $F + B$ down to the longer of the two, the simulation {exact} at these
+        costs. So the factor of {readme['no overlap'] / ours:g} between the README and our list
+        is where the forward's output leaves: after the whole pair in the reference, after the
+        forward alone in ours, {hop_words}. The formula also
+        assumes $F = B_{{in}} = W$: at a chunk's $F$ = {other['F']:g}, $B_{{in}}$ = {other['B']:g},
+        $W$ = {other['W']:g} it {"still holds" if other_holds else f"is off by up to {other_gap:.2g} units"}
+        over the same sizes.
     """)
 
 
@@ -1046,7 +1149,7 @@ def real_compute():
                   "the simulator's bubble with F = B = W, (p−1)(F+B−W) over its makespan.")
     z, o = R[0]["zb-h1"]["timing"], R[0]["1f1b"]["timing"]
     note(f"""
-        ZB-H1 against 1F1B with real compute: {slower_or_faster(z, o, "ZB-H1", "1F1B")}. A split
+        ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o)} A split
         backward pays only where the slots it fills were idle and its actions are long: here each
         action of this small model costs about as much in Python and gloo as in compute, and the
         {p} ranks share {usable_cores_here()} CPU cores with gloo's threads and the other processes
@@ -1057,6 +1160,21 @@ def real_compute():
         outperforms the 1F1B schedule up to 23% in throughput under a similar memory limit. This
         number can be further pushed to 31% when the memory constraint is relaxed."
     """, "https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism, abstract")
+
+
+def zb_h1_verdict(bubble_z, bubble_o, z, o):
+    """ZB-H1 against 1F1B from their measured bubbles and step Timings: the bubble alone does not
+    say which step is faster, so the verdict is the step's, and says when the two disagree."""
+    step = slower_or_faster(z, o, "ZB-H1", "1F1B")
+    smaller = bubble_z < bubble_o
+    bubble = f"its measured bubble is {'smaller' if smaller else 'not smaller'} ({pct(bubble_z)} against {pct(bubble_o)})"
+    if step.endswith("slower") and smaller:
+        return (f"{bubble}, yet its step is slower ({step}). The step time is the verdict: here the "
+                "split backward's own cost (autograd.grad keeping the graph, then one backward per "
+                "module for W) outweighs the idle time its Ws fill.")
+    if step.endswith("faster"):
+        return f"{bubble}, and its step is faster ({step})."
+    return f"{bubble}; the steps: {step}."
 
 
 def usable_cores_here():
@@ -1098,9 +1216,9 @@ def pytorch_schedules():
         schedules (V-shaped ones with the V layout), on {p} ranks with {m} micro-batches, beside
         our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` is ZB-H1's rule (a
         rank's Ws run $r$ micro-batches late) on interleaved chunks, two per rank: our ZB-H1
-        has one. `ScheduleZBVZeroBubble` and our `zb-v` are both ZB-V (two chunks in a V,
-        1F1B's memory), built differently; `ScheduleDualPipeV` and our `dualpipev` both
-        follow DeepSeek's DualPipeV. One caution when
+        has one. `ScheduleZBVZeroBubble` and our `zb-v` run the same action lists (ZB-V: two
+        chunks in a V, 1F1B's memory; a test compares ours with its `pipeline_order`);
+        `ScheduleDualPipeV` and our `dualpipev` both follow DeepSeek's DualPipeV. One caution when
         reading PyTorch's action lists: in torch 2.13 `Schedule1F1B.pipeline_order` names the
         wrong micro-batches for the last rank (its training is correct), so we draw nothing
         from it.
@@ -1207,8 +1325,8 @@ def what_to_remember():
           not $m$.
         - Splitting the backward into B (input gradient, urgent) and W (weight gradient, can
           wait) lets W fill the idle slots: ZB-H1 gets $(p-1)(F+B-W)$ at 1F1B's peak memory;
-          ZB-H2 ($2p-1$ held) and ZB-V (a V of two chunks, $p$ held) get near zero, ZB-H2 only
-          if the optimizer step does not synchronise.
+          ZB-V (a V of two chunks, $p$ held) keeps only the V's head; ZB-H2 ($2p-1$ held) idles
+          $(p-1)(F+B-2W)$ per step, once the optimizer step does not synchronise the ranks.
         - DualPipeV is a V like ZB-V whose forward/backward pairs overlap the MoE all-to-all:
           its gain needs GPUs and expert parallelism.
         - Checkpointing keeps each stage's input and re-runs its forward in backward: the peak
@@ -1233,6 +1351,7 @@ def notes():
     for url, title in [
         ("https://arxiv.org/abs/1811.06965", "Huang et al. 2019, GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism"),
         ("https://arxiv.org/abs/1806.03377", "Harlap et al. 2018, PipeDream: Fast and Efficient Pipeline Parallel DNN Training"),
+        ("https://arxiv.org/abs/2006.09503", "Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW and PipeDream-Flush, i.e. 1F1B)"),
         ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
         ("https://arxiv.org/abs/2211.05953", "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
         ("https://arxiv.org/abs/2401.10241", "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H1, ZB-H2, post-validation)"),

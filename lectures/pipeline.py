@@ -17,6 +17,7 @@ process (tests/test_lecture_05.py); lecture 07 runs it on the pipeline axis of a
 """
 import collections
 import contextlib
+import hashlib
 import time
 
 import torch
@@ -112,7 +113,7 @@ class PipelineExecutor:
         if self.split and checkpoint:
             raise ValueError("checkpointing with a split backward is not supported here")
         self.leaves = {c: param_leaves(mod) for c, mod in modules.items()}
-        self.microbatches = schedule.microbatches
+        self.microbatches, self.schedule_name = schedule.microbatches, schedule.name
         self.plan = communication_plan(schedule, rank, self.layout)
         self.messages = 0
 
@@ -127,6 +128,7 @@ class PipelineExecutor:
         accumulate into the modules' parameters (each micro-batch's loss is divided by m, so
         they are those of the mean loss). Returns the mean loss on the last stage's rank (else
         None), the measured (action, start, end) list, and the peak bytes saved for backward."""
+        self._agree(inputs, targets)
         if len(inputs) != self.microbatches or len(targets) != self.microbatches:
             raise ValueError(f"this schedule runs {self.microbatches} micro-batches; got {len(inputs)} "
                              f"inputs and {len(targets)} targets (make a schedule for that many)")
@@ -152,6 +154,45 @@ class PipelineExecutor:
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
                 "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
                 "messages": self.messages}
+
+    def signature(self, inputs, targets):
+        """What every rank of the pipeline must agree on for a step to be exchangeable: the
+        schedule and its size, the micro-batches' shapes and dtypes, and the shape and dtype of
+        what crosses a stage boundary (the receive buffers)."""
+        def kinds(tensors):
+            return sorted({f"{tuple(t.shape)} {t.dtype}" for t in tensors})
+        lay = self.layout
+        return (f"schedule {self.schedule_name} on {lay.ranks} ranks × {lay.chunks} chunks ({lay.style}), "
+                f"{len(inputs)} micro-batches, inputs {kinds(inputs)}, targets {kinds(targets)}, "
+                f"boundary {self.shape} {self.dtype}")
+
+    def _agree(self, inputs, targets):
+        """Before any message moves, the ranks compare a 20-byte digest of their `signature`
+        (one small all_gather): ranks that disagree (another dtype, shape, schedule or number of
+        micro-batches) would otherwise make gloo abort on a size mismatch, wait for ever, or
+        (NCCL) copy bytes into a buffer of another type. Only when the digests differ do they
+        gather the signatures themselves, and every rank raises the same error."""
+        if self.layout.ranks == 1:
+            return
+        mine = self.signature(inputs, targets).encode()
+        if len(set(self._gather_bytes(hashlib.sha1(mine).digest(), 20))) == 1:
+            return
+        seen = self._gather_bytes(mine[:400], 400)
+        groups = collections.defaultdict(list)
+        for r, sig in enumerate(seen):
+            groups[sig.rstrip(b"\0").decode(errors="replace")].append(r)
+        said = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {sig}"
+                         for sig, rs in groups.items())
+        raise ValueError(f"the pipeline's ranks disagree on the step they run, so their messages "
+                         f"would not match: {said}")
+
+    def _gather_bytes(self, data, size):
+        """Every rank's `data` (at most `size` bytes), by one all_gather on the pipeline's group."""
+        buf = torch.zeros(size, dtype=torch.uint8, device=device())
+        buf[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        out = [torch.empty_like(buf) for _ in range(self.layout.ranks)]
+        dist.all_gather(out, buf, group=self.group)
+        return [bytes(t.cpu().tolist()) for t in out]
 
     def _run(self, a, record):
         """One action: its input (waited for already), the compute, and what it produced put

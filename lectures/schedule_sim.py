@@ -1,6 +1,7 @@
 """Pipeline schedules checked and simulated: `check_schedule` verifies that a list of actions
 per rank (`lectures/schedules.py`) is complete; `simulate` runs it against a cost model and
-reports the bubble, or a deadlock; `theory_bubble` gives the textbook formulas and
+reports the bubble, or a deadlock; `consecutive_steps` and `steady_step` run several training
+steps back to back; `theory_bubble` gives the textbook formulas, `qi_bubble` Qi et al.'s and
 `dualpipev_readme_bubble` DeepSeek's; `held` counts the micro-batches a rank holds; `message_order`
 lists what each pair of ranks exchanges, in the order the sender produces it (NCCL matches a
 pair's messages in posting order); `message_slots` gives each message a time on one clock that
@@ -83,15 +84,20 @@ class Simulation(typing.NamedTuple):
     bubble: float       # 1 − Σ busy / (ranks × makespan)
 
 
-def simulate(schedule, cost, layout=None):
+def simulate(schedule, cost, layout=None, pair=None):
     """Run the action lists against a cost model: `cost` maps "F", "B", "W" to compute times
     and "send" to the time a message takes between two ranks. A rank runs its list in order;
     an action starts when the rank is free and its inputs have arrived. In a schedule without
-    W, a B is the whole backward and costs B + W. Raises ValueError on a deadlock."""
+    W, a B is the whole backward and costs B + W. Raises ValueError on a deadlock.
+
+    `pair`: the time of an overlapped forward-and-backward pair (DualPipe's F&B). When given, the
+    schedule's `pairs` (DualPipeV's) run as one unit each, as on a GPU that overlaps them: the
+    unit starts once all its inputs are there, and what its actions produce leaves when it ends."""
     layout = layout or schedule.layout
     split = any(a.kind == "W" for acts in schedule for a in acts)
     dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
     send = cost.get("send", 0)
+    units = getattr(schedule, "pairs", None) if pair is not None else None
     pos, clock = [0] * layout.ranks, [0.0] * layout.ranks
     finish, timeline = {}, [[] for _ in range(layout.ranks)]
     progress = True
@@ -99,17 +105,24 @@ def simulate(schedule, cost, layout=None):
         progress = False
         for r, acts in enumerate(schedule):
             while pos[r] < len(acts):
-                a = acts[pos[r]]
-                s = layout.stage(r, a.chunk)
-                deps = dependencies(a, s, layout)
+                group = acts[pos[r]:pos[r] + (units[r].get(pos[r], 1) if units else 1)]
+                keys = [(a.kind, layout.stage(r, a.chunk), a.microbatch) for a in group]
+                deps = [d for a, k in zip(group, keys) for d in dependencies(a, k[1], layout) if d not in keys]
                 if any(d not in finish for d in deps):
                     break
                 ready = [finish[d] + (send if layout.place(d[1])[0] != r else 0) for d in deps]
                 start = max([clock[r]] + ready)
-                clock[r] = start + dur[a.kind]
-                finish[(a.kind, s, a.microbatch)] = clock[r]
-                timeline[r].append((a, start, clock[r]))
-                pos[r] += 1
+                length = pair if len(group) > 1 else dur[group[0].kind]
+                total = sum(dur[a.kind] for a in group)
+                t = start
+                for a in group:            # a pair's actions share its time in the drawing
+                    step = length * (dur[a.kind] / total if total else 1 / len(group))
+                    timeline[r].append((a, t, t + step))
+                    t += step
+                clock[r] = start + length
+                for k in keys:
+                    finish[k] = clock[r]
+                pos[r] += len(group)
                 progress = True
     stuck = [(r, str(acts[pos[r]])) for r, acts in enumerate(schedule) if pos[r] < len(acts)]
     if stuck:
@@ -117,6 +130,39 @@ def simulate(schedule, cost, layout=None):
     makespan = max(clock)
     busy = [sum(e - s for _, s, e in row) for row in timeline]
     return Simulation(timeline, makespan, busy, 1 - sum(busy) / (layout.ranks * makespan) if makespan else 0.0)
+
+
+def consecutive_steps(schedule, steps=2):
+    """The lists of `steps` training steps run back to back, with nothing between them: each rank
+    starts the next step's actions as soon as its own are done, as when the optimizer step does
+    not synchronise the ranks (Qi et al.'s post-validation). Step k's micro-batch i is numbered
+    k·m + i, so the dependencies stay within a step."""
+    m = schedule.microbatches
+    per_rank = [[a._replace(microbatch=k * m + a.microbatch) for k in range(steps) for a in acts]
+                for acts in schedule]
+    pairs = schedule.pairs and [{k * len(acts) + n: size for k in range(steps) for n, size in units.items()}
+                                for acts, units in zip(schedule, schedule.pairs)]
+    return type(schedule)(per_rank, f"{schedule.name} × {steps}", schedule.layout, steps * m, pairs)
+
+
+def steady_step(schedule, cost):
+    """What one more step adds to the makespan once the steps run back to back: the time of a
+    step in the steady state (two steps' makespan minus one's)."""
+    one = simulate(schedule, cost).makespan
+    return simulate(consecutive_steps(schedule, 2), cost).makespan - one
+
+
+def qi_bubble(name, p, F, B, W):
+    """The idle time per rank and step in Qi et al. 2023, Table 2, for 1F1B, ZB-H1 and ZB-H2
+    (ZB-H2's across steps, once the optimizer step no longer synchronises): (p−1)(F+B+W),
+    (p−1)(F+B−W) and (p−1)(F+B−2W), with F, B, W a stage's forward, input-gradient and
+    weight-gradient times. ZB-H2's assumes 2W <= F + B (it cannot be negative)."""
+    bracket = {"1f1b": F + B + W, "zb-h1": F + B - W, "zb-h2": F + B - 2 * W}
+    if name not in bracket:
+        raise ValueError(f"Qi et al.'s Table 2 covers 1f1b, zb-h1 and zb-h2, not {name!r}")
+    if name == "zb-h2" and 2 * W > F + B:
+        raise ValueError(f"(p-1)(F+B-2W) assumes 2W <= F + B; got F={F}, B={B}, W={W}")
+    return (p - 1) * bracket[name]
 
 
 def theory_bubble(name, p, m, v=1):

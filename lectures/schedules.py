@@ -6,13 +6,16 @@ builders transcribe the published schedules:
 
 - naive model parallelism and GPipe (Huang et al. 2019, https://arxiv.org/abs/1811.06965),
   breadth-first with chunks > 1 (Lamy-Poirier 2023, https://arxiv.org/abs/2211.05953);
-- 1F1B (PipeDream-Flush, Harlap et al. 2018) and interleaved 1F1B (Narayanan et al. 2021,
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+  Training", https://arxiv.org/abs/2006.09503; PipeDream itself, Harlap et al. 2018, is the
+  asynchronous schedule it flushes) and interleaved 1F1B (Narayanan et al. 2021,
   "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   https://arxiv.org/abs/2104.04473);
 - zero bubble ZB-H1 (transcribed) and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline
-  Parallelism", https://arxiv.org/abs/2401.10241) and ZB-V (Qi et al. 2024, "Pipeline
-  Parallelism with Controllable Memory", https://arxiv.org/abs/2405.15362), the last two built
-  by a small greedy list scheduler under the papers' memory bounds;
+  Parallelism", https://arxiv.org/abs/2401.10241; ZB-H2 built by a small greedy list scheduler
+  under the paper's memory bound) and ZB-V (Qi et al. 2023, sec. 6, and 2024, "Pipeline
+  Parallelism with Controllable Memory", https://arxiv.org/abs/2405.15362), transcribed from the
+  phases of the paper's hand-made list as PyTorch's ScheduleZBVZeroBubble runs it;
 - DualPipeV (DeepSeek-AI 2025, https://github.com/deepseek-ai/DualPipe; the "cut-in-half" V
   of DualPipe is Sea AI Lab's), from its eight phases.
 
@@ -65,11 +68,13 @@ class Layout(typing.NamedTuple):
 
 
 class Schedule(list):
-    """A list with one list of `Action`s per rank, plus what built it (name, layout, m)."""
+    """A list with one list of `Action`s per rank, plus what built it (name, layout, m) and, for
+    DualPipeV, `pairs`: per rank, {index of a pair's first action: its number of actions} for
+    the forward-and-backward pairs a GPU overlaps (None elsewhere)."""
 
-    def __init__(self, per_rank, name, layout, microbatches):
+    def __init__(self, per_rank, name, layout, microbatches, pairs=None):
         super().__init__(per_rank)
-        self.name, self.layout, self.microbatches = name, layout, microbatches
+        self.name, self.layout, self.microbatches, self.pairs = name, layout, microbatches, pairs
 
     @property
     def split_backward(self):
@@ -80,11 +85,10 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb
 V_SHAPED = ("zb-v", "dualpipev")
 
 
-# Micro-batches (chunk-micro-batches for zb-v) a rank may hold between a forward and the W that
-# releases its activations, for the schedules built by `_greedy`; ZB-H1 is transcribed instead.
+# Micro-batches a rank may hold between a forward and the W that releases its activations, for
+# the schedules built by `_greedy`; ZB-H1 and ZB-V are transcribed instead.
 ZERO_BUBBLE = {
     "zb-h2": lambda p: 2 * p - 1,   # Qi et al. 2023, sec. 3.1: ZB-H2's peak, 2p − 1 micro-batches
-    "zb-v": lambda p: 2 * p,        # Qi et al. 2024: 2p half-stage chunks = 1F1B's p micro-batches
 }
 
 
@@ -113,8 +117,11 @@ def make_schedule(name, stages, microbatches, chunks=1):
         per_rank = [_one_forward_one_backward(layout, m, r) for r in range(p)]
     elif name == "zb-h1":
         per_rank = [_zb_h1(p, m, r) for r in range(p)]
+    elif name == "zb-v":
+        per_rank = [_zb_v(p, m, r) for r in range(p)]
     elif name == "dualpipev":
-        per_rank = _dualpipev(p, m)
+        per_rank, pairs = _dualpipev(p, m)
+        return Schedule(per_rank, name, layout, m, pairs)
     else:
         per_rank = _greedy(layout, m, ZERO_BUBBLE[name](p))
     return Schedule(per_rank, name, layout, m)
@@ -186,6 +193,42 @@ def _zb_h1(p, m, r):
     return out + [Action("W", i) for i in range(max(0, m - r), m)]
 
 
+def _zb_v(p, m, r):
+    """ZB-V (Qi et al. 2023, sec. 6; 2024), rank r, in the phases of the paper's hand-made list
+    (the order PyTorch's ScheduleZBVZeroBubble runs). Chunk 0 is stage r, chunk 1 stage 2p−1−r.
+    The list is laid out for n = max(m, 2p − 1) micro-batches, the fewest that fill the V, and
+    the actions of micro-batches ≥ m are then dropped. Every rank holds at most 2p half-size
+    chunks (1F1B's p micro-batches), and with F = B = W its only idle time is the V's head."""
+    n, out = max(m, 2 * p - 1), []
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+
+    def act(kind, c, index=None):
+        i = count[kind, c] if index is None else index
+        count[kind, c] += 1
+        out.append(Action(kind, i, c))
+
+    for _ in range(2 * (p - r) - 1):      # warm-up 1: chunk 0 forwards down the V's first arm
+        act("F", 0)
+    for _ in range(r):                    # warm-up 2: the first chunk-1 forwards, alternating
+        act("F", 1), act("F", 0)
+    for _ in range(p - r):                # warm-up 3: the turn; chunk 1's B and W at once
+        act("F", 1), act("B", 1), act("W", 1)
+    while count["F", 1] < count["F", 0] or count["F", 0] < n:   # steady: F B W per chunk
+        if count["F", 0] < n:
+            act("F", 0)
+        act("B", 0), act("W", 0)
+        act("F", 1), act("B", 1), act("W", 1)
+    w0, w1 = count["B", 0], count["B", 1]  # cool-down: Bs first, the Ws fill the drain
+    for _ in range(r):
+        act("B", 0), act("B", 1)
+    for _ in range(p - r):
+        act("B", 0), act("W", 0, w0)
+        w0 += 1
+    out += [Action("W", i, 1) for i in range(w1, count["B", 1])]
+    out += [Action("W", i, 0) for i in range(w0, count["B", 0])]
+    return [a for a in out if a.microbatch < m]
+
+
 def _greedy(layout, m, limit):
     """Build action lists by simulating the pipeline with unit costs (a chunk's action 1/v).
     Whenever a rank is free it takes, in this order: a ready B (oldest micro-batch first, the
@@ -193,7 +236,7 @@ def _greedy(layout, m, limit):
     (micro-batch, chunk)s between their F and their W; a waiting W; else it idles until
     something ends. Ws are what a rank runs when it would otherwise wait, and the limit is the
     memory bound: a rank at its limit must run a W before the next F. Orders made this way
-    are dependency-correct by construction (ZB-H2 and ZB-V, Qi et al. 2023 and 2024)."""
+    are dependency-correct by construction (ZB-H2, Qi et al. 2023)."""
     p, S, v = layout.ranks, layout.stages, layout.chunks
     done, ends = {}, []
     clock = [0.0] * p
@@ -248,12 +291,20 @@ def _dualpipev(p, m):
     """DualPipeV (DeepSeek-AI 2025, the V-shaped 'cut-in-half' DualPipe), transcribed from the
     eight phases of its reference schedule. Each forward/backward pair of two different chunks
     ("F0 B1", "F1 B0") is what the GPU version overlaps with the other pair's communication; a
-    backward that is not zero-bubble is its B immediately followed by its W."""
+    backward that is not zero-bubble is its B immediately followed by its W. Returns the lists
+    and, per rank, the pairs ({index of the pair's F: its actions}): those of phases 4 and 5,
+    but the last rank's first, which the reference runs without overlap."""
     if m < 2 * p:
         raise ValueError(f"dualpipev needs at least 2·stages = {2 * p} micro-batches, got {m}")
-    per_rank = []
+    per_rank, pairs = [], []
     for r in range(p):
         acts, next_f, next_b, deferred = [], [0, 0], [0, 0], collections.deque()
+        overlapped = {}
+
+        def pair(f, b):                # F of chunk f with the whole backward of chunk b: one unit
+            start = len(acts)
+            F(f), B(b)
+            overlapped[start] = len(acts) - start
 
         def F(c):
             acts.append(Action("F", next_f[c], c))
@@ -274,10 +325,14 @@ def _dualpipev(p, m):
             F(0), F(1)
         for _ in range(p - r - 1):             # 3: B1 W1 F1, zero bubble
             B(1, True), W(), F(1)
-        for _ in range(m - 2 * p + r + 1):     # 4: steady state, F0 B1 | F1 B0 pairs
-            F(0), B(1), F(1), B(0)
+        for i in range(m - 2 * p + r + 1):     # 4: steady state, F0 B1 | F1 B0 pairs
+            if i == 0 and r == p - 1:           # the reference does not overlap this one
+                F(0), B(1)
+            else:
+                pair(0, 1)
+            pair(1, 0)
         for _ in range(p - r - 1):             # 5: B1 | F1 B0
-            B(1), F(1), B(0)
+            B(1), pair(1, 0)
         zb = False
         for i in range(r + 1):                 # 6: B1 B0, the second half with W postponed
             zb = zb or (i == (r + 1) // 2 and r % 2 == 1)
@@ -290,4 +345,5 @@ def _dualpipev(p, m):
             W()
         assert not deferred
         per_rank.append(acts)
-    return per_rank
+        pairs.append(overlapped)
+    return per_rank, pairs

@@ -39,7 +39,27 @@ class Work:
         return self.batch.done
 
 
-class NcclLikeP2P:
+class ThreadGather:
+    """`all_gather` for ranks run as threads: every rank of the group (len(tensor_list) of them,
+    or `group.ranks`) deposits its tensor, and each gets all of them in rank order."""
+
+    def all_gather(self, tensor_list, tensor, group=None):
+        if not hasattr(self, "gathered"):
+            self.gathered, self.gathers = collections.defaultdict(dict), collections.Counter()
+        me = self.local.rank
+        ranks = tuple(group.ranks) if group is not None else tuple(range(len(tensor_list)))
+        with self.cond:
+            key = (ranks, self.gathers[me])
+            self.gathers[me] += 1
+            self.gathered[key][me] = tensor.detach().clone()
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: len(self.gathered[key]) == len(ranks), timeout=getattr(self, "timeout", 20)):
+                raise TimeoutError(f"rank {me}: all_gather {key[1]} never completed")
+        for out, r in zip(tensor_list, ranks):
+            out.copy_(self.gathered[key][r])
+
+
+class NcclLikeP2P(ThreadGather):
     """Patch a module's `dist` with an instance: `monkeypatch.setattr(module, "dist", NcclLikeP2P())`.
     Each thread sets `p2p.local.rank` to its global rank before its first call."""
     isend, irecv = "isend", "irecv"

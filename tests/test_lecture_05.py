@@ -12,6 +12,7 @@ from lectures.memory import saved_bytes
 from lectures import schedule_sim as S
 from util import spawn
 from tests.conftest import built
+from tests.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
 
 
 def cases():
@@ -87,8 +88,9 @@ def test_zero_bubble_schedules_have_their_papers_numbers(p):
     ZB-H2 holds at most 2p − 1 and (m >= 2p) runs without a gap from its first action to its last
     on every rank (the head and tail are what the next step fills once the optimizer step does not
     synchronise). ZB-V (Qi et al. 2024): two half-size chunks in a V, 1F1B's memory (2p chunks),
-    and the V's head of (p − 1) chunk forwards is nearly all a rank waits at m >= 2p (our greedy
-    list comes within one unit of it up to p = 8)."""
+    and at m >= 2p the V's head of (p − 1) half-stage forwards is all a rank waits. (The greedy
+    list that stood for ZB-V before only came within one unit of it, and lost to ZB-H1 under
+    unequal costs.)"""
     for m in sorted({1, p, 2 * p, 3 * p + 1}):
         unit = {"F": 1, "B": 1, "W": 1}
         h1 = L.make_schedule("zb-h1", p, m)
@@ -105,7 +107,78 @@ def test_zero_bubble_schedules_have_their_papers_numbers(p):
         assert max(S.held(zbv)) <= 2 * p
         if m >= 2 * p:
             half = {k: 0.5 for k in "FBW"}
-            assert L.simulate(zbv, half).makespan <= 3 * m + (p - 1) * 0.5 + 1   # greedy: within 1
+            assert L.simulate(zbv, half).makespan == 3 * m + (p - 1) * 0.5
+
+
+def pytorch_zbv_order(p, m, rank):
+    """PyTorch's ScheduleZBVZeroBubble.pipeline_order for one rank, as our Actions. Its order is
+    computed from p, the stage count and m alone, so no process group is needed."""
+    import types
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    stub = types.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [L.Action(kinds[a.computation_type.name], a.microbatch_index, 0 if a.stage_index == rank else 1)
+            for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(stub, rank) if a is not None]
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_v_is_pytorchs_order(p):
+    """Our ZB-V runs, rank by rank, exactly the actions PyTorch's ScheduleZBVZeroBubble runs, for
+    every m up to 4p + 1 (below 2p − 1 both drop the missing micro-batches' actions). It failed
+    before: the list was a greedy fit (p = 6, m = 12 took 39.5 units against the V's 38.5)."""
+    for m in range(1, 4 * p + 2):
+        ours = L.make_schedule("zb-v", p, m, 2)
+        L.check_schedule(ours)
+        assert [pytorch_zbv_order(p, m, r) for r in range(p)] == list(ours), (p, m)
+
+
+def test_zb_v_beats_zb_h1_under_unequal_costs_and_the_page_says_so():
+    """Qi et al.'s ZB-V is shorter than ZB-H1 under unequal F, B, W as well as F = B = W (the
+    greedy list was longer at (1, 1.2, 0.8): 29.6 against 28.2), and the page's sentence is
+    generated from those makespans."""
+    span = {c: {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, *c)).makespan
+                for n, v in (("zb-h1", 1), ("zb-v", 2))} for c in L.UNEQUAL}
+    assert span[1.0, 1.2, 0.8] == {"zb-h1": pytest.approx(28.2), "zb-v": pytest.approx(25.8)}
+    assert all(got["zb-v"] < got["zb-h1"] for got in span.values())
+    words = L.zbv_against_zbh1(span)
+    assert words.startswith("ZB-V is shorter than ZB-H1 at every one of these costs") and "25.8 against 28.2" in words
+    span[1.0, 1.0, 1.0]["zb-v"] = 30
+    assert L.zbv_against_zbh1(span).startswith("ZB-V is shorter than ZB-H1 at 2 of these 3 costs")
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h2_across_steps_has_qi_et_als_bubble(p):
+    """Qi et al. 2023, Table 2: once steps run back to back (post-validation), ZB-H2 idles
+    (p − 1)(F + B − 2W) per step: zero at F = B = W, 3·0.6 units at (1, 1.2, 0.8), p = 4. One
+    step alone keeps the parallelogram's head and tail. 1F1B and ZB-H1 have their formulas too."""
+    for m in (2 * p, 3 * p, 4 * p):
+        for F, B, W in [(1, 1, 1), (1, 1.2, 0.8), (1, 1, 0.5), (1, 2, 1), (2, 1, 1), (1, 1.5, 0.2)]:
+            cost, work = {"F": F, "B": B, "W": W}, m * (F + B + W)
+            h2 = L.make_schedule("zb-h2", p, m)
+            assert S.steady_step(h2, cost) == pytest.approx(work + S.qi_bubble("zb-h2", p, F, B, W))
+            assert L.simulate(L.make_schedule("zb-h1", p, m), cost).makespan == pytest.approx(
+                work + S.qi_bubble("zb-h1", p, F, B, W))
+            assert L.simulate(L.make_schedule("1f1b", p, m), cost).makespan == pytest.approx(
+                work + S.qi_bubble("1f1b", p, F, B, W))
+        unit = {"F": 1, "B": 1, "W": 1}
+        assert S.steady_step(h2, unit) == 3 * m < L.simulate(h2, unit).makespan
+    two = S.consecutive_steps(L.make_schedule("zb-h2", p, 2 * p), 2)
+    L.check_schedule(two)
+    with pytest.raises(ValueError, match="2W <= F"):
+        S.qi_bubble("zb-h2", p, 1, 1, 1.5)
+
+
+def test_interleaved_memory_sentence_counts_the_lists():
+    """Review M3: with p < m < 2p interleaved 1F1B makes one group, and rank 0 holds all m
+    micro-batches (GPipe's memory); at m = 2p it holds p + (p − 1)/v. The page's sentence comes
+    from held()."""
+    for p in range(2, 9):
+        for m in range(p + 1, 2 * p):
+            assert S.held(L.make_schedule("interleaved-1f1b", p, m, 2))[0] == 2 * m
+        assert S.held(L.make_schedule("interleaved-1f1b", p, 2 * p, 2))[0] / 2 == p + (p - 1) / 2
+    words = L.interleaved_memory_words(4, 2)
+    assert "at m = 8 rank 0 holds 5.5 micro-batches (4 with 1F1B" in words
+    assert "rank 0 holds all $m$ micro-batches at once, GPipe's memory: 7 at m = 7" in words
 
 
 def test_zb_h1_is_the_papers_order():
@@ -287,7 +360,7 @@ def test_executor_meters_what_autograd_holds(name, held, grads):
 
 # --- NCCL's matching, emulated: ranks as threads, each pair's k-th receive gets the k-th send ---
 
-class PostingOrderP2P:
+class PostingOrderP2P(ThreadGather):
     """A stand-in for torch.distributed's point-to-point calls that matches like NCCL: between a
     pair of ranks the k-th receive posted gets the k-th send posted, whatever the tags. Each
     thread is one rank (`local.rank`)."""
@@ -379,6 +452,54 @@ def test_executor_correct_when_messages_match_in_posting_order(name, p, m, v, mo
         assert [k for peer, kind, k in by_rank[dst] if kind == "recv" and peer == src] == keys
 
 
+def _disagreeing_step(r, case, cfg):
+    """Rank r's part of a 2-rank 1F1B step in which rank 1 disagrees with rank 0 (`case`);
+    returns the error text the rank got, or None."""
+    name = "zb-h1" if case == "schedule" and r == 1 else "1f1b"
+    dtype = torch.float32 if case == "boundary dtype" and r == 1 else torch.float64
+    mb = 3 if case == "micro-batch shape" and r == 1 else 2
+    sched = L.make_schedule(name, 2, 3)
+    _, stages = L.split_gpt(cfg, sched.layout)
+    inputs, targets = L.microbatches(cfg, 3, mb, 0)
+    ex = L.PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
+    try:
+        ex.step(inputs, targets)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["boundary dtype", "micro-batch shape", "schedule"])
+def test_ranks_that_disagree_get_a_clear_error(case, monkeypatch):
+    """Adversarial review 5 (the executor's part): a rank with another dtype, micro-batch shape or
+    schedule made gloo abort ('op.preamble.length <= op.nbytes'), wait for ever, or (NCCL) copy
+    bytes into a buffer of another type. An all_gather of each rank's signature at entry now
+    gives every rank the same ValueError naming what each has. Ranks as threads here; the gloo
+    test below runs real processes."""
+    from lectures import pipeline
+    p2p = NcclLikeP2P()
+    monkeypatch.setattr(pipeline, "dist", p2p)
+    cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, dtype="float64")
+
+    def rank_main(r):
+        p2p.local.rank = r
+        return _disagreeing_step(r, case, cfg)
+    got = run_ranks(rank_main, [0, 1])
+    assert got[0] == got[1] and got[0] is not None, got
+    assert got[0].startswith("the pipeline's ranks disagree on the step they run") and "rank 0: " in got[0]
+    assert p2p.batches == 0, "the check comes before any message"
+
+
+def disagree_over_gloo(rank, world_size):
+    cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, dtype="float64")
+    return _disagreeing_step(rank, "boundary dtype", cfg)
+
+
+def test_ranks_that_disagree_get_a_clear_error_over_gloo():
+    got = spawn(disagree_over_gloo, 2, timeout=20).returns
+    assert got[0] == got[1] and "torch.float32" in got[0] and "torch.float64" in got[0], got
+
+
 def test_checkpointing_counts_the_recomputation():
     """GPipe with checkpointing keeps every micro-batch's input, and during each backward the
     re-run forward saves one micro-batch's activations again: the peak is both. The old meter
@@ -414,26 +535,71 @@ def test_dualpipev_readme_formula_beside_the_simulated_idle():
         dualpipev_readme_bubble(4, 0.5, 0.5, 1.0)                         # W cannot exceed the full B
 
 
-def test_dualpipev_gap_is_one_law_at_every_p_with_equal_costs():
-    """The page's sentence about the gap, with its costs (F = B = W per chunk): each rank idles
-    (p − 1)·F for p = 2..8, and the README's count is 2× that (checked here by simulation, not by
-    the sentence). With other costs the idle is not (p − 1)·F: the sentence says so."""
+def pytorch_dualpipev_order(p, m, rank):
+    """PyTorch's ScheduleDualPipeV.pipeline_order for one rank as our Actions (a FULL_BACKWARD is
+    our B then W), and where its OVERLAP_F_B pairs sit: {index of the pair's F: its actions}."""
+    import types
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
+    acts, pairs = [], {}
+
+    def add(a):
+        acts.extend(L.Action(k, a.microbatch_index, 0 if a.stage_index == rank else 1)
+                    for k in kinds[a.computation_type.name])
+    stub = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    for a in ScheduleDualPipeV._calculate_single_rank_operations(stub, rank):
+        if a.computation_type.name == "OVERLAP_F_B":
+            start = len(acts)
+            for sub in a.sub_actions:
+                add(sub)
+            pairs[start] = len(acts) - start
+        else:
+            add(a)
+    return acts, pairs
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_dualpipev_and_its_pairs_are_pytorchs(p):
+    """Our DualPipeV list is PyTorch's ScheduleDualPipeV order, and its overlapped pairs are
+    PyTorch's OVERLAP_F_B actions, for m = 2p .. 4p + 1."""
+    for m in range(2 * p, 4 * p + 2):
+        sched = L.make_schedule("dualpipev", p, m, 2)
+        for r in range(p):
+            assert pytorch_dualpipev_order(p, m, r) == (sched[r], sched.pairs[r]), (p, m, r)
+
+
+def test_dualpipev_readme_formula_equals_the_reference_run():
+    """Review X1: (S/2 − 1)(F&B + B − 3W) is the most idle rank of DualPipeV run as the reference
+    runs it (each F&B pair one unit, its outputs leaving at its end), for p = 2..8, m = 2p, 2p + 3,
+    4p and F&B from F + B to max(F, B), exactly when F = B_in = W; our pair-by-pair list idles
+    (p − 1)F, (p − 1)B_in less. With F = 0.5, B_in = 0.6, W = 0.4 the formula is off."""
+    for c in (0.5, 1.0):
+        holds, worst = L.dualpipev_readme_holds(c, c, c)
+        assert holds, worst
+    holds, worst = L.dualpipev_readme_holds(0.5, 0.6, 0.4)
+    assert not holds and worst > 0.1
     cost = L.chunk_cost(2)
     for p in range(2, 9):
-        for m in (2 * p, 2 * p + 2, 3 * p + 1):
-            sim = L.simulate(L.make_schedule("dualpipev", p, m, 2), cost)
-            idle = [sim.makespan - sum(e - b for _, b, e in row) for row in sim.timeline]
-            assert idle == pytest.approx([(p - 1) * cost["F"]] * p), (p, m, idle)
-    said = L.dualpipev_idle_law(cost)
-    assert "2× ours" in said and "idles $(p-1)F$" in said and "equal per chunk" in said, said
+        sched = L.make_schedule("dualpipev", p, 2 * p + 1, 2)
+        ours = L.most_idle(L.simulate(sched, cost))
+        paired = L.most_idle(L.simulate(sched, cost, pair=cost["F"] + cost["B"] + cost["W"]))
+        assert ours == pytest.approx((p - 1) * cost["F"]) and paired == pytest.approx(ours + (p - 1) * cost["B"])
+    # a pair runs as one unit: the simulated rank is busy exactly F&B for it
+    sim = L.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=1.2)
+    pairs = sum(len(u) for u in L.make_schedule("dualpipev", 2, 4, 2).pairs)
+    assert sum(sim.busy) == pytest.approx(2 * 4 * 2 * 1.5 - pairs * (1.5 - 1.2))
 
 
 def test_free_w_caption_comes_from_the_numbers():
-    """Review 05-4: with W = 0 the V list built for F = B = W is worse than 1F1B, said so."""
+    """Review 05-4: with W = 0 the caption says which split lists gain and which do not, from the
+    simulated bubbles. (With the greedy ZB-V it said that list lost 8.7 points; the paper's ZB-V
+    gains from its V.)"""
     free = {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, W=0)).bubble for n, v in L.ALL}
     words = L.free_w_words(free)
-    assert "zb-v's list, built for F = B = W, loses 8.7 points" in words
     assert "zb-h1, zb-h2 have 1F1B's 27.3%" in words
+    assert "zb-v is shorter (15.8% against 1F1B's 27.3%), from its 2 chunks per rank" in words
+    free["zb-v"] = free["1f1b"] + 0.087
+    assert "zb-v's list, built for F = B = W, loses 8.7 points" in L.free_w_words(free)
 
 
 def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
@@ -448,6 +614,17 @@ def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
     assert words.endswith(": 1.23× slower")                          # 0.103 / 0.0836
     overlap = L.slower_or_faster(Timing([1.0, 2.0, 3.0]), Timing([1.5, 2.5, 3.5]), "a", "b")
     assert "no measurable difference" in overlap
+
+
+def test_zb_h1_verdict_is_the_step_not_the_bubble():
+    """Review M4: a smaller measured bubble with a slower step reads as a slower step, said so."""
+    from util.measure import Timing
+    slow, fast = Timing([0.0976, 0.0926, 0.101]), Timing([0.0731, 0.070, 0.0788])
+    words = L.zb_h1_verdict(0.212, 0.285, slow, fast)
+    assert words.startswith("its measured bubble is smaller (21.2% against 28.5%), yet its step is slower")
+    assert "1.34× slower" in words and "outweighs" in words
+    assert "its step is faster" in L.zb_h1_verdict(0.212, 0.285, fast, slow)
+    assert "not smaller" in L.zb_h1_verdict(0.3, 0.285, fast, fast)
 
 
 def test_timed_comparisons_take_enough_samples():
