@@ -133,6 +133,10 @@ class LayoutTrainer:
         if layout.global_batch != run.global_batch:
             raise ValueError(f"layout {layout.label()} makes a global batch of {layout.global_batch}, "
                              f"the run wants {run.global_batch}")
+        if layout.virtual_stages > 1 or layout.recompute != "none":
+            # the estimator and the step-time model cover these; this trainer does not run them
+            raise ValueError(f"layout {layout.label()}: this trainer runs one pipeline chunk per rank "
+                             "and no recomputation (virtual_stages=1, recompute='none')")
         self.tp_group = mesh.group["tp"]
         self.model = self._split_model(GPT(run.cfg).to(device()))   # the same seeded weights on every rank
         self.stage, self.executor, self.module = self._pipeline_stage()

@@ -1112,7 +1112,6 @@ def published_scale():
         near-linear scalability using 256 GPUs".
     """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
     hw, band = llama3_table4()
-    see(decision_procedure)
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
@@ -1162,9 +1161,9 @@ def published_scale():
                         "limit (dashed line).")
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GB per GPU", "s per step", "MFU", "why"],
           caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
-    figure(draw_decision_flow(outcomes),
-           caption="The decision procedure as a flowchart, with where it stopped for each model and "
-                   "GPU count above (from the calls that filled the table).")
+    with deep_dive("The decision procedure, step by step",
+                   "the syllabus' rule of thumb as code and as a flowchart, with where it stopped for each model"):
+        decision_flow(outcomes)
     differ = [(k, rule_of[k], searched[k]) for k in searched if rule_of.get(k) is not None
               and not agree[list(searched).index(k)]]
     exposed = [(name, world, r, step_time(LLAMA3_8B if "8B" in name else LLAMA3_70B, r, hw))
@@ -1187,6 +1186,14 @@ def published_scale():
     """)
     _RESULTS["published"] = rows
     nvidia_and_ties(searched, hw, band)
+
+
+def decision_flow(outcomes):
+    note("## Deep dive: the decision procedure, step by step")
+    see(decision_procedure)
+    figure(draw_decision_flow(outcomes),
+           caption="The decision procedure as a flowchart, with where it stopped for each model and "
+                   "GPU count on the main page (from the calls that filled its table).")
 
 
 def llama3_table4():

@@ -536,3 +536,31 @@ def test_nvidia_70b_recipe_is_among_the_models_near_ties(table4):
     group, _, _ = L.near_ties(rows, band)
     assert any((r["layout"].tp, r["layout"].pp, r["layout"].cp, r["layout"].dp, r["layout"].virtual_stages)
                == (4, 4, 2, 16, 5) for r in group)
+
+
+def train_two_rank_layouts(rank, world_size, run, layouts):
+    out = {name: L.train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
+    try:
+        L.LayoutTrainer(run, L.Layout(pp=2, micro_batch=1, micro_batches=8, virtual_stages=1, recompute="full"),
+                        L.make_mesh(1, 2, 1, 1))
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_two_rank_sequence_parallel_bytes_and_what_the_trainer_refuses():
+    """At 2 ranks as at 4: sequence parallelism's wire bytes are what step_bytes (and so the
+    step-time model) counts; a layout the trainer does not run (recomputation, virtual stages)
+    is refused in words, never trained as something else."""
+    layouts = {"tp + SP": L.Layout(tp=2, sp=True, micro_batch=4, micro_batches=2),
+               "dp + ZeRO-2": L.Layout(dp=2, zero=2, micro_batch=2, micro_batches=2)}
+    got = spawn(train_two_rank_layouts, 2, run=RUN, layouts=layouts).returns
+    shape = L.ModelShape.from_gpt(RUN.cfg)
+    for g in got:
+        assert "no recomputation" in g["refused"]
+        for name, lay in layouts.items():
+            r = g[name]
+            if r["bytes_sent"] is None:
+                pytest.skip("no /proc/self/io here")
+            pred = L.step_bytes(shape, dataclasses.replace(lay, precision="fp64"), 0, tensor_sizes=r["tensor_sizes"])
+            assert 1.0 <= r["bytes_sent"] / pred["total"] <= 1.4, (name, r["bytes_sent"], pred)
