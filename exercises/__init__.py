@@ -40,7 +40,10 @@ class Exercise:
     wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch
     hint: str                      # shown under a failing verdict
     sizes: str                     # what the check runs, in words (shown when it passes)
-    ranks: int = 3
+    ranks: typing.Union[int, tuple] = 3   # world sizes the check runs at: (3, 2) catches a hard-coded 3
+    watch: dict = dataclasses.field(default_factory=dict)   # {dotted name: reason it is forbidden, or None: counted}
+    keeps_inputs: bool = False       # the statement says the function must not change its tensors
+    subgroup: bool = False           # harness takes group=: run it on ranks 1..n-1 too
     prepare: typing.Callable = None  # () -> kwargs for the harness, computed in this process
     given: typing.Callable = None    # () -> {name: object} also defined where the function runs
     rtol: float = 1e-7
@@ -49,6 +52,20 @@ class Exercise:
 
 
 _REGISTRY = {}
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+               "all_to_all_single", "broadcast", "reduce", "gather")
+
+
+def forbid(reason, *names):
+    """{dotted name: reason} for Exercise.watch: names the student's function may not call."""
+    return {name: reason for name in names}
+
+
+def built_in(*collectives):
+    """torch.distributed's own collectives, as dotted names for forbid()."""
+    return [f"torch.distributed.{c}" for c in collectives]
 
 
 def exercise(**fields):
@@ -92,7 +109,8 @@ def evaluate(name, *fns):
     """Run exercise `name`'s check on `fns`; the verdict dict (util.exercise), never raises."""
     ex = get(name)
     if len(fns) != len(ex.solution):
-        return engine._verdict(name, False, f"the check needs {len(ex.solution)} function(s): "
+        wanted = len(ex.solution)
+        return engine._verdict(name, False, f"the check needs {wanted} function{'' if wanted == 1 else 's'}: "
                                + ", ".join(f.__name__ for f in ex.solution), 0.0)
     try:
         kwargs = ex.prepare() if ex.prepare else {}
@@ -100,7 +118,8 @@ def evaluate(name, *fns):
     except Exception as e:  # the course's side failed (a lecture mid-edit): say so, do not raise
         return engine._verdict(name, False, f"the check could not prepare its cases: {type(e).__name__}: {e}", 0.0)
     return engine.evaluate(name, ex.harness, fns, world_size=ex.ranks, kwargs=kwargs, given=given,
-                           rtol=ex.rtol, atol=ex.atol, hint=ex.hint, sizes=ex.sizes)
+                           rtol=ex.rtol, atol=ex.atol, hint=ex.hint, sizes=ex.sizes, watch=ex.watch,
+                           keeps_inputs=ex.keeps_inputs, subgroup=ex.subgroup)
 
 
 def check(name, *fns):

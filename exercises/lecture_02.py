@@ -2,7 +2,11 @@
 import torch
 import torch.distributed as dist
 
-from exercises import exercise
+from exercises import COLLECTIVES, built_in, exercise, forbid
+
+# what a ring built from send/recv may not lean on: a collective, the course's answer, the inputs
+SEND_RECV_ONLY = "it asks for a ring of point-to-point messages (dist.isend / dist.irecv)"
+NOT_THE_ANSWER = ("exercises.solution", "exercises.lecture_02.rank_input")
 
 
 def rank_input(rank, shape, seed=0):
@@ -13,7 +17,7 @@ def rank_input(rank, shape, seed=0):
 
 # --- ring all-reduce -----------------------------------------------------------------------
 
-RING_LENGTHS = [1, 2, 7, 13, 100]   # on 3 ranks: empty chunks, uneven chunks, even ones
+RING_LENGTHS = [1, 2, 7, 13, 100]   # on 3 and 2 ranks: empty chunks, uneven chunks, even ones
 
 
 def check_ring(rank, world_size, fn):
@@ -107,21 +111,26 @@ exercise(
         "`x.tensor_split(n)` (sizes may differ by one, some may be empty); for n − 1 steps rank r "
         "sends chunk r − s to its right and adds the chunk r − s − 1 arriving from its left; then, "
         "for n − 1 more steps, the finished chunks travel once more around the ring, copied into "
-        "place. The check runs it on 3 ranks on float64 buffers of 1, 2, 7, 13 and 100 elements "
-        "against the course's `ring_all_reduce`."),
+        "place. The check runs it on 3 and on 2 ranks on float64 buffers of 1, 2, 7, 13 and 100 "
+        "elements against the course's `ring_all_reduce`, and fails if your function calls a "
+        "collective or the course's own ring."),
     stub=(
         "def ring_all_reduce(x):\n"
         "    \"\"\"Sum x over all ranks with 2(n-1) ring steps of send/recv; return the result.\"\"\"\n"
         "    n, rank = dist.get_world_size(), dist.get_rank()\n"
         "    raise NotImplementedError(\"hint: chunks = x.tensor_split(n); at step s send chunk \"\n"
         "                              \"(rank - s) % n right, add chunk (rank - s - 1) % n from the left\")\n"),
-    harness=check_ring, solution=ring_all_reduce,
+    harness=check_ring, solution=ring_all_reduce, ranks=(3, 2),
+    watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.ring_all_reduce",
+                 "lectures.collectives.ring_all_reduce", "lectures.collectives.pipelined_ring_all_reduce",
+                 "lectures.lecture_02_communication.ring_all_reduce",
+                 "lectures.lecture_02_communication.pipelined_ring_all_reduce"),
     wrong={"no all-gather phase": ring_without_all_gather,
            "chunks walked the wrong way (off by one rank)": ring_chunks_off_by_one,
            "averages instead of summing": ring_averages},
     hint="post the send and the receive of one step together (dist.batch_isend_irecv), or a "
          "blocking send can wait forever; with 3 ranks and 1 element, two chunks are empty",
-    sizes="float64 buffers of 1, 2, 7, 13, 100 elements")
+    sizes="float64 buffers of 1, 2, 7, 13, 100 elements, send/recv only")
 
 
 # --- all-gather ----------------------------------------------------------------------------
@@ -193,20 +202,21 @@ exercise(
         "rank order (`result[r]` is rank r's `x`). Use a ring: in each of n − 1 steps, send to "
         "the right the piece you received last (your own at first) and receive from the left, "
         "so every rank sends (n − 1)/n of the output, the bus-bandwidth factor of all-gather. "
-        "The check runs 3 ranks on float64 tensors of shapes (5,), (3, 4) and (1,) against "
-        "`dist.all_gather`."),
+        "The check runs 3 and 2 ranks on float64 tensors of shapes (5,), (3, 4) and (1,) "
+        "against `dist.all_gather`, and fails if your function calls a collective."),
     stub=(
         "def all_gather(x):\n"
         "    \"\"\"[x of rank 0, x of rank 1, ...] on every rank, with n - 1 ring steps of send/recv.\"\"\"\n"
         "    n, rank = dist.get_world_size(), dist.get_rank()\n"
         "    raise NotImplementedError(\"hint: out[rank] = x; at step s send out[(rank - s) % n] \"\n"
         "                              \"right and receive out[(rank - s - 1) % n] from the left\")\n"),
-    harness=check_all_gather, solution=all_gather,
+    harness=check_all_gather, solution=all_gather, ranks=(3, 2),
+    watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.all_gather"),
     wrong={"forwards its own tensor every step": all_gather_forwards_own,
            "list rotated by one rank": all_gather_rotated},
     hint="the piece to forward at step s is the one that arrived at step s - 1, from rank "
          "(rank - s) % n",
-    sizes="float64, shapes (5,), (3, 4), (1,)")
+    sizes="float64, shapes (5,), (3, 4), (1,), send/recv only")
 
 
 # --- bus bandwidth -------------------------------------------------------------------------

@@ -5,25 +5,12 @@ import torch
 import torch.distributed as dist
 
 from exercises import exercise
+from util import exercise as engine
 
 
 def _tensor(rank, shape, seed):
     g = torch.Generator().manual_seed(100 * rank + seed)
     return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-class CountingDist:
-    """torch.distributed as a shipped function sees it, with every all_reduce recorded."""
-
-    def __init__(self):
-        self.calls = []
-
-    def all_reduce(self, tensor, *args, **kwargs):
-        self.calls.append(tensor.numel())
-        return dist.all_reduce(tensor, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
 
 
 # --- a bucketed gradient all-reduce ---------------------------------------------------------
@@ -34,7 +21,6 @@ BUCKETS = [200 / 2 ** 20, 1e-9, 1.0, 400 / 2 ** 20]        # MB: mixed, one per 
 
 def check_buckets(rank, world_size, fn):
     from lectures.lecture_03_data_parallel import plan_buckets
-    counter = fn.__globals__["dist"]
     out = []
     for bucket_mb in BUCKETS:
         params = [torch.nn.Parameter(_tensor(0, s, k)) for k, s in enumerate(SHAPES)]
@@ -42,17 +28,14 @@ def check_buckets(rank, world_size, fn):
             p.grad = _tensor(rank, p.shape, 50 + k)
         expected = [sum(_tensor(r, p.shape, 50 + k) for r in range(world_size)) / world_size
                     for k, p in enumerate(params)]
-        counter.calls.clear()
+        engine.calls.clear()              # dist.all_reduce is counted however the function spells it
         fn(params, bucket_mb)
         planned = [sum(p.numel() for p in bucket) for bucket in plan_buckets(params, bucket_mb)]
         label = f"bucket_mb = {bucket_mb:.3g} ({bucket_mb * 2 ** 20:.0f} bytes)"
-        out.append((f"{label}: elements per dist.all_reduce call, in order", planned, list(counter.calls)))
+        out.append((f"{label}: elements per dist.all_reduce call, in order", planned,
+                    [numel for name, numel in engine.calls if name == "dist.all_reduce"]))
         out.append((f"{label}: averaged gradients (definition order)", expected, [p.grad for p in params]))
     return out
-
-
-def counting_dist():
-    return {"dist": CountingDist()}
 
 
 def all_reduce_gradients(params, bucket_mb):
@@ -131,13 +114,14 @@ exercise(
         "least `bucket_mb · 2**20` bytes (a tensor is never split), and for each bucket make ONE "
         "`dist.all_reduce` call on the concatenated gradients; write the *average* over ranks back "
         "into every `p.grad`. The check counts your `dist.all_reduce` calls and their sizes against "
-        "the course's `plan_buckets`, on 3 ranks, 6 float64 tensors of odd shapes, 4 bucket sizes."),
+        "the course's `plan_buckets`, on 3 and on 2 ranks, 6 float64 tensors of odd shapes, 4 bucket sizes."),
     stub=(
         "def all_reduce_gradients(params, bucket_mb):\n"
         "    \"\"\"Average every p.grad over the ranks, one dist.all_reduce per bucket (backward order).\"\"\"\n"
         "    raise NotImplementedError(\"hint: for p in reversed(params): fill a bucket until it holds \"\n"
         "                              \">= bucket_mb * 2**20 bytes; torch.cat the grads, all_reduce, / n\")\n"),
-    harness=check_buckets, solution=all_reduce_gradients, given=counting_dist,
+    harness=check_buckets, solution=all_reduce_gradients, ranks=(3, 2),
+    watch={"torch.distributed.all_reduce": None},
     wrong={"one all-reduce per parameter": all_reduce_per_parameter,
            "sums, forgets to average": all_reduce_buckets_no_average,
            "buckets in definition order": all_reduce_buckets_forward_order},
@@ -279,7 +263,7 @@ exercise(
         "AdamW on your shard only — decoupled weight decay p ← p(1 − lr·wd), m ← β₁m + (1−β₁)g, "
         "v ← β₂v + (1−β₂)g², p ← p − lr·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε), β = (0.9, 0.999), ε = 1e-8; "
         "update `m`, `v` in place; (3) all-gather the shards (`dist.all_gather_single`) and return the full updated parameter "
-        "(numel elements). The check runs two steps on 3 ranks for 10, 2 and 31 float64 parameters "
+        "(numel elements). The check runs two steps on 3 and on 2 ranks for 10, 2 and 31 float64 parameters "
         "against the course's `adamw_update` on the averaged gradient."),
     stub=(
         "def zero1_step(param, grad, m, v, step, lr, weight_decay):\n"
@@ -287,7 +271,7 @@ exercise(
         "    n, rank = dist.get_world_size(), dist.get_rank()\n"
         "    raise NotImplementedError(\"hint: s = -(-numel // n); pad, reduce-scatter (/ n), AdamW \"\n"
         "                              \"on shard [rank*s, (rank+1)*s), all-gather, drop the padding\")\n"),
-    harness=check_zero1, solution=zero1_step,
+    harness=check_zero1, solution=zero1_step, ranks=(3, 2),
     wrong={"sums the gradients, forgets to average": zero1_sums,
            "updates the next rank's shard": zero1_wrong_shard,
            "AdamW without bias correction": zero1_no_bias_correction},
@@ -298,7 +282,9 @@ exercise(
 
 # --- the indices a distributed sampler gives a rank -------------------------------------------
 
-SAMPLER_CASES = [(10, False, False), (10, True, False), (10, True, True), (2, True, False), (7, False, True)]
+# 1 row on 3 ranks pads 2: more padding than data (the padding repeats the indices as often as needed)
+SAMPLER_CASES = [(10, False, False), (10, True, False), (10, True, True), (2, True, False), (1, False, False),
+                 (7, False, True)]
 
 
 def check_sampler(rank, world_size, fn):
@@ -310,7 +296,7 @@ def check_sampler(rank, world_size, fn):
         for epoch in (0, 1):
             sampler.set_epoch(epoch)
             got = fn(rank, world_size, n_rows, epoch, shuffle=shuffle, drop_last=drop_last, seed=3)
-            out.append((f"{n_rows} rows, epoch {epoch}, shuffle={shuffle}, drop_last={drop_last}",
+            out.append((f"{n_rows} row{'' if n_rows == 1 else 's'}, epoch {epoch}, shuffle={shuffle}, drop_last={drop_last}",
                         list(sampler), list(got) if isinstance(got, (list, tuple, range)) else got))
     return out
 
@@ -380,7 +366,7 @@ exercise(
         "`seed + epoch` (that is what `set_epoch` is for), else 0 … n−1; every rank gets the same "
         "number of indices — ⌈n/world⌉ with padding by repeating indices from the start, or "
         "⌊n/world⌋ with `drop_last` (the tail is dropped); rank r takes every world-th index "
-        "starting at r. The check asks for two epochs on 3 ranks of 10, 2 and 7 rows, with "
+        "starting at r. The check asks for two epochs on 3 ranks of 10, 2, 1 and 7 rows, with "
         "and without shuffling and drop_last, against PyTorch's own sampler."),
     stub=(
         "def sampler_indices(rank, world_size, n, epoch, shuffle=True, drop_last=False, seed=0):\n"
@@ -391,5 +377,6 @@ exercise(
     wrong={"contiguous blocks instead of strided": sampler_contiguous,
            "no padding (uneven ranks)": sampler_no_padding,
            "ignores the epoch": sampler_same_every_epoch},
-    hint="with 2 rows on 3 ranks the padding wraps around: every rank still gets one index",
-    sizes="10, 2, 7 rows; shuffle and drop_last on and off; epochs 0 and 1")
+    hint="with 2 rows (or 1) on 3 ranks the padding wraps around, as often as needed: every rank "
+         "still gets one index",
+    sizes="10, 2, 1, 7 rows; shuffle and drop_last on and off; epochs 0 and 1")

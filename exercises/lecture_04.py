@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises import exercise
+from exercises import COLLECTIVES, built_in, exercise, forbid
 
 
 def _tensor(rank, shape, seed, scale=1.0):
@@ -13,9 +13,9 @@ def _tensor(rank, shape, seed, scale=1.0):
 
 # --- f and g ---------------------------------------------------------------------------------
 
-def check_f_and_g(rank, world_size, f, g):
+def check_f_and_g(rank, world_size, f, g, group=None):
     from lectures.lecture_04_tensor_parallel import copy_to_region, reduce_from_region
-    group = dist.group.WORLD
+    group = group or dist.group.WORLD
     out = []
     for name, mine, course in (("f", f, copy_to_region), ("g", g, reduce_from_region)):
         for shape in [(3, 5), (7,)]:
@@ -99,7 +99,8 @@ exercise(
         "region); `g` all-reduces forward (summing the ranks' partial results) and is the "
         "identity backward. Write `f(x, group)` and `g(x, group)`, each with a small "
         "`torch.autograd.Function` defined inside it (its `forward(ctx, x)` and `backward(ctx, "
-        "grad)`); never modify the tensor you were given. The check runs both on 3 ranks, with "
+        "grad)`); never modify the tensor you were given. The check runs both on 3 and on 2 "
+        "ranks and on a sub-group (ranks 1 and 2 only: use `group`, never the default group), with "
         "float64 tensors of shapes (3, 5) and (7,) and a different upstream gradient on every "
         "rank, against the course's `copy_to_region` and `reduce_from_region`."),
     stub=(
@@ -112,7 +113,7 @@ exercise(
         "def g(x, group):\n"
         "    \"\"\"Megatron's g: all-reduce (sum) forward, identity backward.\"\"\"\n"
         "    raise NotImplementedError(\"hint: the mirror image of f\")\n"),
-    harness=check_f_and_g, solution=(f, g),
+    harness=check_f_and_g, solution=(f, g), ranks=(3, 2), subgroup=True, keeps_inputs=True,
     wrong={"f and g swapped": (g, f),
            "f averages the gradient": (f_averages, g),
            "g all-reduces backward too": (f, g_reduces_both_ways)},
@@ -123,7 +124,7 @@ exercise(
 
 # --- a column-parallel then row-parallel MLP ---------------------------------------------------
 
-def check_tp_mlp(rank, world_size, fn):
+def check_tp_mlp(rank, world_size, fn, group=None):
     from lectures.lecture_04_tensor_parallel import GPTConfig
     from lectures.gpt import MLP
     out = []
@@ -136,7 +137,7 @@ def check_tp_mlp(rank, world_size, fn):
         rows = torch.tensor_split(torch.arange(ff), world_size)[rank]
         w1, b1 = mlp.fc_in.weight[rows].detach(), mlp.fc_in.bias[rows].detach()
         w2, b2 = mlp.fc_out.weight[:, rows].detach(), mlp.fc_out.bias.detach()
-        got = fn(x.clone(), w1.clone(), b1.clone(), w2.clone(), b2.clone(), dist.group.WORLD)
+        got = fn(x.clone(), w1.clone(), b1.clone(), w2.clone(), b2.clone(), group or dist.group.WORLD)
         out.append((f"h={h}, f={ff} ({len(rows)} columns on this rank), input {(*shape, h)}", expected, got))
     return out
 
@@ -174,37 +175,40 @@ exercise(
         "rank's slice on its own; the second by rows (`w2`, the matching columns of "
         "`fc_out.weight`), so each rank computes a partial sum of the output. Write "
         "`tp_mlp(x, w1, b1, w2, b2, group)` returning the full MLP output on every rank, "
-        "`fc_out(gelu(fc_in(x)))`; `x` is replicated, `b2` (the output bias) is full. The check "
-        "splits the course's `MLP` over 3 ranks with f = 15 and f = 6, hidden 7 and 4, float64."),
+        "`fc_out(gelu(fc_in(x)))`; `x` is replicated, `b2` (the output bias) is full; leave the "
+        "inputs unchanged. The check splits the course's `MLP` over 3 and 2 ranks, and over a "
+        "sub-group of them (so `group` and its ranks matter), with f = 15 and f = 6, hidden 7 "
+        "and 4, float64."),
     stub=(
         "def tp_mlp(x, w1, b1, w2, b2, group):\n"
         "    \"\"\"fc_out(gelu(fc_in(x))) with fc_in split by columns and fc_out by rows.\"\"\"\n"
         "    raise NotImplementedError(\"hint: gelu(x @ w1.T + b1) @ w2.T is a partial sum: all-reduce \"\n"
         "                              \"it, and add the bias once\")\n"),
-    harness=check_tp_mlp, solution=tp_mlp,
+    harness=check_tp_mlp, solution=tp_mlp, ranks=(3, 2), subgroup=True, keeps_inputs=True,
     wrong={"adds the output bias on every rank": tp_mlp_bias_everywhere,
            "no all-reduce": tp_mlp_no_reduce,
            "averages the partial sums": tp_mlp_averages},
     hint="the row-parallel output is a SUM of the ranks' partials; a bias added before the "
          "all-reduce is counted n times",
-    sizes="float64, hidden 7 and 4, f = 15 and 6 over 3 ranks")
+    sizes="float64, hidden 7 and 4, f = 15 and 6 over 3, 2 and a sub-group of ranks")
 
 
 # --- vocab-parallel cross-entropy ----------------------------------------------------------------
 
-def check_vocab_ce(rank, world_size, fn):
+def check_vocab_ce(rank, world_size, fn, group=None):
     from lectures.lecture_04_tensor_parallel import vocab_parallel_cross_entropy
+    group = group or dist.group.WORLD
     out = []
-    for vocab, shape, scale in [(21, (2, 5), 1.0), (12, (7,), 1.0), (15, (3, 2), 400.0)]:
+    for vocab, shape, scale in [(24, (2, 5), 1.0), (12, (7,), 1.0), (18, (3, 2), 400.0)]:   # split by 1, 2, 3
         logits = _tensor(0, (*shape, vocab), 5, scale)
         targets = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(vocab))
         targets.view(-1)[0] = vocab - 1                   # one target in the last rank's slice
         per = vocab // world_size
         local = logits[..., rank * per:(rank + 1) * per].clone()
-        expected = vocab_parallel_cross_entropy(local.clone(), targets, dist.group.WORLD).detach()
+        expected = vocab_parallel_cross_entropy(local.clone(), targets, group).detach()
         single = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
         assert torch.allclose(expected, single)
-        got = fn(local.clone(), targets.clone(), dist.group.WORLD)
+        got = fn(local.clone(), targets.clone(), group)
         out.append((f"vocab {vocab} ({per} per rank), targets {shape}, logits up to "
                     f"{logits.abs().max():.0f}: the mean loss", expected, got))
     return out
@@ -274,18 +278,22 @@ exercise(
         "all tokens, the same as `F.cross_entropy` on the full logits, without ever gathering "
         "them: loss = log Σ exp(z − m) − (z_target − m) with m the *global* max (an all-reduce "
         "with `ReduceOp.MAX`), the sum of exponentials all-reduced, and the target's logit "
-        "contributed by the rank that owns it (the others add 0). Forward only. The check runs 3 "
-        "ranks, vocabularies 21, 12 and 15, float64, one case with logits in the hundreds (where "
-        "exp() overflows), against the course's `vocab_parallel_cross_entropy`."),
+        "contributed by the rank that owns it (the others add 0). Forward only; no all-gather, and "
+        "leave the inputs unchanged. The check runs 3 and 2 ranks and a sub-group of them, "
+        "vocabularies 24, 12 and 18, float64, one case with logits in the hundreds (where exp() "
+        "overflows), against the course's `vocab_parallel_cross_entropy`."),
     stub=(
         "def vocab_parallel_ce(local_logits, targets, group):\n"
         "    \"\"\"Mean cross-entropy; local_logits (..., V/n) is this rank's vocabulary slice.\"\"\"\n"
         "    rank, per = dist.get_rank(group), local_logits.shape[-1]\n"
         "    raise NotImplementedError(\"hint: three all-reduces: the max (ReduceOp.MAX), the sum of \"\n"
         "                              \"exp(z - max), and the target's shifted logit (0 where not yours)\")\n"),
-    harness=check_vocab_ce, solution=vocab_parallel_ce,
+    harness=check_vocab_ce, solution=vocab_parallel_ce, ranks=(3, 2), subgroup=True, keeps_inputs=True,
+    watch=forbid("the point is never to gather the logits", *built_in(*COLLECTIVES[1:]),
+                 "lectures.vocab_parallel.vocab_parallel_cross_entropy",
+                 "lectures.lecture_04_tensor_parallel.vocab_parallel_cross_entropy", "exercises.solution"),
     wrong={"each rank subtracts its own max": vocab_ce_local_max,
            "target slice of the next rank": vocab_ce_off_by_one_rank,
            "no max subtracted (overflows)": vocab_ce_no_max},
     hint="every rank must subtract the SAME max before the exponentials are summed across ranks",
-    sizes="float64, vocab 21, 12, 15 over 3 ranks; logits up to ~1500")
+    sizes="float64, vocab 24, 12, 18 over 3, 2 and a sub-group of ranks; logits up to ~1500")

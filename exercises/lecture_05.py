@@ -1,4 +1,6 @@
 """Lecture 05's exercises: 1F1B's and GPipe's action lists, the bubble of a measured timeline."""
+import random
+
 import torch
 import torch.distributed as dist
 
@@ -147,8 +149,11 @@ def check_bubble(rank, world_size, fn):
     for m, seed in [(4, 0), (1, 1), (9, 2)]:
         timeline = _timeline(world_size, m, seed)
         expected = measured_bubble(timeline)
-        got = fn(timeline[rank])
-        out.append((f"1F1B on 3 stages, {m} micro-batches: the bubble fraction", expected, got))
+        mine = list(timeline[rank])
+        random.Random(seed + rank).shuffle(mine)       # the statement promises no order
+        got = fn(mine)
+        out.append((f"1F1B on {world_size} stages, {m} micro-batches, events in no particular order: "
+                    "the bubble fraction", expected, got))
     return out
 
 
@@ -197,16 +202,17 @@ exercise(
         "to the latest end on any rank and Σ busy sums every rank's span lengths. Write "
         "`bubble(events)` returning it — the same number on every rank — using all-reduces "
         "(`ReduceOp.MIN`, `MAX`, `SUM`). The check runs 1F1B timelines with uneven, jittered "
-        "costs on 3 ranks (1, 4 and 9 micro-batches) against lecture 05's `measured_bubble`."),
+        "costs on 3 and 2 ranks (1, 4 and 9 micro-batches), each rank's events in no particular "
+        "order, against lecture 05's `measured_bubble`."),
     stub=(
         "def bubble(events):\n"
         "    \"\"\"The pipeline's idle fraction, from this rank's (action, start, end) spans.\"\"\"\n"
         "    raise NotImplementedError(\"hint: all-reduce the earliest start (MIN), latest end (MAX) \"\n"
         "                              \"and busy time (SUM); 1 - busy / (world_size * makespan)\")\n"),
-    harness=check_bubble, solution=bubble,
+    harness=check_bubble, solution=bubble, ranks=(3, 2),
     wrong={"this rank's idle fraction only": bubble_local,
            "forgets the p in p × makespan": bubble_no_ranks,
            "mean of the ranks' own bubbles": bubble_mean_of_ranks},
     hint="the makespan is the whole pipeline's (earliest start anywhere to latest end anywhere), "
          "not this rank's",
-    sizes="3 ranks, 1F1B with 1, 4, 9 micro-batches, jittered costs")
+    sizes="3 and 2 ranks, 1F1B with 1, 4, 9 micro-batches, jittered costs, unsorted events")

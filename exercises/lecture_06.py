@@ -110,7 +110,27 @@ def check_merge(rank, world_size, fn):
         got = list(theirs) if isinstance(theirs, (list, tuple)) else theirs
         out.append((f"ring attention over {seq} positions ({sizes[rank]} on this rank), "
                     f"{'causal' if causal else 'full'}: [output, lse]", list(ours), got))
-    return out
+    return out + merge_edges(rank, fn, merge_partials)
+
+
+def merge_edges(rank, fn, course):
+    """Two merges the ring above never makes: scores in the hundreds (exp overflows float64
+    unless the larger lse is subtracted first) and a query that saw no key on either side
+    (both lse -inf: the union saw none either, output 0)."""
+    out_a, out_b = _tensor(rank, (1, 2, 3, 4), 7), _tensor(rank, (1, 2, 3, 4), 8)
+    big_a = torch.tensor([[[800.0, 5.0, -700.0], [799.0, 0.0, 750.0]]], dtype=torch.float64)
+    big_b = big_a.flip(-1) - 1
+    none = torch.full((1, 2, 3), float("-inf"), dtype=torch.float64)
+    none[0, 0, 0] = 2.0                      # one query saw a key on side a only
+    cases = []
+    for label, lse_a, lse_b, a, b in [
+            ("lse in the hundreds (800 and 799)", big_a, big_b, out_a, out_b),
+            ("queries that saw no key on either side (lse -inf on both)", none, none.clone(),
+             out_a * none.isfinite()[..., None], torch.zeros_like(out_b))]:
+        got = fn(a.clone(), lse_a.clone(), b.clone(), lse_b.clone())
+        cases.append((f"a direct merge, {label}: [output, lse]", list(course(a, lse_a, b, lse_b)),
+                      list(got) if isinstance(got, (list, tuple)) else got))
+    return cases
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -146,20 +166,23 @@ exercise(
         "log(e^lse_a + e^lse_b) (`torch.logaddexp`), out = out_a·e^(lse_a − lse) + "
         "out_b·e^(lse_b − lse) — the online softmax's rescaling again. Shapes: out (b, heads, "
         "q, d), lse (b, heads, q). A query that saw no key in a block (causal mask) has lse = "
-        "−∞ there. The check runs a real ring on 3 ranks, float64, 13 positions (causal) and 8 "
-        "(full), merging every block with your function and with the course's."),
+        "−∞ there, and one that saw no key on either side must get output 0 and lse −∞. The check "
+        "runs a real ring on 3 and 2 ranks, float64, 13 positions (causal) and 8 (full), merging "
+        "every block with your function and with the course's, then two direct merges: lse in "
+        "the hundreds, and lse −∞ on both sides."),
     stub=(
         "def merge_attention(out_a, lse_a, out_b, lse_b):\n"
         "    \"\"\"(out, lse) of attention over the union of two disjoint sets of keys.\"\"\"\n"
         "    raise NotImplementedError(\"hint: lse = torch.logaddexp(lse_a, lse_b); weight each out \"\n"
         "                              \"by exp(its lse - lse) (unsqueeze the last dim)\")\n"),
-    harness=check_merge, solution=merge_attention,
+    harness=check_merge, solution=merge_attention, ranks=(3, 2),
     wrong={"averages the two outputs": merge_average,
            "max instead of log-sum-exp": merge_max_lse,
            "forgets to divide by the new sum": merge_unnormalised},
     hint="each partial output is normalised over its own keys: weight it by its share of the "
          "total mass, exp(lse_part - lse_total)",
-    sizes="a real ring on 3 ranks; float64; 13 positions causal (uneven blocks), 8 full")
+    sizes="a real ring on 3 and 2 ranks; float64; 13 positions causal (uneven blocks), 8 full; "
+          "lse of 800, and -inf on both sides")
 
 
 # --- top-k routing with a capacity --------------------------------------------------------------

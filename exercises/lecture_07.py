@@ -5,7 +5,8 @@ import math
 
 from exercises import exercise
 
-MESH_SHAPES = [(2, 1, 1, 3), (1, 3, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (3, 2, 1, 2)]
+# (1, 2, 2, 1): pp and cp both > 1, so putting cp outside pp (Megatron-LM's order) shows
+MESH_SHAPES = [(2, 1, 1, 3), (1, 3, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (3, 2, 1, 2), (1, 2, 2, 1)]
 
 
 def _spread(cases, world_size=3):
@@ -89,7 +90,7 @@ exercise(
         "`mesh_groups(rank, shape)` returning `[coords, groups]`: `coords` = `{\"dp\": .., "
         "\"pp\": .., \"cp\": .., \"tp\": ..}` of `rank`, and `groups` = for each axis, the ascending "
         "list of ranks that differ from `rank` only in that coordinate (its process group on that "
-        "axis). The check deals every rank of 5 meshes (6, 6, 8, 8, 12 ranks) out to 3 real "
+        "axis). The check deals every rank of 6 meshes (6, 6, 8, 8, 12, 4 ranks) out to 3 real "
         "ranks and compares with the course's `mesh_coords` and `axis_groups`."),
     stub=(
         "def mesh_groups(rank, shape):\n"
@@ -100,7 +101,7 @@ exercise(
     wrong={"dp innermost": mesh_dp_innermost,
            "every group consecutive ranks": mesh_contiguous_groups},
     hint="a group on axis a is the ranks rank + (i - coords[a]) * stride(a), i = 0 .. size(a) - 1",
-    sizes="meshes (2,1,1,3), (1,3,1,2), (2,2,1,2), (2,1,2,2), (3,2,1,2): 40 ranks in all")
+    sizes="meshes (2,1,1,3), (1,3,1,2), (2,2,1,2), (2,1,2,2), (3,2,1,2), (1,2,2,1): 44 ranks in all")
 
 
 # --- the memory estimate of a layout ------------------------------------------------------------

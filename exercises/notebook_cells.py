@@ -19,13 +19,16 @@ PARAMETER = "solutions = False             # True: every exercise uses the cours
 INTRO = """## Exercises
 
 Write each function below yourself, then run the cell under it: the check runs your function
-**on real ranks** (3 of them, in their own process group), at sizes it chooses, against the
-course's own implementation, and says either *passed* or the first thing that differs (which
-rank, which case, which element, expected vs got) with a hint. A failing check does not stop the
-notebook; run it again after each change (each check answers within seconds). Your function is
-sent to the ranks as source text: keep it self-contained (`torch`, `dist`, `math`, `F` and `nn`
-are imported for you there; define helpers inside it). Set `solutions = True` in the first cell
-to run every check on the course's reference solutions instead (they live in `exercises/`)."""
+**on real ranks** (3 of them, and 2 as well where the world size matters, in their own process
+group), at sizes it chooses, against the course's own implementation, and says either *passed* or
+the first thing that differs (which rank, which case, which element, expected vs got) with a hint.
+It also checks what the statement asks: where it says "send/recv only" or "without gathering", a
+collective the exercise forbids fails the check by name; a function given a `group` also runs on a
+sub-group. A failing check does not stop the notebook; run it again after each change (each check
+answers within seconds). Your function is sent to the ranks as source text: keep it
+self-contained (`torch`, `dist`, `math`, `F` and `nn` are imported for you there; define helpers
+inside it). Set `solutions = True` in the first cell to run every check on the course's reference
+solutions instead (they live in `exercises/`)."""
 
 
 def _id(*parts):

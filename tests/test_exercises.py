@@ -1,10 +1,16 @@
 """The notebooks' exercises, checked directly in Python (no notebook): for every exercise the
 stub fails its check, the course's reference solution passes it, and every plausible wrong
 solution is caught. Each check runs on real ranks (util.exercise)."""
+import functools
 import linecache
+import math
+import time
 
 import nbformat
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import exercises
 from util import build_notebooks, exercise as engine
@@ -83,3 +89,222 @@ def test_first_difference_names_the_element():
     assert engine.first_difference([1, 2], [1]) == "length: expected 2 items, got 1"
     assert engine.first_difference(e, g[:1]) == "shape: expected (2, 3), got (1, 3)"
     assert engine.first_difference(float("nan"), float("nan")) is None
+
+
+# --- students' solutions from the adversarial review (area 1): each wrong one caught, each
+# correct spelling accepted. They are module functions so that their source can be shipped,
+# or the course's solution with one line changed (variant()).
+
+def variant(fn, renamed, *changes):
+    """The reference solution `fn` with each (old, new) of `changes` applied, defined as a
+    notebook cell would define it (its source in linecache) as `renamed`."""
+    fn = exercises.solution(fn) if isinstance(fn, str) else fn
+    source = engine.source_of(fn).replace(f"def {fn.__name__}(", f"def {renamed}(", 1)
+    for old, new in changes:
+        assert old in source, old
+        source = source.replace(old, new)
+    filename = f"<cell with {renamed}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    ns = engine.namespace()
+    exec(compile(source, filename, "exec"), ns)
+    return ns[renamed]
+
+
+ring_for_three_ranks = variant("ring_all_reduce", "ring_for_three_ranks",
+                               ("dist.get_world_size(), dist.get_rank()", "3, dist.get_rank()"))
+vocab_ce_global_rank = variant("vocab_parallel_ce", "vocab_ce_global_rank",
+                               ("dist.get_rank(group)", "dist.get_rank()"))
+f_default_group = variant(exercises.solution("f_and_g")[0], "f_default_group",
+                          ("dist.all_reduce(grad, group=group)", "dist.all_reduce(grad)"))
+sampler_pads_once = variant("sampler_indices", "sampler_pads_once",       # wrong when the padding exceeds n
+                            ("(indices * -(-(total - len(indices)) // len(indices)))", "indices"))
+all_gather_float32 = variant("all_gather", "all_gather_float32", ("    return out\n", "    return [t.float() for t in out]\n"))
+# the habitual import inside the function, and the long spelling of all_reduce
+buckets_spelled_torch_distributed = variant(
+    "all_reduce_gradients", "buckets_spelled_torch_distributed",
+    ("    n = dist.get_world_size()\n", "    import torch.distributed as dist\n    n = dist.get_world_size()\n"),
+    ("dist.all_reduce(flat)", "torch.distributed.all_reduce(flat)"))
+
+
+def ring_by_all_reduce(x):
+    dist.all_reduce(x)
+    return x
+
+
+def ring_by_the_course(x):
+    from lectures.lecture_02_communication import ring_all_reduce
+    return ring_all_reduce(x)
+
+
+def ring_without_communication(x):
+    import sys
+    from exercises.lecture_02 import rank_input
+    seed = sys._getframe(2).f_locals.get("length")
+    return sum(rank_input(r, x.shape, seed=seed) for r in range(dist.get_world_size()))
+
+
+def ring_all_reduce(x):                         # loops forever: the counter never moves
+    n = dist.get_world_size()
+    step = 0
+    while step < n - 1:
+        pass
+    return x
+
+
+def all_gather_built_in(x):
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x)
+    return out
+
+
+def vocab_ce_gathers(local_logits, targets, group):
+    parts = [torch.empty_like(local_logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local_logits.contiguous(), group=group)
+    full = torch.cat(parts, -1)
+    return F.cross_entropy(full.reshape(-1, full.shape[-1]), targets.reshape(-1))
+
+
+def g_overwrites_input(x, group):
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            dist.all_reduce(x.data, group=group)                   # overwrites the caller's x
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+    return Reduce.apply(x)
+
+
+def tp_mlp_bias_on_rank_0(x, w1, b1, w2, b2, group):
+    partial = F.gelu(x @ w1.T + b1) @ w2.T
+    if dist.get_rank() == 0:                                       # the global rank
+        partial = partial + b2
+    dist.all_reduce(partial, group=group)
+    return partial
+
+
+def tp_mlp_default_group(x, w1, b1, w2, b2, group):
+    partial = F.gelu(x @ w1.T + b1) @ w2.T
+    dist.all_reduce(partial)
+    return partial + b2
+
+
+def tp_mlp_zeroes_input(x, w1, b1, w2, b2, group):
+    partial = F.gelu(x @ w1.T + b1) @ w2.T
+    dist.all_reduce(partial, group=group)
+    x.zero_()
+    return partial + b2
+
+
+def merge_no_max(out_a, lse_a, out_b, lse_b):
+    lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+def merge_unguarded(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+def mesh_cp_outside_pp(rank, shape):
+    axes, order = ("dp", "pp", "cp", "tp"), (0, 2, 1, 3)          # dp, cp, pp, tp
+    sizes = [shape[k] for k in order]
+    coords, rest = {}, rank
+    for k, size in zip(reversed(order), reversed(sizes)):
+        coords[axes[k]] = rest % size
+        rest //= size
+    strides = {axes[k]: math.prod(sizes[i + 1:]) for i, k in enumerate(order)}
+    groups = {a: [rank + (i - coords[a]) * strides[a] for i in range(shape[k])] for k, a in enumerate(axes)}
+    return [{a: coords[a] for a in axes}, groups]
+
+
+def bubble_first_and_last(events):
+    t = torch.tensor([events[0][1], -events[-1][2], sum(e - s for _, s, e in events)], dtype=torch.float64)
+    first = t[:2].clone()
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    busy = t[2:].clone()
+    dist.all_reduce(busy)
+    return 1 - busy.item() / (dist.get_world_size() * (-first[1] - first[0]).item())
+
+
+def one_f_one_b_generator(stages, microbatches, stage):
+    warmup = min(stages - stage - 1, microbatches)
+    yield from (("F", i) for i in range(warmup))
+    for i in range(microbatches - warmup):
+        yield ("F", warmup + i)
+        yield ("B", i)
+    yield from (("B", i) for i in range(microbatches - warmup, microbatches))
+
+
+_FACTOR = 2.0
+
+
+def bus_bandwidth_with_a_global(collective, nbytes, seconds, n):
+    return nbytes / seconds, nbytes / seconds * _FACTOR
+
+
+CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
+    ("ring_all_reduce", (ring_by_all_reduce,), "your function called dist.all_reduce"),
+    ("ring_all_reduce", (ring_by_the_course,), "called ring_all_reduce (from lectures.lecture_02_communication)"),
+    ("ring_all_reduce", (ring_without_communication,), "called rank_input"),
+    ("ring_all_reduce", (ring_for_three_ranks,), ("the check on 2 ranks failed", "rank 0 of 2", "rank 1 of 2")),
+    ("all_gather", (all_gather_built_in,), "your function called dist.all_gather"),
+    ("all_gather", (all_gather_float32,), "dtype: expected torch.float64, got torch.float32"),
+    ("vocab_parallel_ce", (vocab_ce_gathers,), "your function called dist.all_gather"),
+    ("vocab_parallel_ce", (vocab_ce_global_rank,), "sub-group"),
+    ("f_and_g", (f_default_group, exercises.solution("f_and_g")[1]), "sub-group"),
+    ("f_and_g", (exercises.solution("f_and_g")[0], g_overwrites_input), "changed its input x in place"),
+    ("tp_mlp", (tp_mlp_bias_on_rank_0,), "sub-group"),
+    ("tp_mlp", (tp_mlp_default_group,), "sub-group"),
+    ("tp_mlp", (tp_mlp_zeroes_input,), "changed its input x in place"),
+    ("merge_attention", (merge_no_max,), "lse in the hundreds"),
+    ("merge_attention", (merge_unguarded,), "no key on either side"),
+    ("mesh_groups", (mesh_cp_outside_pp,), "(1, 2, 2, 1) mesh"),
+    ("sampler_indices", (sampler_pads_once,), "1 row,"),
+    ("bubble", (bubble_first_and_last,), "no particular order"),
+    ("one_f_one_b", (one_f_one_b_generator,), "returned a generator; return a list"),
+    ("bus_bandwidth", (bus_bandwidth_with_a_global,), "define the helpers and constants it uses inside it"),
+]
+
+
+@pytest.mark.parametrize("name,fns,says", CAUGHT, ids=[f"{n}-{f[-1].__name__}" for n, f, _ in CAUGHT])
+def test_check_catches(name, fns, says):
+    verdict = exercises.evaluate(name, *fns)
+    says = says if isinstance(says, tuple) else (says,)
+    assert verdict["passed"] is False and any(s in verdict["detail"] for s in says), verdict["detail"]
+
+
+def test_any_spelling_of_dist_is_counted():
+    verdict = exercises.evaluate("all_reduce_gradients", buckets_spelled_torch_distributed)
+    assert verdict["passed"] is True, verdict["detail"]
+    assert "3 and 2 real ranks" in verdict["detail"]
+
+
+@pytest.mark.parametrize("fn", [functools.partial(exercises.solution("bus_bandwidth")), None, 3])
+def test_check_never_raises(fn):
+    verdict = exercises.evaluate("bus_bandwidth", fn)
+    assert verdict["passed"] is False and verdict["detail"].startswith("not checked:"), verdict
+
+
+def test_endless_loop_gets_a_verdict_within_the_deadline(monkeypatch, capsys):
+    """As a notebook calls it: in-process, exercises.check; every rank spins."""
+    monkeypatch.setattr(engine, "CHECK_DEADLINE", 8.0)
+    start = time.monotonic()
+    exercises.check("ring_all_reduce", ring_all_reduce)
+    seconds = time.monotonic() - start
+    shown = capsys.readouterr().out
+    assert seconds < 8.0 + 15, seconds            # the deadline, a stack dump, a fresh pool
+    assert "deadline" in shown and "endless loop" in shown and "<your ring_all_reduce>" in shown, shown
+
+
+def test_verdict_numbers_show_the_difference_and_the_dtype():
+    e = torch.tensor([0.5, -1.14315], dtype=torch.float64)
+    assert engine.first_difference(e, e.float()) == "dtype: expected torch.float64, got torch.float32"
+    near = e.clone()
+    near[1] += 3e-7                                   # beyond rtol 1e-7, within 6 digits
+    diff = engine.first_difference(e, near)
+    expected, got = diff.split("expected ")[1].split(" (")[0].split(", got ")
+    assert expected == "-1.14315" and float(got) == near[1].item(), diff
+    assert engine.first_difference(110336, 110336.4) == "expected 110336, got 110336.4"

@@ -11,9 +11,19 @@ already imported, and calls the exercise's harness with it:
 `harness(rank, world_size, *fns, **kwargs)` runs on every rank and returns a list of
 `(case, expected, got)`; `evaluate` compares them, rank by rank, and says the first thing that
 differs (which rank, which case, which element, expected vs got). It never raises: a function
-that raises, hangs or cannot be shipped is a verdict too. `show(verdict)` displays it in the
+that raises, hangs or cannot be shipped is a verdict too.
+
+A check grades what the statement asks, not only the numbers: it runs at every world size in
+`world_size` (a tuple), and with `subgroup` once more on ranks 1..n-1 (group rank != global
+rank: a function that ignores its `group` fails there). While the student's function runs, each
+dotted name in `watch` is replaced: mapped to a reason, calling it fails with that reason (the
+built-in collective an exercise asks you to write, the course's own solution); mapped to None, it
+works and is recorded in `calls` for the harness. With `keeps_inputs`, changing a tensor
+argument in place is an error too. `show(verdict)` displays it in the
 notebook and publishes `{"exercise", "passed", "detail"}` as JSON (util.in_notebook).
 """
+import contextlib
+import importlib
 import inspect
 import linecache
 import math
@@ -28,6 +38,13 @@ CHECK_DEADLINE = 30.0  # seconds a whole check may run (a student's endless loop
 
 class NoSource(ValueError):
     """The function cannot be shipped to the ranks."""
+
+
+class StudentError(Exception):
+    """The student's function did something the statement rules out (the verdict is its message)."""
+
+
+calls = []   # (short name, elements of its first tensor) of each watched call, on this rank
 
 
 def source_of(fn):
@@ -65,17 +82,106 @@ def load(name, source, given=None):
     return ns[name]
 
 
-def on_rank(rank, world_size, harness, sources, given, kwargs):
-    """The rank function `spawn` runs: rebuild the shipped functions, then run the harness."""
-    fns = [load(name, src, given) for name, src in sources]
-    return harness(rank, world_size, *fns, **kwargs)
+def short(dotted):
+    """'torch.distributed.all_reduce' -> 'dist.all_reduce'; the course's functions by module."""
+    module, attr = dotted.rsplit(".", 1)
+    if module == "torch.distributed":
+        return f"dist.{attr}"
+    return f"{attr} (from {module})"
+
+
+def _replacement(dotted, original, reason):
+    name = short(dotted)
+
+    def forbidden(*args, **kwargs):
+        raise StudentError(f"your function called {name}, which this exercise does not allow: {reason}")
+
+    def counted(*args, **kwargs):
+        first = next((a for a in args if hasattr(a, "numel")), None)
+        calls.append((name, first.numel() if first is not None else None))
+        return original(*args, **kwargs)
+    return forbidden if reason else counted
+
+
+@contextlib.contextmanager
+def watching(watch):
+    """Replace each dotted name of `watch` for the duration (restored even on error). A name in
+    torch.distributed is replaced in distributed_c10d too, so every spelling meets it."""
+    import torch.distributed.distributed_c10d as c10d
+    saved = []
+    try:
+        for dotted, reason in watch.items():
+            module_name, attr = dotted.rsplit(".", 1)
+            module = importlib.import_module(module_name)
+            original = getattr(module, attr)
+            new = _replacement(dotted, original, reason)
+            for m in [module] + ([c10d] if module_name == "torch.distributed" else []):
+                if getattr(m, attr, None) is original:
+                    saved.append((m, attr, original))
+                    setattr(m, attr, new)
+        yield
+    finally:
+        for m, attr, original in reversed(saved):
+            setattr(m, attr, original)
+
+
+def _tensors(args, names):
+    import torch
+    return [(n, a, a.detach().clone()) for n, a in zip(names, args) if isinstance(a, torch.Tensor)]
+
+
+def guarded(fn, watch, keeps_inputs):
+    """`fn` as the harness calls it: watched names replaced while it runs, its tensor arguments
+    compared after the call when it must keep them, a generator refused by name."""
+    import torch
+    names = list(inspect.signature(fn).parameters)
+
+    def call(*args, **kwargs):
+        before = _tensors(args, names) if keeps_inputs else []
+        with watching(watch):
+            result = fn(*args, **kwargs)
+        for n, a, copy in before:
+            same = a.shape == copy.shape and bool(((a == copy) | (a.isnan() & copy.isnan())).all()) \
+                if a.dtype.is_floating_point else torch.equal(a, copy)
+            if not same:
+                raise StudentError(f"your function changed its input {n} in place; the statement "
+                                   "asks for a new tensor (clone before an in-place operation)")
+        if inspect.isgenerator(result):
+            raise StudentError(f"{fn.__name__} returned a generator; return a list (wrap it in list(...))")
+        return result
+    call.__name__ = fn.__name__
+    return call
+
+
+def on_rank(rank, world_size, harness, sources, given, kwargs, watch=None, keeps_inputs=False,
+            subgroup=False):
+    """The rank function `spawn` runs: rebuild the shipped functions, run the harness, and with
+    `subgroup` run it again on ranks 1..n-1 (rank 0 stands aside)."""
+    import torch.distributed as dist
+    fns = [guarded(load(name, src, given), watch or {}, keeps_inputs) for name, src in sources]
+    out = harness(rank, world_size, *fns, **kwargs)
+    if subgroup:
+        members = list(range(1, world_size))
+        group = dist.new_group(members)          # every rank joins the call, members or not
+        if rank in members:
+            try:
+                sub = harness(rank - 1, len(members), *fns, group=group, **kwargs)
+            except Exception as e:
+                e.add_note(f"(on the sub-group of ranks {members}: your function must use the group "
+                           f"it is given, where this rank is rank {rank - 1}, not the default group)")
+                raise
+            out += [(f"on the sub-group of ranks {members}, group rank {rank - 1}: {case}", e, g)
+                    for case, e, g in sub]
+            dist.destroy_process_group(group)
+    return out
 
 
 # --- comparing what a rank computed with what the course computes -----------------------
 
 def _fmt(x):
-    if isinstance(x, float):
-        return f"{x:.6g}"
+    if isinstance(x, float):   # the shortest text that reads back as x: two different numbers never look equal
+        text = repr(x)
+        return text[:-2] if text.endswith(".0") else text
     text = repr(x)
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -91,7 +197,8 @@ def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
             return f"{at}expected a tensor, got {type(got).__name__}: {_fmt(got)}"
         if tuple(got.shape) != tuple(expected.shape):
             return f"{at}shape: expected {tuple(expected.shape)}, got {tuple(got.shape)}"
-        if expected.dtype.is_floating_point != got.dtype.is_floating_point:
+        if expected.dtype.is_floating_point != got.dtype.is_floating_point or (
+                expected.dtype.is_floating_point and expected.dtype != got.dtype):
             return f"{at}dtype: expected {expected.dtype}, got {got.dtype}"
         e, g = expected.detach().cpu(), got.detach().cpu()
         if e.dtype.is_floating_point:
@@ -148,68 +255,104 @@ def _verdict(name, passed, detail, seconds, printed=""):
 
 
 def _rank_error(run):
-    """The end of the first failing rank's traceback: its exception and the student's lines."""
-    for rec in run.records:
-        if rec["kind"] == "error":
-            lines = rec["text"].strip().splitlines()
-            theirs = [i for i, l in enumerate(lines) if '"<your ' in l]
-            start = theirs[0] if theirs else max(0, len(lines) - 3)
-            return rec["rank"], "\n".join(lines[start:][-8:])
-    return None, ""
+    """(rank, excerpt) of the failing rank to show: one whose traceback passes through the
+    student's own lines if any does (another rank's error may be an echo in the course's code),
+    its frames in the student's code kept, then the exception."""
+    errors = [rec for rec in run.records if rec["kind"] == "error"]
+    if not errors:
+        return None, ""
+    rec = next((r for r in errors if '"<your ' in r["text"]), errors[0])
+    lines = rec["text"].strip().splitlines()
+    theirs = [i for i, line in enumerate(lines) if '"<your ' in line]
+    if not theirs:
+        return rec["rank"], "\n".join(lines[-4:])
+    keep = sorted({j for i in theirs for j in (i, i + 1) if j < len(lines)} | set(range(len(lines) - 3, len(lines))))
+    return rec["rank"], "\n".join(lines[j] for j in keep)
 
 
-def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-7, atol=1e-9,
-             hint="", sizes=""):
-    """Run `harness` with the shipped `fns` on `world_size` real ranks and judge what came back.
-    Returns a verdict dict {exercise, passed, detail, seconds, printed}; never raises."""
-    start = time.perf_counter()
-    hint_line = f"\nhint: {hint}" if hint else ""
-    try:
-        sources = [(fn.__name__, source_of(fn)) for fn in fns]
-    except NoSource as e:
-        return _verdict(name, False, f"not checked: {e}", time.perf_counter() - start)
+def _failure(name, run, error, world_size, hint_line):
+    """The verdict's text when the ranks did not all return."""
+    rank, tail = _rank_error(run) if run is not None else (None, "")
+    refused = [line for line in tail.splitlines() if "StudentError: " in line]
+    if refused:
+        return f"rank {rank}: {refused[-1].split('StudentError: ', 1)[1]}"
+    if "NotImplementedError" in tail:
+        return f"not written yet (rank {rank} raised NotImplementedError):\n{tail}{hint_line}"
+    if "NameError" in tail:
+        return (f"rank {rank} of {world_size} raised:\n{tail}\n(your function is sent to the ranks alone: define "
+                "the helpers and constants it uses inside it)")
+    detail = f"rank {rank} of {world_size} raised:\n{tail}" if tail else error.replace(f"demo 'check {name}'", "the check")
+    if "died" in error:
+        detail += ("\n(a rank crashed inside PyTorch: often a message to a rank that is not in the "
+                   "group; the check runs at more than one world size)")
+    elif "deadline" in error:
+        detail += "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"
+    elif "did not finish" in error or "imed out" in error:
+        detail += (f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
+                   "matching recv, and every rank must call the same collectives)")
+    return detail + hint_line
+
+
+def _run_once(name, harness, sources, world_size, kwargs, given, watch, keeps_inputs, subgroup):
+    """(run, error) of the harness on `world_size` ranks, recorded out of sight."""
     quiet = record.Recorder()          # the check shows its verdict, not a demo box
     previous = record.use(quiet)
-    run, error = None, None
     try:
-        run = launch.spawn(on_rank, world_size, name=f"check {name}", timeout=CHECK_TIMEOUT, deadline=CHECK_DEADLINE,
-                           harness=harness, sources=sources, given=given or {}, kwargs=kwargs or {})
+        run = launch.spawn(on_rank, world_size, name=f"check {name}", timeout=CHECK_TIMEOUT,
+                           deadline=CHECK_DEADLINE, harness=harness, sources=sources, given=given,
+                           kwargs=kwargs, watch=watch, keeps_inputs=keeps_inputs,
+                           subgroup=subgroup and world_size > 1)
+        return run, None
     except launch.DemoFailed as e:
-        run, error = e.run, e.run.error
+        return e.run, e.run.error
     except Exception as e:             # the launcher itself failed: still a verdict
-        error = f"{type(e).__name__}: {e}"
+        return None, f"{type(e).__name__}: {e}"
     finally:
         record.use(previous)
-    seconds = time.perf_counter() - start
-    printed = ""
-    if run is not None:
-        printed = "".join(f"[rank {r['rank']}] {line}\n" for r in run.records if r["kind"] == "output"
-                          for line in r["text"].splitlines())
+
+
+def _judge(name, run, error, world_size, rtol, atol, hint_line):
+    """(passed, detail or number of cases) of one run."""
     if error:
-        rank, tail = _rank_error(run) if run is not None else (None, "")
-        if "NotImplementedError" in tail:
-            detail = f"not written yet (rank {rank} raised NotImplementedError):\n{tail}"
-        elif tail:
-            detail = f"rank {rank} raised:\n{tail}"
-        else:
-            detail = error.replace(f"demo 'check {name}'", "the check")
-        if "deadline" in error:
-            detail += "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"
-        elif "did not finish" in error or "imed out" in error:
-            detail += (f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
-                       "matching recv, and every rank must call the same collectives)")
-        return _verdict(name, False, detail + hint_line, seconds, printed)
+        return False, _failure(name, run, error, world_size, hint_line)
     if run.status == "skipped" or not run.returns or any(r is None for r in run.returns):
-        return _verdict(name, False, f"not checked: {run.error or 'a rank returned nothing'}",
-                        seconds, printed)
+        return False, f"not checked: {run.error or 'a rank returned nothing'}"
     cases = 0
     for rank, got in enumerate(run.returns):
         for case, expected, value in got:
             cases += 1
             diff = first_difference(expected, value, rtol, atol)
             if diff:
-                return _verdict(name, False, f"rank {rank}, {case}: {diff}{hint_line}", seconds, printed)
-    return _verdict(name, True, f"passed on {world_size} real ranks, {cases} case{'' if cases == 1 else 's'}"
+                return False, f"rank {rank} of {world_size}, {case}: {diff}{hint_line}"
+    return True, cases
+
+
+def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-7, atol=1e-9,
+             hint="", sizes="", watch=None, keeps_inputs=False, subgroup=False):
+    """Run `harness` with the shipped `fns` on real ranks, at each size of `world_size` (an int
+    or a tuple), and judge what came back. Returns a verdict dict {exercise, passed, detail,
+    seconds, printed}; never raises."""
+    start = time.perf_counter()
+    hint_line = f"\nhint: {hint}" if hint else ""
+    try:
+        sources = [(getattr(fn, "__name__", ""), source_of(fn)) for fn in fns]
+    except NoSource as e:
+        return _verdict(name, False, f"not checked: {e}", time.perf_counter() - start)
+    sizes_run = world_size if isinstance(world_size, tuple) else (world_size,)
+    printed, cases = "", 0
+    for n in sizes_run:
+        run, error = _run_once(name, harness, sources, n, kwargs or {}, given or {}, watch or {},
+                               keeps_inputs, subgroup)
+        if run is not None:
+            printed += "".join(f"[rank {r['rank']} of {n}] {line}\n" for r in run.records
+                               if r["kind"] == "output" for line in r["text"].splitlines())
+        passed, result = _judge(name, run, error, n, rtol, atol, hint_line)
+        if not passed:
+            return _verdict(name, False, result, time.perf_counter() - start, printed)
+        cases += result
+    seconds = time.perf_counter() - start
+    on = " and ".join(map(str, sizes_run)) + " real ranks" + (" and a sub-group" if subgroup else "")
+    return _verdict(name, True, f"passed on {on}, {cases} case{'' if cases == 1 else 's'}"
                     + (f" ({sizes})" if sizes else "") + f", in {seconds:.1f} s", seconds, printed)
 
 
