@@ -83,6 +83,43 @@ def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
         w.close()
 
 
+def test_explorer_refuses_costs_it_cannot_mean(browser, explorer_page):
+    """F and B must be positive, W and send 0 or more, every field a finite number: anything else
+    is refused in words (it used to count an empty field as 0 and show 'bubble 300.0%' for
+    B = -3); the costs it accepts, at the largest schedule, keep the bubble within 0-100%."""
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + explorer_page)
+        readout = pg.locator(".widget-readout")
+        cost = {"F": 0, "B": 1, "W": 2, "send": 3}      # the inputs' order on the page
+        for field, value, says in [("F", "-1", "F must be positive, not -1"), ("B", "-3", "B must be positive"),
+                                   ("B", "0", "B must be positive, not 0"), ("send", "-5", "send must be 0 or more"),
+                                   ("F", "", "F must be a number"), ("W", "1e400", "W must be a number"),
+                                   ("F", "2e6", "F must be at most 1,000,000")]:
+            pg.fill(f".widget-controls input >> nth={cost[field]}", value)
+            text = readout.text_content()
+            assert text.startswith("Not a valid cost: ") and says in text and "bubble" not in text, (field, value, text)
+            assert pg.locator(".widget-svg svg").count() == 0
+            pg.fill(f".widget-controls input >> nth={cost[field]}", "1")
+        pg.select_option(".widget-controls select >> nth=0", "interleaved-1f1b")
+        pg.select_option(".widget-controls select >> nth=1", "8")
+        pg.select_option(".widget-controls select >> nth=2", "16")
+        pg.select_option(".widget-controls select >> nth=3", "2")
+        rng = random.Random(1)
+        for _ in range(12):
+            values = {"F": rng.choice([1e-6, 0.3, 1e6]), "B": rng.choice([1e-6, 2.0, 1e6]),
+                      "W": rng.choice([0, 0.5, 1e6]), "send": rng.choice([0, 0.1, 1e6])}
+            for field, value in values.items():
+                pg.fill(f".widget-controls input >> nth={cost[field]}", repr(value))
+            text = readout.text_content()
+            bubble = float(text.split("bubble ")[1].split("%")[0])
+            assert 0 <= bubble <= 100 and float(pg.locator("figure.widget.live").get_attribute("data-redraw-ms")) < 100, text
+        w.check_clean()
+    finally:
+        w.close()
+
+
 def test_without_javascript_the_widget_stays_hidden(browser, explorer_page):
     ctx = browser.new_context(java_script_enabled=False, offline=True)
     try:

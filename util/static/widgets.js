@@ -171,10 +171,33 @@
     // the inputs are per stage, as in the page's tables: a rank holding v chunks of its layers
     // runs each chunk's action in 1/v of the time (the send does not shrink)
     function cost(v) {
-      return { F: (+cF.value || 0) / v, B: (+cB.value || 0) / v, W: (+cW.value || 0) / v, send: +cS.value || 0 };
+      return { F: +cF.value / v, B: +cB.value / v, W: +cW.value / v, send: +cS.value };
+    }
+    // what the costs cannot mean, in words: F and B take time (> 0), W and send may be free (>= 0);
+    // an empty or unreadable field is not 0. With these, the bubble stays within 0-100%.
+    var MAX_COST = 1e6;
+    function costProblems() {
+      var out = [];
+      [[cF, "F", true], [cB, "B", true], [cW, "W", false], [cS, "send", false]].forEach(function (k) {
+        var text = k[0].value.trim(), x = Number(text), bad = true;
+        if (text === "" || !isFinite(x)) out.push(k[1] + " must be a number (the field is empty or unreadable)");
+        else if (k[2] && x <= 0) out.push(k[1] + " must be positive, not " + text);
+        else if (x < 0) out.push(k[1] + " must be 0 or more, not " + text);
+        else if (x > MAX_COST) out.push(k[1] + " must be at most " + MAX_COST.toLocaleString("en") + ", not " + text);
+        else bad = false;
+        k[0].setAttribute("aria-invalid", bad ? "true" : "false");
+      });
+      return out;
     }
     function redraw() {
       var t0 = performance.now();
+      var problems = costProblems();
+      if (problems.length) {
+        svgBox.innerHTML = "";
+        memBox.innerHTML = "";
+        out.textContent = "Not a valid cost: " + problems.join("; ") + ".";
+        return;
+      }
       var e = entry(sName.value, +sP.value, +sM.value, +sV.value);
       var c = cost(e.chunks), sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), c);
       var split = e.lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
