@@ -298,7 +298,9 @@ def estimate_memory(model, layout, stage=None):
     the gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04);
     pp divides the layers (lecture 05); cp divides the tokens (lecture 06). `gathered` is
     ZeRO-3's working set: two blocks' weights and gradients unsharded at once (the block being
-    computed and the next one prefetched, or its gradients waiting for their reduce-scatter)."""
+    computed and the next one prefetched, or its gradients waiting for their reduce-scatter),
+    plus the stage's embedding and LM head, which sit in FSDP's root unit and stay gathered from
+    forward to backward (review X4)."""
     if stage is None:   # every stage: uneven layer counts can make a middle stage the heaviest
         # (max keeps the first of equals: ties go to the earliest stage)
         return max((estimate_memory(model, layout, s) for s in range(layout.pp)), key=lambda m: m["total"])
@@ -306,7 +308,8 @@ def estimate_memory(model, layout, stage=None):
     n = stage_params(model, layout, stage)
     dp, z = layout.dp * layout.cp, layout.zero
     block = sum(model.layer_params(layout.tp))
-    gathered = min(2, rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]) * block * (B["weights"] + B["grads"])
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    gathered = (min(2, n_layers) * block + n - n_layers * block) * (B["weights"] + B["grads"])
     out = {"stage": stage, "params": n,
            "weights": B["weights"] * n / (dp if z >= 3 else 1),
            "grads": B["grads"] * n / (dp if z >= 2 else 1),

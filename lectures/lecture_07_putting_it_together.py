@@ -624,7 +624,7 @@ def memory_with_recomputation(cfg, shape, sp_shown):
         rows.append([mode, meter.peak, est["stored activations"], est["activations"] - est["stored activations"],
                      f"{100 * (meter.peak - est['stored activations']) / est['stored activations']:+.1f}%"])
     table(rows, header=["recomputation", "saved (measured)", "saved (predicted)",
-                        "+ one block while recomputed (predicted)", "error"],
+                        "transient: recomputed block or loss backward (predicted)", "error"],
           caption="One process, micro-batch of 4 sequences, float32.")
 
 
@@ -909,11 +909,12 @@ def zero_note(layouts, pred, meas):
         runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
         ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
         predicted: ZeRO layouts {rng(by["ZeRO"])}, plain data parallelism {rng(by["plain"])}.
-        {"ZeRO still costs more than the model charges: " if min(by["ZeRO"]) > max(by["plain"]) else
-         "What the model leaves out for ZeRO: "}gloo's reduce-scatter also clones the buffer and
-        copies the rank's chunk out, and each tensor is padded to a multiple of the group and
-        copied into and out of its shard — memory traffic, not bytes on the wire, which the
-        model does not count.
+        {"ZeRO still costs more than the model charges, and this build does not measure why: "
+         if min(by["ZeRO"]) > max(by["plain"]) else "What the model leaves out for ZeRO is not measured here: "}the
+        copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
+        copied into and out of its shard) are memory copies of a model this small, and the
+        extra collective calls per tensor wait on each other; which of them costs what, the
+        build does not time.
     """)
 
 

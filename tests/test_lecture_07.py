@@ -295,7 +295,9 @@ def test_published_scale_memory_terms():
     assert (est["weights"] + est["grads"] + est["optimizer"]) / n == pytest.approx(18)
     assert est["gathered"] == 0
     z3 = L.estimate_memory(L.LLAMA3_8B, L.Layout(dp=8, zero=3, precision="bf16"))
-    assert z3["gathered"] == pytest.approx(2 * sum(L.LLAMA3_8B.layer_params()) * (2 + 4))
+    # two blocks, and the embedding and LM head (FSDP's root unit, gathered from forward to backward)
+    embed_head = L.LLAMA3_8B.embedding_params() + L.LLAMA3_8B.head_params()
+    assert z3["gathered"] == pytest.approx((2 * sum(L.LLAMA3_8B.layer_params()) + embed_head) * (2 + 4))
     stored, transient = L.activation_bytes(L.LLAMA3_8B, L.Layout(precision="bf16"), 0)
     assert transient == pytest.approx(2 * 4 * 128256 * 8192)
 

@@ -381,7 +381,8 @@
     var n = stageParams(m, l, stage);
     var dp = l.dp * l.cp, z = l.zero;
     var lp = layerParams(m, l.tp), block = lp[0] + lp[1];
-    var gathered = Math.min(2, rankLayers(m.layers, l.pp, l.virtual_stages)[stage]) * block * (B.weights + B.grads);
+    var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
+    var gathered = (Math.min(2, nLayers) * block + n - nLayers * block) * (B.weights + B.grads);   // + embedding, head
     var act = activationBytes(m, l, stage);
     var out = { stage: stage, params: n,
                 weights: B.weights * n / (z >= 3 ? dp : 1),
