@@ -93,11 +93,15 @@ def _check(x, weight, what):
         raise ValueError(f"{what}: input is {x.dtype} but the weight is {weight.dtype}")
 
 
-def _partial_matmul(x, weight):
-    """One of the t pieces: this chunk of positions times the weight."""
+def _count_partial(x):
     if _traffic is not None:
         _traffic.matmul_rows.append(x.shape[0] * x.shape[1])
         _traffic.events.append("matmul")
+
+
+def _partial_matmul(x, weight):
+    """One of the t pieces: this chunk of positions times the weight."""
+    _count_partial(x)
     with _collective("partial matmul"):
         return F.linear(x, weight)
 
@@ -144,24 +148,52 @@ class _RingStep:
         return self.recv
 
 
+def ring_all_gather(x_shard, group, each):
+    """Pass every rank's shard around the ring of `group`: `each(owner, chunk)` runs on every
+    chunk, this rank's own first, while the next chunk travels (rank r−k's at step k)."""
+    t, r = _size_rank(group)
+    _check_same_shard(x_shard, group, "ring_all_gather")
+    held = x_shard.contiguous()
+    for k in range(t):
+        step = _RingStep(held, torch.empty_like(held), group, t, r) if k < t - 1 else None
+        each((r - k) % t, held)                      # while the next chunk travels
+        if step is not None:
+            held = step.wait()
+
+
 def all_gather_matmul(x_shard, weight, group, return_gathered=False):
     """all_gather(x_shard along the sequence) · weightᵀ, as t partial matmuls: at step k this
     rank multiplies the chunk of rank r−k while passing it on to r+1 and receiving r−k−1's.
-    With `return_gathered`, also the gathered input (backward needs it for the weight gradient)."""
+    With `return_gathered`, also the gathered input."""
     _check(x_shard, weight, "all_gather_matmul")
     _check_no_autograd(x_shard, weight, "all_gather_matmul")
-    t, r = _size_rank(group)
-    _check_same_shard(x_shard, group, "all_gather_matmul")
-    held = x_shard.contiguous()
+    t, _ = _size_rank(group)
     chunks, outs = [None] * t, [None] * t
-    for k in range(t):
-        owner = (r - k) % t
-        step = _RingStep(held, torch.empty_like(held), group, t, r) if k < t - 1 else None
-        chunks[owner], outs[owner] = held, _partial_matmul(held, weight)   # while the next chunk travels
-        if step is not None:
-            held = step.wait()
+
+    def multiply(owner, chunk):
+        chunks[owner], outs[owner] = chunk, _partial_matmul(chunk, weight)
+
+    ring_all_gather(x_shard, group, multiply)
     y = torch.cat(outs, SEQ_DIM)
     return (y, torch.cat(chunks, SEQ_DIM)) if return_gathered else y
+
+
+def all_gather_weight_grad(grad, x_shard, group):
+    """dYᵀ·all_gather(x_shard), the weight gradient of a column-parallel layer that kept only
+    its slice of the input: the slices travel around the ring again, and each one's share
+    dY[chunk]ᵀ·X[chunk] is added while the next travels. The same bytes as the forward's
+    all-gather, and no full-sequence input held from forward to backward."""
+    t, _ = _size_rank(group)
+    pieces = grad.chunk(t, SEQ_DIM)
+    total = grad.new_zeros(grad.shape[-1], x_shard.shape[-1])
+
+    def add(owner, chunk):
+        _count_partial(chunk)
+        with _collective("partial weight gradient"):
+            total.addmm_(pieces[owner].flatten(0, 1).t(), chunk.flatten(0, 1))
+
+    ring_all_gather(x_shard, group, add)
+    return total
 
 
 def matmul_reduce_scatter(x, weight, group):
@@ -185,24 +217,27 @@ def matmul_reduce_scatter(x, weight, group):
 
 
 class AllGatherMatmul(torch.autograd.Function):
-    """Column-parallel layer under SP, decomposed. Forward: all_gather_matmul (the gathered input
-    is kept for backward). Backward: the input gradient dY·W is a decomposed matmul_reduce_scatter,
-    the weight gradient dYᵀ·X uses the gathered input, the bias gradient sums dY."""
+    """Column-parallel layer under SP, decomposed. Forward: all_gather_matmul; only this rank's
+    slice of the input is kept for backward, as the plain `ColumnParallelLinear` keeps it (and
+    Megatron-LM), so async TP keeps sequence parallelism's activation saving. Backward: the input
+    gradient dY·W is a decomposed matmul_reduce_scatter; the weight gradient dYᵀ·X re-gathers
+    the input in a second ring, each chunk's share computed while the next travels; the bias
+    gradient sums dY."""
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group):
-        y, gathered = all_gather_matmul(x_shard, weight, group, return_gathered=True)
-        ctx.save_for_backward(gathered, weight)
+        y = all_gather_matmul(x_shard, weight, group)
+        ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
-        gathered, weight = ctx.saved_tensors
+        x_shard, weight = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = matmul_reduce_scatter(grad, weight.t(), ctx.group) if ctx.needs_input_grad[0] else None
         with _collective("weight gradient"):
-            grad_w = grad.flatten(0, 1).t() @ gathered.flatten(0, 1)
+            grad_w = all_gather_weight_grad(grad, x_shard, ctx.group)
             grad_b = grad.sum((0, 1)) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 

@@ -296,6 +296,36 @@ def _block_input(cfg, b, group, sp):
     return (_split(x, 1, group), _split(G, 1, group)) if sp else (x, G)
 
 
+def replicated_gradients(model):
+    """The parameters a sequence-parallel GPT keeps whole but whose gradients each rank computes
+    from its own positions only (LayerNorms, row-parallel biases, positions): those f all-reduces."""
+    partial = (SequenceParallelLayerNorm, SequenceParallelPositions, RowParallelLinear)
+    return [p for m in model.modules() if isinstance(m, partial)
+            for name, p in m.named_parameters(recurse=False) if name != "weight" or not isinstance(m, RowParallelLinear)]
+
+
+def replicated_grad_reduction(rank, world_size, cfg, repeats=21):
+    """What SP's partial gradients of replicated parameters cost: the all-reduces one backward of
+    our SP GPT makes (counted), then the same tensors all-reduced one by one (as f does, inside
+    every micro-batch's backward) against once, flattened into one buffer (as Megatron-LM does
+    after the step's last backward: finalize_model_grads, _allreduce_layernorm_grads), timed
+    interleaved."""
+    from util.measure import measure_side_by_side
+    group = dist.group.WORLD
+    model = parallelize_gpt(GPT(cfg).to(device()), group, sequence_parallel=True)
+    tokens, targets = batch(cfg, 4, 0)
+    tp_loss(model, tokens, targets).backward()                     # the first call's checks, once
+    loss, _ = count_collectives(lambda: tp_loss(model, tokens, targets))
+    _, backward = count_collectives(lambda: loss.backward())
+    grads = [p.grad.clone() for p in replicated_gradients(model)]
+    flat = torch.cat([g.flatten() for g in grads])
+    times = measure_side_by_side({"one by one": lambda: [dist.all_reduce(g, group=group) for g in grads],
+                                  "once, flattened": lambda: dist.all_reduce(flat, group=group)},
+                                 repeats=repeats, group=group)
+    return {"tensors": len(grads), "bytes": flat.numel() * flat.element_size(),
+            "backward all-reduces": backward.get("all-reduce", 0), "times": times}
+
+
 def sp_traffic(rank, world_size, cfg, b=4):
     """One block's forward and backward with sequence parallelism off and on: the collectives
     (CommDebugMode) and the bytes this rank wrote (median of 5)."""
@@ -1164,8 +1194,10 @@ def sp_collectives(cfg):
         Korthikanti et al. split those along the sequence instead. Entering a tensor-parallel
         region then takes an **all-gather** along the sequence where f stood (backward:
         reduce-scatter), and leaving it a **reduce-scatter** where g stood (backward: all-gather).
-        A ring all-reduce *is* a reduce-scatter followed by an all-gather, so in a ring the bytes
-        are the same.
+        A ring all-reduce *is* a reduce-scatter followed by an all-gather, so in a ring each pair
+        moves the bytes of the all-reduce it replaces. One thing adds bytes: the column-parallel
+        layers keep only their slice of the sequence for backward, and all-gather it again there
+        (Megatron-LM does the same), instead of keeping the gathered input for the whole step.
     """)
     n = 2
     r = spawn(sp_traffic, n, cfg=cfg, name=f"sequence parallelism: one block's collectives, {n} ranks").returns[0]
@@ -1180,17 +1212,40 @@ def sp_collectives(cfg):
            ["reduce-scatter + all-gather", r["reduce-scatter"] + r["all-gather"], ring(2)]],
           header=["collective on one (b, s, h) activation", "bytes this rank wrote (measured)", "ring algorithm (formula)"],
           caption=f"{n} ranks, gloo on this machine, activation {r['activation bytes']} bytes")
+    units = sequence_units(r)
     note(f"""
-        In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly the bytes of one
-        all-reduce. gloo on CPU does not: its reduce-scatter wrote {r['reduce-scatter'] / r['all-reduce']:.2f}×
+        Counted from the table, in units of $(t-1)/t$ of one $(b, s, h)$ activation (what a ring
+        all-gather or reduce-scatter moves per rank; an all-reduce is 2): the block without SP
+        moves {units[False]}, with SP {units[True]}, {units[True] / units[False]:.2f}× — the
+        backward's re-gathers of the two column-parallel inputs, the price of the activations SP
+        does not keep. In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly
+        the bytes of one all-reduce. gloo on CPU does not: its reduce-scatter wrote {r['reduce-scatter'] / r['all-reduce']:.2f}×
         the bytes of its all-reduce (it reduces everything, then keeps a slice), so here the block
-        with SP wrote {r[True]['bytes'] / r[False]['bytes']:.2f}× the bytes of the block without. The
-        rest of the extra is ours: the MLP's input all-gathered again in backward (the price of
-        keeping only its slice) and six small all-reduces of the LayerNorm and row-parallel bias
-        gradients, which under SP each rank computes from its positions only.
+        with SP wrote {r[True]['bytes'] / r[False]['bytes']:.2f}× the bytes of the block without,
+        which includes the re-gathers and {plural(r[True]['backward'].get('all-reduce', 0), 'small all-reduce')}
+        of the LayerNorm and row-parallel bias gradients, which under SP each rank computes from
+        its positions only.
     """)
     see(AllGatherSequence)
     see(ReduceScatterSequence)
+
+
+# Ring units ((t−1)/t of one (b, s, h) activation per rank) one layer moves, forward + backward:
+# TP's 4 all-reduces are 2 units each; SP's 4 all-gather + reduce-scatter pairs are the same 8,
+# and the backward's all-gathers of the two column-parallel inputs (kept as slices) add 2.
+RING_UNITS = {False: 4 * 2, True: 4 * 2 + 2}
+
+
+def sequence_units(r):
+    """{sp: activation-sized ring units one block moved, forward + backward}, from the counted
+    collectives of `sp_traffic`: an all-reduce moves 2 units of (t−1)/t·bsh, an all-gather or a
+    reduce-scatter 1. With SP the all-reduces left are the small gradient ones, not counted."""
+    units = {}
+    for sp in (False, True):
+        counts = [r[sp][phase].get(kind, 0) for phase in ("forward", "backward")
+                  for kind in (("all-gather", "reduce-scatter") if sp else ("all-reduce", "all-reduce"))]
+        units[sp] = sum(counts)
+    return units
 
 
 def sp_split_figure(cfg, t, b):
@@ -1305,10 +1360,34 @@ def sp_layernorm_gradients(cfg):
                         "max |rank 0 − rank 1| of the LayerNorm weights"],
           caption="sequence parallelism, 2 ranks")
     see(SequenceParallelLayerNorm)
+    sp_replicated_grad_cost(cfg)
     note("""
         Dropout, which this GPT does not use, meets the same two kinds of activation: a mask on a
         replicated tensor must be the same on every rank, one on a split tensor different on each,
         so tensor parallelism needs two random streams.
+    """)
+
+
+def sp_replicated_grad_cost(cfg):
+    from util.measure import compare, machine, timing_ranks
+    ranks = timing_ranks(2)
+    r = spawn(replicated_grad_reduction, ranks, cfg=cfg, repeats=7 if settings.quick else 21,
+              name=f"SP: the replicated parameters' gradients, one by one or once, {ranks} ranks").returns[0]
+    others = r["backward all-reduces"] - r["tensors"]
+    note(f"""
+        Passing each replicated parameter through f costs one small all-reduce per tensor in
+        every backward: one backward of this SP GPT made {plural(r['backward all-reduces'], 'all-reduce')},
+        {r['tensors']} of them for the LayerNorm weights and biases, the row-parallel biases
+        and the position table ({r['bytes']:,} bytes in all){f", {others} for other tensors" if others else ""}.
+        Megatron-LM marks these parameters `sequence_parallel` and reduces their gradients once
+        per optimizer step, after the last micro-batch's backward, flattened into one buffer
+        (`finalize_model_grads` → `_allreduce_layernorm_grads`): off the backward's critical
+        path, and once instead of once per micro-batch. The same {r['tensors']} gradients here
+        ({machine(ranks)}), all-reduced once flattened against one by one:
+        {compare(r['times']['once, flattened'], r['times']['one by one'], 'once', 'one by one')}.
+        With $m$ micro-batches per step ours pays the second $m$ times. DTensor (below) is the
+        other extreme: it leaves these gradients `Partial` and reduces them on every read by
+        the optimizer.
     """)
 
 
@@ -1592,11 +1671,13 @@ def tp_timeline_and_step_times(cfg):
 
 
 def tp_at_scale():
-    note("""
+    note(f"""
         On real hardware the question is bandwidth. Per layer, forward and backward, tensor
-        parallelism all-reduces the $(b, s, h)$ activation 4 times (with SP: 4 all-gather +
-        reduce-scatter pairs instead, the same bytes in a ring); a ring all-reduce moves
-        $2(t-1)/t$ of it per rank.
+        parallelism all-reduces the $(b, s, h)$ activation 4 times; a ring all-reduce moves
+        $2(t-1)/t$ of it per rank. With SP, 4 all-gather + reduce-scatter pairs move the same
+        bytes, and the backward's re-gathers of the column-parallel inputs add 2 more
+        all-gathers: {RING_UNITS[True] / RING_UNITS[False]:.2f}× (the sequence-parallelism
+        section counts it).
         For a GPT-3-sized layer in bf16 against the link speeds of lecture 02:
     """)
     rows = []
@@ -1618,8 +1699,8 @@ def tp_at_scale():
         these ratios by the same factor), the links their full speed (a real all-reduce falls
         short of it, which grows them). Over InfiniBand the all-reduces
         would take longer than the matmuls they sit between, and most of them cannot be hidden
-        (the next matmul needs their result). Hence tensor parallelism stays inside a node
-        (tp ≤ 8) and data/pipeline parallelism span nodes. Inside the node, asynchronous tensor
+        (the next matmul needs their result). Hence tensor parallelism stays inside the NVLink
+        domain — a node of 8 GPUs on most machines, 72 GPUs on a GB200 NVL72 rack — and data/pipeline parallelism span nodes. Inside the node, asynchronous tensor
         parallelism cuts each matmul into ring steps so that sequence parallelism's collectives
         travel beside it: the deep dive below traces and times it here, beside what PyTorch
         reports on H100s.
@@ -1661,11 +1742,19 @@ def async_tp_idea():
         Backward uses the same two ops the other way round. The input gradient of all-gather +
         matmul, $dY\\,W$, is a sum over ranks that each rank needs only for its own positions: a
         matmul + reduce-scatter. The input gradient of matmul + reduce-scatter needs $dY$ for
-        every position: an all-gather + matmul. The weight gradients use the gathered tensors
-        (`AllGatherMatmul` and `MatmulReduceScatter` in `lectures/async_tp.py`).
+        every position: an all-gather + matmul, whose gathered $dY$ also gives the row-parallel
+        weight gradient. The column-parallel weight gradient $dY^T X$ needs the gathered input,
+        which a plain all-gather + matmul would keep from forward to backward, giving back part of
+        sequence parallelism's saving ($(1 - 1/t)\\,bsh$ more per layer). `AllGatherMatmul`
+        keeps only its slice, as `ColumnParallelLinear` and Megatron-LM do, and re-gathers it in
+        backward in a second ring, adding each chunk's share $dY_c^T X_c$ while the next chunk
+        travels: one more ring of the same bytes, and 5 ops per MLP instead of 4
+        (`lectures/async_tp.py`).
         `tests/test_async_tp.py` checks outputs, all gradients and parameters after SGD and AdamW
         steps against the plain collectives and one process (1–4 ranks, float64). It also checks
-        the counts: $t-1$ sends and $t$ partial matmuls per op.
+        the counts: $t-1$ sends and $t$ partial matmuls per op; and
+        `tests/test_async_tp_nccl.py` runs the rings under NCCL's point-to-point rules (one Work
+        per batch, a receive's data only after its wait), with ranks as threads.
     """)
 
 
@@ -1686,14 +1775,17 @@ def async_tp_timeline(b, s, h):
         {same_output(r['max |plain - decomposed|'])}
     """)
     t, act = 2, r["activation bytes"]
-    ring = 4 * (t - 1) / t * act
+    ops = {"decomposed": 5, "plain": 4}    # the decomposed layer re-gathers its input in backward
+    formula = {name: n * (t - 1) / t * act for name, n in ops.items()}
     table([[name, v["sends"] if name == "decomposed" else "—", v["counted"] if name == "decomposed" else "—",
-            v["written"], ring] for name, v in r["bytes"].items()],
+            v["written"], formula[name]] for name, v in r["bytes"].items()],
           header=["forward + backward", "sends (counted)", "bytes (counted)", "bytes on sockets (measured)",
                   "ring formula"],
-          caption=f"the SP MLP on 2 ranks, b = {b}, s = {s}, h = {h}, float32: one activation is {act} bytes, "
-                  "and the ring formula is 4 ops × (t−1)/t of one activation")
+          caption=f"the SP MLP on 2 ranks, b = {b}, s = {s}, h = {h}, float32: one activation is {act} bytes; "
+                  "the ring formula is (t−1)/t of one activation per op: 5 ops decomposed (the backward "
+                  "re-gathers the kept slice), 4 plain (it keeps the gathered input)")
     dec, plain = r["bytes"]["decomposed"], r["bytes"]["plain"]
+    ring = formula["decomposed"]
     more = plain["written"] / dec["written"]
     why = (": gloo's reduce-scatter is an all-reduce followed by a slice, as the sequence-parallelism "
            "section measured") if more > 1.1 else ""
@@ -1701,7 +1793,7 @@ def async_tp_timeline(b, s, h):
         The decomposed ops {"sent exactly" if dec["counted"] == ring else "did not send exactly"} the ring formula's
         bytes, in {dec['sends']} transfers of one chunk; what reached the sockets is
         {dec['written'] / dec['counted']:.3f}× that (gloo's headers, and the all-reduce of the
-        bias gradient). The plain collectives wrote {more:.2f}× the ring's bytes{why}.
+        bias gradient). The plain collectives, one op fewer, wrote {more:.2f}× the decomposed ring's bytes{why}.
     """)
     return r
 
@@ -1996,7 +2088,7 @@ def dtensor_parallelize_module():
 
 
 def summary():
-    note("""
+    note(f"""
         ## What to remember
         - A column cut ($A = [A_1, \\dots, A_t]$) gives each rank a slice of the output and needs no
           collective; a row cut gives partial sums that an all-reduce adds.
@@ -2009,6 +2101,7 @@ def summary():
           per-token all-reduces and the full logits never exist.
         - Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (the same
           bytes in a ring) and splits the activations TP left whole, at the price of
+          re-gathering the column-parallel inputs in backward ({RING_UNITS[True] / RING_UNITS[False]:.2f}× TP's bytes) and
           all-reducing the replicated LayerNorm gradients.
         - A rank holds $16(S/t + R)$ bytes of weights, gradients and Adam state: TP divides the
           split parameters by $t$ (K/V heads too, when $t$ divides them) and leaves the norms,
@@ -2016,7 +2109,7 @@ def summary():
         - A dropout mask on a replicated activation must be the same on every TP rank, one on a
           split activation different on each: two streams (Megatron's RNG tracker). Masks that
           are a function of a key survive recomputation with no generator state to save.
-        - Most of TP's communication blocks the next matmul: keep tp inside a node. Cutting the
+        - Most of TP's communication blocks the next matmul: keep tp inside the NVLink domain (a node, or an NVL72 rack). Cutting the
           matmul into per-rank pieces on a ring (async TP) lets the sequence-parallel collectives
           travel beside it; each rank's matmul also gets thinner as $t$ grows.
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.tp_ops import (SEQ_DIM, _all_gather, _check_same_shard, _all_reduce_async_, _collective, _reduce_scatter_async,
-                             _size_rank, _split, copy_to_region, gather_from_region, reduce_from_region,
-                             reduce_scatter_sequence, scatter_to_region)
+from lectures.tp_ops import (SEQ_DIM, _AgreedOnFirstCall, _all_gather, _check_agreed, _check_same_shard,
+                             _all_reduce_async_, _collective, _reduce_scatter_async, _size_rank, _split,
+                             copy_to_region, gather_from_region, reduce_from_region, reduce_scatter_sequence,
+                             scatter_to_region)
 
 
 # =========================================================================================
@@ -117,7 +118,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_AgreedOnFirstCall, nn.Module):
     """y = x Aᵀ + b with A's output rows (the columns of the math's XA) split over the ranks:
     this rank computes its slice of the output features and nothing needs summing.
 
@@ -132,6 +133,9 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel=False, enter_region=True, device=None, dtype=None):
         super().__init__()
         n, _ = _size_rank(group)
+        _check_agreed({"in_features": in_features, "out_features": out_features, "bias": bias,
+                       "dtype": dtype or torch.get_default_dtype(), "sequence_parallel": sequence_parallel,
+                       "gather_output": gather_output, "enter_region": enter_region}, group, "ColumnParallelLinear")
         if out_features % n:
             raise ValueError(f"ColumnParallelLinear: {out_features} output features do not split "
                              f"over {n} ranks")
@@ -159,6 +163,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
+        self._agree_on_input(x, "ColumnParallelLinear")
         _check_sequence_layout(x, self.sequence_parallel and self.enter_region)
         if self.enter_region:
             y = ColumnParallelLinearFunction.apply(x, self.weight, self.bias, self.group, self.sequence_parallel)
@@ -178,7 +183,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_AgreedOnFirstCall, nn.Module):
     """y = Σ_ranks x_r A_rᵀ + b with A's input columns split over the ranks: each rank multiplies
     its slice of the input features, and the partial sums are added by g (all-reduce), or with
     `sequence_parallel` reduce-scattered along the sequence.
@@ -192,6 +197,9 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel=False, device=None, dtype=None, _sync_replicated=True):
         super().__init__()
         n, _ = _size_rank(group)
+        _check_agreed({"in_features": in_features, "out_features": out_features, "bias": bias,
+                       "dtype": dtype or torch.get_default_dtype(), "sequence_parallel": sequence_parallel,
+                       "input_is_parallel": input_is_parallel}, group, "RowParallelLinear")
         if in_features % n:
             raise ValueError(f"RowParallelLinear: {in_features} input features do not split over {n} ranks")
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
@@ -222,6 +230,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
+        self._agree_on_input(x, "RowParallelLinear")
         _check_sequence_layout(x, self.sequence_parallel)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lectures.tensor_parallel import (ColumnParallelLinearFunction, RowParallelLinear, _check_sequence_layout,
                                      _linear_init, _shard_of_full, _value)
-from lectures.tp_ops import _all_gather, _all_reduce, _size_rank
+from lectures.tp_ops import _AgreedOnFirstCall, _all_gather, _all_reduce, _check_agreed, _size_rank
 
 
 class ShareKVHeads(torch.autograd.Function):
@@ -44,7 +44,7 @@ class ShareKVHeads(torch.autograd.Function):
         return (None, *out)
 
 
-class TensorParallelAttention(nn.Module):
+class TensorParallelAttention(_AgreedOnFirstCall, nn.Module):
     """Lecture 01's CausalSelfAttention split by heads, with Q, K and V FUSED into one
     column-parallel matmul, as in Megatron-LM: this rank's weight is [W_q; W_k; W_v] for its a/t
     query heads and the K/V heads they read. One matmul means one f: in backward the input
@@ -62,6 +62,9 @@ class TensorParallelAttention(nn.Module):
                  device=None, dtype=None, _sync_replicated=True):
         super().__init__()
         n, r = _size_rank(group)
+        _check_agreed({"n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "d_model": d_model,
+                       "bias": bias, "dtype": dtype or torch.get_default_dtype(),
+                       "sequence_parallel": sequence_parallel}, group, "TensorParallelAttention")
         a, k, d = n_heads, n_kv_heads, head_dim
         if a % n:
             raise ValueError(f"TensorParallelAttention: tp={n} must divide the {a} attention heads")
@@ -136,6 +139,7 @@ class TensorParallelAttention(nn.Module):
         return layer
 
     def forward(self, x):
+        self._agree_on_input(x, "TensorParallelAttention")
         _check_sequence_layout(x, self.sequence_parallel)
         w, b = self.weight, self.bias
         if self.kv_layout == "replicated" and self.tp > 1:

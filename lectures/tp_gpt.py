@@ -12,12 +12,13 @@ import copy
 import fnmatch
 import functools
 
+import torch
 import torch.distributed as dist
 
 from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
                                       SequenceParallelPositions, _value)
 from lectures.tp_attention import TensorParallelAttention
-from lectures.tp_ops import _size_rank
+from lectures.tp_ops import _check_agreed, _size_rank
 from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -97,6 +98,11 @@ def parallelize_gpt(model, group, sequence_parallel=False, plan=None):
         raise ValueError("parallelize_gpt: this model is already tensor-parallel (it came from "
                          "parallelize_gpt); pass the unsplit GPT")
     cfg = model.cfg
+    # before anything a rank could refuse alone: every rank must be splitting the same model
+    _check_agreed({"vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len, "d_model": cfg.d_model,
+                   "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "ff": cfg.ff,
+                   "tie_embeddings": cfg.tie_embeddings, "dtype": getattr(torch, cfg.dtype),
+                   "sequence_parallel": sequence_parallel}, group, "parallelize_gpt")
     check_splittable(cfg, tp)
     tied = model.lm_head.weight is model.tok_emb.weight
     model = copy.deepcopy(model)   # never mutate what we were given

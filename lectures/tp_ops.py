@@ -91,6 +91,57 @@ def _check_same_shard(x, group, what):
                          "sequence-parallel group must hold the same number of positions, in the same dtype")
 
 
+def _code(value):
+    """A fact as an int: a dtype by its place in _DTYPES (99: another), a bool or an int as itself."""
+    if isinstance(value, torch.dtype):
+        return _DTYPES.index(value) if value in _DTYPES else 99
+    return int(value)
+
+
+def _check_agreed(facts, group, what):
+    """Raise on every rank if the ranks' `facts` ({name: int, bool or dtype}, at most 16) differ.
+    Ranks that build different layers (another head count, dtype or width) or feed them
+    differently shaped inputs would otherwise abort inside gloo (unequal sizes), hang NCCL, or
+    run silently when the sizes happen to match. One all-gather of a fixed-size vector, so the
+    check cannot itself abort, and a host synchronisation: layers run it once when built and
+    once on their first call, not every step (`shard_checks(False)` skips it)."""
+    n, _ = _size_rank(group)
+    if n == 1 or not _check_shards:
+        return
+    if len(facts) > 16:
+        raise ValueError(f"{what}: at most 16 facts to agree on, got {len(facts)}")
+    names = list(facts)
+    on_gpu = dist.get_backend(group) == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mine = torch.tensor([_code(facts[k]) for k in names] + [0] * (16 - len(names)), dtype=torch.int64, device=dev)
+    every = mine.new_empty(n * 16)
+    dist.all_gather_single(every, mine, group=group)
+    every = every.view(n, 16).tolist()
+    differ = [k for i, k in enumerate(names) if any(row[i] != every[0][i] for row in every)]
+    if differ:
+        show = lambda i, v: (str(_DTYPES[v]) if v < len(_DTYPES) else "another dtype") \
+            if isinstance(facts[names[i]], torch.dtype) else str(v)
+        ranks = "; ".join(f"rank {r}: " + ", ".join(f"{k}={show(names.index(k), row[names.index(k)])}"
+                                                    for k in differ) for r, row in enumerate(every))
+        raise ValueError(f"{what}: the ranks of the tensor-parallel group disagree ({ranks}); every rank "
+                         "must build the same layer and call it with inputs of the same shape and dtype")
+
+
+class _AgreedOnFirstCall:
+    """Mixin for a tensor-parallel module: `_agree_on_input(x)` checks once, on the first call,
+    that every rank's input has the same dtype and shape (and that the module's dtype is the
+    input's)."""
+    _agreed = False
+
+    def _agree_on_input(self, x, what):
+        if self._agreed:
+            return
+        facts = {"input dtype": x.dtype, "input dims": x.dim()}
+        facts.update({f"input size {i}": size for i, size in enumerate(x.shape[:8])})
+        _check_agreed(facts, self.group, what)
+        self._agreed = True
+
+
 def _check_divisible(x, dim, n, what):
     if x.shape[dim] % n:
         raise ValueError(f"{what}: dimension {dim} of a {tuple(x.shape)} tensor does not split "

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lectures.tensor_parallel import _shard_of_full, _take, _value
-from lectures.tp_ops import _all_gather, _all_reduce, _size_rank, reduce_from_region, reduce_scatter_sequence
+from lectures.tp_ops import (_AgreedOnFirstCall, _all_gather, _all_reduce, _check_agreed, _size_rank,
+                             reduce_from_region, reduce_scatter_sequence)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_AgreedOnFirstCall, nn.Module):
     """Rows of the embedding table split by token id: a rank looks up the tokens it owns, writes
     zeros for the others, and the ranks' partial rows are summed by g (or reduce-scattered along
     the sequence with `sequence_parallel`)."""
@@ -23,6 +24,9 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, group, sequence_parallel=False, device=None, dtype=None):
         super().__init__()
         n, r = _size_rank(group)
+        _check_agreed({"num_embeddings": num_embeddings, "embedding_dim": embedding_dim,
+                       "dtype": dtype or torch.get_default_dtype(), "sequence_parallel": sequence_parallel},
+                      group, "VocabParallelEmbedding")
         if num_embeddings % n:
             raise ValueError(f"VocabParallelEmbedding: vocabulary {num_embeddings} does not split over "
                              f"{n} ranks (Megatron pads the vocabulary to a multiple of the ranks)")
@@ -49,6 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, tokens):
+        self._agree_on_input(tokens, "VocabParallelEmbedding")
         # Every rank sees all the token ids: each can refuse a bad one by itself, before any
         # collective (else an id no rank owns would be embedded as zeros, silently).
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.num_embeddings):
@@ -78,6 +83,7 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
     g (all-reduce forward, identity backward) is the right conjugate for the sums because every
     rank then holds the same loss and back-propagates into its own slice."""
     n, r = _size_rank(group)
+    _agree_on_first_loss(local_logits, targets, group)
     per = local_logits.shape[-1]
     if targets.shape != local_logits.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
@@ -94,3 +100,18 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
     return (sum_exp.log() - target_logit).mean()
 
 
+
+
+_loss_checked = set()   # ids of the groups whose first loss call was checked
+
+
+def _agree_on_first_loss(local_logits, targets, group):
+    """On the first call for a group: the ranks agree on the logits' dtype and shape (their
+    vocabulary slices must be equal) and the targets' shape, before the loss's all-reduces."""
+    if id(group) in _loss_checked:
+        return
+    facts = {"logits dtype": local_logits.dtype, "logits dims": local_logits.dim(), "targets dims": targets.dim()}
+    facts.update({f"logits size {i}": size for i, size in enumerate(local_logits.shape[:6])})
+    facts.update({f"targets size {i}": size for i, size in enumerate(targets.shape[:6])})
+    _check_agreed(facts, group, "vocab_parallel_cross_entropy")
+    _loss_checked.add(id(group))

@@ -134,12 +134,18 @@ def checks(rank, world_size):
             for name, opt in (("SGD", lambda p: torch.optim.SGD(p, lr=0.1)), ("AdamW", lambda p: torch.optim.AdamW(p, lr=0.01))):
                 d = _train(g, t, r, s, decomposed, opt)
                 out["diffs"].update({f"s={s} {'ring' if decomposed else 'plain'} {name}: {k}": v for k, v in d.items()})
-    # One forward + backward of the MLP: four decomposed ops, each t-1 sends
+    # One forward + backward of the MLP: four decomposed ops and a re-gather, each t-1 sends
     fc_in, fc_out = _mlp_pair(g, t, 3)
     x = torch.randn(B, 2, H, dtype=F64, requires_grad=True)
+    mlp = A.SequenceParallelMLP(fc_in, fc_out, g)
     with A.counting() as c:
-        A.SequenceParallelMLP(fc_in, fc_out, g)(x).sum().backward()
+        mlp(x).sum().backward()
     out["mlp step"] = (c.sends, len(c.matmul_rows))
+    # what the column-parallel layer keeps for backward: this rank's slice, not the gathered input
+    h = A.column_parallel(x, mlp.w_in, mlp.b_in, g)
+    out["kept for backward"] = [tuple(v.shape) for v in h.grad_fn.saved_tensors]
+    h.sum().backward()
+    out["input shape"] = tuple(x.shape)
     out["misuse"] = _misuse(g, t, r)
     # the lecture's control run: the same ring with every transfer waited for at once
     with A.without_overlap(), A.counting() as c:
@@ -185,8 +191,19 @@ def test_sends_what_the_decomposition_sends(results, t):
             assert sends == t - 1, name
             assert sent == (t - 1) * shard == (t - 1) * full // t, name
             assert rows == [B * s // t] * t, name
-        assert res["mlp step"] == (4 * (t - 1), 4 * t)
-        assert res["without overlap sends"] == 2 * 4 * (t - 1)   # two steps: the same sends, waited at once
+        # four decomposed ops and the backward's re-gather of fc_in's input (it kept only its slice)
+        assert res["mlp step"] == (5 * (t - 1), 5 * t)
+        assert res["without overlap sends"] == 2 * 5 * (t - 1)   # two steps: the same sends, waited at once
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_column_parallel_keeps_only_its_slice_for_backward(results, t):
+    """Review X1: the decomposed column-parallel layer keeps this rank's slice of the input (and
+    re-gathers it in backward), not the gathered input, so SP's activation saving stands."""
+    for res in results[t]:
+        kept = res["kept for backward"]
+        assert res["input shape"] in kept
+        assert all(shape[1] <= res["input shape"][1] for shape in kept if len(shape) == 3)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])

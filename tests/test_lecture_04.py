@@ -383,7 +383,9 @@ def test_misuse_fails_loudly():
         assert "must divide the 2 K/V heads" in msgs["GQA neither divides"]
         assert "shards differ" in msgs["unequal shards"] and "rank 1: (2, 4, 4)" in msgs["unequal shards"]
         assert "shards differ" in msgs["unequal dtypes"] and "float64" in msgs["unequal dtypes"]
-        assert "shards differ" in msgs["unequal shards into a column-parallel layer"]
+        # refused at the layer's first call, where the ranks agree on their inputs (issue 30)
+        assert "disagree" in msgs["unequal shards into a column-parallel layer"]
+        assert "input size 1=2; rank 1: input size 1=3" in msgs["unequal shards into a column-parallel layer"]
     assert "is not a member" in got[2]["group without this rank: layer"]
     assert "is not a member" in got[2]["group without this rank: f"]
 
@@ -515,3 +517,23 @@ def test_training_state_per_rank_is_split_over_t_plus_what_stays_whole():
             if t > 1:
                 assert set(m["replicated names"]) == {k.split(".", 2)[-1] if k.startswith("blocks.") else k
                                                       for k in whole}, m["replicated names"]
+
+
+def test_sequence_parallel_bytes_are_counted_with_the_backward_regather():
+    """Review M4: with SP a block moves 10 ring units, not TP's 8: the column-parallel layers keep
+    their slice and all-gather it again in backward. The page's ratio is the counted one."""
+    r = spawn(L.sp_traffic, 2, cfg=L.demo_cfg()).returns[0]
+    assert L.sequence_units(r) == L.RING_UNITS == {False: 8, True: 10}
+    assert r[True]["backward"]["all-gather"] == 4           # dY's all-gather twice, the re-gathers twice
+
+
+def test_sp_replicated_gradients_are_all_reduced_one_by_one_and_counted():
+    """Review X2: the page states what our per-tensor f costs beside Megatron's one flattened
+    all-reduce per step; the count it states is the backward's (10 LayerNorm tensors, 4
+    row-parallel biases, 1 position table in the 2-layer GPT, plus the loss's)."""
+    r = spawn(L.replicated_grad_reduction, 2, cfg=L.demo_cfg(), repeats=2).returns[0]
+    cfg = L.demo_cfg()
+    assert r["tensors"] == 2 * (4 + 2) + 2 + 1                    # 2 LNs × (w, b) and 2 biases per block, ln_f, positions
+    assert r["bytes"] == 4 * (cfg.n_layers * 6 * cfg.d_model + 2 * cfg.d_model + cfg.seq_len * cfg.d_model)
+    assert r["backward all-reduces"] >= r["tensors"]
+    assert set(r["times"]) == {"one by one", "once, flattened"}

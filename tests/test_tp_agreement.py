@@ -1,0 +1,85 @@
+"""Ranks that disagree (dtype, head count, width, input shape) are refused on every rank with an
+error naming what differs, before any collective could abort gloo or run on mismatched data
+(issue 30; the earlier adversarial review found a SIGABRT for float32 against float64 and a
+silent run for 4 against 8 heads). Ranks are seeded alike, as the launcher seeds them. The
+check is one all-gather when a layer is built and one on its first call, none after."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from lectures import tp_ops
+from lectures.gpt import GPT, GPTConfig, batch
+from lectures.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from lectures.tp_attention import TensorParallelAttention
+from lectures.tp_gpt import parallelize_gpt, tp_loss
+from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from util import spawn
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def mismatches(rank, world_size):
+    g, odd = dist.group.WORLD, rank % 2 == 1
+    f64 = torch.float64 if odd else torch.float32
+    x = torch.randn(2, 4, 8)
+    cases = {   # 12: every layer splits over 2 and 3 ranks, so only the disagreement can refuse
+        "column dtype": lambda: ColumnParallelLinear(12, 12, g, dtype=f64),
+        "row width": lambda: RowParallelLinear(12, 12 + 2 * odd, g),
+        "attention heads": lambda: TensorParallelAttention(6 + 6 * odd, 6 + 6 * odd, 24 // (6 + 6 * odd), 24, g),
+        "embedding dtype": lambda: VocabParallelEmbedding(12, 4, g, dtype=f64),
+        "column input rows": lambda: ColumnParallelLinear(12, 12, g)(torch.randn(2, 4 + odd, 12)),
+        "row input dtype": lambda: RowParallelLinear(12, 12, g)(torch.randn(2, 4, 12 // world_size, dtype=f64)),
+        "loss logits dtype": lambda: vocab_parallel_cross_entropy(torch.randn(2, 4, 3, dtype=f64),
+                                                                   torch.zeros(2, 4, dtype=torch.long), dist.new_group()),
+        "GPT dtype": lambda: parallelize_gpt(GPT(GPTConfig(dtype="float64" if odd else "float32")), g),
+        "GPT heads": lambda: parallelize_gpt(GPT(GPTConfig(n_heads=8 if odd else 4)), g),
+        # the odd ranks alone could not split one head: refused on every rank all the same
+        "GPT heads, one rank cannot split": lambda: parallelize_gpt(GPT(GPTConfig(n_heads=1 if odd else 4)), g),
+    }
+    return {name: _outcome(fn) for name, fn in cases.items()}
+
+
+def agreed_once(rank, world_size):
+    """A whole TP GPT on ranks that agree: the loss equals on every rank, and a second step makes
+    no agreement check at all (the checks are a build-time and first-call cost)."""
+    g, cfg = dist.group.WORLD, GPTConfig()
+    model = parallelize_gpt(GPT(cfg), g)
+    tokens, targets = batch(cfg, 4, 0)
+    calls, real = [], tp_ops._check_agreed
+    tp_ops._check_agreed = lambda *a: (calls.append(a[-1]), real(*a))
+    try:
+        first = tp_loss(model, tokens, targets)
+        first.backward()
+        n_first = len(calls)
+        tp_loss(model, tokens, targets).backward()
+    finally:
+        tp_ops._check_agreed = real
+    return first.item(), n_first, len(calls) - n_first
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_disagreeing_ranks_are_refused_on_every_rank(world_size):
+    run = spawn(mismatches, world_size)
+    for rank, got in enumerate(run.returns):
+        for name, message in got.items():
+            assert message is not None, f"rank {rank}: {name} ran"
+            assert "disagree" in message, (rank, name, message)
+    words = run.returns[0]
+    assert "dtype=torch.float32" in words["column dtype"] and "dtype=torch.float64" in words["column dtype"]
+    assert "out_features=12" in words["row width"] and "out_features=14" in words["row width"]
+    assert "n_heads=6" in words["attention heads"] and "n_heads=12" in words["attention heads"]
+    assert "input size 1=4" in words["column input rows"] and "input size 1=5" in words["column input rows"]
+    assert "logits dtype" in words["loss logits dtype"]
+    assert "n_heads=1" in words["GPT heads, one rank cannot split"]
+
+
+def test_agreeing_ranks_check_once_and_train():
+    losses, first, later = zip(*spawn(agreed_once, 2).returns)
+    assert losses[0] == losses[1]
+    assert first[0] > 0 and later == (0, 0)
