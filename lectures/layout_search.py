@@ -7,6 +7,10 @@ configurations, done here with the memory estimator (`lectures.estimator`) and t
 model (`lectures.step_time`). `decision_procedure` is the syllabus' step-by-step rule (fit with
 data parallelism and ZeRO; else tensor parallelism within a node, then pipelines across nodes;
 context parallelism for long sequences), compared with the search on the page.
+`reproduce_table4` runs Llama 3 405B's published layouts (Llama 3 report, Table 4) through the
+same model: the knobs the table leaves open chosen by the search, the GEMM fraction of peak
+fitted on one row and the other rows predicted; `near_ties` groups the layouts the model
+cannot tell apart.
 """
 import dataclasses
 import itertools
