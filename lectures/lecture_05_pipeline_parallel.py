@@ -846,8 +846,7 @@ def zero_bubble_measured(R, p):
         - **ZB-V** (Qi et al. 2024) puts two half-size chunks on each rank in a V (the layout
           figure above): the head halves, because the first forward reaches rank $p-1$ after
           $p - 1$ half-stage forwards, and under 1F1B's memory ($2p$ half-size chunks = $p$
-          micro-batches) the rest goes: {unit['zb-v']:g} units, the V's head of $p-1$
-          half-stage forwards and nothing else. Our ZB-V is the paper's hand-made list, in the
+          micro-batches) {_v_head_words(unit['zb-v'], p, m)}. Our ZB-V is the paper's hand-made list, in the
           order PyTorch's `ScheduleZBVZeroBubble` runs it (a test compares the two for every
           $p \\le 8$ and $m \\le 4p+1$); our ZB-H2 comes from a small greedy scheduler under its
           bound (`_greedy`: B first, then F within the bound, then W), not the paper's list.
@@ -906,6 +905,17 @@ def zb_h2_two_steps(p, m, cost=None):
                         f"adds {steady:g}, which is its {work:g} units of work and "
                         f"{_idle_words(steady - work)}: the first ranks start step 2 while the last finish "
                         "step 1, so the parallelogram's head fills the tail (dotted: where one step alone ends).")
+
+
+def _v_head_words(makespan, p, m):
+    """ZB-V's simulated makespan at F = B = W (1 per stage) against its work 3m plus the V's head
+    of p − 1 half-stage forwards."""
+    head = (p - 1) / 2
+    if abs(makespan - (3 * m + head)) < 1e-9:
+        return (f"the rest goes: with $F = B = W$ it takes {makespan:g} units, its {3 * m} units of work "
+                f"and the V's head of $p-1$ half-stage forwards ({head:g}), nothing else")
+    return (f"with $F = B = W$ it takes {makespan:g} units: {3 * m} of work, {head:g} of the V's head, "
+            f"and {makespan - 3 * m - head:g} more")
 
 
 def _idle_words(idle):
@@ -1149,7 +1159,7 @@ def real_compute():
                   "the simulator's bubble with F = B = W, (p−1)(F+B−W) over its makespan.")
     z, o = R[0]["zb-h1"]["timing"], R[0]["1f1b"]["timing"]
     note(f"""
-        ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o)} A split
+        ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))} A split
         backward pays only where the slots it fills were idle and its actions are long: here each
         action of this small model costs about as much in Python and gloo as in compute, and the
         {p} ranks share {usable_cores_here()} CPU cores with gloo's threads and the other processes
@@ -1162,16 +1172,25 @@ def real_compute():
     """, "https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism, abstract")
 
 
-def zb_h1_verdict(bubble_z, bubble_o, z, o):
-    """ZB-H1 against 1F1B from their measured bubbles and step Timings: the bubble alone does not
-    say which step is faster, so the verdict is the step's, and says when the two disagree."""
+def measured_busy(returns, label):
+    """The median over timed steps of the compute time summed over ranks (s)."""
+    return statistics.median(sum(t1 - t0 for row in rows for _, t0, t1 in row) for rows in gather_runs(returns, label))
+
+
+def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
+    """ZB-H1 against 1F1B from their measured bubbles and step Timings (and the compute summed
+    over ranks, busy_*): the bubble alone does not say which step is faster, so the verdict is
+    the step's, and says when the two disagree."""
     step = slower_or_faster(z, o, "ZB-H1", "1F1B")
     smaller = bubble_z < bubble_o
     bubble = f"its measured bubble is {'smaller' if smaller else 'not smaller'} ({pct(bubble_z)} against {pct(bubble_o)})"
     if step.endswith("slower") and smaller:
-        return (f"{bubble}, yet its step is slower ({step}). The step time is the verdict: here the "
-                "split backward's own cost (autograd.grad keeping the graph, then one backward per "
-                "module for W) outweighs the idle time its Ws fill.")
+        why = ""
+        if busy_z is not None and busy_z > busy_o:
+            why = (f" Its actions add up to {busy_z * 1e3:.0f} ms of compute per step over the ranks "
+                   f"against 1F1B's {busy_o * 1e3:.0f} ms: the split backward's own cost (autograd.grad "
+                   "keeping the graph, then one backward per module for W) outweighs the idle time its Ws fill.")
+        return f"{bubble}, yet its step is slower ({step}). The step time is the verdict.{why}"
     if step.endswith("faster"):
         return f"{bubble}, and its step is faster ({step})."
     return f"{bubble}; the steps: {step}."
@@ -1325,7 +1344,7 @@ def what_to_remember():
           not $m$.
         - Splitting the backward into B (input gradient, urgent) and W (weight gradient, can
           wait) lets W fill the idle slots: ZB-H1 gets $(p-1)(F+B-W)$ at 1F1B's peak memory;
-          ZB-V (a V of two chunks, $p$ held) keeps only the V's head; ZB-H2 ($2p-1$ held) idles
+          ZB-V (a V of two chunks, $p$ held) keeps only the V's head at $F = B = W$; ZB-H2 ($2p-1$ held) idles
           $(p-1)(F+B-2W)$ per step, once the optimizer step does not synchronise the ranks.
         - DualPipeV is a V like ZB-V whose forward/backward pairs overlap the MoE all-to-all:
           its gain needs GPUs and expert parallelism.
