@@ -109,35 +109,23 @@ class ModelShape:
         return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
 
     @functools.cache
-    def act_elements_per_token(self, tp=1, sp=False):
+    def act_elements_per_token(self, tp=1, sp=False, selective=False):
         """Elements autograd keeps per token in one block (measured below, in float32):
         the block input x, the first norm's output, Q, K, V, the attention output and its
         log-sum-exp (flash attention: no s×s matrix), the residual after attention, the second
         norm's output, and the MLP's intermediate tensors (GELU: its input and output, 2f;
         SwiGLU: gate, up, silu(gate), product, 4f), plus the norms' mean and 1/σ (4).
         Tensor parallelism splits heads and the MLP width; sequence parallelism also splits
-        the residual-stream tensors along the sequence."""
+        the residual-stream tensors along the sequence.
+        `selective`: selective recomputation (Korthikanti et al. 2022, §5: recompute what takes
+        much memory and few FLOPs) rebuilds the norms' outputs from their inputs and statistics
+        and the MLP's activation (GELU's output; SwiGLU's silu(gate) and product) from the
+        matrix outputs; no matrix product runs again, so no FLOPs are added."""
         h, f, a = self.hidden, self.ffn, self.heads
         kv = h if self.kv_expanded else self.kv_dim        # what attention receives and saves
-        mlp = (2 if self.mlp_matrices == 2 else 4) * f
+        mlp = (2 if self.mlp_matrices == 2 else 4) * f // (2 if selective else 1)
         split = (2 * h + 2 * kv + a + mlp) / tp               # Q, attention out, K, V, lse, MLP
-        stream = 4 * h + 4                                     # x, norm out, x2, norm out, stats
-        return split + (stream / tp if sp else stream)
-
-    @functools.cache
-    def act_elements_selective(self, tp=1, sp=False):
-        """Elements per token and block under selective recomputation (Korthikanti et al. 2022,
-        §5: recompute what takes much memory and few FLOPs): the norms' outputs are recomputed
-        from their inputs and statistics, the MLP's activation (GELU's output; SwiGLU's
-        silu(gate) and product) from the matrix outputs, so only the matrices' own outputs,
-        flash attention's Q, K, V, output and log-sum-exp, and the two residual-stream inputs
-        stay. No matrix product runs again: its FLOPs are not counted (memory-bound work is
-        not in the step-time model at all)."""
-        h, f, a = self.hidden, self.ffn, self.heads
-        kv = h if self.kv_expanded else self.kv_dim
-        mlp = (1 if self.mlp_matrices == 2 else 2) * f
-        split = (2 * h + 2 * kv + a + mlp) / tp
-        stream = 2 * h + 4                                     # x, x2, the norms' statistics
+        stream = (2 if selective else 4) * h + 4               # x, (norm out,) x2, (norm out,) stats
         return split + (stream / tp if sp else stream)
 
 
@@ -279,7 +267,7 @@ def activation_bytes(model, layout, stage):
         stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
         transient = max(per_layer * tokens, loss_grads)
     elif layout.recompute == "selective":   # one block's recomputed norms and activation at a time
-        kept = model.act_elements_selective(layout.tp, layout.sp) * B
+        kept = model.act_elements_per_token(layout.tp, layout.sp, selective=True) * B
         stored, transient = n_layers * kept, max((per_layer - kept) * tokens, loss_grads)
     else:
         stored, transient = n_layers * per_layer, loss_grads

@@ -566,3 +566,17 @@ def test_two_rank_sequence_parallel_bytes_and_what_the_trainer_refuses():
                 pytest.skip("no /proc/self/io here")
             pred = L.step_bytes(shape, dataclasses.replace(lay, precision="fp64"), 0, tensor_sizes=r["tensor_sizes"])
             assert 1.0 <= r["bytes_sent"] / pred["total"] <= 1.4, (name, r["bytes_sent"], pred)
+
+
+def test_selective_recomputation_keeps_the_matrix_outputs_only():
+    """Selective recomputation (Korthikanti et al. 2022): per token and block Q, K, V, the
+    attention output and log-sum-exp, SwiGLU's gate and up (the matrices' outputs), the two
+    residual-stream inputs and the norm statistics; no FLOPs added."""
+    m, h, f = L.LLAMA3_8B, L.LLAMA3_8B.hidden, L.LLAMA3_8B.ffn
+    assert m.act_elements_per_token(selective=True) == 2 * h + 2 * m.kv_dim + m.heads + 2 * f + 2 * h + 4
+    assert m.act_elements_per_token(8, True, selective=True) == (2 * h + 2 * m.kv_dim + m.heads + 2 * f + 2 * h + 4) / 8
+    lay = lambda rc: L.Layout(tp=8, sp=True, precision="bf16", recompute=rc)
+    stored = {rc: L.activation_bytes(m, lay(rc), 0)[0] for rc in ("none", "selective", "full")}
+    assert stored["full"] < stored["selective"] < stored["none"]
+    hw = L.h100_cluster()
+    assert L.step_time(m, lay("selective"), hw) == L.step_time(m, lay("none"), hw)

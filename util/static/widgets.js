@@ -299,20 +299,12 @@
   }
   function embeddingParams(m) { return m.vocab * m.hidden + (m.learned_positions ? 1 : 0) * m.seq * m.hidden; }
   function headParams(m) { return m.norm_params * m.hidden + (m.tied ? 0 : m.vocab * m.hidden); }
-  function actElementsPerToken(m, tp, sp) {
+  function actElementsPerToken(m, tp, sp, selective) {
     var h = m.hidden, f = m.ffn, a = m.heads;
     var kv = m.kv_expanded ? h : kvDim(m);
-    var mlp = (m.mlp_matrices === 2 ? 2 : 4) * f;
+    var mlp = floorDiv((m.mlp_matrices === 2 ? 2 : 4) * f, selective ? 2 : 1);
     var split = (2 * h + 2 * kv + a + mlp) / tp;
-    var stream = 4 * h + 4;
-    return split + (sp ? stream / tp : stream);
-  }
-  function actElementsSelective(m, tp, sp) {
-    var h = m.hidden, f = m.ffn, a = m.heads;
-    var kv = m.kv_expanded ? h : kvDim(m);
-    var mlp = (m.mlp_matrices === 2 ? 1 : 2) * f;
-    var split = (2 * h + 2 * kv + a + mlp) / tp;
-    var stream = 2 * h + 4;
+    var stream = (selective ? 2 : 4) * h + 4;
     return split + (sp ? stream / tp : stream);
   }
   function stageLayers(layers, pp) {
@@ -365,7 +357,7 @@
       stored = nLayers * m.hidden * B * (l.sp ? 1 / l.tp : 1);
       transient = Math.max(perLayer * tokens, lossGrads);
     } else if (l.recompute === "selective") {
-      var kept = actElementsSelective(m, l.tp, l.sp) * B;
+      var kept = actElementsPerToken(m, l.tp, l.sp, true) * B;
       stored = nLayers * kept;
       transient = Math.max((perLayer - kept) * tokens, lossGrads);
     } else {
