@@ -173,7 +173,7 @@ def theory_bubble(name, p, m, v=1):
         return 1 - 1 / p
     if name in ("gpipe", "1f1b") and v == 1:
         return (p - 1) / (m + p - 1)
-    if name in ("interleaved-1f1b", "1f1b") and m % p == 0:   # Megatron's setting: m a multiple of p
+    if name in ("interleaved-1f1b", "1f1b") and m >= p:   # Megatron's m a multiple of p, and our groups
         return (p - 1) / (v * m + p - 1)
     return None
 

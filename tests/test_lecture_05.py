@@ -67,6 +67,19 @@ def test_bubble_equals_formula_under_unit_costs(name, p):
         assert sim.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
+def test_interleaved_bubble_formula_holds_for_every_m_from_p():
+    """Review C1: (p − 1)/(v·m + p − 1) is the simulated bubble (F = B, W = 0) for every m >= p,
+    not only multiples of p (441 sizes), so theory_bubble gives it there; below p it gives none."""
+    for p in range(2, 9):
+        for v in (2, 3, 4):
+            for m in range(1, 5 * p + 1):
+                sim = L.simulate(L.make_schedule("interleaved-1f1b", p, m, v), L.chunk_cost(v, W=0))
+                want = L.theory_bubble("interleaved-1f1b", p, m, v)
+                assert (want is None) == (m < p)
+                if want is not None:
+                    assert sim.bubble == pytest.approx(want, abs=1e-12), (p, v, m)
+
+
 def test_interleaving_and_zero_bubble_shrink_the_bubble():
     p, m, unit = 4, 8, {"F": 1, "B": 1, "W": 1}
     bubble = {name: L.simulate(L.make_schedule(name, p, m, v), unit).bubble
