@@ -261,6 +261,7 @@ def die_while_others_work(rank, world_size):
 
 
 def test_ranks_that_all_loop_end_at_the_deadline_saying_where_they_were():
+    spawn(say_rank, 2)                    # workers started: the deadline is the demo's, not start-up's
     start = time.monotonic()
     with pytest.raises(DemoFailed) as e:
         spawn(spin_forever, 2, deadline=4)
@@ -287,4 +288,6 @@ def test_the_failure_sentence_says_who_died_and_who_was_stopped():
         spawn(die_while_others_work, 3)
     assert time.monotonic() - start < 10
     error = e.value.run.error
-    assert "rank 1 died (exit codes [5])" in error and "ranks 0 and 2 were stopped after rank 1 died" in error, error
+    assert "rank 1 died (exit codes [5])" in error and "ranks 0 and 2 were stopped after rank 1 died, " in error, error
+    ran = float(error.split("died, ")[1].split(" s into the demo")[0])   # how long they really ran
+    assert 0 < ran < time.monotonic() - start, error

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -171,3 +172,43 @@ def test_under_torchrun_demos_run_on_sub_groups_and_failures_stay_inside_their_d
     one = [r for r in demos["sum of ranks, 1 rank"]["records"] if r["kind"] == "note"]
     assert [r["rank"] for r in one] == [0] and "**0**" in one[0]["text"]
     assert (tmp_path / "fixture_lecture.html").exists()
+
+
+def session(sid):
+    """Pids of the live processes in session `sid` (a build started in a session of its own:
+    the lecture, the fork server, the resource tracker, the workers); zombies are not running."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry))
+    return out
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signalled_build_leaves_no_course_process_running(tmp_path, how):
+    """Signalled while its ranks are inside a demo (asleep), the build leaves nothing running:
+    SIGTERM and SIGINT through the build's clean-up, SIGKILL through the workers' watch on it."""
+    env = {**os.environ, "COURSE_TEST_MARKERS": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "util.run", "tests.sleeping_lecture", "--world-size", "2",
+                             "--out", str(tmp_path / "site")], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        start = time.monotonic()
+        while not all(os.path.exists(tmp_path / f"rank{r}") for r in (0, 1)):
+            assert time.monotonic() - start < 120 and proc.poll() is None, "the ranks never started"
+            time.sleep(0.2)
+        assert len(session(proc.pid)) >= 3                  # the lecture and its two ranks, at least
+        os.kill(proc.pid, getattr(signal, how))
+        proc.wait(timeout=30)
+        start = time.monotonic()
+        while session(proc.pid) and time.monotonic() - start < 10:
+            time.sleep(0.2)
+        assert session(proc.pid) == [], f"left running after {how}: {session(proc.pid)}"
+    finally:
+        if proc.poll() is None or session(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -26,13 +26,13 @@ import io
 import multiprocessing
 import os
 import pickle
-import queue
 import random
 import re
 import shutil
 import signal
 import tempfile
 import sys
+import threading
 import time
 import traceback
 
@@ -215,15 +215,12 @@ def _worker(rank, port, backend, tasks, results, parent=None, stack_file=None):
         _device = torch.device("cuda", torch.cuda.current_device())
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=300))
+    if parent:
+        _exit_with(parent)
     results.put(pickle.dumps({"rank": rank, "ready": True}))
     joined = None
     while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if parent and not _alive(parent):      # the lecture's process died: so do we
-                os._exit(0)
-            continue
+        task = tasks.get()
         if task is None:
             break
         (generation, world_size, timeout), blob = task
@@ -247,6 +244,20 @@ def _worker(rank, port, backend, tasks, results, parent=None, stack_file=None):
             joined = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _exit_with(parent):
+    """Exit this rank as soon as the lecture's process is gone, however it ended (SIGKILL too),
+    even in the middle of a demo that loops or sleeps: a thread watches it. A parent killed but
+    not yet reaped still answers kill(0); the fork server between us exits with it, which
+    changes our parent id."""
+    born_of = os.getppid()
+
+    def watch():
+        while _alive(parent) and os.getppid() == born_of:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="exit-with-the-lecture", daemon=True).start()
 
 
 # --- the lecture's side ------------------------------------------------------------------
@@ -409,10 +420,11 @@ class Pool:
                 first_done.append(msg["rank"])
                 return min(deadline, now + timeout + 5)
         deadline = deadline or settings.deadline
-        end = time.monotonic() + deadline
+        start = time.monotonic()
+        end = start + deadline
         got = self._collect(ranks, end, on_result)
         error = _describe_failure(got, ranks, timeout, first_done and first_done[0],
-                                  self._dead, lambda r: self.procs[r].exitcode)
+                                  self._dead, lambda r: self.procs[r].exitcode, time.monotonic() - start)
         late = [r for r in ranks if r not in got]
         if late and time.monotonic() >= end and not first_done and not self._dead(ranks) \
                 and all(m["ok"] for m in got.values()):
@@ -427,15 +439,16 @@ class Pool:
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
+        end = time.monotonic() + 2            # 2 s for all of them to leave, not 2 s each
         for p in self.procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, end - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join()
 
 
-def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=None):
+def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=None, ran=None):
     """One sentence on what went wrong (None when every rank finished)."""
     failed = sorted(r for r, m in got.items() if not m["ok"])
     missing = sorted(set(ranks) - set(got))
@@ -451,7 +464,8 @@ def _describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=No
             parts.append(f"{record.rank_list(dead)} died (exit codes {[exitcode(r) for r in dead]})")
         if stuck:
             parts.append(f"{record.rank_list(stuck)} " + (
-                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} died" if dead else
+                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} died"
+                + (f", {ran:.1f} s into the demo" if ran is not None else "") if dead else
                 f"did not finish within {timeout:g} s of rank {first_done} finishing; a rank probably "
                 "skipped a collective" if first_done is not None and not failed else
                 f"{'was' if len(stuck) == 1 else 'were'} stopped"))
