@@ -31,6 +31,9 @@ KB, MB = 1024, 1024 ** 2
 # (ranks, quick, size) so a notebook that changes a knob measures afresh.
 MEASURED = {}
 
+# --world-size values its demos accept: send/recv needs a second rank (util.run refuses others)
+WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8)
+
 
 # =========================================================================================
 # Page helpers (the building blocks live in lectures/collectives.py)

@@ -24,6 +24,10 @@ from lectures.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives
                           OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
 from lectures.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
 
+# --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
+# parallelism needs a second rank (util.run refuses others)
+WORLD_SIZES = (2, 4, 8)
+
 # =========================================================================================
 # 1. The task: a small model, learnable synthetic data, and the single-process reference
 # =========================================================================================

@@ -30,6 +30,8 @@ def load(out, name="fixture_lecture"):
     (["lectures.nonexistent"], "no module 'lectures.nonexistent'"),
     (["os.nonexistent"], "no module 'os.nonexistent'"),
     (["tests.fixture_lecture", "--bogus"], "unrecognized arguments"),
+    (["lecture_02_communication", "--world-size", "1"], "runs its demos on 2, 3, 4, 5, 6, 7, 8 ranks, not --world-size 1"),
+    (["lecture_03_data_parallel", "--world-size", "3"], "runs its demos on 2, 4, 8 ranks, not --world-size 3"),
     ([], "required"),
 ])
 def test_bad_command_line_gives_one_line_and_exit_code_2(args, complaint):
