@@ -18,7 +18,8 @@ from util import (cheat, deep_dive, device, figure, note, plural, published, see
                   spawn, table, timeline)
 from util.launch import choose_backend
 from util.recording import trim_build_paths  # noqa: F401  (tests use it from here)
-from util.measure import Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks
+from util.measure import (Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks,
+                          value_range)
 
 from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
                                   crossover_bytes, fit_alpha_beta, optimal_bytes,
@@ -131,7 +132,7 @@ def hardware_hierarchy():
 
         Measured now, in the lecture process: copying a {human_bytes(nbytes)} buffer in main
         memory runs at **{bw / 1e9:.1f} GB/s** (median of {len(t.samples)} copies after a
-        warm-up, IQR {nbytes / t.q3 / 1e9:.1f}–{nbytes / t.q1 / 1e9:.1f} GB/s). On a CPU-only
+        warm-up, IQR {value_range(nbytes / t.q3 / 1e9, nbytes / t.q1 / 1e9, 'GB/s')}). On a CPU-only
         machine every "link" between ranks is this memory: gloo moves data between processes
         through the kernel's loopback TCP, so the bandwidths measured below are a fraction of it.
     """)
@@ -781,7 +782,8 @@ def wire_verdict(wire, nbytes, n):
         said.append(
             f"gloo's reduce-scatter wrote **{ratio['reduce_scatter']:.2f}×** the bytes a "
             f"bandwidth-optimal reduce-scatter sends, "
-            + (f"the same as its all-reduce ({rs:,} and {ar:,} bytes)" if same else
+            + ((f"the same as its all-reduce: {ar:,} bytes each" if rs == ar else
+                f"the same as its all-reduce ({rs:,} and {ar:,} bytes)") if same else
                f"{rs / ar:.2f}× its all-reduce's ({rs:,} vs {ar:,} bytes)")
             + ". That is how gloo implements it: its reduce-scatter is a clone of the input, "
               "a full all-reduce of the clone and a copy of this rank's chunk "
@@ -853,7 +855,9 @@ def bandwidth():
                 rows.append([name, human_bytes(nbytes), us(t), alg / 1e9, bus / 1e9])
     table(rows, header=["collective", "size", "time µs, median (IQR)", "algbw (GB/s)", "busbw (GB/s)"],
           caption="The sweep in nccl-tests' units (slowest rank per call; medians).")
-    last = {name: bandwidths(name, plan[name][-1], ts[-1].median, ranks)[1] / 1e9
+    # the busbw each curve reaches at the largest size the table shows (all-reduce's own sweep
+    # goes further, for the fit, but the sentence reads the table)
+    last = {name: bandwidths(name, sizes[-1], ts[plan[name].index(sizes[-1])].median, ranks)[1] / 1e9
             for name, ts in zip(SWEPT, timings)}
     best, worst = max(last, key=last.get), min(last, key=last.get)
     same_call = [nb for nb in plan["all_reduce"] if ("race", ranks, settings.quick, nb) in MEASURED]

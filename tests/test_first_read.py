@@ -20,7 +20,8 @@ LEAKS = [(r"\b[a-z]{3,}\(s\)", "a pluralisation placeholder"),
          (r"<(?:dictcomp|listcomp|setcomp|lambda|genexpr|module)>", "Python internals"),
          (r"status: ?expected_failure", "a status enum"),
          (r"\b(\d[\d.,]*)× and \1×", "the same number twice"),
-         (r"\b(\d[\d.,]*)[–-]\1×", "an empty range")]
+         (r"\b(\d[\d.,]*)[–-]\1(?![\d.,]*\d)", "an empty range"),
+         (r"\b(\d[\d.,]*\d) and \1(?![\d.,]*\d)", "the same number twice")]
 SECTIONS = """() => {
   const vis = e => !e.closest('details:not([open])') && !!(e.offsetWidth || e.offsetHeight);
   return [...document.querySelectorAll('main section.section')].map(s => {

@@ -413,7 +413,7 @@ def test_wire_verdict_explains_reduce_scatter_by_its_bytes():
     wire = {"all_reduce": 4195456, "all_gather": 2097728, "reduce_scatter": 4195456,
             "broadcast": 6291648, "all_to_all": 2097440}
     text = L.wire_verdict(wire, nbytes, n)
-    assert "the same as its all-reduce" in text and "2.00×" in text
+    assert "the same as its all-reduce: 4,195,456 bytes each" in text and "2.00×" in text
     assert "reduce_scatter_tensor_coalesced" in text and "NCCL" in text
     assert "arithmetic" not in text
     assert "broadcast" in text                       # the root writes (n-1)·S on gloo

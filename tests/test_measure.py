@@ -27,3 +27,10 @@ def test_machine_says_only_the_ranks_and_oversubscription(monkeypatch):
     monkeypatch.setattr(measure, "usable_cores", lambda: 2)
     assert measure.machine(2) == "2 ranks" and measure.machine() == "one process"
     assert measure.machine(4).startswith("4 ranks, taking turns on 2 cores")
+
+
+def test_a_range_never_reads_the_same_number_twice():
+    from util.measure import value_range
+    assert value_range(23.81, 26.6, "GB/s") == "23.8–26.6 GB/s"
+    assert value_range(1.01, 1.04, "GB/s") == "1.01–1.04 GB/s"    # one more decimal, not "1.0–1.0"
+    assert value_range(2.0, 2.0, "×") == "2.0 ×"

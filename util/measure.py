@@ -100,6 +100,16 @@ class Timing:
         return self.ms()
 
 
+def value_range(lo, hi, unit="", decimals=1):
+    """"23.8–26.6 GB/s": with as many more decimals as it takes (up to 3 more) for the two ends
+    to read differently, and one number when they are equal, never "1.0–1.0"."""
+    for d in range(decimals, decimals + 4):
+        a, b = f"{lo:.{d}f}", f"{hi:.{d}f}"
+        if a != b:
+            return f"{a}–{b}{' ' + unit if unit else ''}"
+    return f"{lo:.{decimals}f}{' ' + unit if unit else ''}"
+
+
 def spreads_overlap(a, b):
     """Whether two timings' interquartile ranges overlap: then this machine cannot tell them apart."""
     return a.q1 <= b.q3 and b.q1 <= a.q3

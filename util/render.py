@@ -561,8 +561,9 @@ def _titles(recordings):
 
 
 def reading_minutes(sections):
-    """Minutes to read these sections: 200 words a minute of prose and captions, half a minute
-    per figure, table or widget, rounded up to 5."""
+    """Minutes to study these sections: 130 words a minute of prose and captions (technical text
+    dense with numbers reads slower than the 200-250 of plain prose), one minute per figure, table
+    or widget, rounded up to 5."""
     words, pictures = 0, 0
     for s in sections:
         for p in s["parts"]:
@@ -571,7 +572,7 @@ def reading_minutes(sections):
             elif p["kind"] in ("figure", "table", "widget", "image"):
                 pictures += 1
                 words += len(re.sub(r"<[^>]+>", " ", str(p.get("caption") or "")).split())
-    return max(5, 5 * math.ceil((words / 200 + pictures / 2) / 5))
+    return max(5, 5 * math.ceil((words / 130 + pictures) / 5))
 
 
 def lecture_page(rec, name):
