@@ -29,7 +29,8 @@ from lectures.context_parallel import (ATTENTION, AllGatherAttention, SeqToHeads
 from lectures.context_parallel import HeadsToSeq, allgather_attention  # noqa: F401
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.memory import saved_bytes
-from lectures.moe import AllToAll, ExpertParallelMoE, MoE, balance_loss, expert_owners, moe_gpt, route, z_loss
+from lectures.moe import (AllToAll, ExpertParallelMoE, MoE, RankCapacityMoE, balance_loss, expert_owners, moe_gpt,
+                         route, z_loss)
 from lectures.moe import route_logits  # noqa: F401
 from lectures.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
 from lectures.ring_attention import RingAttention, RingTransfer, ring_attention, tracing
@@ -157,9 +158,9 @@ def reference_gpt_gradients(batch_size=4, dtype="float64"):
 # Demos: the mixture of experts and expert parallelism, against one process
 # =========================================================================================
 
-def moe_layer(d_model=16, d_ff=24, n_experts=6, top_k=2, capacity_factor=1.0, seed=0, dtype="float64"):
+def moe_layer(d_model=16, d_ff=24, n_experts=6, top_k=2, capacity_factor=1.0, seed=0, dtype="float64", n_shared=0):
     torch.manual_seed(seed)
-    return MoE(d_model, d_ff, n_experts, top_k, capacity_factor).to(getattr(torch, dtype))
+    return MoE(d_model, d_ff, n_experts, top_k, capacity_factor, n_shared=n_shared).to(getattr(torch, dtype))
 
 
 def moe_inputs(world_size, tokens_per_rank, d_model, seed=0, dtype="float64"):
@@ -173,22 +174,32 @@ def moe_inputs(world_size, tokens_per_rank, d_model, seed=0, dtype="float64"):
 AUX_WEIGHT = 0.1
 
 
-def moe_reference(layer_kw, tokens_per_rank, seed=0):
-    """One process, all ranks' tokens together: outputs, gradients, which choices were dropped."""
+def moe_reference(layer_kw, tokens_per_rank, seed=0, capacity="global"):
+    """One process, all ranks' tokens together: outputs, gradients, which choices were dropped.
+    capacity="rank": each rank's tokens as a batch of their own (GShard's groups), the balance
+    loss averaged over the groups: what `RankCapacityMoE` must equal."""
     moe = moe_layer(**layer_kw)
     xs, ws = moe_inputs(len(tokens_per_rank), tokens_per_rank, moe.d_model, seed)
     x = torch.cat(xs).requires_grad_()
-    out = moe(x)
-    loss = (out * torch.cat(ws)).sum() + AUX_WEIGHT * moe.aux_loss
+    groups = [x] if capacity == "global" else torch.split(x, tokens_per_rank)
+    outs, auxes, keeps, dropped = [], [], [], 0
+    for part in groups:
+        outs.append(moe(part))
+        auxes.append(moe.aux_loss)
+        keeps.append(moe.stats["keep"])
+        dropped += moe.stats["dropped"]
+    out, aux = torch.cat(outs), sum(auxes) / len(auxes)
+    loss = (out * torch.cat(ws)).sum() + AUX_WEIGHT * aux
     loss.backward()
-    return {"out": out.detach(), "x_grad": x.grad, "aux": moe.aux_loss.item(), "keep": moe.stats["keep"],
-            "stats": moe.stats, "grads": {n: p.grad for n, p in moe.named_parameters()}}
+    return {"out": out.detach(), "x_grad": x.grad, "aux": aux.item(), "keep": torch.cat(keeps), "dropped": dropped,
+            "grads": {n: p.grad for n, p in moe.named_parameters()}}
 
 
-def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0):
-    """The expert-parallel layer on this rank's tokens; returns what moe_reference returns, local."""
+def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0, capacity="global"):
+    """The expert-parallel layer on this rank's tokens, capacity counted over all ranks' tokens
+    (`ExpertParallelMoE`) or per rank (`RankCapacityMoE`); returns what moe_reference returns, local."""
     moe = moe_layer(**layer_kw)
-    ep = ExpertParallelMoE.from_full(moe).to(device())
+    ep = {"global": ExpertParallelMoE, "rank": RankCapacityMoE}[capacity].from_full(moe).to(device())
     xs, ws = moe_inputs(world_size, tokens_per_rank, moe.d_model, seed)
     x = xs[rank].to(device()).requires_grad_()
     out = ep(x)
@@ -196,9 +207,11 @@ def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0):
     loss.backward()
     aux = ep.aux_loss.detach().clone()
     dist.all_reduce(aux)
-    dist.all_reduce(ep.router.weight.grad)               # the router is replicated: sum its gradients
+    grads = {}
+    for name, p in [("router.weight", ep.router.weight)] + [("shared." + n, p) for n, p in ep.shared.named_parameters()]:
+        dist.all_reduce(p.grad)                          # replicated (router, shared experts): sum the gradients
+        grads[name] = p.grad.cpu()
     counts, starts = expert_owners(moe.n_experts, world_size)
-    grads = {"router.weight": ep.router.weight.grad.cpu()}
     for j, expert in enumerate(ep.experts):
         for name, p in expert.named_parameters():
             grads[f"experts.{starts[rank] + j}.{name}"] = p.grad.cpu()
@@ -1201,6 +1214,15 @@ def mixture_of_experts():
     see(route)
     see(balance_loss)
     see(MoE)
+    note("""
+        Two variations matter in practice. **Shared experts** (DeepSeek-MoE, Dai et al. 2024): a
+        few experts see every token, ungated, beside the routed ones, so common knowledge need not
+        be copied into every routed expert; in expert parallelism they are replicated like the
+        router and reduce their gradients over all ranks. **Dropless** routing (capacity factor
+        "no limit" below) drops nothing; what that costs is the subject of a subsection of expert
+        parallelism.
+    """)
+    see("https://arxiv.org/abs/2401.06066", "Dai et al. 2024: DeepSeekMoE: Towards Ultimate Expert Specialization in Mixture-of-Experts Language Models")
     torch.manual_seed(0)
     moe = moe_layer(d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=None, dtype="float32")
     x = torch.randn(512, 32)
@@ -1315,7 +1337,9 @@ def expert_parallelism():
         exchange how many rows each will send (a small all-to-all of counts) to size the buffers.
         Here the choice counts are also all-gathered first, so every rank knows the global queue
         positions and drops exactly the tokens one process would; the layer then equals the
-        one-process `MoE` on all ranks' tokens: outputs, gradients, dropped tokens.
+        one-process `MoE` on all ranks' tokens: outputs, gradients, dropped tokens. That extra
+        all-gather is a device for checking against one process; real systems do without it (a
+        subsection below).
     """)
     see(AllToAll)
     see(ExpertParallelMoE)
@@ -1352,6 +1376,59 @@ def expert_parallelism():
         Measured bytes include the backward pass, which repeats both all-to-alls in reverse, and
         the small count exchanges. The busiest rank sets the pace: the balance loss that evens
         out experts also evens out the ranks.
+    """)
+    capacity_per_rank()
+
+
+def capacity_scopes(rank, world_size, layer_kw, tokens):
+    """The same tokens through expert parallelism three ways: capacity over all ranks' tokens
+    (ExpertParallelMoE), per rank (RankCapacityMoE), and dropless (no capacity)."""
+    return {"all ranks": expert_parallel_check(rank, world_size, layer_kw, [tokens] * world_size),
+            "per rank": expert_parallel_check(rank, world_size, layer_kw, [tokens] * world_size, capacity="rank"),
+            "dropless": expert_parallel_check(rank, world_size, dict(layer_kw, capacity_factor=None),
+                                              [tokens] * world_size)}
+
+
+def capacity_per_rank():
+    note("""
+        ### Capacity per rank, and dropless
+        GShard, Switch and Megatron do not exchange choice counts: each rank queues its own
+        tokens and gives each expert C = ⌈factor · T_r · k / E⌉ of them, from its own token count
+        T_r (`RankCapacityMoE` overrides only that step). One collective per layer less, and a
+        different layer: it equals one process applied to each rank's tokens as a batch of its
+        own (GShard's *groups*), so which tokens drop depends on how each rank's tokens route.
+        **Dropless** routing (MegaBlocks, Gale et al. 2023; DeepSeek-V3 drops no token in
+        training) sets no capacity at all: nothing drops, and an expert's batch, and so a rank's,
+        is as large as the router makes it, different every step. Each is checked against its
+        one-process reference:
+    """)
+    see("https://arxiv.org/abs/2211.15841", "Gale et al. 2023: MegaBlocks: Efficient Sparse Training with Mixture-of-Experts")
+    see(RankCapacityMoE)
+    n, tokens = 4, 64
+    kw = dict(d_model=16, d_ff=32, n_experts=8, top_k=2, capacity_factor=1.0)
+    r = spawn(capacity_scopes, n, layer_kw=kw, tokens=tokens, name=f"capacity over all ranks, per rank, none: {n} ranks").returns
+    refs = {"all ranks": moe_reference(kw, [tokens] * n), "per rank": moe_reference(kw, [tokens] * n, capacity="rank"),
+            "dropless": moe_reference(dict(kw, capacity_factor=None), [tokens] * n)}
+    rows = {}
+    for scope, ref in refs.items():
+        got = torch.cat([x[scope]["out"] for x in r])
+        recv = [sum(x[scope]["stats"]["rows_received"]) for x in r]
+        rows[scope] = [scope, (got - ref["out"]).abs().max().item(), ref["dropped"] / (n * tokens * kw["top_k"]),
+                       max(recv), max(recv) / (sum(recv) / n)]
+    table(list(rows.values()), header=["capacity counted over", "max |Δ output| vs its one-process reference",
+                                       "fraction of choices dropped", "busiest rank's expert rows",
+                                       "busiest / mean"],
+          caption=f"{n} ranks × {tokens} tokens, {kw['n_experts']} experts top-{kw['top_k']}, capacity factor "
+                  f"{kw['capacity_factor']} (dropless: none), an untrained router, float64. References: one batch of "
+                  "all tokens; each rank's tokens alone; one batch without capacity")
+    a, b, c = rows["all ranks"], rows["per rank"], rows["dropless"]
+    bound = kw["n_experts"] // n * capacity(kw["capacity_factor"], n * tokens, kw["top_k"], kw["n_experts"])
+    note(f"""
+        At the same factor, capacity per rank dropped {b[2]:.1%} of the choices against {a[2]:.1%} when
+        counted over all ranks' tokens. Dropless kept every choice, and its busiest rank computed
+        {c[3]} expert rows, {c[4]:.2f}× the mean, where the capacity over all ranks bounds a rank's
+        rows at E/n · C = {bound} (its busiest: {a[3]}): without a capacity the buffers, and the
+        time, follow the router.
     """)
 
 

@@ -4,11 +4,16 @@ A router gives each token a probability for each of E expert MLPs; the token goe
 experts (Switch Transformer, Fedus, Zoph, Shazeer 2021: k = 1; GShard, Lepikhin et al. 2020:
 k = 2) and its output is their gate-weighted sum. Each expert takes at most C tokens (capacity);
 the rest of its queue is dropped, first choices before second choices. Switch's auxiliary
-balance loss keeps the router from collapsing onto a few experts.
+balance loss keeps the router from collapsing onto a few experts. With no capacity
+(`capacity_factor=None`) the layer is *dropless* (MegaBlocks; DeepSeek-V3 drops no token in
+training): every expert takes all its tokens, at the price of batches whose sizes change every
+step. Shared experts (DeepSeek-MoE, Dai et al. 2024) run on every token beside the routed ones.
 
 Expert parallelism puts E/n experts on each of n ranks and moves the token rows to them and back
 with two all-to-alls (dispatch, combine), as GShard does; `ExpertParallelMoE` equals `MoE` on all
-ranks' tokens together, dropped tokens included.
+ranks' tokens together, dropped tokens included. `RankCapacityMoE` sizes capacity per rank
+from its own tokens, as GShard, Switch and Megatron do: it equals `MoE` applied to each rank's
+tokens as a batch of its own.
 """
 import copy
 import math
@@ -64,6 +69,9 @@ def z_loss(logits):
 
 def capacity(capacity_factor, tokens, top_k, n_experts):
     """Expert capacity: C = ⌈factor · T · k / E⌉ slots per expert; None = no limit."""
+    if (capacity_factor is not None and capacity_factor < 0) or tokens < 0 or min(top_k, n_experts) < 1:
+        raise ValueError(f"need factor >= 0 (or None), tokens >= 0, top_k and n_experts >= 1; got "
+                         f"{capacity_factor}, {tokens}, {top_k}, {n_experts}")
     return tokens * top_k if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
@@ -81,10 +89,19 @@ def positions_in_expert(idx, n_experts, base):
     return (before + base.unsqueeze(0)).gather(2, idx.unsqueeze(-1)).squeeze(-1)  # (T, k)
 
 
+def local_queue(idx, n_experts):
+    """Queue positions (T, k) of one batch of tokens on its own, and its (k, E) choice counts."""
+    counts = slot_counts(idx, n_experts)
+    base = torch.cat([torch.zeros_like(counts[:1]), counts.cumsum(0)[:-1]])   # earlier choices first
+    return positions_in_expert(idx, n_experts, base), counts
+
+
 def balance_loss(probs_sum, first_choice_counts, tokens, n_experts):
     """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4): E · Σ_e f_e · P_e, with f_e
     the fraction of tokens whose first choice is e (no gradient) and P_e the mean router
-    probability of e. Equals 1 under perfectly uniform routing; GShard's m_e·c_e is the same form."""
+    probability of e. Equals 1 under perfectly uniform routing; GShard's m_e·c_e is the same form.
+    No tokens, no imbalance: 0 (not 0/0)."""
+    tokens = max(tokens, 1)
     f = first_choice_counts.to(probs_sum.dtype) / tokens
     return n_experts * (f * probs_sum / tokens).sum()
 
@@ -92,16 +109,19 @@ def balance_loss(probs_sum, first_choice_counts, tokens, n_experts):
 class MoE(nn.Module):
     """A mixture-of-experts MLP: tokens (..., d_model) -> (..., d_model). Each token goes to its
     top-k experts; an expert takes at most C tokens (capacity), the rest of its queue is dropped
-    (that choice contributes nothing; the residual connection carries the token). After forward,
+    (that choice contributes nothing; the residual connection carries the token); capacity_factor
+    None is dropless. `n_shared` shared experts see every token, ungated. After forward,
     `aux_loss` holds the balance loss and `stats` the routing counts."""
 
-    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=1.25, bias_update=0.0):
+    def __init__(self, d_model, d_ff, n_experts, top_k=1, capacity_factor=1.25, bias_update=0.0, n_shared=0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         self.d_model, self.n_experts, self.top_k, self.capacity_factor = d_model, n_experts, top_k, capacity_factor
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(n_experts))
+        # DeepSeek-MoE's shared experts: common knowledge every token needs, kept out of the routed ones
+        self.shared = nn.ModuleList(Expert(d_model, d_ff) for _ in range(n_shared))
         # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the choice, moved by
         # `bias_update` (their γ) after each step; 0 = off.
         self.bias_update = bias_update
@@ -122,12 +142,10 @@ class MoE(nn.Module):
         logits = self.router(x)
         probs, idx, gates = route_logits(logits, self.top_k, self.expert_bias if self.bias_update else None)
         self.z_loss = z_loss(logits)
-        counts = slot_counts(idx, E)
-        base = torch.cat([torch.zeros_like(counts[:1]), counts.cumsum(0)[:-1]])   # earlier choices
-        pos = positions_in_expert(idx, E, base)
+        pos, counts = local_queue(idx, E)
         cap = capacity(self.capacity_factor, T, self.top_k, E)
         keep = pos < cap
-        out = torch.zeros_like(x)
+        out = shared_output(self.shared, x)
         for e, expert in enumerate(self.experts):
             t, i = torch.nonzero((idx == e) & keep, as_tuple=True)   # (an idle expert runs on 0 rows:
             out = out.index_add(0, t, gates[t, i].unsqueeze(-1) * expert(x[t]))  # zero, not None, grads)
@@ -136,6 +154,14 @@ class MoE(nn.Module):
                       [int(((idx == e) & keep).sum()) for e in range(E)], "dropped": int((~keep).sum()),
                       "assignments": T * self.top_k, "capacity": cap, "keep": keep.detach()}
         return out.view(shape)
+
+
+def shared_output(shared, x):
+    """The shared experts' sum on every token (zeros when there are none): no router, no gate."""
+    out = torch.zeros_like(x)
+    for expert in shared:
+        out = out + expert(x)
+    return out
 
 
 # --- Expert parallelism: experts on different ranks, tokens dispatched by all-to-all ----------
@@ -177,13 +203,14 @@ class ExpertParallelMoE(nn.Module):
 
     DeepSeek-V3's bias (`bias_update` > 0) is kept on every rank: the choice uses it, and
     `update_bias` moves it by the *global* load (the all-gathered counts of step 1), so every
-    rank's copy stays the same without another collective."""
+    rank's copy stays the same without another collective. Shared experts are replicated like
+    the router: each rank runs them on its own tokens, and their gradients sum over all ranks."""
 
     def __init__(self, router, experts, n_experts, top_k, capacity_factor, group, bias_update=0.0,
-                 expert_bias=None):
+                 expert_bias=None, shared=()):
         super().__init__()
         self.group, self.n_experts, self.top_k, self.capacity_factor = group, n_experts, top_k, capacity_factor
-        self.router, self.experts = router, experts
+        self.router, self.experts, self.shared = router, experts, nn.ModuleList(shared)
         self.bias_update = bias_update
         bias = torch.zeros(n_experts) if expert_bias is None else expert_bias.detach().clone()
         if bias.shape != (n_experts,):
@@ -199,7 +226,7 @@ class ExpertParallelMoE(nn.Module):
         counts, starts = expert_owners(moe.n_experts, n)
         mine = nn.ModuleList(copy.deepcopy(moe.experts[e]) for e in range(starts[r], starts[r] + counts[r]))
         return cls(copy.deepcopy(moe.router), mine, moe.n_experts, moe.top_k, moe.capacity_factor, group,
-                   bias_update=moe.bias_update, expert_bias=moe.expert_bias)
+                   bias_update=moe.bias_update, expert_bias=moe.expert_bias, shared=copy.deepcopy(moe.shared))
 
     def update_bias(self):
         """`MoE.update_bias` on the global load (`stats` holds all ranks' counts), so every rank
@@ -224,7 +251,7 @@ class ExpertParallelMoE(nn.Module):
         rows = AllToAll.apply(x[t], send, recv, self.group)            # (3) dispatch
         y = self._run_experts(rows, got)                               # (4) local experts
         back = AllToAll.apply(y, recv, send, self.group)               # (5) combine
-        out = torch.zeros_like(x).index_add(0, t, gates[t, i].unsqueeze(-1) * back)
+        out = shared_output(self.shared, x).index_add(0, t, gates[t, i].unsqueeze(-1) * back)
         self.aux_loss = balance_loss(probs.sum(0), per_slot[0], total, E)
         self.stats = {"tokens_per_expert": per_slot.sum(0).tolist(), "dropped_here": int((~keep).sum()),
                       "dropped": int(sum(max(0, c - cap) for c in per_slot.sum(0).tolist())) if k == 1 else None,
@@ -265,6 +292,31 @@ class ExpertParallelMoE(nn.Module):
         perm = torch.argsort(local, stable=True)
         outs = [expert(part) for expert, part in zip(self.experts, torch.split(rows[perm], got.sum(0).tolist()))]
         return torch.cat(outs)[torch.argsort(perm)] if outs else rows
+
+
+class RankCapacityMoE(ExpertParallelMoE):
+    """Expert parallelism as GShard, Switch and Megatron size capacity: each rank queues its own
+    tokens and gives each expert C = ⌈factor · T_r · k / E⌉ of them, T_r its own token count, so
+    step (1), the all-gather of every rank's choice counts, is gone (one collective less per
+    layer). The layer then equals `MoE` applied to each rank's tokens as a batch of its own
+    (GShard's groups), not to all of them together: which tokens drop depends on how the ranks'
+    tokens happen to route. The balance loss is each rank's group's, and `aux_loss` is its share
+    of their mean. DeepSeek-V3's bias needs the global load, which this layer no longer gathers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bias_update:
+            raise ValueError("RankCapacityMoE gathers no global load, so every rank would move DeepSeek-V3's "
+                             "bias differently: use ExpertParallelMoE for bias_update > 0")
+
+    def _global_queue(self, idx):
+        """(1) without communication: queue positions, counts and tokens of this rank alone."""
+        return (*local_queue(idx, self.n_experts), idx.shape[0])
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.aux_loss = self.aux_loss / group_info(self.group)[1]     # n groups' losses, averaged
+        return out
 
 
 def moe_gpt(cfg, n_experts, top_k, capacity_factor):

@@ -20,12 +20,15 @@ SEQ = {2: 13, 3: 17, 4: 19}                  # lengths no layout splits evenly
 
 
 MOE_CASES = {
-    # name: (layer, tokens per rank)
-    "top-2, drops": (dict(n_experts=6, top_k=2, capacity_factor=0.75), [9, 14, 5, 11]),
-    "top-1, drops": (dict(n_experts=5, top_k=1, capacity_factor=1.0), [12, 7, 10, 3]),
-    "top-2, no drops": (dict(n_experts=6, top_k=2, capacity_factor=None), [9, 14, 5, 11]),
-    "a rank with no tokens": (dict(n_experts=3, top_k=1, capacity_factor=1.0), [8, 0, 6, 5]),
+    # name: (layer, tokens per rank, whether choices are dropped)
+    "top-2, drops": (dict(n_experts=6, top_k=2, capacity_factor=0.75), [9, 14, 5, 11], True),
+    "top-1, drops": (dict(n_experts=5, top_k=1, capacity_factor=1.0), [12, 7, 10, 3], True),
+    "top-2, dropless": (dict(n_experts=6, top_k=2, capacity_factor=None), [9, 14, 5, 11], False),
+    "a rank with no tokens": (dict(n_experts=3, top_k=1, capacity_factor=1.0), [8, 0, 6, 5], True),
+    "shared experts, drops": (dict(n_experts=4, top_k=2, capacity_factor=0.75, n_shared=2), [9, 14, 5, 11], True),
+    "no tokens anywhere": (dict(n_experts=3, top_k=2, capacity_factor=1.0, n_shared=1), [0, 0, 0, 0], False),
 }
+CAPACITY = ("global", "rank")          # ExpertParallelMoE, RankCapacityMoE
 
 
 GPT_CASES = {2: [("ring", "zigzag"), ("ulysses", "contiguous")], 3: [("ring", "contiguous")],
@@ -36,8 +39,9 @@ def everything(rank, world_size):
     """All of one world size's checks in one spawn (starting ranks is the expensive part)."""
     return {"attention": L.attention_shards(rank, world_size, cases=CASES, seq_len=SEQ[world_size], heads=HEADS),
             "gpt": {case: L.cp_gpt_gradients(rank, world_size, *case) for case in GPT_CASES[world_size]},
-            "moe": {name: L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size])
-                    for name, (kw, tokens) in MOE_CASES.items()},
+            "moe": {(name, cap): L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size],
+                                                         capacity=cap)
+                    for name, (kw, tokens, _) in MOE_CASES.items() for cap in CAPACITY},
             "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
             "pytorch": {how: L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4,
                                                                   rotate=how) for how in ("allgather", "alltoall")}
@@ -134,21 +138,22 @@ def test_context_parallel_gpt_equals_gpt(runs, world_size, case):
 
 
 
+@pytest.mark.parametrize("capacity", CAPACITY)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("case", list(MOE_CASES))
-def test_expert_parallel_equals_moe(runs, world_size, case):
-    layer_kw, tokens = MOE_CASES[case]
+def test_expert_parallel_equals_moe(runs, world_size, case, capacity):
+    """ExpertParallelMoE equals MoE on all ranks' tokens together; RankCapacityMoE (capacity per
+    rank, no count all-gather) equals MoE on each rank's tokens as a batch of its own. Shared
+    experts, dropless routing and ranks without tokens included; the balance loss is never NaN."""
+    layer_kw, tokens, drops = MOE_CASES[case]
     tokens = tokens[:world_size]
-    ref = L.moe_reference(layer_kw, tokens)
-    per_rank = [r["moe"][case] for r in runs[world_size]]
-    if "no drops" in case:
-        assert ref["stats"]["dropped"] == 0
-    else:
-        assert ref["stats"]["dropped"] > 0, "the case must exercise dropped tokens"
+    ref = L.moe_reference(layer_kw, tokens, capacity=capacity)
+    per_rank = [r["moe"][case, capacity] for r in runs[world_size]]
+    assert (ref["dropped"] > 0) == drops, "the case must (not) exercise dropped tokens"
     assert torch.equal(torch.cat([r["keep"] for r in per_rank]), ref["keep"]), "different tokens dropped"
     for name in ("out", "x_grad"):
         torch.testing.assert_close(torch.cat([r[name] for r in per_rank]), ref[name], rtol=1e-10, atol=1e-12)
-    assert per_rank[0]["aux"] == pytest.approx(ref["aux"], rel=1e-12)
+    assert per_rank[0]["aux"] == pytest.approx(ref["aux"], rel=1e-12) and ref["aux"] == ref["aux"]   # not NaN
     seen = {}
     for r in per_rank:
         seen.update(r["grads"])
@@ -533,3 +538,31 @@ def test_the_router_z_loss_is_trained_and_lowers_the_logits():
     mean = lambda xs: sum(xs) / len(xs)
     assert "did what it is for" in L.z_words(without, with_z, mean)
     assert "not yet" in L.z_words(with_z, without, mean)
+
+
+def test_rank_capacity_drops_what_each_rank_alone_would_and_refuses_the_bias():
+    """Review X5: real EP sizes capacity per rank, with no exchange of counts. Then which tokens drop
+    depends on the grouping (so it differs from one batch of all tokens), and DeepSeek-V3's bias,
+    which needs the global load, is refused rather than moved differently on every rank."""
+    kw, tokens, _ = MOE_CASES["top-2, drops"]
+    every, alone = (L.moe_reference(kw, tokens, capacity=c) for c in CAPACITY)
+    assert not torch.equal(every["keep"], alone["keep"])
+    moe = L.moe_layer(**kw)
+    moe.bias_update = 0.01
+    with pytest.raises(ValueError, match="bias"):
+        L.RankCapacityMoE(moe.router, moe.experts, moe.n_experts, moe.top_k, moe.capacity_factor, None,
+                          bias_update=moe.bias_update)
+
+
+def test_no_tokens_give_a_zero_balance_loss_not_nan():
+    """Adversarial 6 / review C6: a batch without tokens gave aux_loss = 0/0 = NaN."""
+    moe = L.moe_layer(n_experts=3, top_k=1, n_shared=1)
+    out = moe(torch.zeros(0, moe.d_model, dtype=torch.float64))
+    assert out.shape == (0, moe.d_model) and moe.aux_loss.item() == 0.0
+
+
+def test_shared_experts_see_every_token_ungated():
+    moe = L.moe_layer(n_experts=4, top_k=1, capacity_factor=0.5, n_shared=2)
+    x = torch.randn(10, moe.d_model, dtype=torch.float64)
+    routed = L.moe_layer(n_experts=4, top_k=1, capacity_factor=0.5)       # the same routed experts, no shared
+    torch.testing.assert_close(moe(x), routed(x) + moe.shared[0](x) + moe.shared[1](x))
