@@ -30,6 +30,8 @@ MESH_AXES = ("dp", "pp", "cp", "tp")
 
 def mesh_coords(rank, shape):
     """{axis: index} of global `rank` on a mesh of `shape` = (dp, pp, cp, tp)."""
+    if not 0 <= rank < math.prod(shape):
+        raise ValueError(f"rank {rank} is outside 0..{math.prod(shape) - 1} of a {tuple(shape)} mesh")
     coords = {}
     for axis, size in zip(reversed(MESH_AXES), reversed(shape)):
         coords[axis] = rank % size

@@ -169,6 +169,8 @@ def theory_bubble(name, p, m, v=1):
     """The textbook bubble fraction under F = B, W = 0, no communication: (p−1)/(m+p−1) for
     AFAB and 1F1B; interleaving divides the bubble time by v: (p−1)/(v·m+p−1); naive keeps one
     stage busy at a time: 1 − 1/p. None where the schedule has no closed form here."""
+    if min(p, m, v) < 1:
+        raise ValueError(f"need p, m and v of at least 1 (as make_schedule); got p={p}, m={m}, v={v}")
     if name == "naive":
         return 1 - 1 / p
     if name in ("gpipe", "1f1b") and v == 1:

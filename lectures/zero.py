@@ -30,6 +30,8 @@ def shard_size(numel, world_size):
 
 def take_shard(t, rank, world_size):
     """A copy of this rank's piece of `t` (padded with zeros at the end of the last piece)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1} of {world_size} ranks")
     s = shard_size(t.numel(), world_size)
     flat = torch.zeros(s * world_size, dtype=t.dtype, device=t.device)
     flat[:t.numel()] = t.detach().reshape(-1)
