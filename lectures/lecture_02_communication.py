@@ -1158,7 +1158,11 @@ def hang_demo():
         the others give up after {timeout} seconds (this failure is the lesson, and expected;
         a rank may instead report that a peer closed the connection, because a rank that gave
         up closes its links). In a real job, `TORCH_DISTRIBUTED_DEBUG=DETAIL`, `NCCL_DEBUG=INFO`
-        and the flight recorder name the rank that fell behind.
+        and the flight recorder name the rank that fell behind. Worse than a hang: ranks that
+        pass tensors of different shapes or dtypes but the same number of bytes (float32 (8,)
+        on one, float64 (4,) on another) get no error at all, from `dist.all_reduce` or from
+        the course's rings, only numbers that mean nothing; `TORCH_DISTRIBUTED_DEBUG=DETAIL`
+        checks shapes and dtypes across ranks before every collective.
     """)
     run = spawn(skip_a_collective, world_size, expect_error=True, timeout=timeout,
                 name=f"hang: the last rank skips an all-reduce, {timeout} s timeout")
