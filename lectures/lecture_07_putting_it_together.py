@@ -39,7 +39,7 @@ from lectures.step_time import (ASSUMED, H100_MEMORY, H100_PEAK_BF16, IB_BW, LLA
                                 LLAMA3_8B, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW,
                                 Hardware, all_reduce_time, axis_link, collective_bytes, dp_traffic,
                                 flops_per_token, tp_collectives, gather_time, h100_cluster, mfu, p2p_link,
-                                p2p_time, step_bytes, step_time)
+                                kept_gathered, p2p_time, step_bytes, step_time, zero3_bytes)
 
 
 # =========================================================================================

@@ -108,8 +108,9 @@ def dp_traffic(model, layout, hw, stage, compute):
                 this, and DeepSpeed refuses ZeRO-2 with pipelines for this reason), each under
                 its own backward, then the all-gather after the optimizer;
       ZeRO-3    every micro-batch gathers the weights for its forward and again for its
-                backward and reduce-scatters its gradients; nothing after the optimizer (the
-                updated shards are what the next forward gathers).
+                backward (all but the embedding and head, `kept_gathered`) and reduce-scatters
+                its gradients; nothing after the optimizer (the updated shards are what the
+                next forward gathers).
     On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as `collective_bytes`
     counts it. A fraction `hw.overlap` of the compute they run beside can hide them. Returns
     (exposed seconds, collective seconds before hiding)."""
@@ -135,8 +136,9 @@ def dp_traffic(model, layout, hw, stage, compute):
         parts = [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
     elif z == 2:
         parts = [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
-    else:
-        parts = [(ag(weight_bytes), fwd, m), (ag(weight_bytes) + rs(grad_bytes), bwd, m)]
+    else:   # backward gathers all but the embedding and head, kept gathered since forward
+        again = weight_bytes - kept_gathered(model, layout, stage) * B["weights"]
+        parts = [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
     return (sum(k * max(0.0, t - hide * under) for t, under, k in parts), sum(k * t for t, _, k in parts))
 
 
@@ -281,7 +283,26 @@ def collective_bytes(kind, n, nbytes, backend="gloo"):
     return (n - 1) / n * nbytes
 
 
-def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None):
+def kept_gathered(model, layout, stage):
+    """Parameters ZeRO-3 keeps gathered from a micro-batch's forward to its backward: the
+    stage's embedding and LM head, which sit in FSDP's root unit (not resharded after forward),
+    so backward does not gather them again; `estimate_memory` counts them in `gathered`."""
+    sharded, replicated = model.layer_params(layout.tp)
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    return stage_params(model, layout, stage) - n_layers * (sharded + replicated)
+
+
+def zero3_bytes(sizes, kept, n, m, weight_bytes, grad_bytes, backend="gloo"):
+    """Bytes one rank sends in a ZeRO-3 step of m micro-batches over n ranks: every micro-batch
+    all-gathers each tensor (element counts `sizes`, padded to a multiple of n) for its forward,
+    again for its backward unless it stayed gathered (`kept`), and reduce-scatters its gradient."""
+    pad = lambda xs: sum(-(-s // n) * n for s in xs)
+    c = lambda kind, nbytes: collective_bytes(kind, n, nbytes, backend)
+    return m * (c("all-gather", pad(sizes) * weight_bytes) + c("all-gather", (pad(sizes) - pad(kept)) * weight_bytes)
+                + c("reduce-scatter", pad(sizes) * grad_bytes))
+
+
+def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_sizes=None):
     """Bytes one rank of pipeline stage `stage` sends in one training step, by axis, as the
     trainer runs it:
       tp   per block and micro-batch 2 all-reduces forward and 2 backward of the block's
@@ -297,8 +318,9 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None):
       dp   over the dp·cp replicas, per parameter tensor (`tensor_sizes`: element counts of the
            stage's tensors, padded for ZeRO to a multiple of the group): ZeRO-0 an all-reduce;
            ZeRO-1 a reduce-scatter and an all-gather; ZeRO-2 a reduce-scatter per micro-batch
-           and an all-gather; ZeRO-3 per micro-batch two all-gathers (forward, backward) and a
-           reduce-scatter — `dp_traffic`'s count.
+           and an all-gather; ZeRO-3 per micro-batch an all-gather for forward, another for
+           backward of all but what stayed gathered (`kept_sizes`; by default the stage's
+           embedding and LM head, `kept_gathered`) and a reduce-scatter — `dp_traffic`'s count.
     Element sizes from `layout.precision`: activations at their width, gradients at the
     gradients' (fp32 in mixed precision), gathered weights at the weights' (bf16)."""
     B = PRECISION_BYTES[layout.precision]["act"]
@@ -331,7 +353,8 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None):
             out["dp"] = c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
         elif layout.zero == 2:
             out["dp"] = m * c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
-        else:   # ZeRO-3: every micro-batch gathers the weights for forward and for backward
-            out["dp"] = m * (2 * c("all-gather", n, padded * W) + c("reduce-scatter", n, padded * G))
+        else:   # ZeRO-3: every micro-batch gathers the weights for forward and (most) for backward
+            kept = kept_sizes if kept_sizes is not None else [kept_gathered(model, layout, stage)]
+            out["dp"] = zero3_bytes(sizes, kept, n, m, W, G, backend)
     out["total"] = sum(out.values())
     return out

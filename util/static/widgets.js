@@ -430,7 +430,10 @@
     if (z === 0) parts = [[ar(gradBytes), bwd, 1]];
     else if (z === 1) parts = [[rs(gradBytes), bwd, 1], [ag(weightBytes), fwd, 1]];
     else if (z === 2) parts = [[rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]];
-    else parts = [[ag(weightBytes), fwd, mb], [ag(weightBytes) + rs(gradBytes), bwd, mb]];
+    else {   // backward gathers all but the embedding and head (kept_gathered)
+      var lp = layerParams(m, l.tp), kept = stageParams(m, l, stage) - nLayers * (lp[0] + lp[1]);
+      parts = [[ag(weightBytes), fwd, mb], [ag(weightBytes - kept * B.weights) + rs(gradBytes), bwd, mb]];
+    }
     var exposed = 0, all = 0;
     parts.forEach(function (p) { exposed += p[2] * Math.max(0.0, p[0] - hide * p[1]); });
     parts.forEach(function (p) { all += p[2] * p[0]; });
