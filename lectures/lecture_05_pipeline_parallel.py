@@ -1237,7 +1237,8 @@ def pytorch_schedules():
         rank's Ws run $r$ micro-batches late) on interleaved chunks, two per rank: our ZB-H1
         has one. `ScheduleZBVZeroBubble` and our `zb-v` run the same action lists (ZB-V: two
         chunks in a V, 1F1B's memory; a test compares ours with its `pipeline_order`);
-        `ScheduleDualPipeV` and our `dualpipev` both follow DeepSeek's DualPipeV. One caution when
+        `ScheduleDualPipeV` and our `dualpipev` run the same lists too, with the same
+        forward-and-backward pairs (its `OVERLAP_F_B` actions; also tested). One caution when
         reading PyTorch's action lists: in torch 2.13 `Schedule1F1B.pipeline_order` names the
         wrong micro-batches for the last rank (its training is correct), so we draw nothing
         from it.
