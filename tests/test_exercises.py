@@ -272,8 +272,10 @@ CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
 @pytest.mark.parametrize("name,fns,says", CAUGHT, ids=[f"{n}-{f[-1].__name__}" for n, f, _ in CAUGHT])
 def test_check_catches(name, fns, says):
     verdict = exercises.evaluate(name, *fns)
-    says = says if isinstance(says, tuple) else (says,)
+    says = says if isinstance(says, tuple) else (says,)        # a tuple: any of them
     assert verdict["passed"] is False and any(s in verdict["detail"] for s in says), verdict["detail"]
+    if f_default_group in fns:                                # shown where the student wrote it
+        assert 'File "<your f_default_group>", line 11, in backward\n    dist.all_reduce(grad)\n' in verdict["detail"]
 
 
 def test_any_spelling_of_dist_is_counted():
@@ -308,3 +310,6 @@ def test_verdict_numbers_show_the_difference_and_the_dtype():
     expected, got = diff.split("expected ")[1].split(" (")[0].split(", got ")
     assert expected == "-1.14315" and float(got) == near[1].item(), diff
     assert engine.first_difference(110336, 110336.4) == "expected 110336, got 110336.4"
+    import numpy as np                                # a correct count returned as numpy's integer
+    assert engine.first_difference(110336, np.int64(110336)) is None
+    assert engine.first_difference(1.5, np.float32(1.5)) is None

@@ -27,6 +27,7 @@ import importlib
 import inspect
 import linecache
 import math
+import numbers
 import textwrap
 import time
 
@@ -216,7 +217,8 @@ def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
     if isinstance(expected, bool) or expected is None or isinstance(expected, str):
         return None if got == expected else f"{at}expected {_fmt(expected)}, got {_fmt(got)}"
     if isinstance(expected, (int, float)):
-        if isinstance(got, bool) or not isinstance(got, (int, float)) and not (
+        # numbers.Real takes numpy's scalars (np.int64, np.float32) too; a 1-element tensor counts
+        if isinstance(got, bool) or not isinstance(got, numbers.Real) and not (
                 hasattr(got, "item") and getattr(got, "numel", lambda: 0)() == 1):
             return f"{at}expected the number {_fmt(expected)}, got {type(got).__name__}: {_fmt(got)}"
         got = float(got.item() if hasattr(got, "item") else got)
