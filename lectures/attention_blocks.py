@@ -16,6 +16,7 @@ import math
 import torch
 
 from lectures.attention import merge_attention as merge_partials
+from lectures.sequence_layout import LAYOUTS, dtype_code
 
 
 def pair_kind(qseg, kseg, causal):
@@ -149,6 +150,14 @@ def check_qkv(q, k, v):
                          "head_dim) with the same shape, kv_heads dividing heads (grouped-query attention); "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return q.shape[1] // k.shape[1]
+
+
+def attention_signature(q, k, causal, layout):
+    """What every rank of a context-parallel group must agree on: everything but the sequence
+    length (integers, for `sequence_layout.agreed_lengths`)."""
+    return {"batch size": q.shape[0], "heads": q.shape[1], "K/V heads": k.shape[1], "head dim": q.shape[3],
+            "dtype": dtype_code(q.dtype), "causal": int(bool(causal)),
+            "layout": LAYOUTS.index(layout) if layout in LAYOUTS else -1}
 
 
 def expand_kv(t, groups):

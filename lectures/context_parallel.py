@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lectures.attention_blocks import (SegmentAttention, acc_dtype, check_qkv, expand_kv, fold_kv, segments_backward,
-                                       segments_forward)
+from lectures.attention_blocks import (SegmentAttention, acc_dtype, attention_signature, check_qkv, expand_kv, fold_kv,
+                                       segments_backward, segments_forward)
 from lectures.ring_attention import ring_attention
-from lectures.sequence_layout import gather_lengths, group_info, layout_segments, offsets
+from lectures.sequence_layout import agreed_lengths, group_info, layout_segments, offsets
 
 
 # --- All-gather attention ---------------------------------------------------------------------
@@ -43,7 +43,7 @@ class AllGatherAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         q_, k_, v_ = (t.detach().to(acc) for t in (q, k, v))
         d, groups = q.shape[-1], q.shape[1] // k.shape[1]
-        lengths = gather_lengths(q.shape[2], group, n, q.device)
+        lengths = agreed_lengths(q.shape[2], attention_signature(q, k, causal, layout), group, n, q.device)
         segs = layout_segments(lengths, layout)
         # K/V are gathered with their own (GQA: fewer) heads, and repeated after the transfer.
         kv = expand_kv(_all_gather_padded(torch.cat([k_, v_], -1), lengths, group, n), groups)
@@ -149,11 +149,12 @@ def ulysses_attention(q, k, v, causal=False, group=None, layout="contiguous"):
     grouped-query attention, the K/V heads too: each rank's query heads keep their K/V heads)."""
     check_qkv(q, k, v)
     group, n, r = group_info(group)
+    # agreed first, so that a refusal below happens on every rank alike (none left waiting)
+    lengths = agreed_lengths(q.shape[2], attention_signature(q, k, causal, layout), group, n, q.device)
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"Ulysses splits the heads over the ranks: {q.shape[1]} query heads and {k.shape[1]} "
                          f"K/V heads cannot both be split evenly over {n} ranks (it needs ranks <= K/V heads "
                          "and both head counts divisible by the ranks)")
-    lengths = gather_lengths(q.shape[2], group, n, q.device)
     segs = layout_segments(lengths, layout)
     starts = offsets(lengths)
     allsegs = [(starts[j] + a, l, g) for j in range(n) for a, l, g in segs[j]]

@@ -18,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from lectures.attention_blocks import (SegmentAttention, acc_dtype, check_qkv, expand_kv, fold_kv, segments_backward,
-                                       segments_forward, visible_entries)
-from lectures.sequence_layout import gather_lengths, group_info, layout_segments
+from lectures.attention_blocks import (SegmentAttention, acc_dtype, attention_signature, check_qkv, expand_kv, fold_kv,
+                                       segments_backward, segments_forward, visible_entries)
+from lectures.sequence_layout import agreed_lengths, group_info, layout_segments
 
 TRACE = None  # a list while `tracing()` is on: (label, start, end, work) of ring compute and transfers
 
@@ -85,7 +85,8 @@ class RingAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         q_, k_, v_ = (t.detach().to(acc) for t in (q, k, v))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        lengths = gather_lengths(q.shape[2], group, n, q.device)
+        # One all_gather: every rank's length, and the ranks' agreement on shapes, dtype, mask, layout
+        lengths = agreed_lengths(q.shape[2], attention_signature(q, k, causal, layout), group, n, q.device)
         segs = layout_segments(lengths, layout)
         b, h, _, d = q.shape
         hk, groups = k.shape[1], h // k.shape[1]          # grouped-query attention: hk K/V heads travel

@@ -136,7 +136,42 @@ def group_info(group):
 
 def gather_lengths(local_len, group, n, dev):
     """Every rank's local sequence length, in rank order (the input of `layout_segments`)."""
-    t = torch.tensor([local_len], dtype=torch.int64, device=dev)
+    return agreed_lengths(local_len, {}, group, n, dev)
+
+
+def agreed_lengths(local_len, signature, group, n, dev):
+    """Every rank's local sequence length, and a check that the ranks agree on everything else in
+    `signature` ({what: int}, e.g. heads, head dim, dtype): all in one all_gather of a few
+    integers, which every rank needs anyway for the lengths. A rank that disagreed would otherwise
+    post transfers of other sizes (gloo aborts the process) or compute a silently wrong answer;
+    here every rank raises the same ValueError, naming what differs on which rank."""
+    t = torch.tensor([local_len, *signature.values()], dtype=torch.int64, device=dev)
     out = [torch.zeros_like(t) for _ in range(n)]
     dist.all_gather(out, t, group=group)
-    return [int(x.item()) for x in out]
+    rows = [x.tolist() for x in out]
+    for i, what in enumerate(signature, start=1):
+        if len({row[i] for row in rows}) > 1:
+            seen = ", ".join(f"rank {r}: {signature_value(what, row[i])}" for r, row in enumerate(rows))
+            raise ValueError(f"the ranks of this context-parallel group disagree on {what} ({seen}): every rank "
+                             "must call with the same shapes, dtype and arguments; only the sequence length may differ")
+    return [row[0] for row in rows]
+
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def dtype_code(dtype):
+    """A dtype as an integer every rank computes alike (−1: one of the others)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def signature_value(what, code):
+    """An agreed integer back in words, for the error."""
+    if what == "dtype":
+        return str(DTYPES[code]).replace("torch.", "") if code >= 0 else "another dtype"
+    if what == "layout":
+        return LAYOUTS[code] if code >= 0 else "neither layout"
+    if what == "causal":
+        return str(bool(code))
+    return str(code)

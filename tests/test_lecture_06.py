@@ -566,3 +566,41 @@ def test_shared_experts_see_every_token_ungated():
     x = torch.randn(10, moe.d_model, dtype=torch.float64)
     routed = L.moe_layer(n_experts=4, top_k=1, capacity_factor=0.5)       # the same routed experts, no shared
     torch.testing.assert_close(moe(x), routed(x) + moe.shared[0](x) + moe.shared[1](x))
+
+
+# --- Ranks that disagree: one agreed check at entry, the same ValueError on every rank -------------
+
+DISAGREEMENTS = {   # what rank 1 changes: (q heads, K/V heads, head dim, batch, dtype, causal, layout)
+    "heads": dict(heads=2, kv_heads=2), "K/V heads": dict(kv_heads=1), "head dim": dict(head_dim=4),
+    "batch size": dict(batch=1), "dtype": dict(dtype=torch.float32), "causal": dict(causal=False),
+    "layout": dict(layout="contiguous"),
+}
+
+
+def disagreeing_ranks(rank, world_size, what):
+    """Every variant with rank 1 calling differently from rank 0 in `what`: each rank's error."""
+    args = dict(heads=4, kv_heads=2, head_dim=8, batch=2, dtype=torch.float64, causal=True, layout="zigzag")
+    if rank == 1:
+        args.update(DISAGREEMENTS[what])
+    g = torch.Generator().manual_seed(rank)
+    make = lambda h: torch.randn(args["batch"], h, 6, args["head_dim"], generator=g, dtype=args["dtype"])
+    q, k, v = make(args["heads"]), make(args["kv_heads"]), make(args["kv_heads"])
+    errors = {}
+    for variant in VARIANTS:
+        try:
+            L.ATTENTION[variant](q, k, v, causal=args["causal"], layout=args["layout"])
+            errors[variant] = None
+        except ValueError as e:
+            errors[variant] = str(e)
+    return errors
+
+
+@pytest.mark.parametrize("what", list(DISAGREEMENTS))
+def test_ranks_that_disagree_get_one_clear_error(what):
+    """Adversarial 5 / review C6: ring attention with 2 heads on rank 0 and 4 on rank 1 (or float32
+    against float64) aborted gloo ('op.preamble.length <= op.nbytes'); a different mask or layout
+    gave a silent answer. Every variant now refuses on every rank, naming what differs."""
+    runs = spawn(disagreeing_ranks, 2, what=what).returns
+    for rank, errors in enumerate(runs):
+        for variant, msg in errors.items():
+            assert msg is not None and f"disagree on {what} " in msg, (rank, variant, msg)
