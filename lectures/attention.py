@@ -34,7 +34,7 @@ def attention_with_lse(q, k, v, causal=False, q_offset=0, k_offset=0, scale=None
     Plain tensor operations: autograd differentiates it."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)   # softmax statistics in fp32 at least
-    scores = (q @ k.transpose(-2, -1)).to(acc) * scale
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale   # fp32 scores, as backward recomputes them
     if causal:
         qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
         kj = torch.arange(k.shape[-2], device=q.device)[None, :] + k_offset
