@@ -1510,8 +1510,12 @@ def roofline():
     see("https://doi.org/10.1145/1498765.1498785", "Williams, Waterman & Patterson 2009, Roofline: an insightful visual performance model")
 
 
-def what_to_remember(tiles_win):
-    fp8_scales = ("one scale per token while outliers stay small, a scale per tile or block once "
+def what_to_remember(tiles_win=...):
+    """`tiles_win`: the outlier size from which the fp8 appendix measured tiles beating
+    row-wise scales (None: they never did; left out: not measured in this run)."""
+    fp8_scales = ("scales as fine as its outliers (the fp8 appendix measures where tiles start to pay)"
+                  if tiles_win is ... else
+                  "one scale per token while outliers stay small, a scale per tile or block once "
                   f"outlier channels reach {tiles_win:g}× (measured in the appendix)" if tiles_win else
                   "at least one scale per token (the appendix's tiles never beat row-wise scales here)")
     note(f"""

@@ -64,3 +64,45 @@ def test_fresh_layers_hold_one_full_layer(n):
                 assert value > 0.01, f"rank {rank}: {name}: the ranks hold the same numbers"
             else:
                 assert value == 0, f"rank {rank}: {name} differs from the one-process layer by {value}"
+
+
+def fresh_mlp_trained(rank, world_size, steps=4):
+    """A fresh column -> GELU -> row MLP with sequence parallelism, built and trained with the
+    launcher's seeding (the same seed on every rank), against the one-process MLP the same seed
+    draws: after SGD steps the replicated row bias is equal on every rank and equals the
+    reference's, the shards still differ, and every shard equals its slice of the reference."""
+    g, n, r = dist.group.WORLD, world_size, rank
+    seeded = torch.random.get_rng_state()
+    col, row = L.ColumnParallelLinear(6, 4 * n, g, sequence_parallel=True), \
+        L.RowParallelLinear(4 * n, 6, g, sequence_parallel=True)
+    torch.random.set_rng_state(seeded)
+    ref_in, ref_out = nn.Linear(6, 4 * n), nn.Linear(4 * n, 6)
+    params, ref_params = [*col.parameters(), *row.parameters()], [*ref_in.parameters(), *ref_out.parameters()]
+    opt, ref_opt = torch.optim.SGD(params, lr=0.01), torch.optim.SGD(ref_params, lr=0.01)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, target = torch.randn(2, 2 * n, 6, generator=data), torch.randn(2, 2 * n, 6, generator=data)
+        mine = slice(2 * r, 2 * r + 2)
+        loss = ((row(torch.nn.functional.gelu(col(x[:, mine]))) - target[:, mine]) ** 2).sum()
+        loss.backward()
+        ((ref_out(torch.nn.functional.gelu(ref_in(x))) - target) ** 2).sum().backward()
+        for o in (opt, ref_opt):
+            o.step(), o.zero_grad()
+    every = [torch.empty_like(row.bias) for _ in range(n)]
+    dist.all_gather(every, row.bias.detach())
+    weights = [torch.empty_like(col.weight) for _ in range(n)]
+    dist.all_gather(weights, col.weight.detach())
+    return {"bias across ranks": max((b - every[0]).abs().max().item() for b in every),
+            "bias vs one process": (row.bias - ref_out.bias).abs().max().item(),
+            "column vs one process": (col.weight - ref_in.weight.chunk(n, 0)[r]).abs().max().item(),
+            "row vs one process": (row.weight - ref_out.weight.chunk(n, 1)[r]).abs().max().item(),
+            "shards differ": min((weights[0] - w).abs().max().item() for w in weights[1:])}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fresh_layers_trained_stay_one_model(n):
+    for rank, out in enumerate(spawn(fresh_mlp_trained, n, name=f"fresh SP MLP trained, tp={n}").returns):
+        assert out["bias across ranks"] == 0, rank
+        assert out["shards differ"] > 0.01, rank
+        for name in ("bias vs one process", "column vs one process", "row vs one process"):
+            assert out[name] < 1e-5, (rank, name, out[name])
