@@ -143,6 +143,16 @@ def ring_without_communication(x):
     return sum(rank_input(r, x.shape, seed=seed) for r in range(dist.get_world_size()))
 
 
+def ring_for_two_ranks(x):
+    rank = dist.get_rank()
+    other = 1 - rank                            # written for 2 ranks: rank 2 sends to rank -1
+    incoming = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, other), dist.P2POp(dist.irecv, incoming, other)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return x + incoming
+
+
 def ring_all_reduce(x):                         # loops forever: the counter never moves
     n = dist.get_world_size()
     step = 0
@@ -250,6 +260,8 @@ CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
     ("ring_all_reduce", (ring_by_the_course,), "called ring_all_reduce (from lectures.lecture_02_communication)"),
     ("ring_all_reduce", (ring_without_communication,), "called rank_input"),
     ("ring_all_reduce", (ring_for_three_ranks,), ("the check on 2 ranks failed", "rank 0 of 2", "rank 1 of 2")),
+    # the other ranks then fail in the course's ring, an echo: the verdict shows the student's line
+    ("ring_all_reduce", (ring_for_two_ranks,), 'raised:\n  File "<your ring_for_two_ranks>", line 6'),
     ("all_gather", (all_gather_built_in,), "your function called dist.all_gather"),
     ("all_gather", (all_gather_float32,), "dtype: expected torch.float64, got torch.float32"),
     ("vocab_parallel_ce", (vocab_ce_gathers,), "your function called dist.all_gather"),
