@@ -743,12 +743,12 @@ def ring_attention_section():
         the other {untraced * 1e3:.1f} ms or so is not traced (Python and autograd between the blocks,
         allocating and merging the partial results, the switch from forward to backward: the gaps
         between spans in the figure). One hop of a K/V block *alone* takes {alone.ms()}, so the {transfers} hops
-        of a step cost about {alone_total * 1e3:.1f} ms of wire time. The waits are
-        {"more" if wait > alone_total else "less"} than that ({wait / alone_total:.1f}×), and they
-        are not the wire: a rank waits for its neighbour, which posts the next block only when it
-        reaches that step. So the waits measure **skew** between the ranks (one rank delayed by the
+        of a step cost about {alone_total * 1e3:.1f} ms of wire time. The waits add up to
+        {wait / alone_total:.1f}× that. {wait_words(wait, alone_total)} What a wait is follows from how the ring
+        runs: a rank waits for its neighbour, which posts the next block only when it reaches
+        that step. So the waits also measure **skew** between the ranks (one rank delayed by the
         other processes sharing these cores, or by having more work) and **contention** (gloo's
-        I/O threads run on the same cores as the compute), more than the bytes. On GPUs the same
+        I/O threads run on the same cores as the compute), not only the bytes. On GPUs the same
         holds in another form: NCCL runs its transfers as kernels on the GPU's SMs, competing
         with the compute kernels (DeepSeek-V3 reserves 20 of its SMs for communication).
 
@@ -762,6 +762,14 @@ def ring_attention_section():
         equal at about {S / n / ratio:.0f} positions per rank, the break-even block here. With a GPU's much larger FLOP/s per byte of bandwidth the minimum is
         thousands of tokens per rank, which is why a ring needs long sequences per device.
     """)
+
+
+def wait_words(wait, wire):
+    """What the total wait, against the wire time of the same hops alone, can and cannot say."""
+    if wait > wire:
+        return "More than the wire could take, so at least the excess is not the transfers themselves."
+    return ("The number alone cannot say what they are: a wait shorter than the wire is also what a "
+            "partly hidden transfer looks like.")
 
 
 def ring_steps_figure(n):
@@ -1173,6 +1181,7 @@ def pytorch_context_parallel():
                    "PyTorch's all-to-all rotation")
     note(f"""
         All-gather against all-gather: {ag}. Ring against ring: {ring}.
+        {rotate_words(t["sent"], n)}
         Both sides run the same fused CPU kernel on the blocks, so what remains is how the work
         around it is organised (read in torch 2.13's `_templated_ring_attention(_backward)`):
 
@@ -1190,6 +1199,18 @@ def pytorch_context_parallel():
         - **Precision of the merge.** PyTorch merges partials in float32 (`convert_to_f32`), ours in
           float32 or float64, as the inputs are.
     """)
+
+
+def rotate_words(sent, n):
+    """Whether PyTorch's two rotate methods can be told apart by their bytes at this size."""
+    a, b = sent["PyTorch, all-gather (default)"], sent["PyTorch, all-to-all rotation (a ring)"]
+    words = f"PyTorch's all-gather sent {a / 2**20:.3f} MiB and its rotation {b / 2**20:.3f} MiB ({a / b:.3f}×)"
+    if abs(a / b - 1) < 0.02:
+        return (f"{words}: each rank's K/V reach every other rank once either way, so the bytes are equal, and "
+                f"both compute the same blocks with the same kernel. At {n} "
+                "ranks the two PyTorch rows differ by timing only; what the choice changes is memory (the "
+                "gathered K/V held at once) and how many waits a step has, not bytes.")
+    return f"{words}."
 
 
 def mixture_of_experts():

@@ -604,3 +604,15 @@ def test_ranks_that_disagree_get_one_clear_error(what):
     for rank, errors in enumerate(runs):
         for variant, msg in errors.items():
             assert msg is not None and f"disagree on {what} " in msg, (rank, variant, msg)
+
+
+def test_wait_and_rotation_words_claim_only_what_the_numbers_show():
+    """Review C5: 'the waits are less than that (0.8×), and they are not the wire' read a number
+    as evidence it cannot be. Review C3: at 2 ranks PyTorch's two rotate methods move the same
+    bytes, which the page did not say."""
+    assert "cannot say" in L.wait_words(0.8, 1.0) and "not the wire" not in L.wait_words(0.8, 1.0)
+    assert "excess is not the transfers" in L.wait_words(1.5, 1.0)
+    same = {"PyTorch, all-gather (default)": 2.001 * 2**20, "PyTorch, all-to-all rotation (a ring)": 2.0 * 2**20}
+    assert "differ by timing only" in L.rotate_words(same, 2)
+    other = dict(same, **{"PyTorch, all-gather (default)": 3.0 * 2**20})
+    assert "timing only" not in L.rotate_words(other, 4)
