@@ -20,18 +20,19 @@ def presets():
     return {s.name: dataclasses.asdict(s) for s in shapes}
 
 
-def calculator_data(model="Llama 3 8B", layout=None, hardware=()):
+def calculator_data(model="Llama 3 8B", layout=None, hardware=(), cluster=None):
     """The widget's JSON: presets, precision table, the step-time model's constants (the H100
     cluster's, and any `Hardware` given, e.g. this machine's as the lecture measured it), and
-    the layout shown first. The memory cap starts at the search's: the H100 cluster's usable
+    the layout shown first; `cluster` replaces the default H100 cluster (e.g. with the GEMM
+    fraction the lecture fits). The memory cap starts at the search's: the H100 cluster's usable
     memory (review M5: the calculator and the search must agree on what fits)."""
     layout = layout or {"dp": 8, "tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1,
                         "micro_batches": 1, "recompute": "full", "precision": "bf16",
                         "schedule": "1f1b", "sp": True, "virtual_stages": 1}
-    machines = [h100_cluster(), *hardware]
+    machines = [cluster or h100_cluster(), *hardware]
     return {"presets": presets(), "precision_bytes": PRECISION_BYTES,
             "hardware": {hw.name: _finite(dataclasses.asdict(hw)) for hw in machines},
-            "initial": {"model": model, "layout": layout, "memory_gib": round(h100_cluster().memory / 2 ** 30, 2)}}
+            "initial": {"model": model, "layout": layout, "memory_gib": round(machines[0].memory / 2 ** 30, 2)}}
 
 
 def _finite(value):

@@ -662,20 +662,20 @@ def draw_memory_bars(model, lays):
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     colours = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                "gathered": "#8172b3", "activations": "#c44e52"}
-    top = 2.5 * H100_MEMORY / 1e9
+    top = 2.5 * H100_MEMORY / 2 ** 30
     for i, (label, lay) in enumerate(lays):
         est = estimate_memory(model, lay)
         bottom = 0
         for k, c in colours.items():
-            ax.bar(i, est[k] / 1e9, bottom=bottom, color=c, label=k if i == 0 else None)
-            bottom += est[k] / 1e9
-        text = f"{bottom:,.0f} GB ↑" if bottom > top else f"{bottom:.0f} GB"
+            ax.bar(i, est[k] / 2 ** 30, bottom=bottom, color=c, label=k if i == 0 else None)
+            bottom += est[k] / 2 ** 30
+        text = f"{bottom:,.0f} GiB ↑" if bottom > top else f"{bottom:.0f} GiB"
         ax.text(i, min(bottom, top * 0.93) + 2, text, ha="center", va="bottom", fontsize=9,
                 weight="bold" if bottom > top else None)
-    ax.axhline(H100_MEMORY / 1e9, color="black", ls="--", lw=1, label=f"H100: {H100_MEMORY / 2 ** 30:.0f} GiB")
+    ax.axhline(H100_MEMORY / 2 ** 30, color="black", ls="--", lw=1, label=f"H100: {H100_MEMORY / 2 ** 30:.0f} GiB")
     ax.set_ylim(0, top)
     ax.set_xticks(range(len(lays)), [l for l, _ in lays], fontsize=9, rotation=20, ha="right")
-    ax.set_ylabel("GB per GPU", fontsize=10)
+    ax.set_ylabel("GiB per GPU", fontsize=10)
     ax.legend(fontsize=9, ncol=3, loc="upper right")
     ax.set_title(f"{model.name}, 64 GPUs, bf16 weights + fp32 gradients and AdamW, sequences of "
                  f"{model.seq}, micro-batch 1", fontsize=10)
@@ -1132,39 +1132,37 @@ def published_scale():
                 if r is None:
                     continue
                 t = r["time"]["total"]
-                rows.append([model.name, world, tag, r["layout"].label(), r["memory"]["total"] / 1e9, t,
+                rows.append([model.name, world, tag, r["layout"].label(), r["memory"]["total"] / 2 ** 30, t,
                              mfu(model, tokens / t, world * H100_PEAK_BF16), ""])
             if rule is not None:
                 t = step_time(model, rule, hw)["total"]
                 rows.append([model.name, world, "decision procedure", rule.label(),
-                             estimate_memory(model, rule)["total"] / 1e9, t,
+                             estimate_memory(model, rule)["total"] / 2 ** 30, t,
                              mfu(model, tokens / t, world * H100_PEAK_BF16), "; ".join(why)])
             if world == 512:
-                xs = [r["memory"]["total"] / 1e9 for r in found]
+                xs = [r["memory"]["total"] / 2 ** 30 for r in found]
                 ys = [r["time"]["total"] for r in found]
                 ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
                 if fitting:
                     best = fitting[0]["layout"].label().rsplit(" mb", 1)[0]
-                    ax.scatter([fitting[0]["memory"]["total"] / 1e9], [fitting[0]["time"]["total"]],
+                    ax.scatter([fitting[0]["memory"]["total"] / 2 ** 30], [fitting[0]["time"]["total"]],
                                marker="*", s=150, color="#c44e52", label=f"fastest that fits:\n{best}")
                 if rule is not None:
-                    ax.scatter([estimate_memory(model, rule)["total"] / 1e9], [step_time(model, rule, hw)["total"]],
+                    ax.scatter([estimate_memory(model, rule)["total"] / 2 ** 30], [step_time(model, rule, hw)["total"]],
                                marker="D", s=110, facecolors="none", edgecolors="#55a868", linewidths=2,
                                zorder=3, label="decision procedure")
-                ax.axvline(hw.memory / 1e9, color="black", ls="--", lw=1)
+                ax.axvline(hw.memory / 2 ** 30, color="black", ls="--", lw=1)
                 ax.set_xscale("log")
                 ax.set_yscale("log")
-                ax.set_xlabel("predicted GB per GPU")
+                ax.set_xlabel("predicted GiB per GPU")
                 ax.set_ylabel("predicted s per step")
                 ax.set_title(f"{model.name}, 512 GPUs: {len(found)} configurations", fontsize=10)
                 ax.legend(fontsize=9, loc="upper left")
-    figure(fig, caption="Every configuration of the search at 512 GPUs: grey ones exceed the memory "
-                        "limit (dashed line).")
-    table(rows, header=["model", "GPUs", "chosen by", "layout", "GB per GPU", "s per step", "MFU", "why"],
+    table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU", "why"],
           caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
-    with deep_dive("The decision procedure, step by step",
-                   "the syllabus' rule of thumb as code and as a flowchart, with where it stopped for each model"):
-        decision_flow(outcomes)
+    with deep_dive("The search's space and the decision procedure, step by step",
+                   "every configuration at 512 GPUs, and the rule of thumb as code and as a flowchart"):
+        decision_flow(outcomes, fig)
     differ = [(k, rule_of[k], searched[k]) for k in searched if rule_of.get(k) is not None
               and not agree[list(searched).index(k)]]
     exposed = [(name, world, r, step_time(LLAMA3_8B if "8B" in name else LLAMA3_70B, r, hw))
@@ -1187,10 +1185,26 @@ def published_scale():
     """)
     _RESULTS["published"] = rows
     nvidia_and_ties(searched, hw, band)
+    calculator(hw)
 
 
-def decision_flow(outcomes):
-    note("## Deep dive: the decision procedure, step by step")
+def calculator(hw):
+    machines = [_RESULTS["this_machine"]] if "this_machine" in _RESULTS else []
+    fitted = dataclasses.replace(hw, name=f"DGX H100 cluster, GEMMs at {100 * hw.flops / hw.peak:.0f}% of peak (fitted above)")
+    widget("memory-calculator", calculator_data(hardware=machines, cluster=fitted),
+           caption=f"Try it: the estimator and the step-time model in the page (JavaScript ports the tests "
+                   f"check against Python on hundreds of random layouts). "
+                   f"Per-rank memory of the most loaded pipeline stage (the black line is the device's "
+                   f"memory, starting at the search's cap: {hw.memory / 2 ** 30:.1f} GiB, "
+                   f"{ASSUMED['usable fraction of HBM']} of 80 GiB) and the predicted step time with its parts, "
+                   f"on the H100 cluster's constants with the GEMM fraction fitted on Table 4, or on this "
+                   f"machine's as measured above.")
+
+
+def decision_flow(outcomes, space):
+    note("## Deep dive: the search's space and the decision procedure, step by step")
+    figure(space, caption="Every configuration of the search at 512 GPUs: grey ones exceed the memory "
+                          "limit (dashed line).")
     see(decision_procedure)
     figure(draw_decision_flow(outcomes),
            caption="The decision procedure as a flowchart, with where it stopped for each model and "
@@ -1205,14 +1219,11 @@ def llama3_table4():
     note(f"""
         ### Llama 3 405B: Table 4 through the model
         Meta published three layouts of Llama 3 405B with the MFU each measured (Llama 3
-        report, Table 4): the mesh, the sequence length and the batch, but not the micro-batch
-        size, the virtual stages, the ZeRO stage or the recomputation. The course's search
-        chooses those on each row's mesh, under the same memory cap as everywhere here
-        ({hw.memory / 2 ** 30:.1f} GiB: {ASSUMED['usable fraction of HBM']} of 80 GiB). One constant
-        is honestly unknown: how fast an H100 runs these GEMMs. It is fitted on the first row
-        alone — {100 * frac:.1f}% of the {H100_PEAK_BF16 / 1e12:.0f} TFLOP/s peak — and the
-        other two rows are *predicted* with it; every other constant stays as stated above,
-        the same for every row.
+        report, Table 4), but not their micro-batch size, virtual stages, ZeRO stage or
+        recomputation: the search chooses those on each row's mesh, under the same memory cap as
+        everywhere here ({hw.memory / 2 ** 30:.1f} GiB). How fast an H100 runs these GEMMs is
+        honestly unknown: it is fitted on the first row alone ({100 * frac:.1f}% of peak), and the
+        other rows are *predicted* with it and every other constant as stated above.
     """)
     rows = []
     for i, (row, best, err) in enumerate(out):
@@ -1333,8 +1344,7 @@ def nvidia_and_ties(searched, hw, band):
         **Near-ties are ties.** The model's own error on the Table 4 rows it predicts is
         {100 * band:.0f}%, so every layout within {100 * band:.0f}% of the fastest is as good as
         the fastest as far as the model can tell: {', '.join(f"{n:,} at {w} GPUs" for w, n in ties.items())}.
-        What separates them is in the last column; the search's first line is one member of that
-        group, not a verdict. NVIDIA's recipe for the same model — tensor parallelism 4 within a
+        The search's first line is one member of that group, not a verdict. NVIDIA's recipe for the same model — tensor parallelism 4 within a
         node, a pipeline of 4 with 5 virtual stages, context parallelism 2 even at 8K tokens —
         {in_group}. Context parallelism at 8K is cheap with grouped-query
         attention: a ring step moves K and V, {2 * LLAMA3_70B.kv_dim / LLAMA3_70B.hidden:.2f}× the
