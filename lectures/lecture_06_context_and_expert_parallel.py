@@ -604,8 +604,9 @@ def intro():
         why causal masking unbalances contiguous chunks and how zig-zag and striped layouts fix
         it; the all-gather variant and Ulysses, and what each sends (grouped-query attention
         included); what PyTorch's `context_parallel` really does; a mixture of experts with
-        capacity and balancing; expert parallelism's dispatch and combine by all-to-all, and
-        which gradients reduce over which group.
+        capacity, shared experts and balancing (the router z-loss trained); expert parallelism's
+        dispatch and combine by all-to-all, capacity per rank and dropless, and which gradients
+        reduce over which group.
 
         **What you need.** Lecture 01 (the GPT, attention and FlashAttention's online softmax),
         lecture 02 (send/recv, all-gather, reduce-scatter, all-to-all) and lecture 03 (summing
@@ -1683,14 +1684,18 @@ def what_to_remember():
         - Ring attention passes K/V blocks around and merges partials by log-sum-exp; its
           transfers hide only when a block's compute outlasts its transfer (long blocks).
         - Causal masking gives contiguous chunks a (2n − 1) : 1 imbalance; zig-zag or striped
-          layouts give every rank the same work.
+          layouts give every rank the same work, which speeds the step by at most (2n − 1)/n,
+          never 2×.
         - All-gather CP is simpler and holds the whole K/V (small under GQA: send kv_heads, repeat
           after the transfer); Ulysses sends a volume that does not grow with n but needs
           heads ≥ ranks. PyTorch's `context_parallel` all-gathers K/V by default.
-        - A MoE router picks top-k experts, capacity drops the overflow, and a balance loss (or
-          DeepSeek-V3's bias) keeps the experts evenly loaded.
-        - Expert parallelism moves tokens with two all-to-alls; router and shared weights reduce
-          over all DP × EP ranks, experts over their expert-data-parallel group.
+        - A MoE router picks top-k experts, capacity drops the overflow (dropless: none, and
+          batches that follow the router), shared experts see every token, and a balance loss
+          (or DeepSeek-V3's bias) keeps the experts evenly loaded; the router z-loss keeps the
+          logits small.
+        - Expert parallelism moves tokens with two all-to-alls; real systems size capacity per
+          rank; router and shared weights reduce over all DP × EP ranks, experts over their
+          expert-data-parallel group.
 
         The companion notebook, `lectures/notebooks/lecture_06_context_and_expert_parallel.ipynb`,
         runs every section of this page cell by cell, with its knobs at the top.
