@@ -151,7 +151,6 @@
     legend.appendChild(document.createTextNode("lighter: a rank's second chunk"));
     var svgBox = el("div", { "class": "widget-svg" }, body);
     var memBox = el("div", { "class": "widget-svg" }, body);
-    var timing = el("p", { "class": "widget-timing quiet" }, body);
 
     function options(sel, values) {
       var old = sel.value;
@@ -256,7 +255,6 @@
         " measured on this timeline; formula " + theory + "; most held on a rank: " + (+maxPeak.toFixed(2)) + " micro-batches.";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
-      timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
     }
     sName.addEventListener("change", function () { refreshChoices(); redraw(); });
     sP.addEventListener("change", function () { refreshChoices(); redraw(); });
@@ -551,7 +549,6 @@
     var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
     var barBox = el("div", { "class": "widget-svg" }, body);
     var stepOut = el("p", { "class": "widget-readout" }, body);
-    var timing = el("p", { "class": "widget-timing quiet" }, body);
     var base = {};
     function loadPreset() {
       var p = data.presets[preset.value];
@@ -635,7 +632,6 @@
         fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + ", exposed data-parallel " + fmt(st.dp) + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
-      timing.textContent = "recomputed and redrawn in " + ms.toFixed(1) + " ms";
     }
     preset.addEventListener("change", function () { loadPreset(); redraw(); });
     shapeKeys.forEach(function (k) {
