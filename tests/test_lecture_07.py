@@ -215,6 +215,9 @@ def test_published_search_respects_memory():
 def test_quick_build(course_site):
     site = built(course_site, "lecture_07_putting_it_together")    # the session's one quick build
     assert (site / "lecture_07_putting_it_together.json").exists() and (site / "lecture_07_putting_it_together.html").exists()
+    page = (site / "lecture_07_putting_it_together.html").read_text()
+    assert 'data-widget="memory-calculator"' in page                 # the calculator is on the page
+    assert "Table 4 through the model" in page and "NVIDIA's recipe" in page
 
 
 @pytest.mark.parametrize("name,layout", L.PYTORCH_LAYOUTS)
