@@ -341,14 +341,19 @@ N_HALF = ("per ring step the last contiguous rank computes a whole block (half o
 
 def speedup_words(zigzag, contiguous, n, ceiling):
     """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
-    above it even at the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is
-    said to be more than balance, and why, instead of being read as zig-zag's gain."""
+    of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
+    spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
+    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
     from util.measure import compare
     words = compare(zigzag, contiguous, "zig-zag", "contiguous")
-    low, whole = contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
-    if low <= ceiling:
+    ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
+    if ratio <= ceiling:
         return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
-    if low <= whole:
+    if low <= ceiling:
+        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
+                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
+                "more than balance can, so this ratio is not read as zig-zag's gain")
+    if ratio <= whole:
         return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
                 f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
                 "of each diagonal block's masked half was paid for")
@@ -971,9 +976,10 @@ def load_balance_section():
         block (which moves the ceiling to 4n/(2n + 1), {whole_diagonal_ceiling(nb):.2f}× at {nb} ranks)
         or from the machine's load changing between the two layouts' repetitions.
     """)
-    cheat("zig-zag over contiguous, causal", "speed-up by balance $\\le (2n-1)/n$, below 2",
-          round(busiest["contiguous"].median / busiest["zigzag"].median, 2), "×",
-          what=f"busiest share, {nb} ring ranks, measured (ceiling {balance_ceiling(S, nb):.2f})")
+    gain = busiest["contiguous"].median / busiest["zigzag"].median
+    if gain <= balance_ceiling(S, nb):      # a ratio above the ceiling is not balance: no cheat line from it
+        cheat("zig-zag over contiguous, causal", "speed-up by balance $\\le (2n-1)/n$, below 2", round(gain, 2), "×",
+              what=f"busiest share, {nb} ring ranks, measured (ceiling {balance_ceiling(S, nb):.2f})")
     note("""
         The zig-zag layout is a different order of the tokens, nothing more: the model embeds each
         token at its true position and the loss is a sum over tokens, so training is unchanged

@@ -525,6 +525,9 @@ def test_zigzag_speedups_are_read_against_the_balance_ceiling():
     assert "more than balance can give" in review and "not read as zig-zag's gain" in review
     between = L.speedup_words(ms(10, 10, 10), ms(15.5, 15.5, 15.5), 2, ceiling)   # 1.55: above 1.5, below 1.6
     assert "diagonal block" in between and "more than" not in between
+    # the full build's shares on a loaded machine: 2.28x between medians, but quartiles 82-150 vs 175-244
+    loaded = L.speedup_words(ms(82.1, 86.1, 150), ms(175, 196, 244), 4, L.balance_ceiling(2048, 4))
+    assert "inside the repetitions' spread" in loaded and "not read as zig-zag's gain" in loaded
 
 
 def test_the_router_z_loss_is_trained_and_lowers_the_logits():
