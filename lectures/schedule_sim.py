@@ -8,6 +8,7 @@ pair's messages in posting order); `message_slots` gives each message a time on 
 both its ends post it at, and `p2p_deadlock` runs the ranks' posting programs under NCCL's rules.
 """
 import collections
+import math
 import typing
 
 def dependencies(action, stage, layout):
@@ -77,6 +78,19 @@ def message_order(schedule, layout=None):
     return dict(order)
 
 
+def check_costs(cost, pair=None):
+    """Raise ValueError unless `cost` gives F and B (W and send default to 0) and every cost, and
+    `pair` when given, is a finite number of at least 0: a negative or NaN time has no meaning,
+    and would come back as a bubble outside 0-100% or a NaN makespan."""
+    missing = [k for k in ("F", "B") if k not in cost]
+    if missing:
+        raise ValueError(f"cost needs F and B (W and send default to 0); {', '.join(missing)} missing from {cost}")
+    given = dict(cost, **({} if pair is None else {"pair": pair}))
+    for name, x in given.items():
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"cost {name} must be a finite number of at least 0, not {x!r}")
+
+
 class Simulation(typing.NamedTuple):
     timeline: list      # per rank: [(Action, start, end)] in execution order
     makespan: float
@@ -92,7 +106,9 @@ def simulate(schedule, cost, layout=None, pair=None):
 
     `pair`: the time of an overlapped forward-and-backward pair (DualPipe's F&B). When given, the
     schedule's `pairs` (DualPipeV's) run as one unit each, as on a GPU that overlaps them: the
-    unit starts once all its inputs are there, and what its actions produce leaves when it ends."""
+    unit starts once all its inputs are there, and what its actions produce leaves when it ends.
+    Every cost must be finite and at least 0 (`check_costs`)."""
+    check_costs(cost, pair)
     layout = layout or schedule.layout
     split = any(a.kind == "W" for acts in schedule for a in acts)
     dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}

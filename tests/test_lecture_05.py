@@ -1,6 +1,7 @@
 """Lecture 05: every pipeline schedule is complete and dependency-correct, the simulator gives the
 textbook bubbles, and the executor's loss, gradients and parameters after AdamW steps equal one
 process's for every schedule at 2 and 4 ranks."""
+import re
 import statistics
 
 import pytest
@@ -656,3 +657,19 @@ def test_sleep_caveat_said_once_and_megatron_claim_dated():
     import inspect
     assert inspect.getsource(L.measured_schedules).count("sleep_mode(p)") == 1
     assert "microbatch_group_size_per_vp_stage" in inspect.getsource(L.interleaved_measured)
+
+
+@pytest.mark.parametrize("cost,pair,says", [
+    ({"F": -1.0, "B": 1.0}, None, "cost F must be a finite number of at least 0, not -1.0"),
+    ({"F": 1.0, "B": float("nan")}, None, "cost B must be a finite number of at least 0, not nan"),
+    ({"F": 1.0, "B": 1.0, "W": float("inf")}, None, "cost W must be"),
+    ({"F": 1.0, "B": 1.0, "send": -0.1}, None, "cost send must be"),
+    ({"F": 1.0}, None, "cost needs F and B"),
+    ({"F": 1.0, "B": 1.0, "W": 1.0}, float("nan"), "cost pair must be")])
+def test_simulate_refuses_costs_that_are_not_times(cost, pair, says):
+    """adversarial.md item 28: a negative or non-finite cost (or a missing B) is a clear
+    ValueError, not a NaN makespan or a bubble outside 0-100%; zero costs stay allowed."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        S.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=pair)
+    free = S.simulate(L.make_schedule("1f1b", 2, 4), {"F": 1, "B": 1, "W": 0, "send": 0})
+    assert free.makespan == 10 and 0 <= free.bubble < 1
