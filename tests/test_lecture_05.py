@@ -673,3 +673,33 @@ def test_simulate_refuses_costs_that_are_not_times(cost, pair, says):
         S.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=pair)
     free = S.simulate(L.make_schedule("1f1b", 2, 4), {"F": 1, "B": 1, "W": 0, "send": 0})
     assert free.makespan == 10 and 0 <= free.bubble < 1
+
+
+def test_explorer_formula_is_the_papers_and_exact_where_it_is_shown():
+    """Review C1: beside the explorer's timeline stands the paper's formula, evaluated at the
+    explorer's costs, and only where it equals the simulated bubble of that very list; ZB-H2,
+    ZB-V and DualPipeV say there is no closed form here, and why."""
+    import random
+    from lectures.schedule_explorer import explorer_entries, formula_bubble
+    rng, shown = random.Random(3), set()
+    for e in explorer_entries():
+        sched = L.make_schedule(e["name"], e["p"], e["m"], e["chunks"])
+        if e["name"] in ("zb-h2", "zb-v", "dualpipev"):
+            assert e["formula"] is None and e["why"], e
+            continue
+        if e["formula"] is None:
+            assert "assumes m ≥ p" in e["why"] or "one chunk per rank" in e["why"], e
+            continue
+        for _ in range(3):
+            F, B = rng.uniform(0.2, 3), rng.uniform(0.2, 3)
+            stage = {"F": F, "B": B, "W": rng.uniform(0, min(F, B)), "send": 0}
+            v = e["chunks"]
+            sim = S.simulate(sched, {k: stage[k] / v for k in "FBW"})
+            assert formula_bubble(e["formula"], e["p"], e["m"], stage) == pytest.approx(sim.bubble, abs=1e-9), e["name"]
+        shown.add(e["name"])
+        assert formula_bubble(e["formula"], e["p"], e["m"], dict(stage, send=0.1)) is None   # sends are not free
+    assert shown == {"naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
+    zb = next(e for e in explorer_entries(names=("zb-h1",)) if (e["p"], e["m"]) == (4, 8))
+    assert zb["formula"]["text"].startswith("(p−1)(F+B−W)") and "Qi et al." in zb["formula"]["source"]
+    assert formula_bubble(zb["formula"], 4, 8, {"F": 1, "B": 1, "W": 1}) == pytest.approx(3 / 27)
+    assert formula_bubble(zb["formula"], 4, 8, {"F": 1, "B": 1, "W": 1.5}) is None      # W > F: not this list's

@@ -267,6 +267,42 @@ def test_explorer_shows_the_pages_numbers(browser, explorer_page, name, p, m, v)
         w.close()
 
 
+def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_page):
+    """Review C1: the JavaScript states the formula Python's formula_bubble states, for every
+    embedded schedule at random costs (some outside a formula's assumptions: then none); ZB-H1
+    shows Qi et al.'s (p−1)(F+B−W) at the explorer's costs, and ZB-H2, ZB-V and DualPipeV say
+    there is no closed form here."""
+    from lectures.schedule_explorer import explorer_entries, formula_bubble
+    entries = {(e["name"], e["p"], e["m"], e["chunks"]): e for e in explorer_entries()}
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + explorer_page)
+        rng, cases = random.Random(2), []
+        for key in entries:
+            cost = {"F": rng.uniform(0.2, 3), "B": rng.uniform(0.2, 3), "W": rng.uniform(0, 3),
+                    "send": rng.choice([0, 0, 0.5])}
+            cases.append((*key, cost))
+        got = pg.evaluate("cases => cases.map(c => window.course.formulaBubble(...c))", cases)
+        for (name, p, m, v, cost), js in zip(cases, got):
+            py = formula_bubble(entries[name, p, m, v]["formula"], p, m, cost)
+            assert (js is None) == (py is None) and (py is None or js == pytest.approx(py, rel=1e-12)), (name, p, m, v)
+        assert sum(x is not None for x in got) > 100
+        readout = pg.locator(".widget-readout")
+        for i, value in enumerate(("zb-h1", "4", "8", "1")):
+            pg.select_option(f".widget-controls select >> nth={i}", value)
+        assert "formula (p−1)(F+B−W) idle per rank (Qi et al. 2023, Table 2) = 11.1%" in readout.text_content()
+        pg.fill(".widget-controls input >> nth=2", "1.5")           # W above F: not this list's bubble
+        assert "no closed form here ((p−1)(F+B−W)" in readout.text_content()
+        for name in ("zb-h2", "zb-v", "dualpipev"):
+            pg.select_option(".widget-controls select >> nth=0", name)
+            assert f"formula no closed form here ({entries[name, 4, 8, 1 if name == 'zb-h2' else 2]['why']})" \
+                in readout.text_content(), name
+        w.check_clean()
+    finally:
+        w.close()
+
+
 def test_calculator_refuses_layouts_the_search_would_not_make(browser, calculator_page):
     w = Watched(browser, viewport={"width": 1280, "height": 800})
     try:

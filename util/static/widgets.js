@@ -8,7 +8,7 @@
 (function () {
   "use strict";
   var course = (window.course = window.course || {});
-  var schedules = {};          // "name|p|m|chunks" -> {name, p, m, chunks, style, ranks, theory}
+  var schedules = {};          // "name|p|m|chunks" -> {name, p, m, chunks, style, ranks, formula, why}
 
   // --- the simulator, a line-by-line port of lectures/schedule_sim.py -----------------------
   function parseAction(text) {
@@ -92,6 +92,19 @@
     return { makespan: sim.makespan, bubble: sim.bubble };
   };
   course.scheduleKeys = function () { return Object.keys(schedules); };
+  // the paper's bubble at these per-stage costs, or null where its assumptions fail: a port of
+  // lectures/schedule_explorer.py: formula_bubble
+  function formulaBubble(f, p, m, c) {
+    if (!f || (c.send || 0) !== 0) return null;
+    if (f.fraction !== undefined) return f.fraction;
+    var W = c.W || 0;
+    if (W > c.F || W > c.B) return null;
+    var idle = (p - 1) * (f.idle[0] * c.F + f.idle[1] * c.B + f.idle[2] * W), work = m * (c.F + c.B + W);
+    return work + idle > 0 ? idle / (work + idle) : 0.0;
+  }
+  course.formulaBubble = function (name, p, m, chunks, cost) {
+    return formulaBubble(entry(name, p, m, chunks).formula, p, m, cost);
+  };
 
   // --- drawing helpers ----------------------------------------------------------------------
   var SVGNS = "http://www.w3.org/2000/svg";
@@ -248,8 +261,10 @@
       });
       el("text", { x: left, y: 11, "font-size": 10 }, msvg, true).textContent =
         "activations held, in micro-batches" + (e.chunks > 1 ? " (a chunk counts 1/" + e.chunks + ")" : "") + " (peak ≤)";
-      var theory = e.theory === null || e.theory === undefined ? "no closed form here" :
-        e.formula + " = " + pct(e.theory) + " (W = 0, free sends)";
+      var f = e.formula, value = formulaBubble(f, e.p, e.m, cost(1));
+      var theory = !f ? "no closed form here (" + e.why + ")" :
+        value === null ? "no closed form here (" + f.text + ", " + f.source + ", assumes " + f.assumes + ")" :
+        f.text + " (" + f.source + ") = " + pct(value);
       out.textContent = e.name + ", p = " + e.p + ", m = " + e.m + ", chunks = " + e.chunks +
         ": makespan " + sim.makespan.toFixed(2) + ", bubble " + pct(sim.bubble) +
         " measured on this timeline; formula " + theory + "; most held on a rank: " + (+maxPeak.toFixed(2)) + " micro-batches.";
