@@ -1573,7 +1573,9 @@ def main():
     memory_estimator()      # bytes per rank predicted, checked on every run above
     search_here()           # the space of valid configurations
     step_time_model()       # time per step predicted from measured constants, checked on ≥ 6 layouts
-    wire_bytes()            # the communication model checked exactly: bytes per rank and step
+    with deep_dive("The communication model, checked exactly on the wire",
+                   "every layout's bytes per rank and step from /proc/self/io, against step_bytes"):
+        wire_bytes()        # the communication model checked exactly: bytes per rank and step
     published_scale()       # the same search for an 8B and a 70B model on H100s
     mfu_section()           # how much of the hardware a step uses
     with deep_dive("The same layouts from PyTorch's own pieces",
