@@ -102,16 +102,20 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
 
 
 
-_loss_checked = set()   # ids of the groups whose first loss call was checked
+_loss_checked = set()   # names of the groups whose first loss call was checked
 
 
 def _agree_on_first_loss(local_logits, targets, group):
     """On the first call for a group: the ranks agree on the logits' dtype and shape (their
-    vocabulary slices must be equal) and the targets' shape, before the loss's all-reduces."""
-    if id(group) in _loss_checked:
+    vocabulary slices must be equal) and the targets' shape, before the loss's all-reduces.
+    Groups are told apart by name, which every rank gives a group alike (an object's id is
+    not: ranks that disagreed on "first call" would run the check's collective alone)."""
+    name = dist.get_process_group_ranks(group), getattr(group, "group_name", None)
+    key = (tuple(name[0]), name[1])
+    if key in _loss_checked:
         return
     facts = {"logits dtype": local_logits.dtype, "logits dims": local_logits.dim(), "targets dims": targets.dim()}
     facts.update({f"logits size {i}": size for i, size in enumerate(local_logits.shape[:6])})
     facts.update({f"targets size {i}": size for i, size in enumerate(targets.shape[:6])})
     _check_agreed(facts, group, "vocab_parallel_cross_entropy")
-    _loss_checked.add(id(group))
+    _loss_checked.add(key)
