@@ -3,7 +3,8 @@
 `tests/nccl_standin.py` models what NCCL does with `batch_isend_irecv`: one Work per batch, a
 receive's data only after that Work is waited for (NaN before), a rank's batches in posting order
 on one stream, sends that complete only when their receive runs. Ring attention is run under it
-with ranks as threads: it must equal one process at p = 2, 3, 4 (and on a sub-group) and finish
+with ranks as threads: it must equal one process at p = 2, 3, 4 (5 and 8 zig-zag causal, and on a
+sub-group) and finish
 (the stand-in raises TimeoutError on a cycle of waits)."""
 import collections
 import types
@@ -77,7 +78,8 @@ def ring_under_nccl(monkeypatch, world_size, ranks, seq_len, heads, kv_heads, la
     return parts, [ref.detach(), qr.grad, fold(kr.grad), fold(vr.grad)], p2p
 
 
-CASES = [(p, layout, causal) for p in (2, 3, 4) for layout in ("contiguous", "zigzag") for causal in (False, True)]
+CASES = ([(p, layout, causal) for p in (2, 3, 4) for layout in ("contiguous", "zigzag") for causal in (False, True)]
+         + [(p, "zigzag", True) for p in (5, 8)])   # larger rings finish too
 
 
 @pytest.mark.parametrize("p,layout,causal", CASES, ids=lambda x: str(x))
