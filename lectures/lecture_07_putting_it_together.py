@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from util import cheat, deep_dive, device, figure, note, published, see, settings, spawn, table, widget
+from util import cheat, deep_dive, device, figure, note, plural, published, see, settings, spawn, table, widget
 from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
@@ -991,9 +991,35 @@ def wire_bytes():
           what=f"median measured / predicted bytes over {len(ratios)} ranks and layouts (/proc/self/io)")
 
 
+def search_space_picture(rows):
+    """Configurations per rank count (log scale), each bar labelled with its number of meshes."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.2, 2.6))
+    worlds, meshes, configs = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    bars = ax.bar([str(w) for w in worlds], configs, color="#4c72b0")
+    for bar, m, c in zip(bars, meshes, configs):
+        ax.annotate(f"{c} ({plural(m, 'mesh', 'meshes')})", (bar.get_x() + bar.get_width() / 2, c),
+                    ha="center", va="bottom", fontsize=10, xytext=(0, 2), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_ylim(1, max(configs) * 4)
+    ax.set_xlabel("ranks", fontsize=10)
+    ax.set_ylabel("valid configurations", fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    figure(fig, caption="How many valid configurations this GPT has at each rank count (log scale), "
+                        "and on how many meshes dp×pp×cp×tp; counted by `valid_layouts`.")
+
+
 def search_here():
     run = small_run()
     shape = ModelShape.from_gpt(run.cfg)
+    rows = []
+    for world in (1, 2, 4, 8):
+        ls = valid_layouts(shape, world, run.global_batch)
+        meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
+        rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
+    search_space_picture(rows)
     note(f"""
         ## Every valid configuration
         A configuration is valid when the four axes multiply to the rank count and each
@@ -1004,11 +1030,6 @@ def search_here():
         {run.global_batch}):
     """)
     see(valid_layouts)
-    rows = []
-    for world in (1, 2, 4, 8):
-        ls = valid_layouts(shape, world, run.global_batch)
-        meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
-        rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
     table(rows, header=["ranks", "meshes", "configurations (with micro-batching, ZeRO-1)", "meshes dp×pp×cp×tp"],
           caption="The search space grows fast: each mesh multiplies by the ways to cut the batch.")
 
@@ -1354,10 +1375,47 @@ def nvidia_and_ties(searched, hw, band):
         title="NVIDIA DGX Cloud benchmarking recipe for Llama 3.1 70B (BF16, H100: TP 4, PP 4, CP 2, VP 5)")
 
 
+def mfu_picture(here, t4):
+    """MFU side by side: Llama 3 405B's Table 4 rows as Meta measured them (published, not
+    measured here) and as this lecture's model predicts them, and this CPU's measured MFU."""
+    import matplotlib.pyplot as plt
+    labels, published_mfu, predicted = [], [], []
+    for row, best, _ in (t4 or {}).get("rows", []):
+        labels.append(f"Llama 3 405B\n{row['gpus']:,} GPUs, {row['seq'] // 1024}K")
+        published_mfu.append(100 * row["mfu"])
+        predicted.append(100 * best["mfu"] if best else 0)
+    fig, ax = plt.subplots(figsize=(6.8, 0.75 * (len(labels) + 1) + 0.9))
+    y = list(range(len(labels)))
+    ax.barh([i + 0.2 for i in y], published_mfu, height=0.38, color="white", edgecolor="#8a6d0b",
+            hatch="//", label="published (Meta, Table 4): not measured here")
+    ax.barh([i - 0.2 for i in y], predicted, height=0.38, color="#4c72b0", label="predicted by this lecture's model")
+    if here is not None:
+        y.append(len(labels))
+        labels.append("this CPU, fastest\nlayout measured")
+        ax.barh([len(labels) - 1], [100 * here], height=0.38, color="#dd8452", label="measured by this build")
+    for bars in ax.containers:
+        ax.bar_label(bars, fmt="%.1f%%", fontsize=9, padding=2)
+    ax.set_yticks(range(len(labels)), labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("MFU (%)", fontsize=10)
+    ax.set_xlim(0, 100)
+    ax.legend(fontsize=9, loc="lower right", frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    figure(fig, caption="Model FLOPs utilisation: Meta's measured Table 4 rows beside this model's "
+                        "predictions (the first row fitted, the others predicted), and this machine's own.")
+
+
 def mfu_section():
     run = small_run()
     shape = ModelShape.from_gpt(run.cfg)
     hw, timed = _RESULTS.get("hw"), _RESULTS.get("timed")
+    here = None
+    if hw is not None and timed:
+        best = min(timed, key=lambda x: x[2].median)
+        here = mfu(shape, run.global_batch * shape.seq / best[2].median, timing_ranks(4) * hw.peak)
+    mfu_picture(here, _RESULTS.get("table4"))
     note("""
         ## Model FLOPs utilisation
         MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
