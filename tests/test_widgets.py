@@ -319,6 +319,24 @@ def test_calculator_refuses_layouts_the_search_would_not_make(browser, calculato
         w.close()
 
 
+def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
+    """A smaller model keeps the largest tp and pp that still divide it (the first-read review
+    found lecture 01's GPT opening on "not a valid layout" after Llama's tp = 8)."""
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        model = pg.locator(".widget-controls label", has_text="model").locator("select")
+        for name in model.locator("option").all_inner_texts() * 2:
+            if name == "custom":
+                continue
+            model.select_option(label=name)
+            assert "Per rank" in pg.locator(".widget-readout >> nth=0").text_content(), name
+        w.check_clean()
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("kv_heads", "0", "kv_heads must be a whole number"), ("layers", "", "layers must be a whole number"),
     ("hidden", "-4096", "hidden must be a whole number"), ("heads", "0", "heads must be a whole number"),

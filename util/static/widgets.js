@@ -570,6 +570,15 @@
       if (!p) return;
       base = p;
       shapeKeys.forEach(function (k) { shapeInputs[k].value = p[k]; });
+      // a smaller model cannot take the last one's tp or pp: keep the largest that still divides
+      // its heads (and K/V heads) and its layers, so a preset never opens on "not a valid layout"
+      var largestDivisor = function (n, atMost) {
+        for (var d = Math.min(n, atMost); d > 1; d--) if (n % d === 0) return d;
+        return 1;
+      };
+      var gcd = function (a, b) { return b ? gcd(b, a % b) : a; };
+      inp.tp.value = largestDivisor(gcd(p.heads, p.kv_heads), +inp.tp.value);
+      inp.pp.value = largestDivisor(p.layers, +inp.pp.value);
     }
     function model() {
       var m = {};
