@@ -182,16 +182,17 @@ def moe_reference(layer_kw, tokens_per_rank, seed=0, capacity="global"):
     xs, ws = moe_inputs(len(tokens_per_rank), tokens_per_rank, moe.d_model, seed)
     x = torch.cat(xs).requires_grad_()
     groups = [x] if capacity == "global" else torch.split(x, tokens_per_rank)
-    outs, auxes, keeps, dropped = [], [], [], 0
+    outs, auxes, stats = [], [], []
     for part in groups:
         outs.append(moe(part))
         auxes.append(moe.aux_loss)
-        keeps.append(moe.stats["keep"])
-        dropped += moe.stats["dropped"]
+        stats.append(moe.stats)
     out, aux = torch.cat(outs), sum(auxes) / len(auxes)
+    dropped = sum(st["dropped"] for st in stats)
     loss = (out * torch.cat(ws)).sum() + AUX_WEIGHT * aux
     loss.backward()
-    return {"out": out.detach(), "x_grad": x.grad, "aux": aux.item(), "keep": torch.cat(keeps), "dropped": dropped,
+    return {"out": out.detach(), "x_grad": x.grad, "aux": aux.item(), "keep": torch.cat([st["keep"] for st in stats]),
+            "dropped": dropped, "stats": stats[0] if len(stats) == 1 else stats,    # per group under capacity="rank"
             "grads": {n: p.grad for n, p in moe.named_parameters()}}
 
 

@@ -4,8 +4,7 @@
 receive's data only after that Work is waited for (NaN before), a rank's batches in posting order
 on one stream, sends that complete only when their receive runs. Ring attention is run under it
 with ranks as threads: it must equal one process at p = 2, 3, 4 (5 and 8 zig-zag causal, and on a
-sub-group) and finish
-(the stand-in raises TimeoutError on a cycle of waits)."""
+sub-group) and finish (the stand-in raises TimeoutError on a cycle of waits)."""
 import collections
 import types
 
