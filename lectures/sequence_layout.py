@@ -144,7 +144,8 @@ def agreed_lengths(local_len, signature, group, n, dev):
     `signature` ({what: int}, e.g. heads, head dim, dtype): all in one all_gather of a few
     integers, which every rank needs anyway for the lengths. A rank that disagreed would otherwise
     post transfers of other sizes (gloo aborts the process) or compute a silently wrong answer;
-    here every rank raises the same ValueError, naming what differs on which rank."""
+    here every rank raises the same ValueError, naming what differs on which rank. The price is
+    one wait for the device per call (`tolist`): the segments are planned on the host."""
     t = torch.tensor([local_len, *signature.values()], dtype=torch.int64, device=dev)
     out = [torch.zeros_like(t) for _ in range(n)]
     dist.all_gather(out, t, group=group)
