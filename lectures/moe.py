@@ -72,9 +72,6 @@ def capacity(capacity_factor, tokens, top_k, n_experts):
     if (capacity_factor is not None and capacity_factor < 0) or tokens < 0 or min(top_k, n_experts) < 1:
         raise ValueError(f"need factor >= 0 (or None), tokens >= 0, top_k and n_experts >= 1; got "
                          f"{capacity_factor}, {tokens}, {top_k}, {n_experts}")
-    if (capacity_factor is not None and capacity_factor < 0) or tokens < 0 or min(top_k, n_experts) < 1:
-        raise ValueError(f"need factor >= 0 (or None), tokens >= 0, top_k and n_experts >= 1; got "
-                         f"{capacity_factor}, {tokens}, {top_k}, {n_experts}")
     return tokens * top_k if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
