@@ -1385,7 +1385,8 @@ def sp_replicated_grad_cost(cfg):
         path, and once instead of once per micro-batch. The same {r['tensors']} gradients here
         ({machine(ranks)}), all-reduced once flattened against one by one:
         {compare(r['times']['once, flattened'], r['times']['one by one'], 'once', 'one by one')}.
-        With $m$ micro-batches per step ours pays the second $m$ times. DTensor (below) is the
+        With $m$ micro-batches per step ours pays the one-by-one cost $m$ times, Megatron the
+        flattened one once. DTensor (below) is the
         other extreme: it leaves these gradients `Partial` and reduces them on every read by
         the optimizer.
     """)
