@@ -1059,8 +1059,54 @@ def allgather_section():
                   "Ulysses also moves q and the output")
 
 
+def ulysses_layouts(rank, world_size, heads=4, positions_per_rank=2):
+    """What each rank holds before and after Ulysses' first all-to-all, each entry the rank that
+    held it before: (heads × its positions) in, (its heads × every position) out."""
+    x = torch.full((1, heads, positions_per_rank, 1), float(rank))
+    y = SeqToHeads.apply(x, [positions_per_rank] * world_size, None)
+    return {"before": x[0, :, :, 0].tolist(), "after": y[0, :, :, 0].tolist()}
+
+
+def ulysses_picture(layouts):
+    """The head↔sequence swap, drawn from what the ranks returned: one grid of heads × positions,
+    coloured by the rank that held each entry before; outlined, what each rank holds."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    n = len(layouts)
+    heads, per = len(layouts[0]["before"]), len(layouts[0]["before"][0])
+    hn, S = heads // n, per * n
+    colours = plt.cm.tab10.colors
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.2))
+    for ax, when in zip(axes, ("before", "after")):
+        for r, got in enumerate(layouts):
+            grid = got[when]
+            for i, row in enumerate(grid):
+                for j, owner in enumerate(row):
+                    head, pos = (i, r * per + j) if when == "before" else (r * hn + i, j)
+                    ax.add_patch(Rectangle((pos, heads - 1 - head), 1, 1, facecolor=colours[int(owner)],
+                                           edgecolor="white", linewidth=1))
+            x0, y0, w, h = (r * per, 0, per, heads) if when == "before" else (0, heads - (r + 1) * hn, S, hn)
+            ax.add_patch(Rectangle((x0, y0), w, h, fill=False, edgecolor="black", linewidth=2))
+            ax.text(x0 + w / 2, y0 + h / 2, f"rank {r}", ha="center", va="center", fontsize=10,
+                    color="white", fontweight="bold",
+                    bbox={"facecolor": "black", "alpha": 0.45, "edgecolor": "none", "pad": 1.5})
+        ax.set_xlim(0, S); ax.set_ylim(0, heads); ax.set_aspect("equal")
+        ax.set_xticks([]); ax.set_yticks([])
+        ax.set_xlabel(f"sequence positions (0–{S - 1})", fontsize=10)
+        ax.set_ylabel(f"heads (0–{heads - 1})", fontsize=10)
+        ax.set_title("before: a block of positions, every head" if when == "before"
+                     else "after one all-to-all: a head, every position", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def ulysses_section():
     from util.measure import machine, timing_ranks
+    layouts = spawn(ulysses_layouts, 4, name="Ulysses' all-to-all on labelled data, 4 ranks").returns
+    figure(ulysses_picture(layouts),
+           caption="Ulysses' first all-to-all on 4 ranks, run on data labelled with the rank that held it: "
+                   "each rank gives every other rank its positions of that rank's heads, so afterwards a "
+                   "rank holds whole sequences of its own heads, every colour in its row (4 heads, 8 positions).")
     note("""
         ## Ulysses: trade the sequence split for a head split
         DeepSpeed-Ulysses (Jacobs et al. 2023) notices that attention heads are independent. One
@@ -1718,7 +1764,9 @@ def main():
     ulysses_section()            # all-to-all to head shards: bytes compared, its limit
     with deep_dive("Ulysses × ring (USP)", "how a 2-D grid of ranks lifts Ulysses' limit of one rank per head"):
         usp_deep_dive()
-    pytorch_context_parallel()   # PyTorch's own (all-gather by default), with a small CPU shim
+    with deep_dive("PyTorch's own: context_parallel",
+                   "what torch's context_parallel really runs (all-gather by default), beside ours on CPU"):
+        pytorch_context_parallel()   # PyTorch's own, with a small CPU shim
     mixture_of_experts()         # router, capacity, balance loss, in training
     with deep_dive("Balancing the experts", "the balance loss's weight, DeepSeek-V3's bias instead of a loss, "
                                             "and the router z-loss, trained beside the runs above"):
