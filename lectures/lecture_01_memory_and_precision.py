@@ -36,7 +36,7 @@ from lectures.precision import (FORMATS, MasterWeights, accumulate, accumulation
                                 per_tensor_error, quantize_fp8, relative_error_across_magnitudes,
                                 round_to, scaled_mm_error, scaling_over_steps, train_curve,
                                 values_between)
-from lectures.roofline import (copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
+from lectures.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
                                largest_cache_bytes, matmul_rate, threads)
 from lectures.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
                                       fake_training_step, held_by_training, memory_timeline)
@@ -1444,9 +1444,10 @@ def roofline():
     nbytes = copy_bytes_beyond_cache(cache)               # source + destination ≥ 4× the largest cache
     with threads(cores):                                  # the machine: every usable core
         mm = {n: matmul_rate(n) for n in sizes}
-        bw, bw_t = copy_rate(nbytes)
-        add = elementwise_rate(nbytes // 4, "add")
-        gelu = elementwise_rate(nbytes // 4, "gelu")
+        rates = bandwidths(nbytes)                        # copy, add, GELU side by side
+    bw, bw_t = rates["copy"]
+    add = (rates["add"][0] / 12, rates["add"][1], 1 / 12)    # (FLOP/s, Timing, FLOP per byte)
+    gelu = (rates["gelu"][0], rates["gelu"][1], 8 / 8)       # 8 FLOP per element (assumed) per 8 bytes
     peak = max(r for r, _ in mm.values())
     cache_words = (f"source and destination together are {2 * nbytes / cache:.0f}× the largest cache, "
                    f"{fmt_bytes(cache)}, so this is memory's bandwidth, not a cache's" if cache else
@@ -1463,7 +1464,8 @@ def roofline():
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
         here those with n/6 above the ridge (n ≥ {math.ceil(6 * peak / bw)}) can be compute
         bound; an element-wise add does 1 FLOP per 12 bytes and is bound by memory at any size:
-        writing into a preallocated output it moved {add[0] / add[2] / 1e9:.1f} GB/s, GELU
+        timed side by side with the copy, each writing into a preallocated output, it moved
+        {add[0] / add[2] / 1e9:.1f} GB/s, GELU
         {gelu[0] / gelu[2] / 1e9:.1f} GB/s, {add[0] / add[2] / bw:.0%} and
         {gelu[0] / gelu[2] / bw:.0%} of the copy's rate. GELU is plotted at an assumed 8 FLOP per element
         (its real count depends on how the kernel evaluates erf).

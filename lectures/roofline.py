@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from util.measure import measure
+from util.measure import measure, measure_side_by_side
 
 
 @contextlib.contextmanager
@@ -76,3 +76,15 @@ def elementwise_rate(n, op="add", dev="cpu", repeats=7):
                         "gelu": (lambda: torch.ops.aten.gelu.out(x, out=out), 8 * n, 8 * n)}[op]
     t = measure(fn, warmup=2, repeats=repeats)
     return flops / t.median, t, flops / moved
+
+
+def bandwidths(nbytes, dev="cpu", repeats=7):
+    """{"copy" | "add" | "gelu": (bytes moved per second, Timing)} on three buffers of `nbytes`
+    each, every kernel writing into one preallocated output, timed side by side (the rounds
+    rotate, so a busy machine's drift hits all three alike instead of whichever ran last)."""
+    a, b, out = (torch.randn(nbytes // 4, device=dev) for _ in range(3))
+    n = a.numel()
+    ops = {"copy": (lambda: out.copy_(a), 8 * n), "add": (lambda: torch.add(a, b, out=out), 12 * n),
+           "gelu": (lambda: torch.ops.aten.gelu.out(a, out=out), 8 * n)}
+    times = measure_side_by_side({name: fn for name, (fn, _) in ops.items()}, repeats=repeats)
+    return {name: (moved / times[name].median, times[name]) for name, (_, moved) in ops.items()}

@@ -667,3 +667,10 @@ def test_allocator_and_torchao_float8_are_on_the_main_path():
     assert "memory_reserved" in step and "expandable_segments" in step and "_dump_snapshot" in step
     assert "convert_to_float8_training" in formats and "rowwise_with_gw_hp" in formats
     assert "docs.pytorch.org/ao" in formats
+
+
+def test_bandwidths_side_by_side_put_add_and_gelu_near_the_copy():
+    """The roofline's three memory-bound points, timed in the same rotating rounds."""
+    rates = L.bandwidths(64 * 2 ** 20, repeats=3)
+    assert set(rates) == {"copy", "add", "gelu"}
+    assert rates["add"][0] > 0.5 * rates["copy"][0] and rates["gelu"][0] > 0.25 * rates["copy"][0]
