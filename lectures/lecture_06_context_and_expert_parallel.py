@@ -1102,13 +1102,13 @@ def ulysses_picture(layouts):
 
 def ulysses_section():
     from util.measure import machine, timing_ranks
+    note("## Ulysses: trade the sequence split for a head split")
     layouts = spawn(ulysses_layouts, 4, name="Ulysses' all-to-all on labelled data, 4 ranks").returns
     figure(ulysses_picture(layouts),
            caption="Ulysses' first all-to-all on 4 ranks, run on data labelled with the rank that held it: "
                    "each rank gives every other rank its positions of that rank's heads, so afterwards a "
                    "rank holds whole sequences of its own heads, every colour in its row (4 heads, 8 positions).")
     note("""
-        ## Ulysses: trade the sequence split for a head split
         DeepSpeed-Ulysses (Jacobs et al. 2023) notices that attention heads are independent. One
         all-to-all turns each rank's (all heads, s/n positions) into (h/n heads, all s positions);
         each rank then runs ordinary attention on its heads, and a second all-to-all turns the

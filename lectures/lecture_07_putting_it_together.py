@@ -1019,9 +1019,9 @@ def search_here():
         ls = valid_layouts(shape, world, run.global_batch)
         meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
         rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
+    note("## Every valid configuration")
     search_space_picture(rows)
     note(f"""
-        ## Every valid configuration
         A configuration is valid when the four axes multiply to the rank count and each
         axis can split what it splits: tp divides the heads and the K/V heads, pp divides the
         layers (equal stages), the sequence splits into 2·cp zig-zag chunks, dp divides the
@@ -1415,9 +1415,9 @@ def mfu_section():
     if hw is not None and timed:
         best = min(timed, key=lambda x: x[2].median)
         here = mfu(shape, run.global_batch * shape.seq / best[2].median, timing_ranks(4) * hw.peak)
+    note("## Model FLOPs utilisation")
     mfu_picture(here, _RESULTS.get("table4"))
     note("""
-        ## Model FLOPs utilisation
         MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
         per token for forward and backward, plus $12 L h s$ for attention — by what the
         hardware could do in that time. Recomputation does not count: it is work the model
