@@ -22,6 +22,7 @@ from lectures.schedule_sim import Simulation, dependencies  # noqa: F401  (re-ex
 from lectures.schedules import SCHEDULES, Action, Layout, make_schedule
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, device, figure, note, published, quiet, see, settings, spawn, table, widget
+from util import span as timed   # a timed block on a rank: its span (local names `span` are x-axis lengths)
 from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap
 
 # =========================================================================================
@@ -56,7 +57,8 @@ def train_pipeline(rank, world_size, cfg, schedule, m, mb_size, chunks=1, steps=
         for local, p in mod.named_parameters():
             final[mod.global_name(local)] = p.detach().cpu().clone()
     return {"losses": losses, "grads": grads, "params": final, "stages": sorted(stages),
-            "peak_saved_bytes": out["peak_saved_bytes"], "messages": out["messages"]}
+            "peak_saved_bytes": out["peak_saved_bytes"], "messages": out["messages"],
+            "events": [(tuple(a), t0, t1) for a, t0, t1 in out["events"]]}   # the last step's spans
 
 
 def reference_train(cfg, m, mb_size, steps=1, lr=3e-3):
@@ -137,11 +139,13 @@ def both_send_first(rank, world_size, numel, batched=False):
     other = 1 - rank
     mine, theirs = torch.full((numel,), float(rank), device=device()), torch.empty(numel, device=device())
     if batched:
-        ops = [dist.P2POp(dist.isend, mine, other), dist.P2POp(dist.irecv, theirs, other)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with timed("batched"):
+            ops = [dist.P2POp(dist.isend, mine, other), dist.P2POp(dist.irecv, theirs, other)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
     else:
-        dist.send(mine, other)          # blocks until rank `other` receives ... which it never does
+        with timed("send"):             # the span ends when the send does: at the timeout
+            dist.send(mine, other)      # blocks until rank `other` receives ... which it never does
         dist.recv(theirs, other)
     return theirs[0].item()
 
@@ -229,10 +233,10 @@ def chunk_cost(v, F=1.0, B=1.0, W=1.0):
     return {"F": F / v, "B": B / v, "W": W / v}
 
 
-def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11):
+def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11, numbers=True):
     """A schedule's timeline: one row per rank, F blue, B orange, W green, the micro-batch
-    number on each bar wide enough to hold it, later chunks hatched. `rows[r]` =
-    [(Action, start, end)]; `span`: the x-axis length shared with other panels."""
+    number on each bar wide enough to hold it (unless `numbers` is False), later chunks hatched.
+    `rows[r]` = [(Action, start, end)]; `span`: the x-axis length shared with other panels."""
     t0 = min(s for row in rows for _, s, _ in row)
     span = span or max(e for row in rows for _, _, e in row) - t0
     for r, row in enumerate(rows):
@@ -240,7 +244,7 @@ def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11):
             left, width = (start - t0) * scale, (end - start) * scale
             ax.barh(r, width, left=left, height=0.8, color=COLOURS[a.kind], edgecolor="black",
                     linewidth=0.3, hatch="//" if a.chunk else None)
-            if width >= span * scale / 40:
+            if numbers and width >= span * scale / 40:
                 ax.text(left + width / 2, r, str(a.microbatch), ha="center", va="center",
                         fontsize=fontsize - 2, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
@@ -262,20 +266,24 @@ def side_by_side(pairs):
     """One row per schedule: simulated (left) and measured (right) timelines, each column on
     one shared time axis, so rows compare at a glance."""
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(pairs), 2, figsize=(9, 0.9 + 1.5 * len(pairs)), squeeze=False)
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(7.5, 0.8 + 1.2 * len(pairs)), squeeze=False, sharex="col")
     sim_span = max(e - min(s for row in rows for _, s, _ in row)
                    for _, rows, _, _ in pairs for row in rows for _, _, e in row)
     measured = [m for _, _, m, _ in pairs if m is not None]
     meas_span = max((max(e for row in m for _, _, e in row) - min(s for row in m for _, s, _ in row))
                     for m in measured) if measured else None
     for (title, sim_rows, measured_rows, sim_unit), (left, right) in zip(pairs, axes):
-        draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1, span=sim_span)
+        draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1, span=sim_span,
+                  fontsize=10, numbers=False)
         if measured_rows is not None:
-            draw_rows(right, measured_rows, f"{title}: measured", span=meas_span)
+            draw_rows(right, measured_rows, f"{title}: measured", span=meas_span, fontsize=10, numbers=False)
         else:
             right.set_axis_off()
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False, fontsize=11)
-    fig.tight_layout(rect=(0, 0.9 / (0.9 + 1.5 * len(pairs)), 1, 1))
+    for ax in axes[:-1].flat:          # one time axis per column: tick labels on the bottom row only
+        ax.tick_params(labelbottom=False)
+        ax.set_xlabel("")
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=10)
+    fig.tight_layout(rect=(0, 0.5 / (0.8 + 1.2 * len(pairs)), 1, 1))
     return fig
 
 
@@ -423,6 +431,11 @@ def schedules_as_data():
 
 def schedules_table(p=4, m=8):
     """Every schedule simulated with F = B and W free, then W = B: the theory beside both."""
+    note(f"""
+        ## Deep dive: every schedule with W free and with W = B
+        The textbook bubbles assume a free weight gradient. Here every list of the page ({p} ranks,
+        {m} micro-batches) on the simulator with W = 0 and with W = B, beside that theory.
+    """)
     rows, free_w = [], {}
     for name, v in ALL:
         sch = make_schedule(name, p, m, v)
@@ -507,8 +520,9 @@ MEMORY_NAMES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 
 def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
     """Micro-batches each rank holds over a simulated step, for the schedules that differ."""
     import matplotlib.pyplot as plt
-    rows = (len(names) + 1) // 2
-    fig, axes = plt.subplots(rows, 2, figsize=(8, 2.3 * rows + 0.6), sharex=True, sharey=True, squeeze=False)
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5, 2.0 * rows + 0.7), sharex=True, sharey=True, squeeze=False)
     colours = plt.cm.viridis([i / max(1, p - 1) * 0.85 for i in range(p)])
     for ax, (name, v) in zip(axes.flat, names):
         sch = make_schedule(name, p, m, v)
@@ -516,16 +530,16 @@ def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
         for r, pts in enumerate(held_over_time(sim, sch.layout)):
             xs, ys = zip(*pts)
             ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
-        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=12, loc="left")
-        ax.tick_params(labelsize=11)
+        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=11, loc="left")
+        ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
-        ax.set_ylabel("held", fontsize=12)
+        ax.set_ylabel("held", fontsize=11)
     for ax in axes[-1]:
-        ax.set_xlabel("time (F = B = W = 1)", fontsize=12)
+        ax.set_xlabel("time (F = B = W = 1)", fontsize=10)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=12)
-    fig.tight_layout(rect=(0, 0.6 / (2.3 * rows + 0.6), 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=11)
+    fig.tight_layout(rect=(0, 0.7 / (2.0 * rows + 0.7), 1, 1))
     figure(fig, caption=caption or f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
                         "simulated from the action lists the ranks run): a micro-batch counts from its F "
                         "until the action that releases its activations (B, or W when the backward is "
@@ -534,27 +548,30 @@ def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
                         "2p − 1, ZB-V p in half-size chunks.")
 
 
+def executor_figure(returns, runs, names=("1f1b", "zb-v")):
+    """What the executor ran on each rank in the last training step of two schedules, from the
+    spans every rank measured, on one time axis (ms)."""
+    import matplotlib.pyplot as plt
+    keys = [next(k for k in runs if k[0] == name) for name in names]
+    rows = {k: [[(Action(*a), t0, t1) for a, t0, t1 in r[k]["events"]] for r in returns] for k in keys}
+    length = {k: max(e for row in rs for _, _, e in row) - min(t for row in rs for _, t, _ in row)
+              for k, rs in rows.items()}
+    fig, axes = plt.subplots(1, len(keys), figsize=(7.5, 2.3), sharey=True)
+    for ax, k in zip(axes, keys):
+        name, m, v = k
+        draw_rows(ax, rows[k], f"{name}, m = {m}: {length[k] * 1e3:.0f} ms", span=max(length.values()),
+                  fontsize=10, numbers=False)
+        ax.label_outer()
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig, length
+
+
 def executor_matches():
     n = settings.world_size
     cfg = GPTConfig(n_layers=2 * n, d_model=32, n_heads=2, seq_len=16, dtype="float64")
     mb_size, steps = 2, 2
     runs = [(name, 2 * n + 1 if name == "dualpipev" else n + 1, v) for name, v in ALL]
-    note(f"""
-        ## One executor for every schedule
-        `PipelineExecutor` runs one rank's list. Before an action it waits for that action's
-        input (a message, or a local hand-over at the turn of a V). Its messages go out in
-        `batch_isend_irecv` batches that both ends post at the same slot of one shared clock
-        (`communication_plan`), every rank in slot order: any schedule the simulator can finish
-        cannot deadlock, and each pair of ranks posts its messages in the same order at both
-        ends, which NCCL needs (a deep dive shows why). The split backward asks autograd
-        only for the gradients of the stage input and of each parameter-owning module's output
-        (`torch.autograd.grad` skips the weight-gradient products it was not asked for); W
-        later turns those into weight gradients one module at a time.
-
-        The check: {steps} AdamW steps of lecture 01's GPT ({cfg.n_layers} layers) on {n} ranks
-        with every schedule, against one process on the whole batch.
-    """)
-    see(PipelineExecutor, "PipelineExecutor: one rank's actions on real ranks")
     run = spawn(train_schedules, n, cfg=cfg, runs=runs, mb_size=mb_size, steps=steps,
                 name=f"every schedule vs one process, {n} ranks")
     rows, ok = [], True
@@ -569,11 +586,35 @@ def executor_matches():
         ld = max(abs(a - b) for a, b in zip(loss, ref["losses"]))
         ok &= gd < 1e-9 and pd < 1e-9 and ld < 1e-6   # the loss itself is computed in float32
         rows.append([name, m, v, f"{ld:.1e}", f"{gd:.1e}", f"{pd:.1e}"])
+    note("## One executor for every schedule")
+    fig, length = executor_figure(run.returns, runs)
+    (a, la), (b, lb) = length.items()
+    figure(fig, caption=f"What one executor ran on each of the {n} ranks in the last of {steps} training "
+                        f"steps, measured: {a[0]}'s list (left, {la * 1e3:.0f} ms) and {b[0]}'s "
+                        f"(right, {lb * 1e3:.0f} ms: two chunks in a V, hatched the second, the backward "
+                        f"split into B and W). Real compute, {n} ranks sharing {usable_cores_here()} cores. "
+                        + ("Both, like every schedule below, end with one process's gradients."
+                           if ok else "**Some schedule below differs from one process.**"))
+    note(f"""
+        `PipelineExecutor` runs one rank's list. Before an action it waits for that action's
+        input (a message, or a local hand-over at the turn of a V). Its messages go out in
+        `batch_isend_irecv` batches that both ends post at the same slot of one shared clock
+        (`communication_plan`), every rank in slot order: any schedule the simulator can finish
+        cannot deadlock, and each pair of ranks posts its messages in the same order at both
+        ends, which NCCL needs (a deep dive shows why). The split backward asks autograd
+        only for the gradients of the stage input and of each parameter-owning module's output
+        (`torch.autograd.grad` skips the weight-gradient products it was not asked for); W
+        later turns those into weight gradients one module at a time.
+
+        The check: {steps} AdamW steps of lecture 01's GPT ({cfg.n_layers} layers) on {n} ranks
+        with every schedule, against one process on the whole batch.
+    """)
     table(rows, header=["schedule", "m", "chunks v", "max |Δ loss|", "max |Δ gradient|",
                         f"max |Δ parameter| after {steps} steps"],
           caption="Differences from one process (float64 model; lecture 01's loss is computed in "
                   "float32). " + ("All gradients and parameters within 1e-9, losses within 1e-6." if ok
                                   else "**Some differ by more than that.**"))
+    see(PipelineExecutor, "PipelineExecutor: one rank's actions on real ranks")
 
 
 def sleep_runs(ms):
@@ -871,7 +912,12 @@ def zero_bubble_measured(R, p):
         {peak['zb-h2'] / peak['1f1b m=8']:.2f}×.)
     """)
     zb_h2_two_steps(p, m)
-    unequal_costs(p, m)
+    with deep_dive("Every schedule with W free and with W = B",
+                   "the simulated bubbles of every list when the weight gradient costs nothing, and when it costs a B"):
+        schedules_table(p, m)
+    with deep_dive("Zero bubble at unequal F, B and W",
+                   "the zero-bubble lists simulated at three cost mixes beside Qi et al.'s formulas; where ZB-V beats ZB-H1"):
+        unequal_costs(p, m)
     note(f"""
         **DualPipeV** (DeepSeek-AI 2024) is a V like ZB-V built for mixtures of experts: it
         runs the forward of one micro-batch together with the backward of another (a pair the
@@ -929,6 +975,13 @@ def unequal_costs(p, m, costs=UNEQUAL):
     """The zero-bubble lists simulated under unequal F, B, W, beside Qi et al.'s formulas; and
     ZB-V against ZB-H1 in words, from the makespans."""
     names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+    note(f"""
+        ## Deep dive: zero bubble at unequal F, B and W
+        The page's zero-bubble lists assume a forward, an input gradient and a weight gradient
+        of equal cost. Real layers differ: a whole backward costs about twice a forward, with W
+        often the smaller half. Below, each list on the simulator ({p} ranks, {m} micro-batches)
+        at three mixes, beside Qi et al.'s formulas where they give one.
+    """)
     rows, span = [], {}
     for F, B, W in costs:
         got = {n: simulate(make_schedule(n, p, m, v), chunk_cost(v, F, B, W)).makespan for n, v in names}
@@ -1104,11 +1157,40 @@ def every_schedule_measured(R, p, mode):
         that cost, the closer the measurement comes to the formula: `make bench` repeats these
         runs with sleeps 10× longer and prints the ratios.
 
-        The same lists with W free and with W = B, and what each rank holds over the step:
+        What each rank holds over the step, simulated from the same lists:
     """)
-    schedules_table(4, 8)
     memory_figure(4, 8)
     explorer(4, 8)
+
+
+def real_compute_figure(R, runs):
+    """Real compute: each run's step time against its measured bubble (medians, interquartile
+    ranges as bars), and the most activations a rank held."""
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(7.5, 2.7), gridspec_kw={"width_ratios": [1.25, 1]})
+    colours = plt.cm.tab10([0, 1, 2, 3])
+    for r, c in zip(runs, colours):
+        bubbles = measured_bubbles(R, r["label"])[0]
+        b = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
+        t = R[0][r["label"]]["timing"]
+        x, y = 100 * statistics.median(bubbles), t.median * 1e3
+        a1.errorbar(x, y, xerr=[[x - 100 * b[0]], [100 * b[2] - x]], yerr=[[y - t.q1 * 1e3], [t.q3 * 1e3 - y]],
+                    fmt="o", color=c, capsize=3, label=r["label"])
+        peak = max(x_[r["label"]]["peak_saved_bytes"] for x_ in R)
+        a2.barh(r["label"], peak / 2**20, color=c)
+    a1.set_xlabel("measured bubble (%)", fontsize=10)
+    a1.set_ylabel("step time (ms)", fontsize=10)
+    a1.set_title("step time against bubble", fontsize=11, loc="left")
+    a2.set_xlabel("MiB", fontsize=10)
+    a2.set_title("peak activations held", fontsize=11, loc="left")
+    a2.invert_yaxis()
+    for ax in (a1, a2):
+        ax.tick_params(labelsize=10)
+        ax.grid(alpha=0.3)
+    a1.set_xlim(left=0)
+    a1.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
 
 
 def real_compute():
@@ -1132,8 +1214,14 @@ def real_compute():
     g, c = R[0]["gpipe"]["timing"], R[0]["gpipe + checkpointing"]["timing"]
     gm = max(x["gpipe"]["peak_saved_bytes"] for x in R)
     cm = max(x["gpipe + checkpointing"]["peak_saved_bytes"] for x in R)
+    note("## Real compute, and GPipe with activation checkpointing")
+    figure(real_compute_figure(R, runs),
+           caption=f"Real compute, {machine(p)}, {m} micro-batches: each schedule's step time against its "
+                   "measured bubble (left, colours as on the right; medians, bars: interquartile ranges over "
+                   "the timed steps), and the most "
+                   f"activations a rank held. Checkpointing holds {gm / max(cm, 1):.1f}× less; its re-run "
+                   "forwards fill idle time, so its bubble is no guide to its speed.")
     note(f"""
-        ## Real compute, and GPipe with activation checkpointing
         **Real-compute mode**: no sleeping, {machine(p)}, lecture 01's GPT with
         {cfg.n_layers} layers of width {cfg.d_model}, {m} micro-batches of {mb} sequences.
         GPipe itself re-materialises activations: each stage keeps only its input per
@@ -1206,31 +1294,104 @@ def timing_ranks_here():
     return timing_ranks(4)
 
 
+def rank_spans(run, label):
+    """{rank: (start, end)} of the span `label` each rank recorded; a rank that recorded none
+    spans the whole demo."""
+    got = {x["rank"]: (x["start"], x["end"]) for x in run.spans if x["label"] == label}
+    return {r: got.get(r, (0.0, run.elapsed)) for r in range(run.world_size)}
+
+
+def deadlock_figure(blocked, batched, mib, received):
+    """Two ranks, each sending `mib` MiB to the other: blocking sends first (left: both wait
+    until the timeout) against one batch of isend and irecv (right: both complete), drawn from
+    the spans each rank measured."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.3))
+    panels = [(axes[0], blocked, 1, "s", "#e45756", "blocking send first: deadlock"),
+              (axes[1], batched, 1e3, "ms", "#54a24b", "send and receive in one batch")]
+    for ax, spans, scale, unit, colour, title in panels:
+        end = max(e for _, e in spans.values()) * scale
+        for r, (t0, t1) in spans.items():
+            ax.barh(r, (t1 - t0) * scale, left=t0 * scale, height=0.35, color=colour)
+            what = "timed out" if ax is axes[0] else f"got {received[r]:g}"
+            ax.text(t1 * scale, r, f" {what}", va="center", fontsize=10)
+        mid = end / 3
+        for r in spans:                    # the message each rank sends the other
+            x = mid + (0.04 if r else -0.04) * end
+            ax.annotate("", xy=(x, 0.8 - 0.6 * r), xytext=(x, 0.2 + 0.6 * r),
+                        arrowprops={"arrowstyle": "->", "lw": 1.3, "color": "black",
+                                    "linestyle": "--" if ax is axes[0] else "-"})
+        ax.text(mid + 0.1 * end, 0.5, f"{mib:g} MiB each way", ha="left", va="center", fontsize=10)
+        ax.set_yticks([0, 1], ["rank 0", "rank 1"])
+        ax.set_ylim(1.6, -0.6)
+        ax.set_xlim(0, end * 1.45)
+        ax.set_xlabel(unit, fontsize=10)
+        ax.set_title(title, fontsize=11, loc="left")
+        ax.tick_params(labelsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def deadlock():
-    note("""
-        ## Deadlock, and how batched send/receive avoids it
+    numel, timeout = 2**22, 3
+    note("## Deadlock, and how batched send/receive avoids it")
+    stuck = spawn(both_send_first, 2, numel=numel, expect_error=True, timeout=timeout,
+                  name="both stages send first: deadlock (expected)")
+    run = spawn(both_send_first, 2, numel=numel, batched=True, name="send and receive batched")
+    blocked, batched = rank_spans(stuck, "send"), rank_spans(run, "batched")
+    mib = numel * 4 / 2**20
+    waited = max(e - s for s, e in blocked.values())
+    took = max(e - s for s, e in batched.values())
+    figure(deadlock_figure(blocked, batched, mib, run.returns),
+           caption=f"The two demos above, from the spans each rank measured. Left: both ranks call a "
+                   f"blocking send of {mib:g} MiB first, and each waits {waited:.1f} s, until the "
+                   f"{timeout} s timeout ends it; neither reaches its receive. Right: the same exchange "
+                   f"posted as one batch of isend and irecv completes in {took * 1e3:.0f} ms.")
+    note(f"""
         Two neighbours each hold something for the other (activations going forward,
         gradients coming back). If both first call a blocking `send`, each waits for the other
-        to receive, and neither gets to its `recv`. The demo below does that with a 16 MiB
-        tensor and a 3-second timeout: it is expected to fail.
+        to receive, and neither gets to its `recv` (the first demo, with a {timeout}-second
+        timeout: it is expected to fail). Posting the send and the receive together with
+        `batch_isend_irecv` (or any non-blocking send before the blocking receive) lets both
+        complete: rank 0 received {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The
+        executor above never blocks on a send for the same reason.
     """)
-    spawn(both_send_first, 2, numel=2**22, expect_error=True, timeout=3,
-          name="both stages send first: deadlock (expected)")
-    run = spawn(both_send_first, 2, numel=2**22, batched=True, name="send and receive batched")
-    note(f"""
-        Posting the send and the receive together with `batch_isend_irecv` (or any non-blocking
-        send before the blocking receive) lets both complete: rank 0 received
-        {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The executor above never blocks
-        on a send for the same reason.
-    """)
+
+
+def pytorch_figure(times, classes):
+    """PyTorch's schedules beside our closest ones: step times, medians with interquartile
+    ranges, one pair of bars per PyTorch class."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(classes) + 0.8))
+    for i, cls in enumerate(classes):
+        for j, (label, colour) in enumerate([("PyTorch " + cls, "#e45756"), ("ours: " + PYTORCH_SCHEDULES[cls][1], "#4c78a8")]):
+            t = times[label]
+            ax.barh(i + (j - 0.5) * 0.38, t.median * 1e3, height=0.36, color=colour,
+                    xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]], capsize=2,
+                    label=("PyTorch's" if j == 0 else "ours (closest)") if i == 0 else None)
+    ax.set_yticks(range(len(classes)), [f"{c.removeprefix('Schedule')} / {PYTORCH_SCHEDULES[c][1]}" for c in classes])
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
+    ax.tick_params(labelsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=10, loc="lower right")
+    fig.tight_layout()
+    return fig
 
 
 def pytorch_schedules():
     p = timing_ranks_here()
     cfg, m, mb = GPTConfig(n_layers=2 * p, d_model=64, n_heads=4, seq_len=32), 2 * p, 4
     classes = list(PYTORCH_SCHEDULES)
+    run = spawn(compare_with_pytorch, p, cfg=cfg, m=m, mb_size=mb, classes=classes,
+                repeats=3 if settings.quick else 7, warmup=1 if settings.quick else 2,
+                name=f"our schedules and PyTorch's, {p} ranks")
+    R = run.returns
+    note("## PyTorch's own: torch.distributed.pipelining")
+    figure(pytorch_figure(R[0]["times"], classes),
+           caption=f"One training step with each of PyTorch's schedules (red) and our closest list (blue), "
+                   f"taking turns in the same processes: {machine(p)}, {m} micro-batches of a small GPT.")
     note(f"""
-        ## PyTorch's own: torch.distributed.pipelining
         The same `GPTStage` pieces wrapped in `PipelineStage` and run by each of PyTorch's
         schedules (V-shaped ones with the V layout), on {p} ranks with {m} micro-batches, beside
         our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` is ZB-H1's rule (a
@@ -1243,10 +1404,6 @@ def pytorch_schedules():
         wrong micro-batches for the last rank (its training is correct), so we draw nothing
         from it.
     """)
-    run = spawn(compare_with_pytorch, p, cfg=cfg, m=m, mb_size=mb, classes=classes,
-                repeats=3 if settings.quick else 7, warmup=1 if settings.quick else 2,
-                name=f"our schedules and PyTorch's, {p} ranks")
-    R = run.returns
     labels = list(R[0]["losses"])
     ref = reference_train(cfg, m, mb, 1)
     rows = []
