@@ -119,8 +119,9 @@ def intro():
 
         **What you need.** No earlier lecture: this is the first. PyTorch basics — tensors,
         `nn.Module`, `loss.backward()` and an optimizer step — and the idea of a float
-        (sign, exponent, mantissa). Three deep dives (fp8 scaling, FlashAttention's
-        backward, the roofline) wait on this lecture's appendix page for a second reading.
+        (sign, exponent, mantissa). The deep dives (fp8 scaling,
+        FlashAttention's backward, the roofline, and more) wait on this lecture's appendix page
+        for a second reading.
     """)
 
 
