@@ -389,8 +389,9 @@ def intro():
         1F1B, interleaved 1F1B, the zero-bubble family (ZB-H1, ZB-H2, ZB-V) and DualPipeV — with
         each paper's numbers (bubble, micro-batches held) beside the simulator's and the
         ranks' measurements; what each rank holds over a step; why the executor batches its
-        sends; PyTorch's `torch.distributed.pipelining` on the same model. Two deep dives
-        (DualPipeV's bubble formula, NCCL's posting order) sit in the appendix.
+        sends; PyTorch's `torch.distributed.pipelining` on the same model. The deep dives (every
+        list with W free, unequal F, B and W, DualPipeV's bubble formula, NCCL's posting order)
+        sit in the appendix.
 
         **What you need.** Lecture 01 (what a forward saves for backward; recomputation) and
         lecture 02 (point-to-point `isend`/`irecv`, what blocks and what does not); PyTorch's
@@ -459,8 +460,9 @@ def explorer(p=4, m=8):
         cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
     """)
     widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
-           caption="Every rank's timeline on one time axis, the bubble measured on it beside the "
-                   "textbook formula, and the activations each rank holds over the step.")
+           caption="Every rank's timeline on one time axis, the bubble measured on it beside the paper's "
+                   "formula at your costs (or why there is no closed form for that list), and the "
+                   "activations each rank holds over the step.")
 
 
 def free_w_words(free_w):

@@ -296,7 +296,7 @@ def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_pa
         assert "no closed form here ((p−1)(F+B−W)" in readout.text_content()
         for name in ("zb-h2", "zb-v", "dualpipev"):
             pg.select_option(".widget-controls select >> nth=0", name)
-            assert f"formula no closed form here ({entries[name, 4, 8, 1 if name == 'zb-h2' else 2]['why']})" \
+            assert f"timeline; no closed form here ({entries[name, 4, 8, 1 if name == 'zb-h2' else 2]['why']})" \
                 in readout.text_content(), name
         w.check_clean()
     finally:

@@ -264,10 +264,10 @@
       var f = e.formula, value = formulaBubble(f, e.p, e.m, cost(1));
       var theory = !f ? "no closed form here (" + e.why + ")" :
         value === null ? "no closed form here (" + f.text + ", " + f.source + ", assumes " + f.assumes + ")" :
-        f.text + " (" + f.source + ") = " + pct(value);
+        "formula " + f.text + " (" + f.source + ") = " + pct(value);
       out.textContent = e.name + ", p = " + e.p + ", m = " + e.m + ", chunks = " + e.chunks +
         ": makespan " + sim.makespan.toFixed(2) + ", bubble " + pct(sim.bubble) +
-        " measured on this timeline; formula " + theory + "; most held on a rank: " + (+maxPeak.toFixed(2)) + " micro-batches.";
+        " measured on this timeline; " + theory + "; most held on a rank: " + (+maxPeak.toFixed(2)) + " micro-batches.";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
     }
