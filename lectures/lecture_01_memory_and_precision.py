@@ -1577,7 +1577,8 @@ def main():
         flash_attention_backward()
     with deep_dive("Kernels and the roofline", "what this machine does per second, and where a kernel is memory-bound"):
         roofline()
-    references()
+    with deep_dive("Papers", "the papers this lecture draws on, with links"):
+        references()
     what_to_remember(tiles_win)  # the main story in six lines, and the notebook
 
 

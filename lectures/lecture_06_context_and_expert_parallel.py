@@ -1020,10 +1020,31 @@ def gqa_bytes(rank, world_size, seq_len, heads, kv_heads, head_dim):
     return out
 
 
+def held_bytes_picture(r, n):
+    """What a rank holds for backward under the ring and under all-gather, against one q shard."""
+    import matplotlib.pyplot as plt
+    names = ("ring", "all-gather")
+    held = [max(x[name]["held"] for x in r) / 2**20 for name in names]
+    shard = r[0]["ring"]["shard_bytes"] / 2**20
+    fig, ax = plt.subplots(figsize=(6.2, 2.2))
+    bars = ax.barh(names, held, color=["#4c72b0", "#dd8452"], height=0.55)
+    ax.bar_label(bars, labels=[f"{h:.2f} MiB = {h / shard:.1f} q shards" for h in held], fontsize=10, padding=3)
+    ax.set_xlim(0, max(held) * 1.6)
+    ax.invert_yaxis()
+    ax.set_xlabel("held for backward per rank (MiB, busiest rank)", fontsize=10)
+    ax.tick_params(labelsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    figure(fig, caption=f"Causal attention on {n} ranks, measured with a saved-tensors hook: the all-gather "
+                        "variant keeps the whole sequence's K and V for backward, the ring only its own block.")
+
+
 def allgather_section():
     from util.measure import machine, timing_ranks
+    note("## The all-gather variant: simpler, more memory")
+    held_bytes_picture(variant_run(), timing_ranks(4))
     note("""
-        ## The all-gather variant: simpler, more memory
         Instead of a ring, every rank can all-gather all keys and values first and then attend
         locally (backward: reduce-scatter dK, dV to their owners). Two collectives, no ring
         bookkeeping — Llama 3 trained long context this way — but every rank holds the whole
