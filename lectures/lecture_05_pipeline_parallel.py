@@ -1376,6 +1376,7 @@ def pytorch_figure(times, classes):
     ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
     ax.tick_params(labelsize=10)
     ax.grid(axis="x", alpha=0.3)
+    ax.set_xlim(0, 1.45 * max(t.q3 for t in times.values()) * 1e3)   # room on the right for the legend
     ax.legend(fontsize=10, loc="lower right")
     fig.tight_layout()
     return fig
