@@ -2019,9 +2019,41 @@ def dtensor_section():
     dtensor_parallelize_module()    # the GPT split by a plan of placements, against ours
 
 
+def placements_picture(rows, n):
+    """DTensor's placements as a graph: an arrow for each redistribution the run made, labelled
+    with the collective CommDebugMode counted for it."""
+    import matplotlib.pyplot as plt
+    at = {"P(sum)": (0.0, 0.0), "R": (1.0, 1.0), "S(0)": (2.0, 0.0), "S(1)": (3.0, 1.0)}
+    names = {"P(sum)": "Partial\n(summands)", "R": "Replicate", "S(0)": "Shard(0)", "S(1)": "Shard(1)"}
+    fig, ax = plt.subplots(figsize=(7.2, 2.9))
+    for key, (x, y) in at.items():
+        ax.text(x, y, names[key], ha="center", va="center", fontsize=11,
+                bbox={"boxstyle": "round,pad=0.4", "facecolor": "#f3f3f3", "edgecolor": "#555555"})
+    pairs = {(r[0], r[1]) for r in rows}
+    for src, dst, collective, *_ in rows:
+        (x0, y0), (x1, y1) = at[src], at[dst]
+        rad = 0.3 if (dst, src) in pairs else 0     # a pair of opposite arrows bends apart
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                    arrowprops={"arrowstyle": "-|>", "color": "#4c72b0", "lw": 1.5, "shrinkA": 28, "shrinkB": 28,
+                                "connectionstyle": f"arc3,rad={rad}"})
+        # the label at the curve's middle: half-way from the chord's middle to arc3's control point
+        mx, my = (x0 + x1) / 2 + 0.5 * rad * (y1 - y0), (y0 + y1) / 2 - 0.5 * rad * (x1 - x0)
+        ax.text(mx, my, collective.replace(" ×1", ""), ha="center", va="center", fontsize=10, color="#1f3b63",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    ax.set_xlim(-0.6, 3.6)
+    ax.set_ylim(-0.45, 1.45)
+    ax.set_axis_off()
+    fig.tight_layout()
+    figure(fig, caption=f"Each arrow is a redistribution run on {n} ranks (gloo), labelled with the collective "
+                        "PyTorch's CommDebugMode counted for it; 'none' is a local slice.")
+
+
 def dtensor_redistribute():
+    note("## Sharding annotations: DTensor")
+    n = 2
+    rows = spawn(redistribute_table, n, name=f"DTensor redistribute table, {n} ranks").returns[0]
+    placements_picture(rows, n)
     note("""
-        ## Sharding annotations: DTensor
         Mesh-TensorFlow (Shazeer et al. 2018) first wrote model parallelism as layouts: name the
         tensor dimensions, say which ones are split over which axis of a mesh of devices, and let
         the library insert the collectives. GShard and GSPMD (Lepikhin et al. 2020; Xu et al. 2021)
@@ -2035,8 +2067,6 @@ def dtensor_redistribute():
     see("https://arxiv.org/abs/2006.16668", "Lepikhin et al. 2020, GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding")
     see("https://arxiv.org/abs/2105.04663", "Xu et al. 2021, GSPMD: General and Scalable Parallelization for ML Computation Graphs")
     see("https://pytorch.org/docs/stable/distributed.tensor.html", "PyTorch DTensor documentation")
-    n = 2
-    rows = spawn(redistribute_table, n, name=f"DTensor redistribute table, {n} ranks").returns[0]
     table(rows, header=["from", "to", "collective (CommDebugMode)", "local shape before", "after", "values equal the full tensor"],
           caption=f"a {4 * n}×{2 * n} tensor on a mesh of {n} ranks")
     note("""
