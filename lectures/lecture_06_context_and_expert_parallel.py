@@ -1424,21 +1424,7 @@ _TRAINING = {}   # the balancing runs of mixture_of_experts(), reported again by
 
 def expert_parallelism():
     from util.measure import machine, timing_ranks
-    note("""
-        ## Expert parallelism: all-to-all dispatch and combine
-        Put E/n experts on each of n ranks; each rank routes its own tokens. Two rounds of
-        `all_to_all_single` move the tokens: *dispatch* sends each kept (token, choice) row to the
-        rank owning that expert, the experts run, and *combine* sends the results back, to be
-        weighted by the gates. The splits are uneven and change every step, so the ranks first
-        exchange how many rows each will send (a small all-to-all of counts) to size the buffers.
-        Here the choice counts are also all-gathered first, so every rank knows the global queue
-        positions and drops exactly the tokens one process would; the layer then equals the
-        one-process `MoE` on all ranks' tokens: outputs, gradients, dropped tokens. That extra
-        all-gather is a device for checking against one process; real systems do without it (a
-        subsection below).
-    """)
-    see(AllToAll)
-    see(ExpertParallelMoE)
+    note("## Expert parallelism: all-to-all dispatch and combine")
     tokens, d_model, d_ff, E, k = (256, 64, 128, 8, 2) if settings.quick else (1024, 64, 256, 8, 2)
     rows, imbalance = [], []
     for n in (2, 4):
@@ -1452,12 +1438,29 @@ def expert_parallelism():
             st = x["stats"]
             remote = sum(c for j, c in enumerate(st["rows_sent"]) if j != rank)       # dispatch out
             returned = sum(c for j, c in enumerate(st["rows_received"]) if j != rank)  # combine out
-            rows.append([n, rank, st["rows_sent"], st["rows_received"], sum(st["rows_received"]), x["sent"] / 2**10,
+            spaced = lambda counts: " · ".join(map(str, counts))   # rank 0's count first
+            rows.append([n, rank, spaced(st["rows_sent"]), spaced(st["rows_received"]), sum(st["rows_received"]),
+                         x["sent"] / 2**10,
                          2 * (remote + returned) * d_model * 4 / 2**10])
         recv = [sum(x["stats"]["rows_received"]) for x in r]
         last_rows = [x["stats"]["rows_sent"] for x in r]
         imbalance.append([n, (out - ref["out"]).abs().max().item(), same_drops, max(recv) / (sum(recv) / n),
                           f"{r[0]['time'].ms()} ({machine(n)})"])
+    dispatch_figure(last_rows, n)
+    note("""
+        Put E/n experts on each of n ranks; each rank routes its own tokens. Two rounds of
+        `all_to_all_single` move the tokens: *dispatch* sends each kept (token, choice) row to the
+        rank owning that expert, the experts run, and *combine* sends the results back, to be
+        weighted by the gates. The splits are uneven and change every step, so the ranks first
+        exchange how many rows each will send (a small all-to-all of counts) to size the buffers.
+        Here the choice counts are also all-gathered first, so every rank knows the global queue
+        positions and drops exactly the tokens one process would; the layer then equals the
+        one-process `MoE` on all ranks' tokens: outputs, gradients, dropped tokens. That extra
+        all-gather is a device for checking against one process; real systems do without it (a
+        subsection below).
+    """)
+    see(AllToAll)
+    see(ExpertParallelMoE)
     r4 = [row for row in rows if row[0] == 4 and row[1] == 0][0]
     cheat("EP all-to-all bytes", "per rank, forward + backward: remote rows × $h$ × 4 bytes × 2 all-to-alls × 2 passes",
           round(r4[5], 1), "KiB", what=f"rank 0 of 4, {tokens} tokens, top-{k}, measured (model: {r4[6]:.1f} KiB)")
@@ -1467,7 +1470,6 @@ def expert_parallelism():
     table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
                              "busiest rank's rows / mean", "layer forward+backward"],
           caption="equality and imbalance; each row's timing names its ranks")
-    dispatch_figure(last_rows, n)
     note("""
         Measured bytes include the backward pass, which repeats both all-to-alls in reverse, and
         the small count exchanges. The busiest rank sets the pace: the balance loss that evens
