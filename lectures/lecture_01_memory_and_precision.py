@@ -1450,6 +1450,22 @@ def roofline():
     add = (rates["add"][0] / 12, rates["add"][1], 1 / 12)    # (FLOP/s, Timing, FLOP per byte)
     gelu = (rates["gelu"][0], rates["gelu"][1], 8 / 8)       # 8 FLOP per element (assumed) per 8 bytes
     peak = max(r for r, _ in mm.values())
+    def gb_range(rate, t):        # bandwidth's interquartile range from the timing's
+        moved = rate * t.median
+        return moved / t.q3, moved / t.q1
+    ranges = {"copy": gb_range(bw, bw_t), "add": gb_range(add[0] / add[2], add[1]),
+              "GELU": gb_range(gelu[0] / gelu[2], gelu[1])}
+    apart = [k for k in ("add", "GELU") if ranges[k][0] > ranges["copy"][1] or ranges[k][1] < ranges["copy"][0]]
+    side = {k: "above" if ranges[k][0] > ranges["copy"][1] else "below" for k in apart}
+    against_copy = ("the spreads overlap, so this machine cannot tell the three apart: all are bound by memory"
+                    if not apart else
+                    " and ".join(f"{k} {side[k]}" for k in apart) + " the copy's rate beyond the interquartile ranges"
+                    + ("; a memory-bound kernel cannot beat the copy by much, so on these shared cores that gap "
+                       "is load that changed between the runs" if "above" in side.values() else ""))
+    in_cache = [n for n, (r, _) in mm.items() if n / 6 < peak / bw and r > n / 6 * bw]
+    above_roof = (f" The matmuls with n = {', '.join(map(str, in_cache))} sit above the memory roof: "
+                  "their operands fit in cache, which is faster than the memory the copy measured, "
+                  "so the roofline drawn from main memory does not bind them." if in_cache else "")
     cache_words = (f"source and destination together are {2 * nbytes / cache:.0f}× the largest cache, "
                    f"{fmt_bytes(cache)}, so this is memory's bandwidth, not a cache's" if cache else
                    "this machine does not report its cache sizes; part of the copy may run in cache")
@@ -1466,10 +1482,9 @@ def roofline():
         here those with n/6 above the ridge (n ≥ {math.ceil(6 * peak / bw)}) can be compute
         bound; an element-wise add does 1 FLOP per 12 bytes and is bound by memory at any size:
         timed side by side with the copy, each writing into a preallocated output, it moved
-        {add[0] / add[2] / 1e9:.1f} GB/s, GELU
-        {gelu[0] / gelu[2] / 1e9:.1f} GB/s, {add[0] / add[2] / bw:.0%} and
-        {gelu[0] / gelu[2] / bw:.0%} of the copy's rate. GELU is plotted at an assumed 8 FLOP per element
-        (its real count depends on how the kernel evaluates erf).
+        {add[0] / add[2] / 1e9:.1f} GB/s and GELU {gelu[0] / gelu[2] / 1e9:.1f} GB/s against
+        the copy's {bw / 1e9:.1f}: {against_copy}. GELU is plotted at an assumed 8 FLOP per element
+        (its real count depends on how the kernel evaluates erf).{above_roof}
 
         The GPU kernel techniques that the later lectures assume: **coalescing** (neighbouring
         threads read neighbouring addresses, so one memory transaction serves many),
@@ -1498,9 +1513,9 @@ def roofline():
     xs = [2 ** e for e in range(-5, 10)]
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
     ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
-    for i, (n, (r, _)) in enumerate(mm.items()):     # labels alternate below and above the points
-        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points",
-                    xytext=(6, -16) if i % 2 == 0 else (-8, 8), ha="left" if i % 2 == 0 else "right",
+    for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
+        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", ha="center",
+                    xytext=(0, 9) if i % 2 == 0 else (0, -9), va="bottom" if i % 2 == 0 else "top",
                     fontsize=11)
     ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
     ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")

@@ -1096,7 +1096,13 @@ def training():
         module that owns parameters must be in the plan, or it refuses). Lecture 01's GPT
         ({cfg.n_layers} layers, h = {cfg.d_model}, {plural(cfg.n_heads, 'head')}, sequence {cfg.seq_len})
         trained for {steps} AdamW steps (batch 16) split over {" and ".join(map(str, tp_sizes()))} ranks,
-        beside one process:
+        beside one process. Two things every rank of a tensor-parallel group must share. *The
+        same initial model:* the launcher seeds every rank alike, so a layer built fresh
+        (`ColumnParallelLinear(d_in, d_out, group)`) draws the whole weight an `nn.Linear` would
+        draw and keeps its own slice — one full layer split, not t copies of one shard — and
+        here the plan slices lecture 01's model itself. *The same batch:* each rank computes its
+        part of the same tokens (Megatron broadcasts the batch inside the group); ranks fed
+        different data return one loss that belongs to no batch, and nothing detects it:
     """)
     rows = []
     for n, r in runs.items():
@@ -1378,7 +1384,7 @@ def sp_replicated_grad_cost(cfg):
     note(f"""
         Passing each replicated parameter through f costs one small all-reduce per tensor in
         every backward: one backward of this SP GPT made {plural(r['backward all-reduces'], 'all-reduce')},
-        {r['tensors']} of them for the LayerNorm weights and biases, the row-parallel biases
+        {f"{r['tensors']} of them" if others else "all of them"} for the LayerNorm weights and biases, the row-parallel biases
         and the position table ({r['bytes']:,} bytes in all){f", {others} for other tensors" if others else ""}.
         Megatron-LM marks these parameters `sequence_parallel` and reduces their gradients once
         per optimizer step, after the last micro-batch's backward, flattened into one buffer
@@ -1649,8 +1655,8 @@ def tp_timeline_and_step_times(cfg):
     asyncs, blocking = in_back.count("all-reduce (async)"), in_back.count("all-reduce")
     note(f"""
         In {plural(len(back), 'backward pass', 'backward passes')} rank 0 ran
-        {plural(asyncs, 'asynchronous all-reduce')} (each beside a weight-gradient matmul) and
-        {plural(blocking, 'blocking one')}. The forward's two all-reduces (g after `o_proj` and after `fc_out`)
+        {plural(asyncs, 'asynchronous all-reduce')} (each beside a weight-gradient matmul)
+        {f"and {plural(blocking, 'blocking one')}" if blocking else "and no blocking one"}. The forward's two all-reduces (g after `o_proj` and after `fc_out`)
         block: the residual add needs them.
     """)
     ranks = timing_ranks(4)

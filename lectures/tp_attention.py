@@ -9,6 +9,7 @@ gradients summed over those ranks by `ShareKVHeads`. The linear layers it is bui
 import torch
 from torch import nn
 
+from lectures.gpt import causal_attention
 from lectures.tensor_parallel import (ColumnParallelLinearFunction, RowParallelLinear, _check_sequence_layout,
                                      _linear_init, _shard_of_full, _value)
 from lectures.tp_ops import _AgreedOnFirstCall, _all_gather, _all_reduce, _check_agreed, _size_rank
@@ -97,7 +98,7 @@ class TensorParallelAttention(_AgreedOnFirstCall, nn.Module):
         self.o_proj = RowParallelLinear(a * d, d_model, group, bias=bias, input_is_parallel=True,
                                         sequence_parallel=sequence_parallel, device=device, dtype=dtype,
                                         _sync_replicated=_sync_replicated)
-        self.attend = None
+        self.attend = causal_attention   # lecture 01's, as a fresh CausalSelfAttention has it
 
     @torch.no_grad()
     def _share_kv_init(self):

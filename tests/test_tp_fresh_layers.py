@@ -52,6 +52,10 @@ def fresh_layers(rank, world_size):
             got, ref_t = attn.get_parameter(name), want.get_parameter(name)
             out[f"attention kv={kv} {name}"] = (got - ref_t).abs().max().item()
         out[f"attention kv={kv} shards differ"] = shards_differ(attn.weight[:attn.q_rows])
+        # and a fresh layer runs: its forward is the one-process attention's (it had no attend)
+        again(); full = CausalSelfAttention(cfg)
+        x = torch.randn(2, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(3))
+        out[f"attention kv={kv} forward"] = (attn(x) - full(x)).abs().max().item()
     return out
 
 
@@ -62,6 +66,8 @@ def test_fresh_layers_hold_one_full_layer(n):
         for name, value in out.items():
             if name.endswith("shards differ"):
                 assert value > 0.01, f"rank {rank}: {name}: the ranks hold the same numbers"
+            elif name.endswith("forward"):          # a sum split over ranks: rounding, not 0
+                assert value < 1e-5, f"rank {rank}: {name} differs from one process by {value}"
             else:
                 assert value == 0, f"rank {rank}: {name} differs from the one-process layer by {value}"
 
