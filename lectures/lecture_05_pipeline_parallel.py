@@ -23,7 +23,7 @@ from lectures.schedules import SCHEDULES, Action, Layout, make_schedule
 from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, device, figure, note, published, quiet, see, settings, spawn, table, widget
 from util import span as timed   # a timed block on a rank: its span (local names `span` are x-axis lengths)
-from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap
+from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap, value_range
 
 # =========================================================================================
 # 1. Rank functions: train with a schedule; the single-process reference
@@ -322,6 +322,17 @@ def merged(returns, key):
 
 def pct(x):
     return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def units_against(mine, theirs, who):
+    """'27 units, as many as ZB-H1' or '25.5 units against ZB-V's 27' (never 'N against N')."""
+    return (f"{mine:g} units, as many as {who}" if abs(mine - theirs) < 1e-9
+            else f"{mine:g} units against {who}'s {theirs:g}")
+
+
+def measured_pct(b):
+    """A measured bubble and its interquartile range, '27.6% (25.1–29.0%)', never '75.9% (75.9%–75.9%)'."""
+    return f"{pct(b['measured'])} ({value_range(100 * b['iqr'][0], 100 * b['iqr'][1], '%')})"
 
 
 # =========================================================================================
@@ -720,7 +731,7 @@ def gpipe_measured(R, p, ms, mode):
             peak = max(r[f"{name} m={m}"]["peak_saved_bytes"] for r in R)
             mem[name, m] = peak
             rows.append([name, m, pct(b["theory"]), pct(b["simulated"]),
-                         f"{pct(b['measured'])} ({pct(b['iqr'][0])}–{pct(b['iqr'][1])})",
+                         measured_pct(b),
                          f"{peak / 2**10:.0f} KiB", R[0][f"{name} m={m}"]["timing"].ms()])
     import matplotlib
     import matplotlib.pyplot as plt
@@ -877,8 +888,7 @@ def zero_bubble_measured(R, p):
         - **ZB-H2** runs more forwards in the warm-up, holding up to $2p - 1$ micro-batches,
           so that every rank runs from its first action to its last without a gap. What is
           left in one step is the head and the tail of that parallelogram (rank $r$ starts $r$
-          forwards late), so a single step here takes {unit['zb-h2']:g} units against ZB-H1's
-          {unit['zb-h1']:g}: {_fewer(unit['zb-h2'], unit['zb-h1'])}. The paper's zero bubble needs one more thing: the next step's forwards start
+          forwards late), so a single step here takes {units_against(unit['zb-h2'], unit['zb-h1'], "ZB-H1")}: {_fewer(unit['zb-h2'], unit['zb-h1'])}. The paper's zero bubble needs one more thing: the next step's forwards start
           on rank 0 while the last ranks finish, which a synchronous optimizer step forbids
           (gradient clipping and NaN checks need every rank's gradients). Qi et al. (sec. 4)
           replace that synchronisation by a *post-validation*: each rank steps at once and
@@ -888,8 +898,9 @@ def zero_bubble_measured(R, p):
           steps back to back on the simulator.
         - **ZB-V** (Qi et al. 2024) puts two half-size chunks on each rank in a V (the layout
           figure above): the head halves, because the first forward reaches rank $p-1$ after
-          $p - 1$ half-stage forwards, and under 1F1B's memory ($2p$ half-size chunks = $p$
-          micro-batches) {_v_head_words(unit['zb-v'], p, m)}. Our ZB-V is the paper's hand-made list, in the
+          $p - 1$ half-stage forwards, and holding as many micro-batches as 1F1B ($2p$
+          half-size chunks = $p$; more bytes, since every split backward keeps its output gradient
+          until its W, as the memory table below measures) {_v_head_words(unit['zb-v'], p, m)}. Our ZB-V is the paper's hand-made list, in the
           order PyTorch's `ScheduleZBVZeroBubble` runs it (a test compares the two for every
           $p \\le 8$ and $m \\le 4p+1$); our ZB-H2 comes from a small greedy scheduler under its
           bound (`_greedy`: B first, then F within the bound, then W), not the paper's list.
@@ -926,7 +937,7 @@ def zero_bubble_measured(R, p):
         DualPipe README writes $F\\&B$), so that one's computation hides the other's
         expert-parallel all-to-all (lecture 06). A CPU rank cannot overlap them, so our list,
         transcribed from the reference schedule's eight phases, runs each pair in turn: on the
-        simulator it takes {unit['dualpipev']:g} units against ZB-V's {unit['zb-v']:g}, holding
+        simulator it takes {units_against(unit['dualpipev'], unit['zb-v'], "ZB-V")}, holding
         {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}. How DeepSeek's
         own bubble formula compares with this list is a deep dive:
     """)
@@ -1014,7 +1025,7 @@ def zbv_against_zbh1(span):
         verdict = "ZB-V is not shorter than ZB-H1 at any of these costs"
     else:
         verdict = f"ZB-V is shorter than ZB-H1 at {len(shorter)} of these {len(span)} costs"
-    return (f"{verdict} ({pairs}), with the same memory ($p$ micro-batches, in half-size chunks).")
+    return (f"{verdict} ({pairs}), holding the same number of micro-batches ($p$, in half-size chunks).")
 
 
 def zero_bubble_picture(p, m):
@@ -1070,8 +1081,8 @@ def dualpipev_formula(p, m=8):
         to hide the expert-parallel all-to-all (dispatch and combine) of DeepSeek's
         mixture-of-experts layers (lecture 06). A CPU rank cannot overlap them, so our
         executor runs each pair's forward, then its backward; the list is transcribed from the
-        eight phases of the reference schedule. On the simulator it takes {unit['dualpipev']:g}
-        units against ZB-V's {unit['zb-v']:g}, holding {most['dualpipev'] * 2:g} chunks against
+        eight phases of the reference schedule. On the simulator it takes
+        {units_against(unit['dualpipev'], unit['zb-v'], "ZB-V")}, holding {most['dualpipev'] * 2:g} chunks against
         ZB-V's {most['zb-v'] * 2:g}.
 
         Whose idle time does the formula count? Not our executor's: with a chunk's $F$ =
@@ -1130,7 +1141,7 @@ def every_schedule_measured(R, p, mode):
         b = bubble_row(R, label, name, m, v, p)
         bubbles, steps = measured_bubbles(R, label)
         rows.append([name, m, v, pct(b["theory"]), pct(b["simulated"]),
-                     f"{pct(b['measured'])} ({pct(b['iqr'][0])}–{pct(b['iqr'][1])})",
+                     measured_pct(b),
                      R[0][label]["timing"].ms(), f"{b['sim'].makespan * 1e3:.0f} ms"])
         if name != "naive":          # naive has its own figure above; it would stretch the shared axis
             pairs.append((f"{name} (m={m}, v={v})", b["sim"].timeline, median_step(steps, bubbles), "s"))
@@ -1153,8 +1164,9 @@ def every_schedule_measured(R, p, mode):
         The simulator charges nothing for Python, gloo's messages, or {p} ranks sharing the
         cores; the measured steps pay for them: {e1 * 1e3:.0f} ms per step beyond the simulated
         step for 1F1B, {ei * 1e3:.0f} ms for interleaved 1F1B (which has $v$× the actions and
-        messages, each action $1/v$ as long). That time shows up as bubble, and a similar
-        amount is a larger multiple of interleaving's smaller theoretical bubble: measured over
+        messages, each action $1/v$ as long, so {"more" if ei > 1.2 * e1 else "about as much"} of
+        that cost). That time shows up as bubble, and against interleaving's smaller theoretical
+        bubble it is a larger multiple: measured over
         theory is {ri:.2f} for interleaved, {r1:.2f} for 1F1B. The longer an action is against
         that cost, the closer the measurement comes to the formula: `make bench` repeats these
         runs with sleeps 10× longer and prints the ratios.
@@ -1346,8 +1358,9 @@ def deadlock():
     took = max(e - s for s, e in batched.values())
     figure(deadlock_figure(blocked, batched, mib, run.returns),
            caption=f"The two demos above, from the spans each rank measured. Left: both ranks call a "
-                   f"blocking send of {mib:g} MiB first, and each waits {waited:.1f} s, until the "
-                   f"{timeout} s timeout ends it; neither reaches its receive. Right: the same exchange "
+                   f"blocking send of {mib:g} MiB first and waits (up to {waited:.1f} s) until the "
+                   f"{timeout} s timeout ends one rank's send and, with it, the connection the other is "
+                   f"sending on; neither reaches its receive. Right: the same exchange "
                    f"posted as one batch of isend and irecv completes in {took * 1e3:.0f} ms.")
     note(f"""
         Two neighbours each hold something for the other (activations going forward,
@@ -1400,7 +1413,7 @@ def pytorch_schedules():
         our closest schedule. PyTorch's `ScheduleInterleavedZeroBubble` is ZB-H1's rule (a
         rank's Ws run $r$ micro-batches late) on interleaved chunks, two per rank: our ZB-H1
         has one. `ScheduleZBVZeroBubble` and our `zb-v` run the same action lists (ZB-V: two
-        chunks in a V, 1F1B's memory; a test compares ours with its `pipeline_order`);
+        chunks in a V, $p$ micro-batches held; a test compares ours with its `pipeline_order`);
         `ScheduleDualPipeV` and our `dualpipev` run the same lists too, with the same
         forward-and-backward pairs (its `OVERLAP_F_B` actions; also tested). One caution when
         reading PyTorch's action lists: in torch 2.13 `Schedule1F1B.pipeline_order` names the
@@ -1422,11 +1435,15 @@ def pytorch_schedules():
     span = {n: simulate(make_schedule(n, p, m, 2), chunk_cost(2)).makespan for n in ("zb-v", "dualpipev")}
     note(f"""
         ZB-V, ours against PyTorch's: {verdict(t['ours: zb-v'], t['PyTorch ScheduleZBVZeroBubble'], 'ours', "PyTorch's")}.
+        DualPipeV, ours against PyTorch's: {verdict(t['ours: dualpipev'], t['PyTorch ScheduleDualPipeV'], 'ours', "PyTorch's")}
+        (the same lists and pairs: any gap is the two executors' per-action cost, not the schedule).
         ZB-V against DualPipeV, both ours: {verdict(t['ours: zb-v'], t['ours: dualpipev'], 'ZB-V', 'DualPipeV')};
-        with m = {m} {"both lists take " + format(span['zb-v'], 'g') if span['zb-v'] == span['dualpipev']
-                      else f"their lists take {span['zb-v']:g} and {span['dualpipev']:g}"} units on the
-        simulator (F = B = W = 1 per stage), so a measured gap between them here is this machine
-        (the per-action overhead below, and cores shared by every rank), not the schedule; DualPipeV's own advantage, overlapping each
+        with m = {m} {("both lists take " + format(span['zb-v'], 'g') + " units on the simulator (F = B = W = 1 per "
+                       "stage), so a measured gap between them here is this machine (the per-action overhead "
+                       "and cores shared by every rank), not the schedule")
+                      if span['zb-v'] == span['dualpipev'] else
+                      f"their lists take {span['zb-v']:g} and {span['dualpipev']:g} units on the simulator "
+                      "(F = B = W = 1 per stage)"}; DualPipeV's own advantage, overlapping each
         F&B pair's all-to-all, needs a GPU and expert parallelism.
         Every timing here is one step of a small model, where per-action overhead weighs as
         much as the schedule.
@@ -1455,6 +1472,18 @@ def deep_dive_posting_order():
         shared clock (`communication_plan`, from `schedule_sim.message_slots`), which makes every
         pair's posting orders equal; a test runs every schedule with ranks as threads and a
         stand-in that matches as NCCL does.
+
+        Two more of NCCL's rules shape the executor. *One Work per batch:* with CUDA tensors,
+        `batch_isend_irecv` coalesces its operations and returns a single Work for the whole
+        batch (torch's `_coalescing_manager`), and a receive's buffer holds the data only after
+        that Work is waited — so pairing each operation with "its" Work (as gloo's list of Works
+        invites) reads buffers that have not arrived. The executor waits every Work of a batch
+        before it reads any buffer of it. *One stream, in order:* a rank's batches run one after
+        another on one stream, and a large send completes only when its peer's matching receive
+        runs; two ranks whose batches wait on each other in opposite orders hang. Posting both
+        ends of each message in the same slot of the shared clock rules that cycle out:
+        `schedule_sim.p2p_deadlock` replays every rank's posting program under these rules, and a
+        test finds no deadlock for any schedule the lecture accepts up to $p = 8$.
     """)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 2.6))
@@ -1506,7 +1535,7 @@ def what_to_remember():
         - 1F1B has GPipe's bubble with bounded memory: rank $r$ holds $p - r$ micro-batches,
           not $m$.
         - Splitting the backward into B (input gradient, urgent) and W (weight gradient, can
-          wait) lets W fill the idle slots: ZB-H1 gets $(p-1)(F+B-W)$ at 1F1B's peak memory;
+          wait) lets W fill the idle slots: ZB-H1 gets $(p-1)(F+B-W)$ holding 1F1B's $p$ micro-batches (more bytes: each keeps its output gradient from B to W);
           ZB-V (a V of two chunks, $p$ held) keeps only the V's head at $F = B = W$; ZB-H2 ($2p-1$ held) idles
           $(p-1)(F+B-2W)$ per step, once the optimizer step does not synchronise the ranks.
         - DualPipeV is a V like ZB-V whose forward/backward pairs overlap the MoE all-to-all:

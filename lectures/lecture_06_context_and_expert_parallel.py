@@ -1190,7 +1190,7 @@ def ulysses_section():
     """)
     msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
     note(f"""
-        With 2 heads on 4 ranks Ulysses refuses: *{msg}* USP combines Ulysses with a ring to go
+        With 2 heads on 4 ranks Ulysses refuses: *{msg.rstrip(".")}.* USP combines Ulysses with a ring to go
         past that limit:
     """)
 
@@ -1290,8 +1290,42 @@ def rotate_words(sent, n):
 
 def mixture_of_experts():
     import matplotlib.pyplot as plt
+    note("## Mixture of experts: router, capacity, balance loss")
+    torch.manual_seed(0)
+    moe = moe_layer(d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=None, dtype="float32")
+    x = torch.randn(512, 32)
+    rows = []
+    for cf in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, None):
+        moe.capacity_factor = cf
+        with torch.no_grad():
+            moe(x)
+        st = moe.stats
+        rows.append(["no limit" if cf is None else cf, st["capacity"], st["dropped"], st["dropped"] / st["assignments"]])
+    counts = st["tokens_per_expert"]
+    steps = 40 if settings.quick else 200
+    configs = [{"aux": 0.0}, {"aux": 0.01}, {"aux": AUX_WEIGHT}, {"bias": BIAS_STEP}]
+    labels = ["no balancing", "balance loss α = 0.01", f"balance loss α = {AUX_WEIGHT}", f"bias, γ = {BIAS_STEP}"]
+    r = spawn(train_moe_gpt, len(configs), configs=configs, steps=steps, batch_size=8,
+              name="MoE GPT training: each rank one way of balancing").returns
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    axes[0].bar(range(8), counts)
+    axes[0].set_xlabel("expert")
+    axes[0].set_ylabel("tokens routed (both choices)")
+    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
+    for label, log in zip(labels, r):
+        axes[1].plot(log["max_load"], label=label)
+        axes[2].plot(log["loss"], label=label)
+    axes[1].axhline(1, color="gray", lw=0.5)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("busiest expert / mean load")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("training loss")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    figure(fig, caption=f"lecture 01's GPT with 4-expert top-1 MoE MLPs (capacity factor 1.25), {steps} steps "
+                        "of AdamW; each way of balancing trained on its own rank, side by side (the last one is "
+                        "DeepSeek-V3's bias, a deep dive below)")
     note(r"""
-        ## Mixture of experts: router, capacity, balance loss
         A mixture-of-experts layer replaces the MLP by E expert MLPs and a router, a linear layer
         giving each token a probability for each expert. A token goes to its top-k experts (Switch
         Transformer: k = 1; GShard: k = 2) and its output is their gate-weighted sum, so the
@@ -1319,42 +1353,8 @@ def mixture_of_experts():
         parallelism.
     """)
     see("https://arxiv.org/abs/2401.06066", "Dai et al. 2024: DeepSeekMoE: Towards Ultimate Expert Specialization in Mixture-of-Experts Language Models")
-    torch.manual_seed(0)
-    moe = moe_layer(d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=None, dtype="float32")
-    x = torch.randn(512, 32)
-    rows = []
-    for cf in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, None):
-        moe.capacity_factor = cf
-        with torch.no_grad():
-            moe(x)
-        st = moe.stats
-        rows.append(["no limit" if cf is None else cf, st["capacity"], st["dropped"], st["dropped"] / st["assignments"]])
-    counts = st["tokens_per_expert"]
     table(rows, header=["capacity factor", "capacity C (slots per expert)", "dropped choices", "fraction dropped"],
           caption="an untrained top-2 router over 8 experts, 512 tokens: dropped choices vs capacity factor")
-    steps = 40 if settings.quick else 200
-    configs = [{"aux": 0.0}, {"aux": 0.01}, {"aux": AUX_WEIGHT}, {"bias": BIAS_STEP}]
-    labels = ["no balancing", "balance loss α = 0.01", f"balance loss α = {AUX_WEIGHT}", f"bias, γ = {BIAS_STEP}"]
-    r = spawn(train_moe_gpt, len(configs), configs=configs, steps=steps, batch_size=8,
-              name="MoE GPT training: each rank one way of balancing").returns
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    axes[0].bar(range(8), counts)
-    axes[0].set_xlabel("expert")
-    axes[0].set_ylabel("tokens routed (both choices)")
-    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
-    for label, log in zip(labels, r):
-        axes[1].plot(log["max_load"], label=label)
-        axes[2].plot(log["loss"], label=label)
-    axes[1].axhline(1, color="gray", lw=0.5)
-    axes[1].set_xlabel("step")
-    axes[1].set_ylabel("busiest expert / mean load")
-    axes[2].set_xlabel("step")
-    axes[2].set_ylabel("training loss")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    figure(fig, caption=f"lecture 01's GPT with 4-expert top-1 MoE MLPs (capacity factor 1.25), {steps} steps "
-                        "of AdamW; each way of balancing trained on its own rank, side by side (the last one is "
-                        "DeepSeek-V3's bias, a deep dive below)")
     tail = max(1, steps // 10)
     mean = lambda xs: sum(xs[-tail:]) / tail
     spread = lambda tpe: f"{min(min(l) for l in tpe)}–{max(max(l) for l in tpe)}"
@@ -1364,8 +1364,6 @@ def mixture_of_experts():
                   "tokens per expert, last step (fewest–most, any layer)"],
           caption=f"means over the last {tail} steps")
     _TRAINING.update(logs=r, labels=labels, configs=configs, steps=steps)
-    load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
-    loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
     load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
     note(f"""
         Without balancing the busiest expert ended at {load[labels[0]]:.2f}× the mean load; with
@@ -1564,8 +1562,35 @@ def dispatch_figure(rows_sent, n):
 
 def expert_gradient_groups():
     import matplotlib.pyplot as plt
+    note("## Which gradients reduce over which group")
+    kw = dict(d_model=16, d_ff=24, n_experts=4, top_k=2, capacity_factor=None)
+    world, ep, tokens = 4, 2, 12
+    ep_groups, edp_groups = ep_dp_groups(world, ep)
+    counts, starts = expert_owners(kw["n_experts"], ep)
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    for g in ep_groups:
+        d = g[0] // ep
+        ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
+        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
+    for j, g in enumerate(edp_groups):
+        ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
+                                   ls="--"))
+        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
+    for g in ep_groups:
+        for j, rank in enumerate(g):
+            d = rank // ep
+            ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
+            experts = list(range(starts[j], starts[j] + counts[j]))
+            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
+    ax.set_xlim(-0.6, ep + 1.0)
+    ax.set_ylim(-world // ep - 0.3, 0.5)
+    ax.axis("off")
+    figure(fig, caption="4 ranks as EP = 2 (rows, blue: the experts split, tokens dispatched by all-to-all) × "
+                        "DP = 2 (columns, red: the same experts, gradients all-reduced). The router's gradient "
+                        "is summed over all 4 ranks")
+
     note("""
-        ## Which gradients reduce over which group
         In a real job expert parallelism sits inside data parallelism: the experts are split over
         an EP group of ranks, and that group is replicated over data-parallel copies, each with
         its own tokens. The router (and every weight outside the MoE layers: attention,
@@ -1576,8 +1601,6 @@ def expert_gradient_groups():
         and with two mistakes.
     """)
     see(ep_dp_groups)
-    kw = dict(d_model=16, d_ff=24, n_experts=4, top_k=2, capacity_factor=None)
-    world, ep, tokens = 4, 2, 12
     r = spawn(expert_data_parallel, world, ep=ep, layer_kw=kw, tokens=tokens,
               name="expert parallelism inside data parallelism, gradients by group").returns
     moe = moe_layer(**kw)
@@ -1603,30 +1626,6 @@ def expert_gradient_groups():
         its expert-data-parallel group of {world // ep}: in a large MoE most parameters are experts, so
         most gradient traffic runs in the smaller groups.
     """)
-    ep_groups, edp_groups = ep_dp_groups(world, ep)
-    counts, starts = expert_owners(kw["n_experts"], ep)
-    colors = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(7.5, 3.0))
-    for g in ep_groups:
-        d = g[0] // ep
-        ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
-        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
-    for j, g in enumerate(edp_groups):
-        ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
-                                   ls="--"))
-        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
-    for g in ep_groups:
-        for j, rank in enumerate(g):
-            d = rank // ep
-            ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
-            experts = list(range(starts[j], starts[j] + counts[j]))
-            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
-    ax.set_xlim(-0.6, ep + 1.0)
-    ax.set_ylim(-world // ep - 0.3, 0.5)
-    ax.axis("off")
-    figure(fig, caption="4 ranks as EP = 2 (rows, blue: the experts split, tokens dispatched by all-to-all) × "
-                        "DP = 2 (columns, red: the same experts, gradients all-reduced). The router's gradient "
-                        "is summed over all 4 ranks")
 
 
 def usp_deep_dive():

@@ -34,3 +34,10 @@ def test_a_range_never_reads_the_same_number_twice():
     assert value_range(23.81, 26.6, "GB/s") == "23.8–26.6 GB/s"
     assert value_range(1.01, 1.04, "GB/s") == "1.01–1.04 GB/s"    # one more decimal, not "1.0–1.0"
     assert value_range(2.0, 2.0, "×") == "2.0 ×"
+
+
+def test_a_timing_never_prints_its_quartiles_alike():
+    from util.measure import Timing
+    t = Timing([0.2791, 0.2792, 0.2793, 0.2794, 0.2795])
+    assert "279–279" not in t.ms() and "IQR 279.2–279.4" in t.ms()
+    assert Timing([0.5] * 5).ms() == "500 ms (IQR 0)"

@@ -92,9 +92,14 @@ class Timing:
         return statistics.quantiles(self.samples, n=4, method="inclusive")
 
     def ms(self, digits=3):
-        """"1.23 ms (IQR 1.10–1.41)", for tables and sentences."""
+        """"1.23 ms (IQR 1.10–1.41)", for tables and sentences: more digits where the quartiles
+        would print alike, and "IQR 0" where they are equal, never "279–279"."""
+        for d in range(digits, digits + 4):
+            f = lambda s: f"{s * 1e3:.{d}g}"
+            if f(self.q1) != f(self.q3):
+                return f"{f(self.median)} ms (IQR {f(self.q1)}–{f(self.q3)})"
         f = lambda s: f"{s * 1e3:.{digits}g}"
-        return f"{f(self.median)} ms (IQR {f(self.q1)}–{f(self.q3)})"
+        return f"{f(self.median)} ms (IQR 0)"
 
     def __str__(self):
         return self.ms()
