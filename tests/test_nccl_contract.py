@@ -17,7 +17,7 @@ from lectures.gpt import GPTConfig
 from lectures.schedule_sim import message_order, p2p_deadlock
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
-V = {"interleaved-1f1b": (2, 3), "zb-v": (2,), "dualpipev": (2,)}
+V = {"interleaved-1f1b": (2, 3, 4), "zb-v": (2,), "dualpipev": (2,), "gpipe": (1, 2), "1f1b": (1, 2)}
 
 
 def allowed(p_max=8, m_max=16):
