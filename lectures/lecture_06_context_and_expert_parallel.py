@@ -672,6 +672,9 @@ def what_needs_other_ranks():
     published("""
         torchtitan's benchmark (Dec 2024, Table 2): Llama 3.1 8B on 8 H100s trains at sequence
         lengths up to 262,144 with CP 8 (548 tokens/s per GPU), where 32K with CP 1 gave 3,890.
+        Fewer tokens per second is not CP's cost: attention's work per token grows with the
+        sequence (8× longer, 8× the work per token), and what CP buys is a length that one GPU's
+        memory could not hold at all.
     """, "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
               "torchtitan, Llama 3 on H100s, December 2024")
     note("""
