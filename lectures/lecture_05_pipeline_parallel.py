@@ -910,7 +910,7 @@ def zero_bubble_measured(R, p):
 
         | | 1F1B | ZB-H1 | ZB-H2 | ZB-V | DualPipeV |
         |---|---|---|---|---|---|
-        | paper's bubble | $(p-1)(F+B+W)$ | $(p-1)(F+B-W)$ | $(p-1)(F+B-2W)$ across steps | the V's head | $(S/2-1)(F\\&B+B-3W)$ |
+        | paper's bubble (ZB-H2's: steps run back to back) | $(p-1)(F+B+W)$ | $(p-1)(F+B-W)$ | $(p-1)(F+B-2W)$ | the V's head | $(S/2-1)(F\\&B+B-3W)$ |
         | paper's micro-batches held | $p$ | $p$ | $2p-1$ | $p$ | $S + 1$ chunks |
         | most held in our lists | {most['1f1b']:g} | {most['zb-h1']:g} | {most['zb-h2']:g} | {most['zb-v']:g} | {most['dualpipev'] * 2:g} chunks |
         | bubble, simulated | {pct(rows_['1f1b m=8']['simulated'])} | {pct(rows_['zb-h1']['simulated'])} | {pct(rows_['zb-h2']['simulated'])} | {pct(rows_['zb-v']['simulated'])} | {pct(rows_['dualpipev']['simulated'])} |
@@ -1584,7 +1584,8 @@ def main():
     real_compute()           # real compute at ranks <= cores; checkpointing's memory and time
     deadlock()               # why the executor batches its sends and receives
     pytorch_schedules()      # PyTorch's schedules on the same model
-    notes()                  # what else decides a pipeline, and the papers
+    with deep_dive("Notes and papers", "what else decides a pipeline, and the papers behind each schedule"):
+        notes()              # what else decides a pipeline, and the papers
     with deep_dive("NCCL matches messages in posting order",
                    "why a pair's receives must be posted in the order the peer sends them"):
         deep_dive_posting_order()

@@ -83,7 +83,7 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
     g (all-reduce forward, identity backward) is the right conjugate for the sums because every
     rank then holds the same loss and back-propagates into its own slice."""
     n, r = _size_rank(group)
-    _agree_on_first_loss(local_logits, targets, group)
+    _agree_on_loss(local_logits, targets, group)
     per = local_logits.shape[-1]
     if targets.shape != local_logits.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
@@ -100,22 +100,13 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
     return (sum_exp.log() - target_logit).mean()
 
 
-
-
-_loss_checked = set()   # names of the groups whose first loss call was checked
-
-
-def _agree_on_first_loss(local_logits, targets, group):
-    """On the first call for a group: the ranks agree on the logits' dtype and shape (their
-    vocabulary slices must be equal) and the targets' shape, before the loss's all-reduces.
-    Groups are told apart by name, which every rank gives a group alike (an object's id is
-    not: ranks that disagreed on "first call" would run the check's collective alone)."""
-    name = dist.get_process_group_ranks(group), getattr(group, "group_name", None)
-    key = (tuple(name[0]), name[1])
-    if key in _loss_checked:
-        return
+def _agree_on_loss(local_logits, targets, group):
+    """The ranks agree on the logits' dtype and shape (their vocabulary slices must be equal) and
+    the targets' shape, before the loss's all-reduces: one small all-gather on every call. A
+    function cannot remember a "first call" safely: a rank that once raised before its check
+    would skip the next one while the others run it, and the check's own collective would then
+    meet another collective (gloo aborts). Modules check once; they are built alike on every rank."""
     facts = {"logits dtype": local_logits.dtype, "logits dims": local_logits.dim(), "targets dims": targets.dim()}
     facts.update({f"logits size {i}": size for i, size in enumerate(local_logits.shape[:6])})
     facts.update({f"targets size {i}": size for i, size in enumerate(targets.shape[:6])})
     _check_agreed(facts, group, "vocab_parallel_cross_entropy")
-    _loss_checked.add(key)

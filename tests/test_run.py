@@ -198,7 +198,10 @@ def test_a_signalled_build_leaves_no_course_process_running(tmp_path, how):
     env = {**os.environ, "COURSE_TEST_MARKERS": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "util.run", "tests.sleeping_lecture", "--world-size", "2",
                              "--out", str(tmp_path / "site")], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            # a shell's background job starts with SIGINT ignored, and Python then
+                            # keeps ignoring it: give the build Ctrl-C's default, as a terminal does
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         start = time.monotonic()
         while not all(os.path.exists(tmp_path / f"rank{r}") for r in (0, 1)):
