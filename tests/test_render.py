@@ -414,7 +414,7 @@ def test_a_demo_with_nothing_to_show_draws_no_bar(tmp_path):
 
 def test_a_wide_figure_has_a_phone_drawing_narrower_than_itself(monkeypatch):
     """record.figure keeps a second, narrower SVG of a wide figure (its text then larger relative
-    to the plot on a phone); a figure already phone-sized keeps one drawing."""
+    to the plot on a phone); a figure already phone-sized, or with panels side by side, keeps one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -425,7 +425,10 @@ def test_a_wide_figure_has_a_phone_drawing_narrower_than_itself(monkeypatch):
         fig, ax = plt.subplots(figsize=(width, 3))
         ax.plot([0, 1], [0, 1])
         record.figure(fig)
-    wide, narrow = added
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3))      # panels side by side: kept as they are
+    record.figure(fig)
+    wide, narrow, gallery = added
+    assert "phone_svg" not in gallery
     width_pt = lambda svg: float(re.search(r'width="([\d.]+)pt"', svg).group(1))
     assert "phone_svg" not in narrow
     assert width_pt(wide["phone_svg"]) < 0.7 * width_pt(wide["svg"])

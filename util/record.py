@@ -131,10 +131,17 @@ def _svg(fig):
 def _phone_svg(fig):
     """The same figure drawn narrower, so that on a phone its text is not shrunk to a few pixels
     (the page shows it below 600 px; "full size" still opens the wide one). Fonts keep their
-    point sizes, so they grow relative to the plot; wide galleries shrink at most to half."""
+    point sizes, so they grow relative to the plot."""
     import warnings
     w, h = fig.get_size_inches()
-    if w <= PHONE_INCHES * 1.05:
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    columns = len({round(ax.get_position().x0, 2) for ax in axes})
+    # Only plain charts: one column of panels with their axes drawn and legends inside them.
+    # Side-by-side panels, diagrams (text placed in data coordinates) and legends outside the
+    # axes keep their width, and would run into each other or be cut when narrowed.
+    legend_outside = fig.legends or any(ax.get_legend() is not None and ax.get_legend()._bbox_to_anchor is not None
+                                        for ax in axes)
+    if w <= PHONE_INCHES * 1.05 or columns > 1 or not all(ax.axison for ax in axes) or legend_outside:
         return None
     f = max(PHONE_INCHES / w, 0.5)
     fig.set_size_inches(w * f, h * max(f, 0.75))
