@@ -1,6 +1,7 @@
 """The interactive figures, in a real browser: lecture 05's schedule explorer simulates every
 embedded schedule exactly as Python's `simulate` does, redraws within a frame, and answers its
 controls; offline, from file://, at laptop and phone widths."""
+import contextlib
 import json
 import random
 
@@ -11,6 +12,18 @@ from lectures.schedule_sim import simulate
 from lectures.schedules import make_schedule
 from tests.conftest import Watched
 from util import render
+
+
+@contextlib.contextmanager
+def opened(browser, path):
+    """A page on `path` at 1280x800 that must end with no console error or failed request."""
+    w = Watched(browser, viewport={"width": 1280, "height": 800})
+    try:
+        w.page.goto("file://" + path)
+        yield w.page
+        w.check_clean()
+    finally:
+        w.close()
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +100,7 @@ def test_explorer_refuses_costs_it_cannot_mean(browser, explorer_page):
     """F and B must be positive, W and send 0 or more, every field a finite number: anything else
     is refused in words (it used to count an empty field as 0 and show 'bubble 300.0%' for
     B = -3); the costs it accepts, at the largest schedule, keep the bubble within 0-100%."""
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + explorer_page)
+    with opened(browser, explorer_page) as pg:
         readout = pg.locator(".widget-readout")
         cost = {"F": 0, "B": 1, "W": 2, "send": 3}      # the inputs' order on the page
         for field, value, says in [("F", "-1", "F must be positive, not -1"), ("B", "-3", "B must be positive"),
@@ -115,9 +125,6 @@ def test_explorer_refuses_costs_it_cannot_mean(browser, explorer_page):
             text = readout.text_content()
             bubble = float(text.split("bubble ")[1].split("%")[0])
             assert 0 <= bubble <= 100 and float(pg.locator("figure.widget.live").get_attribute("data-redraw-ms")) < 100, text
-        w.check_clean()
-    finally:
-        w.close()
 
 
 def test_without_javascript_the_widget_stays_hidden(browser, explorer_page):
@@ -274,10 +281,7 @@ def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_pa
     there is no closed form here."""
     from lectures.schedule_explorer import explorer_entries, formula_bubble
     entries = {(e["name"], e["p"], e["m"], e["chunks"]): e for e in explorer_entries()}
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + explorer_page)
+    with opened(browser, explorer_page) as pg:
         rng, cases = random.Random(2), []
         for key in entries:
             cost = {"F": rng.uniform(0.2, 3), "B": rng.uniform(0.2, 3), "W": rng.uniform(0, 3),
@@ -298,43 +302,28 @@ def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_pa
             pg.select_option(".widget-controls select >> nth=0", name)
             assert f"timeline; no closed form here ({entries[name, 4, 8, 1 if name == 'zb-h2' else 2]['why']})" \
                 in readout.text_content(), name
-        w.check_clean()
-    finally:
-        w.close()
 
 
 def test_calculator_refuses_layouts_the_search_would_not_make(browser, calculator_page):
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + calculator_page)
+    with opened(browser, calculator_page) as pg:
         tp = pg.locator(".widget-controls label", has_text="tp").locator("input")
         tp.fill("3")                                       # 32 heads do not split 3 ways
         assert "tp must divide the heads" in pg.locator(".widget-readout >> nth=0").text_content()
         assert pg.locator(".widget-readout >> nth=1").text_content() == ""   # no stale step time
         tp.fill("8")
         assert "Per rank" in pg.locator(".widget-readout >> nth=0").text_content()
-        w.check_clean()
-    finally:
-        w.close()
 
 
 def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
     """A smaller model keeps the largest tp and pp that still divide it (the first-read review
     found lecture 01's GPT opening on "not a valid layout" after Llama's tp = 8)."""
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + calculator_page)
+    with opened(browser, calculator_page) as pg:
         model = pg.locator(".widget-controls label", has_text="model").locator("select")
         for name in model.locator("option").all_inner_texts() * 2:
             if name == "custom":
                 continue
             model.select_option(label=name)
             assert "Per rank" in pg.locator(".widget-readout >> nth=0").text_content(), name
-        w.check_clean()
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -347,10 +336,7 @@ def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
 def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page, field, value, words):
     """adversarial.md items 13 and 28: every model field and the device memory are checked in
     words, as ModelShape and Layout check them; no NaN, Infinity or negative size is shown."""
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + calculator_page)
+    with opened(browser, calculator_page) as pg:
         box = pg.locator(".widget-controls label", has_text=field).locator("input").first
         box.fill(value)
         text = pg.locator(".widget-readout >> nth=0").text_content()
@@ -358,17 +344,11 @@ def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page,
         for bad in ("NaN", "Infinity", "-"):
             assert bad not in text.replace("K/V", "").replace("virtual-stages", "").replace("1F1B", ""), text
         assert pg.locator(".widget-readout >> nth=1").text_content() == ""
-        w.check_clean()
-    finally:
-        w.close()
 
 
 def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_page):
     """adversarial.md item 23: ZeRO-3 with millions of micro-batches is one multiplication."""
-    w = Watched(browser, viewport={"width": 1280, "height": 800})
-    try:
-        pg = w.page
-        pg.goto("file://" + calculator_page)
+    with opened(browser, calculator_page) as pg:
         pg.select_option(".widget-controls label:has-text('ZeRO') select", "3")
         mbs = pg.locator(".widget-controls label", has_text="micro-batches").locator("input")
         times = []
@@ -377,9 +357,6 @@ def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_pa
             times.append(float(pg.locator("figure.widget.live").get_attribute("data-redraw-ms")))
         assert min(times) < 16, times
         assert "Predicted step on" in pg.locator(".widget-readout >> nth=1").text_content()
-        w.check_clean()
-    finally:
-        w.close()
 
 
 def test_calculator_and_search_share_the_memory_cap(browser, calculator_page):
