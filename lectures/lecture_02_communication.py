@@ -596,7 +596,7 @@ def race_ring(rank, world_size, sizes, warmup, iters):
 
 def us(t):
     """A Timing as 'median (q1–q3)' in microseconds, for tables."""
-    return f"{t.median * 1e6:,.0f} ({t.q1 * 1e6:,.0f}–{t.q3 * 1e6:,.0f})"
+    return f"{t.median * 1e6:,.0f} ({value_range(t.q1 * 1e6, t.q3 * 1e6, decimals=0)})"
 
 
 def ring():

@@ -39,6 +39,7 @@ from lectures.sequence_layout import (causal_work, group_info, layout_segments, 
                                       split_sizes, striped_positions, unshard_sequence, zigzag_shard, zigzag_unshard)
 from lectures.sequence_layout import contiguous_shard, zigzag_chunks  # noqa: F401
 from util import cheat, deep_dive, device, figure, note, published, see, settings, span_at, spawn, table, timeline
+from util.measure import value_range
 
 # =========================================================================================
 # Demos: context-parallel attention and the GPT, against one process
@@ -1360,7 +1361,7 @@ def mixture_of_experts():
           caption="an untrained top-2 router over 8 experts, 512 tokens: dropped choices vs capacity factor")
     tail = max(1, steps // 10)
     mean = lambda xs: sum(xs[-tail:]) / tail
-    spread = lambda tpe: f"{min(min(l) for l in tpe)}–{max(max(l) for l in tpe)}"
+    spread = lambda tpe: value_range(min(min(l) for l in tpe), max(max(l) for l in tpe), decimals=0)
     table([[label, mean(log["loss"]), mean(log["aux"]), mean(log["max_load"]), mean(log["dropped"]),
             spread(log["tokens_per_expert"])] for label, log in zip(labels, r)],
           header=["balancing", "loss", "balance loss", "busiest / mean load", "dropped fraction",

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from util import cheat, deep_dive, device, figure, note, plural, published, see, settings, spawn, table, widget
-from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks
+from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks, value_range
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
 # tests and the notebook use stays importable from this file.
@@ -711,6 +711,15 @@ def rho_interval(rho, n):
     return math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
 
 
+def rho_uncertainty(rho, lo, hi):
+    """The words for ρ's 95% interval; Fisher's z has none at ρ = ±1 (its z is infinite)."""
+    if abs(rho) >= 1:
+        return "Fisher's z gives no interval at a perfect ranking, yet a few layouts are a small sample"
+    if math.isnan(lo):
+        return "too few layouts for an interval"
+    return f"95% interval {value_range(lo, hi, decimals=2)}, Fisher's z"
+
+
 def trivial_prediction(model, layout):
     """A predictor without any constants: micro-batches × blocks on the busiest rank. The cost
     model must beat this to earn its constants."""
@@ -866,9 +875,9 @@ def step_time_model():
         The model ranks the layouts with Spearman ρ = **{rho:.2f}**; a predictor with no
         constants at all — micro-batches × blocks on the busiest rank — reaches
         ρ = {rho_trivial:.2f}, so the cost model {verdict} counting work. With
-        {len(layouts)} layouts a ρ is uncertain (95% interval {lo_rho:.2f}–{hi_rho:.2f}, Fisher's
-        z), which is why the absolute errors sit beside it: every layout measured
-        **{lo_ratio:.2f}–{hi_ratio:.2f}×** its prediction, {direction}, furthest for
+        {len(layouts)} layouts a ρ is uncertain ({rho_uncertainty(rho, lo_rho, hi_rho)}),
+        which is why the absolute errors sit beside it: every layout measured
+        **{value_range(lo_ratio, hi_ratio, decimals=2)}×** its prediction, {direction}, furthest for
         **{worst_axis}** (median measured / predicted {ratios[worst_axis]:.2f}). The constants are
         calibrated under the same load as the runs they predict, but on shared cores that load
         changes between the calibration and the runs and from build to build, so the constants
@@ -903,7 +912,7 @@ def zero_note(layouts, pred, meas):
             by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
     if len(by) < 2:
         return
-    rng = lambda v: f"{min(v):.2f}–{max(v):.2f}×" if len(v) > 1 else f"{v[0]:.2f}×"
+    rng = lambda v: value_range(min(v), max(v), decimals=2) + "×"
     note(f"""
         **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
         runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
