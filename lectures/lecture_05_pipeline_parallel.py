@@ -228,9 +228,10 @@ def train_schedules(rank, world_size, cfg, runs, mb_size, steps):
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 
 
-def chunk_cost(v, F=1.0, B=1.0, W=1.0):
-    """Costs of one action when a rank's layers are cut into v chunks: each takes 1/v as long."""
-    return {"F": F / v, "B": B / v, "W": W / v}
+def chunk_cost(v, F=1.0, B=1.0, W=1.0, send=0.0):
+    """Costs of one action when a rank's layers are cut into v chunks: each takes 1/v as long. A
+    message (`send`) carries the same activation whatever v, so its time is not divided."""
+    return {"F": F / v, "B": B / v, "W": W / v, **({"send": send} if send else {})}
 
 
 def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11, numbers=True):
@@ -928,8 +929,9 @@ def zero_bubble_measured(R, p):
     with deep_dive("Every schedule with W free and with W = B",
                    "the simulated bubbles of every list when the weight gradient costs nothing, and when it costs a B"):
         schedules_table(p, m)
-    with deep_dive("Zero bubble at unequal F, B and W",
-                   "the zero-bubble lists simulated at three cost mixes beside Qi et al.'s formulas; where ZB-V beats ZB-H1"):
+    with deep_dive("Zero bubble at the costs Qi et al. measured",
+                   "the zero-bubble lists simulated at the F, B, W of four models Qi et al. profiled, beside their formulas; "
+                   "where ZB-V beats ZB-H1"):
         unequal_costs(p, m)
     note(f"""
         **DualPipeV** (DeepSeek-AI 2024) is a V like ZB-V built for mixtures of experts: it
@@ -981,51 +983,85 @@ def _idle_words(idle):
     return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
 
 
-UNEQUAL = [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.0, 0.5)]   # (F, B, W) per stage
+# Qi et al. 2024 (ICLR), "Zero Bubble Pipeline Parallelism", Appendix D, Table 9: a stage's
+# T_F, T_B, T_W and T_comm in ms, profiled in their ZB-2p runs: (model, p, m, T_F, T_B, T_W, T_comm).
+QI_TABLE_9 = [("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601),
+              ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527),
+              ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377),
+              ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408)]
+QI_2024 = ("https://arxiv.org/abs/2401.10241",
+           "Qi, Wan, Huang, Lin, Zero Bubble Pipeline Parallelism (ICLR 2024), Appendix D, Table 9: profiled T_F, T_B, T_W, T_comm")
 
 
-def unequal_costs(p, m, costs=UNEQUAL):
-    """The zero-bubble lists simulated under unequal F, B, W, beside Qi et al.'s formulas; and
-    ZB-V against ZB-H1 in words, from the makespans."""
+def cost_mixes():
+    """{label: (F, B, W, comm)} per stage: F = B = W, then each model of Qi et al.'s Table 9
+    with its times divided by its T_F (so F = 1, and the mixes compare on one clock)."""
+    mixes = {"F = B = W": (1.0, 1.0, 1.0, 0.0)}
+    for model, p, m, tf, tb, tw, tc in QI_TABLE_9:
+        mixes[f"{model} model"] = (1.0, tb / tf, tw / tf, tc / tf)
+    return mixes
+
+
+def mix_makespans(p, m, F, B, W, send=0.0):
+    """{schedule: simulated makespan} of the zero-bubble comparison at one cost mix."""
     names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+    return {n: simulate(make_schedule(n, p, m, v), chunk_cost(v, F, B, W, send)).makespan for n, v in names}
+
+
+def unequal_costs(p, m):
+    """The zero-bubble lists simulated at the costs Qi et al. measured, beside their formulas;
+    and ZB-V against ZB-H1 in words, from the makespans, without and with T_comm."""
+    mixes = cost_mixes()
+    measured = list(mixes.values())[1:]
+
+    def spread(i):          # the measured models' range of one cost, in forwards
+        return value_range(min(c[i] for c in measured), max(c[i] for c in measured), decimals=2)
     note(f"""
-        ## Deep dive: zero bubble at unequal F, B and W
+        ## Deep dive: zero bubble at the costs Qi et al. measured
         The page's zero-bubble lists assume a forward, an input gradient and a weight gradient
-        of equal cost. Real layers differ: a whole backward costs about twice a forward, with W
-        often the smaller half. Below, each list on the simulator ({p} ranks, {m} micro-batches)
-        at three mixes, beside Qi et al.'s formulas where they give one.
+        of equal cost. Qi et al. profiled their own runs (Appendix D, Table 9): on GPT models of
+        {QI_TABLE_9[0][0]} to {QI_TABLE_9[-1][0]} parameters, B took {spread(1)} forwards, W
+        {spread(2)}, and a message between stages ($T_{{comm}}$) {spread(3)}. Below,
+        each list on the simulator ({p} ranks, {m} micro-batches) at equal costs and at each
+        model's measured $T_F$, $T_B$, $T_W$ (divided by its $T_F$), beside Qi et al.'s formulas
+        where they give one. The formulas have no term for communication, so the table leaves
+        $T_{{comm}}$ out; the sentence after it adds it.
     """)
-    rows, span = [], {}
-    for F, B, W in costs:
-        got = {n: simulate(make_schedule(n, p, m, v), chunk_cost(v, F, B, W)).makespan for n, v in names}
+    profiled = {f"{model} model": f"p = {p}, m = {m}" for model, p, m, *_ in QI_TABLE_9}
+    rows, span, with_comm = [], {}, {}
+    for label, (F, B, W, comm) in mixes.items():
+        got = span[label] = mix_makespans(p, m, F, B, W)
+        with_comm[label] = mix_makespans(p, m, F, B, W, comm)
         across = steady_step(make_schedule("zb-h2", p, m), chunk_cost(1, F, B, W))
-        span[F, B, W] = got
         work = m * (F + B + W)
-        rows.append([f"{F:g}, {B:g}, {W:g}"] +
-                    [f"{got[n]:g}" + (f" ({work + qi_bubble(n, p, F, B, W):g})" if n in ("1f1b", "zb-h1") else "")
-                     for n in ("1f1b", "zb-h1")] +
-                    [f"{got['zb-h2']:g}", f"{across:g} ({work + qi_bubble('zb-h2', p, F, B, W):g})",
-                     f"{got['zb-v']:g}", f"{got['dualpipev']:g}"])
-    table(rows, header=["F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step", "ZB-H2, per step back to back",
-                        "ZB-V", "DualPipeV"],
+        rows.append([label, profiled.get(label, "–"), f"{F:.2f}, {B:.2f}, {W:.2f}"] +
+                    [f"{got[n]:.2f} ({work + qi_bubble(n, p, F, B, W):.2f})" for n in ("1f1b", "zb-h1")] +
+                    [f"{got['zb-h2']:.2f}", f"{across:.2f} ({work + qi_bubble('zb-h2', p, F, B, W):.2f})",
+                     f"{got['zb-v']:.2f}", f"{got['dualpipev']:.2f}"])
+    table(rows, header=["costs", "profiled at", "F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step",
+                        "ZB-H2, per step back to back", "ZB-V", "DualPipeV"],
           caption=f"Makespans on the simulator, {p} ranks, {m} micro-batches (a chunk's action 1/2 of a stage's), "
-                  "in brackets $m(F+B+W)$ plus Qi et al.'s bubble for 1F1B, ZB-H1 and ZB-H2. The second row "
-                  "keeps a whole backward at twice a forward, as in a transformer, with W the smaller half.")
-    note(zbv_against_zbh1(span))
+                  "in brackets $m(F+B+W)$ plus Qi et al.'s bubble for 1F1B, ZB-H1 and ZB-H2. Rows 2-5: Qi et al.'s "
+                  "profiled times for each model, divided by its $T_F$; communication left out.")
+    see(*QI_2024)
+    note(f"""
+        {zbv_against_zbh1(span)} With every message between two ranks taking the model's
+        $T_{{comm}}$ as well (the simulator's send time; at equal costs none),
+        {zbv_against_zbh1(with_comm)}
+    """)
 
 
 def zbv_against_zbh1(span):
-    """ZB-V against ZB-H1 from the simulated makespans {(F, B, W): {name: makespan}}, in words."""
+    """ZB-V against ZB-H1 from the simulated makespans {mix label: {name: makespan}}, in words."""
     shorter = [c for c, got in span.items() if got["zb-v"] < got["zb-h1"] - 1e-9]
-    pairs = ", ".join(f"{got['zb-v']:g} against {got['zb-h1']:g} at ({', '.join(f'{x:g}' for x in c)})"
-                      for c, got in span.items())
+    pairs = "; ".join(f"{c}: {got['zb-v']:.2f} against {got['zb-h1']:.2f}" for c, got in span.items())
     if len(shorter) == len(span):
         verdict = "ZB-V is shorter than ZB-H1 at every one of these costs"
     elif not shorter:
         verdict = "ZB-V is not shorter than ZB-H1 at any of these costs"
     else:
         verdict = f"ZB-V is shorter than ZB-H1 at {len(shorter)} of these {len(span)} costs"
-    return (f"{verdict} ({pairs}), holding the same number of micro-batches ($p$, in half-size chunks).")
+    return f"{verdict} ({pairs}), holding the same number of micro-batches ($p$, in half-size chunks)."
 
 
 def zero_bubble_picture(p, m):
@@ -1060,7 +1096,9 @@ def dualpipev_formula(p, m=8):
     paired = {k: most_idle(simulate(lists["dualpipev"], cost, pair=fb)) for k, fb in fbs.items()}
     ours = most_idle(simulate(lists["dualpipev"], cost))
     holds, _ = dualpipev_readme_holds(F, B_in, W)
-    other = chunk_cost(2, 1.0, 1.2, 0.8)
+    mixes = cost_mixes()
+    measured = min(list(mixes)[1:], key=lambda k: mixes[k][2])   # the profiled mix with the cheapest W
+    other = chunk_cost(2, *mixes[measured][:3])
     other_holds, other_gap = dualpipev_readme_holds(other["F"], other["B"], other["W"])
     exact = ("equals it exactly" if holds else "does not equal it")
     gap = paired["no overlap"] - ours
@@ -1099,8 +1137,9 @@ def dualpipev_formula(p, m=8):
         costs. So the factor of {readme['no overlap'] / ours:g} between the README and our list
         is where the forward's output leaves: after the whole pair in the reference, after the
         forward alone in ours, {hop_words}. The formula also
-        assumes $F = B_{{in}} = W$: at a chunk's $F$ = {other['F']:g}, $B_{{in}}$ = {other['B']:g},
-        $W$ = {other['W']:g} it {"still holds" if other_holds else f"is off by up to {other_gap:.2g} units"}
+        assumes $F = B_{{in}} = W$: at the {measured}'s costs as Qi et al. profiled them (a
+        chunk's $F$ = {other['F']:.3g}, $B_{{in}}$ = {other['B']:.3g}, $W$ = {other['W']:.3g}; the
+        appendix's zero-bubble table) it {"still holds" if other_holds else f"is off by up to {other_gap:.2g} units"}
         over the same sizes.
     """)
 
