@@ -205,19 +205,18 @@ def reproduce_table4(model, make_hw, fit_on=0, rows=LLAMA3_TABLE4):
     return frac, out
 
 
-def attention_slowdown_needed(row, best, model, hw):
-    """How many times slower than the GEMMs attention would have to run for the model to
-    predict `row`'s measured MFU with `best`: the step must grow by T_measured − T_predicted,
-    and a micro-batch's extra time is paid m + (pp − 1)/v times (every slot and the bubble)."""
+def attention_rate_needed(row, best, model, hw):
+    """The attention FLOP/s (on the causal half the kernel computes, as `hw.attention` counts
+    it) at which the model predicts `row`'s measured MFU with `best`: the step must grow by
+    T_measured − T_predicted, and a micro-batch's extra time is paid m + (pp − 1)/v times
+    (every slot and the bubble), all of it by the attention of the slot."""
     from lectures.step_time import flops_per_token
     shape = dataclasses.replace(model, seq=row["seq"])
     lay, t = best["layout"], best["time"]
     measured = lay.global_batch * shape.seq * flops_per_token(shape)[0] / (row["mfu"] * row["gpus"] * hw.peak)
     per_slot = (measured - t["total"]) / (lay.micro_batches + (lay.pp - 1) / lay.virtual_stages)
-    sharded, _ = shape.layer_params()
-    share = 12 * shape.hidden * shape.seq / (6 * sharded + 12 * shape.hidden * shape.seq)   # of a block's FLOPs
-    attention = share * t["compute"] / lay.micro_batches                                  # (no head on this rank)
-    return 1 + per_slot / attention
+    attention = t["attention"] / lay.micro_batches
+    return hw.attention * attention / (attention + per_slot)
 
 
 def near_ties(rows, band):

@@ -42,6 +42,10 @@ class Hardware:
     bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
     p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
     ring_step: tuple = (0.0, 0.0)  # fixed seconds per ring-attention step (forward, backward)
+    # FLOP/s of the attention kernel on the work it does: a causal kernel skips the masked
+    # half of the scores, so it runs half the FLOPs the MFU convention counts. None: attention
+    # is charged its counted FLOPs at `flops`, as the fit on this machine's runs does.
+    attention: float = None
     # "nccl" or "gloo": gloo's reduce-scatter is a full all-reduce and a copy
     # (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so `dp_traffic` charges it as one
     backend: str = "nccl"
@@ -147,7 +151,9 @@ def step_time(model, layout, hw):
 
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
               cost per block (Python and kernel launches: what dominates tiny models);
-              full recomputation adds the forward again;
+              full recomputation adds the forward again; with `hw.attention` set, the
+              attention scores and values run apart, half their counted FLOPs (causal) at
+              that rate (the part `attention` of the result);
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
               2 backward), 6 with full recomputation (the forward's 2 run again); sequence
               parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
@@ -170,12 +176,17 @@ def step_time(model, layout, hw):
     worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
     n_layers = sizes[worst]
     sharded, _ = model.layer_params()
-    layer_flops = 6 * sharded + 12 * model.hidden * model.seq
-    if rc:
-        layer_flops += 2 * sharded + 4 * model.hidden * model.seq
+    matrix_flops = (6 + 2 * rc) * sharded                      # per token and block
+    attention_flops = (12 + 4 * rc) * model.hidden * model.seq
     head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
-    flops = tokens * (n_layers * layer_flops + head_flops) / layout.tp
-    compute = flops / hw.flops + n_layers * hw.overhead
+    flops = tokens * (n_layers * (matrix_flops + attention_flops) + head_flops) / layout.tp
+    if hw.attention is None:
+        attention = 0.0
+        compute = flops / hw.flops + n_layers * hw.overhead
+    else:
+        attention = tokens * n_layers * attention_flops / layout.tp / 2 / hw.attention
+        compute = (tokens * (n_layers * matrix_flops + head_flops) / layout.tp / hw.flops
+                   + attention + n_layers * hw.overhead)
     act = tokens * model.hidden * B["act"]
     tp_link = axis_link(hw, layout, "tp")
     seconds = {"all-reduce": lambda b: all_reduce_time(layout.tp, b, tp_link),
@@ -198,7 +209,8 @@ def step_time(model, layout, hw):
     exposed_dp, _ = dp_traffic(model, layout, hw, worst, compute)
     total = m * slot + bubble + exposed_dp + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
-            "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m}
+            "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
+            "attention": m * attention}
 
 
 def tp_collectives(layout, n_layers, first, last, act, tokens, recompute=False):
@@ -244,13 +256,21 @@ H100_PEAK_BF16 = 989.4e12        # dense BF16 tensor-core FLOP/s, H100 SXM (NVID
 H100_MEMORY = 80 * 2 ** 30       # HBM3 bytes: "80 GB" on the datasheet is 80 GiB
 NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
 IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
+# FlashAttention-2's forward + backward on an H100 SXM5, its best case: "up to 335 TFLOPs/s"
+# (Dao 2023, https://arxiv.org/abs/2307.08691, section 4.1, Figure 7), FLOPs counted as the
+# kernel runs them (a causal mask's skipped half not counted). 34% of peak, where large GEMMs
+# sustain twice that: the published rate of the kernel generation Llama 3 trained with.
+FA2_H100 = 335e12
+ATTENTION = "attention FLOP/s (FlashAttention-2's best on an H100)"
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
            "usable fraction of HBM": 0.9,                          # workspace, fragmentation
            "achieved fraction of link bandwidth": 0.8,             # nccl-tests-like busbw / nominal
            "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6,
            # data-parallel traffic hides completely under the compute it runs beside (the
            # best case: NCCL's kernels also take SMs from compute, see PYTORCH_ON_CPU.md)
-           "fraction of that compute hiding data-parallel traffic": 1.0}
+           "fraction of that compute hiding data-parallel traffic": 1.0,
+           # published, not assumed (FA2_H100); a name here so a calibration can change it
+           ATTENTION: FA2_H100}
 
 
 def h100_cluster(**changed):
@@ -264,7 +284,8 @@ def h100_cluster(**changed):
                     memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
                     intra=(a["α per ring step in a node (s)"], a["achieved fraction of link bandwidth"] * NVLINK_BW),
                     inter=(a["α per ring step across nodes (s)"], a["achieved fraction of link bandwidth"] * IB_BW),
-                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16)
+                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16,
+                    attention=a[ATTENTION])
 
 
 # =========================================================================================

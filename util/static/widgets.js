@@ -464,11 +464,16 @@
       if (key > best) { best = key; worst = s; }
     }
     var nLayers = sizes[worst], sharded = layerParams(m, 1)[0];
-    var layerFlops = 6 * sharded + 12 * m.hidden * m.seq;
-    if (rc) layerFlops += 2 * sharded + 4 * m.hidden * m.seq;
+    var matrixFlops = (6 + 2 * rc) * sharded, attentionFlops = (12 + 4 * rc) * m.hidden * m.seq;
     var headFlops = worst === l.pp - 1 ? 6 * m.vocab * m.hidden : 0;
-    var flops = tokens * (nLayers * layerFlops + headFlops) / l.tp;
-    var compute = flops / hw.flops + nLayers * hw.overhead;
+    var flops = tokens * (nLayers * (matrixFlops + attentionFlops) + headFlops) / l.tp;
+    var attention = 0.0, compute;
+    if (hw.attention === null || hw.attention === undefined) {
+      compute = flops / hw.flops + nLayers * hw.overhead;
+    } else {   // a causal kernel runs half the counted FLOPs, at its own rate
+      attention = tokens * nLayers * attentionFlops / l.tp / 2 / hw.attention;
+      compute = tokens * (nLayers * matrixFlops + headFlops) / l.tp / hw.flops + attention + nLayers * hw.overhead;
+    }
     var act = tokens * m.hidden * B.act, tpLink = axisLink(hw, l, "tp");
     var seconds = {
       "all-reduce": function (b) { return allReduceTime(l.tp, b, tpLink); },
@@ -490,7 +495,7 @@
     var bubble = (l.pp - 1) / v * slot;
     var exposedDp = dpTraffic(m, l, hw, worst, compute)[0];
     return { total: mb * slot + bubble + exposedDp + hw.step_overhead, compute: mb * compute, tp: mb * tp, cp: mb * cp,
-             bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb };
+             bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb, attention: mb * attention };
   };
   function tpCollectives(l, nLayers, first, last, act, tokens, rc) {   // step_time.tp_collectives
     if (l.tp === 1) return [];
@@ -652,7 +657,7 @@
       var hw = data.hardware[inp.hardware.value], st = course.stepTime(m, l, hw);
       var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
-        ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
+        (st.attention > 0 ? ", of it attention " + fmt(st.attention) : "") + ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
         fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + ", exposed data-parallel " + fmt(st.dp) + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
