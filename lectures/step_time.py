@@ -256,34 +256,41 @@ H100_PEAK_BF16 = 989.4e12        # dense BF16 tensor-core FLOP/s, H100 SXM (NVID
 H100_MEMORY = 80 * 2 ** 30       # HBM3 bytes: "80 GB" on the datasheet is 80 GiB
 NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
 IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
+# What the H100 cluster achieves, as published: each a measurement by others, cited.
 # FlashAttention-2's forward + backward on an H100 SXM5, its best case: "up to 335 TFLOPs/s"
 # (Dao 2023, https://arxiv.org/abs/2307.08691, section 4.1, Figure 7), FLOPs counted as the
-# kernel runs them (a causal mask's skipped half not counted). 34% of peak, where large GEMMs
-# sustain twice that: the published rate of the kernel generation Llama 3 trained with.
+# kernel runs them (a causal mask's skipped half not counted): 34% of peak.
 FA2_H100 = 335e12
+# NCCL's ring on NVLink 4: "an effective NVLink bandwidth of 370GB/s" (the 450 GB/s line rate
+# less ~20% protocol overhead; NVIDIA's NCCL team, https://github.com/NVIDIA/nccl-tests/issues/212).
+NVLINK_ACHIEVED = 370e9
+# A 400 Gb/s NDR NIC: "you should see 46-48GB/s per NIC" (NVIDIA's NCCL team,
+# https://github.com/NVIDIA/nccl-tests/issues/290); the middle of that range.
+IB_ACHIEVED = 47e9
 ATTENTION = "attention FLOP/s (FlashAttention-2's best on an H100)"
+NVLINK = "NCCL's bandwidth on NVLink (B/s)"
+IB = "NCCL's bandwidth per InfiniBand NIC (B/s)"
+PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED}
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
            "usable fraction of HBM": 0.9,                          # workspace, fragmentation
-           "achieved fraction of link bandwidth": 0.8,             # nccl-tests-like busbw / nominal
            "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6,
            # data-parallel traffic hides completely under the compute it runs beside (the
            # best case: NCCL's kernels also take SMs from compute, see PYTORCH_ON_CPU.md)
-           "fraction of that compute hiding data-parallel traffic": 1.0,
-           # published, not assumed (FA2_H100); a name here so a calibration can change it
-           ATTENTION: FA2_H100}
+           "fraction of that compute hiding data-parallel traffic": 1.0}
 
 
 def h100_cluster(**changed):
-    """The published H100 cluster with the ASSUMED constants, any of them `changed` by name
+    """The H100 cluster with the PUBLISHED and ASSUMED constants, any of them `changed` by name
     (what a calibration fits: `h100_cluster(**{"sustained fraction of peak for large GEMMs": 0.8})`)."""
-    unknown = set(changed) - set(ASSUMED)
+    known = {**PUBLISHED, **ASSUMED}
+    unknown = set(changed) - set(known)
     if unknown:
-        raise ValueError(f"not an assumed constant: {sorted(unknown)}; choose from {sorted(ASSUMED)}")
-    a = {**ASSUMED, **changed}
+        raise ValueError(f"not a constant of the model: {sorted(unknown)}; choose from {sorted(known)}")
+    a = {**known, **changed}
     return Hardware("DGX H100 cluster (8 GPUs per node)", flops=a["sustained fraction of peak for large GEMMs"] * H100_PEAK_BF16,
                     memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
-                    intra=(a["α per ring step in a node (s)"], a["achieved fraction of link bandwidth"] * NVLINK_BW),
-                    inter=(a["α per ring step across nodes (s)"], a["achieved fraction of link bandwidth"] * IB_BW),
+                    intra=(a["α per ring step in a node (s)"], a[NVLINK]),
+                    inter=(a["α per ring step across nodes (s)"], a[IB]),
                     overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16,
                     attention=a[ATTENTION])
 
