@@ -1064,9 +1064,10 @@ def hide_the_all_reduce():
     see("https://www.nvidia.com/en-us/networking/infiniband-adapters/", title="NVIDIA ConnectX-7: 400 Gb/s NDR InfiniBand")
 
 
-def published_scale_numbers(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
-    """The seconds of `published_scale`: the all-reduce and the backward of one step."""
-    return {"comm": 2 * (2 * psi) / nic, "backward": 4 * psi * tokens / (mfu * peak)}
+def published_scale_numbers(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4, grad_bytes=2):
+    """The seconds of `published_scale`: the all-reduce of gradients of `grad_bytes` each
+    (2: bf16) and the backward of one step."""
+    return {"comm": 2 * (grad_bytes * psi) / nic, "backward": 4 * psi * tokens / (mfu * peak)}
 
 
 def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
@@ -1089,10 +1090,21 @@ def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
             f"per token, 4Ψ·tokens; with 8 sequences of 4,096 tokens per GPU that is "
             f"4 × {psi / 1e9:.0f}·10⁹ × {tokens:,} ≈ {4 * psi * tokens / 1e15:.2f}·10¹⁵ FLOPs, and at {mfu:.0%} of the "
             f"H100's {peak / 1e12:.0f} TFLOP/s dense bf16 peak ≈ {backward:.2f} s. {verdict}. "
+            f"{fp32_words(psi, nic, tokens, peak, mfu)} "
             "The budget tightens as the batch per GPU shrinks (more GPUs for the same global "
             "batch), or when sharding adds traffic (ZeRO-3 sends 1.5× DP's bytes); then large "
             "jobs keep that traffic on fast links (shard inside a node, HSDP across), or send "
             "fewer bytes (lower-precision gradients, the compression in the deep dives below).")
+
+
+def fp32_words(psi, nic, tokens, peak, mfu):
+    """The same budget with the gradients reduced in fp32, as Llama 3 does and lecture 07's
+    model charges: twice the bytes."""
+    fp32 = published_scale_numbers(psi, nic, tokens, peak, mfu, grad_bytes=4)
+    return (f"Reduced in fp32 instead — Llama 3 reduce-scatters its gradients in fp32 for "
+            f"numerical stability (Llama 3 report, §3.3.4), and lecture 07's model charges that "
+            f"— the all-reduce doubles to "
+            f"{fp32['comm']:.2f} s and backward is {fp32['backward'] / fp32['comm']:.1f}× it.")
 
 
 def gradient_accumulation():

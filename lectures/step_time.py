@@ -164,7 +164,8 @@ def step_time(model, layout, hw):
               recomputation runs the forward's steps again;
     pp        m slots of one micro-batch each plus the bubble, (pp − 1)/v slots with v
               virtual stages (interleaved 1F1B; lecture 05), and per slot v sends of
-              activations forward and v of gradients backward;
+              activations forward and v of gradients backward (with sequence parallelism
+              each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
               every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
               under the compute it runs beside (`hw.overlap`)."""
@@ -202,7 +203,9 @@ def step_time(model, layout, hw):
         cp = n_layers * (layout.cp - 1) * (passes + (1 + rc) * step_fwd + step_bwd)
     # a micro-batch's forward and backward on this rank and its sends: with v chunks a
     # micro-batch enters and leaves the rank v times (v sends of activations, v of gradients)
-    sends = 2 * v * p2p_time(act, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
+    # with sequence parallelism a stage's output is split over the tp ranks: each sends its part
+    boundary = act / layout.tp if layout.sp else act
+    sends = 2 * v * p2p_time(boundary, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
     slot = compute + tp + cp + sends
     m = layout.micro_batches
     bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
@@ -342,7 +345,8 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_siz
            loss (3 all-reduces of one fp32 number per token);
       cp   ring attention per block and micro-batch: K and V to the next rank cp−1 times
            forward; backward K and V cp−1 times and dK, dV cp times (the last brings them home);
-      pp   a micro-batch's activations to the next stage, its gradient to the previous one;
+      pp   a micro-batch's activations to the next stage, its gradient to the previous one
+           (with sequence parallelism 1/tp of them per rank: the stage's output is split);
       dp   over the dp·cp replicas, per parameter tensor (`tensor_sizes`: element counts of the
            stage's tensors, padded for ZeRO to a multiple of the group): ZeRO-0 an all-reduce;
            ZeRO-1 a reduce-scatter and an all-gather; ZeRO-2 a reduce-scatter per micro-batch
@@ -367,7 +371,7 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_siz
         out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
     if layout.pp > 1:   # v chunks: every chunk sends forward but the model's last, backward but its first
         v = layout.virtual_stages
-        boundary = layout.micro_batch * model.seq * model.hidden * B
+        boundary = layout.micro_batch * model.seq * model.hidden * B / (tp if layout.sp else 1)
         out["pp"] = m * boundary * ((v - last) + (v - first))
     n = layout.dp * layout.cp
     if n > 1:

@@ -362,6 +362,7 @@ def test_published_scale_overlap_verdict_follows_the_numbers():
     assert "0.56 s" in text and "2.32 s" in text
     assert "on the edge" not in text and "4.1×" in text
     assert "28 GB per GPU" in text
+    assert "doubles to 1.12 s and backward is 2.1× it" in text   # fp32 gradients, as lecture 07 charges
     equal = L.published_scale(tokens=int(32768 / 4.14))    # a 4.1x smaller batch per GPU
     assert "on the edge" in equal
 

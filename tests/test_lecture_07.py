@@ -470,6 +470,19 @@ def test_step_time_charges_the_tensor_parallel_bytes_step_bytes_counts(sp):
         assert t["tp"] == pytest.approx(L.step_bytes(L.LLAMA3_8B, lay, worst, "nccl")["tp"], rel=1e-9)
 
 
+def test_pipeline_sends_with_sequence_parallelism_are_split_over_tp():
+    """Review C2: with sequence parallelism a stage's output is split along the sequence over the
+    tp ranks, so each sends 1/tp of it (Megatron-LM); step_time and step_bytes agree on that."""
+    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    for v in (1, 2):
+        plain = L.Layout(tp=4, pp=2, micro_batches=4, precision="bf16", virtual_stages=v)
+        split = dataclasses.replace(plain, sp=True)
+        assert L.step_time(L.LLAMA3_8B, split, hw)["pp"] == pytest.approx(L.step_time(L.LLAMA3_8B, plain, hw)["pp"] / 4)
+        for stage in (0, 1):
+            full = L.step_bytes(L.LLAMA3_8B, plain, stage, "nccl")["pp"]
+            assert full > 0 and L.step_bytes(L.LLAMA3_8B, split, stage, "nccl")["pp"] == pytest.approx(full / 4)
+
+
 @pytest.fixture(scope="module")
 def table4():
     return L.reproduce_table4(L.LLAMA3_405B, L.h100_cluster)

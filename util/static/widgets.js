@@ -490,7 +490,7 @@
       var passes = p2pTime(kv, link) * (1 + rc) + 2 * p2pTime(kv, link);
       cp = nLayers * (l.cp - 1) * (passes + (1 + rc) * hw.ring_step[0] + hw.ring_step[1]);
     }
-    var sends = l.pp > 1 ? 2 * v * p2pTime(act, p2pLink(hw, l, "pp")) : 0.0;
+    var sends = l.pp > 1 ? 2 * v * p2pTime(l.sp ? act / l.tp : act, p2pLink(hw, l, "pp")) : 0.0;
     var slot = compute + tp + cp + sends, mb = l.micro_batches;
     var bubble = (l.pp - 1) / v * slot;
     var exposedDp = dpTraffic(m, l, hw, worst, compute)[0];
