@@ -343,6 +343,19 @@ def test_rho_interval_and_the_trivial_predictor():
     assert L.trivial_prediction(TOY, L.Layout(pp=2, micro_batches=4)) == 4 * 2
 
 
+def test_compute_only_prediction_is_the_model_without_transfers():
+    """Review C5's baseline: the step-time model with every link free equals its compute plus
+    bubble plus step overhead (no tp, cp, pp or dp seconds), and is below the full prediction."""
+    hw = L.Hardware("h", flops=1e9, memory=1e30, ranks_per_node=2, intra=(1e-4, 1e8), inter=(1e-3, 1e7),
+                    overhead=1e-3, step_overhead=2e-3, ring_step=(1e-4, 1e-4))
+    lay = L.Layout(dp=2, tp=2, pp=2, micro_batches=4)
+    full = L.step_time(TOY, lay, hw)
+    free = L.compute_only_prediction(TOY, lay, hw)
+    slot = full["compute"] / lay.micro_batches
+    assert free == pytest.approx(full["compute"] + (lay.pp - 1) * slot + hw.step_overhead, rel=1e-12)
+    assert free < full["total"]
+
+
 def test_estimate_memory_takes_the_most_loaded_of_all_stages():
     """It checked only the first and last stages: 10 layers on pp = 4 are split 2, 3, 2, 3, and
     stage 1 (3 layers, 3 micro-batches held under 1F1B) is the heaviest, not stage 3."""
