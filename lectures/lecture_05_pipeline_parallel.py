@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lectures.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.schedule_explorer import explorer_data
-from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt
+from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt, stage_parameters
 from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
 from lectures.schedule_sim import (check_schedule, consecutive_steps, dualpipev_readme_bubble, held, message_order,
                                    qi_bubble, simulate, steady_step, theory_bubble)
@@ -41,8 +41,7 @@ def train_pipeline(rank, world_size, cfg, schedule, m, mb_size, chunks=1, steps=
     last stage's rank), the first step's gradients and the final parameters of this rank's
     stages (by full-model name), and what the last step measured."""
     executor, stages = build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks, delay, checkpoint)
-    params = [p for mod in stages.values() for p in mod.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr)
+    opt = torch.optim.AdamW(stage_parameters(stages), lr=lr)
     losses, grads = [], None
     for step in range(steps):
         inputs, targets = microbatches(cfg, m, mb_size, step)
@@ -401,9 +400,9 @@ def intro():
         1F1B, interleaved 1F1B, the zero-bubble family (ZB-H1, ZB-H2, ZB-V) and DualPipeV — with
         each paper's numbers (bubble, micro-batches held) beside the simulator's and the
         ranks' measurements; what each rank holds over a step; why the executor batches its
-        sends; PyTorch's `torch.distributed.pipelining` on the same model. The deep dives (every
-        list with W free, unequal F, B and W, DualPipeV's bubble formula, NCCL's posting order)
-        sit in the appendix.
+        sends; PyTorch's `torch.distributed.pipelining` on the same model. The deep dives (tied
+        embeddings across the pipeline, every list with W free, the lists at the F, B and W Qi
+        et al. measured, DualPipeV's bubble formula, NCCL's posting order) sit in the appendix.
 
         **What you need.** Lecture 01 (what a forward saves for backward; recomputation) and
         lecture 02 (point-to-point `isend`/`irecv`, what blocks and what does not); PyTorch's
@@ -591,13 +590,7 @@ def executor_matches():
     rows, ok = [], True
     refs = {m: reference_train(cfg, m, mb_size, steps) for m in {m for _, m, _ in runs}}  # one per batch size
     for name, m, v in runs:
-        ref = refs[m]
-        per = [r[name, m, v] for r in run.returns]
-        loss = next(r["losses"] for r in per if r["losses"][0] is not None)
-        grads, params = merged(per, "grads"), merged(per, "params")
-        gd = max((grads[k] - ref["grads"][k]).abs().max().item() for k in ref["grads"])
-        pd = max((params[k] - ref["params"][k]).abs().max().item() for k in ref["params"])
-        ld = max(abs(a - b) for a, b in zip(loss, ref["losses"]))
+        ld, gd, pd = differences([r[name, m, v] for r in run.returns], refs[m])
         ok &= gd < 1e-9 and pd < 1e-9 and ld < 1e-6   # the loss itself is computed in float32
         rows.append([name, m, v, f"{ld:.1e}", f"{gd:.1e}", f"{pd:.1e}"])
     note("## One executor for every schedule")
@@ -629,6 +622,55 @@ def executor_matches():
                   "float32). " + ("All gradients and parameters within 1e-9, losses within 1e-6." if ok
                                   else "**Some differ by more than that.**"))
     see(PipelineExecutor, "PipelineExecutor: one rank's actions on real ranks")
+    with deep_dive("Tied embeddings across the pipeline",
+                   "the embedding on the first stage and the LM head on the last are one weight: what that costs"):
+        tied_embeddings(n)
+
+
+ONE_PROCESS_NAME = {"lm_head.weight": "tok_emb.weight"}   # a tied LM head is the embedding, in one process
+
+
+def differences(per, ref):
+    """(max |Δ loss|, max |Δ gradient|, max |Δ parameter|) of one run's ranks against one
+    process; a tied LM head's copy is compared with one process's embedding, the weight it is."""
+    loss = next(r["losses"] for r in per if r["losses"][0] is not None)
+
+    def worst(got, want):
+        return max((got[k] - want[k if k in want else ONE_PROCESS_NAME[k]]).abs().max().item()
+                   for k in set(got) | set(want))
+    return (max(abs(a - b) for a, b in zip(loss, ref["losses"])),
+            worst(merged(per, "grads"), ref["grads"]), worst(merged(per, "params"), ref["params"]))
+
+
+def tied_embeddings(n):
+    """Deep dive: a GPT with tied embeddings on the pipeline, against one process with them, and
+    what the tie costs a step."""
+    cfg = GPTConfig(n_layers=2 * n, d_model=32, n_heads=2, seq_len=16, dtype="float64", tie_embeddings=True)
+    mb_size, steps = 2, 2
+    runs = [("1f1b", n + 1, 1), ("zb-v", n + 1, 2)]
+    run = spawn(train_schedules, n, cfg=cfg, runs=runs, mb_size=mb_size, steps=steps,
+                name=f"tied embeddings vs one process, {n} ranks")
+    ref = reference_train(cfg, n + 1, mb_size, steps)
+    rows = [[name, v, *(f"{d:.1e}" for d in differences([r[name, m, v] for r in run.returns], ref))]
+            for name, m, v in runs]
+    size = cfg.torch_dtype.itemsize
+    note(f"""
+        ## Deep dive: tied embeddings across the pipeline
+        With tied embeddings the first stage's token embedding and the last stage's LM head are
+        one weight, but in a pipeline they sit on different ranks. As Megatron-LM does, each of
+        the two ranks keeps a copy (started equal: every rank builds the same seeded model), and
+        after the step's backward the two copies' gradients are summed across those two ranks,
+        so both take the same optimizer step: one all-reduce per step of a vocab × hidden
+        gradient, here {cfg.vocab_size} × {cfg.d_model} × {size} bytes =
+        {cfg.vocab_size * cfg.d_model * size / 2**10:g} KiB between rank 0 and rank {n - 1}. The V
+        layouts (ZB-V, DualPipeV) put the first and the last stage on rank 0, so there the sum is
+        autograd's own, inside one parameter, and nothing crosses the network.
+    """)
+    table(rows, header=["schedule", "chunks v", "max |Δ loss|", "max |Δ gradient|",
+                        f"max |Δ parameter| after {steps} steps"],
+          caption=f"Lecture 01's GPT with tied embeddings ({cfg.n_layers} layers, float64) on {n} ranks against "
+                  "one process with tied embeddings; the LM head's copy is compared with the embedding.")
+    see(PipelineExecutor._sum_tied, "PipelineExecutor._sum_tied: the tied embedding's gradient, summed")
 
 
 def sleep_runs(ms):
@@ -1020,8 +1062,8 @@ def unequal_costs(p, m):
         ## Deep dive: zero bubble at the costs Qi et al. measured
         The page's zero-bubble lists assume a forward, an input gradient and a weight gradient
         of equal cost. Qi et al. profiled their own runs (Appendix D, Table 9): on GPT models of
-        {QI_TABLE_9[0][0]} to {QI_TABLE_9[-1][0]} parameters, B took {spread(1)} forwards, W
-        {spread(2)}, and a message between stages ($T_{{comm}}$) {spread(3)}. Below,
+        {QI_TABLE_9[0][0]} to {QI_TABLE_9[-1][0]} parameters, B took {spread(1)} of a forward's
+        time, W {spread(2)} of it, and a message between stages ($T_{{comm}}$) {spread(3)}. Below,
         each list on the simulator ({p} ranks, {m} micro-batches) at equal costs and at each
         model's measured $T_F$, $T_B$, $T_W$ (divided by its $T_F$), beside Qi et al.'s formulas
         where they give one. The formulas have no term for communication, so the table leaves

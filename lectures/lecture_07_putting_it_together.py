@@ -1285,7 +1285,8 @@ def llama3_table4():
     table(rows, header=["GPUs", "mesh (Table 4)", "sequence", "role", "the search's open knobs",
                         "GiB per GPU", "MFU predicted", "MFU measured", "error", "where the step goes"],
           caption="Llama 3 405B's Table 4 rows through the course's model: the GEMM fraction is fitted "
-                  "on the first row only; the other rows are predictions.")
+                  "on the first row only, with attention at FlashAttention-2's published rate and NCCL's "
+                  "published link bandwidths; the other rows are predictions.")
     first = out[0][1]
     bare = estimate_memory(dataclasses.replace(LLAMA3_405B, seq=out[0][0]["seq"]),
                            dataclasses.replace(first["layout"], recompute="none"))["total"]

@@ -9,8 +9,12 @@ schedule of lectures/schedules.py on real ranks.
   Pipeline Parallelism", https://arxiv.org/abs/2401.10241), optional activation checkpointing
   (GPipe, Huang et al. 2019, https://arxiv.org/abs/1811.06965), and the activation memory autograd
   really holds (`lectures.memory.SavedBytes`).
+- Tied embeddings (Megatron-LM's embedding group, Narayanan et al. 2021,
+  https://arxiv.org/abs/2104.04473): the first stage's embedding and the last stage's LM head are
+  two copies of one weight, started equal; after each step's backward the executor sums their
+  gradients across the two ranks (`tie_peer`), or autograd already has where one rank holds both.
 - `build_rank`: a rank's executor and stages for a schedule; `gradients_by_name`: gradients by
-  full-model name, to compare with one process.
+  full-model name, to compare with one process; `stage_parameters`: a rank's parameters, once.
 
 Lecture 05 runs every schedule with it and checks loss, gradients and parameters against one
 process (tests/test_lecture_05.py); lecture 07 runs it on the pipeline axis of a mesh.
@@ -34,7 +38,9 @@ from util import device, span_at
 class GPTStage(nn.Module):
     """A contiguous slice of the course's GPT (lectures/gpt.py): the embeddings if it is the
     first stage, some blocks, the final LayerNorm and LM head if it is the last. It shares (does
-    not copy) the full model's modules, so gradients land on the full model's parameters."""
+    not copy) the full model's modules, so gradients land on the full model's parameters.
+    `tied`: the parameters this stage shares with the other end of the pipeline (a tied
+    embedding, on the first and the last stage; empty elsewhere)."""
 
     def __init__(self, model, stage, n_stages):
         super().__init__()
@@ -47,6 +53,8 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[j] for j in self.block_ids)
         if self.last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        head = list(model.lm_head.parameters())
+        self.tied = [p for p in model.tok_emb.parameters() if any(p is q for q in head)] if self.first or self.last else []
 
     def forward(self, x):
         if self.first:
@@ -66,10 +74,9 @@ class GPTStage(nn.Module):
 
 
 def split_gpt(cfg, layout):
-    """{stage: GPTStage} for the stages of every rank, by layers, from one seeded full model."""
-    if cfg.tie_embeddings and layout.stages > 1:
-        raise ValueError("tied embeddings put one parameter on the first and the last stage; "
-                         "untie them (GPTConfig(tie_embeddings=False)) for pipelining")
+    """{stage: GPTStage} for the stages of every rank, by layers, from one seeded full model
+    (the same on every rank: so a tied embedding's two copies, on the first and the last stage's
+    ranks, start equal)."""
     model = GPT(cfg).to(device())
     return model, {s: GPTStage(model, s, layout.stages) for s in range(layout.stages)}
 
@@ -100,7 +107,11 @@ class PipelineExecutor:
     stage input after F (the forward runs without a graph) and re-runs the forward inside B
     (GPipe's re-materialisation). `track_memory` counts the bytes
     autograd saves for backward (`SavedBytes`, a Python hook per saved tensor: turn it off when
-    timing against another implementation)."""
+    timing against another implementation).
+
+    A parameter that `modules` mark as `tied` (GPTStage: a tied embedding) lives on the first and
+    the last stage; after the step's backward its two copies' gradients are summed across the
+    two ranks (`tie_peer`), so both copies take the same optimizer step."""
 
     def __init__(self, schedule, modules, rank, boundary_shape, *, group=None, loss_fn=loss_fn,
                  dtype=torch.float32, delay=None, checkpoint=False, layout=None, track_memory=True):
@@ -116,6 +127,8 @@ class PipelineExecutor:
         self.microbatches, self.schedule_name = schedule.microbatches, schedule.name
         self.plan = communication_plan(schedule, rank, self.layout)
         self.messages = 0
+        self.tied = list({id(p): p for mod in modules.values() for p in getattr(mod, "tied", [])}.values())
+        self.tie_peer = tie_peer(self.layout, rank) if self.tied else None
 
     # --- one step: for each action, receive its input, compute, send what it produced --------
 
@@ -129,6 +142,7 @@ class PipelineExecutor:
         they are those of the mean loss). Returns the mean loss on the last stage's rank (else
         None), the measured (action, start, end) list, and the peak bytes saved for backward."""
         self._agree(inputs, targets)
+        self._check_tied()
         if len(inputs) != self.microbatches or len(targets) != self.microbatches:
             raise ValueError(f"this schedule runs {self.microbatches} micro-batches; got {len(inputs)} "
                              f"inputs and {len(targets)} targets (make a schedule for that many)")
@@ -151,9 +165,41 @@ class PipelineExecutor:
         for works in self.batches:          # the batches not waited for yet: sends in flight
             for work in works:
                 work.wait()
+        self._sum_tied()
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
                 "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
                 "messages": self.messages}
+
+    def _sum_tied(self):
+        """The tied embedding's gradient: the first stage's copy holds the embedding's part, the
+        last stage's the LM head's. An all-reduce of the two ranks, written as one exchange (each
+        sends its copy's gradient and adds the other's: a + b = b + a bit for bit, so both copies
+        take the same optimizer step), posted after every pipeline message is done, so under NCCL
+        it is the next message of the pair at both ends. Where one rank holds both ends (the V's
+        rank 0), the copies are one Parameter and autograd has summed them already."""
+        if self.tie_peer is None:
+            return
+        ops, theirs = [], []
+        for k, p in enumerate(self.tied):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            theirs.append(torch.empty_like(p.grad))
+            tag = 2 * self.layout.stages * self.m + k          # after every activation's and gradient's
+            peer = self._global(self.tie_peer)
+            ops += [dist.P2POp(dist.isend, p.grad, peer, self.group, tag),
+                    dist.P2POp(dist.irecv, theirs[-1], peer, self.group, tag)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for p, g in zip(self.tied, theirs):
+            p.grad += g
+
+    def _check_tied(self):
+        """A hook that consumes a tied weight's gradient as backward produces it (ZeRO-2's
+        reduce-scatter, DDP's bucketing) would see one end's part only, before the sum."""
+        if self.tie_peer is not None and any(getattr(p, "_post_accumulate_grad_hooks", None) for p in self.tied):
+            raise ValueError("a tied embedding's gradient is summed across the first and the last stage after "
+                             "the pipeline's backward; a gradient hook on it (ZeRO-2, DDP) would act on one "
+                             "part only: reduce it after executor.step, or untie the embedding")
 
     def signature(self, inputs, targets):
         """What every rank of the pipeline must agree on for a step to be exchangeable: the
@@ -400,6 +446,14 @@ class PipelineExecutor:
         return self.inbox.pop(key)
 
 
+def tie_peer(layout, rank):
+    """The rank holding the other end of the pipeline (first stage <-> last stage), with which a
+    tied embedding's gradient is summed; None where this rank holds both ends (p = 1, or the V
+    layouts' rank 0) or neither."""
+    ends = {layout.place(0)[0], layout.place(layout.stages - 1)[0]}
+    return (ends - {rank}).pop() if rank in ends and len(ends) == 2 else None
+
+
 def communication_plan(schedule, rank, layout=None):
     """What rank `rank` does, in order: ("post", batch) posts one batch_isend_irecv, a batch being
     [(op, peer, key)] with op "send" or "recv"; ("wait", key) waits for the batch that receives
@@ -448,6 +502,12 @@ def gradients_by_name(stage_modules):
             if p.grad is not None:
                 out[module.global_name(local)] = p.grad.detach().cpu().clone()
     return out
+
+
+def stage_parameters(stage_modules):
+    """Every parameter of a rank's {stage: GPTStage}, once: a tied embedding sits in two stages
+    on the V's rank 0, and an optimizer given it twice would step it twice."""
+    return list({id(p): p for module in stage_modules.values() for p in module.parameters()}.values())
 
 
 def build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks=1, delay=None, checkpoint=False, group=None,
