@@ -3,6 +3,7 @@ head are two copies of one weight; after the pipeline's backward their gradients
 the two ranks (or, on the V layouts' rank 0, which holds both ends, autograd has summed them in the
 one Parameter). Loss, every gradient and the parameters after two AdamW steps equal one process
 with tied embeddings, on real gloo ranks and under the NCCL stand-in."""
+import re
 import types
 
 import pytest
@@ -99,3 +100,14 @@ def test_a_hook_on_the_tied_gradient_is_refused(monkeypatch):
     part before the sum: refused, not trained wrongly."""
     with pytest.raises(AssertionError, match="a gradient hook on it"):
         run_tied_under_nccl("1f1b", 2, 3, 1, monkeypatch, hook=True)
+
+
+def test_page_states_what_the_tie_costs(course_site):
+    """The appendix's paragraph gives the all-reduce's size from the run's config (vocab × hidden ×
+    bytes per element) and its table shows the tied pipeline equal to one process."""
+    from tests.conftest import built
+    page = (built(course_site, "lecture_05_pipeline_parallel") / "lecture_05_pipeline_parallel_appendix.html").read_text()
+    page = re.sub(r"\s+", " ", page)                    # the note's lines break anywhere
+    cfg = GPTConfig(d_model=32, dtype="float64")        # tied_embeddings' model: the page's vocabulary and width
+    assert f"{cfg.vocab_size} × {cfg.d_model} × 8 bytes = {cfg.vocab_size * cfg.d_model * 8 / 2**10:g} KiB" in page
+    assert "Deep dive: tied embeddings across the pipeline" in page and "nothing crosses the network" in page
