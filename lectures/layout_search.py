@@ -14,6 +14,7 @@ cannot tell apart.
 """
 import dataclasses
 import itertools
+import math
 
 from lectures.estimator import Layout, estimate_memory
 from lectures.step_time import step_time
@@ -205,18 +206,31 @@ def reproduce_table4(model, make_hw, fit_on=0, rows=LLAMA3_TABLE4):
     return frac, out
 
 
-def attention_rate_needed(row, best, model, hw):
-    """The attention FLOP/s (on the causal half the kernel computes, as `hw.attention` counts
-    it) at which the model predicts `row`'s measured MFU with `best`: the step must grow by
-    T_measured − T_predicted, and a micro-batch's extra time is paid m + (pp − 1)/v times
-    (every slot and the bubble), all of it by the attention of the slot."""
+def attention_rate_needed(row, best, model, hw, steps=60):
+    """The attention FLOP/s (on the FLOPs the kernel runs, as `hw.attention` counts them) at
+    which the model predicts `row`'s measured MFU with `best`'s layout: a bisection that
+    re-times the step at each rate (the predicted MFU grows with it)."""
+    from lectures.step_time import mfu
+    shape, lay = dataclasses.replace(model, seq=row["seq"]), best["layout"]
+
+    def predicted(rate):
+        t = step_time(shape, lay, dataclasses.replace(hw, attention=rate))["total"]
+        return mfu(shape, lay.global_batch * shape.seq / t, row["gpus"] * hw.peak)
+    lo, hi = hw.attention / 100, hw.attention * 100
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if predicted(mid) < row["mfu"] else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def causal_discounted(row, model):
+    """`row`'s measured MFU in this model's count (PaLM's: 12·h·s of attention per token and
+    block) if Meta had credited causal attention only half (6·h·s): the same tokens per
+    second, more FLOPs credited."""
     from lectures.step_time import flops_per_token
     shape = dataclasses.replace(model, seq=row["seq"])
-    lay, t = best["layout"], best["time"]
-    measured = lay.global_batch * shape.seq * flops_per_token(shape)[0] / (row["mfu"] * row["gpus"] * hw.peak)
-    per_slot = (measured - t["total"]) / (lay.micro_batches + (lay.pp - 1) / lay.virtual_stages)
-    attention = t["attention"] / lay.micro_batches
-    return hw.attention * attention / (attention + per_slot)
+    palm = flops_per_token(shape)[0]
+    return row["mfu"] * palm / (palm - 6 * shape.layers * shape.hidden * shape.seq)
 
 
 def near_ties(rows, band):

@@ -1084,7 +1084,8 @@ def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
                if ratio < 0.8 else "The two are about equal: this configuration is on the edge")
     return (f"A {psi / 1e9:.0f}-billion-parameter model in bf16 has 2Ψ = {2 * psi / 1e9:.0f} GB of "
             f"gradients. Across nodes each H100 typically has one 400 Gb/s InfiniBand NDR port "
-            f"(ConnectX-7), {nic / 1e9:.0f} GB/s per direction; a ring all-reduce over many nodes "
+            f"(ConnectX-7), {nic / 1e9:.0f} GB/s per direction at line rate (NCCL achieves a little "
+            f"less, about 47: lecture 07); a ring all-reduce over many nodes "
             f"sends about 2 × 2Ψ = {4 * psi / 1e9:.0f} GB per GPU (the factor $\\frac{{2(n-1)}}{{n}}$ → 2), "
             f"which takes about {comm:.2f} s. Backward costs about twice the forward's 2Ψ FLOPs "
             f"per token, 4Ψ·tokens; with 8 sequences of 4,096 tokens per GPU that is "
@@ -1102,7 +1103,7 @@ def fp32_words(psi, nic, tokens, peak, mfu):
     model charges: twice the bytes."""
     fp32 = published_scale_numbers(psi, nic, tokens, peak, mfu, grad_bytes=4)
     return (f"Reduced in fp32 instead — Llama 3 reduce-scatters its gradients in fp32 for "
-            f"numerical stability (Llama 3 report, §3.3.4), and lecture 07's model charges that "
+            f"numerical stability (Llama 3 report, §3.3.2), and lecture 07's model charges that "
             f"— the all-reduce doubles to "
             f"{fp32['comm']:.2f} s and backward is {fp32['backward'] / fp32['comm']:.1f}× it.")
 

@@ -42,9 +42,9 @@ class Hardware:
     bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
     p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
     ring_step: tuple = (0.0, 0.0)  # fixed seconds per ring-attention step (forward, backward)
-    # FLOP/s of the attention kernel on the work it does: a causal kernel skips the masked
-    # half of the scores, so it runs half the FLOPs the MFU convention counts. None: attention
-    # is charged its counted FLOPs at `flops`, as the fit on this machine's runs does.
+    # FLOP/s of the attention kernel on the FLOPs it runs (`attention_kernel_flops`: its
+    # backward recomputes the scores, and a causal kernel skips the masked half). None:
+    # attention is charged its counted FLOPs at `flops`, as the fit on this machine's runs does.
     attention: float = None
     # "nccl" or "gloo": gloo's reduce-scatter is a full all-reduce and a copy
     # (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so `dp_traffic` charges it as one
@@ -152,8 +152,8 @@ def step_time(model, layout, hw):
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
               cost per block (Python and kernel launches: what dominates tiny models);
               full recomputation adds the forward again; with `hw.attention` set, the
-              attention scores and values run apart, half their counted FLOPs (causal) at
-              that rate (the part `attention` of the result);
+              attention scores and values run apart, the FLOPs a FlashAttention kernel runs
+              (`attention_kernel_flops`) at that rate (the part `attention` of the result);
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
               2 backward), 6 with full recomputation (the forward's 2 run again); sequence
               parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
@@ -185,7 +185,7 @@ def step_time(model, layout, hw):
         attention = 0.0
         compute = flops / hw.flops + n_layers * hw.overhead
     else:
-        attention = tokens * n_layers * attention_flops / layout.tp / 2 / hw.attention
+        attention = tokens * n_layers * attention_kernel_flops(model, rc) / layout.tp / hw.attention
         compute = (tokens * (n_layers * matrix_flops + head_flops) / layout.tp / hw.flops
                    + attention + n_layers * hw.overhead)
     act = tokens * model.hidden * B["act"]
@@ -214,6 +214,16 @@ def step_time(model, layout, hw):
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
             "attention": m * attention}
+
+
+def attention_kernel_flops(model, recompute=False):
+    """FLOPs per token and block that a causal FlashAttention kernel runs, counted as Dao 2023
+    (§4.1) counts them for its benchmarks: the forward's two matmuls 4·h·s, the backward 2.5×
+    that (five matmuls: it recomputes the scores rather than storing them), half of each
+    under a causal mask — 7·h·s, where the MFU convention credits 12·h·s. Full recomputation
+    runs the forward once more."""
+    forward = 4 * model.hidden * model.seq
+    return (forward * (1 + recompute) + 2.5 * forward) / 2
 
 
 def tp_collectives(layout, n_layers, first, last, act, tokens, recompute=False):
@@ -260,9 +270,10 @@ H100_MEMORY = 80 * 2 ** 30       # HBM3 bytes: "80 GB" on the datasheet is 80 Gi
 NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
 IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
 # What the H100 cluster achieves, as published: each a measurement by others, cited.
-# FlashAttention-2's forward + backward on an H100 SXM5, its best case: "up to 335 TFLOPs/s"
-# (Dao 2023, https://arxiv.org/abs/2307.08691, section 4.1, Figure 7), FLOPs counted as the
-# kernel runs them (a causal mask's skipped half not counted): 34% of peak.
+# FlashAttention-2's forward + backward on an H100 SXM5: "up to 335 TFLOPs/s" (Dao 2023,
+# https://arxiv.org/abs/2307.08691, section 4.1, Figure 7), on the FLOPs its benchmark counts
+# (`attention_kernel_flops`); the highest of the figure's panels (causal or not, head dimension
+# 64 or 128), FlashAttention-2's own figure from 2023, not a bound (FlashAttention-3 is faster).
 FA2_H100 = 335e12
 # NCCL's ring on NVLink 4: "an effective NVLink bandwidth of 370GB/s" (the 450 GB/s line rate
 # less ~20% protocol overhead; NVIDIA's NCCL team, https://github.com/NVIDIA/nccl-tests/issues/212).
@@ -270,7 +281,7 @@ NVLINK_ACHIEVED = 370e9
 # A 400 Gb/s NDR NIC: "you should see 46-48GB/s per NIC" (NVIDIA's NCCL team,
 # https://github.com/NVIDIA/nccl-tests/issues/290); the middle of that range.
 IB_ACHIEVED = 47e9
-ATTENTION = "attention FLOP/s (FlashAttention-2's best on an H100)"
+ATTENTION = "attention FLOP/s (FlashAttention-2's top figure on an H100)"
 NVLINK = "NCCL's bandwidth on NVLink (B/s)"
 IB = "NCCL's bandwidth per InfiniBand NIC (B/s)"
 PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED}

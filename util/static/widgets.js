@@ -470,8 +470,9 @@
     var attention = 0.0, compute;
     if (hw.attention === null || hw.attention === undefined) {
       compute = flops / hw.flops + nLayers * hw.overhead;
-    } else {   // a causal kernel runs half the counted FLOPs, at its own rate
-      attention = tokens * nLayers * attentionFlops / l.tp / 2 / hw.attention;
+    } else {   // the FLOPs a causal FlashAttention kernel runs (step_time.attention_kernel_flops)
+      var forward = 4 * m.hidden * m.seq;
+      attention = tokens * nLayers * ((forward * (1 + rc) + 2.5 * forward) / 2) / l.tp / hw.attention;
       compute = tokens * (nLayers * matrixFlops + headFlops) / l.tp / hw.flops + attention + nLayers * hw.overhead;
     }
     var act = tokens * m.hidden * B.act, tpLink = axisLink(hw, l, "tp");
