@@ -167,6 +167,20 @@ def all_gather_built_in(x):
     return out
 
 
+def all_gather_tries_built_in(x):
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = [torch.empty_like(x) for _ in range(n)]
+    try:
+        dist.all_gather(out, x)
+    except Exception:                                              # the refusal, swallowed
+        out[r] = x.clone()
+        for step in range(1, n):
+            sent = dist.isend(x, (r + step) % n)
+            dist.recv(out[(r - step) % n], (r - step) % n)
+            sent.wait()
+    return out
+
+
 def vocab_ce_gathers(local_logits, targets, group):
     parts = [torch.empty_like(local_logits) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local_logits.contiguous(), group=group)
@@ -264,6 +278,7 @@ CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
     ("ring_all_reduce", (ring_for_two_ranks,), 'raised:\n  File "<your ring_for_two_ranks>", line 6'),
     ("all_gather", (all_gather_built_in,), "your function called dist.all_gather"),
     ("all_gather", (all_gather_float32,), "dtype: expected torch.float64, got torch.float32"),
+    ("all_gather", (all_gather_tries_built_in,), "the error was caught inside your function"),
     ("vocab_parallel_ce", (vocab_ce_gathers,), "your function called dist.all_gather"),
     ("vocab_parallel_ce", (vocab_ce_global_rank,), "sub-group"),
     ("f_and_g", (f_default_group, exercises.solution("f_and_g")[1]), "sub-group"),

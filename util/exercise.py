@@ -46,6 +46,7 @@ class StudentError(Exception):
 
 
 calls = []   # (short name, elements of its first tensor) of each watched call, on this rank
+refused = []  # the refusal of each forbidden call during the student's function, caught or not
 
 
 def source_of(fn):
@@ -95,7 +96,8 @@ def _replacement(dotted, original, reason):
     name = short(dotted)
 
     def forbidden(*args, **kwargs):
-        raise StudentError(f"your function called {name}, which this exercise does not allow: {reason}")
+        refused.append(f"your function called {name}, which this exercise does not allow: {reason}")
+        raise StudentError(refused[-1])
 
     def counted(*args, **kwargs):
         first = next((a for a in args if hasattr(a, "numel")), None)
@@ -139,8 +141,12 @@ def guarded(fn, watch, keeps_inputs):
 
     def call(*args, **kwargs):
         before = _tensors(args, names) if keeps_inputs else []
+        refused.clear()
         with watching(watch):
             result = fn(*args, **kwargs)
+        if refused:     # a try/except in the student's code swallowed the refusal
+            raise StudentError(f"{refused[0]} (the error was caught inside your function, which then "
+                               "went on; the exercise asks for a solution without that call)")
         for n, a, copy in before:
             same = a.shape == copy.shape and bool(((a == copy) | (a.isnan() & copy.isnan())).all()) \
                 if a.dtype.is_floating_point else torch.equal(a, copy)
