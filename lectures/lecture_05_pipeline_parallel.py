@@ -658,13 +658,15 @@ def tied_embeddings(n):
         ## Deep dive: tied embeddings across the pipeline
         With tied embeddings the first stage's token embedding and the last stage's LM head are
         one weight, but in a pipeline they sit on different ranks. As Megatron-LM does, each of
-        the two ranks keeps a copy (started equal: every rank builds the same seeded model), and
-        after the step's backward the two copies' gradients are summed across those two ranks,
-        so both take the same optimizer step: one all-reduce per step of a vocab × hidden
+        the two ranks keeps a copy, made equal at the start (the executor's first step gives the
+        last stage's copy the first stage's values), and after each step's backward the two
+        copies' gradients are summed across those two ranks, so both take the same optimizer
+        step: one all-reduce per step of a vocab × hidden
         gradient, here {cfg.vocab_size} × {cfg.d_model} × {size} bytes =
         {cfg.vocab_size * cfg.d_model * size / 2**10:g} KiB between rank 0 and rank {n - 1}. The V
         layouts (ZB-V, DualPipeV) put the first and the last stage on rank 0, so there the sum is
-        autograd's own, inside one parameter, and nothing crosses the network.
+        autograd's own, inside one parameter, and nothing crosses the network — and an
+        optimizer must be given that parameter once (`stage_parameters`), or it steps it twice.
     """)
     table(rows, header=["schedule", "chunks v", "max |Δ loss|", "max |Δ gradient|",
                         f"max |Δ parameter| after {steps} steps"],
@@ -745,17 +747,17 @@ def sleep_mode(p):
 
 
 def naive_measured(R, p, mode):
-    note(f"""
-        ## Naive model parallelism
-        {mode}. Naive model parallelism runs one micro-batch through all stages, forward then
-        backward, before the next: exactly one rank works at any time, and the bubble is
-        $1 - 1/p$ = {pct(1 - 1 / p)}.
-    """)
+    note("## Naive model parallelism")
     b = bubble_row(R, "naive", "naive", 4, 1, p)
     bubbles, steps = measured_bubbles(R, "naive")
     figure(side_by_side([("naive, m=4", b["sim"].timeline, median_step(steps, bubbles), "s")]),
            caption=f"Naive: simulated (left) and measured (right, sleep mode). Measured bubble "
                    f"{pct(b['measured'])} (theory {pct(b['theory'])}).")
+    note(f"""
+        Naive model parallelism runs one micro-batch through all stages, forward then
+        backward, before the next: exactly one rank works at any time, and the bubble is
+        $1 - 1/p$ = {pct(1 - 1 / p)}. {mode}.
+    """)
 
 
 def gpipe_measured(R, p, ms, mode):
@@ -1025,14 +1027,15 @@ def _idle_words(idle):
     return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
 
 
-# Qi et al. 2024 (ICLR), "Zero Bubble Pipeline Parallelism", Appendix D, Table 9: a stage's
-# T_F, T_B, T_W and T_comm in ms, profiled in their ZB-2p runs: (model, p, m, T_F, T_B, T_W, T_comm).
+# Qi et al. 2024 (ICLR 2024; arXiv 2401.10241), "Zero Bubble Pipeline Parallelism", Appendix D,
+# Table 9: a stage's T_F, T_B, T_W and T_comm in ms, as profiled for its experiments (Section 5):
+# (model, p, m, T_F, T_B, T_W, T_comm).
 QI_TABLE_9 = [("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601),
               ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527),
               ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377),
               ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408)]
 QI_2024 = ("https://arxiv.org/abs/2401.10241",
-           "Qi, Wan, Huang, Lin, Zero Bubble Pipeline Parallelism (ICLR 2024), Appendix D, Table 9: profiled T_F, T_B, T_W, T_comm")
+           "Qi, Wan, Huang, Lin 2024, Zero Bubble Pipeline Parallelism (ICLR 2024; the arXiv version with ZB-V), Appendix D, Table 9: profiled T_F, T_B, T_W, T_comm")
 
 
 def cost_mixes():
@@ -1040,7 +1043,7 @@ def cost_mixes():
     with its times divided by its T_F (so F = 1, and the mixes compare on one clock)."""
     mixes = {"F = B = W": (1.0, 1.0, 1.0, 0.0)}
     for model, p, m, tf, tb, tw, tc in QI_TABLE_9:
-        mixes[f"{model} model"] = (1.0, tb / tf, tw / tf, tc / tf)
+        mixes[f"{model} model's costs"] = (1.0, tb / tf, tw / tf, tc / tf)
     return mixes
 
 
@@ -1066,21 +1069,21 @@ def unequal_costs(p, m):
         time, W {spread(2)} of it, and a message between stages ($T_{{comm}}$) {spread(3)}. Below,
         each list on the simulator ({p} ranks, {m} micro-batches) at equal costs and at each
         model's measured $T_F$, $T_B$, $T_W$ (divided by its $T_F$), beside Qi et al.'s formulas
-        where they give one. The formulas have no term for communication, so the table leaves
+        where they give one. Those runs had {QI_TABLE_9[0][1]} to {QI_TABLE_9[-1][1]} stages; only
+        their per-stage ratios carry over, so every row here runs at {p} ranks. The formulas have no term for communication, so the table leaves
         $T_{{comm}}$ out; the sentence after it adds it.
     """)
-    profiled = {f"{model} model": f"p = {p}, m = {m}" for model, p, m, *_ in QI_TABLE_9}
     rows, span, with_comm = [], {}, {}
     for label, (F, B, W, comm) in mixes.items():
         got = span[label] = mix_makespans(p, m, F, B, W)
         with_comm[label] = mix_makespans(p, m, F, B, W, comm)
         across = steady_step(make_schedule("zb-h2", p, m), chunk_cost(1, F, B, W))
         work = m * (F + B + W)
-        rows.append([label, profiled.get(label, "–"), f"{F:.2f}, {B:.2f}, {W:.2f}"] +
+        rows.append([label, f"{F:.2f}, {B:.2f}, {W:.2f}"] +
                     [f"{got[n]:.2f} ({work + qi_bubble(n, p, F, B, W):.2f})" for n in ("1f1b", "zb-h1")] +
                     [f"{got['zb-h2']:.2f}", f"{across:.2f} ({work + qi_bubble('zb-h2', p, F, B, W):.2f})",
                      f"{got['zb-v']:.2f}", f"{got['dualpipev']:.2f}"])
-    table(rows, header=["costs", "profiled at", "F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step",
+    table(rows, header=["costs", "F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step",
                         "ZB-H2, per step back to back", "ZB-V", "DualPipeV"],
           caption=f"Makespans on the simulator, {p} ranks, {m} micro-batches (a chunk's action 1/2 of a stage's), "
                   "in brackets $m(F+B+W)$ plus Qi et al.'s bubble for 1F1B, ZB-H1 and ZB-H2. Rows 2-5: Qi et al.'s "
@@ -1179,7 +1182,7 @@ def dualpipev_formula(p, m=8):
         costs. So the factor of {readme['no overlap'] / ours:g} between the README and our list
         is where the forward's output leaves: after the whole pair in the reference, after the
         forward alone in ours, {hop_words}. The formula also
-        assumes $F = B_{{in}} = W$: at the {measured}'s costs as Qi et al. profiled them (a
+        assumes $F = B_{{in}} = W$: at the {measured} as Qi et al. profiled them (a
         chunk's $F$ = {other['F']:.3g}, $B_{{in}}$ = {other['B']:.3g}, $W$ = {other['W']:.3g}; the
         appendix's zero-bubble table) it {"still holds" if other_holds else f"is off by up to {other_gap:.2g} units"}
         over the same sizes.
@@ -1646,7 +1649,7 @@ def notes():
         ("https://arxiv.org/abs/2006.09503", "Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW and PipeDream-Flush, i.e. 1F1B)"),
         ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
         ("https://arxiv.org/abs/2211.05953", "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
-        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2023, Zero Bubble Pipeline Parallelism (ZB-H1, ZB-H2, post-validation)"),
+        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-H1, ZB-H2, post-validation)"),
         ("https://arxiv.org/abs/2405.15362", "Qi et al. 2024, Pipeline Parallelism with Controllable Memory (V-shaped schedules, ZB-V)"),
         ("https://hackmd.io/@ufotalent/r1lVXsa9Jg", "Sea AI Lab, the 'cut-in-half' DualPipe that became DualPipeV"),
         ("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),

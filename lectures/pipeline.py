@@ -5,13 +5,13 @@ schedule of lectures/schedules.py on real ranks.
   full model's modules, so gradients land on the full model's parameters.
 - `PipelineExecutor`: one rank's action list, with non-blocking sends posted together with the
   next receive (`batch_isend_irecv`), the split backward of zero-bubble schedules (B: input and
-  module-output gradients only, W: the weight gradients later; Qi et al. 2023, "Zero Bubble
+  module-output gradients only, W: the weight gradients later; Qi et al. 2024, "Zero Bubble
   Pipeline Parallelism", https://arxiv.org/abs/2401.10241), optional activation checkpointing
   (GPipe, Huang et al. 2019, https://arxiv.org/abs/1811.06965), and the activation memory autograd
   really holds (`lectures.memory.SavedBytes`).
 - Tied embeddings (Megatron-LM's embedding group, Narayanan et al. 2021,
   https://arxiv.org/abs/2104.04473): the first stage's embedding and the last stage's LM head are
-  two copies of one weight, started equal; after each step's backward the executor sums their
+  two copies of one weight, made equal at the first step; after each step's backward the executor sums their
   gradients across the two ranks (`tie_peer`), or autograd already has where one rank holds both.
 - `build_rank`: a rank's executor and stages for a schedule; `gradients_by_name`: gradients by
   full-model name, to compare with one process; `stage_parameters`: a rank's parameters, once.
@@ -54,7 +54,9 @@ class GPTStage(nn.Module):
         if self.last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
         head = list(model.lm_head.parameters())
-        self.tied = [p for p in model.tok_emb.parameters() if any(p is q for q in head)] if self.first or self.last else []
+        shared = [p for p in model.tok_emb.parameters() if any(p is q for q in head)]
+        self.ties_embedding = bool(shared)        # every stage knows, so every rank's signature says it
+        self.tied = shared if self.first or self.last else []
 
     def forward(self, x):
         if self.first:
@@ -129,6 +131,8 @@ class PipelineExecutor:
         self.messages = 0
         self.tied = list({id(p): p for mod in modules.values() for p in getattr(mod, "tied", [])}.values())
         self.tie_peer = tie_peer(self.layout, rank) if self.tied else None
+        self.ties_embedding = any(getattr(mod, "ties_embedding", False) for mod in modules.values())
+        self.tie_synced = False      # the two copies are made equal at the first step (`_sync_tied`)
 
     # --- one step: for each action, receive its input, compute, send what it produced --------
 
@@ -146,6 +150,8 @@ class PipelineExecutor:
         if len(inputs) != self.microbatches or len(targets) != self.microbatches:
             raise ValueError(f"this schedule runs {self.microbatches} micro-batches; got {len(inputs)} "
                              f"inputs and {len(targets)} targets (make a schedule for that many)")
+        before = self._take_tied_grads()
+        self._sync_tied()
         self.inputs, self.targets, self.m = inputs, targets, len(inputs)
         self.local, self.outbox, self.inbox, self.state = {}, {}, {}, {}
         self.batch_of, self.batches = {}, []     # key -> the Works of its batch; batches not waited for
@@ -165,17 +171,43 @@ class PipelineExecutor:
         for works in self.batches:          # the batches not waited for yet: sends in flight
             for work in works:
                 work.wait()
-        self._sum_tied()
+        self._sum_tied(before)
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
                 "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
                 "messages": self.messages}
 
-    def _sum_tied(self):
+    def _take_tied_grads(self):
+        """The tied copies' gradients from earlier steps (accumulation), set aside so that only
+        this step's part is exchanged: the sum adds them back. None where there is no peer."""
+        if self.tie_peer is None:
+            return None
+        before = [p.grad for p in self.tied]
+        for p in self.tied:
+            p.grad = None
+        return before
+
+    def _sync_tied(self):
+        """At the first step, the last stage's copy of a tied weight takes the first stage's
+        values (Megatron-LM makes them equal at the start, too): ranks seeded differently still
+        train one weight. One message pair, posted before any of the pipeline's."""
+        if self.tie_peer is None or self.tie_synced:
+            return
+        holds_first = self.layout.place(0)[0] == self.rank
+        peer = self._global(self.tie_peer)
+        ops = [dist.P2POp(dist.isend if holds_first else dist.irecv, p.data, peer, self.group,
+                          2 * self.layout.stages * self.microbatches + len(self.tied) + k)
+               for k, p in enumerate(self.tied)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.tie_synced = True
+
+    def _sum_tied(self, before):
         """The tied embedding's gradient: the first stage's copy holds the embedding's part, the
         last stage's the LM head's. An all-reduce of the two ranks, written as one exchange (each
-        sends its copy's gradient and adds the other's: a + b = b + a bit for bit, so both copies
+        sends this step's part and adds the other's: a + b = b + a bit for bit, so both copies
         take the same optimizer step), posted after every pipeline message is done, so under NCCL
-        it is the next message of the pair at both ends. Where one rank holds both ends (the V's
+        it is the next message of the pair at both ends; what earlier steps accumulated
+        (`before`, equal on both ends) is added back. Where one rank holds both ends (the V's
         rank 0), the copies are one Parameter and autograd has summed them already."""
         if self.tie_peer is None:
             return
@@ -190,27 +222,37 @@ class PipelineExecutor:
                     dist.P2POp(dist.irecv, theirs[-1], peer, self.group, tag)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for p, g in zip(self.tied, theirs):
-            p.grad += g
+        for p, g, old in zip(self.tied, theirs, before):
+            total = p.grad + g
+            p.grad = total if old is None else old + total
 
     def _check_tied(self):
-        """A hook that consumes a tied weight's gradient as backward produces it (ZeRO-2's
-        reduce-scatter, DDP's bucketing) would see one end's part only, before the sum."""
-        if self.tie_peer is not None and any(getattr(p, "_post_accumulate_grad_hooks", None) for p in self.tied):
+        """A gradient hook on a tied weight (the course's overlapped all-reduce, Zero2) would
+        start an asynchronous reduction, or keep only a shard, of a gradient the pipeline has
+        not summed yet. Both ends raise; middle ranks learn of it from `_agree` (the signature
+        names the hook), so no rank waits for a message that will not come."""
+        if self.tie_peer is not None and self._tied_hooked():
             raise ValueError("a tied embedding's gradient is summed across the first and the last stage after "
-                             "the pipeline's backward; a gradient hook on it (ZeRO-2, DDP) would act on one "
-                             "part only: reduce it after executor.step, or untie the embedding")
+                             "the pipeline's backward; a gradient hook on it would reduce (or shard) it before "
+                             "that sum, or while it runs: reduce it after executor.step, or untie the embedding")
+
+    def _tied_hooked(self):
+        return any(getattr(p, "_post_accumulate_grad_hooks", None) for p in self.tied)
 
     def signature(self, inputs, targets):
         """What every rank of the pipeline must agree on for a step to be exchangeable: the
-        schedule and its size, the micro-batches' shapes and dtypes, and the shape and dtype of
-        what crosses a stage boundary (the receive buffers)."""
+        schedule and its size, the micro-batches' shapes and dtypes, the shape and dtype of
+        what crosses a stage boundary (the receive buffers), and whether the embedding is tied
+        (the two ends exchange its gradient) and hooked (refused)."""
         def kinds(tensors):
             return sorted({f"{tuple(t.shape)} {t.dtype}" for t in tensors})
         lay = self.layout
+        tie = ("embedding tied" + (" (a gradient hook on the tied weight: refused)"
+                                   if self.tie_peer is not None and self._tied_hooked() else "")
+               if self.ties_embedding else "embedding untied")
         return (f"schedule {self.schedule_name} on {lay.ranks} ranks × {lay.chunks} chunks ({lay.style}), "
                 f"{len(inputs)} micro-batches, inputs {kinds(inputs)}, targets {kinds(targets)}, "
-                f"boundary {self.shape} {self.dtype}")
+                f"boundary {self.shape} {self.dtype}, {tie}")
 
     def _agree(self, inputs, targets):
         """Before any message moves, the ranks compare a 20-byte digest of their `signature`

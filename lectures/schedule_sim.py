@@ -169,7 +169,7 @@ def steady_step(schedule, cost):
 
 
 def qi_bubble(name, p, F, B, W):
-    """The idle time per rank and step in Qi et al. 2023, Table 2, for 1F1B, ZB-H1 and ZB-H2
+    """The idle time per rank and step in Qi et al. 2024, Table 2, for 1F1B, ZB-H1 and ZB-H2
     (ZB-H2's across steps, once the optimizer step no longer synchronises): (p−1)(F+B+W),
     (p−1)(F+B−W) and (p−1)(F+B−2W), with F, B, W a stage's forward, input-gradient and
     weight-gradient times. ZB-H2's assumes 2W <= F + B (it cannot be negative)."""

@@ -63,7 +63,7 @@ def test_tie_peer_is_the_other_end_or_none():
     assert pipeline.tie_peer(L.Layout(1), 0) is None
 
 
-def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False):
+def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=1, skew=False):
     """One tied step with ranks as threads under NCCL's rules (one Work per batch, posting-order
     matching, unbuffered sends), on global ranks offset..offset+p-1; each rank its own model."""
     p2p = NcclLikeP2P()
@@ -72,6 +72,9 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False):
     stages = [L.split_gpt(CFG, sched.layout)[1] for _ in range(p)]   # built here: the seeding is not thread-safe
     if hook:
         stages[0][0].tok_emb.weight.register_post_accumulate_grad_hook(lambda t: None)
+    if skew:    # the last stage's copy starts elsewhere (ranks seeded differently): the first step syncs it
+        with torch.no_grad():
+            stages[-1][sched.layout.stages - 1].lm_head.weight.add_(1.0)
     inputs, targets = L.microbatches(CFG, m, MB, 0)
     group = types.SimpleNamespace(ranks=list(range(offset, offset + p)))
 
@@ -80,26 +83,52 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False):
         r = g - offset
         mine = {c: stages[r][sched.layout.stage(r, c)] for c in range(v)}
         ex = L.PipelineExecutor(sched, mine, r, (MB, CFG.seq_len, CFG.d_model), group=group, dtype=torch.float64)
-        ex.step(inputs, targets)
+        for _ in range(steps):         # no zero_grad between them: the gradients accumulate
+            ex.step(inputs, targets)
         return {sched.layout.stage(r, c): mod for c, mod in mine.items()}
     return run_ranks(rank_main, range(offset, offset + p))
 
 
-@pytest.mark.parametrize("name,p,m,v", [("1f1b", 3, 4, 1), ("zb-h1", 2, 3, 1), ("zb-v", 2, 4, 2)])
-def test_tied_gradient_sum_under_nccls_rules(name, p, m, v, monkeypatch):
-    held = run_tied_under_nccl(name, p, m, v, monkeypatch)
-    ref = L.reference_train(CFG, m, MB, steps=1)["grads"]
+def assert_tied_grads(held, ref, times=1):
     grads = {k: g for r in held.values() for k, g in L.gradients_by_name(r).items()}
     assert set(grads) == set(ref) | {"lm_head.weight"}
     for k, g in grads.items():
-        torch.testing.assert_close(g, ref[TIED if k == "lm_head.weight" else k], rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(g, times * ref[TIED if k == "lm_head.weight" else k], rtol=1e-9, atol=1e-12, msg=k)
 
 
-def test_a_hook_on_the_tied_gradient_is_refused(monkeypatch):
-    """ZeRO-2's reduce-scatter or DDP's buckets, hooked on the tied weight, would reduce one end's
-    part before the sum: refused, not trained wrongly."""
-    with pytest.raises(AssertionError, match="a gradient hook on it"):
-        run_tied_under_nccl("1f1b", 2, 3, 1, monkeypatch, hook=True)
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 3, 4, 1), ("zb-h1", 2, 3, 1), ("zb-v", 2, 4, 2),
+                                        ("interleaved-1f1b", 2, 4, 2), ("gpipe", 3, 3, 1), ("zb-h2", 3, 4, 1)])
+def test_tied_gradient_sum_under_nccls_rules(name, p, m, v, monkeypatch):
+    assert_tied_grads(run_tied_under_nccl(name, p, m, v, monkeypatch), L.reference_train(CFG, m, MB, steps=1)["grads"])
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 3, 1), ("1f1b", 3, 4, 1), ("zb-v", 2, 4, 2)])
+def test_tied_gradients_accumulate_over_two_steps(name, p, m, v, monkeypatch):
+    """Two steps without zero_grad give twice one step's gradient on every copy: only each step's
+    own part crosses between the ends (exchanging the accumulated total would count the first
+    step's three times)."""
+    held = run_tied_under_nccl(name, p, m, v, monkeypatch, steps=2)
+    assert_tied_grads(held, L.reference_train(CFG, m, MB, steps=1)["grads"], times=2)
+
+
+def test_the_first_step_makes_the_two_copies_equal(monkeypatch):
+    """The last stage's copy starts elsewhere (as with ranks seeded differently): the first step
+    gives it the first stage's values, so the step equals one tied process."""
+    held = run_tied_under_nccl("1f1b", 3, 4, 1, monkeypatch, skew=True)
+    assert torch.equal(held[1][0].tok_emb.weight, held[3][2].lm_head.weight)      # global ranks 1..3
+    assert_tied_grads(held, L.reference_train(CFG, 4, MB, steps=1)["grads"])
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_hook_on_the_tied_gradient_is_refused_on_every_rank(monkeypatch, p):
+    """A hook on the tied weight (the course's overlapped all-reduce, Zero2) would reduce or shard
+    it before the sum: refused, not trained wrongly — and every rank, the middle ones too, raises
+    at once instead of waiting for a message the hooked end will not send."""
+    import time
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="a gradient hook on the tied weight: refused"):
+        run_tied_under_nccl("1f1b", p, 3, 1, monkeypatch, hook=True)
+    assert time.monotonic() - start < 10, "a rank waited for its peer's timeout"
 
 
 def test_page_states_what_the_tie_costs(course_site):
