@@ -30,7 +30,7 @@ def check_param_count(rank, world_size, fn):
 
 
 def gpt_param_count(cfg):
-    """Reference: the closed form of lectures/gpt.py's param_count."""
+    """Reference: the closed form of lectures/model/gpt.py's param_count."""
     h, v, f = cfg.d_model, cfg.vocab_size, cfg.ff
     h_kv = cfg.kv_heads * cfg.head_dim
     per_layer = 2 * (h * h + h) + 2 * (h * h_kv + h_kv) + (2 * h * f + f + h) + 4 * h
@@ -61,7 +61,7 @@ exercise(
     title="the parameter count Ψ of a GPT config, in closed form",
     statement=(
         "**Exercise: the parameter count of a GPT config.** Write `gpt_param_count(cfg)` for the "
-        "lecture's GPT (`lectures/gpt.py`): token embedding v·h, learned positions s·h; per block "
+        "lecture's GPT (`lectures/model/gpt.py`): token embedding v·h, learned positions s·h; per block "
         "two LayerNorms (weight and bias), Q and O projections h×h with biases, K and V "
         "projections h×h_kv with biases (h_kv = `cfg.kv_heads × cfg.head_dim`: grouped-query "
         "attention), an MLP h→f→h with biases (f = `cfg.ff`); a final LayerNorm; and an LM head "
@@ -169,7 +169,7 @@ RECIPES = ["fp32", "bf16", "fp64"]   # one per rank
 
 
 def check_bytes(rank, world_size, fn):
-    from lectures.estimator import PRECISION_BYTES
+    from lectures.layout.estimator import PRECISION_BYTES
     name = RECIPES[rank]
     expected = {k: PRECISION_BYTES[name][k] for k in ("weights", "grads", "optimizer")}
     got = fn(name)
@@ -216,7 +216,7 @@ exercise(
         "fp32 master copy of the weights plus the two fp32 moments, K = 12 as in the ZeRO paper, "
         "Rajbhandari et al. 2020 §3.1, whose own count has bf16 gradients), `\"fp64\"` (everything in "
         "float64, the course's exact runs). The check runs one recipe per rank (3 ranks) against "
-        "the course's `PRECISION_BYTES` (lectures/estimator.py), and the total for a 7B model."),
+        "the course's `PRECISION_BYTES` (lectures/layout/estimator.py), and the total for a 7B model."),
     stub=(
         "def bytes_per_parameter(recipe):\n"
         "    \"\"\"{'weights', 'grads', 'optimizer'} bytes per parameter under AdamW.\"\"\"\n"

@@ -122,7 +122,7 @@ exercise(
         "                              \"(rank - s) % n right, add chunk (rank - s - 1) % n from the left\")\n"),
     harness=check_ring, solution=ring_all_reduce, ranks=(3, 2),
     watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.ring_all_reduce",
-                 "lectures.collectives.ring_all_reduce", "lectures.collectives.pipelined_ring_all_reduce",
+                 "lectures.data_parallel.collectives.ring_all_reduce", "lectures.data_parallel.collectives.pipelined_ring_all_reduce",
                  "lectures.lecture_02_communication.ring_all_reduce",
                  "lectures.lecture_02_communication.pipelined_ring_all_reduce"),
     wrong={"no all-gather phase": ring_without_all_gather,

@@ -136,7 +136,7 @@ NUMELS = [10, 2, 31]   # not divisible by 3 ranks; fewer elements than ranks
 
 def check_zero1(rank, world_size, fn):
     from lectures.lecture_03_data_parallel import adamw_update
-    from lectures.zero import shard_size
+    from lectures.data_parallel.zero import shard_size
     out = []
     lr, wd = 0.1, 0.01
     for numel in NUMELS:
@@ -259,7 +259,7 @@ exercise(
         "weight_decay)`: `param` is the full flat parameter (the same on every rank), `grad` this "
         "rank's local gradient (full, flat), `m` and `v` this rank's moments for its shard. Pad to "
         "s·n elements with s = ⌈numel/n⌉ (rank r owns elements r·s … (r+1)·s − 1, as in "
-        "`lectures/zero.py`); (1) reduce-scatter the gradient (`dist.reduce_scatter_single`) and divide by n (the average); (2) "
+        "`lectures/data_parallel/zero.py`); (1) reduce-scatter the gradient (`dist.reduce_scatter_single`) and divide by n (the average); (2) "
         "AdamW on your shard only — decoupled weight decay p ← p(1 − lr·wd), m ← β₁m + (1−β₁)g, "
         "v ← β₂v + (1−β₂)g², p ← p − lr·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε), β = (0.9, 0.999), ε = 1e-8; "
         "update `m`, `v` in place; (3) all-gather the shards (`dist.all_gather_single`) and return the full updated parameter "

@@ -126,7 +126,7 @@ exercise(
 
 def check_tp_mlp(rank, world_size, fn, group=None):
     from lectures.lecture_04_tensor_parallel import GPTConfig
-    from lectures.gpt import MLP
+    from lectures.model.gpt import MLP
     out = []
     for h, ff, shape in [(7, 15, (2, 3)), (4, 6, (5,))]:
         cfg = GPTConfig(d_model=h, n_heads=1, d_ff=ff, dtype="float64")
@@ -290,7 +290,7 @@ exercise(
         "                              \"exp(z - max), and the target's shifted logit (0 where not yours)\")\n"),
     harness=check_vocab_ce, solution=vocab_parallel_ce, ranks=(3, 2), subgroup=True, keeps_inputs=True,
     watch=forbid("the point is never to gather the logits", *built_in(*COLLECTIVES[1:]),
-                 "lectures.vocab_parallel.vocab_parallel_cross_entropy",
+                 "lectures.tensor_parallel.vocab.vocab_parallel_cross_entropy",
                  "lectures.lecture_04_tensor_parallel.vocab_parallel_cross_entropy", "exercises.solution"),
     wrong={"each rank subtracts its own max": vocab_ce_local_max,
            "target slice of the next rank": vocab_ce_off_by_one_rank,

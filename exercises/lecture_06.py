@@ -78,7 +78,7 @@ def check_merge(rank, world_size, fn):
     """A real ring: each rank keeps its queries, the key/value blocks travel around, and every
     partial result is merged in with the student's function (and, beside it, the course's)."""
     from lectures.lecture_06_context_and_expert_parallel import merge_partials
-    from lectures.attention import attention_with_lse
+    from lectures.model.attention import attention_with_lse
     out = []
     for seq, causal in [(13, True), (8, False)]:
         q_all, k_all, v_all = (_tensor(0, (1, 2, seq, 4), s) for s in (1, 2, 3))

@@ -19,27 +19,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from util import cheat, deep_dive, device, figure, note, plural, published, see, settings, spawn, table
+from util import try_it_yourself
 from util.measure import compare, machine, measure, usable_cores
 
-from lectures.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
-                                  block_activations, chunked_cross_entropy, korthikanti_bytes, loss_memory,
-                                  reconciled_bytes, recomputation_step, with_recomputation)
-from lectures.attention import (OnlineSoftmaxAttention, attention_with_lse, merge_attention,  # noqa: F401
-                                naive_causal_attention, online_softmax_attention)
-from lectures.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
-                          causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
-from lectures.memory import LiveBytes, SavedBytes
-from lectures.precision import (FORMATS, MasterWeights, accumulate, accumulation_error,  # noqa: F401
-                                dequantize_fp8, format_properties, fp8_matmul_error, fp16_gradients,
-                                fp32_gradients, freeze_threshold, frozen_fraction, gradient_error,
-                                gradient_rms, keep_bits, ordinary_channels, outlier_matrices, overflow_table,
-                                per_tensor_error, quantize_fp8, relative_error_across_magnitudes,
-                                round_to, scaled_mm_error, scaling_over_steps, train_curve,
-                                values_between)
-from lectures.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
-                               largest_cache_bytes, matmul_rate, threads)
-from lectures.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
-                                      fake_training_step, held_by_training, memory_timeline)
+from exercises import listing as notebook_exercises
+from lectures.model.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
+                                        block_activations, chunked_cross_entropy, korthikanti_bytes, loss_memory,
+                                        reconciled_bytes, recomputation_step, with_recomputation)
+from lectures.model.attention import (OnlineSoftmaxAttention, attention_with_lse, merge_attention,  # noqa: F401
+                                      naive_causal_attention, online_softmax_attention)
+from lectures.model.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
+                                causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
+from lectures.model.memory import LiveBytes, SavedBytes
+from lectures.model.precision import (FORMATS, MasterWeights, accumulate, accumulation_error,  # noqa: F401
+                                      dequantize_fp8, format_properties, fp8_matmul_error, fp16_gradients,
+                                      fp32_gradients, freeze_threshold, frozen_fraction, gradient_error,
+                                      gradient_rms, keep_bits, ordinary_channels, outlier_matrices, overflow_table,
+                                      per_tensor_error, quantize_fp8, relative_error_across_magnitudes,
+                                      round_to, scaled_mm_error, scaling_over_steps, train_curve,
+                                      values_between)
+from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
+                                     largest_cache_bytes, matmul_rate, threads)
+from lectures.model.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
+                                            fake_training_step, held_by_training, memory_timeline)
 
 
 # =========================================================================================
@@ -192,7 +194,7 @@ def anatomy_of_a_step():
         optimizer state, activation or temporary until it is freed. We train three AdamW
         steps and read it after each phase, beside our own count from the tensors themselves
         (parameters, gradients, the optimizer state dict, and the bytes autograd saved for
-        backward, each storage once). Like the course's own meters (`lectures/memory.py`), it
+        backward, each storage once). Like the course's own meters (`lectures/model/memory.py`), it
         sees tensors, not the allocator. On a GPU, PyTorch's caching allocator keeps freed
         blocks for later tensors instead of returning them to the driver:
         `torch.cuda.memory_allocated()` counts live tensors, as these meters do, and
@@ -1570,6 +1572,7 @@ def references():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_01_memory_and_precision"))   # its notebook's exercises, for the page
     torch.set_num_threads(1)   # small tensors, shared cores: extra threads mostly wait (roofline uses all)
     intro()                    # what this lecture teaches, and what it needs
     the_model_and_task()       # the GPT and data every later lecture trains

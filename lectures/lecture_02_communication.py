@@ -16,14 +16,16 @@ import torch.distributed as dist
 
 from util import (cheat, deep_dive, device, figure, note, plural, published, see, settings, span, span_at,
                   spawn, table, timeline)
+from util import try_it_yourself
 from util.launch import choose_backend
 from util.recording import trim_build_paths  # noqa: F401  (tests use it from here)
 from util.measure import (Timing, compare, errorbar, machine, measure, spreads_overlap, timing_ranks,
                           value_range)
 
-from lectures.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends, bus_bandwidth_factor,
-                                  crossover_bytes, fit_alpha_beta, optimal_bytes,
-                                  pipelined_ring_all_reduce, ring_all_reduce, sweep, wire_bytes)
+from exercises import listing as notebook_exercises
+from lectures.data_parallel.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends,
+                                                bus_bandwidth_factor, crossover_bytes, fit_alpha_beta, optimal_bytes,
+                                                pipelined_ring_all_reduce, ring_all_reduce, sweep, wire_bytes)
 
 KB, MB = 1024, 1024 ** 2
 
@@ -37,7 +39,7 @@ WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8)
 
 
 # =========================================================================================
-# Page helpers (the building blocks live in lectures/collectives.py)
+# Page helpers (the building blocks live in lectures/data_parallel/collectives.py)
 # =========================================================================================
 
 def human_bytes(n):
@@ -1428,6 +1430,7 @@ def what_to_remember():
 # =========================================================================================
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_02_communication"))   # its notebook's exercises, for the page
     note("""
         **What you will learn.** What each collective does (run on real ranks, drawn from the
         real tensors); why all-reduce is a reduce-scatter followed by an all-gather, and how a

@@ -16,13 +16,15 @@ from torch import nn
 
 from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
                   table, timeline)
+from util import try_it_yourself
 from util.measure import (Timing, bytes_sent, compare, spreads_overlap, errorbar, machine, measure, measure_side_by_side,
                           timing_ranks)
 
-from lectures.compression import NesterovOuter, PowerSGD, average_update
-from lectures.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
-                          OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
-from lectures.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
+from exercises import listing as notebook_exercises
+from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_update
+from lectures.data_parallel.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
+                                        OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
+from lectures.data_parallel.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)
@@ -117,7 +119,7 @@ def reference_train(task):
 # 2-3. Collectives that count what they send; DDP from scratch
 # =========================================================================================
 # The building blocks (Collectives, broadcast_parameters, the three gradient syncs and
-# plan_buckets) live in lectures/ddp.py; the training step and the rank functions are here.
+# plan_buckets) live in lectures/data_parallel/ddp.py; the training step and the rank functions are here.
 
 def data_parallel_step(model, grad_sync, opt, x, y, micro_batches=1):
     """One optimizer step on this rank's rows, split into micro-batches. The gradient sync is
@@ -232,7 +234,7 @@ def uneven_with_join(rank, world_size, n_rows, batch, steps_seen=None):
 # =========================================================================================
 # 4. ZeRO: shard the optimizer state, then the gradients, then the parameters
 # =========================================================================================
-# The building blocks (Zero1, Zero2, Zero3 and their helpers) live in lectures/zero.py, so this
+# The building blocks (Zero1, Zero2, Zero3 and their helpers) live in lectures/data_parallel/zero.py, so this
 # file stays readable; the page shows their code with see() as if they were here.
 
 def train_zero(rank, world_size, task, stage=1, micro_batches=1, eval_between=False):
@@ -393,7 +395,7 @@ def traced_steps(rank, world_size, task, kind, bucket_mb=1.0, steps=2):
 # =========================================================================================
 
 # The compressors (mask, int8, PowerSGD) and DiLoCo's outer optimizer live in
-# lectures/compression.py; the rank functions that train with them are here.
+# lectures/data_parallel/compression.py; the rank functions that train with them are here.
 
 def rank_stream(task, rank, world_size, steps, non_iid, seed_offset=1):
     """This rank's own data stream. Non-IID: each rank's inputs are centred at a different
@@ -1893,6 +1895,7 @@ def what_to_remember():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_03_data_parallel"))   # its notebook's exercises, for the page
     intro()
     the_task()                  # the model, the data and the one-process reference
     ddp_from_scratch()          # broadcast, split the batch, average gradients: equal to one process

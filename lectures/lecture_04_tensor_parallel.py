@@ -18,29 +18,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.async_tp import (AllGatherMatmul, MatmulReduceScatter, SequenceParallelMLP,  # noqa: F401
-                               all_gather_matmul, counting, matmul_reduce_scatter, without_overlap)
-from lectures.gpt import GPT, GPTConfig, batch, loss_fn
-from lectures.memory import saved_bytes
-from lectures.roofline import threads
-from lectures.training_memory import held_by_training
+from exercises import listing as notebook_exercises
+from lectures.tensor_parallel.async_tp import (AllGatherMatmul, MatmulReduceScatter, SequenceParallelMLP,  # noqa: F401
+                                               all_gather_matmul, counting, matmul_reduce_scatter, without_overlap)
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.model.memory import saved_bytes
+from lectures.model.roofline import threads
+from lectures.model.training_memory import held_by_training
 # The building blocks, each in its module; the names are imported here too so that
 # `from lectures.lecture_04_tensor_parallel import parallelize_gpt` keeps working.
-from lectures.tensor_parallel import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
-                                      RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions)
-from lectures.tp_attention import ShareKVHeads, TensorParallelAttention  # noqa: F401
-from lectures.tp_gpt import (check_splittable, dtensor_plan, full_parameters, gpt_plan,  # noqa: F401
-                             parallelize_gpt, parallelize_gpt_dtensor, tp_group, tp_loss)
-from lectures.tp_ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFromRegion,  # noqa: F401
-                             GatherFromSequence, ReduceFromRegion, ReduceScatterSequence, ScatterToRegion,
-                             ScatterToSequence, _all_gather, _all_reduce, _reduce_scatter, _split,
-                             all_gather_sequence, copy_to_region, gather_from_region, gather_from_sequence,
-                             reduce_from_region, reduce_scatter_sequence, scatter_to_region,
-                             scatter_to_sequence, shard_checks, traced)
-from lectures.tp_random import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
-from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from lectures.tensor_parallel.layers import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
+                                             RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions)
+from lectures.tensor_parallel.attention import ShareKVHeads, TensorParallelAttention  # noqa: F401
+from lectures.tensor_parallel.gpt import (check_splittable, dtensor_plan, full_parameters, gpt_plan,  # noqa: F401
+                                          parallelize_gpt, parallelize_gpt_dtensor, tp_group, tp_loss)
+from lectures.tensor_parallel.ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFromRegion,  # noqa: F401
+                                          GatherFromSequence, ReduceFromRegion, ReduceScatterSequence, ScatterToRegion,
+                                          ScatterToSequence, _all_gather, _all_reduce, _reduce_scatter, _split,
+                                          all_gather_sequence, copy_to_region, gather_from_region, gather_from_sequence,
+                                          reduce_from_region, reduce_scatter_sequence, scatter_to_region,
+                                          scatter_to_sequence, shard_checks, traced)
+from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
+from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
                   table, timeline)
+from util import try_it_yourself
 
 # =========================================================================================
 # 1. Rank functions: train the split GPT, and the single-process reference
@@ -573,7 +575,7 @@ def compare_with_dtensor(rank, world_size, cfg, batch_size=4, steps=3, sequence_
     return out
 
 
-# --- Dropout and random numbers (lectures/tp_random.py) ------------------------------------
+# --- Dropout and random numbers (lectures/tensor_parallel/rng.py) ------------------------------------
 
 DROPOUT_SETUPS = ("per-rank seeds", "same seed", "two streams", "one-process masks")
 
@@ -1757,7 +1759,7 @@ def async_tp_idea():
         keeps only its slice, as `ColumnParallelLinear` and Megatron-LM do, and re-gathers it in
         backward in a second ring, adding each chunk's share $dY_c^T X_c$ while the next chunk
         travels: one more ring of the same bytes, and 5 ops per MLP instead of 4
-        (`lectures/async_tp.py`).
+        (`lectures/tensor_parallel/async_tp.py`).
         `tests/test_async_tp.py` checks outputs, all gradients and parameters after SGD and AdamW
         steps against the plain collectives and one process (1–4 ranks, float64). It also checks
         the counts: $t-1$ sends and $t$ partial matmuls per op; and
@@ -2160,6 +2162,7 @@ def summary():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_04_tensor_parallel"))   # its notebook's exercises, for the page
     intro()
     column_and_row()            # the two ways to split one matrix
     megatron_mlp()              # composing them between f and g: one all-reduce per direction

@@ -12,16 +12,18 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from lectures.gpt import GPT, GPTConfig, batch, loss_fn
-from lectures.schedule_explorer import explorer_data
-from lectures.pipeline import PipelineExecutor, build_rank, gradients_by_name, split_gpt, stage_parameters
-from lectures.pipeline import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.schedule_sim import (check_schedule, consecutive_steps, dualpipev_readme_bubble, held, message_order,
-                                   qi_bubble, simulate, steady_step, theory_bubble)
-from lectures.schedule_sim import Simulation, dependencies  # noqa: F401  (re-exported)
-from lectures.schedules import SCHEDULES, Action, Layout, make_schedule
-from lectures.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
+from exercises import listing as notebook_exercises
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.pipeline.explorer import explorer_data
+from lectures.pipeline.executor import PipelineExecutor, build_rank, gradients_by_name, split_gpt, stage_parameters
+from lectures.pipeline.executor import GPTStage, param_leaves  # noqa: F401  (re-exported)
+from lectures.pipeline.simulate import (check_schedule, consecutive_steps, dualpipev_readme_bubble, held, message_order,
+                                        qi_bubble, simulate, steady_step, theory_bubble)
+from lectures.pipeline.simulate import Simulation, dependencies  # noqa: F401  (re-exported)
+from lectures.pipeline.schedules import SCHEDULES, Action, Layout, make_schedule
+from lectures.pipeline.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, device, figure, note, published, quiet, see, settings, spawn, table, widget
+from util import try_it_yourself
 from util import span as timed   # a timed block on a rank: its span (local names `span` are x-axis lengths)
 from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap, value_range
 
@@ -1553,7 +1555,7 @@ def deep_dive_posting_order():
         messages, and {moved} of them sit at another position in the order rank {dst} needs
         them (below). Interleaved 1F1B does it too at some sizes where $m$ is not a multiple
         of $p$ (p = 2, m = 5, for one). So the executor posts each message at both ends in the same slot of one
-        shared clock (`communication_plan`, from `schedule_sim.message_slots`), which makes every
+        shared clock (`communication_plan`, from `simulate.message_slots`), which makes every
         pair's posting orders equal; a test runs every schedule with ranks as threads and a
         stand-in that matches as NCCL does.
 
@@ -1566,7 +1568,7 @@ def deep_dive_posting_order():
         another on one stream, and a large send completes only when its peer's matching receive
         runs; two ranks whose batches wait on each other in opposite orders hang. Posting both
         ends of each message in the same slot of the shared clock rules that cycle out:
-        `schedule_sim.p2p_deadlock` replays every rank's posting program under these rules, and a
+        `simulate.p2p_deadlock` replays every rank's posting program under these rules, and a
         test finds no deadlock for any schedule the lecture accepts up to $p = 8$.
     """)
     import matplotlib.pyplot as plt
@@ -1661,6 +1663,7 @@ def notes():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_05_pipeline_parallel"))   # its notebook's exercises, for the page
     intro()                  # the bubble in one picture; why cut by layers
     schedules_as_data()      # a schedule is action lists, checked and simulated
     executor_matches()       # one executor runs them all; equal to one process

@@ -6,10 +6,9 @@ or swapped for a split of the heads (DeepSpeed-Ulysses). Mixtures of experts: a 
 token to a few expert MLPs, and the experts live on different ranks (expert parallelism), with
 tokens dispatched and combined by all-to-all. Every version is checked against one process.
 
-The building blocks live in modules: `lectures/attention_blocks.py` (attention on segments, its
-block backward), `lectures/sequence_layout.py` (contiguous and zig-zag shards),
-`lectures/ring_attention.py`, `lectures/context_parallel.py` (all-gather, Ulysses, the GPT swap,
-the CPU shim for PyTorch's `context_parallel`) and `lectures/moe.py`. This file narrates them,
+The building blocks live in `lectures/context_parallel/`: `blocks` (attention on segments, its
+block backward), `sharding` (contiguous and zig-zag shards), `ring`, `variants` (all-gather,
+Ulysses, the GPT swap, the CPU shim for PyTorch's `context_parallel`) and `moe`. This file narrates them,
 and holds the demos the ranks run.
 """
 import contextlib
@@ -20,25 +19,28 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lectures.attention import merge_attention as merge_partials
-from lectures.attention_blocks import _block_backward, pair_kind
-from lectures.attention_blocks import (SegmentAttention, _block_forward, full_attention,  # noqa: F401
-                                       segments_backward, segments_forward)  # noqa: F401
-from lectures.context_parallel import (ATTENTION, AllGatherAttention, SeqToHeads, context_parallel_gpt,
-                                       install_cpu_context_parallel_shim, ulysses_attention)
-from lectures.context_parallel import HeadsToSeq, allgather_attention  # noqa: F401
-from lectures.gpt import GPT, GPTConfig, batch, loss_fn
-from lectures.memory import saved_bytes
-from lectures.moe import (AllToAll, ExpertParallelMoE, MoE, RankCapacityMoE, balance_loss, expert_owners, moe_gpt,
-                         route, z_loss)
-from lectures.moe import route_logits  # noqa: F401
-from lectures.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
-from lectures.ring_attention import RingAttention, RingTransfer, ring_attention, tracing
-from lectures.roofline import threads
-from lectures.sequence_layout import (causal_work, group_info, layout_segments, sequence_positions, shard_sequence,
-                                      split_sizes, striped_positions, unshard_sequence, zigzag_shard, zigzag_unshard)
-from lectures.sequence_layout import contiguous_shard, zigzag_chunks  # noqa: F401
+from exercises import listing as notebook_exercises
+from lectures.model.attention import merge_attention as merge_partials
+from lectures.context_parallel.blocks import _block_backward, pair_kind
+from lectures.context_parallel.blocks import (SegmentAttention, _block_forward, full_attention,  # noqa: F401
+                                              segments_backward, segments_forward)  # noqa: F401
+from lectures.context_parallel.variants import (ATTENTION, AllGatherAttention, SeqToHeads, context_parallel_gpt,
+                                                install_cpu_context_parallel_shim, ulysses_attention)
+from lectures.context_parallel.variants import HeadsToSeq, allgather_attention  # noqa: F401
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.model.memory import saved_bytes
+from lectures.context_parallel.moe import (AllToAll, ExpertParallelMoE, MoE, RankCapacityMoE, balance_loss,
+                                           expert_owners, moe_gpt, route, z_loss)
+from lectures.context_parallel.moe import route_logits  # noqa: F401
+from lectures.context_parallel.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
+from lectures.context_parallel.ring import RingAttention, RingTransfer, ring_attention, tracing
+from lectures.model.roofline import threads
+from lectures.context_parallel.sharding import (causal_work, group_info, layout_segments, sequence_positions,
+                                                shard_sequence, split_sizes, striped_positions, unshard_sequence,
+                                                zigzag_shard, zigzag_unshard)
+from lectures.context_parallel.sharding import contiguous_shard, zigzag_chunks  # noqa: F401
 from util import cheat, deep_dive, device, figure, note, published, see, settings, span_at, spawn, table, timeline
+from util import try_it_yourself
 from util.measure import value_range
 
 # =========================================================================================
@@ -787,7 +789,7 @@ def ring_steps_figure(n):
     """The ring's forward steps as a grid: which rank's K/V block each rank holds at each step (from
     `ring_source`, the schedule RingAttention follows), arrows showing where it goes next."""
     import matplotlib.pyplot as plt
-    from lectures.ring_attention import ring_source
+    from lectures.context_parallel.ring import ring_source
     colors = plt.get_cmap("tab10").colors
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for step in range(n):
@@ -1782,6 +1784,7 @@ def what_to_remember():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_06_context_and_expert_parallel"))   # its notebook's exercises, for the page
     intro()                      # what the two splits are
     what_needs_other_ranks()     # CP touches only attention; memory per rank ~ s/n
     ring_attention_section()     # the ring, its merge, its backward, the overlap measured

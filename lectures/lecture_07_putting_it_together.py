@@ -15,36 +15,39 @@ import torch
 import torch.distributed as dist
 
 from util import cheat, deep_dive, device, figure, note, plural, published, see, settings, spawn, table, widget
+from util import try_it_yourself
 from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks, value_range
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
 # tests and the notebook use stays importable from this file.
-from lectures.activations import with_recomputation
-from lectures.calculator import calculator_data
-from lectures.collectives import fit_alpha_beta
-from lectures.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
-                                estimate_memory, held_chunks, in_flight, rank_layers, stage_layers,
-                                stage_params)
-from lectures.gpt import GPT, batch, loss_fn, param_count
-from lectures.layout_search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, causal_discounted,  # noqa: F401
+from exercises import listing as notebook_exercises
+from lectures.model.activations import with_recomputation
+from lectures.layout.calculator import calculator_data
+from lectures.data_parallel.collectives import fit_alpha_beta
+from lectures.layout.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
+                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_layers,
+                                       stage_params)
+from lectures.model.gpt import GPT, batch, loss_fn, param_count
+from lectures.layout.search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, causal_discounted,  # noqa: F401
                                     decision_procedure,
                                     divisors, fit_gemm_fraction, near_ties, open_knobs, reproduce_table4,
                                     search, table4_row, valid_layouts)
-from lectures.layout_trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
+from lectures.layout.trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
                                      held_bytes, max_param_diff, reference_run, train_layout)
-from lectures.memory import SavedBytes
-from lectures.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
-                           replica_groups, torch_mesh)
-from lectures.pytorch_layout import pytorch_layout, pytorch_tp_plan  # noqa: F401
-from lectures.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16,  # noqa: F401
-                                IB, IB_ACHIEVED, IB_BW, NVLINK, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW,
-                                Hardware, all_reduce_time, axis_link, collective_bytes, dp_traffic,
-                                flops_per_token, tp_collectives, gather_time, h100_cluster, mfu, p2p_link,
-                                kept_gathered, p2p_time, step_bytes, step_time, zero3_bytes)
+from lectures.model.memory import SavedBytes
+from lectures.layout.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
+                                  replica_groups, torch_mesh)
+from lectures.layout.pytorch import pytorch_layout, pytorch_tp_plan  # noqa: F401
+from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB,  # noqa: F401
+                                       IB_ACHIEVED, IB_BW, NVLINK, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
+                                       LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW, Hardware, all_reduce_time, axis_link,
+                                       collective_bytes, dp_traffic, flops_per_token, tp_collectives, gather_time,
+                                       h100_cluster, mfu, p2p_link, kept_gathered, p2p_time, step_bytes, step_time,
+                                       zero3_bytes)
 
 
 # =========================================================================================
-# 1. The device mesh (lectures/mesh.py): checked against PyTorch's, and drawn
+# 1. The device mesh (lectures/layout/mesh.py): checked against PyTorch's, and drawn
 # =========================================================================================
 
 def compare_meshes(rank, world_size, shape):
@@ -236,9 +239,9 @@ def calibrate_ring(cfg, n, repeats):
     """One block's ring attention over all `n` ranks (zig-zag, micro-batch 1) and the same
     attention on the rank's shard alone, forward and forward + backward: what a ring step adds
     beyond its FLOPs (which the compute term already counts) and its bytes."""
-    from lectures.attention_blocks import SegmentAttention
-    from lectures.ring_attention import ring_attention
-    from lectures.sequence_layout import layout_segments
+    from lectures.context_parallel.blocks import SegmentAttention
+    from lectures.context_parallel.ring import ring_attention
+    from lectures.context_parallel.sharding import layout_segments
     hd = cfg.d_model // cfg.n_heads
     local = -(-cfg.seq_len // (2 * n)) * 2            # tokens per rank: two zig-zag chunks
     shape = (1, cfg.n_heads, local, hd)
@@ -296,7 +299,7 @@ def ring_step_cost(cal):
 
 
 # =========================================================================================
-# 3. Timing the layouts (lectures/layout_trainer.py trains them)
+# 3. Timing the layouts (lectures/layout/trainer.py trains them)
 # =========================================================================================
 
 def time_layouts(rank, world_size, run, layouts, repeats=5, warmup=2):
@@ -1539,7 +1542,7 @@ def cal_n():
     return cal["matmul"]["n"] if cal else 0
 
 # =========================================================================================
-# 5. The same layouts from PyTorch's own pieces (lectures/pytorch_layout.py)
+# 5. The same layouts from PyTorch's own pieces (lectures/layout/pytorch.py)
 # =========================================================================================
 
 def _dp_rows(run, layout, step):
@@ -1690,6 +1693,7 @@ def remember():
 
 
 def main():
+    try_it_yourself(notebook_exercises("lecture_07_putting_it_together"))   # its notebook's exercises, for the page
     intro()
     the_mesh()              # where each rank sits, and its group on each axis
     many_layouts()          # the same training under every combination, against one process

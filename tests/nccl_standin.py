@@ -12,7 +12,7 @@ run under it (tests/test_nccl_contract.py):
 - a send completes only when its matching receive runs (no buffering), so two ranks whose streams
   each start with a send to the other wait for ever: `wait` raises TimeoutError instead.
 
-`schedule_sim.p2p_deadlock` is the same rules without threads or tensors.
+`simulate.p2p_deadlock` is the same rules without threads or tensors.
 """
 import collections
 import threading

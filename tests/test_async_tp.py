@@ -1,4 +1,4 @@
-"""Asynchronous tensor parallelism (lectures/async_tp.py): the decomposed ring equals the plain
+"""Asynchronous tensor parallelism (lectures/tensor_parallel/async_tp.py): the decomposed ring equals the plain
 all-gather + matmul / matmul + reduce-scatter and one process, and moves what Wang et al.'s
 decomposition moves.
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures import async_tp as A
-from lectures.tp_ops import _split
+from lectures.tensor_parallel import async_tp as A
+from lectures.tensor_parallel.ops import _split
 from util import spawn
 
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""Async TP's rings (lectures/async_tp.py) under NCCL's point-to-point rules, without a GPU.
+"""Async TP's rings (lectures/tensor_parallel/async_tp.py) under NCCL's point-to-point rules, without a GPU.
 
 `tests/nccl_standin.py` runs ranks as threads with NCCL's contract: one Work per
 batch_isend_irecv, a receive's data only once that Work is waited for (NaN before), batches in
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lectures import async_tp as A
+from lectures.tensor_parallel import async_tp as A
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
 F64 = torch.float64

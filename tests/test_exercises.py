@@ -2,6 +2,7 @@
 stub fails its check, the course's reference solution passes it, and every plausible wrong
 solution is caught. Each check runs on real ranks (util.exercise)."""
 import functools
+import json
 import linecache
 import math
 import time
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import exercises
+from tests.conftest import built
 from util import build_notebooks, exercise as engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,6 +55,14 @@ def test_exercise(lecture, name):
         # caught by a comparison (rank, case, expected vs got), not by a crash of the shipped code
         assert verdict["detail"].startswith("rank ") and " raised" not in verdict["detail"].split("\n")[0], \
             (what, verdict["detail"])
+
+
+@pytest.mark.parametrize("lecture", list(exercises.LECTURES))
+def test_built_page_lists_its_notebook_exercises(course_site, lecture):
+    """The lecture hands its exercises to the page's "Try it yourself" box (util/ knows no
+    exercises): the recording lists them in the notebook's order."""
+    page = json.loads((built(course_site, lecture) / f"{lecture}.json").read_text())
+    assert page["exercises"] == [{"name": n, "title": t} for n, t in exercises.listing(lecture)]
 
 
 @pytest.mark.parametrize("lecture", list(exercises.LECTURES))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lectures import lecture_01_memory_and_precision as L
-from lectures.memory import SavedBytes
+from lectures.model.memory import SavedBytes
 from tests.conftest import built
 
 @pytest.fixture(autouse=True, scope="module")
@@ -490,7 +490,7 @@ def test_copy_size_is_beyond_the_largest_cache(tmp_path):
     for level, size in enumerate(["32K", "1024K", "32768K"]):
         (tmp_path / f"index{level}").mkdir()
         (tmp_path / f"index{level}" / "size").write_text(size + "\n")
-    from lectures.roofline import copy_bytes_beyond_cache, largest_cache_bytes
+    from lectures.model.roofline import copy_bytes_beyond_cache, largest_cache_bytes
     assert largest_cache_bytes(str(tmp_path)) == 32 * 2 ** 20
     assert 2 * copy_bytes_beyond_cache(32 * 2 ** 20) >= 4 * 32 * 2 ** 20
     assert largest_cache_bytes(str(tmp_path / "missing")) is None
@@ -634,7 +634,7 @@ def test_autocast_bytes_between_forward_and_backward_depend_on_zero_grad():
 def test_elementwise_kernels_reach_the_copy_bandwidth():
     """Review B2: with preallocated outputs, add and GELU move bytes at the rate a copy does,
     not 6× slower (which is what timing a fresh 64 MB output per call measures)."""
-    from lectures.roofline import copy_rate, elementwise_rate
+    from lectures.model.roofline import copy_rate, elementwise_rate
     nbytes = 64 * 2 ** 20
     bw, _ = copy_rate(nbytes, repeats=5)
     add, _, add_intensity = elementwise_rate(nbytes // 4, "add", repeats=5)
@@ -648,7 +648,7 @@ def test_attention_scores_of_bf16_inputs_are_computed_in_fp32():
     while the backward recomputes the scores from fp32 operands, so the backward's P was not the
     forward's. Now the forward's log-sum-exp is that of the fp32 scores, and our bf16 attention
     errs about as little as PyTorch's SDPA."""
-    from lectures.attention import attention_with_lse
+    from lectures.model.attention import attention_with_lse
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g).bfloat16() for _ in range(3))
     _, lse = attention_with_lse(q, k, v, causal=True)

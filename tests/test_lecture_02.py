@@ -1,5 +1,5 @@
 """Lecture 02 (communication): every demo against a single-process reference, the building blocks
-of lectures/collectives.py (the rings against dist.all_reduce, the bandwidth arithmetic and the
+of lectures/data_parallel/collectives.py (the rings against dist.all_reduce, the bandwidth arithmetic and the
 α–β fit on synthetic data), and a quick build of the page."""
 import ast
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lectures import collectives as C
+from lectures.data_parallel import collectives as C
 from lectures import lecture_02_communication as L
 from tests.conftest import built, walk
 from util import spawn
@@ -337,7 +337,7 @@ def test_lecture_re_exports_its_building_blocks():
 
 
 def test_collectives_module_imports_no_lecture():
-    """Modules sit below the lecture files: lectures/collectives.py imports util, never a lecture."""
+    """Modules sit below the lecture files: lectures/data_parallel/collectives.py imports util, never a lecture."""
     tree = ast.parse(pathlib.Path(C.__file__).read_text())
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
@@ -453,7 +453,7 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
 
 
 def broadcast_counted_and_written(rank, world_size, nbytes):
-    from lectures.ddp import Collectives
+    from lectures.data_parallel.ddp import Collectives
     t = torch.zeros(nbytes // 4)
     comm = Collectives(world_size)
     comm.broadcast(t, src=0)                  # connections set up

@@ -428,8 +428,8 @@ def test_attention_backward_overlaps_like_the_mlp():
 def fresh_replicated(rank, world_size):
     """A fresh layer of each kind built with a different seed on every rank: its replicated
     parameters as this rank holds them."""
-    from lectures.tensor_parallel import SequenceParallelPositions
-    from lectures.tp_attention import TensorParallelAttention
+    from lectures.tensor_parallel.layers import SequenceParallelPositions
+    from lectures.tensor_parallel.attention import TensorParallelAttention
     g = dist.group.WORLD
     torch.manual_seed(100 + rank)   # each rank draws differently, as separate processes may
     row = L.RowParallelLinear(8, 4, g)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lectures import lecture_05_pipeline_parallel as L
-from lectures.gpt import GPTConfig
-from lectures.memory import saved_bytes
-from lectures import schedule_sim as S
+from lectures.model.gpt import GPTConfig
+from lectures.model.memory import saved_bytes
+from lectures.pipeline import simulate as S
 from util import spawn
 from tests.conftest import built
 from tests.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
@@ -453,7 +453,7 @@ class PostingOrderP2P(ThreadGather):
 
 def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
     import threading
-    from lectures import pipeline
+    from lectures.pipeline import executor as pipeline
     fake = PostingOrderP2P()
     monkeypatch.setattr(pipeline, "dist", fake)
     sched = L.make_schedule(name, p, m, v)
@@ -525,7 +525,7 @@ def test_ranks_that_disagree_get_a_clear_error(case, monkeypatch):
     bytes into a buffer of another type. An all_gather of each rank's signature at entry now
     gives every rank the same ValueError naming what each has. Ranks as threads here; the gloo
     test below runs real processes."""
-    from lectures import pipeline
+    from lectures.pipeline import executor as pipeline
     p2p = NcclLikeP2P()
     monkeypatch.setattr(pipeline, "dist", p2p)
     cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, dtype="float64")
@@ -575,7 +575,7 @@ def test_checkpointing_counts_the_recomputation():
 def test_dualpipev_readme_formula_beside_the_simulated_idle():
     """Review 05-7: (S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
     F&B = F + B is 3 units per rank at p = 4; the simulated list idles 1.5 on every rank."""
-    from lectures.schedule_sim import dualpipev_readme_bubble
+    from lectures.pipeline.simulate import dualpipev_readme_bubble
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5) == 3.0
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5, FB=1.0) == 1.5       # a perfect overlap: F&B = B
     sim = L.simulate(L.make_schedule("dualpipev", 4, 8, 2), L.chunk_cost(2))
@@ -715,7 +715,7 @@ def test_explorer_formula_is_the_papers_and_exact_where_it_is_shown():
     explorer's costs, and only where it equals the simulated bubble of that very list; ZB-H2,
     ZB-V and DualPipeV say there is no closed form here, and why."""
     import random
-    from lectures.schedule_explorer import explorer_entries, formula_bubble
+    from lectures.pipeline.explorer import explorer_entries, formula_bubble
     rng, shown = random.Random(3), set()
     for e in explorer_entries():
         sched = L.make_schedule(e["name"], e["p"], e["m"], e["chunks"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lectures import attention_blocks
+from lectures.context_parallel import blocks as attention_blocks
 from lectures import lecture_06_context_and_expert_parallel as L
 from util import spawn
 from tests.conftest import built

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lectures import lecture_06_context_and_expert_parallel as L
-from lectures import ring_attention, sequence_layout
+from lectures.context_parallel import ring as ring_attention
+from lectures.context_parallel import sharding as sequence_layout
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
 

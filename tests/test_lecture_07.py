@@ -13,7 +13,7 @@ import torch
 
 from lectures import lecture_01_memory_and_precision as L1
 from lectures import lecture_07_putting_it_together as L
-from lectures.memory import SavedBytes
+from lectures.model.memory import SavedBytes
 from util import spawn
 from tests.conftest import built
 
@@ -386,8 +386,8 @@ def test_gloo_reduce_scatter_is_charged_as_an_all_reduce():
     gloo = L.Hardware("gloo", 1e9, 1e12, ranks_per_node=8, intra=link, inter=link, backend="gloo")
     nccl = dataclasses.replace(gloo, backend="nccl")
     plain, z1 = L.Layout(dp=2, micro_batch=4), L.Layout(dp=2, zero=1, micro_batch=4)
-    from lectures.step_time import all_reduce_time, gather_time, dp_traffic
-    from lectures.estimator import stage_params
+    from lectures.layout.step_time import all_reduce_time, gather_time, dp_traffic
+    from lectures.layout.estimator import stage_params
     g = stage_params(model, z1, 0) * 4
     assert dp_traffic(model, z1, gloo, 0, 0.0)[1] == pytest.approx(all_reduce_time(2, g, link) + gather_time(2, g, link))
     assert dp_traffic(model, z1, nccl, 0, 0.0)[1] == pytest.approx(2 * gather_time(2, g, link))
@@ -432,8 +432,8 @@ def test_model_and_layout_refuse_what_they_cannot_mean():
 def test_held_micro_batches_equal_lecture_05s_simulator(p, m, v):
     """The estimator's held (micro-batch, chunk)s on every rank are what lecture 05's schedule
     holds (`held` on its action lists), for 1F1B, interleaved 1F1B and GPipe."""
-    from lectures.schedule_sim import held
-    from lectures.schedules import make_schedule
+    from lectures.pipeline.simulate import held
+    from lectures.pipeline.schedules import make_schedule
     for schedule in ("1f1b", "gpipe"):
         if schedule == "gpipe" and v > 1:
             continue

@@ -2,7 +2,7 @@
 
 NCCL returns one Work per batch_isend_irecv, fills a receive only for the Work that is waited on,
 runs a rank's batches in order on one stream, matches a pair's messages in posting order and
-completes a send only when its receive runs. `schedule_sim.p2p_deadlock` applies those rules to
+completes a send only when its receive runs. `simulate.p2p_deadlock` applies those rules to
 the executor's plans for every schedule and size lecture 05 allows; `tests/nccl_standin.py`
 applies them to real tensors, with ranks as threads, and the executor must then train exactly
 like one process."""
@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from lectures import pipeline
+from lectures.pipeline import executor as pipeline
 from lectures import lecture_05_pipeline_parallel as L
-from lectures.gpt import GPTConfig
-from lectures.schedule_sim import message_order, p2p_deadlock
+from lectures.model.gpt import GPTConfig
+from lectures.pipeline.simulate import message_order, p2p_deadlock
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
 V = {"interleaved-1f1b": (2, 3, 4), "zb-v": (2,), "dualpipev": (2,), "gpipe": (1, 2), "1f1b": (1, 2)}

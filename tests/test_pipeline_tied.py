@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lectures import lecture_05_pipeline_parallel as L
-from lectures import pipeline
-from lectures.gpt import GPTConfig
+from lectures.pipeline import executor as pipeline
+from lectures.model.gpt import GPTConfig
 from util import spawn
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 

@@ -26,7 +26,7 @@ def load(out, name="fixture_lecture"):
     (["tests.fixture_lecture", "--timeout", "nan"], "--timeout must be a number of seconds between 0 and 86400, not nan"),
     (["tests.fixture_lecture", "--timeout", "inf"], "not inf"),
     (["tests.fixture_lecture", "--timeout", "1e300"], "not 1e+300"),
-    (["lectures.gpt"], "'lectures.gpt' is not a lecture: it has no main()"),
+    (["lectures.model.gpt"], "'lectures.model.gpt' is not a lecture: it has no main()"),
     (["lectures.nonexistent"], "no module 'lectures.nonexistent'"),
     (["os.nonexistent"], "no module 'os.nonexistent'"),
     (["tests.fixture_lecture", "--bogus"], "unrecognized arguments"),

@@ -4,10 +4,10 @@ a negative bubble, a negative capacity)."""
 import pytest
 import torch
 
-from lectures.mesh import mesh_coords
-from lectures.moe import capacity
-from lectures.schedule_sim import theory_bubble
-from lectures.zero import take_shard
+from lectures.layout.mesh import mesh_coords
+from lectures.context_parallel.moe import capacity
+from lectures.pipeline.simulate import theory_bubble
+from lectures.data_parallel.zero import take_shard
 
 
 @pytest.mark.parametrize("call, says", [

@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lectures import tp_ops, vocab_parallel
-from lectures.gpt import GPT, GPTConfig, batch
-from lectures.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from lectures.tp_attention import TensorParallelAttention
-from lectures.tp_gpt import parallelize_gpt, tp_loss
-from lectures.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from lectures.tensor_parallel import ops as tp_ops
+
+from lectures.tensor_parallel import vocab as vocab_parallel
+from lectures.model.gpt import GPT, GPTConfig, batch
+from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lectures.tensor_parallel.attention import TensorParallelAttention
+from lectures.tensor_parallel.gpt import parallelize_gpt, tp_loss
+from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import spawn
 
 

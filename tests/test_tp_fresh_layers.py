@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lectures import lecture_04_tensor_parallel as L
-from lectures.gpt import CausalSelfAttention, GPTConfig
+from lectures.model.gpt import CausalSelfAttention, GPTConfig
 from util import spawn
 
 

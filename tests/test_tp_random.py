@@ -1,4 +1,4 @@
-"""Dropout under tensor and sequence parallelism (lectures/tp_random.py).
+"""Dropout under tensor and sequence parallelism (lectures/tensor_parallel/rng.py).
 
 One spawn per world size (1, 2, 3, 4) runs every check on the ranks; float64, awkward sizes
 (batch 3, sequence 5 or 3·tp, width 7). What is checked: replicated masks are identical across
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lectures.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from lectures.tp_ops import _all_gather
-from lectures.tp_random import MaskKey, TPRandom, dropout, keep_mask
+from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lectures.tensor_parallel.ops import _all_gather
+from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask
 from util import spawn
 
 F64 = torch.float64

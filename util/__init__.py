@@ -5,10 +5,10 @@ Lectures import everything they need from here:
     from util import note, image, figure, table, see, span, spawn, timeline, settings, device
 """
 from util.record import (note, image, figure, table, widget, see, span, span_at, quiet, deep_dive,
-                         cheat, published, plural)
+                         cheat, published, plural, try_it_yourself)
 from util.launch import spawn, settings, device, Run, DemoFailed
 from util.figures import timeline, progress
 
 __all__ = ["note", "image", "figure", "table", "widget", "see", "span", "span_at", "quiet", "deep_dive",
-           "cheat", "published", "plural", "spawn",
+           "cheat", "published", "plural", "try_it_yourself", "spawn",
            "settings", "device", "Run", "DemoFailed", "timeline", "progress"]

@@ -37,6 +37,7 @@ class Recorder:
         self.records = []
         self._functions, self._codes = {}, {}   # see remember() and functions
         self.demo_names = None  # a build sets a set() here: demo names must then be unique
+        self.exercises = []     # [{"name", "title"}]: the page's "Try it yourself" box (try_it_yourself)
         self.t0 = time.perf_counter()
 
     def add(self, kind, source=None, **content):
@@ -213,6 +214,12 @@ def deep_dive(title, teaser):
         yield
     finally:
         _current.add("deep_dive", edge="end", title=title)
+
+
+def try_it_yourself(listing):
+    """The lecture's notebook exercises, [(name, title)] in the notebook's order, for its page's
+    "Try it yourself" box. The lecture hands them over (the engine imports no course package)."""
+    _current.exercises = [{"name": name, "title": title} for name, title in listing]
 
 
 def cheat(topic, formula, value, unit="", *, what=""):

@@ -160,19 +160,10 @@ def build(args):
         "demos": {"total": len(statuses), "failed": statuses.count("failed"),
                   "expected_failures": statuses.count("expected_failure"),
                   "skipped": statuses.count("skipped")},
-        "exercises": exercises_of(name),
+        "exercises": recorder.exercises,
         "functions": recorder.functions,
         "records": recorder.records,
     }
-
-
-def exercises_of(name):
-    """[{"name", "title"}] of the lecture's notebook exercises (exercises/), for the page's
-    "Try it yourself" box; [] for a lecture without any."""
-    import exercises
-    if name not in exercises.LECTURES:
-        return []
-    return [{"name": n, "title": t} for n, t in exercises.listing(name)]
 
 
 def _stop_on_sigterm():

@@ -3,14 +3,14 @@
 // page's static figures tell the same story.
 //
 // window.course.simulate(name, p, m, chunks, cost) runs lecture 05's pipeline simulator
-// (lectures/schedule_sim.py: simulate) on the action lists the Python make_schedule produced for
+// (lectures/pipeline/simulate.py: simulate) on the action lists the Python make_schedule produced for
 // this page, and returns the same makespan and bubble.
 (function () {
   "use strict";
   var course = (window.course = window.course || {});
   var schedules = {};          // "name|p|m|chunks" -> {name, p, m, chunks, style, ranks, formula, why}
 
-  // --- the simulator, a line-by-line port of lectures/schedule_sim.py -----------------------
+  // --- the simulator, a line-by-line port of lectures/pipeline/simulate.py -----------------------
   function parseAction(text) {
     var m = /^([FBW])(\d+)(?:\.(\d+))?$/.exec(text);
     if (!m) throw new Error("not an action: " + text);
@@ -93,7 +93,7 @@
   };
   course.scheduleKeys = function () { return Object.keys(schedules); };
   // the paper's bubble at these per-stage costs, or null where its assumptions fail: a port of
-  // lectures/schedule_explorer.py: formula_bubble
+  // lectures/pipeline/explorer.py: formula_bubble
   function formulaBubble(f, p, m, c) {
     if (!f || (c.send || 0) !== 0) return null;
     if (f.fraction !== undefined) return f.fraction;
@@ -283,7 +283,7 @@
     redraw();
   }
 
-  // --- the memory estimator, a port of lectures/estimator.py --------------------------------
+  // --- the memory estimator, a port of lectures/layout/estimator.py --------------------------------
   // Argument and field names follow ModelShape and Layout; numbers equal estimate_memory's.
   var PRECISION_BYTES = null;   // from the widget's data: the Python table itself
   function floorDiv(a, b) { return Math.floor(a / b); }
@@ -410,7 +410,7 @@
     return best;
   };
 
-  // --- the step-time model, a port of lectures/step_time.py --------------------------------
+  // --- the step-time model, a port of lectures/layout/step_time.py --------------------------------
   var MESH_AXES = ["dp", "pp", "cp", "tp"];
   function tensorsPerLayer(m) {
     return (4 + m.mlp_matrices) * (1 + (m.bias ? 1 : 0)) + 2 * (m.norm_params > 0 ? 1 : 0) * m.norm_params;

@@ -1,0 +1,7 @@
+"""Putting the parallelisms together on one (dp, pp, cp, tp) mesh (lecture 07's building blocks).
+
+- `mesh`: ranks on the grid, one group per axis; `trainer`: the GPT trained under any layout.
+- `estimator`: per-rank memory from formulas; `step_time`: seconds per step from a cost model;
+  `search`: every layout ranked, and the rule of thumb; `calculator`: the page's calculator data.
+- `pytorch`: the same layouts from PyTorch's own pieces.
+"""

@@ -1,0 +1,309 @@
+"""Per-rank memory of a training step under a (dp, pp, cp, tp) layout, from formulas.
+
+Lecture 07's memory estimator: the counts of the earlier lectures put together. Weights,
+gradients and optimizer state per parameter as in ZeRO (Rajbhandari et al. 2020,
+https://arxiv.org/abs/1910.02054: K = 12 bytes of optimizer state in mixed precision; gradients
+accumulated in fp32 as Megatron-LM and Llama 3 do, 18 bytes per parameter rather than the ZeRO
+paper's 16), divided by tp (lecture 04), pp (lecture 05) and, per ZeRO stage, the dp·cp ranks that
+hold the same weights (lecture 03; as the trainer, torchtitan and Megatron-LM shard); saved activations per
+token and block after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (https://arxiv.org/abs/2205.05198), with flash attention (no s×s matrix),
+divided by tp (and sequence parallelism), cp (lecture 06) and the micro-batches a pipeline stage
+holds. tests/test_lecture_07.py checks it against what every rank of every layout holds.
+
+- `ModelShape`: what the formulas need to know about a decoder-only transformer.
+- `Layout`: a mesh and everything else that changes memory or time (ZeRO, micro-batching,
+  recomputation, precision, sequence parallelism, pipeline schedule).
+- `estimate_memory(model, layout)`: bytes per rank {weights, grads, optimizer, activations}.
+"""
+import dataclasses
+import functools
+import numbers
+
+from lectures.layout.mesh import MESH_AXES
+
+# =========================================================================================
+# Per-rank memory: weights, gradients, optimizer state, activations
+# =========================================================================================
+
+def _whole_numbers(obj, names):
+    """Refuse sizes that cannot mean anything: each must be an int ≥ 1 (not a bool, not 2.5)."""
+    for k in names:
+        v = getattr(obj, k)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{type(obj).__name__}.{k}={v!r}: must be a whole number ≥ 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the memory and time formulas need to know about a decoder-only transformer."""
+    name: str
+    layers: int            # L
+    hidden: int            # h
+    heads: int             # a
+    kv_heads: int
+    ffn: int               # f
+    vocab: int             # v
+    seq: int               # s
+    mlp_matrices: int = 2  # 2: GELU MLP (fc_in, fc_out); 3: SwiGLU (gate, up, down)
+    kv_expanded: bool = False  # K/V repeated to every query head before attention (lecture 01's GQA)
+    bias: bool = True
+    norm_params: int = 2   # LayerNorm: weight + bias per feature; RMSNorm: 1
+    learned_positions: bool = True
+    tied: bool = False
+
+    def __post_init__(self):
+        _whole_numbers(self, ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"))
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} (whole heads)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
+                             "(each K/V head serves a whole group of query heads)")
+        if self.mlp_matrices not in (2, 3):
+            raise ValueError(f"mlp_matrices={self.mlp_matrices!r}: 2 (GELU MLP) or 3 (SwiGLU)")
+        if self.norm_params not in (0, 1, 2):
+            raise ValueError(f"norm_params={self.norm_params!r}: 0, 1 (RMSNorm) or 2 (LayerNorm)")
+
+    @classmethod
+    def from_gpt(cls, cfg, name="lecture 01 GPT"):
+        return cls(name, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.ff,
+                   cfg.vocab_size, cfg.seq_len, tied=cfg.tie_embeddings, kv_expanded=True)
+
+    @property
+    def head_dim(self):
+        return self.hidden // self.heads
+
+    @functools.cached_property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    @functools.cache
+    def layer_params(self, tp=1):
+        """(sharded over tp, replicated) parameters of one block. Column-parallel Q/K/V and the
+        MLP's input matrices split their outputs (weights and biases), row-parallel O and the
+        MLP's output matrix split their inputs (weights; the bias is added once, replicated);
+        the norms are replicated."""
+        h, kv, f, b = self.hidden, self.kv_dim, self.ffn, self.bias
+        sharded = (h * h + 2 * h * kv) + (h * h) + (self.mlp_matrices - 1) * h * f + f * h
+        sharded += b * (h + 2 * kv + (self.mlp_matrices - 1) * f)
+        replicated = b * (h + h) + 2 * self.norm_params * h
+        return sharded / tp, replicated
+
+    @functools.cache
+    def tensors_per_layer(self):
+        """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
+        return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
+
+    @functools.cache
+    def embedding_params(self):
+        return self.vocab * self.hidden + self.learned_positions * self.seq * self.hidden
+
+    @functools.cache
+    def head_params(self):
+        """The final norm and (untied) LM head."""
+        return self.norm_params * self.hidden + (0 if self.tied else self.vocab * self.hidden)
+
+    @functools.cache
+    def params(self):
+        """Ψ; equals lecture 01's param_count for its GPT (tested)."""
+        return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
+
+    @functools.cache
+    def act_elements_per_token(self, tp=1, sp=False, selective=False):
+        """Elements autograd keeps per token in one block (measured below, in float32):
+        the block input x, the first norm's output, Q, K, V, the attention output and its
+        log-sum-exp (flash attention: no s×s matrix), the residual after attention, the second
+        norm's output, and the MLP's intermediate tensors (GELU: its input and output, 2f;
+        SwiGLU: gate, up, silu(gate), product, 4f), plus the norms' mean and 1/σ (4).
+        Tensor parallelism splits heads and the MLP width; sequence parallelism also splits
+        the residual-stream tensors along the sequence.
+        `selective`: selective recomputation (Korthikanti et al. 2022, §5: recompute what takes
+        much memory and few FLOPs) rebuilds the norms' outputs from their inputs and statistics
+        and the MLP's activation (GELU's output; SwiGLU's silu(gate) and product) from the
+        matrix outputs; no matrix product runs again, so no FLOPs are added."""
+        h, f, a = self.hidden, self.ffn, self.heads
+        kv = h if self.kv_expanded else self.kv_dim        # what attention receives and saves
+        mlp = (2 if self.mlp_matrices == 2 else 4) * f // (2 if selective else 1)
+        split = (2 * h + 2 * kv + a + mlp) / tp               # Q, attention out, K, V, lse, MLP
+        stream = (2 if selective else 4) * h + 4               # x, (norm out,) x2, (norm out,) stats
+        return split + (stream / tp if sp else stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a training step: the mesh and everything that changes memory or time."""
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    zero: int = 0                  # ZeRO stage on the dp axis (0: plain data parallelism)
+    micro_batch: int = 1           # sequences per micro-batch on one dp rank
+    micro_batches: int = 1         # m: micro-batches per step (pipeline / accumulation)
+    recompute: str = "none"        # "none", "selective" (recompute norms and the MLP's activation) or "full"
+    precision: str = "fp32"        # "fp32", "bf16" (mixed: bf16 weights/grads, fp32 master + Adam), "fp64"
+    sp: bool = False               # sequence parallelism with tp
+    schedule: str = "1f1b"         # "1f1b" or "gpipe"
+    vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
+    virtual_stages: int = 1        # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+
+    def __post_init__(self):
+        _whole_numbers(self, ("dp", "pp", "cp", "tp", "micro_batch", "micro_batches", "virtual_stages"))
+        checks = {"zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "precision": tuple(PRECISION_BYTES),
+                  "schedule": SCHEDULES}
+        for k, allowed in checks.items():
+            v = getattr(self, k)
+            if isinstance(v, bool) or v not in allowed:
+                raise ValueError(f"Layout.{k}={v!r}: must be one of {', '.join(map(repr, allowed))}")
+        if self.virtual_stages > 1 and (self.pp == 1 or self.schedule != "1f1b"):
+            raise ValueError(f"virtual_stages={self.virtual_stages} interleaves a pipeline: it needs pp > 1 "
+                             f"and schedule '1f1b' (got pp={self.pp}, schedule={self.schedule!r})")
+
+    @property
+    def world(self):
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def global_batch(self):
+        return self.dp * self.micro_batch * self.micro_batches
+
+    def label(self):
+        parts = [f"{k}{getattr(self, k)}" for k in MESH_AXES if getattr(self, k) > 1] or ["1 rank"]
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero}")
+        if self.sp:
+            parts.append("SP")
+        if self.recompute != "none":
+            parts.append("recompute" if self.recompute == "full" else "selective recompute")
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts.append(self.schedule)
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
+        parts.append(f"mb{self.micro_batch}×{self.micro_batches}")
+        return " ".join(parts)
+
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and per activation
+    "fp64": {"weights": 8, "grads": 8, "optimizer": 16, "act": 8},   # the tests' exact runs
+    # float32 AdamW: fp32 weights and grads, two fp32 moments; no separate master copy.
+    "fp32": {"weights": 4, "grads": 4, "optimizer": 8, "act": 4},
+    # mixed precision: bf16 weights; gradients accumulated in fp32 (Megatron-LM's default, and
+    # Llama 3's: micro-batches add up in fp32); fp32 master weights and the two moments, K = 12.
+    # 18 bytes per parameter (the ZeRO paper's accounting has bf16 gradients: 16).
+    "bf16": {"weights": 2, "grads": 4, "optimizer": 12, "act": 2},
+}
+
+
+def stage_layers(layers, pp):
+    """How many blocks each pipeline stage holds: lecture 05's GPTStage cuts at k·L/pp, so
+    sizes differ by at most one and the later stages take the extra."""
+    return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
+
+
+def rank_layers(layers, pp, v=1):
+    """Blocks on each pipeline rank when every rank holds v chunks: chunk c of rank r is stage
+    c·pp + r of lecture 05's looped layout (v = 1: `stage_layers`)."""
+    stages = stage_layers(layers, pp * v)
+    return [sum(stages[c * pp + r] for c in range(v)) for r in range(pp)]
+
+
+def held_chunks(layout, stage):
+    """(micro-batch, chunk)s whose activations a pipeline rank holds at its peak, as lecture
+    05's `held` counts them on its schedules: all m·v under GPipe; under 1F1B the warm-up's
+    forwards and one more. Interleaved 1F1B's warm-up is 2(p − stage − 1) + (v − 1)·g forwards,
+    g the size of its first group of micro-batches (`group_sizes`), so the first rank holds
+    p·(1 + (p − 1)/(p·v)) micro-batches' worth instead of p (Narayanan et al. 2021, §2.2)."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    if p == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return m * v
+    if v == 1:
+        return min(p - stage, m)
+    first_group = -(-m // max(1, m // p))
+    return min(m * v, 2 * (p - stage - 1) + (v - 1) * first_group + 1)
+
+
+def in_flight(layout, stage):
+    """Micro-batches' worth of activations a stage holds at its peak: all m under GPipe, at most
+    pp − stage under 1F1B (the first stage waits longest for its backward); with v chunks per
+    rank a held chunk is 1/v of the rank's blocks."""
+    return held_chunks(layout, stage) / layout.virtual_stages
+
+
+def stage_params(model, layout, stage):
+    """Parameters held by one rank of pipeline stage `stage` (before ZeRO). With
+    `vocab_parallel` the token embedding and the LM head are split by vocabulary rows."""
+    tp, first, last = layout.tp, stage == 0, stage == layout.pp - 1
+    sharded, replicated = model.layer_params(tp)
+    n = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage] * (sharded + replicated)
+    if first:
+        n += model.embedding_params()
+        if layout.vocab_parallel:
+            n -= model.vocab * model.hidden * (1 - 1 / tp)
+    if last:
+        head = model.head_params()
+        if layout.vocab_parallel and not model.tied:
+            head = model.norm_params * model.hidden + model.vocab * model.hidden / tp
+        n += head
+    return n
+
+
+def activation_bytes(model, layout, stage):
+    """(stored, transient) bytes of saved activations on one rank of `stage` at the peak of a
+    step: stored = (per micro-batch) × (micro-batches in flight); transient = the larger of
+    one block's full activations while it is recomputed during backward (full recomputation
+    only) and, on the last stage, the loss's backward: the gradient of the fp32 log-probabilities
+    and of the logits, two fp32 copies of the (vocabulary-parallel) logits (≈ 4 GB each for
+    Llama 3 at micro-batch 1 × 8192). Tokens per micro-batch on this rank: micro_batch · s / cp."""
+    B = PRECISION_BYTES[layout.precision]["act"]
+    tokens = layout.micro_batch * model.seq / layout.cp
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
+    v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
+    loss_grads = 2 * v * 4 * tokens if stage == layout.pp - 1 else 0
+    if layout.recompute == "full":
+        stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
+        transient = max(per_layer * tokens, loss_grads)
+    elif layout.recompute == "selective":   # one block's recomputed norms and activation at a time
+        kept = model.act_elements_per_token(layout.tp, layout.sp, selective=True) * B
+        stored, transient = n_layers * kept, max((per_layer - kept) * tokens, loss_grads)
+    else:
+        stored, transient = n_layers * per_layer, loss_grads
+    if stage == 0:
+        stored += 8                                            # the int64 token ids
+    if stage == layout.pp - 1:
+        stored += (2 * model.hidden + 2) * B + v * 4 + 8      # final norm in/out, fp32 log-probs, targets
+    return tokens * stored * in_flight(layout, stage), transient
+
+
+@functools.cache
+def estimate_memory(model, layout, stage=None):
+    """Per-rank bytes {weights, grads, optimizer, gathered, activations, total} for the most
+    loaded pipeline stage (or `stage`). ZeRO-1 shards the optimizer state over the dp·cp ranks
+    that hold the same weights (context parallelism splits tokens, not weights), ZeRO-2 also
+    the gradients, ZeRO-3 also the weights (lecture 03); tp divides the matrices (lecture 04);
+    pp divides the layers (lecture 05); cp divides the tokens (lecture 06). `gathered` is
+    ZeRO-3's working set: two blocks' weights and gradients unsharded at once (the block being
+    computed and the next one prefetched, or its gradients waiting for their reduce-scatter),
+    plus the stage's embedding and LM head, which sit in FSDP's root unit and stay gathered from
+    forward to backward (review X4)."""
+    if stage is None:   # every stage: uneven layer counts can make a middle stage the heaviest
+        # (max keeps the first of equals: ties go to the earliest stage)
+        return max((estimate_memory(model, layout, s) for s in range(layout.pp)), key=lambda m: m["total"])
+    B = PRECISION_BYTES[layout.precision]
+    n = stage_params(model, layout, stage)
+    dp, z = layout.dp * layout.cp, layout.zero
+    block = sum(model.layer_params(layout.tp))
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    gathered = (min(2, n_layers) * block + n - n_layers * block) * (B["weights"] + B["grads"])
+    out = {"stage": stage, "params": n,
+           "weights": B["weights"] * n / (dp if z >= 3 else 1),
+           "grads": B["grads"] * n / (dp if z >= 2 else 1),
+           "optimizer": B["optimizer"] * n / (dp if z >= 1 else 1),
+           "gathered": gathered if z >= 3 and dp > 1 else 0,
+           "activations": sum(activation_bytes(model, layout, stage)),
+           "stored activations": activation_bytes(model, layout, stage)[0]}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["gathered"] + out["activations"]
+    return out

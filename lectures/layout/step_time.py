@@ -1,0 +1,403 @@
+"""Seconds per training step under a (dp, pp, cp, tp) layout: a cost model with measured or
+published constants.
+
+Lecture 07's step-time model: the communication costs of the earlier lectures put together.
+Collectives follow lecture 02's α–β model per ring step (Hockney 1994; ring all-reduce as in
+Patarasuk & Yuan 2009); compute counts 6 FLOPs per matrix parameter and token plus attention,
+the convention of the MFU literature (Chowdhery et al. 2022, "PaLM", https://arxiv.org/abs/2204.02311);
+the pipeline adds its bubble of pp − 1 slots (Huang et al. 2019, GPipe; Narayanan et al. 2021,
+1F1B). The lecture calibrates `Hardware` on the machine that builds it and compares predicted
+with measured step times; `h100_cluster()` holds published H100 numbers for the search at scale.
+
+- `Hardware`: FLOP/s, memory and the (α, β) of links inside and across nodes.
+- `step_time(model, layout, hw)`: seconds per step and its parts (compute, tp, cp, pp, bubble, dp).
+- `flops_per_token`, `mfu`: useful work, and how much of the hardware's peak a step uses.
+- `LLAMA3_8B`, `LLAMA3_70B`, `LLAMA3_405B`, `h100_cluster()`: published models and hardware.
+"""
+import dataclasses
+import math
+
+from lectures.layout.estimator import PRECISION_BYTES, ModelShape, rank_layers, stage_params
+from lectures.layout.mesh import MESH_AXES
+
+# =========================================================================================
+# Step time: a cost model with measured (or published) constants
+# =========================================================================================
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The constants of the step-time model. Links follow the α–β model of lecture 02 per ring
+    step: a collective over n ranks costs (steps)·α + (fraction of the bytes each rank
+    moves)/β. `intra` links join the ranks of a node, `inter` links cross nodes."""
+    name: str
+    flops: float                 # sustained matmul FLOP/s per rank
+    memory: float                # bytes per rank available for training state
+    ranks_per_node: int
+    intra: tuple                 # (α seconds, β bytes/s) within a node
+    inter: tuple                 # (α, β) across nodes
+    overhead: float = 0.0        # fixed seconds per block per micro-batch (forward + backward)
+    step_overhead: float = 0.0   # fixed seconds per step (optimizer, Python)
+    overlap: float = 0.0         # fraction of the compute that data-parallel traffic can hide under
+    peak: float = None           # peak FLOP/s for MFU (defaults to `flops`)
+    bucketed: bool = True        # gradients synced in one message (else one per parameter tensor)
+    p2p: tuple = None            # (α, β) of one send/recv where it differs from a ring step
+    ring_step: tuple = (0.0, 0.0)  # fixed seconds per ring-attention step (forward, backward)
+    # FLOP/s of the attention kernel on the FLOPs it runs (`attention_kernel_flops`: its
+    # backward recomputes the scores, and a causal kernel skips the masked half). None:
+    # attention is charged its counted FLOPs at `flops`, as the fit on this machine's runs does.
+    attention: float = None
+    # "nccl" or "gloo": gloo's reduce-scatter is a full all-reduce and a copy
+    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so `dp_traffic` charges it as one
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={self.backend!r}: 'nccl' or 'gloo'")
+
+
+def axis_link(hw, layout, axis):
+    """(α, β) of the links an axis' groups use: a group is inside one node when its span
+    (stride × size, the stride being the product of the inner axes) fits in a node."""
+    sizes = dict(zip(MESH_AXES, (layout.dp, layout.pp, layout.cp, layout.tp)))
+    k = MESH_AXES.index(axis)
+    stride = math.prod(sizes[a] for a in MESH_AXES[k + 1:])
+    return hw.intra if stride * sizes[axis] <= hw.ranks_per_node else hw.inter
+
+
+def p2p_link(hw, layout, axis):
+    return hw.p2p or axis_link(hw, layout, axis)
+
+
+def all_reduce_time(n, nbytes, link):
+    """Ring all-reduce: 2(n−1) steps, each rank sends 2(n−1)/n of the buffer."""
+    alpha, beta = link
+    return 0.0 if n == 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
+def gather_time(n, nbytes, link):
+    """Ring all-gather or reduce-scatter of a full buffer of `nbytes`."""
+    alpha, beta = link
+    return 0.0 if n == 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+def p2p_time(nbytes, link):
+    alpha, beta = link
+    return alpha + nbytes / beta
+
+
+def flops_per_token(model, recompute="none"):
+    """Training FLOPs per token: 6 per matrix parameter (2 forward, 4 backward) plus the
+    attention scores and values, 12·L·h·s (the convention of the MFU literature: no credit
+    for causal skipping). Full recomputation runs every block's forward twice (+2 per matrix
+    parameter), which costs time but is not counted as useful work in MFU."""
+    sharded, _ = model.layer_params()
+    matrix = model.layers * sharded + model.vocab * model.hidden
+    useful = 6 * matrix + 12 * model.layers * model.hidden * model.seq
+    if recompute == "full":
+        return useful, useful + 2 * model.layers * sharded + 4 * model.layers * model.hidden * model.seq
+    return useful, useful
+
+
+def dp_traffic(model, layout, hw, stage, compute):
+    """Exposed seconds of the data-parallel traffic of one step on `stage`, and what it moves.
+
+    Over the dp·cp ranks that hold the same weights (`compute` is one micro-batch's forward +
+    backward on this stage; backward ≈ 2/3 of it, forward ≈ 1/3, the FLOP ratio):
+      ZeRO-0    one all-reduce of the gradients per step, started in the *last* micro-batch's
+                backward (the earlier ones only accumulate): only that backward can hide it;
+      ZeRO-1    the same, as a reduce-scatter, then an all-gather of the updated weights after
+                the optimizer, which only the next step's first forward can hide;
+      ZeRO-2    a reduce-scatter *every* micro-batch (the gradients are sharded, so each
+                micro-batch's must be reduced before the next overwrites it; Zero2's hooks do
+                this, and DeepSpeed refuses ZeRO-2 with pipelines for this reason), each under
+                its own backward, then the all-gather after the optimizer;
+      ZeRO-3    every micro-batch gathers the weights for its forward and again for its
+                backward (all but the embedding and head, `kept_gathered`) and reduce-scatters
+                its gradients; nothing after the optimizer (the updated shards are what the
+                next forward gathers).
+    On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as `collective_bytes`
+    counts it. A fraction `hw.overlap` of the compute they run beside can hide them. Returns
+    (exposed seconds, collective seconds before hiding)."""
+    B = PRECISION_BYTES[layout.precision]
+    n = layout.dp * layout.cp
+    if n == 1:
+        return 0.0, 0.0
+    link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    grad_bytes = stage_params(model, layout, stage) * B["grads"]
+    weight_bytes = stage_params(model, layout, stage) * B["weights"]
+    # One message for all gradients (bucketed), or one per parameter tensor.
+    k = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (stage == 0)
+                               + 3 * (stage == layout.pp - 1))
+    ar = lambda nbytes: k * all_reduce_time(n, nbytes / k, link)
+    ag = lambda nbytes: k * gather_time(n, nbytes / k, link)
+    rs = ar if hw.backend == "gloo" else ag
+    fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
+    m, z = layout.micro_batches, layout.zero
+    if z == 0:   # (seconds, compute it can hide under, how many times per step)
+        parts = [(ar(grad_bytes), bwd, 1)]
+    elif z == 1:
+        parts = [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
+    elif z == 2:
+        parts = [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
+    else:   # backward gathers all but the embedding and head, kept gathered since forward
+        again = weight_bytes - kept_gathered(model, layout, stage) * B["weights"]
+        parts = [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
+    return (sum(k * max(0.0, t - hide * under) for t, under, k in parts), sum(k * t for t, _, k in parts))
+
+
+def step_time(model, layout, hw):
+    """Predicted seconds per optimizer step and its parts, for the slowest pipeline stage.
+
+    compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
+              cost per block (Python and kernel launches: what dominates tiny models);
+              full recomputation adds the forward again; with `hw.attention` set, the
+              attention scores and values run apart, the FLOPs a FlashAttention kernel runs
+              (`attention_kernel_flops`) at that rate (the part `attention` of the result);
+    tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
+              2 backward), 6 with full recomputation (the forward's 2 run again); sequence
+              parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
+              `step_bytes` uses);
+    cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
+              backward (K, V, dK, dV), each with its bytes and a fixed cost per step
+              (`hw.ring_step`: launching a block of attention, merging, waiting); full
+              recomputation runs the forward's steps again;
+    pp        m slots of one micro-batch each plus the bubble, (pp − 1)/v slots with v
+              virtual stages (interleaved 1F1B; lecture 05), and per slot v sends of
+              activations forward and v of gradients backward (with sequence parallelism
+              each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
+    dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
+              every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
+              under the compute it runs beside (`hw.overlap`)."""
+    B = PRECISION_BYTES[layout.precision]
+    tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
+    rc = layout.recompute == "full"
+    v = layout.virtual_stages
+    sizes = rank_layers(model.layers, layout.pp, v)
+    worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
+    n_layers = sizes[worst]
+    sharded, _ = model.layer_params()
+    matrix_flops = (6 + 2 * rc) * sharded                      # per token and block
+    attention_flops = (12 + 4 * rc) * model.hidden * model.seq
+    head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
+    flops = tokens * (n_layers * (matrix_flops + attention_flops) + head_flops) / layout.tp
+    if hw.attention is None:
+        attention = 0.0
+        compute = flops / hw.flops + n_layers * hw.overhead
+    else:
+        attention = tokens * n_layers * attention_kernel_flops(model, rc) / layout.tp / hw.attention
+        compute = (tokens * (n_layers * matrix_flops + head_flops) / layout.tp / hw.flops
+                   + attention + n_layers * hw.overhead)
+    act = tokens * model.hidden * B["act"]
+    tp_link = axis_link(hw, layout, "tp")
+    seconds = {"all-reduce": lambda b: all_reduce_time(layout.tp, b, tp_link),
+               "all-gather": lambda b: gather_time(layout.tp, b, tp_link),
+               "reduce-scatter": lambda b: (all_reduce_time if hw.backend == "gloo" else gather_time)(layout.tp, b, tp_link)}
+    tp = sum(k * seconds[kind](b) for kind, b, k in
+             tp_collectives(layout, n_layers, worst == 0, worst == layout.pp - 1, act, tokens, rc))
+    cp = 0.0
+    if layout.cp > 1:
+        kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
+        step_fwd, step_bwd = hw.ring_step
+        passes = p2p_time(kv, p2p_link(hw, layout, "cp")) * (1 + rc) + 2 * p2p_time(kv, p2p_link(hw, layout, "cp"))
+        cp = n_layers * (layout.cp - 1) * (passes + (1 + rc) * step_fwd + step_bwd)
+    # a micro-batch's forward and backward on this rank and its sends: with v chunks a
+    # micro-batch enters and leaves the rank v times (v sends of activations, v of gradients)
+    # with sequence parallelism a stage's output is split over the tp ranks: each sends its part
+    boundary = act / layout.tp if layout.sp else act
+    sends = 2 * v * p2p_time(boundary, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
+    slot = compute + tp + cp + sends
+    m = layout.micro_batches
+    bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
+    exposed_dp, _ = dp_traffic(model, layout, hw, worst, compute)
+    total = m * slot + bubble + exposed_dp + hw.step_overhead
+    return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
+            "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
+            "attention": m * attention}
+
+
+def attention_kernel_flops(model, recompute=False):
+    """FLOPs per token and block that a causal FlashAttention kernel runs, counted as Dao 2023
+    (§4.1) counts them for its benchmarks: the forward's two matmuls 4·h·s, the backward 2.5×
+    that (five matmuls: it recomputes the scores rather than storing them), half of each
+    under a causal mask — 7·h·s, where the MFU convention credits 12·h·s. Full recomputation
+    runs the forward once more."""
+    forward = 4 * model.hidden * model.seq
+    return (forward * (1 + recompute) + 2.5 * forward) / 2
+
+
+def tp_collectives(layout, n_layers, first, last, act, tokens, recompute=False):
+    """[(kind, bytes of the whole tensor, how many)] of one micro-batch's tensor-parallel
+    collectives on a rank of `n_layers` blocks, as the trainer runs them — what `step_bytes`
+    counts and `step_time` charges. Per block: 2 all-reduces forward and 2 backward; with
+    sequence parallelism 2 all-gathers and 2 reduce-scatters forward, their conjugates backward
+    and the 2 column-parallel inputs gathered again (Megatron-LM keeps them sharded): 6 + 4.
+    Full recomputation runs the forward's again. The first stage's vocabulary-parallel
+    embedding, the last stage's LM head and its loss (3 all-reduces of one fp32 per token)."""
+    if layout.tp == 1:
+        return []
+    if layout.sp:
+        ops = [("all-gather", act, n_layers * (6 + 2 * recompute)),
+               ("reduce-scatter", act, n_layers * (4 + 2 * recompute))]
+        ops += [("reduce-scatter", act, first), ("all-gather", act, first)]
+        ops += [("all-gather", act, 2 * last), ("reduce-scatter", act, last)]
+    else:
+        ops = [("all-reduce", act, n_layers * (4 + 2 * recompute) + first + last)]
+    return ops + [("all-reduce", tokens * 4, 3 * last)]
+
+
+def mfu(model, tokens_per_second, peak_flops_total):
+    """Model FLOPs utilisation: useful training FLOPs per second / the hardware's peak."""
+    return tokens_per_second * flops_per_token(model)[0] / peak_flops_total
+
+
+
+# Published hardware and models (the numbers are cited on the page; what is assumed says so).
+LLAMA3_8B = ModelShape("Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                       vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
+                       learned_positions=False)
+LLAMA3_70B = ModelShape("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+                        vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
+                        learned_positions=False)
+# Llama 3 405B (Llama 3 report, Table 3): 126 layers, width 16,384, FFN 53,248, 128 heads and 8
+# K/V heads; "405B" parameters, which the shape reproduces (tests/test_lecture_07.py).
+LLAMA3_405B = ModelShape("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                         vocab=128256, seq=8192, mlp_matrices=3, bias=False, norm_params=1,
+                         learned_positions=False)
+LLAMA3_405B_PUBLISHED_PARAMS = 405e9
+H100_PEAK_BF16 = 989.4e12        # dense BF16 tensor-core FLOP/s, H100 SXM (NVIDIA datasheet)
+H100_MEMORY = 80 * 2 ** 30       # HBM3 bytes: "80 GB" on the datasheet is 80 GiB
+NVLINK_BW = 450e9                # NVLink 4: 900 GB/s per GPU, both directions together
+IB_BW = 50e9                     # one 400 Gb/s NDR InfiniBand port per GPU (DGX H100)
+# What the H100 cluster achieves, as published: each a measurement by others, cited.
+# FlashAttention-2's forward + backward on an H100 SXM5: "up to 335 TFLOPs/s" (Dao 2023,
+# https://arxiv.org/abs/2307.08691, section 4.1, Figure 7), on the FLOPs its benchmark counts
+# (`attention_kernel_flops`); the highest of the figure's panels (causal or not, head dimension
+# 64 or 128), FlashAttention-2's own figure from 2023, not a bound (FlashAttention-3 is faster).
+FA2_H100 = 335e12
+# NCCL's ring on NVLink 4: "an effective NVLink bandwidth of 370GB/s" (the 450 GB/s line rate
+# less ~20% protocol overhead; NVIDIA's NCCL team, https://github.com/NVIDIA/nccl-tests/issues/212).
+NVLINK_ACHIEVED = 370e9
+# A 400 Gb/s NDR NIC: "you should see 46-48GB/s per NIC" (NVIDIA's NCCL team,
+# https://github.com/NVIDIA/nccl-tests/issues/290); the middle of that range.
+IB_ACHIEVED = 47e9
+ATTENTION = "attention FLOP/s (FlashAttention-2's top figure on an H100)"
+NVLINK = "NCCL's bandwidth on NVLink (B/s)"
+IB = "NCCL's bandwidth per InfiniBand NIC (B/s)"
+PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED}
+ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
+           "usable fraction of HBM": 0.9,                          # workspace, fragmentation
+           "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6,
+           # data-parallel traffic hides completely under the compute it runs beside (the
+           # best case: NCCL's kernels also take SMs from compute, see PYTORCH_ON_CPU.md)
+           "fraction of that compute hiding data-parallel traffic": 1.0}
+
+
+def h100_cluster(**changed):
+    """The H100 cluster with the PUBLISHED and ASSUMED constants, any of them `changed` by name
+    (what a calibration fits: `h100_cluster(**{"sustained fraction of peak for large GEMMs": 0.8})`)."""
+    known = {**PUBLISHED, **ASSUMED}
+    unknown = set(changed) - set(known)
+    if unknown:
+        raise ValueError(f"not a constant of the model: {sorted(unknown)}; choose from {sorted(known)}")
+    a = {**known, **changed}
+    return Hardware("DGX H100 cluster (8 GPUs per node)", flops=a["sustained fraction of peak for large GEMMs"] * H100_PEAK_BF16,
+                    memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
+                    intra=(a["α per ring step in a node (s)"], a[NVLINK]),
+                    inter=(a["α per ring step across nodes (s)"], a[IB]),
+                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16,
+                    attention=a[ATTENTION])
+
+
+# =========================================================================================
+# Bytes on the wire per step: the communication model, checkable exactly at any rank count
+# =========================================================================================
+
+def collective_bytes(kind, n, nbytes, backend="gloo"):
+    """Bytes one rank sends in a ring collective over n ranks on a buffer of `nbytes` (the
+    whole buffer, not the shard): all-reduce 2(n−1)/n, all-gather and reduce-scatter (n−1)/n.
+    gloo's reduce-scatter is a full all-reduce and a copy (ProcessGroupGloo), so on gloo it
+    sends an all-reduce's bytes; NCCL sends the ring's (n−1)/n."""
+    if n == 1:
+        return 0.0
+    if kind == "all-reduce" or (kind == "reduce-scatter" and backend == "gloo"):
+        return 2 * (n - 1) / n * nbytes
+    return (n - 1) / n * nbytes
+
+
+def kept_gathered(model, layout, stage):
+    """Parameters ZeRO-3 keeps gathered from a micro-batch's forward to its backward: the
+    stage's embedding and LM head, which sit in FSDP's root unit (not resharded after forward),
+    so backward does not gather them again; `estimate_memory` counts them in `gathered`."""
+    sharded, replicated = model.layer_params(layout.tp)
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    return stage_params(model, layout, stage) - n_layers * (sharded + replicated)
+
+
+def zero3_bytes(sizes, kept, n, m, weight_bytes, grad_bytes, backend="gloo"):
+    """Bytes one rank sends in a ZeRO-3 step of m micro-batches over n ranks: every micro-batch
+    all-gathers each tensor (element counts `sizes`, padded to a multiple of n) for its forward,
+    again for its backward unless it stayed gathered (`kept`), and reduce-scatters its gradient."""
+    pad = lambda xs: sum(-(-s // n) * n for s in xs)
+    c = lambda kind, nbytes: collective_bytes(kind, n, nbytes, backend)
+    return m * (c("all-gather", pad(sizes) * weight_bytes) + c("all-gather", (pad(sizes) - pad(kept)) * weight_bytes)
+                + c("reduce-scatter", pad(sizes) * grad_bytes))
+
+
+def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_sizes=None):
+    """Bytes one rank of pipeline stage `stage` sends in one training step, by axis, as the
+    trainer runs it:
+      tp   per block and micro-batch 2 all-reduces forward and 2 backward of the block's
+           activations (sequence parallelism: 2 all-gathers and 2 reduce-scatters forward;
+           backward the conjugates, plus re-gathering the 2 column-parallel inputs); the first
+           stage's vocabulary-parallel embedding (an all-reduce, or a reduce-scatter with SP);
+           the last stage's LM head (its input's gradient: an all-reduce; with SP an all-gather
+           forward and a reduce-scatter and a re-gather backward) and its vocabulary-parallel
+           loss (3 all-reduces of one fp32 number per token);
+      cp   ring attention per block and micro-batch: K and V to the next rank cp−1 times
+           forward; backward K and V cp−1 times and dK, dV cp times (the last brings them home);
+      pp   a micro-batch's activations to the next stage, its gradient to the previous one
+           (with sequence parallelism 1/tp of them per rank: the stage's output is split);
+      dp   over the dp·cp replicas, per parameter tensor (`tensor_sizes`: element counts of the
+           stage's tensors, padded for ZeRO to a multiple of the group): ZeRO-0 an all-reduce;
+           ZeRO-1 a reduce-scatter and an all-gather; ZeRO-2 a reduce-scatter per micro-batch
+           and an all-gather; ZeRO-3 per micro-batch an all-gather for forward, another for
+           backward of all but what stayed gathered (`kept_sizes`; by default the stage's
+           embedding and LM head, `kept_gathered`) and a reduce-scatter — `dp_traffic`'s count.
+    Element sizes from `layout.precision`: activations at their width, gradients at the
+    gradients' (fp32 in mixed precision), gathered weights at the weights' (bf16)."""
+    B = PRECISION_BYTES[layout.precision]["act"]
+    tokens = layout.micro_batch * model.seq / layout.cp
+    m, tp, cp = layout.micro_batches, layout.tp, layout.cp
+    first, last = stage == 0, stage == layout.pp - 1
+    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
+    act = tokens * model.hidden * B
+    c = lambda kind, n, nbytes: collective_bytes(kind, n, nbytes, backend)
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    rc = layout.recompute == "full"
+    out["tp"] = m * sum(k * c(kind, tp, b) for kind, b, k in tp_collectives(layout, n_layers, first, last, act, tokens, rc))
+    if cp > 1:
+        kv_dim = model.hidden if model.kv_expanded else model.kv_dim
+        kv = 2 * layout.micro_batch * (model.seq / cp) * kv_dim / tp * B
+        out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
+    if layout.pp > 1:   # v chunks: every chunk sends forward but the model's last, backward but its first
+        v = layout.virtual_stages
+        boundary = layout.micro_batch * model.seq * model.hidden * B / (tp if layout.sp else 1)
+        out["pp"] = m * boundary * ((v - last) + (v - first))
+    n = layout.dp * layout.cp
+    if n > 1:
+        W, G = PRECISION_BYTES[layout.precision]["weights"], PRECISION_BYTES[layout.precision]["grads"]
+        sizes = tensor_sizes if tensor_sizes is not None else [stage_params(model, layout, stage)]
+        padded = sum(-(-s // n) * n if layout.zero else s for s in sizes)
+        # gradients travel at their width (fp32 in mixed precision), weights at theirs (bf16)
+        if layout.zero == 0:
+            out["dp"] = c("all-reduce", n, padded * G)
+        elif layout.zero == 1:
+            out["dp"] = c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
+        elif layout.zero == 2:
+            out["dp"] = m * c("reduce-scatter", n, padded * G) + c("all-gather", n, padded * W)
+        else:   # ZeRO-3: every micro-batch gathers the weights for forward and (most) for backward
+            kept = kept_sizes if kept_sizes is not None else [kept_gathered(model, layout, stage)]
+            out["dp"] = zero3_bytes(sizes, kept, n, m, W, G, backend)
+    out["total"] = sum(out.values())
+    return out

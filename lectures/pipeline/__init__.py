@@ -1,0 +1,8 @@
+"""Pipeline parallelism (lecture 05's building blocks).
+
+- `schedules`: schedules as data, one list of actions per rank (GPipe, 1F1B, interleaved,
+  zero bubble, DualPipeV).
+- `simulate`: checking a schedule and simulating it against a cost model (bubble, memory, deadlock).
+- `executor`: the GPT cut into stages, and one executor that runs any schedule on real ranks.
+- `explorer`: the data behind the page's schedule explorer.
+"""

@@ -1,0 +1,46 @@
+"""The tree shows the course: seven lecture files beside one package of building blocks per
+topic; the blocks never import a lecture file, and the engine (util/) imports no course package."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LECTURES = ROOT / "lectures"
+PACKAGES = {"model", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layout"}
+
+
+def imported_modules(path):
+    """Every module a file imports, at any depth ('from a import b' counts a and a.b)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            names.append(n.module)
+            names += [f"{n.module}.{a.name}" for a in n.names]
+    return names
+
+
+def test_lectures_holds_seven_lecture_files_and_the_topic_packages():
+    files = sorted(p.name for p in LECTURES.glob("*.py") if p.name != "__init__.py")
+    assert len(files) == 7 and all(f.startswith("lecture_0") for f in files), files
+    packages = {p.name for p in LECTURES.iterdir() if (p / "__init__.py").exists()}
+    assert packages == PACKAGES
+    for package in PACKAGES:
+        assert not [p for p in (LECTURES / package).iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_no_building_block_imports_a_lecture_file():
+    for path in LECTURES.glob("*/*.py"):
+        lectures = [m for m in imported_modules(path) if m.startswith("lectures.lecture_")]
+        assert not lectures, (path.relative_to(ROOT), lectures)
+
+
+def test_no_lecture_imports_another():
+    for path in LECTURES.glob("lecture_*.py"):
+        others = [m for m in imported_modules(path) if m.startswith("lectures.lecture_")]
+        assert not others, (path.name, others)
+
+
+def test_the_engine_imports_no_course_package():
+    for path in (ROOT / "util").glob("*.py"):
+        course = [m for m in imported_modules(path) if m.split(".")[0] in ("lectures", "exercises")]
+        assert not course, (path.name, course)
