@@ -25,6 +25,7 @@ from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_
 from lectures.data_parallel.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
                                         OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
 from lectures.data_parallel.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
+from lectures.data_parallel.figures import ddp_figure, sampler_figure, draw_holdings
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)
@@ -685,31 +686,6 @@ def the_task():
     see(reference_train)
 
 
-def ddp_figure(ref, runs, apart):
-    """Loss per step of one process and of each DDP run (which lie on top of each other), and the
-    parameter checksums of two replicas started without the broadcast (which never meet)."""
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3.2))
-    steps = range(1, len(ref["losses"]) + 1)
-    left.plot(steps, ref["losses"], lw=6, alpha=0.3, color="k", label="one process")
-    for (n, r), style in zip(runs.items(), ("o-", "s--", "^:")):
-        left.plot(steps, r[0]["losses"], style, ms=5, label=plural(n, "rank"))
-    left.set_xlabel("step", fontsize=12)
-    left.set_ylabel("loss", fontsize=12)
-    left.set_title("with the broadcast", fontsize=12)
-    left.legend(fontsize=10, frameon=False)
-    for r, (k, run) in enumerate(apart.items()):
-        right.plot(steps, run["checksums"], "o-", ms=5, label=f"rank {k}")
-    right.set_xlabel("step", fontsize=12)
-    right.set_ylabel("parameter checksum", fontsize=12)
-    right.set_title("without it: replicas never meet", fontsize=12)
-    right.legend(fontsize=10, frameon=False)
-    for ax in (left, right):
-        ax.tick_params(labelsize=10)
-    fig.tight_layout()
-    return fig
-
-
 def ddp_from_scratch():
     task = small_task()
     note("## DDP from scratch")
@@ -748,36 +724,6 @@ def ddp_from_scratch():
     see(shard_rows)
     see(AllReduceAfterBackward)
     see(data_parallel_step)
-
-
-def sampler_figure(result, rows):
-    """What each rank reads in each epoch (`result[drop_last][rank][epoch]`: its indices), one
-    cell per index; an index drawn twice in an epoch is red, so padding shows at a glance."""
-    import matplotlib.pyplot as plt
-    n = len(result[False])
-    fig, axes = plt.subplots(2, 2, figsize=(7.5, 1.2 + 0.95 * n), sharex=True)
-    width = max(len(result[d][r][e]) for d in result for r in range(n) for e in range(2))
-    for i, drop_last in enumerate((False, True)):
-        for epoch in range(2):
-            ax = axes[i, epoch]
-            lists = [result[drop_last][r][epoch] for r in range(n)]
-            seen = [x for l in lists for x in l]
-            for r, l in enumerate(lists):
-                for j, x in enumerate(l):
-                    twice = seen.count(x) > 1
-                    ax.add_patch(plt.Rectangle((j, n - 1 - r), 0.92, 0.85,
-                                               color="#c44e52" if twice else "#4c72b0", alpha=0.85))
-                    ax.text(j + 0.46, n - 1 - r + 0.42, str(x), ha="center", va="center", color="white",
-                            fontsize=11)
-            ax.set_xlim(0, width)
-            ax.set_ylim(0, n)
-            ax.set_yticks([n - 1 - r + 0.42 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=11)
-            ax.set_xticks([])
-            ax.set_title(f"{'drop_last' if drop_last else 'padding (default)'}, epoch {epoch}", fontsize=12)
-            for spine in ax.spines.values():
-                spine.set_visible(False)
-    fig.tight_layout()
-    return fig
 
 
 def data_sharding():
@@ -1243,56 +1189,6 @@ def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
     """Bytes per rank for params, grads, optimizer state under each stage (ZeRO paper, Fig. 1)."""
     shard = {"DP": (1, 1, 1), "ZeRO-1": (1, 1, n), "ZeRO-2": (1, n, n), "ZeRO-3": (n, n, n)}[stage]
     return [p_bytes * psi / shard[0], g_bytes * psi / shard[1], k * psi / shard[2]]
-
-
-def draw_holdings(per_rank, stages):
-    """What each rank holds under each stage, as a picture: one panel per stage, one row per
-    rank, three blocks per row (parameters, gradients, optimizer state) as wide as their bytes
-    under DP. A block is filled as far as the rank's measured bytes go, at the rank's own slot
-    when it holds a shard (1/N of the block, at position r), across the whole block when it
-    holds a replica. `per_rank[r][stage]["held"]` are the bytes rank r measured."""
-    import matplotlib.pyplot as plt
-    n = len(per_rank)
-    parts = ["params", "grads", "optimizer"]
-    full = {c: max(1, per_rank[0]["DP"]["held"][c]) for c in parts}
-    scale = 1 / sum(full.values())
-    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
-    cols = 2 if len(stages) > 2 else 1
-    rows_ = -(-len(stages) // cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(8, rows_ * (0.34 * n + 0.9)), sharex=True, squeeze=False)
-    axes = list(axes.flat)
-    for ax, stage in zip(axes, stages):
-        for r in range(n):
-            y = n - 1 - r
-            x0 = 0.0
-            for c in parts:
-                width = full[c] * scale * 0.96
-                frac = min(1.0, per_rank[r][stage]["held"][c] / full[c])
-                ax.add_patch(plt.Rectangle((x0, y + 0.1), width, 0.8, facecolor="white",
-                                           edgecolor="0.5", lw=0.6))
-                if frac > 0.75:                     # a replica
-                    ax.add_patch(plt.Rectangle((x0, y + 0.1), width * frac, 0.8,
-                                               facecolor=colours[c], edgecolor="none"))
-                elif frac > 0:                      # a shard: this rank's slot
-                    ax.add_patch(plt.Rectangle((x0 + width * r / n, y + 0.1), width * frac, 0.8,
-                                               facecolor=colours[c], edgecolor="black", lw=0.6))
-                x0 += full[c] * scale
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, n)
-        ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)],
-                      fontsize=12)
-        ax.set_title(stage, fontsize=13, loc="left")
-        ax.tick_params(length=0)
-        for spine in ax.spines.values():
-            spine.set_visible(False)
-    x0, ticks = 0.0, []
-    for c in parts:
-        ticks.append(x0 + full[c] * scale * 0.48)
-        x0 += full[c] * scale
-    for ax in axes[-cols:]:
-        ax.set_xticks(ticks, ["params", "grads", "Adam state"], fontsize=12)
-    fig.tight_layout()
-    return fig
 
 
 def memory_and_traffic():
