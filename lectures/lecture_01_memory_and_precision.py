@@ -44,7 +44,9 @@ from lectures.model.training_memory import (MEM_CATEGORIES, CastWeightCopies, by
                                             fake_training_step, held_by_training, memory_timeline)
 from lectures.model.figures import (show, fmt_bytes, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
-                                    tile_error_figure, attention_blocks_figure)
+                                    tile_error_figure, attention_blocks_figure, logits_figure, rounding_error_figure,
+                                    delayed_scaling_figure, roofline_figure, loss_scaling_figure,
+                                    master_weights_figure, attention_memory_figure)
 
 
 # =========================================================================================
@@ -507,8 +509,6 @@ def recomputation():
 
 
 def logits_memory():
-    import matplotlib.pyplot as plt
-    import numpy as np
     vocabs = [64, 1024, 8192] if settings.quick else [64, 1024, 8192, 32768]
     bsz, chunk = 8, 32
     rows, held = [], {}
@@ -520,20 +520,7 @@ def logits_memory():
                      chunked["held"], whole["peak"], chunked["peak"],
                      max((whole["grads"][k] - chunked["grads"][k]).abs().max().item() for k in whole["grads"])])
     note("## The logits: a large share at large vocabularies")
-    fig, ax = plt.subplots(figsize=(8, 3.2))
-    x = np.arange(len(vocabs))
-    rest = [held[v][0] / 1e6 - held[v][2] / 1e6 for v in vocabs]
-    ax.bar(x - 0.2, rest, 0.38, color="C0", label="whole loss: everything else")
-    ax.bar(x - 0.2, [held[v][2] / 1e6 for v in vocabs], 0.38, bottom=rest, color="C3",
-           label="whole loss: fp32 log-softmax")
-    ax.bar(x + 0.2, [held[v][1] / 1e6 for v in vocabs], 0.38, color="C2", label=f"chunked ({chunk} tokens)")
-    for i, v in enumerate(vocabs):
-        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=11)
-        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=11)
-    ax.set_xticks(x, [f"v = {v}" for v in vocabs], fontsize=12)
-    ax.set_ylim(0, max(held[v][0] for v in vocabs) / 1e6 * 1.15)
-    ax.set_ylabel("MB held after forward", fontsize=12)
-    ax.legend(fontsize=11, loc="upper left")
+    fig = logits_figure(vocabs, chunk, held)
     show(fig, caption="what the forward holds for backward as the vocabulary grows, with the whole "
                         "loss and with chunked cross-entropy (LiveBytes)")
     cfg = GPTConfig()
@@ -608,7 +595,6 @@ def number_formats():
 
 
 def formats_and_rounding():
-    import matplotlib.pyplot as plt
     note("## Number formats: range against resolution")
     show(format_bits_figure(), caption="the bits of each format, from torch.finfo: mantissa "
                                          "bits = −log2(eps), exponent bits = the rest after the sign")
@@ -623,18 +609,7 @@ def formats_and_rounding():
     table([list(format_properties(n, d).values()) for n, d in FORMATS.items()],
           header=list(format_properties("fp32", torch.float32).keys()))
     exps = list(range(-12, 7)) if settings.quick else [e / 2 for e in range(-26, 14)]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    styles = {"fp32": dict(lw=3, color="black"), "fp16": dict(color="C0"), "bf16": dict(color="C1"),
-              "fp8 e4m3fn": dict(color="C2", ls="--"), "fp8 e5m2": dict(color="C3", ls="--")}
-    for name, dtype in FORMATS.items():
-        errs = relative_error_across_magnitudes(dtype, exps)
-        ax.plot([10 ** e for e in exps], [max(e, 1e-9) for e in errs], marker=".", label=name, **styles[name])
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("magnitude of the value", fontsize=12)
-    ax.set_ylabel("median relative\nrounding error", fontsize=12)
-    ax.legend(fontsize=11, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
-              handlelength=1.5, columnspacing=1.0)
+    fig = rounding_error_figure(exps)
     show(fig, caption="within its normal range each format's median error is about eps/4 and its "
                         "worst case eps/2 (the unit roundoff, as in the table); below it "
                         "(subnormals) the error grows until values flush to zero (error 1), above "
@@ -664,7 +639,6 @@ def saturation():
 
 
 def loss_scaling():
-    import matplotlib.pyplot as plt
     cfg = GPTConfig()
     bsz = 16 if settings.quick else 32
     ref = fp32_gradients(cfg, bsz)
@@ -689,18 +663,7 @@ def loss_scaling():
                 "unchanged.)" if noise else "")
     s16 = 2.0 ** 16
     note("## fp16 needs loss scaling")
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    xs = [rms[k] for k in real]
-    for sc, marker, label in ((None, "o", "no scaling"), (s16, "s", "loss scale 2^16")):
-        ax.plot(xs, [per_tensor[sc][k] for k in real], marker, label=label, alpha=0.8)
-    ax.annotate(worst, (rms[worst], per_tensor[None][worst]), textcoords="offset points",
-                xytext=(8, 4), fontsize=11)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_ylim(top=ax.get_ylim()[1] * 3)               # room for the label
-    ax.set_xlabel("gradient RMS of the tensor (fp32)", fontsize=12)
-    ax.set_ylabel("relative error of its fp16 gradient", fontsize=12)
-    ax.legend(fontsize=11)
+    fig = loss_scaling_figure(worst, rms, real, s16, per_tensor)
     show(fig, caption="one point per parameter tensor: without scaling, the tensors with the "
                         "smallest gradients lose the most; scaling the loss lifts them above fp16's "
                         "subnormals")
@@ -737,7 +700,6 @@ def loss_scaling():
 
 
 def master_weights():
-    import matplotlib.pyplot as plt
     cfg = GPTConfig()
     steps = 80 if settings.quick else 100
     lr = 3e-4
@@ -753,19 +715,7 @@ def master_weights():
               "bf16 weights": dict(color="C3", lw=1.8),
               "bf16 + fp32 master": dict(color="C0", lw=1.5, ls="--"),
               "autocast bf16": dict(color="C2", lw=1.5, ls=":")}
-    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True, height_ratios=[3, 2])
-    for v, (c, _) in curves.items():
-        ax.plot(*zip(*c), label=v, **styles[v])
-    ref = dict(curves["fp32"][0])
-    for v, (c, _) in curves.items():
-        if v != "fp32":
-            dax.plot([t for t, _ in c], [loss - ref[t] for t, loss in c], label=v, **styles[v])
-    dax.axhline(0, color="black", lw=1, alpha=0.35)
-    ax.set_ylabel("loss", fontsize=12)
-    dax.set_ylabel("loss − fp32's", fontsize=12)
-    dax.set_xlabel("step", fontsize=12)
-    ax.legend(fontsize=11, loc="upper right")
-    fig.tight_layout()
+    fig = master_weights_figure(curves, styles)
     show(fig, caption=f"AdamW lr {lr}, batch 8; fp32 is the wide grey line, and the lower panel "
                         "shows each variant's distance from it on one shared step axis")
     note(f"""
@@ -1033,19 +983,7 @@ def delayed_scaling():
     see(scaling_over_steps)
     see("https://nvidia.github.io/TransformerEngine/api/common.html",
         "Transformer Engine, Common API: DelayedScaling (amax_history_len, amax_compute_algo)")
-    import matplotlib.pyplot as plt
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=[1, 2])
-    ax0.plot(range(steps), amax, "k.-")
-    ax0.set_ylabel("amax", fontsize=12)
-    ax1.plot(range(steps), [e[0] for e in errs], "o-", label="current scaling")
-    ax1.plot(range(steps), [e[1] for e in errs], "s--", label=f"delayed (max of last {history} steps)")
-    ax1.set_ylim(0, max(max(e[:2]) for e in errs) * 1.15)
-    ax1.set_ylabel("relative error\nof the cast", fontsize=12)
-    ax1.set_xlabel("step", fontsize=12)
-    ax1.annotate(f"{errs[jump][2]:.0%} saturated", (jump, errs[jump][1]), textcoords="offset points",
-                 xytext=(10, -4), fontsize=11)
-    ax1.legend(fontsize=11, loc="center right")
-    fig.tight_layout()
+    fig = delayed_scaling_figure(amax, steps, jump, errs, history)
     show(fig, caption="a tensor cast to e4m3 every step (4,096 Gaussian values scaled to the amax above): "
                         "the delayed scale lags the amax")
 
@@ -1098,7 +1036,6 @@ def online_softmax_checks():
 
 
 def attention_memory():
-    import matplotlib.pyplot as plt
     b, heads, d = 1, 4, 16
     g = torch.Generator().manual_seed(0)
     seqs = [128, 256, 512] if settings.quick else [128, 256, 512, 1024]
@@ -1118,22 +1055,7 @@ def attention_memory():
     naive, online = peaks[names[0]], peaks[names[1]]
     growth = len(seqs) - 1        # doublings of s from the first row to the last
     longest = seqs[-1]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ends = sorted(peaks, key=lambda name: peaks[name][-1])
-    for (name, ys), marker in zip(peaks.items(), "os^"):
-        ax.plot(seqs, [y / 1e6 for y in ys], marker + "-", label=name)
-        # labels at the right end, moved apart where two curves end close together
-        close = [other for other in ends if abs(math.log(peaks[other][-1] / ys[-1])) < 0.35]
-        shift = 7 * (2 * close.index(name) - (len(close) - 1)) if len(close) > 1 else 0
-        ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
-                    xytext=(6, -3 + shift), fontsize=11)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(seqs, [str(x) for x in seqs])
-    ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("peak MB, forward", fontsize=12)
-    ax.legend(fontsize=11, loc="upper left")
+    fig = attention_memory_figure(peaks, seqs)
     show(fig, caption=f"forward peak beyond q, k, v (LiveBytes), {heads} heads of {d}: the s × s "
                         "scores grow 4× per doubling of s, the blocked and fused versions 2×")
     note(f"""
@@ -1219,7 +1141,6 @@ def bf16_attention_errors(s=256, d=64, block=64, seed=0):
 
 
 def roofline():
-    import matplotlib.pyplot as plt
     sizes = [64, 128, 256, 512] if settings.quick else [64, 128, 256, 512, 1024]
     cores = usable_cores()
     mm_one = {n: matmul_rate(n) for n in sizes}          # the demos' setting: one thread
@@ -1291,21 +1212,7 @@ def roofline():
           + [["add", add[2], add[0] / 1e9, add[1].ms(), None], ["GELU (8 FLOP/element, assumed)", gelu[2], gelu[0] / 1e9, gelu[1].ms(), None]],
           header=["kernel", "FLOP per byte", f"GFLOP/s, {plural(cores, 'thread')}", "time", "GFLOP/s, 1 thread"],
           caption=f"fp32, {machine()}")
-    fig, ax = plt.subplots(figsize=(8, 4))
-    xs = [2 ** e for e in range(-5, 10)]
-    ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
-    ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
-    for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
-        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", ha="center",
-                    xytext=(0, 9) if i % 2 == 0 else (0, -9), va="bottom" if i % 2 == 0 else "top",
-                    fontsize=11)
-    ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
-    ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)", fontsize=12)
-    ax.set_ylabel("GFLOP/s", fontsize=12)
-    ax.legend(fontsize=11, loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=2, frameon=False)
+    fig = roofline_figure(sizes, mm, add, gelu, peak, bw)
     show(fig, caption=f"roofline of this machine, {machine()}")
     see("https://doi.org/10.1145/1498765.1498785", "Williams, Waterman & Patterson 2009, Roofline: an insightful visual performance model")
 

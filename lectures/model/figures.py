@@ -1,12 +1,14 @@
 """Lecture 01's figures: the drawings of its page (memory by phase, bytes per parameter, saved
-activations, recomputation, accumulation, number formats, fp8 tiles, attention by blocks), and
-`show`, the page's `util.figure` with tick labels readable at a phone's width. Each helper takes
-what a demo measured and returns a matplotlib figure; the lecture narrates and shows it."""
+activations, recomputation, accumulation, the logits' share, number formats and their rounding
+error, loss scaling, master weights, fp8 tiles and delayed scaling, attention by blocks and its
+memory, the roofline), and `show`, the page's `util.figure` with tick labels readable at a phone's
+width. Each helper takes what a demo measured and returns a matplotlib figure; the lecture
+narrates and shows it."""
 import math
 
 import torch
 
-from lectures.model.precision import FORMATS, dequantize_fp8, quantize_fp8
+from lectures.model.precision import FORMATS, dequantize_fp8, quantize_fp8, relative_error_across_magnitudes
 from lectures.model.training_memory import MEM_CATEGORIES
 from util import figure
 
@@ -231,4 +233,141 @@ def attention_blocks_figure(s, block):
     ax.set_xlabel("key position (blocks of keys, one per loop step)", fontsize=12)
     ax.set_ylabel("query position", fontsize=12)
     ax.tick_params(labelsize=11)
+    return fig
+
+
+def logits_figure(vocabs, chunk, held):
+    """Bytes the forward holds for backward at each vocabulary size: the whole loss (its fp32 log-softmax apart) against chunked cross-entropy."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    x = np.arange(len(vocabs))
+    rest = [held[v][0] / 1e6 - held[v][2] / 1e6 for v in vocabs]
+    ax.bar(x - 0.2, rest, 0.38, color="C0", label="whole loss: everything else")
+    ax.bar(x - 0.2, [held[v][2] / 1e6 for v in vocabs], 0.38, bottom=rest, color="C3",
+           label="whole loss: fp32 log-softmax")
+    ax.bar(x + 0.2, [held[v][1] / 1e6 for v in vocabs], 0.38, color="C2", label=f"chunked ({chunk} tokens)")
+    for i, v in enumerate(vocabs):
+        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=11)
+        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=11)
+    ax.set_xticks(x, [f"v = {v}" for v in vocabs], fontsize=12)
+    ax.set_ylim(0, max(held[v][0] for v in vocabs) / 1e6 * 1.15)
+    ax.set_ylabel("MB held after forward", fontsize=12)
+    ax.legend(fontsize=11, loc="upper left")
+    return fig
+
+
+def rounding_error_figure(exps):
+    """Each format's median relative rounding error across magnitudes (log-log)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    styles = {"fp32": dict(lw=3, color="black"), "fp16": dict(color="C0"), "bf16": dict(color="C1"),
+              "fp8 e4m3fn": dict(color="C2", ls="--"), "fp8 e5m2": dict(color="C3", ls="--")}
+    for name, dtype in FORMATS.items():
+        errs = relative_error_across_magnitudes(dtype, exps)
+        ax.plot([10 ** e for e in exps], [max(e, 1e-9) for e in errs], marker=".", label=name, **styles[name])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("magnitude of the value", fontsize=12)
+    ax.set_ylabel("median relative\nrounding error", fontsize=12)
+    ax.legend(fontsize=11, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
+              handlelength=1.5, columnspacing=1.0)
+    return fig
+
+
+def delayed_scaling_figure(amax, steps, jump, errs, history):
+    """A tensor's amax over the steps, and the cast's error under current and delayed scaling."""
+    import matplotlib.pyplot as plt
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=[1, 2])
+    ax0.plot(range(steps), amax, "k.-")
+    ax0.set_ylabel("amax", fontsize=12)
+    ax1.plot(range(steps), [e[0] for e in errs], "o-", label="current scaling")
+    ax1.plot(range(steps), [e[1] for e in errs], "s--", label=f"delayed (max of last {history} steps)")
+    ax1.set_ylim(0, max(max(e[:2]) for e in errs) * 1.15)
+    ax1.set_ylabel("relative error\nof the cast", fontsize=12)
+    ax1.set_xlabel("step", fontsize=12)
+    ax1.annotate(f"{errs[jump][2]:.0%} saturated", (jump, errs[jump][1]), textcoords="offset points",
+                 xytext=(10, -4), fontsize=11)
+    ax1.legend(fontsize=11, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def roofline_figure(sizes, mm, add, gelu, peak, bw):
+    """This machine's roofline (measured peak and bandwidth) with matmuls, add and GELU placed on it."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = [2 ** e for e in range(-5, 10)]
+    ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
+    ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
+    for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
+        ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", ha="center",
+                    xytext=(0, 9) if i % 2 == 0 else (0, -9), va="bottom" if i % 2 == 0 else "top",
+                    fontsize=11)
+    ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
+    ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)", fontsize=12)
+    ax.set_ylabel("GFLOP/s", fontsize=12)
+    ax.legend(fontsize=11, loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=2, frameon=False)
+    return fig
+
+
+def loss_scaling_figure(worst, rms, real, s16, per_tensor):
+    """Each parameter tensor's fp16 gradient error against its gradient RMS, without and with a loss scale of 2^16."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    xs = [rms[k] for k in real]
+    for sc, marker, label in ((None, "o", "no scaling"), (s16, "s", "loss scale 2^16")):
+        ax.plot(xs, [per_tensor[sc][k] for k in real], marker, label=label, alpha=0.8)
+    ax.annotate(worst, (rms[worst], per_tensor[None][worst]), textcoords="offset points",
+                xytext=(8, 4), fontsize=11)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)               # room for the label
+    ax.set_xlabel("gradient RMS of the tensor (fp32)", fontsize=12)
+    ax.set_ylabel("relative error of its fp16 gradient", fontsize=12)
+    ax.legend(fontsize=11)
+    return fig
+
+
+def master_weights_figure(curves, styles):
+    """Loss curves per precision recipe, and each one's difference from fp32's below."""
+    import matplotlib.pyplot as plt
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 4.4), sharex=True, height_ratios=[3, 2])
+    for v, (c, _) in curves.items():
+        ax.plot(*zip(*c), label=v, **styles[v])
+    ref = dict(curves["fp32"][0])
+    for v, (c, _) in curves.items():
+        if v != "fp32":
+            dax.plot([t for t, _ in c], [loss - ref[t] for t, loss in c], label=v, **styles[v])
+    dax.axhline(0, color="black", lw=1, alpha=0.35)
+    ax.set_ylabel("loss", fontsize=12)
+    dax.set_ylabel("loss − fp32's", fontsize=12)
+    dax.set_xlabel("step", fontsize=12)
+    ax.legend(fontsize=11, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def attention_memory_figure(peaks, seqs):
+    """Forward peak bytes against sequence length for each attention (log-log), each curve labelled at its end."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ends = sorted(peaks, key=lambda name: peaks[name][-1])
+    for (name, ys), marker in zip(peaks.items(), "os^"):
+        ax.plot(seqs, [y / 1e6 for y in ys], marker + "-", label=name)
+        # labels at the right end, moved apart where two curves end close together
+        close = [other for other in ends if abs(math.log(peaks[other][-1] / ys[-1])) < 0.35]
+        shift = 7 * (2 * close.index(name) - (len(close) - 1)) if len(close) > 1 else 0
+        ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
+                    xytext=(6, -3 + shift), fontsize=11)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seqs, [str(x) for x in seqs])
+    ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("peak MB, forward", fontsize=12)
+    ax.legend(fontsize=11, loc="upper left")
     return fig
