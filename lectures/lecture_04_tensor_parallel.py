@@ -41,7 +41,7 @@ from lectures.tensor_parallel.ops import (SEQ_DIM, AllGatherSequence, CopyToRegi
 from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from lectures.tensor_parallel.figures import (cut_figure, fg_figure, gqa_figure, sp_split_figure, dropout_mask_figure,
-                                              async_tp_figure, placements_picture)
+                                              async_tp_figure, placements_picture, memory_per_rank_figure)
 from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
                   table, timeline)
 from util import try_it_yourself
@@ -1047,20 +1047,8 @@ def memory_per_rank():
         predicted = 16 * ((n_full - n_whole) / t + n_whole)
         rows.append([t, m["sharded parameters"], m["replicated parameters"], m["gradients"], m["Adam moments"],
                      total, predicted, total / (16 * n_full)])
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ts = list(parts)
-    keys = ("sharded parameters", "replicated parameters", "gradients", "Adam moments")
-    bottom = [0.0] * len(ts)
-    for key, colour in zip(keys, ("#4c72b0", "#dd8452", "#55a868", "#8172b3")):
-        vals = [parts[t][key] / 1e3 for t in ts]
-        ax.bar([str(t) for t in ts], vals, bottom=bottom, color=colour, label=key.replace("sharded", "split"))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot([str(t) for t in ts], [16 * n_full / t / 1e3 for t in ts], "k--", lw=1, label="one process ÷ tp")
-    ax.set_xlabel("tp", fontsize=12)
-    ax.set_ylabel("kB per rank (measured)", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=11, frameon=False)
+    fig = memory_per_rank_figure(ts, parts, n_full)
     figure(fig, caption="what a rank holds between steps, measured: everything shrinks with tp except the "
            "replicated parameters and their gradients and moments (the bars stand above the dashed "
            "ideal by 16R(1 − 1/t))")

@@ -229,3 +229,21 @@ def placements_picture(rows, n):
     fig.tight_layout()
     figure(fig, caption=f"Each arrow is a redistribution run on {n} ranks (gloo), labelled with the collective "
                         "PyTorch's CommDebugMode counted for it; 'none' is a local slice.")
+
+
+def memory_per_rank_figure(ts, parts, n_full):
+    """What a rank holds between steps for each tp (measured, stacked) beside one process's bytes ÷ tp."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    keys = ("sharded parameters", "replicated parameters", "gradients", "Adam moments")
+    bottom = [0.0] * len(ts)
+    for key, colour in zip(keys, ("#4c72b0", "#dd8452", "#55a868", "#8172b3")):
+        vals = [parts[t][key] / 1e3 for t in ts]
+        ax.bar([str(t) for t in ts], vals, bottom=bottom, color=colour, label=key.replace("sharded", "split"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot([str(t) for t in ts], [16 * n_full / t / 1e3 for t in ts], "k--", lw=1, label="one process ÷ tp")
+    ax.set_xlabel("tp", fontsize=12)
+    ax.set_ylabel("kB per rank (measured)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11, frameon=False)
+    return fig
