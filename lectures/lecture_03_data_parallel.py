@@ -17,7 +17,7 @@ from torch import nn
 from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
                   table, timeline)
 from util import try_it_yourself
-from util.measure import (Timing, bytes_sent, compare, spreads_overlap, errorbar, machine, measure, measure_side_by_side,
+from util.measure import (Timing, bytes_sent, compare, spreads_overlap, machine, measure, measure_side_by_side,
                           timing_ranks)
 
 from exercises import listing as notebook_exercises
@@ -25,7 +25,10 @@ from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_
 from lectures.data_parallel.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
                                         OverlappedAllReduce, broadcast_parameters, make_grad_sync, plan_buckets)
 from lectures.data_parallel.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update
-from lectures.data_parallel.figures import ddp_figure, sampler_figure, draw_holdings
+from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, bucket_sweep_figure,
+                                            hidden_all_reduce_figure, accumulation_traffic_figure,
+                                            pytorch_versions_figure, fsdp2_knobs_figure, local_sgd_figure,
+                                            powersgd_figure, batch_scaling_figure)
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)
@@ -901,15 +904,8 @@ def bucket_sweep():
              **{f"bucketed:{mb}": f"{mb:g} MB" for mb in sizes}}
     label[f"bucketed:{sizes[0]}"] = "one per tensor (limit below every tensor)"
     nbuckets = {"overlapped": len(params), **{f"bucketed:{mb}": counts[mb] for mb in sizes}}
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    errorbar(ax, [nbuckets[k] for k in kinds], [t[k] for k in kinds], fmt="o-")
-    ax.set_xscale("log")
-    ax.set_xlabel("all-reduce messages per step (buckets)", fontsize=12)
-    ax.set_ylabel("ms per step", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.grid(alpha=0.3, which="both")
     note("## How big should a bucket be?")
+    fig = bucket_sweep_figure(nbuckets, kinds, t)
     figure(fig, caption=f"Step time against the number of buckets: median and IQR, {machine(ranks)}.")
     note(f"""
         Bucketing matters when there are many small tensors, so this sweep uses a deeper, narrower
@@ -962,21 +958,7 @@ def hide_the_all_reduce():
     comm = t["all-reduce"].median
     busbw = 2 * (ranks - 1) / ranks * 4 * psi / comm
     at_scale = published_scale_numbers()
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.4))
-    for ax, (title, bwd, ar, unit) in zip(axes, [("this run (measured)", backward * 1e3, comm * 1e3, "ms"),
-                                                 ("7B on H100s (computed)", at_scale["backward"],
-                                                  at_scale["comm"], "s")]):
-        bars = ax.barh([0, 1], [bwd, ar], color=["#dd8452", "#8172b3"])
-        ax.bar_label(bars, labels=[f"{bwd:.3g} {unit}", f"{ar:.3g} {unit}"], padding=3, fontsize=12)
-        ax.set_yticks([0, 1], ["backward", "all-reduce"], fontsize=12)
-        ax.invert_yaxis()
-        ax.set_xlim(0, max(bwd, ar) * 1.45)
-        ax.set_xticks([])
-        ax.set_title(title, fontsize=12)
-        for spine in ("top", "right", "bottom"):
-            ax.spines[spine].set_visible(False)
-    fig.tight_layout()
+    fig = hidden_all_reduce_figure(backward, comm, at_scale)
     figure(fig, caption="the overlap budget: the gradient all-reduce can hide only behind as much backward "
                         "as there is; left, this run's medians; right, the published-scale estimate below")
     note(f"""
@@ -1069,19 +1051,7 @@ def gradient_accumulation():
             mbs = task.batch // world_size // micro
             rows.append([mbs, micro, world_size, mbs * micro * world_size, kind,
                          max_diff(r[0]["params"], ref["params"]), r[0]["bytes_per_step"]])
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 2.6))
-    for kind, marker in (("overlapped", "o"), ("bucketed", "s")):
-        for ranks_, colour in ((2, "#4c72b0"), (4, "#dd8452")):
-            pts = [(r[1], r[6] / 1e3) for r in rows if r[4] == kind and r[2] == ranks_]
-            if pts:
-                ax.plot(*zip(*pts), marker + "-", color=colour, ms=7,
-                        label=f"{ranks_} ranks, {kind}")
-    ax.set_xlabel("micro-batches accumulated per step", fontsize=12)
-    ax.set_ylabel("kB sent per step\nper rank (counted)", fontsize=12)
-    ax.set_ylim(0, max(r[6] for r in rows) / 1e3 * 1.3)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=10, frameon=False, ncol=2, loc="lower right")
+    fig = accumulation_traffic_figure(rows)
     figure(fig, caption="the traffic per step does not grow with the number of micro-batches: one all-reduce "
                         "per step, after the last one")
     note("""
@@ -1345,23 +1315,7 @@ def pytorch_versions():
     task = small_task()
     note("## PyTorch's own: DistributedDataParallel and FSDP2")
     t = step_times()        # the run of the overlap section: every variant measured once
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    pairs = [("DDP", "bucketed", "ddp"), ("ZeRO-3 / FSDP2", "zero3", "fsdp2"), ("ZeRO-1", "zero1", None),
-             ("ZeRO-2", "zero2", None)]
-    for i, (name, ours, theirs) in enumerate(pairs):
-        for dy, key, colour, who in ((-0.17, ours, "#4c72b0", "ours"), (0.17, theirs, "#dd8452", "PyTorch")):
-            if key is None:
-                continue
-            m = t[key].median * 1e3
-            ax.barh(i + dy, m, 0.32, color=colour, label=who if i == 0 else None,
-                    xerr=[[m - t[key].q1 * 1e3], [t[key].q3 * 1e3 - m]], capsize=3)
-            ax.text(m * 1.02 + 0.02, i + dy, f"{m:.3g} ms", va="center", fontsize=11)
-    ax.set_yticks(range(len(pairs)), [p[0] for p in pairs], fontsize=12)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms per step (median, IQR)", fontsize=12)
-    ax.set_xlim(0, max(t[k].q3 for p in pairs for k in p[1:] if k) * 1e3 * 1.3)
-    ax.legend(fontsize=11, frameon=False, loc="lower right")
+    fig = pytorch_versions_figure(t)
     figure(fig, caption=f"time per step, ours beside PyTorch's on the timing model (Ψ = "
                         f"{param_count(timing_task()):,}), {machine(timing_world())}: the same run as the "
                         "overlap section's table (the variants take turns in it)")
@@ -1456,16 +1410,7 @@ def fsdp2_knobs():
         got[label] = r[0]
         rows.append([label, r[0]["held"], r[0]["wire_per_step"], r[0]["activations"],
                      max_diff(r[0]["params"], ref["params"]) if kw.get("wrap", True) else None])
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.5 * len(rows)))
-    short = [r[0].replace("FSDP2, ", "").replace(" (every rank a full replica)", "")
-             .replace(" (shard 2, replicate 2)", "") for r in rows]
-    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color="#8172b3")
-    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=11)
-    ax.set_yticks(range(len(rows)), short, fontsize=11)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
-    ax.set_xlabel("bytes written per step by rank 0 (kB, measured)", fontsize=12)
+    fig = fsdp2_knobs_figure(rows)
     figure(fig, caption=f"FSDP2 with one knob changed at a time, {n} ranks, Ψ = {psi:,}: what a rank "
                         "wrote to its sockets per step")
     note(f"""
@@ -1541,7 +1486,6 @@ def local_sgd_words(final, noise=0.05):
 
 
 def local_sgd_section():
-    import matplotlib.pyplot as plt
     task = Task(batch=16)
     n = settings.world_size
     steps = 48 if settings.quick else 96     # multiples of every H below: the run ends on a sync
@@ -1574,16 +1518,7 @@ def local_sgd_section():
                 name=f"local SGD sweep, {len(variants)} variants, non-IID, {n} ranks")
     curves = run.returns[0]
     assert all(len({r[k]["checksum"] for r in run.returns}) == 1 for k in curves), "ranks disagree after sync"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    for label, c in curves.items():
-        steps_, sent, loss = zip(*c["curve"])
-        left.plot(steps_, loss, marker=".", label=label)
-        right.plot([s / 2**20 for s in sent[1:]], loss[1:], marker=".", label=label)
-    left.set_xlabel("local steps")
-    left.set_ylabel("held-out loss")
-    right.set_xscale("log")
-    right.set_xlabel("MB sent per rank (cumulative, counted)")
-    right.legend(fontsize=7)
+    fig = local_sgd_figure(curves)
     figure(fig, caption="held-out loss after each sync, per step (left) and per byte (right); "
                         f"starting loss {curves['H=1 fp32']['curve'][0][2]:.3f}")
     final = {k: c["curve"][-1] for k, c in curves.items()}
@@ -1606,7 +1541,6 @@ def local_sgd_section():
 
 
 def powersgd_section():
-    import matplotlib.pyplot as plt
     task = Task(sizes=(32, 128, 128, 10), batch=16)
     n = settings.world_size
     steps = 40 if settings.quick else 80
@@ -1628,13 +1562,7 @@ def powersgd_section():
            for impl, label in [("exact", "exact all-reduce (PyTorch DDP)"),
                                ("pytorch", "PyTorch powerSGD_hook, rank 1"),
                                ("ours", "our PowerSGD, rank 1")]}
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    for impl, r in run.items():
-        s, loss = zip(*r[0]["curve"])
-        ax.plot(s, loss, marker=".", label=impl)
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out loss")
-    ax.legend(fontsize=8)
+    fig = powersgd_figure(run)
     figure(fig, caption="held-out loss per step: exact all-reduce, PyTorch's PowerSGD hook, ours")
     table([[impl, r[0]["wire_per_step"], r[0]["wire_per_step"] / run["exact"][0]["wire_per_step"],
             r[0]["curve"][-1][1], len({x["checksum"] for x in r}) == 1] for impl, r in run.items()],
@@ -1658,7 +1586,6 @@ def powersgd_section():
 
 
 def batch_and_learning_rate():
-    import matplotlib.pyplot as plt
     ranks = timing_world()
     base_batch, base_lr = 8, 0.05
     batches = [8, 32, 128] if settings.quick else [8, 32, 128, 512]
@@ -1671,16 +1598,7 @@ def batch_and_learning_rate():
                 samples=samples, name=f"learning-rate scaling, {len(configs)} SGD runs over {ranks} ranks")
     for part in run.returns:
         got.update(part)
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    for rule, style in zip(rules, ["s:", "o--", "^-"]):
-        ax.plot(batches, [got[b, rule] for b in batches], style, label=f"{rule} scaling")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch (same samples in all)", fontsize=12)
-    ax.set_ylabel("held-out loss at the end", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=11)
+    fig = batch_scaling_figure(rules, batches, got)
     figure(fig, caption="final held-out loss against batch size for three learning-rate rules")
     note(f"""
         Data parallelism grows the global batch with the number of ranks (times micro-batch

@@ -425,3 +425,136 @@ def draw_holdings(per_rank, stages):
         ax.set_xticks(ticks, ["params", "grads", "Adam state"], fontsize=12)
     fig.tight_layout()
     return fig
+
+
+def bucket_sweep_figure(nbuckets, kinds, t):
+    """Step time (median and IQR) against the number of all-reduce messages per step."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    errorbar(ax, [nbuckets[k] for k in kinds], [t[k] for k in kinds], fmt="o-")
+    ax.set_xscale("log")
+    ax.set_xlabel("all-reduce messages per step (buckets)", fontsize=12)
+    ax.set_ylabel("ms per step", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def hidden_all_reduce_figure(backward, comm, at_scale):
+    """Backward against the gradient all-reduce: this run's medians beside the published-scale estimate."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.4))
+    for ax, (title, bwd, ar, unit) in zip(axes, [("this run (measured)", backward * 1e3, comm * 1e3, "ms"),
+                                                 ("7B on H100s (computed)", at_scale["backward"],
+                                                  at_scale["comm"], "s")]):
+        bars = ax.barh([0, 1], [bwd, ar], color=["#dd8452", "#8172b3"])
+        ax.bar_label(bars, labels=[f"{bwd:.3g} {unit}", f"{ar:.3g} {unit}"], padding=3, fontsize=12)
+        ax.set_yticks([0, 1], ["backward", "all-reduce"], fontsize=12)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(bwd, ar) * 1.45)
+        ax.set_xticks([])
+        ax.set_title(title, fontsize=12)
+        for spine in ("top", "right", "bottom"):
+            ax.spines[spine].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def accumulation_traffic_figure(rows):
+    """Bytes sent per step against micro-batches accumulated, overlapped and bucketed, on 2 and 4 ranks."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
+    for kind, marker in (("overlapped", "o"), ("bucketed", "s")):
+        for ranks_, colour in ((2, "#4c72b0"), (4, "#dd8452")):
+            pts = [(r[1], r[6] / 1e3) for r in rows if r[4] == kind and r[2] == ranks_]
+            if pts:
+                ax.plot(*zip(*pts), marker + "-", color=colour, ms=7,
+                        label=f"{ranks_} ranks, {kind}")
+    ax.set_xlabel("micro-batches accumulated per step", fontsize=12)
+    ax.set_ylabel("kB sent per step\nper rank (counted)", fontsize=12)
+    ax.set_ylim(0, max(r[6] for r in rows) / 1e3 * 1.3)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=10, frameon=False, ncol=2, loc="lower right")
+    return fig
+
+
+def pytorch_versions_figure(t):
+    """Our DDP and ZeRO stages beside PyTorch's DDP and FSDP2: step times with their spread."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    pairs = [("DDP", "bucketed", "ddp"), ("ZeRO-3 / FSDP2", "zero3", "fsdp2"), ("ZeRO-1", "zero1", None),
+             ("ZeRO-2", "zero2", None)]
+    for i, (name, ours, theirs) in enumerate(pairs):
+        for dy, key, colour, who in ((-0.17, ours, "#4c72b0", "ours"), (0.17, theirs, "#dd8452", "PyTorch")):
+            if key is None:
+                continue
+            m = t[key].median * 1e3
+            ax.barh(i + dy, m, 0.32, color=colour, label=who if i == 0 else None,
+                    xerr=[[m - t[key].q1 * 1e3], [t[key].q3 * 1e3 - m]], capsize=3)
+            ax.text(m * 1.02 + 0.02, i + dy, f"{m:.3g} ms", va="center", fontsize=11)
+    ax.set_yticks(range(len(pairs)), [p[0] for p in pairs], fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median, IQR)", fontsize=12)
+    ax.set_xlim(0, max(t[k].q3 for p in pairs for k in p[1:] if k) * 1e3 * 1.3)
+    ax.legend(fontsize=11, frameon=False, loc="lower right")
+    return fig
+
+
+def fsdp2_knobs_figure(rows):
+    """Bytes each FSDP2 setting wrote to its sockets per step, one bar per setting."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.5 * len(rows)))
+    short = [r[0].replace("FSDP2, ", "").replace(" (every rank a full replica)", "")
+             .replace(" (shard 2, replicate 2)", "") for r in rows]
+    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color="#8172b3")
+    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=11)
+    ax.set_yticks(range(len(rows)), short, fontsize=11)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    ax.set_xlabel("bytes written per step by rank 0 (kB, measured)", fontsize=12)
+    return fig
+
+
+def local_sgd_figure(curves):
+    """Loss against step (left) and against bytes sent (right) for each local-SGD setting."""
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for label, c in curves.items():
+        steps_, sent, loss = zip(*c["curve"])
+        left.plot(steps_, loss, marker=".", label=label)
+        right.plot([s / 2**20 for s in sent[1:]], loss[1:], marker=".", label=label)
+    left.set_xlabel("local steps")
+    left.set_ylabel("held-out loss")
+    right.set_xscale("log")
+    right.set_xlabel("MB sent per rank (cumulative, counted)")
+    right.legend(fontsize=7)
+    return fig
+
+
+def powersgd_figure(run):
+    """Loss curves of exact averaging and of each compressed variant."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for impl, r in run.items():
+        s, loss = zip(*r[0]["curve"])
+        ax.plot(s, loss, marker=".", label=impl)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def batch_scaling_figure(rules, batches, got):
+    """Final loss against the global batch for each learning-rate scaling rule."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for rule, style in zip(rules, ["s:", "o--", "^-"]):
+        ax.plot(batches, [got[b, rule] for b in batches], style, label=f"{rule} scaling")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("global batch (same samples in all)", fontsize=12)
+    ax.set_ylabel("held-out loss at the end", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=11)
+    return fig
