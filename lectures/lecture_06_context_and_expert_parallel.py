@@ -40,7 +40,8 @@ from lectures.context_parallel.sharding import (causal_work, group_info, layout_
                                                 zigzag_shard, zigzag_unshard)
 from lectures.context_parallel.sharding import contiguous_shard, zigzag_chunks  # noqa: F401
 from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_picture, ulysses_picture,
-                                               dispatch_figure)
+                                               dispatch_figure, activation_memory_figure, pytorch_cp_figure,
+                                               moe_figure, expert_groups_figure, usp_figure)
 from util import cheat, deep_dive, device, figure, note, published, see, settings, span_at, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
@@ -640,15 +641,7 @@ def what_needs_other_ranks():
     one = spawn(activation_memory, 1, seq_lens=lens, name="activation memory, whole sequence").returns[0]
     per = {n: spawn(activation_memory, n, seq_lens=lens, name=f"activation memory, CP over {n} ranks").returns
            for n in (2, 4)}
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
-    for n in (2, 4):
-        ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("activations kept (MiB)", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=11)
+    fig = activation_memory_figure(lens, one, per)
     figure(fig, caption="activation memory per rank falls as 1/n: the point of context parallelism")
     note("""
         Split a sequence of s tokens over n ranks. Embeddings, LayerNorms, the MLPs, the LM head
@@ -1118,8 +1111,7 @@ def ulysses_section():
 
 
 def pytorch_context_parallel():
-    import matplotlib.pyplot as plt
-    from util.measure import compare, errorbar, machine, timing_ranks
+    from util.measure import compare, machine, timing_ranks
     note("""
         ## PyTorch's own: `context_parallel`
         `torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`
@@ -1159,17 +1151,7 @@ def pytorch_context_parallel():
                   "take turns, repetition by repetition (ours are timed again here, beside PyTorch's, under the "
                   "same load; the all-gather section's run was separate, so the two can differ by the machine's "
                   "drift); bytes from /proc/self/io")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    colors = ["tab:blue", "tab:orange"] * 2
-    errorbar(axes[0], range(4), [t["time"][x] for x in names], fmt="none", ecolor="black", capsize=4)
-    axes[0].bar(range(4), [t["time"][x].median * 1e3 for x in names], color=colors)
-    axes[0].set_ylabel("forward+backward (ms)")
-    axes[1].bar(range(4), [t["sent"][x] / 2**20 for x in names], color=colors)
-    axes[1].set_ylabel("MiB sent by rank 0")
-    for ax in axes:
-        ax.set_xticks(range(4))
-        ax.set_xticklabels(["PyTorch\nall-gather", "ours\nall-gather", "PyTorch\nring", "ours\nring"], fontsize=9)
-        ax.axvline(1.5, color="gray", lw=0.8, ls=":")
+    fig = pytorch_cp_figure(names, t)
     figure(fig, caption="like against like: PyTorch's default (all-gather) beside ours, PyTorch's all-to-all "
                         "rotation beside our ring (blue: PyTorch, orange: ours; bars: medians, whiskers: "
                         "interquartile range)")
@@ -1211,7 +1193,6 @@ def rotate_words(sent, n):
 
 
 def mixture_of_experts():
-    import matplotlib.pyplot as plt
     note("## Mixture of experts: router, capacity, balance loss")
     torch.manual_seed(0)
     moe = moe_layer(d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=None, dtype="float32")
@@ -1229,21 +1210,7 @@ def mixture_of_experts():
     labels = ["no balancing", "balance loss α = 0.01", f"balance loss α = {AUX_WEIGHT}", f"bias, γ = {BIAS_STEP}"]
     r = spawn(train_moe_gpt, len(configs), configs=configs, steps=steps, batch_size=8,
               name="MoE GPT training: each rank one way of balancing").returns
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    axes[0].bar(range(8), counts)
-    axes[0].set_xlabel("expert")
-    axes[0].set_ylabel("tokens routed (both choices)")
-    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
-    for label, log in zip(labels, r):
-        axes[1].plot(log["max_load"], label=label)
-        axes[2].plot(log["loss"], label=label)
-    axes[1].axhline(1, color="gray", lw=0.5)
-    axes[1].set_xlabel("step")
-    axes[1].set_ylabel("busiest expert / mean load")
-    axes[2].set_xlabel("step")
-    axes[2].set_ylabel("training loss")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    fig = moe_figure(counts, labels, r)
     figure(fig, caption=f"lecture 01's GPT with 4-expert top-1 MoE MLPs (capacity factor 1.25), {steps} steps "
                         "of AdamW; each way of balancing trained on its own rank, side by side (the last one is "
                         "DeepSeek-V3's bias, a deep dive below)")
@@ -1458,24 +1425,7 @@ def expert_gradient_groups():
     ep_groups, edp_groups = ep_dp_groups(world, ep)
     counts, starts = expert_owners(kw["n_experts"], ep)
     colors = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(7.5, 3.0))
-    for g in ep_groups:
-        d = g[0] // ep
-        ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
-        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
-    for j, g in enumerate(edp_groups):
-        ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
-                                   ls="--"))
-        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
-    for g in ep_groups:
-        for j, rank in enumerate(g):
-            d = rank // ep
-            ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
-            experts = list(range(starts[j], starts[j] + counts[j]))
-            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
-    ax.set_xlim(-0.6, ep + 1.0)
-    ax.set_ylim(-world // ep - 0.3, 0.5)
-    ax.axis("off")
+    fig = expert_groups_figure(ep_groups, edp_groups, ep, world, starts, colors, counts)
     figure(fig, caption="4 ranks as EP = 2 (rows, blue: the experts split, tokens dispatched by all-to-all) × "
                         "DP = 2 (columns, red: the same experts, gradients all-reduced). The router's gradient "
                         "is summed over all 4 ranks")
@@ -1533,26 +1483,7 @@ def usp_deep_dive():
     see("https://arxiv.org/abs/2405.07719", "Fang & Zhao 2024: USP: A Unified Sequence Parallelism Approach for Long Context Generative AI")
     U, R, h = 2, 2, 4
     colors = plt.get_cmap("tab10").colors
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-    for ax, phase in zip(axes, ("before the all-to-all (sequence shards)", "during attention (head shards, ring over R)")):
-        for ring in range(R):
-            for u in range(U):
-                rank = ring * U + u
-                if phase.startswith("before"):
-                    x0, w, y0, hh = ring * U + u, 1, 0, h           # all heads, its own s/(U·R) positions
-                else:
-                    x0, w, y0, hh = ring * U, U, u * h // U, h // U  # h/U heads, the ring slot's s/R positions
-                ax.add_patch(plt.Rectangle((x0, y0), w, hh, color=colors[rank], alpha=0.8, ec="white", lw=2))
-                ax.text(x0 + w / 2, y0 + hh / 2, f"rank {rank}", ha="center", va="center", fontsize=10, color="white",
-                        fontweight="bold")
-        ax.set_xlim(0, U * R)
-        ax.set_ylim(0, h)
-        ax.set_xticks([i + 0.5 for i in range(U * R)])
-        ax.set_xticklabels([f"s/{U * R}" for _ in range(U * R)], fontsize=9)
-        ax.set_xlabel("sequence", fontsize=10)
-        ax.set_title(phase, fontsize=10)
-    axes[0].set_ylabel("heads", fontsize=10)
-    axes[0].set_yticks(range(h + 1))
+    fig = usp_figure(R, h, U, colors)
     figure(fig, caption=f"USP with U = {U} (Ulysses) × R = {R} (ring) = {U * R} ranks and {h} heads: ranks "
                         f"{list(range(U))} and {list(range(U, 2 * U))} are Ulysses groups; in attention, each rank's "
                         "queries attend around a ring of the ranks holding the same heads")

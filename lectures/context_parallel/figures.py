@@ -1,7 +1,9 @@
-"""Lecture 06's figures: the drawings of its page (the ring's steps, the bytes all-gather
-attention holds, Ulysses' all-to-all, and MoE's token dispatch); `attention_blocks_figure` stays in
-the lecture beside the work counts it draws. Each helper returns a matplotlib figure."""
+"""Lecture 06's figures: the drawings of its page (activation memory per rank, the ring's
+steps, the bytes all-gather attention holds, Ulysses' all-to-all, PyTorch's variants beside ours,
+MoE's loads and dispatch, expert and data-parallel groups, USP's layouts); the figures of the
+load-balance section stay in the lecture beside the work counts they draw. Each helper returns a matplotlib figure."""
 from util import figure
+from util.measure import errorbar
 
 
 def ring_steps_figure(n):
@@ -120,3 +122,107 @@ def dispatch_figure(rows_sent, n):
                         "of token rows one rank sends another (its colour: the rank the tokens belong to). "
                         "Dispatch sends each kept (token, choice) row to its expert's rank; combine returns the "
                         "expert outputs along the same lines, reversed")
+
+
+def activation_memory_figure(lens, one, per):
+    """Activation memory per rank against sequence length on 1, 2 and 4 ranks."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
+    for n in (2, 4):
+        ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
+    ax.set_xlabel("sequence length s", fontsize=12)
+    ax.set_ylabel("activations kept (MiB)", fontsize=12)
+    ax.tick_params(labelsize=11)
+    ax.legend(fontsize=11)
+    return fig
+
+
+def pytorch_cp_figure(names, t):
+    """PyTorch's all-gather and ring context parallelism beside ours: forward+backward time (with
+    its spread) and the bytes rank 0 sent."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    colors = ["tab:blue", "tab:orange"] * 2
+    errorbar(axes[0], range(4), [t["time"][x] for x in names], fmt="none", ecolor="black", capsize=4)
+    axes[0].bar(range(4), [t["time"][x].median * 1e3 for x in names], color=colors)
+    axes[0].set_ylabel("forward+backward (ms)")
+    axes[1].bar(range(4), [t["sent"][x] / 2**20 for x in names], color=colors)
+    axes[1].set_ylabel("MiB sent by rank 0")
+    for ax in axes:
+        ax.set_xticks(range(4))
+        ax.set_xticklabels(["PyTorch\nall-gather", "ours\nall-gather", "PyTorch\nring", "ours\nring"], fontsize=9)
+        ax.axvline(1.5, color="gray", lw=0.8, ls=":")
+    return fig
+
+
+def moe_figure(counts, labels, r):
+    """Tokens per expert under an untrained router, then the busiest expert's load and the loss
+    over training, one curve per setting."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    axes[0].bar(range(8), counts)
+    axes[0].set_xlabel("expert")
+    axes[0].set_ylabel("tokens routed (both choices)")
+    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
+    for label, log in zip(labels, r):
+        axes[1].plot(log["max_load"], label=label)
+        axes[2].plot(log["loss"], label=label)
+    axes[1].axhline(1, color="gray", lw=0.5)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("busiest expert / mean load")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("training loss")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def expert_groups_figure(ep_groups, edp_groups, ep, world, starts, colors, counts):
+    """4 ranks as expert-parallel rows × data-parallel columns: which ranks average which gradients."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    for g in ep_groups:
+        d = g[0] // ep
+        ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
+        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
+    for j, g in enumerate(edp_groups):
+        ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
+                                   ls="--"))
+        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
+    for g in ep_groups:
+        for j, rank in enumerate(g):
+            d = rank // ep
+            ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
+            experts = list(range(starts[j], starts[j] + counts[j]))
+            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
+    ax.set_xlim(-0.6, ep + 1.0)
+    ax.set_ylim(-world // ep - 0.3, 0.5)
+    ax.axis("off")
+    return fig
+
+
+def usp_figure(R, h, U, colors):
+    """USP's two layouts: the sequence shards before the all-to-all, and the head shards with the ring over R during attention."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for ax, phase in zip(axes, ("before the all-to-all (sequence shards)", "during attention (head shards, ring over R)")):
+        for ring in range(R):
+            for u in range(U):
+                rank = ring * U + u
+                if phase.startswith("before"):
+                    x0, w, y0, hh = ring * U + u, 1, 0, h           # all heads, its own s/(U·R) positions
+                else:
+                    x0, w, y0, hh = ring * U, U, u * h // U, h // U  # h/U heads, the ring slot's s/R positions
+                ax.add_patch(plt.Rectangle((x0, y0), w, hh, color=colors[rank], alpha=0.8, ec="white", lw=2))
+                ax.text(x0 + w / 2, y0 + hh / 2, f"rank {rank}", ha="center", va="center", fontsize=10, color="white",
+                        fontweight="bold")
+        ax.set_xlim(0, U * R)
+        ax.set_ylim(0, h)
+        ax.set_xticks([i + 0.5 for i in range(U * R)])
+        ax.set_xticklabels([f"s/{U * R}" for _ in range(U * R)], fontsize=9)
+        ax.set_xlabel("sequence", fontsize=10)
+        ax.set_title(phase, fontsize=10)
+    axes[0].set_ylabel("heads", fontsize=10)
+    axes[0].set_yticks(range(h + 1))
+    return fig
