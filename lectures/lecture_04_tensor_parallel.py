@@ -41,7 +41,8 @@ from lectures.tensor_parallel.ops import (SEQ_DIM, AllGatherSequence, CopyToRegi
 from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from lectures.tensor_parallel.figures import (cut_figure, fg_figure, gqa_figure, sp_split_figure, dropout_mask_figure,
-                                              async_tp_figure, placements_picture, memory_per_rank_figure)
+                                              async_tp_figure, placements_picture, memory_per_rank_figure,
+                                              vocab_parallel_figure, sp_activation_figure, gemm_efficiency_figure)
 from util import (cheat, deep_dive, device, figure, note, plural, published, quiet, see, settings, span, spawn,
                   table, timeline)
 from util import try_it_yourself
@@ -954,17 +955,10 @@ def vocab_parallel():
     vocab = 1024 if settings.quick else 8192
     got = {n: spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
            for n in tp_sizes()}
-    import matplotlib.pyplot as plt
     full = next(iter(got.values()))["full logits"]
     labels = ["one process: the full logits"] + [f"tp={n}: largest tensor a rank holds" for n in got]
     values = [full] + [r["largest"] for r in got.values()]
-    fig, ax = plt.subplots(figsize=(6.4, 0.7 + 0.55 * len(values)))
-    bars = ax.barh(range(len(values)), [v / 1e3 for v in values], color=["gray"] + ["#4c72b0"] * len(got))
-    ax.bar_label(bars, labels=[f"{v / 1e3:.0f} kB" for v in values], padding=3, fontsize=12)
-    ax.set_yticks(range(len(values)), labels, fontsize=12)
-    ax.invert_yaxis()
-    ax.set_xlim(0, full / 1e3 * 1.3)
-    ax.set_xlabel("kB (measured)", fontsize=12)
+    fig = vocab_parallel_figure(labels, values, full, got)
     figure(fig, caption=f"vocabulary {vocab}, batch 4 × 32 tokens: with the vocabulary split, the largest "
            "tensor a rank holds is its slice of the logits")
     note("""
@@ -1163,17 +1157,8 @@ def sp_activation_memory(cfg):
         for sp in (False, True):
             formula = activation_formula(cfg, b, t, sp)
             rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.5 * len(rows)))
-    labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
-    colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
-    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color=colours)
-    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=12)
-    ax.set_yticks(range(len(rows)), labels, fontsize=12)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
-    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=12)
     note("**Activation memory.**")
+    fig = sp_activation_figure(rows)
     figure(fig, caption="one block's activation memory per rank: tensor parallelism alone leaves 4 units whole; "
            "with sequence parallelism all 16 shrink with tp (the table's numbers)")
     note("""
@@ -1769,19 +1754,7 @@ def gemm_efficiency():
     see(gemm_rates)
     rates = spawn(gemm_rates, 1, tokens=tokens, widths=widths, tps=tps, repeats=3 if settings.quick else 7,
                   name="matmul rate of a rank's share").returns[0]
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
-    for ax, which, title in zip(axes, (0, 1), ("column-parallel (h × 4h/t)", "row-parallel (4h/t × h)")):
-        for h in widths:
-            base = rates[(h, 1)][which]
-            ax.plot(tps, [rates[(h, t)][which] / base * t for t in tps], "o-", label=f"h = {h}")
-        ax.plot(tps, tps, "k--", lw=1, label="ideal: t")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("t (ranks splitting the matmul)")
-        ax.set_title(title, fontsize=10)
-    axes[0].set_ylabel("speed-up of one rank's share")
-    axes[0].legend(fontsize=8, frameon=False)
+    fig = gemm_efficiency_figure(widths, tps, rates)
     figure(fig, caption=f"measured: time of the whole matmul on one rank over the time of a 1/t share "
            f"({tokens} tokens, {'bf16 on the GPU' if on_gpu else 'float32, one CPU thread'}); below the dashed line, splitting wastes compute")
     rows = [[h, t, 4 * h // t, rates[(h, t)][0] / 1e9, rates[(h, t)][1] / 1e9,

@@ -1,6 +1,7 @@
 """Lecture 04's figures: the drawings of its page (a matrix cut by columns and by rows, f and g
-around the MLP, grouped-query heads across ranks, the sequence-parallel split, dropout masks, the
-async-TP timeline and DTensor's placements). Each helper returns a matplotlib figure."""
+around the MLP, grouped-query heads across ranks, the vocabulary-parallel bytes, memory per rank,
+the sequence-parallel split and its activation memory, dropout masks, the async-TP timeline, GEMM
+efficiency against t and DTensor's placements). Each helper returns a matplotlib figure."""
 from util import figure
 
 
@@ -246,4 +247,51 @@ def memory_per_rank_figure(ts, parts, n_full):
     ax.set_ylabel("kB per rank (measured)", fontsize=12)
     ax.tick_params(labelsize=11)
     ax.legend(fontsize=11, frameon=False)
+    return fig
+
+
+def vocab_parallel_figure(labels, values, full, got):
+    """Measured kB per bar, one process's in grey beside the vocabulary-parallel ranks' in blue."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 0.7 + 0.55 * len(values)))
+    bars = ax.barh(range(len(values)), [v / 1e3 for v in values], color=["gray"] + ["#4c72b0"] * len(got))
+    ax.bar_label(bars, labels=[f"{v / 1e3:.0f} kB" for v in values], padding=3, fontsize=12)
+    ax.set_yticks(range(len(values)), labels, fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlim(0, full / 1e3 * 1.3)
+    ax.set_xlabel("kB (measured)", fontsize=12)
+    return fig
+
+
+def sp_activation_figure(rows):
+    """Bytes saved for backward per rank, one process against tp with sequence parallelism off and on."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.5 * len(rows)))
+    labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
+    colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
+    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color=colours)
+    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=12)
+    ax.set_yticks(range(len(rows)), labels, fontsize=12)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=12)
+    return fig
+
+
+def gemm_efficiency_figure(widths, tps, rates):
+    """Speed-up of one rank's share of a column- and a row-parallel matmul against t, per width h,
+    beside the ideal t."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    for ax, which, title in zip(axes, (0, 1), ("column-parallel (h × 4h/t)", "row-parallel (4h/t × h)")):
+        for h in widths:
+            base = rates[(h, 1)][which]
+            ax.plot(tps, [rates[(h, t)][which] / base * t for t in tps], "o-", label=f"h = {h}")
+        ax.plot(tps, tps, "k--", lw=1, label="ideal: t")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("t (ranks splitting the matmul)")
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("speed-up of one rank's share")
+    axes[0].legend(fontsize=8, frameon=False)
     return fig
