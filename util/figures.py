@@ -63,3 +63,14 @@ def progress(iterable, desc="", total=None):
     return tqdm(iterable, desc=desc, total=total, file=sys.__stderr__, leave=False,
                 disable=bool(rank) or not sys.__stderr__.isatty(),
                 mininterval=0.5, dynamic_ncols=True)
+
+
+def kb_bars(ax, labels, nbytes, colours, xmax, fontsize=12):
+    """Horizontal bars of byte counts in kB, top to bottom in the given order, each labelled with
+    its value; the x axis runs to 1.3 × `xmax` bytes so the labels fit."""
+    bars = ax.barh(range(len(nbytes)), [b / 1e3 for b in nbytes], color=colours)
+    ax.bar_label(bars, labels=[f"{b / 1e3:.0f} kB" for b in nbytes], padding=3, fontsize=fontsize)
+    ax.set_yticks(range(len(nbytes)), labels, fontsize=fontsize)
+    ax.invert_yaxis()
+    ax.set_xlim(0, xmax / 1e3 * 1.3)
+    return bars

@@ -8,6 +8,7 @@ import numpy as np
 
 from lectures.data_parallel.collectives import bus_bandwidth_factor, crossover_bytes, optimal_bytes
 from util import plural
+from util.figures import kb_bars
 from util.measure import Timing, errorbar
 
 KB, MB = 1024, 1024 ** 2
@@ -506,11 +507,7 @@ def fsdp2_knobs_figure(rows):
     fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.5 * len(rows)))
     short = [r[0].replace("FSDP2, ", "").replace(" (every rank a full replica)", "")
              .replace(" (shard 2, replicate 2)", "") for r in rows]
-    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color="#8172b3")
-    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=11)
-    ax.set_yticks(range(len(rows)), short, fontsize=11)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    kb_bars(ax, short, [r[2] for r in rows], "#8172b3", max(r[2] for r in rows), fontsize=11)
     ax.set_xlabel("bytes written per step by rank 0 (kB, measured)", fontsize=12)
     return fig
 

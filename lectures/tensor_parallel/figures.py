@@ -3,6 +3,7 @@ around the MLP, grouped-query heads across ranks, the vocabulary-parallel bytes,
 the sequence-parallel split and its activation memory, dropout masks, the async-TP timeline, GEMM
 efficiency against t and DTensor's placements). Each helper returns a matplotlib figure."""
 from util import figure
+from util.figures import kb_bars
 
 
 def cut_figure(n, shapes):
@@ -254,11 +255,7 @@ def vocab_parallel_figure(labels, values, full, got):
     """Measured kB per bar, one process's in grey beside the vocabulary-parallel ranks' in blue."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 0.7 + 0.55 * len(values)))
-    bars = ax.barh(range(len(values)), [v / 1e3 for v in values], color=["gray"] + ["#4c72b0"] * len(got))
-    ax.bar_label(bars, labels=[f"{v / 1e3:.0f} kB" for v in values], padding=3, fontsize=12)
-    ax.set_yticks(range(len(values)), labels, fontsize=12)
-    ax.invert_yaxis()
-    ax.set_xlim(0, full / 1e3 * 1.3)
+    kb_bars(ax, labels, values, ["gray"] + ["#4c72b0"] * len(got), full)
     ax.set_xlabel("kB (measured)", fontsize=12)
     return fig
 
@@ -269,11 +266,7 @@ def sp_activation_figure(rows):
     fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.5 * len(rows)))
     labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
     colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
-    bars = ax.barh(range(len(rows)), [r[2] / 1e3 for r in rows], color=colours)
-    ax.bar_label(bars, labels=[f"{r[2] / 1e3:.0f} kB" for r in rows], padding=3, fontsize=12)
-    ax.set_yticks(range(len(rows)), labels, fontsize=12)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(r[2] for r in rows) / 1e3 * 1.3)
+    kb_bars(ax, labels, [r[2] for r in rows], colours, max(r[2] for r in rows))
     ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=12)
     return fig
 
