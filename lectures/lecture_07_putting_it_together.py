@@ -6,6 +6,7 @@ formulas of the earlier lectures turned into a per-rank memory estimator and a s
 calibrated on this machine, used to search every valid layout — here, where we can run them,
 and at published scale, where we cannot.
 """
+import collections
 import dataclasses
 import logging
 import math
@@ -590,10 +591,7 @@ def verdict_of(baseline, lo, hi):
 
 def ties_words(predictions):
     """' (4 of its 8 predictions tie, …)' where predictions print alike (ties make a ρ fragile)."""
-    counts = {}
-    for p in predictions:
-        counts[f"{p:.6g}"] = counts.get(f"{p:.6g}", 0) + 1
-    tied = sum(c for c in counts.values() if c > 1)
+    tied = sum(c for c in collections.Counter(f"{p:.6g}" for p in predictions).values() if c > 1)
     return f" ({tied} of its {len(predictions)} predictions tie, which makes its ρ fragile)" if tied else ""
 
 

@@ -17,7 +17,7 @@ import itertools
 import math
 
 from lectures.layout.estimator import Layout, estimate_memory
-from lectures.layout.step_time import step_time
+from lectures.layout.step_time import flops_per_token, mfu, step_time
 
 # =========================================================================================
 # Every valid configuration, ranked
@@ -167,7 +167,6 @@ def open_knobs(model, mesh, per_dp, micro_batch_sizes=(1, 2), virtual_stages=(1,
 def table4_row(row, model, hw, **knobs):
     """The search's fastest layout that fits on the row's mesh, with its predicted MFU
     (`knobs` narrow `open_knobs`, e.g. virtual_stages=(1,))."""
-    from lectures.layout.step_time import mfu
     shape = dataclasses.replace(model, seq=row["seq"])
     mesh = {k: row[k] for k in ("dp", "pp", "cp", "tp")}
     best = None
@@ -179,19 +178,32 @@ def table4_row(row, model, hw, **knobs):
         if best is None or t["total"] < best["time"]["total"]:
             best = {"layout": lay, "memory": mem, "time": t}
     if best is not None:
-        tokens = best["layout"].global_batch * shape.seq
-        best["mfu"] = mfu(shape, tokens / best["time"]["total"], row["gpus"] * hw.peak)
+        best["mfu"] = row_mfu(shape, best["layout"], best["time"]["total"], row, hw)
     return best
+
+
+def row_mfu(shape, layout, seconds, row, hw):
+    """The MFU of a step of `seconds` on `layout`, over the row's GPUs."""
+    return mfu(shape, layout.global_batch * shape.seq / seconds, row["gpus"] * hw.peak)
+
+
+def reach(predicted, target, lo, hi, steps, middle=lambda lo, hi: (lo + hi) / 2):
+    """The x in [lo, hi] where `predicted(x)`, growing with x, reaches `target` (bisection; a
+    None prediction counts as too low)."""
+    for _ in range(steps):
+        mid = middle(lo, hi)
+        got = predicted(mid)
+        lo, hi = (mid, hi) if got is None or got < target else (lo, mid)
+    return middle(lo, hi)
 
 
 def fit_gemm_fraction(row, model, make_hw, lo=0.3, hi=1.0, steps=30):
     """The sustained GEMM fraction of peak at which the model predicts `row`'s measured MFU
     (bisection: predicted MFU grows with it), every other constant as `make_hw` sets it."""
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        got = table4_row(row, model, make_hw(**{GEMM: mid}))
-        lo, hi = (mid, hi) if got is None or got["mfu"] < row["mfu"] else (lo, mid)
-    return (lo + hi) / 2
+    def predicted(fraction):
+        got = table4_row(row, model, make_hw(**{GEMM: fraction}))
+        return None if got is None else got["mfu"]
+    return reach(predicted, row["mfu"], lo, hi, steps)
 
 
 def reproduce_table4(model, make_hw, fit_on=0, rows=LLAMA3_TABLE4):
@@ -210,24 +222,18 @@ def attention_rate_needed(row, best, model, hw, steps=60):
     """The attention FLOP/s (on the FLOPs the kernel runs, as `hw.attention` counts them) at
     which the model predicts `row`'s measured MFU with `best`'s layout: a bisection that
     re-times the step at each rate (the predicted MFU grows with it)."""
-    from lectures.layout.step_time import mfu
     shape, lay = dataclasses.replace(model, seq=row["seq"]), best["layout"]
 
     def predicted(rate):
-        t = step_time(shape, lay, dataclasses.replace(hw, attention=rate))["total"]
-        return mfu(shape, lay.global_batch * shape.seq / t, row["gpus"] * hw.peak)
-    lo, hi = hw.attention / 100, hw.attention * 100
-    for _ in range(steps):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if predicted(mid) < row["mfu"] else (lo, mid)
-    return math.sqrt(lo * hi)
+        return row_mfu(shape, lay, step_time(shape, lay, dataclasses.replace(hw, attention=rate))["total"], row, hw)
+    return reach(predicted, row["mfu"], hw.attention / 100, hw.attention * 100, steps,
+                 middle=lambda lo, hi: math.sqrt(lo * hi))
 
 
 def causal_discounted(row, model):
     """`row`'s measured MFU in this model's count (PaLM's: 12·h·s of attention per token and
     block) if Meta had credited causal attention only half (6·h·s): the same tokens per
     second, more FLOPs credited."""
-    from lectures.layout.step_time import flops_per_token
     shape = dataclasses.replace(model, seq=row["seq"])
     palm = flops_per_token(shape)[0]
     return row["mfu"] * palm / (palm - 6 * shape.layers * shape.hidden * shape.seq)

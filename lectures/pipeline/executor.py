@@ -211,13 +211,12 @@ class PipelineExecutor:
         rank 0), the copies are one Parameter and autograd has summed them already."""
         if self.tie_peer is None:
             return
-        ops, theirs = [], []
+        ops, theirs, peer = [], [], self._global(self.tie_peer)
         for k, p in enumerate(self.tied):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             theirs.append(torch.empty_like(p.grad))
             tag = 2 * self.layout.stages * self.m + k          # after every activation's and gradient's
-            peer = self._global(self.tie_peer)
             ops += [dist.P2POp(dist.isend, p.grad, peer, self.group, tag),
                     dist.P2POp(dist.irecv, theirs[-1], peer, self.group, tag)]
         for work in dist.batch_isend_irecv(ops):
