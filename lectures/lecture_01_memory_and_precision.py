@@ -15,10 +15,9 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from util import cheat, deep_dive, device, note, plural, published, see, settings, spawn, table
+from util import cheat, deep_dive, note, plural, published, see, settings, spawn, table
 from util import try_it_yourself
 from util.measure import compare, machine, measure, usable_cores
 
@@ -30,7 +29,7 @@ from lectures.model.attention import (OnlineSoftmaxAttention, attention_with_lse
                                       naive_causal_attention, online_softmax_attention)
 from lectures.model.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
                                 causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
-from lectures.model.memory import LiveBytes, SavedBytes
+from lectures.model.memory import SavedBytes
 from lectures.model.precision import (FORMATS, MasterWeights, accumulate, accumulation_error,  # noqa: F401
                                       dequantize_fp8, format_properties, fp8_matmul_error, fp16_gradients,
                                       fp32_gradients, freeze_threshold, frozen_fraction, gradient_error,
@@ -42,42 +41,13 @@ from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_r
                                      largest_cache_bytes, matmul_rate, threads)
 from lectures.model.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
                                             fake_training_step, held_by_training, memory_timeline)
+from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
+                                  checked_attention_inputs, same_on_every_rank)
 from lectures.model.figures import (show, fmt_bytes, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     tile_error_figure, attention_blocks_figure, logits_figure, rounding_error_figure,
                                     delayed_scaling_figure, roofline_figure, loss_scaling_figure,
                                     master_weights_figure, attention_memory_figure)
-
-
-# =========================================================================================
-# Page-only helpers and the one demo spawned on ranks
-# =========================================================================================
-
-def attention_peak_bytes(attend, b, heads, s, d, backward=False, seed=0):
-    """Most bytes alive at once while `attend(q, k, v)` runs (and its backward, if asked),
-    beyond the inputs, measured with LiveBytes: a view of q, k or v (kᵀ) is not new memory;
-    their gradients, allocated by the backward, are."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, heads, s, d, generator=g, requires_grad=backward) for _ in range(3))
-    with LiveBytes() as live:
-        out = attend(q, k, v)
-        if backward:
-            out.sum().backward()
-    return live.peak
-
-
-def same_on_every_rank(rank, world_size, cfg, batch_size=8, step=3):
-    """Each rank builds batch `step` and the initial GPT by itself; an all-gather of their
-    checksums shows whether every rank got the same (what lectures 03–07 rely on)."""
-    tokens, _ = batch(cfg, batch_size, step)
-    model = GPT(cfg)
-    mine = torch.tensor([float(tokens.sum()), float(tokens[:, 0].sum()),
-                         sum(p.detach().double().sum().item() for p in model.parameters())],
-                        dtype=torch.float64, device=device())
-    everyone = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    return {"identical": all(torch.equal(e, everyone[0]) for e in everyone),
-            "checksums": [e.tolist() for e in everyone]}
 
 
 def intro():
@@ -320,27 +290,6 @@ def parameters_and_bytes():
           caption="the estimate assumes a 4h MLP and full-width K and V" +
                   (f"; where f ≠ 4h it misses ({'; '.join(off)})" if off else "") +
                   ". The last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
-
-
-def autocast_held_before_backward(model, opt, tokens, targets, set_to_none):
-    """Bytes by role that an autocast training loop holds between its second forward and that
-    forward's backward, and the `CastWeightCopies` that counted the bf16 copies. With
-    `set_to_none` the loop calls `opt.zero_grad(set_to_none=True)` before the forward, as a
-    standard loop does, so last step's gradients are gone; without, they are alive, as in
-    gradient accumulation. `opt=None`: a fresh AdamW."""
-    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(tokens)
-    loss_fn(logits, targets).backward()
-    opt.step()
-    if set_to_none:
-        opt.zero_grad(set_to_none=True)
-    with CastWeightCopies(model) as copies, torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(tokens)
-    loss = loss_fn(logits, targets)
-    held = dict(held_by_training(model, opt), Copies=copies.bytes)
-    loss.backward()                      # releases the bf16 copies
-    return held, copies
 
 
 def activation_memory():
@@ -991,13 +940,6 @@ def delayed_scaling():
 def flash_attention_idea():
     online_softmax_checks()    # blocks of keys merged by their log-sum-exp equal SDPA, gradients too
     attention_memory()         # what that saves, measured, and what it costs in time
-
-
-def checked_attention_inputs(s=200):
-    """The generator and the float64 q, k, v both online-softmax checks use."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    return g, q, k, v
 
 
 def online_softmax_checks():
