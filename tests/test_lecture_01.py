@@ -7,13 +7,19 @@ import torch
 import torch.nn.functional as F
 
 from lectures import lecture_01_memory_and_precision as L
+from lectures.model.deep_dives import (ACCUMULATOR_MODELS, bf16_attention_errors, closest_to_paper,
+                                       delayed_scaling, fp8_scaling_errors, fp8_verdict, tiles_first_win)
 from lectures.model.memory import SavedBytes
+from lectures.model.precision import (accumulate, accumulation_error, ordinary_channels, overflow_table,
+                                      quantize_fp8, scaled_mm_error, scaling_over_steps)
+from lectures.model.roofline import bandwidths, threads
+from lectures.model.training_memory import fake_training_step
 from tests.conftest import built
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """As the lecture does: tiny tensors, and cores shared with other work."""
-    with L.threads(1):
+    with threads(1):
         yield
 
 
@@ -164,7 +170,7 @@ def test_master_weights_keep_small_updates():
 @pytest.mark.parametrize("outlier", [1e4, 1e5])
 def test_fp8_tile_scaling_beats_per_tensor_on_outliers(outlier):
     a, w = L.outlier_matrices(128, 256, 128, outlier=outlier, seed=3)
-    keep = L.ordinary_channels(256, seed=3)                   # the channels the outliers do not own
+    keep = ordinary_channels(256, seed=3)                   # the channels the outliers do not own
     per_tensor = L.fp8_matmul_error(a, w, channels=keep)
     tiles = L.fp8_matmul_error(a, w, (1, 128), (128, 128), channels=keep)
     assert tiles < 0.8 * per_tensor
@@ -178,17 +184,17 @@ def test_fp8_scaling_choice_does_not_matter_without_outliers():
 
 def test_fp8_quantize_roundtrip_and_refusal():
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 4)[:, None]
-    q, s = L.quantize_fp8(x, (1, 128))
+    q, s = quantize_fp8(x, (1, 128))
     assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 2)
     half_subnormal_step = s.repeat_interleave(128, dim=1) * 2 ** -10   # below 2^-6, e4m3 steps by 2^-9
     assert ((L.dequantize_fp8(q, s) - x).abs() <= x.abs() * 2 ** -4 + half_subnormal_step).all()
     with pytest.raises(ValueError, match="does not divide"):
-        L.quantize_fp8(torch.randn(4, 100), (1, 128))
+        quantize_fp8(torch.randn(4, 100), (1, 128))
 
 
 def test_scaled_mm_per_tensor_matches_simulation():
     a, w = L.outlier_matrices(64, 128, 32, outlier=100.0)
-    got = L.scaled_mm_error(a, w)
+    got = scaled_mm_error(a, w)
     if got is None:
         pytest.skip("torch._scaled_mm does not run on this build")
     assert got == pytest.approx(L.fp8_matmul_error(a, w), rel=1e-3)
@@ -281,7 +287,7 @@ def test_batch_is_deterministic_and_step_dependent():
 
 def test_gpt_runs_under_fake_tensor_mode():
     huge = L.GPTConfig(vocab_size=1000, seq_len=128, d_model=1024, n_layers=1, n_heads=8)
-    rows = L.fake_training_step(huge, batch_size=1)
+    rows = fake_training_step(huge, batch_size=1)
     assert rows["after optimizer step"]["Parameter"] == 2 * L.param_count(huge)
 
 
@@ -311,7 +317,7 @@ def test_values_in_one_to_two_counted_from_bits_for_every_format():
 
 
 def test_e4m3_cast_saturates_and_the_others_overflow():
-    over = L.overflow_table((1e6, float("inf"), -float("inf")))
+    over = overflow_table((1e6, float("inf"), -float("inf")))
     assert over["fp8 e4m3fn"] == [448.0, 448.0, -448.0]           # no inf to detect
     assert over["fp16"] == [math.inf, math.inf, -math.inf]
     assert over["fp8 e5m2"] == [math.inf, math.inf, -math.inf]
@@ -353,18 +359,18 @@ def test_accumulator_model_exact_with_enough_bits_and_promotion_bounds_the_error
     g = torch.Generator().manual_seed(0)
     a = L.round_to(torch.randn(8, 300, generator=g), torch.float8_e4m3fn)
     b = L.round_to(torch.randn(300, 8, generator=g), torch.float8_e4m3fn)
-    torch.testing.assert_close(L.accumulate(a, b, bits=53), a.double() @ b.double(), rtol=0, atol=0)
+    torch.testing.assert_close(accumulate(a, b, bits=53), a.double() @ b.double(), rtol=0, atol=0)
     assert L.keep_bits(torch.tensor([1 + 2 ** -20], dtype=torch.float64), 14).item() == 1.0
-    long, short = L.accumulation_error(2048), L.accumulation_error(128)
+    long, short = accumulation_error(2048), accumulation_error(128)
     assert long > 5 * short                                    # a 14-bit sum degrades with k
-    assert L.accumulation_error(2048, promote_every=128) < 2 * short   # promotion: no worse than k = 128
+    assert accumulation_error(2048, promote_every=128) < 2 * short   # promotion: no worse than k = 128
     with pytest.raises(ValueError, match="positive"):
-        L.accumulate(a, b, promote_every=0)
+        accumulate(a, b, promote_every=0)
 
 
 def test_mxfp8_scales_are_powers_of_two_and_nothing_saturates():
     x = torch.randn(4, 96) * torch.logspace(-3, 3, 4)[:, None]
-    q, s = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    q, s = quantize_fp8(x, (1, 32), power_of_two=True)
     assert s.shape == (4, 3)
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)
     blocks = q.float().abs().reshape(4, 3, 32).amax(-1)
@@ -374,7 +380,7 @@ def test_mxfp8_scales_are_powers_of_two_and_nothing_saturates():
 
 
 def test_delayed_scaling_saturates_when_the_amax_jumps():
-    errs = L.scaling_over_steps([1.0] * 5 + [8.0] + [1.0] * 3, history=4)
+    errs = scaling_over_steps([1.0] * 5 + [8.0] + [1.0] * 3, history=4)
     current, delayed, saturated = zip(*errs)
     assert saturated[5] > 0.5 and delayed[5] > 10 * current[5]
     assert saturated[0] == 0 and delayed[0] == current[0]       # first step: no history, current scale
@@ -475,7 +481,7 @@ def test_parameters_and_bytes_page_counts_autocast_copies_until_backward():
 
 def test_delayed_scaling_names_transformer_engines_window():
     """Review 01-2: TE's default amax history is 1024 steps, ours 8 for the plot."""
-    text = _page_of(L.delayed_scaling)
+    text = _page_of(delayed_scaling)
     assert "1024" in text and "last 8 steps" not in text
 
 
@@ -518,13 +524,13 @@ def test_mxfp8_scale_called_a_variant_of_the_ocp_rule():
     """Review 01-9: the OCP scale is 2^(floor(log2 amax) - emax); ours rounds up."""
     import math as m
     x = torch.full((1, 32), 300.0)
-    _, scale = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    _, scale = quantize_fp8(x, (1, 32), power_of_two=True)
     ocp = 2.0 ** (m.floor(m.log2(300.0)) - 8)                         # 2^0: 300 fits in e4m3's 448
     assert scale.item() == 1.0 == ocp
     x = torch.full((1, 32), 500.0)                                    # above 448 at scale 2^0
-    _, scale = L.quantize_fp8(x, (1, 32), power_of_two=True)
+    _, scale = quantize_fp8(x, (1, 32), power_of_two=True)
     assert scale.item() == 2.0 and 2.0 ** (m.floor(m.log2(500.0)) - 8) == 1.0   # OCP would saturate
-    assert "Mishra et al. 2025" in L.quantize_fp8.__doc__                    # review C1: NVIDIA's recipe
+    assert "Mishra et al. 2025" in quantize_fp8.__doc__                    # review C1: NVIDIA's recipe
 
 
 def test_fake_tensor_table_uses_readable_units():
@@ -538,7 +544,7 @@ def test_fake_tensor_table_uses_readable_units():
 
 def test_fp8_outliers_sit_in_tokens_and_in_channels():
     a, w = L.outlier_matrices(200, 1024, 8, outlier=1e3, frac=0.01, channel_frac=0.002)
-    keep = L.ordinary_channels(1024, channel_frac=0.002)
+    keep = ordinary_channels(1024, channel_frac=0.002)
     assert (~keep).sum() == 2
     assert (a[:, ~keep].abs().median(0).values > 100).all()            # outlier channels on every token
     assert (a[:, keep].abs().amax(1) > 500).sum() == 2                 # and two outlier tokens
@@ -548,10 +554,10 @@ def test_fp8_outliers_sit_in_tokens_and_in_channels():
 def test_fp8_tiles_beat_rows_only_once_outlier_channels_are_large():
     """Review M1: per-channel outliers give the 1×128 tiles something to win; small ones do not."""
     m, k, n = 128, 512, 128
-    keep = L.ordinary_channels(k)
-    big = L.fp8_scaling_errors(*L.outlier_matrices(m, k, n, outlier=1e5), keep)
+    keep = ordinary_channels(k)
+    big = fp8_scaling_errors(*L.outlier_matrices(m, k, n, outlier=1e5), keep)
     assert big["tiles 1×128, 128×128"] < 0.7 * big["row-wise (per token)"] < 0.7 * big["per-tensor"]
-    small = L.fp8_scaling_errors(*L.outlier_matrices(m, k, n, outlier=1e2), keep)
+    small = fp8_scaling_errors(*L.outlier_matrices(m, k, n, outlier=1e2), keep)
     assert small["row-wise (per token)"] <= small["tiles 1×128, 128×128"]
 
 
@@ -561,12 +567,12 @@ def _fp8_row(per_tensor, rowwise, tiles):
 
 def test_fp8_verdict_is_read_from_the_table():
     never = [(1.0, _fp8_row(0.04, 0.03, 0.035)), (1e5, _fp8_row(0.5, 0.031, 0.035))]
-    assert L.tiles_first_win(never) is None
-    assert "At no outlier size" in L.fp8_verdict(never) and "Up to 100000×" in L.fp8_verdict(never)
+    assert tiles_first_win(never) is None
+    assert "At no outlier size" in fp8_verdict(never) and "Up to 100000×" in fp8_verdict(never)
     wins = [(1.0, _fp8_row(0.04, 0.03, 0.035)), (1e4, _fp8_row(0.06, 0.05, 0.035)),
             (1e5, _fp8_row(0.5, 0.1, 0.04))]
-    assert L.tiles_first_win(wins) == 1e4
-    text = L.fp8_verdict(wins)
+    assert tiles_first_win(wins) == 1e4
+    text = fp8_verdict(wins)
     assert "Up to 1×" in text and "From 10000× on, the tiles win: 0.035 against row-wise 0.05" in text
 
 
@@ -578,41 +584,41 @@ def test_e8m0_scale_costs_only_the_block_maximum():
     is_max = blocks.abs() == blocks.abs().amax(1, keepdim=True)
     rel = {}
     for p2 in (False, True):
-        back = L.dequantize_fp8(*L.quantize_fp8(x, (1, 32), power_of_two=p2)).reshape(-1, 32)
+        back = L.dequantize_fp8(*quantize_fp8(x, (1, 32), power_of_two=p2)).reshape(-1, 32)
         rel[p2] = ((back - blocks).abs() / blocks.abs())
     assert rel[True][~is_max].mean().item() == pytest.approx(rel[False][~is_max].mean().item(), rel=0.02)
     assert rel[False][is_max].max() < 1e-6 < 1e-3 < rel[True][is_max].mean()
-    keep = L.ordinary_channels(1024)
-    errors = L.fp8_scaling_errors(*L.outlier_matrices(128, 1024, 128, outlier=1e5), keep)
+    keep = ordinary_channels(1024)
+    errors = fp8_scaling_errors(*L.outlier_matrices(128, 1024, 128, outlier=1e5), keep)
     assert errors["MXFP8 1×32, exact scale"] < errors["MXFP8 1×32, e8m0 scale"]
     assert errors["MXFP8 1×32, exact scale"] < errors["tiles 1×128, 128×128"]
 
 
 def test_scaled_mm_row_wise_matches_simulation_on_the_ordinary_channels():
     a, w = L.outlier_matrices(64, 256, 32, outlier=1e5)
-    keep = L.ordinary_channels(256)
-    got = L.scaled_mm_error(a, w, rowwise=True, channels=keep)
+    keep = ordinary_channels(256)
+    got = scaled_mm_error(a, w, rowwise=True, channels=keep)
     if got is None:
         pytest.skip("torch._scaled_mm does not run on this build")
     assert got == pytest.approx(L.fp8_matmul_error(a, w, (1, 256), (256, 1), channels=keep), rel=0.05)
-    assert L.scaled_mm_error(a, w, channels=keep) == pytest.approx(L.fp8_matmul_error(a, w, channels=keep), rel=1e-3)
+    assert scaled_mm_error(a, w, channels=keep) == pytest.approx(L.fp8_matmul_error(a, w, channels=keep), rel=1e-3)
 
 
 def test_accumulator_model_that_reproduces_deepseeks_two_percent():
     """Review M2: DeepSeek-V3 §3.3.2 reports a maximum relative error of nearly 2% for k = 4096
     with a ~14-bit accumulator; the error depends on the assumed rounding, and the page picks
     the model nearest the paper's number."""
-    worst = {name: L.accumulation_error(4096, group=g, rounding=r, worst=True)
-             for name, (g, r) in L.ACCUMULATOR_MODELS.items()}
-    best = L.closest_to_paper(worst)
+    worst = {name: accumulation_error(4096, group=g, rounding=r, worst=True)
+             for name, (g, r) in ACCUMULATOR_MODELS.items()}
+    best = closest_to_paper(worst)
     assert 0.01 < worst[best] < 0.03
     assert worst["rounded to nearest after every product"] < 0.005 < 0.03 < worst["truncated after every product"]
     g = torch.Generator().manual_seed(0)
     a = L.round_to(torch.randn(4, 64, generator=g), torch.float8_e4m3fn)
     b = L.round_to(torch.randn(64, 4, generator=g), torch.float8_e4m3fn)
-    torch.testing.assert_close(L.accumulate(a, b, bits=53, group=4, rounding="nearest"), a.double() @ b.double())
+    torch.testing.assert_close(accumulate(a, b, bits=53, group=4, rounding="nearest"), a.double() @ b.double())
     with pytest.raises(ValueError, match="divisor"):
-        L.accumulate(a, b, promote_every=128, group=3)
+        accumulate(a, b, promote_every=128, group=3)
 
 
 def test_autocast_bytes_between_forward_and_backward_depend_on_zero_grad():
@@ -655,7 +661,7 @@ def test_attention_scores_of_bf16_inputs_are_computed_in_fp32():
     scores = (q.float() @ k.float().transpose(-2, -1)) * 32 ** -0.5
     scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-6, atol=1e-6)
-    errors = L.bf16_attention_errors()
+    errors = bf16_attention_errors()
     assert errors["ours"][0] < 1.5 * errors["SDPA"][0] and errors["ours"][1] < 1.5 * errors["SDPA"][1]
 
 
@@ -671,6 +677,6 @@ def test_allocator_and_torchao_float8_are_on_the_main_path():
 
 def test_bandwidths_side_by_side_put_add_and_gelu_near_the_copy():
     """The roofline's three memory-bound points, timed in the same rotating rounds."""
-    rates = L.bandwidths(64 * 2 ** 20, repeats=3)
+    rates = bandwidths(64 * 2 ** 20, repeats=3)
     assert set(rates) == {"copy", "add", "gelu"}
     assert rates["add"][0] > 0.5 * rates["copy"][0] and rates["gelu"][0] > 0.25 * rates["copy"][0]
