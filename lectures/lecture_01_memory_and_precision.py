@@ -41,7 +41,7 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   checked_attention_inputs, same_on_every_rank)
-from lectures.model.figures import (show, fmt_bytes, memory_phases_figure, bytes_per_parameter_figure,
+from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
@@ -87,14 +87,7 @@ def the_model_and_task():
         losses.append(loss.item())
     seconds = time.perf_counter() - start
     floor = entropy_rate(cfg)
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 2.8))
-    ax.plot(range(1, steps + 1), losses, label="training loss")
-    ax.axhline(floor, color="gray", ls="--", label="entropy rate (best possible)")
-    ax.axhline(math.log(cfg.vocab_size), color="gray", ls=":", label="uniform guess")
-    ax.set_xlabel("step", fontsize=12)
-    ax.set_ylabel("loss (nats/token)", fontsize=12)
-    ax.legend(fontsize=11)
+    fig = training_loss_figure(losses, floor, cfg.vocab_size)
     note("## The model and the task")
     show(fig, caption=f"AdamW, lr 3e-3, batch 16 × {cfg.seq_len} tokens, {steps} steps in "
                         f"{seconds:.1f} s ({machine()}): from {losses[0]:.2f} to {losses[-1]:.2f}")

@@ -5,4 +5,6 @@
   `activations`: what a block saves for backward, recomputation and accumulation.
 - `precision`: number formats fp32 → fp8 and mixed precision; `roofline`: this machine's FLOP/s
   and bandwidths.
+- `demos`, `deep_dives`, `figures`: what lecture 01's demos run, its appendix page's sections,
+  and its page's drawings.
 """

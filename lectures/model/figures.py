@@ -1,9 +1,9 @@
-"""Lecture 01's figures: the drawings of its page (memory by phase, bytes per parameter, saved
-activations, recomputation, accumulation, the logits' share, number formats and their rounding
-error, loss scaling, master weights, fp8 tiles and delayed scaling, attention by blocks and its
-memory, the roofline), and `show`, the page's `util.figure` with tick labels readable at a phone's
-width. Each helper takes what a demo measured and returns a matplotlib figure; the lecture
-narrates and shows it."""
+"""Lecture 01's figures: the drawings of its page (the training loss, memory by phase, bytes per
+parameter, saved activations, recomputation, accumulation, the logits' share, number formats and
+their rounding error, loss scaling, master weights, fp8 tiles and delayed scaling, attention by
+blocks and its memory, the roofline), and `show`, the page's `util.figure` with tick labels
+readable at a phone's width. Each helper takes what a demo measured and returns a matplotlib
+figure; the lecture narrates and shows it."""
 import math
 
 import torch
@@ -39,6 +39,21 @@ def fmt_bytes(n):
         if abs(n) >= k:
             return f"{n / k:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def training_loss_figure(losses, floor, vocab_size):
+    """The training loss per step against the task's entropy rate (`floor`, the best possible)
+    and a uniform guess over `vocab_size` tokens."""
+    import matplotlib.pyplot as plt
+    steps = len(losses)
+    fig, ax = plt.subplots(figsize=(6.5, 2.8))
+    ax.plot(range(1, steps + 1), losses, label="training loss")
+    ax.axhline(floor, color="gray", ls="--", label="entropy rate (best possible)")
+    ax.axhline(math.log(vocab_size), color="gray", ls=":", label="uniform guess")
+    ax.set_xlabel("step", fontsize=12)
+    ax.set_ylabel("loss (nats/token)", fontsize=12)
+    ax.legend(fontsize=11)
+    return fig
 
 
 def memory_phases_figure(rows):
