@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lectures.data_parallel import collectives as C
+from lectures.data_parallel import communication_demos as D
 from lectures import lecture_02_communication as L
 from tests.conftest import built, walk
 from util import spawn
@@ -69,7 +70,7 @@ def test_collective_matches_single_process_reference(name, fn, world_size):
         if roots_only and r > 0:
             assert b is None
             continue
-        assert torch.equal(b, L.rank_data(r, b.numel()))
+        assert torch.equal(b, D.rank_data(r, b.numel()))
     # ... and every defined output equals the single-process reference.
     for r, (got, want) in enumerate(zip(after, references(name, before, world_size))):
         if want is None:
