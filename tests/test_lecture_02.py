@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from lectures.data_parallel import collectives as C
 from lectures.data_parallel import communication_demos as D
+from lectures.data_parallel import communication_deep_dives as DD
 from lectures import lecture_02_communication as L
 from tests.conftest import built, walk
 from util import spawn
@@ -448,8 +449,9 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
     monkeypatch.setattr(L, "MEASURED", {("sweep", ranks, L.settings.quick, s):
                                         Timing([1e-4 + s / 1e9] * 3) for s in sizes})
     monkeypatch.setattr(L, "spawn", lambda *a, **k: pytest.fail("measured again"))
-    for name in ("note", "see", "table", "figure"):
-        monkeypatch.setattr(L, name, lambda *a, **k: None)
+    for module, names in ((L, ("note", "see", "table", "figure")), (DD, ("note", "table"))):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *a, **k: None)
     L.alpha_beta()
 
 
@@ -533,9 +535,9 @@ def test_pipelining_verdict_from_the_numbers():
     """The race had no verdict on pipelining (0.41× vs 0.55× of the built-in at 4 MB)."""
     from util.measure import Timing
     ring, piped = Timing([10e-3, 10.2e-3, 10.4e-3]), Timing([13e-3, 13.6e-3, 14e-3])
-    text = L.pipelining_verdict("4 MB", ring, piped)
+    text = DD.pipelining_verdict("4 MB", ring, piped)
     assert "simple 1.33× faster than pipelined" in text and "same cores" in text
-    assert "hid some" in L.pipelining_verdict("4 MB", piped, ring)
+    assert "hid some" in DD.pipelining_verdict("4 MB", piped, ring)
 
 
 def test_wide_collective_figures_stack_for_phones():
