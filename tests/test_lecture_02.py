@@ -544,9 +544,10 @@ def test_wide_collective_figures_stack_for_phones():
     """The all-gather figure was 1,699 px wide side by side (shown at 358 px on a phone)."""
     import matplotlib
     matplotlib.use("Agg")
+    from lectures.data_parallel.figures import draw_collective
     before = [torch.tensor([10. * r, 10. * r + 1]) for r in range(4)]
     after = [torch.cat(before)] * 4
-    wide = L.draw_collective("all-gather", before, after, "none")
-    narrow = L.draw_collective("broadcast", before, before, "none")
+    wide = draw_collective("all-gather", before, after, "none")
+    narrow = draw_collective("broadcast", before, before, "none")
     assert wide.get_size_inches()[0] <= 9 and len({round(ax.get_position().x0, 2) for ax in wide.axes}) == 1
     assert len({round(ax.get_position().x0, 2) for ax in narrow.axes}) == 2
