@@ -6,35 +6,33 @@ measures bandwidth the way nccl-tests does, fits the α–β cost model, makes a
 and overlaps communication with computation.
 """
 import math
-import shutil
-import subprocess
-import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from util import (cheat, deep_dive, device, figure, note, plural, published, see, settings, span, span_at,
-                  spawn, table, timeline)
+from util import (cheat, deep_dive, figure, note, plural, published, see, settings, spawn, table,
+                  timeline)
 from util import try_it_yourself
 from util.launch import choose_backend
 from util.recording import trim_build_paths  # noqa: F401  (tests use it from here)
-from util.measure import (Timing, compare, machine, measure, spreads_overlap, timing_ranks,
-                          value_range)
+from util.measure import compare, machine, measure, spreads_overlap, timing_ranks, value_range
 
 from exercises import listing as notebook_exercises
 from lectures.data_parallel.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends,
                                                 bus_bandwidth_factor, crossover_bytes, fit_alpha_beta, optimal_bytes,
-                                                pipelined_ring_all_reduce, ring_all_reduce, sweep, wire_bytes)
+                                                ring_all_reduce, sweep, wire_bytes)
+from lectures.data_parallel.collectives import pipelined_ring_all_reduce  # noqa: F401  (exercises/lecture_02.py watches it here)
+from lectures.data_parallel.communication_demos import (
+    COLLECTIVES, MEASURED, RING_VARIANTS, all_reduce_in_two_halves, all_reduce_two_ways, async_overlap, copy_time,
+    demo_all_to_all, demo_send_recv, race_ring, ring_trace, skip_a_collective, us)
+from lectures.data_parallel.communication_demos import demo_reduce_scatter, ring_vs_builtin  # noqa: F401  (the notebook uses them)
+from lectures.data_parallel.communication_deep_dives import (
+    alpha_beta_details, finding_the_culprit, overlap_streams, ring_checked, ring_raced, this_machine)
 from lectures.data_parallel.figures import (human_bytes, draw_hierarchy, draw_stages, draw_gallery, draw_ring_trace,
                                             draw_ring_arrows, draw_busbw, draw_wire, draw_alpha_beta, draw_hang)
 
 KB, MB = 1024, 1024 ** 2
 
-# Timings this page takes once and reuses: the built-in all-reduce in the race against our rings,
-# and the all-reduce sweep that both the bandwidth section and the α–β fit read, keyed by
-# (ranks, quick, size) so a notebook that changes a knob measures afresh.
-MEASURED = {}
 
 # --world-size values its demos accept: send/recv needs a second rank (util.run refuses others)
 WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8)
@@ -43,34 +41,6 @@ WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8)
 # =========================================================================================
 # 1. The hardware hierarchy
 # =========================================================================================
-
-def machine_topology():
-    """What this machine says about itself: GPU links with nvidia-smi, CPU facts otherwise."""
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                 timeout=30)
-            if out.returncode == 0 and out.stdout.strip():
-                return "nvidia-smi topo -m", out.stdout.rstrip()
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    keep = ("Model name", "CPU(s):", "Thread(s) per core", "Core(s) per socket", "Socket(s)",
-            "L1d cache", "L2 cache", "L3 cache", "NUMA node(s)", "Hypervisor vendor")
-    if shutil.which("lscpu"):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30)
-        lines = [l.replace("(s)", "s") for l in out.stdout.splitlines() if l.strip().startswith(keep)]
-        if lines:
-            return "lscpu (selected lines)", "\n".join(lines)
-    with open("/proc/cpuinfo") as f:
-        models = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-    return "/proc/cpuinfo", f"{len(models)} logical CPUs: {models[0] if models else 'unknown'}"
-
-
-def copy_time(nbytes, repeats):
-    """A `Timing` of copying an `nbytes` buffer in this process's memory."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return measure(lambda: dst.copy_(src), warmup=1, repeats=repeats)
 
 
 def hardware():
@@ -114,121 +84,9 @@ def hardware_hierarchy():
        caption="Memory and interconnect hierarchy of an H100 SXM node (published figures, not measured here).")
 
 
-def this_machine():
-    note("""
-        `nvidia-smi topo -m` lists which GPUs talk over NVLink (`NV#`) or PCIe (`PIX`, `PHB`,
-        `SYS`); without GPUs we record the CPU layout, since the "ranks" here are processes
-        sharing these cores and one memory.
-    """)
-    source, text = machine_topology()
-    note(f"Output of `{source}` on the build machine:\n\n```text\n{text}\n```")
-
-
 # =========================================================================================
 # 2. The collectives, each on real ranks
 # =========================================================================================
-# Rank r starts with values 10*r + i, so a value says where it came from: 23 is element 3 of
-# rank 2. `chunk` elements per rank-sized piece; the figures use 2, the tests other sizes.
-
-def rank_data(rank, length):
-    return torch.arange(length, dtype=torch.float32) + 10 * rank
-
-
-def _cpu(t):
-    return None if t is None else t.detach().to("cpu").clone()
-
-
-def demo_broadcast(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk * world_size).to(device())
-    before = _cpu(x)
-    dist.broadcast(x, src=0)            # everyone ends with rank 0's tensor
-    return {"before": before, "after": _cpu(x)}
-
-
-def demo_scatter(rank, world_size, chunk=2):
-    pieces = list(rank_data(0, chunk * world_size).to(device()).chunk(world_size)) if rank == 0 else None
-    out = torch.zeros(chunk, device=device())
-    before = torch.cat(pieces).cpu() if rank == 0 else None
-    dist.scatter(out, scatter_list=pieces, src=0)   # piece r goes to rank r
-    return {"before": before, "after": _cpu(out)}
-
-
-def demo_gather(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk).to(device())
-    slots = [torch.zeros_like(x) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(x, gather_list=slots, dst=0)        # only rank 0 receives
-    return {"before": _cpu(x), "after": torch.cat(slots).cpu() if rank == 0 else None}
-
-
-def demo_reduce(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk * world_size).to(device())
-    before = _cpu(x)
-    dist.reduce(x, dst=0)   # rank 0 gets the sum; other ranks' buffers are scratch space
-    return {"before": before, "after": _cpu(x)}
-
-
-def demo_all_gather(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk).to(device())
-    out = torch.zeros(chunk * world_size, device=device())
-    dist.all_gather_single(out, x)
-    return {"before": _cpu(x), "after": _cpu(out)}
-
-
-def demo_reduce_scatter(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk * world_size).to(device())
-    out = torch.zeros(chunk, device=device())
-    dist.reduce_scatter_single(out, x)  # rank r gets the sum of everyone's piece r
-    return {"before": _cpu(x), "after": _cpu(out)}
-
-
-def demo_all_reduce(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk * world_size).to(device())
-    before = _cpu(x)
-    dist.all_reduce(x)
-    return {"before": before, "after": _cpu(x)}
-
-
-def demo_all_to_all(rank, world_size, chunk=2):
-    x = rank_data(rank, chunk * world_size).to(device())
-    out = torch.zeros_like(x)
-    dist.all_to_all_single(out, x)      # piece j of rank i becomes piece i of rank j
-    return {"before": _cpu(x), "after": _cpu(out)}
-
-
-def demo_send_recv(rank, world_size, chunk=2):
-    """Everyone passes its tensor to the right neighbour on a ring."""
-    x = rank_data(rank, chunk).to(device())
-    got = torch.zeros_like(x)
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    # Posting both sides at once avoids the deadlock of "everyone sends first, nobody receives".
-    ops = [dist.P2POp(dist.isend, x, right), dist.P2POp(dist.irecv, got, left)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return {"before": _cpu(x), "after": _cpu(got)}
-
-
-# name, rank function, what the collective does, which results are sums
-COLLECTIVES = [
-    ("broadcast", demo_broadcast, "rank 0's tensor is copied to every rank", "none"),
-    ("scatter", demo_scatter, "rank 0 splits its tensor; piece r goes to rank r", "none"),
-    ("gather", demo_gather, "every rank's tensor is collected, in rank order, on rank 0", "none"),
-    ("reduce", demo_reduce, "the element-wise sum lands on rank 0 only", "dst"),
-    ("all-gather", demo_all_gather, "every rank gets everyone's tensors, in rank order", "none"),
-    ("reduce-scatter", demo_reduce_scatter, "rank r gets the sum of everyone's piece r", "all"),
-    ("all-reduce", demo_all_reduce, "every rank gets the element-wise sum", "all"),
-    ("all-to-all", demo_all_to_all, "piece j of rank i becomes piece i of rank j (a transpose)", "none"),
-    ("send/recv", demo_send_recv, "each rank sends to its right neighbour, receives from its left", "none"),
-]
-
-
-def draw_collective(name, before, after, sums):
-    """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
-    rank the value came from; sums are grey; a reduce's non-destination buffers are hatched.
-    Wide results (all-gather's, gather's: n pieces per rank) stack the panels, so that the
-    figure stays readable when the page shrinks it to a phone's width."""
-    cells = sum(max((len(t) for t in data if t is not None), default=1) for data in (before, after))
-    return draw_stages(name, [("before", before, "none"), ("after", after, sums)], stacked=cells > 6)
-
 
 def collectives():
     world_size = settings.world_size
@@ -263,29 +121,6 @@ def collectives():
 # =========================================================================================
 # 3. All-reduce = reduce-scatter + all-gather
 # =========================================================================================
-
-def all_reduce_two_ways(rank, world_size, length, integer):
-    """All-reduce directly, and as reduce-scatter then all-gather; returns both results."""
-    g = torch.Generator().manual_seed(rank)
-    x = (torch.randint(-100, 100, (length,), generator=g).float() if integer
-         else torch.randn(length, generator=g)).to(device())
-    direct = x.clone()
-    dist.all_reduce(direct)
-    piece = torch.empty(length // world_size, device=device())
-    dist.reduce_scatter_single(piece, x)    # each rank owns the full sum of one piece ...
-    composed = torch.empty_like(x)
-    dist.all_gather_single(composed, piece)    # ... and then everyone collects all pieces
-    return {"input": _cpu(x), "direct": _cpu(direct), "composed": _cpu(composed)}
-
-
-def all_reduce_in_two_halves(rank, world_size, chunk=2):
-    """The tensors after each half of an all-reduce: reduce-scatter, then all-gather."""
-    x = rank_data(rank, chunk * world_size).to(device())
-    piece = torch.zeros(chunk, device=device())
-    dist.reduce_scatter_single(piece, x)        # rank r: the sum of everyone's piece r
-    full = torch.zeros_like(x)
-    dist.all_gather_single(full, piece)         # everyone: every rank's finished piece
-    return {"before": _cpu(x), "scattered": _cpu(piece), "gathered": _cpu(full)}
 
 
 def all_reduce_decomposed():
@@ -328,61 +163,6 @@ def all_reduce_decomposed():
 # =========================================================================================
 # 4. Ring all-reduce from send and receive
 # =========================================================================================
-
-def ring_vs_builtin(rank, world_size, lengths):
-    """For each length: (input, ring, pipelined ring, dist.all_reduce) results on this rank."""
-    out = []
-    for length in lengths:
-        g = torch.Generator().manual_seed(1000 * rank + length)
-        x = torch.randn(length, generator=g).to(device())
-        ours, pipelined, theirs = x.clone(), x.clone(), x.clone()
-        ring_all_reduce(ours)
-        pipelined_ring_all_reduce(pipelined)
-        dist.all_reduce(theirs)
-        out.append((_cpu(x), _cpu(ours), _cpu(pipelined), _cpu(theirs)))
-    return out
-
-
-def ring_trace(rank, world_size):
-    """Run the ring on one element per chunk, rank r contributing 2**r, recording each step."""
-    x = torch.full((world_size,), 2.0 ** rank, device=device())
-    steps = [("start", 0, None, _cpu(x))]
-    ring_all_reduce(x, on_step=lambda phase, step, i: steps.append((phase, step, i, _cpu(x))))
-    return steps
-
-
-def _sync():
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-
-
-RING_VARIANTS = {"ring": ring_all_reduce, "pipelined ring": pipelined_ring_all_reduce,
-                 "dist.all_reduce": dist.all_reduce}
-
-
-def race_ring(rank, world_size, sizes, warmup, iters):
-    """A `Timing` of each RING_VARIANTS entry per size (bytes). The variants take turns, one
-    timed call each, rotating the order, so that all of them see the same (noisy, shared)
-    machine; `measure` lines the ranks up with a barrier and keeps the slowest rank."""
-    out = []
-    for nbytes in sizes:
-        x = torch.zeros(nbytes // 4, device=device())  # zeros: repeated sums never overflow
-        for fn in RING_VARIANTS.values():
-            for _ in range(warmup):
-                fn(x)
-        samples = {name: [] for name in RING_VARIANTS}
-        order = list(RING_VARIANTS)
-        for _ in range(iters):
-            for name in order:
-                samples[name] += measure(lambda: RING_VARIANTS[name](x), warmup=0, repeats=1).samples
-            order = order[1:] + order[:1]   # rotate, so no variant always runs right after another
-        out.append([Timing(samples[name]) for name in RING_VARIANTS])
-    return out
-
-
-def us(t):
-    """A Timing as 'median (q1–q3)' in microseconds, for tables."""
-    return f"{t.median * 1e6:,.0f} ({value_range(t.q1 * 1e6, t.q3 * 1e6, decimals=0)})"
 
 
 def ring():
@@ -436,82 +216,6 @@ def ring_step_by_step():
     see(ring_all_reduce, lesson=True)
     see(_ring_buffer)
     see(_exchange)
-
-
-def ring_checked():
-    world_size = settings.world_size
-    lengths = [1, 2, 3, 7, 13, 97, 1000, 4099]
-    note("""
-        Waiting for a whole chunk before passing it on leaves the link idle while a rank adds.
-        Real implementations cut chunks into slices and overlap moving one slice with adding
-        the previous one — a pipeline. Whether that pays off depends on whether moving and
-        adding really use different resources; the race below measures it here.
-    """)
-    run = spawn(ring_vs_builtin, world_size, lengths=lengths,
-                name=f"rings vs dist.all_reduce, awkward lengths, {world_size} ranks")
-    rows = []
-    for j, variant in ((1, "ring"), (2, "pipelined ring")):
-        worst_builtin = worst_exact = 0.0
-        for k in range(len(lengths)):
-            reference = sum(r[k][0].double() for r in run.returns)
-            worst_builtin = max(worst_builtin, max((r[k][j] - r[k][3]).abs().max().item() for r in run.returns))
-            worst_exact = max(worst_exact, max((r[k][j].double() - reference).abs().max().item() for r in run.returns))
-        rows.append([variant, worst_builtin, worst_exact])
-    table(rows, header=["variant", "max |ours − dist.all_reduce|", "max |ours − float64 sum|"],
-          caption=f"Both hand-written rings agree with the built-in on {world_size} ranks for "
-                  f"awkward lengths ({', '.join(map(str, lengths))}; the largest difference over "
-                  "all of them and every rank): the differences are float rounding, the additions "
-                  "happen in a different order.")
-    see(pipelined_ring_all_reduce)
-
-
-def ring_raced():
-    world_size = settings.world_size
-    sizes = [4 * KB, 256 * KB, 4 * MB] if settings.quick else [4 * KB, 256 * KB, 4 * MB, 64 * MB]
-    iters = 5 if settings.quick else 9
-    ranks = timing_ranks(world_size)
-    run = spawn(race_ring, ranks, sizes=sizes, warmup=2, iters=iters,
-                name=f"race: ring vs pipelined ring vs built-in, {ranks} ranks")
-    timings = run.returns[0]
-    names = list(RING_VARIANTS)
-    rows = []
-    for nbytes, ts in zip(sizes, timings):
-        bus = [bandwidths("all_reduce", nbytes, t.median, ranks)[1] / 1e9 for t in ts]
-        rows.append([human_bytes(nbytes), *(us(t) for t in ts), *bus,
-                     bus[0] / bus[2], bus[1] / bus[2]])
-    table(rows, header=["size", *(f"{n} µs, median (IQR)" for n in names),
-                        *(f"{n} busbw (GB/s)" for n in names),
-                        "ring / built-in", "pipelined / built-in"],
-          caption=f"{iters} timed calls per variant after 2 warm-ups, each after a barrier, slowest "
-                  f"rank; the three variants take turns. "
-                  f"{choose_backend(ranks)}, {machine(ranks)}.")
-    for nbytes, ts in zip(sizes, timings):
-        MEASURED["race", ranks, settings.quick, nbytes] = ts[2]
-    small, large = rows[0], rows[-1]
-    note(f"""
-        Timed on {ranks} ranks, not {world_size}: a timing with more ranks than cores measures
-        the operating system taking turns, not the algorithm.
-        At {large[0]} the pipelined ring reaches {large[-1]:.2f}× the built-in's bus bandwidth
-        (the simple ring {large[-2]:.2f}×). At {small[0]} the ratios are {small[-2]:.2f}×
-        (simple) and {small[-1]:.2f}× (pipelined): small messages are all latency, our ring pays
-        $2(n-1)$ Python-level exchanges (the pipelined one, one per slice), while the library
-        runs its loop in C++ (and NCCL would switch to a tree). For large messages the ratio
-        says how much a few lines of Python around `isend`/`irecv` cost once bytes dominate.
-
-        {pipelining_verdict(large[0], timings[-1][0], timings[-1][1])}
-    """)
-
-
-def pipelining_verdict(size, ring, pipelined):
-    """Did cutting chunks into slices pay off at `size`? From the two rings' Timings."""
-    said = f"Pipelined against simple ring at {size}: {compare(pipelined, ring, 'pipelined', 'simple')}."
-    if pipelined.q3 < ring.q1:
-        return said + (" Moving one slice while adding the previous one hid some of the additions "
-                       "behind the transfers.")
-    return said + (" Pipelining pays only when moving and adding use different resources; here "
-                   "both are CPU work on the same cores (gloo copies bytes through loopback "
-                   "sockets with CPU threads), and every slice adds a Python-level exchange "
-                   "with its own fixed cost, so there is nothing to overlap and more to pay.")
 
 
 # =========================================================================================
@@ -785,51 +489,9 @@ def alpha_beta_fit():
             "small_alpha": small_alpha, "large_beta": large_beta, "misfit": misfit}
 
 
-def alpha_beta_details(fit):
-    """The fit size by size, whether one line fits both regimes, and the ring's refined model."""
-    sizes, timings, times, model, rel = (fit[k] for k in ("sizes", "timings", "times", "model", "rel"))
-    table([[human_bytes(s), us(t), m * 1e6, f"{100 * (m / t.median - 1):+.0f}%"]
-           for s, t, m in zip(sizes, timings, model)],
-          header=["size", "measured µs, median (IQR)", "one-line model (µs)", "model − measured"],
-          caption=f"Median relative error of the fit: {np.median(rel) * 100:.0f}%; largest "
-                  f"{rel.max() * 100:.0f}% (at {human_bytes(sizes[int(rel.argmax())])}).")
-    if fit["misfit"]:
-        fits = (f"One straight line does not fit both regimes here: at {human_bytes(sizes[-1])} it "
-                f"predicts {model[-1] * 1e3:.3g} ms where {times[-1] * 1e3:.3g} ms was measured "
-                f"({100 * (model[-1] / times[-1] - 1):+.0f}%), and at {human_bytes(sizes[0])} "
-                f"{model[0] * 1e6:.0f} µs for {times[0] * 1e6:.0f} µs. Fitted separately, the "
-                f"smaller half gives α ≈ {fit['small_alpha'] * 1e6:.0f} µs and the larger half "
-                f"β ≈ {fit['large_beta'] / 1e9:.2f} GB/s (dashed lines in the figure): the bandwidth "
-                "this machine reaches depends on the size (caches, socket buffers, gloo switching "
-                "algorithms), which the model's single β cannot express. Use α from small "
-                "messages and β from the sizes you will really send.")
-    else:
-        fits = (f"The line fits the whole range within {rel.max() * 100:.0f}% "
-                f"(at {human_bytes(sizes[int(rel.argmax())])}).")
-    note(f"""
-        {fits} The fit itself is exact: a two-unknown non-negative least-squares problem
-        (`fit_alpha_beta`). For a ring the model can be refined per link:
-        $t = 2(n-1)\\,\\alpha_\\text{{link}} + \\frac{{2(n-1)}}{{n}}\\frac{{S}}{{\\beta_\\text{{link}}}}$
-        — the latency term grows with the number of ranks, which is why NCCL uses trees for
-        small messages on many nodes.
-    """)
-
-
 # =========================================================================================
 # 7. Hangs and timeouts
 # =========================================================================================
-
-def skip_a_collective(rank, world_size):
-    """The last rank forgets an all-reduce; the others wait for it until their timeout."""
-    x = torch.ones(1, device=device())
-    if rank == world_size - 1:
-        return "left early"             # a bug: e.g. an `if` that only this rank took
-    t0 = time.perf_counter()
-    try:
-        dist.all_reduce(x)              # blocks until every rank joins... which never happens
-    finally:
-        print(f"waited {time.perf_counter() - t0:.1f} s in all_reduce")
-    return "unreachable"
 
 
 def hangs():
@@ -868,104 +530,9 @@ def hang_demo():
     see(skip_a_collective)
 
 
-def finding_the_culprit():
-    note("""
-        - `TORCH_DISTRIBUTED_DEBUG=DETAIL` makes PyTorch check, before every collective, that
-          all ranks are calling the same operation with the same shapes (it wraps the process
-          group and compares fingerprints with an extra all-gather). A mismatch becomes an error
-          naming the op and the ranks, instead of a hang or silent corruption. It costs time:
-          use it to debug, not to train.
-        - `NCCL_DEBUG=INFO` makes NCCL log its set-up (version, rings/trees chosen, which
-          transport — NVLink, PCIe, InfiniBand — connects each pair) and errors;
-          `NCCL_DEBUG_SUBSYS=COLL` adds a line per collective call, so the rank whose log stops
-          early is the one that skipped.
-        - Keep timeouts short while debugging (`init_process_group(timeout=...)`). With NCCL a
-          watchdog thread notices the timeout; `TORCH_NCCL_ASYNC_ERROR_HANDLING` says what it
-          does then: 0 nothing, 1 abort the communicator and tear the process down, 2 only
-          abort the communicator, 3 (the default) tear the process down *without* aborting
-          the communicator. Either way the job dies loudly instead of hanging.
-        - The "flight recorder" keeps the last collectives each rank issued (op, sizes,
-          sequence number, state) in a ring buffer whose length is `TORCH_FR_BUFFER_SIZE`
-          (PyTorch 2.13's name; older releases read `TORCH_NCCL_TRACE_BUFFER_SIZE`, which is
-          still accepted); 0 records nothing. 2.13's source defaults it to 2,000 entries,
-          older releases to 0, so set it explicitly. `TORCH_NCCL_DUMP_ON_TIMEOUT=1` only
-          *writes that buffer out* when the watchdog fires (to files whose name starts with
-          `TORCH_FR_DUMP_TEMP_FILE`; the old name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` is still
-          read), so set both. Comparing the ranks' last sequence
-          numbers names the rank that fell behind.
-    """)
-
-
 # =========================================================================================
 # 8. Overlap
 # =========================================================================================
-
-def streams_overlap(rank, world_size, n, copy_bytes, reps):
-    """GPU only: a matmul on the default stream and a host-to-device copy on a side stream."""
-    dev = device()
-    a = torch.randn(n, n, device=dev)
-    host = torch.ones(copy_bytes // 4, pin_memory=True)   # pinned: the copy engine can DMA it
-    dst = torch.empty(host.shape, device=dev)
-    side = torch.cuda.Stream()
-
-    def sequential():
-        a @ a
-        dst.copy_(host, non_blocking=True)
-
-    def overlapped():
-        with torch.cuda.stream(side):
-            dst.copy_(host, non_blocking=True)
-        a @ a
-        torch.cuda.current_stream().wait_stream(side)
-
-    return {name: measure(fn, warmup=1, repeats=reps) for name, fn in
-            [("matmul", lambda: a @ a), ("copy", lambda: dst.copy_(host, non_blocking=True)),
-             ("sequential", sequential), ("overlapped", overlapped)]}
-
-
-def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
-    """All-reduce a gradient-sized buffer, and compute, first one after the other, then with
-    the all-reduce started asynchronously before the compute. Returns three `Timing`s (compute
-    alone, sequential, overlapped) and records the spans of one extra traced repetition."""
-    grad = torch.zeros(numel, device=device())
-    a = torch.randn(matmul_n, matmul_n, device=device()) / matmul_n ** 0.5
-
-    def compute():
-        y = a
-        for _ in range(matmuls):
-            y = a @ y
-        _sync()
-
-    def sequential():
-        compute()
-        dist.all_reduce(grad)
-        _sync()
-
-    def overlapped():
-        work = dist.all_reduce(grad, async_op=True)     # returns at once with a handle
-        compute()
-        work.wait()                                     # before anyone reads grad
-        _sync()
-
-    alone = measure(compute, warmup=2, repeats=reps)
-    comm = measure(lambda: (dist.all_reduce(grad), _sync()), warmup=2, repeats=reps)
-    seq = measure(sequential, warmup=1, repeats=reps)
-    ovl = measure(overlapped, warmup=1, repeats=reps)
-    dist.barrier()                                      # one traced repetition for the figure
-    with span("compute"):
-        compute()
-    with span("all-reduce"):
-        dist.all_reduce(grad)
-        _sync()
-    dist.barrier()
-    t0, done = time.perf_counter(), []
-    work = dist.all_reduce(grad, async_op=True)
-    work.get_future().then(lambda _: done.append(time.perf_counter()))
-    with span("compute (all-reduce in flight)"):
-        compute()
-    work.wait()
-    span_at("async all-reduce", t0, done[0] if done else time.perf_counter())
-    return {"compute": alone, "all-reduce": comm, "sequential": seq, "overlapped": ovl}
 
 
 def overlap_verdict(t):
@@ -989,36 +556,6 @@ def overlap_verdict(t):
 def overlap():
     overlap_async()         # the collectives' mechanism: async_op=True and wait()
     overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
-
-
-def overlap_streams():
-    note("""
-        A GPU executes kernels from different streams concurrently when it
-        has the resources; copies between host and device run on separate copy engines. Put a
-        host-to-device copy on a side stream and a matmul on the default stream, and the copy
-        is hidden behind the matmul (NCCL runs its kernels on its own streams the same way).
-    """)
-    if torch.cuda.is_available():
-        n = 2048 if settings.quick else 8192
-        copy_bytes = (64 if settings.quick else 1024) * MB
-        see(streams_overlap)
-        run = spawn(streams_overlap, 1, n=n, copy_bytes=copy_bytes, reps=5,
-                    name="CUDA streams: copy on a side stream during a matmul, 1 GPU")
-        r = run.returns[0]
-        table([["matmul alone", r["matmul"].ms()], ["copy alone", r["copy"].ms()],
-               ["matmul then copy, one stream", r["sequential"].ms()],
-               ["copy on a side stream during the matmul", r["overlapped"].ms()]],
-              header=["what", "time, median (IQR) of 5"],
-              caption=f"{n}×{n} fp32 matmul and a {human_bytes(copy_bytes)} pinned host-to-device "
-                      f"copy, {machine(1)}.")
-        s, o = r["sequential"].median * 1e3, r["overlapped"].median * 1e3
-        note(f"Overlapping saved {s - o:.1f} ms of {s:.1f} ms ({s / o:.2f}× faster, medians).")
-    else:
-        note("""
-            *Skipped on this build:* no CUDA GPU is visible, and streams are a GPU feature.
-            The demo (`streams_overlap`) runs automatically when the page is built on a machine
-            with a GPU.
-        """)
 
 
 def overlap_async():

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lectures.data_parallel import collectives as C
+from lectures.data_parallel import communication_demos as D
+from lectures.data_parallel import communication_deep_dives as DD
 from lectures import lecture_02_communication as L
 from tests.conftest import built, walk
 from util import spawn
@@ -69,7 +71,7 @@ def test_collective_matches_single_process_reference(name, fn, world_size):
         if roots_only and r > 0:
             assert b is None
             continue
-        assert torch.equal(b, L.rank_data(r, b.numel()))
+        assert torch.equal(b, D.rank_data(r, b.numel()))
     # ... and every defined output equals the single-process reference.
     for r, (got, want) in enumerate(zip(after, references(name, before, world_size))):
         if want is None:
@@ -447,8 +449,9 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
     monkeypatch.setattr(L, "MEASURED", {("sweep", ranks, L.settings.quick, s):
                                         Timing([1e-4 + s / 1e9] * 3) for s in sizes})
     monkeypatch.setattr(L, "spawn", lambda *a, **k: pytest.fail("measured again"))
-    for name in ("note", "see", "table", "figure"):
-        monkeypatch.setattr(L, name, lambda *a, **k: None)
+    for module, names in ((L, ("note", "see", "table", "figure")), (DD, ("note", "table"))):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *a, **k: None)
     L.alpha_beta()
 
 
@@ -532,18 +535,19 @@ def test_pipelining_verdict_from_the_numbers():
     """The race had no verdict on pipelining (0.41× vs 0.55× of the built-in at 4 MB)."""
     from util.measure import Timing
     ring, piped = Timing([10e-3, 10.2e-3, 10.4e-3]), Timing([13e-3, 13.6e-3, 14e-3])
-    text = L.pipelining_verdict("4 MB", ring, piped)
+    text = DD.pipelining_verdict("4 MB", ring, piped)
     assert "simple 1.33× faster than pipelined" in text and "same cores" in text
-    assert "hid some" in L.pipelining_verdict("4 MB", piped, ring)
+    assert "hid some" in DD.pipelining_verdict("4 MB", piped, ring)
 
 
 def test_wide_collective_figures_stack_for_phones():
     """The all-gather figure was 1,699 px wide side by side (shown at 358 px on a phone)."""
     import matplotlib
     matplotlib.use("Agg")
+    from lectures.data_parallel.figures import draw_collective
     before = [torch.tensor([10. * r, 10. * r + 1]) for r in range(4)]
     after = [torch.cat(before)] * 4
-    wide = L.draw_collective("all-gather", before, after, "none")
-    narrow = L.draw_collective("broadcast", before, before, "none")
+    wide = draw_collective("all-gather", before, after, "none")
+    narrow = draw_collective("broadcast", before, before, "none")
     assert wide.get_size_inches()[0] <= 9 and len({round(ax.get_position().x0, 2) for ax in wide.axes}) == 1
     assert len({round(ax.get_position().x0, 2) for ax in narrow.axes}) == 2

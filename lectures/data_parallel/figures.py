@@ -555,3 +555,14 @@ def batch_scaling_figure(rules, batches, got):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=11)
     return fig
+
+
+# --- lecture 02 (communication): drawings moved from the lecture file ---
+
+def draw_collective(name, before, after, sums):
+    """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
+    rank the value came from; sums are grey; a reduce's non-destination buffers are hatched.
+    Wide results (all-gather's, gather's: n pieces per rank) stack the panels, so that the
+    figure stays readable when the page shrinks it to a phone's width."""
+    cells = sum(max((len(t) for t in data if t is not None), default=1) for data in (before, after))
+    return draw_stages(name, [("before", before, "none"), ("after", after, sums)], stacked=cells > 6)
