@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from util import device, quiet, span
-from util.measure import Timing, bytes_sent, measure, measure_side_by_side
+from util import device, quiet, settings, span
+from util.measure import Timing, bytes_sent, measure, measure_side_by_side, timing_ranks
 
 from lectures.data_parallel.ddp import Collectives, broadcast_parameters, make_grad_sync
 from lectures.data_parallel.zero import Zero1, Zero2, Zero3
@@ -374,6 +374,12 @@ def traced_steps(rank, world_size, task, kind, bucket_mb=1.0, steps=2):
         step(x, y)
         time.sleep(0.002)                              # let the last completion callbacks land
         comm.record_spans()
+
+
+def timing_world():
+    """Ranks for timing demos: as many as the lecture's world size, but never more than the
+    cores (more would time the operating system taking turns, not the algorithm)."""
+    return timing_ranks(settings.world_size)
 
 
 # =========================================================================================
