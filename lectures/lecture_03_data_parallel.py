@@ -19,11 +19,11 @@ from lectures.data_parallel.demos import (Task, make_model, make_batches, shard_
                                           sampler_epochs, strided_batches, uneven_with_join, train_zero,
                                           wrap_pytorch, train_pytorch, time_variants, traced_steps,
                                           budget_probe, train_at_batch, lr_scaling, measure_stages,
-                                          fsdp2_variant, timing_world)
+                                          fsdp2_variant, timing_world, formula_bytes)
 from lectures.data_parallel.deep_dives import bucket_sweep, further_reading, local_sgd_section, powersgd_section
 from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
                                             accumulation_traffic_figure, pytorch_versions_figure,
-                                            fsdp2_knobs_figure, batch_scaling_figure)
+                                            fsdp2_knobs_figure, batch_scaling_figure, memory_per_rank_figure)
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)
@@ -502,14 +502,7 @@ def zero_stages():
     see(Zero3LinearFunction)
 
 
-def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
-    """Bytes per rank for params, grads, optimizer state under each stage (ZeRO paper, Fig. 1)."""
-    shard = {"DP": (1, 1, 1), "ZeRO-1": (1, 1, n), "ZeRO-2": (1, n, n), "ZeRO-3": (n, n, n)}[stage]
-    return [p_bytes * psi / shard[0], g_bytes * psi / shard[1], k * psi / shard[2]]
-
-
 def memory_and_traffic():
-    import matplotlib.pyplot as plt
     task = memory_task()
     n = settings.world_size
     psi = param_count(task)
@@ -517,27 +510,7 @@ def memory_and_traffic():
     returns = stage_measurements()
     stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     got = returns[0]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "transient": "#c0c0c0"}
-    for i, s in enumerate(stages):
-        h = got[s]["held"]
-        predicted = dict(zip(["params", "grads", "optimizer"], formula_bytes(psi, n, s, 4, 4, 8)))
-        for dx, parts, hatch in [(-0.2, h, None), (0.2, predicted, "//")]:
-            bottom = 0
-            for key in ["params", "grads", "optimizer", "transient"]:
-                value = parts.get(key, 0) / 2**20
-                ax.bar(i + dx, value, 0.38, bottom=bottom, color=colours[key], hatch=hatch,
-                       edgecolor="black", linewidth=0.4, label=key if i == 0 and dx < 0 else None)
-                bottom += value
-    tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
-                  for s in stages) / 2**20
-    ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
-    ax.set_xticks(range(len(stages)), [f"{s}\nmeas. | form." for s in stages], fontsize=12)
-    ax.set_ylabel("MB per rank", fontsize=12)
-    ax.tick_params(axis="y", labelsize=11)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=12, frameon=False)
-    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=12)
-    fig.tight_layout()
+    fig = memory_per_rank_figure(got, stages, psi, n)
     figure(fig, caption="Measured (left bar of each pair) beside the 4Ψ + 4Ψ + 8Ψ formula "
                         "(right, hatched); grey: the transient full tensors at their peak.")
     note(f"""

@@ -453,6 +453,12 @@ def measure_stages(rank, world_size, task):
     return out
 
 
+def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
+    """Bytes per rank for params, grads, optimizer state under each stage (ZeRO paper, Fig. 1)."""
+    shard = {"DP": (1, 1, 1), "ZeRO-1": (1, 1, n), "ZeRO-2": (1, n, n), "ZeRO-3": (n, n, n)}[stage]
+    return [p_bytes * psi / shard[0], g_bytes * psi / shard[1], k * psi / shard[2]]
+
+
 def fsdp2_variant(rank, world_size, task, reshard=True, mixed=False, hsdp=False, wrap=True):
     """Train `task` under FSDP2 with one knob changed; report what each rank holds, what it
     wrote to its sockets per step, and the bytes of activations saved for backward.
