@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from util import device, quiet, settings, span
-from util.measure import Timing, bytes_sent, measure, measure_side_by_side, timing_ranks
+from util.measure import Timing, bytes_sent, compare, measure, measure_side_by_side, timing_ranks
 
 from lectures.data_parallel.ddp import Collectives, broadcast_parameters, make_grad_sync
 from lectures.data_parallel.zero import Zero1, Zero2, Zero3
@@ -99,6 +99,10 @@ def reference_train(task):
         sums.append(checksum(model.parameters()))
     return {"losses": losses, "checksums": sums, "initial": [p.cpu() for p in initial],
             "params": [p.detach().cpu().clone() for p in model.parameters()]}
+
+
+def max_diff(params, reference):
+    return max((a - b).abs().max().item() for a, b in zip(params, reference))
 
 
 # =========================================================================================
@@ -303,6 +307,19 @@ def train_pytorch(rank, world_size, task, kind="ddp"):
     return {"losses": losses, "params": params}
 
 
+def zero2_words(t):
+    """Our ZeRO-2's step time against ZeRO-1's and ZeRO-3's, in words from the timings."""
+    said = (f"Our ZeRO-2 against ZeRO-1: {compare(t['zero2'], t['zero1'], 'ZeRO-2', 'ZeRO-1')}; "
+            f"against ZeRO-3: {compare(t['zero2'], t['zero3'], 'ZeRO-2', 'ZeRO-3')}.")
+    if t["zero2"].q1 > max(t["zero1"].q3, t["zero3"].q3):
+        said += (" It sends the same bytes as ZeRO-1, but its hooks reduce-scatter one tensor at a "
+                 "time during backward with at most one in flight (`Zero2(in_flight=1)`, to bound "
+                 "the full gradients alive), so backward stops to wait for each in turn; then it "
+                 "still all-gathers every tensor after the step, blocking, as ZeRO-1 does. It pays "
+                 "ZeRO-3's per-tensor waits during backward without ZeRO-3's prefetching.")
+    return said
+
+
 # =========================================================================================
 # 6. Timing: every variant in one run, interleaved, several repetitions, median
 # =========================================================================================
@@ -376,6 +393,29 @@ def traced_steps(rank, world_size, task, kind, bucket_mb=1.0, steps=2):
         comm.record_spans()
 
 
+def merge_in_flight(spans, label="all-reduce (async)"):
+    """The spans with each rank's overlapping `label` spans merged into one per stretch of time
+    in flight (a per-parameter sync launches dozens at once: one lane each would be unreadable).
+    Returns (spans, how many were merged on the busiest rank; 0 if they never overlapped)."""
+    keep = [s for s in spans if s["label"] != label]
+    merged, most = [], 0
+    for rank in sorted({s["rank"] for s in spans}):
+        mine = sorted((s for s in spans if s["label"] == label and s["rank"] == rank),
+                      key=lambda s: s["start"])
+        groups = []
+        for s in mine:
+            if groups and s["start"] <= groups[-1]["end"]:
+                groups[-1]["end"] = max(groups[-1]["end"], s["end"])
+                groups[-1]["count"] += 1
+            else:
+                groups.append({**s, "count": 1})
+        if any(g["count"] > 1 for g in groups):
+            most = max(most, len(mine))
+        merged += groups
+    name = label.replace("all-reduce", "all-reduces in flight") if most else label
+    return keep + [{k: v for k, v in g.items() if k != "count"} | {"label": name} for g in merged], most
+
+
 def timing_world():
     """Ranks for timing demos: as many as the lecture's world size, but never more than the
     cores (more would time the operating system taking turns, not the algorithm)."""
@@ -404,6 +444,50 @@ def budget_probe(rank, world_size, task):
     return {"forward": measure(forward, warmup=2, repeats=9),
             "forward+backward": measure(forward_backward, warmup=2, repeats=9),
             "all-reduce": measure(lambda: dist.all_reduce(flat), warmup=2, repeats=9)}
+
+
+def published_scale_numbers(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4, grad_bytes=2):
+    """The seconds of `published_scale`: the all-reduce of gradients of `grad_bytes` each
+    (2: bf16) and the backward of one step."""
+    return {"comm": 2 * (grad_bytes * psi) / nic, "backward": 4 * psi * tokens / (mfu * peak)}
+
+
+def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
+    """The overlap budget of a 7B model on H100s with one 400 Gb/s NDR port each, in words: the
+    ring all-reduce of the bf16 gradient (2Ψ bytes, each rank sending 2(n-1)/n of it, about 4Ψ
+    bytes) against backward (about 4Ψ FLOPs per token) at `mfu` of the dense bf16 peak."""
+    seconds = published_scale_numbers(psi, nic, tokens, peak, mfu)
+    comm, backward = seconds["comm"], seconds["backward"]
+    ratio = backward / comm
+    verdict = (f"Backward is {ratio:.1f}× the all-reduce: with overlap it hides {ratio:.1f} times "
+               "over, so this configuration is far from communication-bound, and would stay "
+               f"hidden down to about {tokens / ratio:,.0f} tokens per GPU" if ratio > 1.2 else
+               f"The all-reduce is {1 / ratio:.1f}× backward: even perfect overlap leaves it exposed"
+               if ratio < 0.8 else "The two are about equal: this configuration is on the edge")
+    return (f"A {psi / 1e9:.0f}-billion-parameter model in bf16 has 2Ψ = {2 * psi / 1e9:.0f} GB of "
+            f"gradients. Across nodes each H100 typically has one 400 Gb/s InfiniBand NDR port "
+            f"(ConnectX-7), {nic / 1e9:.0f} GB/s per direction at line rate (NCCL achieves a little "
+            f"less, about 47: lecture 07); a ring all-reduce over many nodes "
+            f"sends about 2 × 2Ψ = {4 * psi / 1e9:.0f} GB per GPU (the factor $\\frac{{2(n-1)}}{{n}}$ → 2), "
+            f"which takes about {comm:.2f} s. Backward costs about twice the forward's 2Ψ FLOPs "
+            f"per token, 4Ψ·tokens; with 8 sequences of 4,096 tokens per GPU that is "
+            f"4 × {psi / 1e9:.0f}·10⁹ × {tokens:,} ≈ {4 * psi * tokens / 1e15:.2f}·10¹⁵ FLOPs, and at {mfu:.0%} of the "
+            f"H100's {peak / 1e12:.0f} TFLOP/s dense bf16 peak ≈ {backward:.2f} s. {verdict}. "
+            f"{fp32_words(psi, nic, tokens, peak, mfu)} "
+            "The budget tightens as the batch per GPU shrinks (more GPUs for the same global "
+            "batch), or when sharding adds traffic (ZeRO-3 sends 1.5× DP's bytes); then large "
+            "jobs keep that traffic on fast links (shard inside a node, HSDP across), or send "
+            "fewer bytes (lower-precision gradients, the compression in the deep dives below).")
+
+
+def fp32_words(psi, nic, tokens, peak, mfu):
+    """The same budget with the gradients reduced in fp32, as Llama 3 does and lecture 07's
+    model charges: twice the bytes."""
+    fp32 = published_scale_numbers(psi, nic, tokens, peak, mfu, grad_bytes=4)
+    return (f"Reduced in fp32 instead — Llama 3 reduce-scatters its gradients in fp32 for "
+            f"numerical stability (Llama 3 report, §3.3.2), and lecture 07's model charges that "
+            f"— the all-reduce doubles to "
+            f"{fp32['comm']:.2f} s and backward is {fp32['backward'] / fp32['comm']:.1f}× it.")
 
 
 def train_at_batch(batch, rule, base_batch, base_lr, samples, warmup_frac=0.1, seed=0):
@@ -435,6 +519,22 @@ def lr_scaling(rank, world_size, configs, **kw):
     return {(b, r): train_at_batch(b, r, **kw) for b, r in configs[rank::world_size]}
 
 
+def best_rules(got, batches, rules, base_batch):
+    """'Lowest loss per batch size' in words. At the base batch every rule gives the base rate,
+    so all rules are the same run: that batch is reported as a tie, not won by list order."""
+    said = []
+    for b in batches:
+        losses = {r: got[b, r] if math.isfinite(got[b, r]) else float("inf") for r in rules}
+        low = min(losses.values())
+        tied = [r for r in rules if losses[r] == low]
+        if b == base_batch or len(tied) == len(rules):
+            said.append(f"{b}: all equal (at the base batch every rule gives the base rate)"
+                        if b == base_batch else f"{b}: all equal")
+        else:
+            said.append(f"{b}: {' = '.join(tied)}")
+    return "Lowest held-out loss per batch size here: " + "; ".join(said) + "."
+
+
 def measure_stages(rank, world_size, task):
     """Train a few steps under DP and each ZeRO stage; what each rank held and sent."""
     out = {}
@@ -457,6 +557,17 @@ def formula_bytes(psi, n, stage, p_bytes, g_bytes, k):
     """Bytes per rank for params, grads, optimizer state under each stage (ZeRO paper, Fig. 1)."""
     shard = {"DP": (1, 1, 1), "ZeRO-1": (1, 1, n), "ZeRO-2": (1, n, n), "ZeRO-3": (n, n, n)}[stage]
     return [p_bytes * psi / shard[0], g_bytes * psi / shard[1], k * psi / shard[2]]
+
+
+def both_ratios(a, b):
+    """'1.50× and 1.52×', or '1.50× each' when they print alike."""
+    return f"{a:.2f}× each" if f"{a:.2f}" == f"{b:.2f}" else f"{a:.2f}× and {b:.2f}×"
+
+
+def span_of(values):
+    """'1.00–1.03×', or '1.01×' when the range prints as one number."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}×" if lo == hi else f"{lo}–{hi}×"
 
 
 def fsdp2_variant(rank, world_size, task, reshard=True, mixed=False, hsdp=False, wrap=True):
