@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from lectures import lecture_03_data_parallel as L
+from lectures.data_parallel import deep_dives
+from lectures.data_parallel.compression import PowerSGD
 from util import spawn
 from tests.conftest import built, walk
 
@@ -274,7 +276,7 @@ def powersgd_full_rank(rank, world_size):
     for t in exact:
         torch.distributed.all_reduce(t)
         t.div_(world_size)
-    comp = L.PowerSGD([w, b], L.Collectives(world_size), rank=3, start_iter=0, min_rate=0)
+    comp = PowerSGD([w, b], L.Collectives(world_size), rank=3, start_iter=0, min_rate=0)
     comp.sync()
     return [w.grad, b.grad], exact, comp.error[w]
 
@@ -287,7 +289,7 @@ def test_powersgd_is_exact_at_full_rank():
 
 def test_powersgd_ours_close_to_pytorch_hook_and_cheaper_than_exact():
     task = L.Task(sizes=(32, 128, 128, 10), batch=16)
-    runs = {impl: spawn(L.powersgd_train, 2, task=task, impl=impl, steps=20, every=10).returns
+    runs = {impl: spawn(deep_dives.powersgd_train, 2, task=task, impl=impl, steps=20, every=10).returns
             for impl in ("exact", "pytorch", "ours")}
     for impl, r in runs.items():
         assert len({x["checksum"] for x in r}) == 1, impl           # replicas stay identical
@@ -301,7 +303,7 @@ def test_powersgd_ours_close_to_pytorch_hook_and_cheaper_than_exact():
 
 def test_local_sgd_and_diloco_keep_ranks_identical():
     task = L.Task(batch=16)
-    run = spawn(L.local_sgd_sweep, 2, task=task, variants=[(4, "", None), (4, "int8", "nesterov")],
+    run = spawn(deep_dives.local_sgd_sweep, 2, task=task, variants=[(4, "", None), (4, "int8", "nesterov")],
                 steps=8).returns
     for k in run[0]:
         assert len({r[k]["checksum"] for r in run}) == 1, k
@@ -499,6 +501,6 @@ def test_zero2_timing_is_said_from_the_numbers():
 def test_local_sgd_does_not_rank_single_runs_within_noise():
     """'Lowest: H=16 nesterov 0.1786' against 0.1818 and 0.1826, one run each, had no caveat."""
     final = {"H=1 fp32": (96, 1, 0.1826), "H=16 fp32": (96, 1, 0.1818), "H=16 fp32 nesterov": (96, 1, 0.1786)}
-    text = L.local_sgd_words(final)
+    text = deep_dives.local_sgd_words(final)
     assert "H=16 fp32 nesterov (0.1786)" in text and "another seed" in text
     assert "about the same" in text

@@ -566,3 +566,34 @@ def draw_collective(name, before, after, sums):
     figure stays readable when the page shrinks it to a phone's width."""
     cells = sum(max((len(t) for t in data if t is not None), default=1) for data in (before, after))
     return draw_stages(name, [("before", before, "none"), ("after", after, sums)], stacked=cells > 6)
+
+
+# Lecture 03: the memory section's drawing, moved out of the lecture file
+
+def memory_per_rank_figure(got, stages, psi, n):
+    """Bytes per rank under DP and each ZeRO stage: what rank 0 measured (`got`, from
+    measure_stages) beside the float32 formula, stacked by kind."""
+    import matplotlib.pyplot as plt
+    from lectures.data_parallel.demos import formula_bytes
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "transient": "#c0c0c0"}
+    for i, s in enumerate(stages):
+        h = got[s]["held"]
+        predicted = dict(zip(["params", "grads", "optimizer"], formula_bytes(psi, n, s, 4, 4, 8)))
+        for dx, parts, hatch in [(-0.2, h, None), (0.2, predicted, "//")]:
+            bottom = 0
+            for key in ["params", "grads", "optimizer", "transient"]:
+                value = parts.get(key, 0) / 2**20
+                ax.bar(i + dx, value, 0.38, bottom=bottom, color=colours[key], hatch=hatch,
+                       edgecolor="black", linewidth=0.4, label=key if i == 0 and dx < 0 else None)
+                bottom += value
+    tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
+                  for s in stages) / 2**20
+    ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
+    ax.set_xticks(range(len(stages)), [f"{s}\nmeas. | form." for s in stages], fontsize=12)
+    ax.set_ylabel("MB per rank", fontsize=12)
+    ax.tick_params(axis="y", labelsize=11)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=12, frameon=False)
+    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=12)
+    fig.tight_layout()
+    return fig
