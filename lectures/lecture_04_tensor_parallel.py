@@ -29,8 +29,8 @@ from lectures.tensor_parallel.ops import (SEQ_DIM, AllGatherSequence, CopyToRegi
 from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from lectures.tensor_parallel.figures import (cut_figure, fg_figure, gqa_figure, sp_split_figure, placements_picture,
-                                              memory_per_rank_figure, vocab_parallel_figure, sp_activation_figure,
-                                              gemm_efficiency_figure)
+                                              memory_per_rank_figure, vocab_parallel_figure, training_loss_figure,
+                                              sp_activation_figure, gemm_efficiency_figure)
 from lectures.tensor_parallel.deep_dives import async_tensor_parallelism, dropout_and_random_numbers
 from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, activation_memory,
                                             attention_cases, compare_with_dtensor, gemm_rates, linear_demo,
@@ -241,15 +241,8 @@ def training():
     ref = train_reference(cfg, steps=steps, batch_size=16)
     runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}").returns
             for n in tp_sizes()}
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
-    for n, style in zip(tp_sizes(), ("-", "--")):
-        ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
-    ax.set_xlabel("step", fontsize=12)
-    ax.set_ylabel("loss (nats/token)", fontsize=12)
-    ax.legend(fontsize=12)
-    figure(fig, caption="training loss, tensor-parallel on top of one process")
+    figure(training_loss_figure(steps, ref, runs, tp_sizes()),
+           caption="training loss, tensor-parallel on top of one process")
     note(f"""
         `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
         PyTorch, and a dict from module names to how each is split is applied afterwards (every
