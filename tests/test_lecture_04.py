@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lectures import lecture_04_tensor_parallel as L
+from lectures.model.gpt import batch
+from lectures.tensor_parallel.demos import train_dtensor
 from util import spawn
 from tests.conftest import built
 
@@ -242,7 +244,7 @@ def misuse(rank, world_size):
     """Each misuse must raise a ValueError that names the problem."""
     g, msgs = dist.group.WORLD, []
     model = L.parallelize_gpt(L.GPT(L.GPTConfig(seq_len=7)), g, sequence_parallel=True)
-    tokens, targets = L.batch(model.cfg, 2, 0)
+    tokens, targets = batch(model.cfg, 2, 0)
     for fn in (lambda: L.tp_loss(model, tokens, targets),                      # 7 positions, 2 ranks
                lambda: L.ColumnParallelLinear.from_full(nn.Linear(4, 4), g, sequence_parallel=True)(torch.randn(3, 4)),
                lambda: L.vocab_parallel_cross_entropy(torch.randn(3, 2), torch.tensor([0, 1, 9]), g),
@@ -284,7 +286,7 @@ def test_quick_build(course_site):
 
 
 def both(rank, world_size, cfg, sequence_parallel, batch_size):
-    return {"dtensor": L.train_dtensor(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel),
+    return {"dtensor": train_dtensor(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel),
             "ours": L.train_tp(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel)}
 
 
@@ -353,7 +355,7 @@ def misuse_more(rank, world_size):
     g = dist.group.WORLD
     cfg = L.GPTConfig(vocab_size=48, seq_len=6, d_model=36, n_heads=3)
     model = L.parallelize_gpt(L.GPT(cfg), g)
-    tokens, targets = L.batch(cfg, 2, 0)
+    tokens, targets = batch(cfg, 2, 0)
     bad = lambda v: torch.cat([torch.full_like(tokens[:, :1], v), tokens[:, 1:]], 1)
     attempt("token id = vocab", lambda: L.tp_loss(model, bad(50), targets))
     attempt("token id < 0", lambda: model(bad(-1)))

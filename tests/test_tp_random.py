@@ -240,7 +240,7 @@ def misuse_checks(group, n, r):
 
 
 def everything(rank, world_size):
-    from lectures import lecture_04_tensor_parallel as L
+    from lectures.tensor_parallel import deep_dives as L
     group, n, r = dist.group.WORLD, world_size, rank
     return {"streams": stream_checks(group, n, r), "TP MLP": mlp_checks(group, n, r, False),
             "SP MLP": mlp_checks(group, n, r, True), "attention": attention_checks(group, n, r),

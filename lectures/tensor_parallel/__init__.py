@@ -6,4 +6,6 @@
 - `gpt`: the plan that applies them to the GPT (ours, and PyTorch's DTensor).
 - `rng`: dropout masks that agree where activations are replicated.
 - `async_tp`: the sequence-parallel collectives hidden behind the matmuls they feed.
+- `demos`: what each rank runs in lecture 04's demos, and the one-process references.
+- `deep_dives`: lecture 04's appendix page (dropout and random numbers; async TP).
 """

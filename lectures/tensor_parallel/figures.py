@@ -1,7 +1,8 @@
 """Lecture 04's figures: the drawings of its page (a matrix cut by columns and by rows, f and g
-around the MLP, grouped-query heads across ranks, the vocabulary-parallel bytes, memory per rank,
-the sequence-parallel split and its activation memory, dropout masks, the async-TP timeline, GEMM
-efficiency against t and DTensor's placements). Each helper returns a matplotlib figure."""
+around the MLP, grouped-query heads across ranks, the vocabulary-parallel bytes, the training
+loss, memory per rank, the sequence-parallel split and its activation memory, dropout masks, the
+async-TP timeline, GEMM efficiency against t and DTensor's placements). Each helper returns a
+matplotlib figure."""
 from util import figure
 from util.figures import kb_bars
 
@@ -231,6 +232,19 @@ def placements_picture(rows, n):
     fig.tight_layout()
     figure(fig, caption=f"Each arrow is a redistribution run on {n} ranks (gloo), labelled with the collective "
                         "PyTorch's CommDebugMode counted for it; 'none' is a local slice.")
+
+
+def training_loss_figure(steps, ref, runs, tps):
+    """Training loss per step: one process (wide grey) beneath each tensor-parallel size's."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
+    for n, style in zip(tps, ("-", "--")):
+        ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
+    ax.set_xlabel("step", fontsize=12)
+    ax.set_ylabel("loss (nats/token)", fontsize=12)
+    ax.legend(fontsize=12)
+    return fig
 
 
 def memory_per_rank_figure(ts, parts, n_full):
