@@ -10,6 +10,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.model.gpt import GPTConfig
 from lectures.model.memory import saved_bytes
+from lectures.pipeline import demos, executor, schedules
 from lectures.pipeline import simulate as S
 from util import spawn
 from tests.conftest import built
@@ -17,7 +18,7 @@ from tests.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
 
 
 def cases():
-    for name in L.SCHEDULES:
+    for name in schedules.SCHEDULES:
         for p in (2, 3, 4):
             for m in sorted({1, p - 1, p, 2 * p + 1}):
                 for v in (1, 2):
@@ -34,7 +35,7 @@ def test_schedule_complete_and_dependency_correct(name, p, m, v):
         return
     sched = L.make_schedule(name, p, m, v)
     L.check_schedule(sched)          # every (stage, micro-batch) once per kind
-    assert len(sched) == p and all(isinstance(a, L.Action) for acts in sched for a in acts)
+    assert len(sched) == p and all(isinstance(a, schedules.Action) for acts in sched for a in acts)
     for cost in ({"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1, "send": 0.2},
                  {"F": 1.0, "B": 2.0, "W": 0.5, "send": 3.0}):
         sim = L.simulate(sched, cost)   # raises on a deadlock
@@ -44,7 +45,7 @@ def test_schedule_complete_and_dependency_correct(name, p, m, v):
             for a, start, end in row:
                 finish[a.kind, sched.layout.stage(r, a.chunk), a.microbatch] = (start, end)
         for (kind, s, i), (start, _) in finish.items():
-            for dep in L.dependencies(L.Action(kind, i), s, sched.layout):
+            for dep in L.dependencies(schedules.Action(kind, i), s, sched.layout):
                 assert finish[dep][1] <= start + 1e-12, (kind, s, i, dep)
 
 
@@ -131,7 +132,7 @@ def pytorch_zbv_order(p, m, rank):
     from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
     stub = types.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
     kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    return [L.Action(kinds[a.computation_type.name], a.microbatch_index, 0 if a.stage_index == rank else 1)
+    return [schedules.Action(kinds[a.computation_type.name], a.microbatch_index, 0 if a.stage_index == rank else 1)
             for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(stub, rank) if a is not None]
 
 
@@ -238,7 +239,7 @@ def test_zb_h1_is_the_papers_order():
 def _all_sizes():
     for p in range(1, 9):
         for m in range(1, 3 * p + 2):
-            for name in L.SCHEDULES:
+            for name in schedules.SCHEDULES:
                 for v in ((1, 2, 3, 4) if name in ("naive", "gpipe", "1f1b", "interleaved-1f1b") else (1, 2)):
                     yield name, p, m, v
 
@@ -264,7 +265,7 @@ CFG8 = GPTConfig(n_layers=8, d_model=16, n_heads=2, seq_len=8, dtype="float64")
 
 def executor_cases():
     for p in (2, 4):
-        for name in L.SCHEDULES:
+        for name in schedules.SCHEDULES:
             v = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
             m = 2 * p + 1 if name == "dualpipev" else p + 1
             yield p, name, v, m
@@ -305,7 +306,7 @@ def test_executor_equals_one_process(executed, p, name, v, m):
     # the spans the page's executor figure draws: every action of the rank's list, in its order
     sched = L.make_schedule(name, p, m, v)
     for r, acts in zip(got, sched):
-        assert [L.Action(*a) for a, _, _ in r["events"]] == list(acts)
+        assert [schedules.Action(*a) for a, _, _ in r["events"]] == list(acts)
         assert all(t0 <= t1 for _, t0, t1 in r["events"])
 
 
@@ -313,7 +314,7 @@ def test_building_blocks_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="unknown schedule"):
         L.make_schedule("pipedream-2bw", 2, 4)
     sched = L.make_schedule("zb-h1", 2, 3)
-    _, stages = L.split_gpt(CFG, sched.layout)
+    _, stages = executor.split_gpt(CFG, sched.layout)
     with pytest.raises(ValueError, match="checkpointing"):
         L.PipelineExecutor(sched, {0: stages[0]}, 0, (3, 8, 16), checkpoint=True)
 
@@ -458,8 +459,8 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
     monkeypatch.setattr(pipeline, "dist", fake)
     sched = L.make_schedule(name, p, m, v)
     cfg = GPTConfig(n_layers=2 * p, d_model=16, n_heads=2, seq_len=8, dtype="float64")
-    _, stages = L.split_gpt(cfg, sched.layout)
-    inputs, targets = L.microbatches(cfg, m, 2, 0)
+    _, stages = executor.split_gpt(cfg, sched.layout)
+    inputs, targets = demos.microbatches(cfg, m, 2, 0)
     errors, executors = [], []
 
     def rank_main(r):
@@ -478,14 +479,14 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
         t.join()
     assert not errors, errors
     ref = L.reference_train(cfg, m, 2, steps=1)
-    grads = L.gradients_by_name(stages)
+    grads = executor.gradients_by_name(stages)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-12, msg=f"{name} p={p} m={m}: {k}")
     return executors
 
 
 NCCL_CASES = [(name, p, m, 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1)
-              for p in (3, 4) for name in L.SCHEDULES
+              for p in (3, 4) for name in schedules.SCHEDULES
               for m in ((2 * p + 1,) if name == "dualpipev" else (p + 1, 2 * p))]
 NCCL_CASES.append(("interleaved-1f1b", 2, 5, 2))   # its sends to a peer and that peer's needs differ in order
 
@@ -508,8 +509,8 @@ def _disagreeing_step(r, case, cfg):
     dtype = torch.float32 if case == "boundary dtype" and r == 1 else torch.float64
     mb = 3 if case == "micro-batch shape" and r == 1 else 2
     sched = L.make_schedule(name, 2, 3)
-    _, stages = L.split_gpt(cfg, sched.layout)
-    inputs, targets = L.microbatches(cfg, 3, mb, 0)
+    _, stages = executor.split_gpt(cfg, sched.layout)
+    inputs, targets = demos.microbatches(cfg, 3, mb, 0)
     ex = L.PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
     try:
         ex.step(inputs, targets)
@@ -593,7 +594,7 @@ def pytorch_dualpipev_order(p, m, rank):
     acts, pairs = [], {}
 
     def add(a):
-        acts.extend(L.Action(k, a.microbatch_index, 0 if a.stage_index == rank else 1)
+        acts.extend(schedules.Action(k, a.microbatch_index, 0 if a.stage_index == rank else 1)
                     for k in kinds[a.computation_type.name])
     stub = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m)
     for a in ScheduleDualPipeV._calculate_single_rank_operations(stub, rank):
