@@ -21,49 +21,18 @@ from lectures.pipeline.demos import measured_bubble, merged, train_pipeline  # n
 from lectures.pipeline.explorer import explorer_data
 from lectures.pipeline.executor import PipelineExecutor
 from lectures.pipeline.executor import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.pipeline.simulate import consecutive_steps, held, simulate, theory_bubble
+from lectures.pipeline.simulate import held, simulate, theory_bubble
 from lectures.pipeline.simulate import Simulation, check_schedule, dependencies  # noqa: F401  (re-exported)
 from lectures.pipeline.schedules import Layout, make_schedule
 from lectures.pipeline.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
-from lectures.pipeline.figures import (draw_rows, legend_patches, side_by_side, layouts_figure, executor_figure,
-                                       deadlock_figure)
+from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_figure, deadlock_figure, bubble_picture,
+                                       schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
+                                       zb_h2_two_steps, real_compute_figure, pytorch_figure)
+from lectures.pipeline.figures import draw_rows  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import compare, machine, spreads_overlap
 
-
-# =========================================================================================
-# 1. Drawing
-# =========================================================================================
-
-def held_over_time(sim, layout):
-    """Per rank, [(time, stage-micro-batches held)] along a simulated timeline: +1/v at each F,
-    −1/v at the action that releases it (W when split, else B)."""
-    split = any(a.kind == "W" for row in sim.timeline for a, _, _ in row)
-    release = "W" if split else "B"
-    out = []
-    for row in sim.timeline:
-        now, pts = 0.0, [(0.0, 0.0)]
-        for a, start, end in row:
-            if a.kind == "F":
-                now += 1 / layout.chunks
-                pts.append((start, now))
-            elif a.kind == release:
-                now -= 1 / layout.chunks
-                pts.append((end, now))
-        merged = []                  # one point per instant: a release and the next F at the same time
-        for t, y in pts:
-            if merged and merged[-1][0] == t:
-                merged[-1] = (t, y)
-            else:
-                merged.append((t, y))
-        out.append(merged)
-    return out
-
-
-# =========================================================================================
-# 2. The lecture
-# =========================================================================================
 
 def sleep_cfg(p):
     return GPTConfig(n_layers=max(8, 2 * p), d_model=32, n_heads=2, seq_len=16)
@@ -76,31 +45,6 @@ def compute_cfg():
 def sleep_ranks():
     """Sleep mode runs the build's world size (4 by default): sleeping ranks share cores fine."""
     return max(2, settings.world_size)
-
-
-def bubble_picture(p=4, m=8):
-    """The bubble in one picture: one batch through p stages (naive), then the same batch as m
-    micro-batches (GPipe), simulated with F = 1 and an unsplit backward of 2 per batch."""
-    import matplotlib.pyplot as plt
-    runs = []
-    for name, mm in (("naive", 1), ("gpipe", m)):
-        sim = simulate(make_schedule(name, p, mm), {"F": 1 / mm, "B": 1 / mm, "W": 1 / mm})
-        runs.append((name, mm, sim))
-    span = max(sim.makespan for _, _, sim in runs)
-    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.6), sharex=True)
-    for ax, (name, mm, sim) in zip(axes, runs):
-        what = "one batch" if mm == 1 else f"the batch as {mm} micro-batches (GPipe)"
-        draw_rows(ax, sim.timeline, f"{what}: {pct(sim.bubble)} idle", unit="time (one batch's forward = 1)",
-                  scale=1, span=span, fontsize=12)
-        ax.axvspan(0, sim.makespan, color="#e8e8e8", zorder=0)   # grey up to the step's end: the bubble
-        ax.label_outer()
-    from matplotlib.patches import Patch
-    fig.legend(handles=legend_patches(chunks=False)[:2] + [Patch(color="#e8e8e8", label="idle: the bubble")],
-               loc="lower center", ncol=3, frameon=False, fontsize=12)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    figure(fig, caption=f"{p} stages on {p} ranks, simulated. Top: one batch keeps one rank busy at a time. "
-                        f"Bottom: cut into {m} micro-batches, the stages work at once and the grey "
-                        "(the bubble) shrinks to the fill at the start and the drain at the end.")
 
 
 def intro():
@@ -138,16 +82,10 @@ def intro():
 
 def schedules_as_data():
     p, m = 4, 8
-    import matplotlib.pyplot as plt
     sched = make_schedule("1f1b", p, m)
     sim = simulate(sched, chunk_cost(1))
-    fig, ax = plt.subplots(figsize=(7.5, 2.6))
-    draw_rows(ax, sim.timeline, f"1F1B, {p} ranks, {m} micro-batches: bubble {pct(sim.bubble)}",
-              unit="time (F = 1, unsplit B = 2)", scale=1, fontsize=12)
-    fig.legend(handles=legend_patches(chunks=False)[:2], loc="lower center", ncol=2, frameon=False, fontsize=12)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
     note("## Schedules as data")
-    figure(fig, caption=f"The action lists below, simulated: each bar is one action, its number the micro-batch.")
+    figure(schedule_figure(sim, p, m), caption=f"The action lists below, simulated: each bar is one action, its number the micro-batch.")
     note(f"""
         A schedule is one list of actions per rank; here are 1F1B's for {p} ranks and {m}
         micro-batches. A forward `F3` needs stage $s-1$'s `F3`; a backward `B3` needs the
@@ -161,52 +99,6 @@ def schedules_as_data():
     see(make_schedule, "make_schedule: every schedule of this lecture as action lists")
     see(Layout, "Layout: where each chunk's stage lives (looped or V)")
     see(simulate, "simulate: the list scheduler that checks and times a schedule")
-
-
-def explorer(p=4, m=8):
-    note("""
-        Try it: the explorer below simulates these same action lists in the page (a JavaScript
-        port of `simulate`, checked against it by the tests) for other sizes and costs. Make W
-        cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
-    """)
-    widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
-           caption="Every rank's timeline on one time axis, the bubble measured on it beside the paper's "
-                   "formula at your costs (or why there is no closed form for that list), and the "
-                   "activations each rank holds over the step.")
-
-
-MEMORY_NAMES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
-
-
-def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
-    """Micro-batches each rank holds over a simulated step, for the schedules that differ."""
-    import matplotlib.pyplot as plt
-    cols = min(3, len(names))
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7.5, 2.0 * rows + 0.7), sharex=True, sharey=True, squeeze=False)
-    colours = plt.cm.viridis([i / max(1, p - 1) * 0.85 for i in range(p)])
-    for ax, (name, v) in zip(axes.flat, names):
-        sch = make_schedule(name, p, m, v)
-        sim = simulate(sch, chunk_cost(v))
-        for r, pts in enumerate(held_over_time(sim, sch.layout)):
-            xs, ys = zip(*pts)
-            ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
-        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=11, loc="left")
-        ax.tick_params(labelsize=10)
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("held", fontsize=11)
-    for ax in axes[-1]:
-        ax.set_xlabel("time (F = B = W = 1)", fontsize=10)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=11)
-    fig.tight_layout(rect=(0, 0.7 / (2.0 * rows + 0.7), 1, 1))
-    figure(fig, caption=caption or f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
-                        "simulated from the action lists the ranks run): a micro-batch counts from its F "
-                        "until the action that releases its activations (B, or W when the backward is "
-                        "split); a chunk counts 1/v. GPipe climbs to m; 1F1B holds p − r on rank r; "
-                        "ZB-H1 holds p on every rank (its postponed Ws keep activations longer), ZB-H2 "
-                        "2p − 1, ZB-V p in half-size chunks.")
 
 
 def executor_matches():
@@ -339,27 +231,7 @@ def gpipe_measured(R, p, ms, mode):
             rows.append([name, m, pct(b["theory"]), pct(b["simulated"]),
                          measured_pct(b),
                          f"{peak / 2**10:.0f} KiB", R[0][f"{name} m={m}"]["timing"].ms()])
-    import matplotlib
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
-    xs = list(ms)
-    for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
-        a1.plot(xs, [bubble_row(R, f"{name} m={m}", name, m, 1, p)["measured"] for m in xs], style, label=f"{name} measured")
-        a2.plot(xs, [mem[name, m] / 2**10 for m in xs], style, label=name)
-    a1.plot(xs, [(p - 1) / (m + p - 1) for m in xs], "k:", label="(p−1)/(m+p−1)")
-    for ax, ylabel, title in ((a1, "bubble fraction", "bubble"), (a2, "KiB", "peak activations held")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(m) for m in xs])      # the m measured, as plain numbers
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("micro-batches m (log scale)", fontsize=11)
-        ax.set_ylabel(ylabel, fontsize=11)
-        ax.set_title(title, fontsize=12, loc="left")
-        ax.tick_params(labelsize=11)
-        ax.legend(fontsize=11)
-    a1.set_ylim(bottom=0)
-    a2.set_ylim(bottom=0)
-    fig.tight_layout()
-    figure(fig, caption=f"Bubble and activation memory against m ({mode}).")
+    figure(gpipe_figure(R, p, ms, mem), caption=f"Bubble and activation memory against m ({mode}).")
     note(idea)
     table(rows, header=["schedule", "m", "theory", "simulated", "measured (IQR)",
                         "peak activations held (rank max)", "step time"],
@@ -532,26 +404,6 @@ def zero_bubble_measured(R, p):
           what=f"ZB-H1, p = {p}, m = {m}, sleep mode, measured (1F1B: {pct(rows_['1f1b m=8']['measured'])})")
 
 
-def zb_h2_two_steps(p, m, cost=None):
-    """ZB-H2's zero bubble: two steps run back to back (no synchronising optimizer step), on the
-    simulator, against one step; and the per-step time against Qi et al.'s formula."""
-    import matplotlib.pyplot as plt
-    cost = cost or chunk_cost(1)
-    sched = make_schedule("zb-h2", p, m)
-    one, two = simulate(sched, cost), simulate(consecutive_steps(sched, 2), cost)
-    steady = two.makespan - one.makespan
-    work = m * (cost["F"] + cost["B"] + cost["W"])
-    fig, ax = plt.subplots(figsize=(8, 0.6 * p + 1.4))
-    draw_rows(ax, two.timeline, f"zb-h2, two steps back to back: {two.makespan:g} units "
-              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1, fontsize=11)
-    ax.axvline(one.makespan, color="black", ls=":", lw=1.2)
-    figure(fig, caption=f"{p} ranks, {m} micro-batches per step, simulated (the second step's micro-batches "
-                        f"are numbered from {m}). One step alone takes {one.makespan:g} units; the second "
-                        f"adds {steady:g}, which is its {work:g} units of work and "
-                        f"{_idle_words(steady - work)}: the first ranks start step 2 while the last finish "
-                        "step 1, so the parallelogram's head fills the tail (dotted: where one step alone ends).")
-
-
 def _v_head_words(makespan, p, m):
     """ZB-V's simulated makespan at F = B = W (1 per stage) against its work 3m plus the V's head
     of p − 1 half-stage forwards."""
@@ -561,27 +413,6 @@ def _v_head_words(makespan, p, m):
                 f"and the V's head of $p-1$ half-stage forwards ({head:g}), nothing else")
     return (f"with $F = B = W$ it takes {makespan:g} units: {3 * m} of work, {head:g} of the V's head, "
             f"and {makespan - 3 * m - head:g} more")
-
-
-def _idle_words(idle):
-    return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
-
-
-def zero_bubble_picture(p, m):
-    """1F1B and the zero-bubble lists simulated with F = B = W, on one time axis."""
-    import matplotlib.pyplot as plt
-    names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
-    sims = [(name, v, simulate(make_schedule(name, p, m, v), chunk_cost(v))) for name, v in names]
-    span = max(sim.makespan for _, _, sim in sims)
-    fig, axes = plt.subplots(len(sims), 1, figsize=(8, 1.5 * len(sims) + 0.9), sharex=True)
-    for ax, (name, v, sim) in zip(axes, sims):
-        draw_rows(ax, sim.timeline, f"{name}: {sim.makespan:g} units, bubble {pct(sim.bubble)}",
-                  unit="time (F = B = W = 1 per stage)", scale=1, span=span, fontsize=11)
-        ax.label_outer()
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False, fontsize=11)
-    fig.tight_layout(rect=(0, 0.9 / (1.5 * len(sims) + 0.9), 1, 1))
-    figure(fig, caption=f"{p} ranks, {m} micro-batches, simulated: the weight gradients W (green) move "
-                        "into the slots where 1F1B idles (hatched: a rank's second chunk in ZB-V's V).")
 
 
 def verdict(a, b, a_name, b_name, least=3):
@@ -656,34 +487,16 @@ def every_schedule_measured(R, p, mode):
     explorer(4, 8)
 
 
-def real_compute_figure(R, runs):
-    """Real compute: each run's step time against its measured bubble (medians, interquartile
-    ranges as bars), and the most activations a rank held."""
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(7.5, 2.7), gridspec_kw={"width_ratios": [1.25, 1]})
-    colours = plt.cm.tab10([0, 1, 2, 3])
-    for r, c in zip(runs, colours):
-        bubbles = measured_bubbles(R, r["label"])[0]
-        b = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
-        t = R[0][r["label"]]["timing"]
-        x, y = 100 * statistics.median(bubbles), t.median * 1e3
-        a1.errorbar(x, y, xerr=[[x - 100 * b[0]], [100 * b[2] - x]], yerr=[[y - t.q1 * 1e3], [t.q3 * 1e3 - y]],
-                    fmt="o", color=c, capsize=3, label=r["label"])
-        peak = max(x_[r["label"]]["peak_saved_bytes"] for x_ in R)
-        a2.barh(r["label"], peak / 2**20, color=c)
-    a1.set_xlabel("measured bubble (%)", fontsize=10)
-    a1.set_ylabel("step time (ms)", fontsize=10)
-    a1.set_title("step time against bubble", fontsize=11, loc="left")
-    a2.set_xlabel("MiB", fontsize=10)
-    a2.set_title("peak activations held", fontsize=11, loc="left")
-    a2.invert_yaxis()
-    for ax in (a1, a2):
-        ax.tick_params(labelsize=10)
-        ax.grid(alpha=0.3)
-    a1.set_xlim(left=0)
-    a1.set_ylim(bottom=0)
-    fig.tight_layout()
-    return fig
+def explorer(p=4, m=8):
+    note("""
+        Try it: the explorer below simulates these same action lists in the page (a JavaScript
+        port of `simulate`, checked against it by the tests) for other sizes and costs. Make W
+        cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
+    """)
+    widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
+           caption="Every rank's timeline on one time axis, the bubble measured on it beside the paper's "
+                   "formula at your costs (or why there is no closed form for that list), and the "
+                   "activations each rank holds over the step.")
 
 
 def real_compute():
@@ -807,28 +620,6 @@ def deadlock():
         complete: rank 0 received {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The
         executor above never blocks on a send for the same reason.
     """)
-
-
-def pytorch_figure(times, classes):
-    """PyTorch's schedules beside our closest ones: step times, medians with interquartile
-    ranges, one pair of bars per PyTorch class."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(classes) + 0.8))
-    for i, cls in enumerate(classes):
-        for j, (label, colour) in enumerate([("PyTorch " + cls, "#e45756"), ("ours: " + PYTORCH_SCHEDULES[cls][1], "#4c78a8")]):
-            t = times[label]
-            ax.barh(i + (j - 0.5) * 0.38, t.median * 1e3, height=0.36, color=colour,
-                    xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]], capsize=2,
-                    label=("PyTorch's" if j == 0 else "ours (closest)") if i == 0 else None)
-    ax.set_yticks(range(len(classes)), [f"{c.removeprefix('Schedule')} / {PYTORCH_SCHEDULES[c][1]}" for c in classes])
-    ax.invert_yaxis()
-    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
-    ax.tick_params(labelsize=10)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_xlim(0, 1.45 * max(t.q3 for t in times.values()) * 1e3)   # room on the right for the legend
-    ax.legend(fontsize=10, loc="lower right")
-    fig.tight_layout()
-    return fig
 
 
 def pytorch_schedules():

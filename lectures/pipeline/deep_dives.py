@@ -4,6 +4,7 @@ with the helpers and rank functions only they use."""
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline.demos import ALL, chunk_cost, differences, pct, reference_train, train_schedules, units_against
 from lectures.pipeline.executor import PipelineExecutor
+from lectures.pipeline.figures import posting_order_figure
 from lectures.pipeline.schedules import make_schedule
 from lectures.pipeline.simulate import (check_schedule, dualpipev_readme_bubble, held, message_order, qi_bubble,
                                         simulate, steady_step, theory_bubble)
@@ -317,25 +318,7 @@ def deep_dive_posting_order():
         `simulate.p2p_deadlock` replays every rank's posting program under these rules, and a
         test finds no deadlock for any schedule the lecture accepts up to $p = 8$.
     """)
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 2.6))
-    label = lambda k: f"{'a' if k[0] == 'act' else 'g'}{k[2]}"
-    pos = {k: i for i, k in enumerate(needed)}
-    for i, k in enumerate(sent):
-        j = pos[k]
-        ax.plot([i, j], [1, 0], color="#e45756" if i != j else "#bbbbbb", lw=1.4)
-    for i, k in enumerate(sent):
-        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize=9, rotation=90)
-    for j, k in enumerate(needed):
-        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize=9, rotation=90)
-    ax.set_yticks([0, 1], [f"rank {dst} needs", f"rank {src} sends"])
-    ax.set_xticks([])
-    ax.set_ylim(-0.45, 1.45)
-    ax.tick_params(labelsize=9)
-    for side in ("top", "right", "bottom"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    figure(fig, caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
+    figure(posting_order_figure(sent, needed, src, dst), caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
                         f"order rank {src} sends them (top) and the order rank {dst}'s actions need them "
                         "(bottom); a: an activation, g: a gradient, with its micro-batch. Red lines: "
                         "messages that would be paired with another one's buffer if receives were posted "
