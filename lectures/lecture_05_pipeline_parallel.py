@@ -9,282 +9,30 @@ executor on real ranks, and compared with PyTorch's own `torch.distributed.pipel
 """
 import statistics
 
-import torch
-import torch.distributed as dist
-
 from exercises import listing as notebook_exercises
-from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.model.gpt import GPTConfig
+from lectures.pipeline.deep_dives import (deep_dive_posting_order, dualpipev_formula, notes, schedules_table,
+                                          tied_embeddings, unequal_costs)
+from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, SLEEP, both_send_first, bubble_row, chunk_cost,
+                                     compare_with_pytorch, differences, measure_schedules, measured_bubbles,
+                                     measured_busy, measured_pct, median_step, pct, rank_spans, reference_train,
+                                     train_schedules, units_against)
+from lectures.pipeline.demos import measured_bubble, merged, train_pipeline  # noqa: F401  (re-exported)
 from lectures.pipeline.explorer import explorer_data
-from lectures.pipeline.executor import PipelineExecutor, build_rank, gradients_by_name, split_gpt, stage_parameters
+from lectures.pipeline.executor import PipelineExecutor
 from lectures.pipeline.executor import GPTStage, param_leaves  # noqa: F401  (re-exported)
-from lectures.pipeline.simulate import (check_schedule, consecutive_steps, dualpipev_readme_bubble, held, message_order,
-                                        qi_bubble, simulate, steady_step, theory_bubble)
-from lectures.pipeline.simulate import Simulation, dependencies  # noqa: F401  (re-exported)
-from lectures.pipeline.schedules import SCHEDULES, Action, Layout, make_schedule
+from lectures.pipeline.simulate import held, simulate, theory_bubble
+from lectures.pipeline.simulate import Simulation, check_schedule, dependencies  # noqa: F401  (re-exported)
+from lectures.pipeline.schedules import Layout, make_schedule
 from lectures.pipeline.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
-from lectures.pipeline.figures import (draw_rows, legend_patches, side_by_side, layouts_figure, executor_figure,
-                                       deadlock_figure)
-from util import cheat, deep_dive, device, figure, note, published, quiet, see, settings, spawn, table, widget
+from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_figure, deadlock_figure, bubble_picture,
+                                       schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
+                                       zb_h2_two_steps, real_compute_figure, pytorch_figure)
+from lectures.pipeline.figures import draw_rows  # noqa: F401  (re-exported)
+from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
 from util import try_it_yourself
-from util import span as timed   # a timed block on a rank: its span (local names `span` are x-axis lengths)
-from util.measure import compare, machine, measure, measure_side_by_side, spreads_overlap, value_range
+from util.measure import compare, machine, spreads_overlap
 
-# =========================================================================================
-# 1. Rank functions: train with a schedule; the single-process reference
-# =========================================================================================
-
-def microbatches(cfg, m, mb_size, step, seed=0):
-    """The step's global batch (m·mb_size sequences, identical on every rank), in m pieces."""
-    tokens, targets = batch(cfg, m * mb_size, step, seed)
-    return list(tokens.chunk(m)), list(targets.chunk(m))
-
-
-def train_pipeline(rank, world_size, cfg, schedule, m, mb_size, chunks=1, steps=1, lr=3e-3,
-                   delay=None, checkpoint=False):
-    """`steps` AdamW steps with a pipeline schedule. Returns the loss of every step (from the
-    last stage's rank), the first step's gradients and the final parameters of this rank's
-    stages (by full-model name), and what the last step measured."""
-    executor, stages = build_rank(rank, world_size, cfg, schedule, m, mb_size, chunks, delay, checkpoint)
-    opt = torch.optim.AdamW(stage_parameters(stages), lr=lr)
-    losses, grads = [], None
-    for step in range(steps):
-        inputs, targets = microbatches(cfg, m, mb_size, step)
-        out = executor.step(inputs, targets)
-        losses.append(out["loss"])
-        if grads is None:
-            grads = gradients_by_name(stages)
-        opt.step()
-        opt.zero_grad()
-    final = {}
-    for mod in stages.values():
-        for local, p in mod.named_parameters():
-            final[mod.global_name(local)] = p.detach().cpu().clone()
-    return {"losses": losses, "grads": grads, "params": final, "stages": sorted(stages),
-            "peak_saved_bytes": out["peak_saved_bytes"], "messages": out["messages"],
-            "events": [(tuple(a), t0, t1) for a, t0, t1 in out["events"]]}   # the last step's spans
-
-
-def reference_train(cfg, m, mb_size, steps=1, lr=3e-3):
-    """One process, the whole batch at once: what every schedule must equal."""
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, grads = [], None
-    for step in range(steps):
-        tokens, targets = batch(cfg, m * mb_size, step)
-        loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        losses.append(loss.item())
-        if grads is None:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
-# =========================================================================================
-# 2. Measuring schedules on real ranks
-# =========================================================================================
-
-SLEEP = {"F": 0.006, "B": 0.006, "W": 0.006}   # sleep mode: what each action also waits (s)
-
-
-def measured_bubble(per_rank_events):
-    """1 − busy / (ranks × makespan) from measured (action, start, end) spans of one step."""
-    start = min(t0 for ev in per_rank_events for _, t0, _ in ev)
-    end = max(t1 for ev in per_rank_events for _, _, t1 in ev)
-    busy = sum(t1 - t0 for ev in per_rank_events for _, t0, t1 in ev)
-    return 1 - busy / (len(per_rank_events) * (end - start))
-
-
-def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=5, warmup=1):
-    """Each run ({"name", "m", "v", "checkpoint"}) timed as whole steps with `measure`; every
-    timed step's spans are kept so the page can compute its bubble. Returns, per run label:
-    the step Timing, the spans of every timed step, peak saved bytes and messages sent."""
-    results = {}
-    for run in runs:
-        executor, stages = build_rank(rank, world_size, cfg, run["name"], run["m"], mb_size, run.get("v", 1),
-                                      delay=delay, checkpoint=run.get("checkpoint", False))
-        inputs, targets = microbatches(cfg, run["m"], mb_size, 0)
-        steps = []
-
-        def one_step():
-            out = executor.step(inputs, targets)
-            for mod in stages.values():
-                mod.zero_grad(set_to_none=True)
-            steps.append(out)
-
-        timing = measure(one_step, warmup=warmup, repeats=repeats)
-        timed = steps[warmup:]
-        results[run["label"]] = {
-            "timing": timing, "events": [[(tuple(a), t0, t1) for a, t0, t1 in s["events"]] for s in timed],
-            "peak_saved_bytes": timed[-1]["peak_saved_bytes"], "messages": timed[-1]["messages"],
-            "loss": timed[-1]["loss"]}
-    return results
-
-
-def gather_runs(returns, label):
-    """Per timed step: the per-rank event lists of run `label`, from every rank's return."""
-    n_steps = len(returns[0][label]["events"])
-    return [[[(Action(*a), t0, t1) for a, t0, t1 in r[label]["events"][k]] for r in returns]
-            for k in range(n_steps)]
-
-
-# =========================================================================================
-# 3. Deadlock: both neighbours send first
-# =========================================================================================
-
-def both_send_first(rank, world_size, numel, batched=False):
-    """Two stages exchange activations and gradients. With blocking sends posted first, each
-    waits for the other to receive: a deadlock (gloo's send of a large tensor returns only once
-    the peer has taken it). Posting the send and the receive together in one
-    `batch_isend_irecv` lets both complete."""
-    other = 1 - rank
-    mine, theirs = torch.full((numel,), float(rank), device=device()), torch.empty(numel, device=device())
-    if batched:
-        with timed("batched"):
-            ops = [dist.P2POp(dist.isend, mine, other), dist.P2POp(dist.irecv, theirs, other)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-    else:
-        with timed("send"):             # the span ends when the send does: at the timeout
-            dist.send(mine, other)      # blocks until rank `other` receives ... which it never does
-        dist.recv(theirs, other)
-    return theirs[0].item()
-
-
-# =========================================================================================
-# 4. PyTorch's own: torch.distributed.pipelining
-# =========================================================================================
-
-PYTORCH_SCHEDULES = {   # PyTorch's class: (chunks per rank, our closest schedule, its chunks)
-    "ScheduleGPipe": (1, "gpipe", 1),
-    "Schedule1F1B": (1, "1f1b", 1),
-    "ScheduleInterleaved1F1B": (2, "interleaved-1f1b", 2),
-    "ScheduleInterleavedZeroBubble": (2, "zb-h1", 1),
-    "ScheduleZBVZeroBubble": (2, "zb-v", 2),
-    "ScheduleDualPipeV": (2, "dualpipev", 2),
-}
-
-
-def pytorch_pipeline(rank, world_size, cfg, schedule_class, chunks, m, mb_size, group=None):
-    """A step function running PyTorch's `schedule_class` on our GPTStage pieces (V layout for
-    the V schedules, looped otherwise), and this rank's {stage: module}."""
-    from torch.distributed import pipelining
-    style = "v" if schedule_class in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "looped"
-    layout = Layout(world_size, chunks, style)
-    _, stages = split_gpt(cfg, layout)
-    mine = {layout.stage(rank, c): stages[layout.stage(rank, c)] for c in range(chunks)}
-    pipe_stages = [pipelining.PipelineStage(mod, s, layout.stages, device(), group=group)
-                   for s, mod in sorted(mine.items())]
-    cls = getattr(pipelining, schedule_class)
-    sched = (cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn) if chunks == 1 else
-             cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn))
-    has_first, has_last = 0 in mine, layout.stages - 1 in mine
-
-    def step(tokens, targets):
-        losses = []
-        args = (tokens.to(device()),) if has_first else ()
-        kwargs = {"target": targets.to(device()), "losses": losses} if has_last else {}
-        sched.step(*args, **kwargs)
-        return sum(l.item() for l in losses) / m if has_last else None
-    return step, mine
-
-
-def compare_with_pytorch(rank, world_size, cfg, m, mb_size, classes, repeats=5, warmup=2):
-    """PyTorch's schedules `classes` and our closest ones on the same model and batch: loss,
-    this rank's gradients (by full-model name) and the step time, measured in the same
-    processes."""
-    tokens, targets = batch(cfg, m * mb_size, 0)
-    inputs, target_list = list(tokens.chunk(m)), list(targets.chunk(m))
-    steps = {}
-    for cls in classes:
-        chunks, ours, our_chunks = PYTORCH_SCHEDULES[cls]
-        if "ours: " + ours not in steps:
-            executor, mine = build_rank(rank, world_size, cfg, ours, m, mb_size, our_chunks, track_memory=False)
-            steps["ours: " + ours] = (lambda ex=executor: ex.step(inputs, target_list)["loss"], mine)
-        fn, mine = pytorch_pipeline(rank, world_size, cfg, cls, chunks, m, mb_size)
-        steps["PyTorch " + cls] = (lambda f=fn: f(tokens, targets), mine)
-    losses, grads = {}, {}
-    for label, (fn, mine) in steps.items():
-        with quiet():
-            losses[label] = fn()
-        grads[label] = gradients_by_name(mine)
-        for mod in mine.values():
-            mod.zero_grad(set_to_none=True)
-    with quiet():   # ours and PyTorch's take turns, so drift does not favour either
-        times = measure_side_by_side({label: fn for label, (fn, _) in steps.items()},
-                                     warmup=warmup, repeats=repeats)
-    return {"losses": losses, "grads": grads, "times": times}
-
-
-def train_schedules(rank, world_size, cfg, runs, mb_size, steps):
-    """`train_pipeline` for every (name, m, v) in `runs`, in one process group."""
-    return {(name, m, v): train_pipeline(rank, world_size, cfg, name, m, mb_size, chunks=v, steps=steps)
-            for name, m, v in runs}
-
-
-# =========================================================================================
-# 5. Drawing
-# =========================================================================================
-
-def chunk_cost(v, F=1.0, B=1.0, W=1.0, send=0.0):
-    """Costs of one action when a rank's layers are cut into v chunks: each takes 1/v as long. A
-    message (`send`) carries the same activation whatever v, so its time is not divided."""
-    return {"F": F / v, "B": B / v, "W": W / v, **({"send": send} if send else {})}
-
-
-def held_over_time(sim, layout):
-    """Per rank, [(time, stage-micro-batches held)] along a simulated timeline: +1/v at each F,
-    −1/v at the action that releases it (W when split, else B)."""
-    split = any(a.kind == "W" for row in sim.timeline for a, _, _ in row)
-    release = "W" if split else "B"
-    out = []
-    for row in sim.timeline:
-        now, pts = 0.0, [(0.0, 0.0)]
-        for a, start, end in row:
-            if a.kind == "F":
-                now += 1 / layout.chunks
-                pts.append((start, now))
-            elif a.kind == release:
-                now -= 1 / layout.chunks
-                pts.append((end, now))
-        merged = []                  # one point per instant: a release and the next F at the same time
-        for t, y in pts:
-            if merged and merged[-1][0] == t:
-                merged[-1] = (t, y)
-            else:
-                merged.append((t, y))
-        out.append(merged)
-    return out
-
-
-def merged(returns, key):
-    """Union over ranks of each rank's dict `key` (every parameter lives on one rank)."""
-    out = {}
-    for r in returns:
-        out.update(r[key])
-    return out
-
-
-def pct(x):
-    return "—" if x is None else f"{100 * x:.1f}%"
-
-
-def units_against(mine, theirs, who):
-    """'27 units, as many as ZB-H1' or '25.5 units against ZB-V's 27' (never 'N against N')."""
-    return (f"{mine:g} units, as many as {who}" if abs(mine - theirs) < 1e-9
-            else f"{mine:g} units against {who}'s {theirs:g}")
-
-
-def measured_pct(b):
-    """A measured bubble and its interquartile range, '27.6% (25.1–29.0%)', never '75.9% (75.9%–75.9%)'."""
-    return f"{pct(b['measured'])} ({value_range(100 * b['iqr'][0], 100 * b['iqr'][1], '%')})"
-
-
-# =========================================================================================
-# 6. The lecture
-# =========================================================================================
 
 def sleep_cfg(p):
     return GPTConfig(n_layers=max(8, 2 * p), d_model=32, n_heads=2, seq_len=16)
@@ -297,31 +45,6 @@ def compute_cfg():
 def sleep_ranks():
     """Sleep mode runs the build's world size (4 by default): sleeping ranks share cores fine."""
     return max(2, settings.world_size)
-
-
-def bubble_picture(p=4, m=8):
-    """The bubble in one picture: one batch through p stages (naive), then the same batch as m
-    micro-batches (GPipe), simulated with F = 1 and an unsplit backward of 2 per batch."""
-    import matplotlib.pyplot as plt
-    runs = []
-    for name, mm in (("naive", 1), ("gpipe", m)):
-        sim = simulate(make_schedule(name, p, mm), {"F": 1 / mm, "B": 1 / mm, "W": 1 / mm})
-        runs.append((name, mm, sim))
-    span = max(sim.makespan for _, _, sim in runs)
-    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.6), sharex=True)
-    for ax, (name, mm, sim) in zip(axes, runs):
-        what = "one batch" if mm == 1 else f"the batch as {mm} micro-batches (GPipe)"
-        draw_rows(ax, sim.timeline, f"{what}: {pct(sim.bubble)} idle", unit="time (one batch's forward = 1)",
-                  scale=1, span=span, fontsize=12)
-        ax.axvspan(0, sim.makespan, color="#e8e8e8", zorder=0)   # grey up to the step's end: the bubble
-        ax.label_outer()
-    from matplotlib.patches import Patch
-    fig.legend(handles=legend_patches(chunks=False)[:2] + [Patch(color="#e8e8e8", label="idle: the bubble")],
-               loc="lower center", ncol=3, frameon=False, fontsize=12)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    figure(fig, caption=f"{p} stages on {p} ranks, simulated. Top: one batch keeps one rank busy at a time. "
-                        f"Bottom: cut into {m} micro-batches, the stages work at once and the grey "
-                        "(the bubble) shrinks to the fill at the start and the drain at the end.")
 
 
 def intro():
@@ -357,22 +80,12 @@ def intro():
     """)
 
 
-ALL = [("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
-       ("zb-v", 2), ("dualpipev", 2)]   # (schedule, chunks per rank) in the order the page teaches them
-
-
 def schedules_as_data():
     p, m = 4, 8
-    import matplotlib.pyplot as plt
     sched = make_schedule("1f1b", p, m)
     sim = simulate(sched, chunk_cost(1))
-    fig, ax = plt.subplots(figsize=(7.5, 2.6))
-    draw_rows(ax, sim.timeline, f"1F1B, {p} ranks, {m} micro-batches: bubble {pct(sim.bubble)}",
-              unit="time (F = 1, unsplit B = 2)", scale=1, fontsize=12)
-    fig.legend(handles=legend_patches(chunks=False)[:2], loc="lower center", ncol=2, frameon=False, fontsize=12)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
     note("## Schedules as data")
-    figure(fig, caption=f"The action lists below, simulated: each bar is one action, its number the micro-batch.")
+    figure(schedule_figure(sim, p, m), caption=f"The action lists below, simulated: each bar is one action, its number the micro-batch.")
     note(f"""
         A schedule is one list of actions per rank; here are 1F1B's for {p} ranks and {m}
         micro-batches. A forward `F3` needs stage $s-1$'s `F3`; a backward `B3` needs the
@@ -386,99 +99,6 @@ def schedules_as_data():
     see(make_schedule, "make_schedule: every schedule of this lecture as action lists")
     see(Layout, "Layout: where each chunk's stage lives (looped or V)")
     see(simulate, "simulate: the list scheduler that checks and times a schedule")
-
-
-def schedules_table(p=4, m=8):
-    """Every schedule simulated with F = B and W free, then W = B: the theory beside both."""
-    note(f"""
-        ## Deep dive: every schedule with W free and with W = B
-        The textbook bubbles assume a free weight gradient. Here every list of the page ({p} ranks,
-        {m} micro-batches) on the simulator with W = 0 and with W = B, beside that theory.
-    """)
-    rows, free_w = [], {}
-    for name, v in ALL:
-        sch = make_schedule(name, p, m, v)
-        check_schedule(sch)
-        a, b = simulate(sch, chunk_cost(v, W=0)), simulate(sch, chunk_cost(v))
-        free_w[name] = a.bubble
-        rows.append([name, v, pct(theory_bubble(name, p, m, v)), pct(a.bubble), pct(b.bubble),
-                     f"{b.makespan:g}", f"{max(held(sch)) / v:g}"])
-    table(rows, header=["schedule", "chunks v", "theory (F=B, W=0)", "simulated, F=B, W=0",
-                        "simulated, F=B=W", "makespan, F=B=W", "most micro-batches held"],
-          caption=f"{p} ranks, {m} micro-batches; a chunk's action costs 1/v. {free_w_words(free_w)} "
-                  "Once W costs as much as B, postponed Ws fill the "
-                  "idle slots. Held: micro-batches between F and the release of their activations "
-                  "(W when split, else B), the most on any rank, a chunk counting 1/v.")
-
-
-def explorer(p=4, m=8):
-    note("""
-        Try it: the explorer below simulates these same action lists in the page (a JavaScript
-        port of `simulate`, checked against it by the tests) for other sizes and costs. Make W
-        cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
-    """)
-    widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
-           caption="Every rank's timeline on one time axis, the bubble measured on it beside the paper's "
-                   "formula at your costs (or why there is no closed form for that list), and the "
-                   "activations each rank holds over the step.")
-
-
-def free_w_words(free_w):
-    """What the split-backward lists do when W is free (W = 0), against 1F1B, from the simulated
-    bubbles {name: bubble}: the same, or better or worse by how many points."""
-    chunks = dict(ALL)
-    base = free_w["1f1b"]
-    split = [n for n in ("zb-h1", "zb-h2", "zb-v", "dualpipev") if n in free_w]
-    worse = [n for n in split if free_w[n] > base + 1e-9]
-    better = [n for n in split if free_w[n] < base - 1e-9]
-    same = [n for n in split if n not in worse and n not in better]
-    parts = []
-    if same:
-        parts.append(f"With W = 0 splitting the backward gains nothing: {', '.join(same)} "
-                     f"{'has' if len(same) == 1 else 'have'} 1F1B's {pct(base)}")
-    if better:
-        parts.append("; ".join(f"{n} is shorter ({pct(free_w[n])} against 1F1B's {pct(base)})"
-                               + (f", from its {chunks[n]} chunks per rank" if chunks[n] > 1 else "")
-                               for n in better))
-    if worse:
-        parts.append("; ".join(f"{n}'s list, built for F = B = W, loses "
-                               f"{100 * (free_w[n] - base):.1f} points when W is free "
-                               f"({pct(free_w[n])} against 1F1B's {pct(base)})" for n in worse))
-    return "; ".join(parts) + "."
-
-
-MEMORY_NAMES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
-
-
-def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
-    """Micro-batches each rank holds over a simulated step, for the schedules that differ."""
-    import matplotlib.pyplot as plt
-    cols = min(3, len(names))
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7.5, 2.0 * rows + 0.7), sharex=True, sharey=True, squeeze=False)
-    colours = plt.cm.viridis([i / max(1, p - 1) * 0.85 for i in range(p)])
-    for ax, (name, v) in zip(axes.flat, names):
-        sch = make_schedule(name, p, m, v)
-        sim = simulate(sch, chunk_cost(v))
-        for r, pts in enumerate(held_over_time(sim, sch.layout)):
-            xs, ys = zip(*pts)
-            ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
-        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=11, loc="left")
-        ax.tick_params(labelsize=10)
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("held", fontsize=11)
-    for ax in axes[-1]:
-        ax.set_xlabel("time (F = B = W = 1)", fontsize=10)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=11)
-    fig.tight_layout(rect=(0, 0.7 / (2.0 * rows + 0.7), 1, 1))
-    figure(fig, caption=caption or f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
-                        "simulated from the action lists the ranks run): a micro-batch counts from its F "
-                        "until the action that releases its activations (B, or W when the backward is "
-                        "split); a chunk counts 1/v. GPipe climbs to m; 1F1B holds p − r on rank r; "
-                        "ZB-H1 holds p on every rank (its postponed Ws keep activations longer), ZB-H2 "
-                        "2p − 1, ZB-V p in half-size chunks.")
 
 
 def executor_matches():
@@ -528,54 +148,6 @@ def executor_matches():
         tied_embeddings(n)
 
 
-ONE_PROCESS_NAME = {"lm_head.weight": "tok_emb.weight"}   # a tied LM head is the embedding, in one process
-
-
-def differences(per, ref):
-    """(max |Δ loss|, max |Δ gradient|, max |Δ parameter|) of one run's ranks against one
-    process; a tied LM head's copy is compared with one process's embedding, the weight it is."""
-    loss = next(r["losses"] for r in per if r["losses"][0] is not None)
-
-    def worst(got, want):
-        return max((got[k] - want[k if k in want else ONE_PROCESS_NAME[k]]).abs().max().item()
-                   for k in set(got) | set(want))
-    return (max(abs(a - b) for a, b in zip(loss, ref["losses"])),
-            worst(merged(per, "grads"), ref["grads"]), worst(merged(per, "params"), ref["params"]))
-
-
-def tied_embeddings(n):
-    """Deep dive: a GPT with tied embeddings on the pipeline, against one process with them, and
-    what the tie costs a step."""
-    cfg = GPTConfig(n_layers=2 * n, d_model=32, n_heads=2, seq_len=16, dtype="float64", tie_embeddings=True)
-    mb_size, steps = 2, 2
-    runs = [("1f1b", n + 1, 1), ("zb-v", n + 1, 2)]
-    run = spawn(train_schedules, n, cfg=cfg, runs=runs, mb_size=mb_size, steps=steps,
-                name=f"tied embeddings vs one process, {n} ranks")
-    ref = reference_train(cfg, n + 1, mb_size, steps)
-    rows = [[name, v, *(f"{d:.1e}" for d in differences([r[name, m, v] for r in run.returns], ref))]
-            for name, m, v in runs]
-    size = cfg.torch_dtype.itemsize
-    note(f"""
-        ## Deep dive: tied embeddings across the pipeline
-        With tied embeddings the first stage's token embedding and the last stage's LM head are
-        one weight, but in a pipeline they sit on different ranks. As Megatron-LM does, each of
-        the two ranks keeps a copy, made equal at the start (the executor's first step gives the
-        last stage's copy the first stage's values), and after each step's backward the two
-        copies' gradients are summed across those two ranks, so both take the same optimizer
-        step: one all-reduce per step of a vocab × hidden
-        gradient, here {cfg.vocab_size} × {cfg.d_model} × {size} bytes =
-        {cfg.vocab_size * cfg.d_model * size / 2**10:g} KiB between rank 0 and rank {n - 1}. The V
-        layouts (ZB-V, DualPipeV) put the first and the last stage on rank 0, so there the sum is
-        autograd's own, inside one parameter, and nothing crosses the network — and an
-        optimizer must be given that parameter once (`stage_parameters`), or it steps it twice.
-    """)
-    table(rows, header=["schedule", "chunks v", "max |Δ loss|", "max |Δ gradient|",
-                        f"max |Δ parameter| after {steps} steps"],
-          caption=f"Lecture 01's GPT with tied embeddings ({cfg.n_layers} layers, float64) on {n} ranks against "
-                  "one process with tied embeddings; the LM head's copy is compared with the embedding.")
-    see(PipelineExecutor._sum_tied, "PipelineExecutor._sum_tied: the tied embedding's gradient, summed")
-
-
 def sleep_runs(ms):
     runs = [{"label": "naive", "name": "naive", "m": 4}]
     for name in ("gpipe", "1f1b"):
@@ -587,17 +159,6 @@ def sleep_runs(ms):
     return runs
 
 
-def measured_bubbles(returns, label):
-    steps = gather_runs(returns, label)
-    return [measured_bubble(rows) for rows in steps], steps
-
-
-def median_step(steps, bubbles):
-    """The timed step whose bubble is the median one (for drawing)."""
-    order = sorted(range(len(bubbles)), key=bubbles.__getitem__)
-    return steps[order[len(order) // 2]]
-
-
 def run_sleep_mode():
     """One spawn, every schedule in sleep mode on `sleep_ranks()` ranks; returns its Run."""
     ms = [2, 8] if settings.quick else [1, 2, 4, 8]
@@ -606,15 +167,6 @@ def run_sleep_mode():
     return ms, runs, spawn(measure_schedules, p, cfg=sleep_cfg(p), runs=runs, mb_size=2,
                            delay=SLEEP, repeats=5 if settings.quick else 7,
                            name=f"every schedule in sleep mode, {p} ranks")
-
-
-def bubble_row(returns, label, name, m, v, p):
-    bubbles, _ = measured_bubbles(returns, label)
-    sleep_cost = {"F": SLEEP["F"] / v, "B": SLEEP["B"] / v, "W": SLEEP["W"] / v}
-    sim = simulate(make_schedule(name, p, m, v), sleep_cost)
-    q = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
-    return {"theory": theory_bubble(name, p, m, v), "simulated": sim.bubble,
-            "measured": statistics.median(bubbles), "iqr": (q[0], q[2]), "sim": sim}
 
 
 def measured_schedules():
@@ -679,27 +231,7 @@ def gpipe_measured(R, p, ms, mode):
             rows.append([name, m, pct(b["theory"]), pct(b["simulated"]),
                          measured_pct(b),
                          f"{peak / 2**10:.0f} KiB", R[0][f"{name} m={m}"]["timing"].ms()])
-    import matplotlib
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
-    xs = list(ms)
-    for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
-        a1.plot(xs, [bubble_row(R, f"{name} m={m}", name, m, 1, p)["measured"] for m in xs], style, label=f"{name} measured")
-        a2.plot(xs, [mem[name, m] / 2**10 for m in xs], style, label=name)
-    a1.plot(xs, [(p - 1) / (m + p - 1) for m in xs], "k:", label="(p−1)/(m+p−1)")
-    for ax, ylabel, title in ((a1, "bubble fraction", "bubble"), (a2, "KiB", "peak activations held")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(m) for m in xs])      # the m measured, as plain numbers
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("micro-batches m (log scale)", fontsize=11)
-        ax.set_ylabel(ylabel, fontsize=11)
-        ax.set_title(title, fontsize=12, loc="left")
-        ax.tick_params(labelsize=11)
-        ax.legend(fontsize=11)
-    a1.set_ylim(bottom=0)
-    a2.set_ylim(bottom=0)
-    fig.tight_layout()
-    figure(fig, caption=f"Bubble and activation memory against m ({mode}).")
+    figure(gpipe_figure(R, p, ms, mem), caption=f"Bubble and activation memory against m ({mode}).")
     note(idea)
     table(rows, header=["schedule", "m", "theory", "simulated", "measured (IQR)",
                         "peak activations held (rank max)", "step time"],
@@ -784,27 +316,6 @@ def interleaved_memory_words(p, v):
         return words + (f" With $p < m < 2p$ ({sizes} here) there is one group, so rank 0 "
                         f"holds all $m$ micro-batches at once, GPipe's memory: {between[hi]:g} at m = {hi}.")
     return words + " With $p < m < 2p$ rank 0 holds " + ", ".join(f"{h:g} at m = {m}" for m, h in between.items()) + "."
-
-
-def most_idle(sim):
-    """The idle time of the rank that idles most in a simulated step."""
-    return max(sim.makespan - busy for busy in sim.busy)
-
-
-def dualpipev_readme_holds(F, B_in, W, ps=range(2, 9), overlaps=(1.0, 0.5, 0.0)):
-    """Whether DeepSeek's (S/2 − 1)(F&B + B − 3W) equals the most idle rank of DualPipeV run as
-    the reference runs it (each F&B pair one unit, simulate(pair=...)), for every p in `ps`,
-    m = 2p, 2p + 3, 4p, and F&B from F + B (no overlap, 1.0) down to the longer of the two
-    (a perfect overlap, 0.0). Returns (holds, the largest |formula − simulation|)."""
-    full_b, worst = B_in + W, 0.0
-    for p in ps:
-        for m in (2 * p, 2 * p + 3, 4 * p):
-            sched = make_schedule("dualpipev", p, m, 2)
-            for share in overlaps:
-                fb = max(F, full_b) + share * min(F, full_b)
-                sim = simulate(sched, {"F": F, "B": B_in, "W": W}, pair=fb)
-                worst = max(worst, abs(dualpipev_readme_bubble(p, F, full_b, W, fb) - most_idle(sim)))
-    return worst < 1e-9, worst
 
 
 def zero_bubble_measured(R, p):
@@ -893,26 +404,6 @@ def zero_bubble_measured(R, p):
           what=f"ZB-H1, p = {p}, m = {m}, sleep mode, measured (1F1B: {pct(rows_['1f1b m=8']['measured'])})")
 
 
-def zb_h2_two_steps(p, m, cost=None):
-    """ZB-H2's zero bubble: two steps run back to back (no synchronising optimizer step), on the
-    simulator, against one step; and the per-step time against Qi et al.'s formula."""
-    import matplotlib.pyplot as plt
-    cost = cost or chunk_cost(1)
-    sched = make_schedule("zb-h2", p, m)
-    one, two = simulate(sched, cost), simulate(consecutive_steps(sched, 2), cost)
-    steady = two.makespan - one.makespan
-    work = m * (cost["F"] + cost["B"] + cost["W"])
-    fig, ax = plt.subplots(figsize=(8, 0.6 * p + 1.4))
-    draw_rows(ax, two.timeline, f"zb-h2, two steps back to back: {two.makespan:g} units "
-              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1, fontsize=11)
-    ax.axvline(one.makespan, color="black", ls=":", lw=1.2)
-    figure(fig, caption=f"{p} ranks, {m} micro-batches per step, simulated (the second step's micro-batches "
-                        f"are numbered from {m}). One step alone takes {one.makespan:g} units; the second "
-                        f"adds {steady:g}, which is its {work:g} units of work and "
-                        f"{_idle_words(steady - work)}: the first ranks start step 2 while the last finish "
-                        "step 1, so the parallelogram's head fills the tail (dotted: where one step alone ends).")
-
-
 def _v_head_words(makespan, p, m):
     """ZB-V's simulated makespan at F = B = W (1 per stage) against its work 3m plus the V's head
     of p − 1 half-stage forwards."""
@@ -922,172 +413,6 @@ def _v_head_words(makespan, p, m):
                 f"and the V's head of $p-1$ half-stage forwards ({head:g}), nothing else")
     return (f"with $F = B = W$ it takes {makespan:g} units: {3 * m} of work, {head:g} of the V's head, "
             f"and {makespan - 3 * m - head:g} more")
-
-
-def _idle_words(idle):
-    return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
-
-
-# Qi et al. 2024 (ICLR 2024; arXiv 2401.10241), "Zero Bubble Pipeline Parallelism", Appendix D,
-# Table 9: a stage's T_F, T_B, T_W and T_comm in ms, as profiled for its experiments (Section 5):
-# (model, p, m, T_F, T_B, T_W, T_comm).
-QI_TABLE_9 = [("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601),
-              ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527),
-              ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377),
-              ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408)]
-QI_2024 = ("https://arxiv.org/abs/2401.10241",
-           "Qi, Wan, Huang, Lin 2024, Zero Bubble Pipeline Parallelism (ICLR 2024; the arXiv version with ZB-V), Appendix D, Table 9: profiled T_F, T_B, T_W, T_comm")
-
-
-def cost_mixes():
-    """{label: (F, B, W, comm)} per stage: F = B = W, then each model of Qi et al.'s Table 9
-    with its times divided by its T_F (so F = 1, and the mixes compare on one clock)."""
-    mixes = {"F = B = W": (1.0, 1.0, 1.0, 0.0)}
-    for model, p, m, tf, tb, tw, tc in QI_TABLE_9:
-        mixes[f"{model} model's costs"] = (1.0, tb / tf, tw / tf, tc / tf)
-    return mixes
-
-
-def mix_makespans(p, m, F, B, W, send=0.0):
-    """{schedule: simulated makespan} of the zero-bubble comparison at one cost mix."""
-    names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
-    return {n: simulate(make_schedule(n, p, m, v), chunk_cost(v, F, B, W, send)).makespan for n, v in names}
-
-
-def unequal_costs(p, m):
-    """The zero-bubble lists simulated at the costs Qi et al. measured, beside their formulas;
-    and ZB-V against ZB-H1 in words, from the makespans, without and with T_comm."""
-    mixes = cost_mixes()
-    measured = list(mixes.values())[1:]
-
-    def spread(i):          # the measured models' range of one cost, in forwards
-        return value_range(min(c[i] for c in measured), max(c[i] for c in measured), decimals=2)
-    note(f"""
-        ## Deep dive: zero bubble at the costs Qi et al. measured
-        The page's zero-bubble lists assume a forward, an input gradient and a weight gradient
-        of equal cost. Qi et al. profiled their own runs (Appendix D, Table 9): on GPT models of
-        {QI_TABLE_9[0][0]} to {QI_TABLE_9[-1][0]} parameters, B took {spread(1)} of a forward's
-        time, W {spread(2)} of it, and a message between stages ($T_{{comm}}$) {spread(3)}. Below,
-        each list on the simulator ({p} ranks, {m} micro-batches) at equal costs and at each
-        model's measured $T_F$, $T_B$, $T_W$ (divided by its $T_F$), beside Qi et al.'s formulas
-        where they give one. Those runs had {QI_TABLE_9[0][1]} to {QI_TABLE_9[-1][1]} stages; only
-        their per-stage ratios carry over, so every row here runs at {p} ranks. The formulas have no term for communication, so the table leaves
-        $T_{{comm}}$ out; the sentence after it adds it.
-    """)
-    rows, span, with_comm = [], {}, {}
-    for label, (F, B, W, comm) in mixes.items():
-        got = span[label] = mix_makespans(p, m, F, B, W)
-        with_comm[label] = mix_makespans(p, m, F, B, W, comm)
-        across = steady_step(make_schedule("zb-h2", p, m), chunk_cost(1, F, B, W))
-        work = m * (F + B + W)
-        rows.append([label, f"{F:.2f}, {B:.2f}, {W:.2f}"] +
-                    [f"{got[n]:.2f} ({work + qi_bubble(n, p, F, B, W):.2f})" for n in ("1f1b", "zb-h1")] +
-                    [f"{got['zb-h2']:.2f}", f"{across:.2f} ({work + qi_bubble('zb-h2', p, F, B, W):.2f})",
-                     f"{got['zb-v']:.2f}", f"{got['dualpipev']:.2f}"])
-    table(rows, header=["costs", "F, B, W per stage", "1F1B", "ZB-H1", "ZB-H2, one step",
-                        "ZB-H2, per step back to back", "ZB-V", "DualPipeV"],
-          caption=f"Makespans on the simulator, {p} ranks, {m} micro-batches (a chunk's action 1/2 of a stage's), "
-                  "in brackets $m(F+B+W)$ plus Qi et al.'s bubble for 1F1B, ZB-H1 and ZB-H2. Rows 2-5: Qi et al.'s "
-                  "profiled times for each model, divided by its $T_F$; communication left out.")
-    see(*QI_2024)
-    note(f"""
-        {zbv_against_zbh1(span)} With every message between two ranks taking the model's
-        $T_{{comm}}$ as well (the simulator's send time; at equal costs none),
-        {zbv_against_zbh1(with_comm)}
-    """)
-
-
-def zbv_against_zbh1(span):
-    """ZB-V against ZB-H1 from the simulated makespans {mix label: {name: makespan}}, in words."""
-    shorter = [c for c, got in span.items() if got["zb-v"] < got["zb-h1"] - 1e-9]
-    pairs = "; ".join(f"{c}: {got['zb-v']:.2f} against {got['zb-h1']:.2f}" for c, got in span.items())
-    if len(shorter) == len(span):
-        verdict = "ZB-V is shorter than ZB-H1 at every one of these costs"
-    elif not shorter:
-        verdict = "ZB-V is not shorter than ZB-H1 at any of these costs"
-    else:
-        verdict = f"ZB-V is shorter than ZB-H1 at {len(shorter)} of these {len(span)} costs"
-    return f"{verdict} ({pairs}), holding the same number of micro-batches ($p$, in half-size chunks)."
-
-
-def zero_bubble_picture(p, m):
-    """1F1B and the zero-bubble lists simulated with F = B = W, on one time axis."""
-    import matplotlib.pyplot as plt
-    names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
-    sims = [(name, v, simulate(make_schedule(name, p, m, v), chunk_cost(v))) for name, v in names]
-    span = max(sim.makespan for _, _, sim in sims)
-    fig, axes = plt.subplots(len(sims), 1, figsize=(8, 1.5 * len(sims) + 0.9), sharex=True)
-    for ax, (name, v, sim) in zip(axes, sims):
-        draw_rows(ax, sim.timeline, f"{name}: {sim.makespan:g} units, bubble {pct(sim.bubble)}",
-                  unit="time (F = B = W = 1 per stage)", scale=1, span=span, fontsize=11)
-        ax.label_outer()
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False, fontsize=11)
-    fig.tight_layout(rect=(0, 0.9 / (1.5 * len(sims) + 0.9), 1, 1))
-    figure(fig, caption=f"{p} ranks, {m} micro-batches, simulated: the weight gradients W (green) move "
-                        "into the slots where 1F1B idles (hatched: a rank's second chunk in ZB-V's V).")
-
-
-def dualpipev_formula(p, m=8):
-    """Deep dive: the DualPipe README's bubble formula against DualPipeV run pair by pair (our
-    executor) and as the reference runs it (each F&B pair one unit)."""
-    lists = {name: make_schedule(name, p, m, 2) for name in ("zb-v", "dualpipev")}
-    most = {name: max(held(sch)) / 2 for name, sch in lists.items()}
-    unit = {name: simulate(sch, chunk_cost(2)).makespan for name, sch in lists.items()}
-    S = 2 * p                                           # DualPipeV's stages: the README's PP
-    cost = chunk_cost(2)                                # a chunk's F, B (input) and W: 1/2 each
-    F, B_in, W = cost["F"], cost["B"], cost["W"]
-    full_b = B_in + W                                   # the README's B is the full backward
-    fbs = {"no overlap": F + full_b, "a perfect overlap": max(F, full_b)}
-    readme = {k: dualpipev_readme_bubble(p, F, full_b, W, fb) for k, fb in fbs.items()}
-    paired = {k: most_idle(simulate(lists["dualpipev"], cost, pair=fb)) for k, fb in fbs.items()}
-    ours = most_idle(simulate(lists["dualpipev"], cost))
-    holds, _ = dualpipev_readme_holds(F, B_in, W)
-    mixes = cost_mixes()
-    measured = min(list(mixes)[1:], key=lambda k: mixes[k][2])   # the profiled mix with the cheapest W
-    other = chunk_cost(2, *mixes[measured][:3])
-    other_holds, other_gap = dualpipev_readme_holds(other["F"], other["B"], other["W"])
-    exact = ("equals it exactly" if holds else "does not equal it")
-    gap = paired["no overlap"] - ours
-    hop_words = (f"which saves each of the $p-1$ hops down the V a backward: $(p-1)B_{{in}}$ = {gap:g} "
-                 f"units, a factor only because $F = B_{{in}}$ here" if abs(gap - (p - 1) * B_in) < 1e-9 else
-                 f"{gap:g} units apart")
-    note(f"""
-        ## Deep dive: DualPipeV's bubble formula
-        **DualPipeV** is the V-shaped, "cut-in-half" DualPipe. DualPipe (DeepSeek-AI 2024,
-        DeepSeek-V3 report) runs micro-batches in both directions through $S$ stages on $S$
-        devices, each holding two stages; DualPipeV, which DeepSeek's README credits to Sea AI
-        Lab's "cut-in-half" procedure, keeps one direction on $S/2 = p$ devices, rank $r$
-        holding stages $r$ and $2p-1-r$. The README gives both $(S/2-1)(F\\&B+B-3W)$ bubble
-        and $S + 1$ activations per device ($F$, $B$, $W$ a chunk's forward, full backward
-        and weight backward), {S} stages here. $F\\&B$ is a forward of one chunk and a backward
-        of the other, from two different micro-batches, run *together*: the overlap is within
-        each pair — one's computation runs while the other's messages travel — and it exists
-        to hide the expert-parallel all-to-all (dispatch and combine) of DeepSeek's
-        mixture-of-experts layers (lecture 06). A CPU rank cannot overlap them, so our
-        executor runs each pair's forward, then its backward; the list is transcribed from the
-        eight phases of the reference schedule. On the simulator it takes
-        {units_against(unit['dualpipev'], unit['zb-v'], "ZB-V")}, holding {most['dualpipev'] * 2:g} chunks against
-        ZB-V's {most['zb-v'] * 2:g}.
-
-        Whose idle time does the formula count? Not our executor's: with a chunk's $F$ =
-        $B_{{in}}$ = $W$ = {F:g} (so the README's full $B$ = {full_b:g}) and no overlap
-        ($F\\&B = F + B$ = {fbs['no overlap']:g}), the formula gives **{readme['no overlap']:g}**
-        units per rank, while our pair-by-pair list idles **{ours:g}** on its most idle rank.
-        The reference schedule runs a pair as one interleaved unit: it starts when both inputs
-        are there and the forward's output leaves only when the whole pair ends. Simulated that
-        way (`simulate(..., pair=F&B)`), the most idle rank idles **{paired['no overlap']:g}**
-        with no overlap and **{paired['a perfect overlap']:g}** with a perfect one ($F\\&B$ =
-        {fbs['a perfect overlap']:g}), where the formula says {readme['no overlap']:g} and
-        {readme['a perfect overlap']:g}. For every $p$ from 2 to 8, $m = 2p, 2p+3, 4p$ and
-        $F\\&B$ from $F + B$ down to the longer of the two, the simulation {exact} at these
-        costs. So the factor of {readme['no overlap'] / ours:g} between the README and our list
-        is where the forward's output leaves: after the whole pair in the reference, after the
-        forward alone in ours, {hop_words}. The formula also
-        assumes $F = B_{{in}} = W$: at the {measured} as Qi et al. profiled them (a
-        chunk's $F$ = {other['F']:.3g}, $B_{{in}}$ = {other['B']:.3g}, $W$ = {other['W']:.3g}; the
-        appendix's zero-bubble table) it {"still holds" if other_holds else f"is off by up to {other_gap:.2g} units"}
-        over the same sizes.
-    """)
 
 
 def verdict(a, b, a_name, b_name, least=3):
@@ -1162,34 +487,16 @@ def every_schedule_measured(R, p, mode):
     explorer(4, 8)
 
 
-def real_compute_figure(R, runs):
-    """Real compute: each run's step time against its measured bubble (medians, interquartile
-    ranges as bars), and the most activations a rank held."""
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(7.5, 2.7), gridspec_kw={"width_ratios": [1.25, 1]})
-    colours = plt.cm.tab10([0, 1, 2, 3])
-    for r, c in zip(runs, colours):
-        bubbles = measured_bubbles(R, r["label"])[0]
-        b = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
-        t = R[0][r["label"]]["timing"]
-        x, y = 100 * statistics.median(bubbles), t.median * 1e3
-        a1.errorbar(x, y, xerr=[[x - 100 * b[0]], [100 * b[2] - x]], yerr=[[y - t.q1 * 1e3], [t.q3 * 1e3 - y]],
-                    fmt="o", color=c, capsize=3, label=r["label"])
-        peak = max(x_[r["label"]]["peak_saved_bytes"] for x_ in R)
-        a2.barh(r["label"], peak / 2**20, color=c)
-    a1.set_xlabel("measured bubble (%)", fontsize=10)
-    a1.set_ylabel("step time (ms)", fontsize=10)
-    a1.set_title("step time against bubble", fontsize=11, loc="left")
-    a2.set_xlabel("MiB", fontsize=10)
-    a2.set_title("peak activations held", fontsize=11, loc="left")
-    a2.invert_yaxis()
-    for ax in (a1, a2):
-        ax.tick_params(labelsize=10)
-        ax.grid(alpha=0.3)
-    a1.set_xlim(left=0)
-    a1.set_ylim(bottom=0)
-    fig.tight_layout()
-    return fig
+def explorer(p=4, m=8):
+    note("""
+        Try it: the explorer below simulates these same action lists in the page (a JavaScript
+        port of `simulate`, checked against it by the tests) for other sizes and costs. Make W
+        cheap or dear, add a send cost, raise m, and watch the bubble and what each rank holds.
+    """)
+    widget("schedule-explorer", explorer_data(initial=("1f1b", p, m, 1)),
+           caption="Every rank's timeline on one time axis, the bubble measured on it beside the paper's "
+                   "formula at your costs (or why there is no closed form for that list), and the "
+                   "activations each rank holds over the step.")
 
 
 def real_compute():
@@ -1259,11 +566,6 @@ def real_compute():
     """, "https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism, abstract")
 
 
-def measured_busy(returns, label):
-    """The median over timed steps of the compute time summed over ranks (s)."""
-    return statistics.median(sum(t1 - t0 for row in rows for _, t0, t1 in row) for rows in gather_runs(returns, label))
-
-
 def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
     """ZB-H1 against 1F1B from their measured bubbles and step Timings (and the compute summed
     over ranks, busy_*): the bubble alone does not say which step is faster, so the verdict is
@@ -1293,13 +595,6 @@ def timing_ranks_here():
     return timing_ranks(4)
 
 
-def rank_spans(run, label):
-    """{rank: (start, end)} of the span `label` each rank recorded; a rank that recorded none
-    spans the whole demo."""
-    got = {x["rank"]: (x["start"], x["end"]) for x in run.spans if x["label"] == label}
-    return {r: got.get(r, (0.0, run.elapsed)) for r in range(run.world_size)}
-
-
 def deadlock():
     numel, timeout = 2**22, 3
     note("## Deadlock, and how batched send/receive avoids it")
@@ -1325,28 +620,6 @@ def deadlock():
         complete: rank 0 received {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The
         executor above never blocks on a send for the same reason.
     """)
-
-
-def pytorch_figure(times, classes):
-    """PyTorch's schedules beside our closest ones: step times, medians with interquartile
-    ranges, one pair of bars per PyTorch class."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(classes) + 0.8))
-    for i, cls in enumerate(classes):
-        for j, (label, colour) in enumerate([("PyTorch " + cls, "#e45756"), ("ours: " + PYTORCH_SCHEDULES[cls][1], "#4c78a8")]):
-            t = times[label]
-            ax.barh(i + (j - 0.5) * 0.38, t.median * 1e3, height=0.36, color=colour,
-                    xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]], capsize=2,
-                    label=("PyTorch's" if j == 0 else "ours (closest)") if i == 0 else None)
-    ax.set_yticks(range(len(classes)), [f"{c.removeprefix('Schedule')} / {PYTORCH_SCHEDULES[c][1]}" for c in classes])
-    ax.invert_yaxis()
-    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
-    ax.tick_params(labelsize=10)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_xlim(0, 1.45 * max(t.q3 for t in times.values()) * 1e3)   # room on the right for the legend
-    ax.legend(fontsize=10, loc="lower right")
-    fig.tight_layout()
-    return fig
 
 
 def pytorch_schedules():
@@ -1405,81 +678,6 @@ def pytorch_schedules():
     return R
 
 
-def deep_dive_posting_order():
-    p, m = 4, 8
-    sched = make_schedule("dualpipev", p, m, 2)
-    order = message_order(sched)
-    src, dst = max(order, key=lambda k: _crossings(sched, k, order[k]))
-    sent = order[src, dst]
-    needed = _needed_order(sched, dst, src)
-    moved = sum(a != b for a, b in zip(sent, needed))
-    note(f"""
-        ## Deep dive: NCCL matches messages in posting order
-        This matters once the executor runs on GPUs. gloo matches a receive to a send by its tag; NCCL ignores tags and pairs the $k$-th
-        receive a rank posts for a peer with the $k$-th send that peer posted to it. If a rank
-        posts its receives in the order its own actions need them, and the peer sends in
-        another order, NCCL delivers same-shaped tensors to the wrong receive: no error, wrong
-        gradients. In DualPipeV at p = {p}, m = {m}, rank {src} sends rank {dst} {len(sent)}
-        messages, and {moved} of them sit at another position in the order rank {dst} needs
-        them (below). Interleaved 1F1B does it too at some sizes where $m$ is not a multiple
-        of $p$ (p = 2, m = 5, for one). So the executor posts each message at both ends in the same slot of one
-        shared clock (`communication_plan`, from `simulate.message_slots`), which makes every
-        pair's posting orders equal; a test runs every schedule with ranks as threads and a
-        stand-in that matches as NCCL does.
-
-        Two more of NCCL's rules shape the executor. *One Work per batch:* with CUDA tensors,
-        `batch_isend_irecv` coalesces its operations and returns a single Work for the whole
-        batch (torch's `_coalescing_manager`), and a receive's buffer holds the data only after
-        that Work is waited — so pairing each operation with "its" Work (as gloo's list of Works
-        invites) reads buffers that have not arrived. The executor waits every Work of a batch
-        before it reads any buffer of it. *One stream, in order:* a rank's batches run one after
-        another on one stream, and a large send completes only when its peer's matching receive
-        runs; two ranks whose batches wait on each other in opposite orders hang. Posting both
-        ends of each message in the same slot of the shared clock rules that cycle out:
-        `simulate.p2p_deadlock` replays every rank's posting program under these rules, and a
-        test finds no deadlock for any schedule the lecture accepts up to $p = 8$.
-    """)
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 2.6))
-    label = lambda k: f"{'a' if k[0] == 'act' else 'g'}{k[2]}"
-    pos = {k: i for i, k in enumerate(needed)}
-    for i, k in enumerate(sent):
-        j = pos[k]
-        ax.plot([i, j], [1, 0], color="#e45756" if i != j else "#bbbbbb", lw=1.4)
-    for i, k in enumerate(sent):
-        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize=9, rotation=90)
-    for j, k in enumerate(needed):
-        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize=9, rotation=90)
-    ax.set_yticks([0, 1], [f"rank {dst} needs", f"rank {src} sends"])
-    ax.set_xticks([])
-    ax.set_ylim(-0.45, 1.45)
-    ax.tick_params(labelsize=9)
-    for side in ("top", "right", "bottom"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    figure(fig, caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
-                        f"order rank {src} sends them (top) and the order rank {dst}'s actions need them "
-                        "(bottom); a: an activation, g: a gradient, with its micro-batch. Red lines: "
-                        "messages that would be paired with another one's buffer if receives were posted "
-                        "in the order needed.")
-
-
-def _needed_order(sched, dst, src):
-    """The messages from `src` in the order rank `dst`'s actions need them."""
-    lay, out = sched.layout, []
-    for a in sched[dst]:
-        s = lay.stage(dst, a.chunk)
-        if a.kind == "F" and s > 0 and lay.place(s - 1)[0] == src:
-            out.append(("act", s, a.microbatch))
-        elif a.kind == "B" and s < lay.stages - 1 and lay.place(s + 1)[0] == src:
-            out.append(("grad", s, a.microbatch))
-    return out
-
-
-def _crossings(sched, pair, sent):
-    return sum(a != b for a, b in zip(sent, _needed_order(sched, pair[1], pair[0])))
-
-
 def what_to_remember():
     note("""
         ## What to remember
@@ -1502,32 +700,6 @@ def what_to_remember():
         The companion notebook, `lectures/notebooks/lecture_05_pipeline_parallel.ipynb`, runs
         every section of this page cell by cell; change the schedule, p and m at its top.
     """)
-
-
-def notes():
-    note("""
-        ## Notes
-        Pipeline parallelism sends only activations between neighbours — far less than data or
-        tensor parallelism — which is why it spans nodes. Its costs are the bubble (fewer with
-        more micro-batches, interleaving or zero-bubble schedules), memory (1F1B bounds it;
-        checkpointing trades it for compute), and load balance: the first and last stages also
-        hold the embeddings and the LM head, so real systems give them fewer layers.
-    """)
-    for url, title in [
-        ("https://arxiv.org/abs/1811.06965", "Huang et al. 2019, GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism"),
-        ("https://arxiv.org/abs/1806.03377", "Harlap et al. 2018, PipeDream: Fast and Efficient Pipeline Parallel DNN Training"),
-        ("https://arxiv.org/abs/2006.09503", "Narayanan et al. 2021, Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW and PipeDream-Flush, i.e. 1F1B)"),
-        ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),
-        ("https://arxiv.org/abs/2211.05953", "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism"),
-        ("https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ZB-H1, ZB-H2, post-validation)"),
-        ("https://arxiv.org/abs/2405.15362", "Qi et al. 2024, Pipeline Parallelism with Controllable Memory (V-shaped schedules, ZB-V)"),
-        ("https://hackmd.io/@ufotalent/r1lVXsa9Jg", "Sea AI Lab, the 'cut-in-half' DualPipe that became DualPipeV"),
-        ("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)"),
-        ("https://github.com/deepseek-ai/DualPipe", "DeepSeek-AI, DualPipe and DualPipeV reference schedules"),
-        ("https://arxiv.org/abs/2407.21783", "Llama Team 2024, The Llama 3 Herd of Models"),
-        ("https://docs.pytorch.org/docs/stable/distributed.pipelining.html", "PyTorch: torch.distributed.pipelining"),
-    ]:
-        see(url, title=title)
 
 
 def main():

@@ -10,6 +10,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.model.gpt import GPTConfig
 from lectures.model.memory import saved_bytes
+from lectures.pipeline import deep_dives, demos, executor, schedules
 from lectures.pipeline import simulate as S
 from util import spawn
 from tests.conftest import built
@@ -17,7 +18,7 @@ from tests.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
 
 
 def cases():
-    for name in L.SCHEDULES:
+    for name in schedules.SCHEDULES:
         for p in (2, 3, 4):
             for m in sorted({1, p - 1, p, 2 * p + 1}):
                 for v in (1, 2):
@@ -34,7 +35,7 @@ def test_schedule_complete_and_dependency_correct(name, p, m, v):
         return
     sched = L.make_schedule(name, p, m, v)
     L.check_schedule(sched)          # every (stage, micro-batch) once per kind
-    assert len(sched) == p and all(isinstance(a, L.Action) for acts in sched for a in acts)
+    assert len(sched) == p and all(isinstance(a, schedules.Action) for acts in sched for a in acts)
     for cost in ({"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1, "send": 0.2},
                  {"F": 1.0, "B": 2.0, "W": 0.5, "send": 3.0}):
         sim = L.simulate(sched, cost)   # raises on a deadlock
@@ -44,7 +45,7 @@ def test_schedule_complete_and_dependency_correct(name, p, m, v):
             for a, start, end in row:
                 finish[a.kind, sched.layout.stage(r, a.chunk), a.microbatch] = (start, end)
         for (kind, s, i), (start, _) in finish.items():
-            for dep in L.dependencies(L.Action(kind, i), s, sched.layout):
+            for dep in L.dependencies(schedules.Action(kind, i), s, sched.layout):
                 assert finish[dep][1] <= start + 1e-12, (kind, s, i, dep)
 
 
@@ -131,7 +132,7 @@ def pytorch_zbv_order(p, m, rank):
     from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
     stub = types.SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m)
     kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    return [L.Action(kinds[a.computation_type.name], a.microbatch_index, 0 if a.stage_index == rank else 1)
+    return [schedules.Action(kinds[a.computation_type.name], a.microbatch_index, 0 if a.stage_index == rank else 1)
             for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(stub, rank) if a is not None]
 
 
@@ -149,7 +150,7 @@ def test_zb_v_is_pytorchs_order(p):
 def test_measured_costs_are_qi_et_als_table_9_normalised():
     """The appendix's cost mixes are Qi et al.'s profiled times (ICLR 2024, Table 9) divided by T_F,
     labelled by model; F = B = W comes first."""
-    mixes = L.cost_mixes()
+    mixes = deep_dives.cost_mixes()
     assert list(mixes) == ["F = B = W", "1.5B model's costs", "6.2B model's costs", "14.6B model's costs", "28.3B model's costs"]
     assert mixes["1.5B model's costs"] == pytest.approx((1.0, 18.086 / 18.522, 9.337 / 18.522, 0.601 / 18.522))
     assert mixes["28.3B model's costs"] == pytest.approx((1.0, 10.207 / 10.419, 7.715 / 10.419, 0.408 / 10.419))
@@ -162,31 +163,31 @@ def test_measured_costs_give_qi_et_als_makespans_and_the_page_says_so(p, m):
     that stood for ZB-V was longer at an invented (1, 1.2, 0.8): 29.6 against 28.2), with or without
     T_comm, and the page's sentence is generated from those makespans."""
     span = {}
-    for label, (F, B, W, comm) in L.cost_mixes().items():
-        got = span[label] = L.mix_makespans(p, m, F, B, W)
+    for label, (F, B, W, comm) in deep_dives.cost_mixes().items():
+        got = span[label] = deep_dives.mix_makespans(p, m, F, B, W)
         work = m * (F + B + W)
         for name in ("1f1b", "zb-h1"):
             assert got[name] == pytest.approx(work + S.qi_bubble(name, p, F, B, W)), (label, name)
         assert S.steady_step(L.make_schedule("zb-h2", p, m), L.chunk_cost(1, F, B, W)) == pytest.approx(
             work + S.qi_bubble("zb-h2", p, F, B, W))
         assert got["zb-v"] < got["zb-h1"], label
-        with_comm = L.mix_makespans(p, m, F, B, W, comm)
+        with_comm = deep_dives.mix_makespans(p, m, F, B, W, comm)
         assert with_comm["zb-v"] < with_comm["zb-h1"], label
         assert comm == 0 or with_comm["1f1b"] > got["1f1b"], "the send time reaches the simulator"
-    words = L.zbv_against_zbh1(span)
+    words = deep_dives.zbv_against_zbh1(span)
     assert words.startswith("ZB-V is shorter than ZB-H1 at every one of these costs")
     small = span["1.5B model's costs"]
     assert f"1.5B model's costs: {small['zb-v']:.2f} against {small['zb-h1']:.2f}" in words
     span["28.3B model's costs"]["zb-v"] = span["28.3B model's costs"]["zb-h1"] + 1
-    assert L.zbv_against_zbh1(span).startswith("ZB-V is shorter than ZB-H1 at 4 of these 5 costs")
+    assert deep_dives.zbv_against_zbh1(span).startswith("ZB-V is shorter than ZB-H1 at 4 of these 5 costs")
 
 
 def test_page_states_the_zb_v_verdict_at_measured_costs(course_site):
     """The appendix's table and sentence come from the run: the built page cites Table 9 and its verdict
     is the one the simulator gives at the page's p = 4, m = 8."""
     html = (built(course_site, "lecture_05_pipeline_parallel") / "lecture_05_pipeline_parallel_appendix.html").read_text()
-    span = {label: L.mix_makespans(4, 8, *mix[:3]) for label, mix in L.cost_mixes().items()}
-    verdict = L.zbv_against_zbh1(span)
+    span = {label: deep_dives.mix_makespans(4, 8, *mix[:3]) for label, mix in deep_dives.cost_mixes().items()}
+    verdict = deep_dives.zbv_against_zbh1(span)
     assert verdict.split(" (")[0] in html and "Table 9" in html
     large = span["28.3B model's costs"]
     assert f"{large['zb-v']:.2f} against {large['zb-h1']:.2f}" in html
@@ -238,7 +239,7 @@ def test_zb_h1_is_the_papers_order():
 def _all_sizes():
     for p in range(1, 9):
         for m in range(1, 3 * p + 2):
-            for name in L.SCHEDULES:
+            for name in schedules.SCHEDULES:
                 for v in ((1, 2, 3, 4) if name in ("naive", "gpipe", "1f1b", "interleaved-1f1b") else (1, 2)):
                     yield name, p, m, v
 
@@ -264,7 +265,7 @@ CFG8 = GPTConfig(n_layers=8, d_model=16, n_heads=2, seq_len=8, dtype="float64")
 
 def executor_cases():
     for p in (2, 4):
-        for name in L.SCHEDULES:
+        for name in schedules.SCHEDULES:
             v = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
             m = 2 * p + 1 if name == "dualpipev" else p + 1
             yield p, name, v, m
@@ -305,7 +306,7 @@ def test_executor_equals_one_process(executed, p, name, v, m):
     # the spans the page's executor figure draws: every action of the rank's list, in its order
     sched = L.make_schedule(name, p, m, v)
     for r, acts in zip(got, sched):
-        assert [L.Action(*a) for a, _, _ in r["events"]] == list(acts)
+        assert [schedules.Action(*a) for a, _, _ in r["events"]] == list(acts)
         assert all(t0 <= t1 for _, t0, t1 in r["events"])
 
 
@@ -313,7 +314,7 @@ def test_building_blocks_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="unknown schedule"):
         L.make_schedule("pipedream-2bw", 2, 4)
     sched = L.make_schedule("zb-h1", 2, 3)
-    _, stages = L.split_gpt(CFG, sched.layout)
+    _, stages = executor.split_gpt(CFG, sched.layout)
     with pytest.raises(ValueError, match="checkpointing"):
         L.PipelineExecutor(sched, {0: stages[0]}, 0, (3, 8, 16), checkpoint=True)
 
@@ -458,8 +459,8 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
     monkeypatch.setattr(pipeline, "dist", fake)
     sched = L.make_schedule(name, p, m, v)
     cfg = GPTConfig(n_layers=2 * p, d_model=16, n_heads=2, seq_len=8, dtype="float64")
-    _, stages = L.split_gpt(cfg, sched.layout)
-    inputs, targets = L.microbatches(cfg, m, 2, 0)
+    _, stages = executor.split_gpt(cfg, sched.layout)
+    inputs, targets = demos.microbatches(cfg, m, 2, 0)
     errors, executors = [], []
 
     def rank_main(r):
@@ -478,14 +479,14 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
         t.join()
     assert not errors, errors
     ref = L.reference_train(cfg, m, 2, steps=1)
-    grads = L.gradients_by_name(stages)
+    grads = executor.gradients_by_name(stages)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-12, msg=f"{name} p={p} m={m}: {k}")
     return executors
 
 
 NCCL_CASES = [(name, p, m, 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1)
-              for p in (3, 4) for name in L.SCHEDULES
+              for p in (3, 4) for name in schedules.SCHEDULES
               for m in ((2 * p + 1,) if name == "dualpipev" else (p + 1, 2 * p))]
 NCCL_CASES.append(("interleaved-1f1b", 2, 5, 2))   # its sends to a peer and that peer's needs differ in order
 
@@ -508,8 +509,8 @@ def _disagreeing_step(r, case, cfg):
     dtype = torch.float32 if case == "boundary dtype" and r == 1 else torch.float64
     mb = 3 if case == "micro-batch shape" and r == 1 else 2
     sched = L.make_schedule(name, 2, 3)
-    _, stages = L.split_gpt(cfg, sched.layout)
-    inputs, targets = L.microbatches(cfg, 3, mb, 0)
+    _, stages = executor.split_gpt(cfg, sched.layout)
+    inputs, targets = demos.microbatches(cfg, 3, mb, 0)
     ex = L.PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
     try:
         ex.step(inputs, targets)
@@ -593,7 +594,7 @@ def pytorch_dualpipev_order(p, m, rank):
     acts, pairs = [], {}
 
     def add(a):
-        acts.extend(L.Action(k, a.microbatch_index, 0 if a.stage_index == rank else 1)
+        acts.extend(schedules.Action(k, a.microbatch_index, 0 if a.stage_index == rank else 1)
                     for k in kinds[a.computation_type.name])
     stub = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m)
     for a in ScheduleDualPipeV._calculate_single_rank_operations(stub, rank):
@@ -623,15 +624,15 @@ def test_dualpipev_readme_formula_equals_the_reference_run():
     4p and F&B from F + B to max(F, B), exactly when F = B_in = W; our pair-by-pair list idles
     (p − 1)F, (p − 1)B_in less. With F = 0.5, B_in = 0.6, W = 0.4 the formula is off."""
     for c in (0.5, 1.0):
-        holds, worst = L.dualpipev_readme_holds(c, c, c)
+        holds, worst = deep_dives.dualpipev_readme_holds(c, c, c)
         assert holds, worst
-    holds, worst = L.dualpipev_readme_holds(0.5, 0.6, 0.4)
+    holds, worst = deep_dives.dualpipev_readme_holds(0.5, 0.6, 0.4)
     assert not holds and worst > 0.1
     cost = L.chunk_cost(2)
     for p in range(2, 9):
         sched = L.make_schedule("dualpipev", p, 2 * p + 1, 2)
-        ours = L.most_idle(L.simulate(sched, cost))
-        paired = L.most_idle(L.simulate(sched, cost, pair=cost["F"] + cost["B"] + cost["W"]))
+        ours = deep_dives.most_idle(L.simulate(sched, cost))
+        paired = deep_dives.most_idle(L.simulate(sched, cost, pair=cost["F"] + cost["B"] + cost["W"]))
         assert ours == pytest.approx((p - 1) * cost["F"]) and paired == pytest.approx(ours + (p - 1) * cost["B"])
     # a pair runs as one unit: the simulated rank is busy exactly F&B for it
     sim = L.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=1.2)
@@ -644,11 +645,11 @@ def test_free_w_caption_comes_from_the_numbers():
     simulated bubbles. (With the greedy ZB-V it said that list lost 8.7 points; the paper's ZB-V
     gains from its V.)"""
     free = {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, W=0)).bubble for n, v in L.ALL}
-    words = L.free_w_words(free)
+    words = deep_dives.free_w_words(free)
     assert "zb-h1, zb-h2 have 1F1B's 27.3%" in words
     assert "zb-v is shorter (15.8% against 1F1B's 27.3%), from its 2 chunks per rank" in words
     free["zb-v"] = free["1f1b"] + 0.087
-    assert "zb-v's list, built for F = B = W, loses 8.7 points" in L.free_w_words(free)
+    assert "zb-v's list, built for F = B = W, loses 8.7 points" in deep_dives.free_w_words(free)
 
 
 def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():

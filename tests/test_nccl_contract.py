@@ -14,6 +14,7 @@ import torch
 from lectures.pipeline import executor as pipeline
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.model.gpt import GPTConfig
+from lectures.pipeline import demos, schedules
 from lectures.pipeline.simulate import message_order, p2p_deadlock
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
@@ -22,7 +23,7 @@ V = {"interleaved-1f1b": (2, 3, 4), "zb-v": (2,), "dualpipev": (2,), "gpipe": (1
 
 def allowed(p_max=8, m_max=16):
     """Every (schedule, p, m, v) that make_schedule builds (the others it refuses clearly)."""
-    for name in L.SCHEDULES:
+    for name in schedules.SCHEDULES:
         for p in range(1, p_max + 1):
             for v in V.get(name, (1,)):
                 for m in range(1, m_max + 1):
@@ -82,8 +83,8 @@ def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
     monkeypatch.setattr(pipeline, "dist", p2p)
     sched = L.make_schedule(name, p, m, v)
     cfg = GPTConfig(n_layers=2 * p * v, d_model=16, n_heads=2, seq_len=8, dtype="float64")
-    _, stages = L.split_gpt(cfg, sched.layout)
-    inputs, targets = L.microbatches(cfg, m, 2, 0)
+    _, stages = pipeline.split_gpt(cfg, sched.layout)
+    inputs, targets = demos.microbatches(cfg, m, 2, 0)
     group = types.SimpleNamespace(ranks=list(range(offset, offset + p))) if offset else None
 
     def rank_main(g):
@@ -95,14 +96,14 @@ def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
         return ex
     executors = run_ranks(rank_main, range(offset, offset + p))
     ref = L.reference_train(cfg, m, 2, steps=1)
-    grads = L.gradients_by_name(stages)
+    grads = pipeline.gradients_by_name(stages)
     assert set(grads) == set(ref["grads"])
     for k, g in ref["grads"].items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-12, msg=f"{name} p={p} m={m} v={v}: {k}")
     return executors, p2p
 
 
-CASES = [(name, p, m, v) for p in (2, 3, 4) for name in L.SCHEDULES for v in V.get(name, (1,))[:1]
+CASES = [(name, p, m, v) for p in (2, 3, 4) for name in schedules.SCHEDULES for v in V.get(name, (1,))[:1]
          for m in sorted({p + 1, 2 * p + 1} if name == "dualpipev" else {p - 1 or 1, p + 1, 2 * p})
          if (name, p, m, v) != ("dualpipev", 3, 4, 2)]
 
@@ -147,8 +148,8 @@ def test_the_stand_in_hands_over_data_only_to_the_waited_work(monkeypatch):
 def test_a_step_with_another_number_of_microbatches_refuses():
     cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, dtype="float64")
     sched = L.make_schedule("1f1b", 1, 3)
-    _, stages = L.split_gpt(cfg, sched.layout)
+    _, stages = pipeline.split_gpt(cfg, sched.layout)
     ex = L.PipelineExecutor(sched, {0: stages[0]}, 0, (2, 8, 16), dtype=torch.float64)
-    inputs, targets = L.microbatches(cfg, 4, 2, 0)
+    inputs, targets = demos.microbatches(cfg, 4, 2, 0)
     with pytest.raises(ValueError, match="runs 3 micro-batches; got 4"):
         ex.step(inputs, targets)

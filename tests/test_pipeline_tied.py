@@ -12,6 +12,7 @@ import torch
 from lectures import lecture_05_pipeline_parallel as L
 from lectures.pipeline import executor as pipeline
 from lectures.model.gpt import GPTConfig
+from lectures.pipeline import demos
 from util import spawn
 from tests.nccl_standin import NcclLikeP2P, run_ranks
 
@@ -69,13 +70,13 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=
     p2p = NcclLikeP2P()
     monkeypatch.setattr(pipeline, "dist", p2p)
     sched = L.make_schedule(name, p, m, v)
-    stages = [L.split_gpt(CFG, sched.layout)[1] for _ in range(p)]   # built here: the seeding is not thread-safe
+    stages = [pipeline.split_gpt(CFG, sched.layout)[1] for _ in range(p)]   # built here: the seeding is not thread-safe
     if hook:
         stages[0][0].tok_emb.weight.register_post_accumulate_grad_hook(lambda t: None)
     if skew:    # the last stage's copy starts elsewhere (ranks seeded differently): the first step syncs it
         with torch.no_grad():
             stages[-1][sched.layout.stages - 1].lm_head.weight.add_(1.0)
-    inputs, targets = L.microbatches(CFG, m, MB, 0)
+    inputs, targets = demos.microbatches(CFG, m, MB, 0)
     group = types.SimpleNamespace(ranks=list(range(offset, offset + p)))
 
     def rank_main(g):
@@ -90,7 +91,7 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=
 
 
 def assert_tied_grads(held, ref, times=1):
-    grads = {k: g for r in held.values() for k, g in L.gradients_by_name(r).items()}
+    grads = {k: g for r in held.values() for k, g in pipeline.gradients_by_name(r).items()}
     assert set(grads) == set(ref) | {"lm_head.weight"}
     for k, g in grads.items():
         torch.testing.assert_close(g, times * ref[TIED if k == "lm_head.weight" else k], rtol=1e-9, atol=1e-12, msg=k)

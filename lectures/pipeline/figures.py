@@ -1,8 +1,14 @@
-"""Lecture 05's figures: the drawings of its page. `draw_rows` draws a schedule's timeline (one
-row per rank, F/B/W coloured, later chunks hatched), the notebook's too; the rest draw measured
-schedules side by side, the interleaved layouts, the executor against the simulator, and a deadlock.
-The figures that compute what they draw (memory over time, measured bubbles) stay in the lecture."""
-from lectures.pipeline.schedules import Action, Layout
+"""Lecture 05's figures: the drawings of its page and its appendix. `draw_rows` draws a schedule's
+timeline (one row per rank, F/B/W coloured, later chunks hatched), the notebook's too; the rest draw
+measured schedules side by side, the interleaved layouts, the executor against the simulator, a
+deadlock, the bubble in one picture, what each rank holds over a step, the zero-bubble lists, the
+real-compute and PyTorch comparisons, and NCCL's posting order. Some compute what they draw (memory
+over time, measured bubbles) and emit it with its caption (`figure`); the others return the figure."""
+import statistics
+
+from lectures.pipeline.demos import PYTORCH_SCHEDULES, bubble_row, chunk_cost, measured_bubbles, pct
+from lectures.pipeline.schedules import Action, Layout, make_schedule
+from lectures.pipeline.simulate import consecutive_steps, held, simulate
 from util import figure
 
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
@@ -135,5 +141,241 @@ def deadlock_figure(blocked, batched, mib, received):
         ax.set_xlabel(unit, fontsize=10)
         ax.set_title(title, fontsize=11, loc="left")
         ax.tick_params(labelsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def bubble_picture(p=4, m=8):
+    """The bubble in one picture: one batch through p stages (naive), then the same batch as m
+    micro-batches (GPipe), simulated with F = 1 and an unsplit backward of 2 per batch."""
+    import matplotlib.pyplot as plt
+    runs = []
+    for name, mm in (("naive", 1), ("gpipe", m)):
+        sim = simulate(make_schedule(name, p, mm), {"F": 1 / mm, "B": 1 / mm, "W": 1 / mm})
+        runs.append((name, mm, sim))
+    span = max(sim.makespan for _, _, sim in runs)
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.6), sharex=True)
+    for ax, (name, mm, sim) in zip(axes, runs):
+        what = "one batch" if mm == 1 else f"the batch as {mm} micro-batches (GPipe)"
+        draw_rows(ax, sim.timeline, f"{what}: {pct(sim.bubble)} idle", unit="time (one batch's forward = 1)",
+                  scale=1, span=span, fontsize=12)
+        ax.axvspan(0, sim.makespan, color="#e8e8e8", zorder=0)   # grey up to the step's end: the bubble
+        ax.label_outer()
+    from matplotlib.patches import Patch
+    fig.legend(handles=legend_patches(chunks=False)[:2] + [Patch(color="#e8e8e8", label="idle: the bubble")],
+               loc="lower center", ncol=3, frameon=False, fontsize=12)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    figure(fig, caption=f"{p} stages on {p} ranks, simulated. Top: one batch keeps one rank busy at a time. "
+                        f"Bottom: cut into {m} micro-batches, the stages work at once and the grey "
+                        "(the bubble) shrinks to the fill at the start and the drain at the end.")
+
+
+def schedule_figure(sim, p, m):
+    """1F1B's action lists simulated: each bar one action, its number the micro-batch."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 2.6))
+    draw_rows(ax, sim.timeline, f"1F1B, {p} ranks, {m} micro-batches: bubble {pct(sim.bubble)}",
+              unit="time (F = 1, unsplit B = 2)", scale=1, fontsize=12)
+    fig.legend(handles=legend_patches(chunks=False)[:2], loc="lower center", ncol=2, frameon=False, fontsize=12)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig
+
+
+def gpipe_figure(R, p, ms, mem):
+    """GPipe's and 1F1B's measured bubble (beside the formula) and peak activations, against m."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
+    xs = list(ms)
+    for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
+        a1.plot(xs, [bubble_row(R, f"{name} m={m}", name, m, 1, p)["measured"] for m in xs], style, label=f"{name} measured")
+        a2.plot(xs, [mem[name, m] / 2**10 for m in xs], style, label=name)
+    a1.plot(xs, [(p - 1) / (m + p - 1) for m in xs], "k:", label="(p−1)/(m+p−1)")
+    for ax, ylabel, title in ((a1, "bubble fraction", "bubble"), (a2, "KiB", "peak activations held")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(m) for m in xs])      # the m measured, as plain numbers
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("micro-batches m (log scale)", fontsize=11)
+        ax.set_ylabel(ylabel, fontsize=11)
+        ax.set_title(title, fontsize=12, loc="left")
+        ax.tick_params(labelsize=11)
+        ax.legend(fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def held_over_time(sim, layout):
+    """Per rank, [(time, stage-micro-batches held)] along a simulated timeline: +1/v at each F,
+    −1/v at the action that releases it (W when split, else B)."""
+    split = any(a.kind == "W" for row in sim.timeline for a, _, _ in row)
+    release = "W" if split else "B"
+    out = []
+    for row in sim.timeline:
+        now, pts = 0.0, [(0.0, 0.0)]
+        for a, start, end in row:
+            if a.kind == "F":
+                now += 1 / layout.chunks
+                pts.append((start, now))
+            elif a.kind == release:
+                now -= 1 / layout.chunks
+                pts.append((end, now))
+        merged = []                  # one point per instant: a release and the next F at the same time
+        for t, y in pts:
+            if merged and merged[-1][0] == t:
+                merged[-1] = (t, y)
+            else:
+                merged.append((t, y))
+        out.append(merged)
+    return out
+
+
+MEMORY_NAMES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+
+
+def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
+    """Micro-batches each rank holds over a simulated step, for the schedules that differ."""
+    import matplotlib.pyplot as plt
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5, 2.0 * rows + 0.7), sharex=True, sharey=True, squeeze=False)
+    colours = plt.cm.viridis([i / max(1, p - 1) * 0.85 for i in range(p)])
+    for ax, (name, v) in zip(axes.flat, names):
+        sch = make_schedule(name, p, m, v)
+        sim = simulate(sch, chunk_cost(v))
+        for r, pts in enumerate(held_over_time(sim, sch.layout)):
+            xs, ys = zip(*pts)
+            ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
+        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=11, loc="left")
+        ax.tick_params(labelsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("held", fontsize=11)
+    for ax in axes[-1]:
+        ax.set_xlabel("time (F = B = W = 1)", fontsize=10)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=11)
+    fig.tight_layout(rect=(0, 0.7 / (2.0 * rows + 0.7), 1, 1))
+    figure(fig, caption=caption or f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
+                        "simulated from the action lists the ranks run): a micro-batch counts from its F "
+                        "until the action that releases its activations (B, or W when the backward is "
+                        "split); a chunk counts 1/v. GPipe climbs to m; 1F1B holds p − r on rank r; "
+                        "ZB-H1 holds p on every rank (its postponed Ws keep activations longer), ZB-H2 "
+                        "2p − 1, ZB-V p in half-size chunks.")
+
+
+def zero_bubble_picture(p, m):
+    """1F1B and the zero-bubble lists simulated with F = B = W, on one time axis."""
+    import matplotlib.pyplot as plt
+    names = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
+    sims = [(name, v, simulate(make_schedule(name, p, m, v), chunk_cost(v))) for name, v in names]
+    span = max(sim.makespan for _, _, sim in sims)
+    fig, axes = plt.subplots(len(sims), 1, figsize=(8, 1.5 * len(sims) + 0.9), sharex=True)
+    for ax, (name, v, sim) in zip(axes, sims):
+        draw_rows(ax, sim.timeline, f"{name}: {sim.makespan:g} units, bubble {pct(sim.bubble)}",
+                  unit="time (F = B = W = 1 per stage)", scale=1, span=span, fontsize=11)
+        ax.label_outer()
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False, fontsize=11)
+    fig.tight_layout(rect=(0, 0.9 / (1.5 * len(sims) + 0.9), 1, 1))
+    figure(fig, caption=f"{p} ranks, {m} micro-batches, simulated: the weight gradients W (green) move "
+                        "into the slots where 1F1B idles (hatched: a rank's second chunk in ZB-V's V).")
+
+
+def zb_h2_two_steps(p, m, cost=None):
+    """ZB-H2's zero bubble: two steps run back to back (no synchronising optimizer step), on the
+    simulator, against one step; and the per-step time against Qi et al.'s formula."""
+    import matplotlib.pyplot as plt
+    cost = cost or chunk_cost(1)
+    sched = make_schedule("zb-h2", p, m)
+    one, two = simulate(sched, cost), simulate(consecutive_steps(sched, 2), cost)
+    steady = two.makespan - one.makespan
+    work = m * (cost["F"] + cost["B"] + cost["W"])
+    fig, ax = plt.subplots(figsize=(8, 0.6 * p + 1.4))
+    draw_rows(ax, two.timeline, f"zb-h2, two steps back to back: {two.makespan:g} units "
+              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1, fontsize=11)
+    ax.axvline(one.makespan, color="black", ls=":", lw=1.2)
+    figure(fig, caption=f"{p} ranks, {m} micro-batches per step, simulated (the second step's micro-batches "
+                        f"are numbered from {m}). One step alone takes {one.makespan:g} units; the second "
+                        f"adds {steady:g}, which is its {work:g} units of work and "
+                        f"{_idle_words(steady - work)}: the first ranks start step 2 while the last finish "
+                        "step 1, so the parallelogram's head fills the tail (dotted: where one step alone ends).")
+
+
+def _idle_words(idle):
+    return "no idle time" if abs(idle) < 1e-9 else f"{idle:g} units idle per rank"
+
+
+def real_compute_figure(R, runs):
+    """Real compute: each run's step time against its measured bubble (medians, interquartile
+    ranges as bars), and the most activations a rank held."""
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(7.5, 2.7), gridspec_kw={"width_ratios": [1.25, 1]})
+    colours = plt.cm.tab10([0, 1, 2, 3])
+    for r, c in zip(runs, colours):
+        bubbles = measured_bubbles(R, r["label"])[0]
+        b = statistics.quantiles(bubbles, n=4, method="inclusive") if len(bubbles) > 1 else [bubbles[0]] * 3
+        t = R[0][r["label"]]["timing"]
+        x, y = 100 * statistics.median(bubbles), t.median * 1e3
+        a1.errorbar(x, y, xerr=[[x - 100 * b[0]], [100 * b[2] - x]], yerr=[[y - t.q1 * 1e3], [t.q3 * 1e3 - y]],
+                    fmt="o", color=c, capsize=3, label=r["label"])
+        peak = max(x_[r["label"]]["peak_saved_bytes"] for x_ in R)
+        a2.barh(r["label"], peak / 2**20, color=c)
+    a1.set_xlabel("measured bubble (%)", fontsize=10)
+    a1.set_ylabel("step time (ms)", fontsize=10)
+    a1.set_title("step time against bubble", fontsize=11, loc="left")
+    a2.set_xlabel("MiB", fontsize=10)
+    a2.set_title("peak activations held", fontsize=11, loc="left")
+    a2.invert_yaxis()
+    for ax in (a1, a2):
+        ax.tick_params(labelsize=10)
+        ax.grid(alpha=0.3)
+    a1.set_xlim(left=0)
+    a1.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def pytorch_figure(times, classes):
+    """PyTorch's schedules beside our closest ones: step times, medians with interquartile
+    ranges, one pair of bars per PyTorch class."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(classes) + 0.8))
+    for i, cls in enumerate(classes):
+        for j, (label, colour) in enumerate([("PyTorch " + cls, "#e45756"), ("ours: " + PYTORCH_SCHEDULES[cls][1], "#4c78a8")]):
+            t = times[label]
+            ax.barh(i + (j - 0.5) * 0.38, t.median * 1e3, height=0.36, color=colour,
+                    xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]], capsize=2,
+                    label=("PyTorch's" if j == 0 else "ours (closest)") if i == 0 else None)
+    ax.set_yticks(range(len(classes)), [f"{c.removeprefix('Schedule')} / {PYTORCH_SCHEDULES[c][1]}" for c in classes])
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
+    ax.tick_params(labelsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlim(0, 1.45 * max(t.q3 for t in times.values()) * 1e3)   # room on the right for the legend
+    ax.legend(fontsize=10, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def posting_order_figure(sent, needed, src, dst):
+    """The messages from rank `src` to rank `dst` in the order `src` sends them (top) and the
+    order `dst` needs them (bottom), a line from each to where it is needed; red where they differ."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    label = lambda k: f"{'a' if k[0] == 'act' else 'g'}{k[2]}"
+    pos = {k: i for i, k in enumerate(needed)}
+    for i, k in enumerate(sent):
+        j = pos[k]
+        ax.plot([i, j], [1, 0], color="#e45756" if i != j else "#bbbbbb", lw=1.4)
+    for i, k in enumerate(sent):
+        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize=9, rotation=90)
+    for j, k in enumerate(needed):
+        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize=9, rotation=90)
+    ax.set_yticks([0, 1], [f"rank {dst} needs", f"rank {src} sends"])
+    ax.set_xticks([])
+    ax.set_ylim(-0.45, 1.45)
+    ax.tick_params(labelsize=9)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
