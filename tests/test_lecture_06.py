@@ -8,7 +8,10 @@ import torch
 import torch.distributed as dist
 
 from lectures.context_parallel import blocks as attention_blocks
+from lectures.context_parallel import demos
+from lectures.context_parallel import sharding as sequence_layout
 from lectures import lecture_06_context_and_expert_parallel as L
+from lectures.model import gpt as gpt_model
 from util import spawn
 from tests.conftest import built
 
@@ -42,7 +45,7 @@ def everything(rank, world_size):
             "moe": {(name, cap): L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size],
                                                          capacity=cap)
                     for name, (kw, tokens, _) in MOE_CASES.items() for cap in CAPACITY},
-            "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
+            "subgroups": demos.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
             "pytorch": {how: L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4,
                                                                   rotate=how) for how in ("allgather", "alltoall")}
             if world_size != 3 else None}
@@ -255,10 +258,10 @@ def one_rank_groups(rank, world_size):
             o = L.ATTENTION[variant](ql, kl, vl, causal=causal, group=groups[rank], layout="zigzag")
             o.backward(dout)
             out[variant, causal] = [t.detach() for t in (o, ql.grad, kl.grad, vl.grad)]
-    cfg = L.gpt_config("float64")
-    model = L.context_parallel_gpt(L.GPT(cfg), group=groups[rank])
-    tokens, targets = L.batch(cfg, 2, step=0)
-    L.loss_fn(model(tokens), targets).backward()
+    cfg = demos.gpt_config("float64")
+    model = L.context_parallel_gpt(gpt_model.GPT(cfg), group=groups[rank])
+    tokens, targets = gpt_model.batch(cfg, 2, step=0)
+    gpt_model.loss_fn(model(tokens), targets).backward()
     out["gpt"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out
 
@@ -270,10 +273,10 @@ def test_a_group_of_one_rank_is_plain_attention():
         for causal in (False, True):
             for got, want in zip(runs[1][variant, causal], L.reference_attention(q, k, v, dout, causal)):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{variant} {causal}")
-    cfg = L.gpt_config("float64")
-    model = L.GPT(cfg)
-    tokens, targets = L.batch(cfg, 2, step=0)
-    L.loss_fn(model(tokens), targets).backward()
+    cfg = demos.gpt_config("float64")
+    model = gpt_model.GPT(cfg)
+    tokens, targets = gpt_model.batch(cfg, 2, step=0)
+    gpt_model.loss_fn(model(tokens), targets).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(runs[0]["gpt"][n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
@@ -321,7 +324,7 @@ def gqa_shards(rank, world_size, seq_len, heads, kv_heads):
     from util.measure import bytes_sent
     q, _, _, dout = L.attention_inputs(seq_len, heads, head_dim=16)
     _, k, v, _ = L.attention_inputs(seq_len, kv_heads, head_dim=16, seed=1)
-    shard = lambda t: L.shard_sequence(t, rank, world_size, 2, "zigzag")
+    shard = lambda t: sequence_layout.shard_sequence(t, rank, world_size, 2, "zigzag")
     out, sent = {}, {}
     for variant in VARIANTS:
         for name, (kk, vv) in {"gqa": (k, v), "repeated": (k.repeat_interleave(heads // kv_heads, 1),
