@@ -8,8 +8,9 @@ tokens dispatched and combined by all-to-all. Every version is checked against o
 
 The building blocks live in `lectures/context_parallel/`: `blocks` (attention on segments, its
 block backward), `sharding` (contiguous and zig-zag shards), `ring`, `variants` (all-gather,
-Ulysses, the GPT swap, the CPU shim for PyTorch's `context_parallel`) and `moe`. This file narrates them,
-and holds the demos the ranks run.
+Ulysses, the GPT swap, the CPU shim for PyTorch's `context_parallel`) and `moe`; what the ranks
+run in the demos is in `demos`, the deep dives (the appendix page) in `deep_dives`, the drawings in
+`figures`. This file narrates them: its sections, main() and bench().
 """
 import torch
 
@@ -29,7 +30,7 @@ from lectures.context_parallel.ring import RingAttention
 from lectures.context_parallel.sharding import (causal_work, layout_segments, sequence_positions,
                                                 striped_positions, unshard_sequence, zigzag_shard)
 from lectures.context_parallel.sharding import contiguous_shard, zigzag_chunks  # noqa: F401
-from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, LAYOUTS, activation_memory, attention_inputs,
+from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, activation_memory, attention_inputs,
                                              attention_shards, attention_sizes, balance_ceiling, capacity_scopes,
                                              compare_variants, cp_gpt_gradients, ep_dp_groups, expert_data_parallel,
                                              expert_parallel_traffic, gqa_bytes, layout_steps, moe_inputs,
@@ -42,37 +43,11 @@ from lectures.context_parallel.deep_dives import (_TRAINING, balancing_deep_dive
                                                   pytorch_context_parallel, usp_deep_dive)
 from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_picture, ulysses_picture,
                                                dispatch_figure, activation_memory_figure, moe_figure,
-                                               expert_groups_figure)
+                                               expert_groups_figure, attention_blocks_figure,
+                                               work_imbalance_figure, share_bars_figure)
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
-
-
-N_HALF = ("per ring step the last contiguous rank computes a whole block (half of one at step 0), n − ½ "
-          "blocks in all, while every zig-zag rank computes half a block per step, n/2 in all.")
-
-
-def speedup_words(zigzag, contiguous, n, ceiling):
-    """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
-    of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
-    spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
-    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
-    from util.measure import compare
-    words = compare(zigzag, contiguous, "zig-zag", "contiguous")
-    ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
-    if ratio <= ceiling:
-        return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
-    if low <= ceiling:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
-                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
-                "more than balance can, so this ratio is not read as zig-zag's gain")
-    if ratio <= whole:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
-                f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
-                "of each diagonal block's masked half was paid for")
-    return (f"{words}: more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× even with "
-            "diagonal blocks computed whole), even between the quartiles; the rest is the machine (the "
-            "layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
 
 
 def intro():
@@ -257,45 +232,6 @@ def wait_words(wait, wire):
             "partly hidden transfer looks like.")
 
 
-def layout_owner(seq_len, world_size, layout):
-    """owner[p] = the rank holding position p under `layout` (from the same functions the ranks use)."""
-    owner = [0] * seq_len
-    for r in range(world_size):
-        pos = striped_positions(seq_len, r, world_size) if layout == "striped" else \
-            sequence_positions(seq_len, r, world_size, layout)
-        for p in pos.tolist():
-            owner[p] = r
-    return owner
-
-
-def attention_blocks_figure(seq_len=16, world_size=4):
-    """Which (query, key) score entries each rank computes under each layout: the causal matrix
-    coloured by the rank that holds the query, with every rank's count of entries."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    colors = plt.get_cmap("tab10").colors[:world_size]
-    fig, axes = plt.subplots(1, 3, figsize=(9, 3.9), sharey=True)
-    for ax, layout in zip(axes, LAYOUTS):
-        owner = layout_owner(seq_len, world_size, layout)
-        grid = torch.full((seq_len, seq_len), float("nan"))
-        for i in range(seq_len):
-            grid[i, :i + 1] = owner[i]
-        ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=world_size - 0.5)
-        work = ring_work(seq_len, world_size, layout)
-        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize=10)
-        ax.set_xlabel("key position", fontsize=10)
-        ax.set_xticks([0, seq_len - 1])
-        ax.set_yticks([0, seq_len - 1])
-    axes[0].set_ylabel("query position", fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
-    fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=world_size,
-               fontsize=10, frameon=False)
-    fig.subplots_adjust(bottom=0.24, top=0.84, wspace=0.08)
-    figure(fig, caption=f"causal attention on {seq_len} tokens over {world_size} ranks: each coloured cell is a "
-                        "score a rank computes (the rank holding that query); white cells are masked and skipped. "
-                        "Contiguous chunks leave rank 0 a small triangle and the last rank a long strip")
-
-
 def balance_sizes():
     """Shapes for the balance measurement (sequence, heads, head dim): large enough that block
     compute, not communication, sets the step."""
@@ -303,7 +239,6 @@ def balance_sizes():
 
 
 def load_balance_section():
-    import matplotlib.pyplot as plt
     from util.measure import machine, timing_ranks
     note("## Causal masking unbalances the ring: zig-zag and striped layouts")
     attention_blocks_figure(16, 4)
@@ -326,16 +261,7 @@ def load_balance_section():
     see(causal_work)
     ns = list(range(2, 9))
     S0 = 8192
-    imb = {layout: [max(w) / min(w) for w in (ring_work(S0, m, layout) for m in ns)] for layout in LAYOUTS}
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for layout, marker in zip(LAYOUTS, "os^"):
-        ax.plot(ns, imb[layout], marker + "-", label=layout)
-        ax.annotate(f"{imb[layout][-1]:.2f}", (ns[-1], imb[layout][-1]), textcoords="offset points",
-                    xytext=(6, 0), va="center", fontsize=9)
-    ax.set_xlabel("ranks n", fontsize=10)
-    ax.set_ylabel("busiest / idlest rank's work", fontsize=10)
-    ax.set_xlim(1.5, 9)
-    ax.legend(fontsize=9)
+    fig = work_imbalance_figure(ns, S0)
     figure(fig, caption=f"counted work imbalance of causal attention, s = {S0}: contiguous grows as 2n − 1, "
                         "zig-zag and striped stay at 1")
     S, h, d = balance_sizes()
@@ -380,17 +306,7 @@ def load_balance_section():
             zig-zag's against contiguous chunks',
             {speedup_words(busiest["zigzag"], busiest["contiguous"], nb, balance_ceiling(S, nb))}.
         """)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
-    for ax, layout in zip(axes, ("contiguous", "zigzag")):
-        c = ring_work(S, nb, layout)
-        t = [shares[layout, r].q1 for r in range(nb)]
-        ax.bar([r - 0.2 for r in range(nb)], [x / max(c) for x in c], width=0.4, label="work counted")
-        ax.bar([r + 0.2 for r in range(nb)], [x / max(t) for x in t], width=0.4, label="time measured")
-        ax.set_title(layout, fontsize=10)
-        ax.set_xlabel("rank", fontsize=10)
-        ax.set_xticks(range(nb))
-    axes[0].set_ylabel("relative to the busiest rank", fontsize=10)
-    axes[0].legend(fontsize=9, loc="upper left")
+    fig = share_bars_figure(shares, S, nb)
     figure(fig, caption="each rank's share of causal attention on a 4-rank ring, contiguous chunks vs zig-zag: "
                         "counted entries and measured time (lower quartile), each relative to its busiest rank")
     n = timing_ranks(4)
@@ -421,6 +337,33 @@ def load_balance_section():
         token at its true position and the loss is a sum over tokens, so training is unchanged
         (the GPT check above ran with zig-zag).
     """)
+
+
+N_HALF = ("per ring step the last contiguous rank computes a whole block (half of one at step 0), n − ½ "
+          "blocks in all, while every zig-zag rank computes half a block per step, n/2 in all.")
+
+
+def speedup_words(zigzag, contiguous, n, ceiling):
+    """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
+    of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
+    spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
+    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
+    from util.measure import compare
+    words = compare(zigzag, contiguous, "zig-zag", "contiguous")
+    ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
+    if ratio <= ceiling:
+        return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
+    if low <= ceiling:
+        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
+                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
+                "more than balance can, so this ratio is not read as zig-zag's gain")
+    if ratio <= whole:
+        return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
+                f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
+                "of each diagonal block's masked half was paid for")
+    return (f"{words}: more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× even with "
+            "diagonal blocks computed whole), even between the quartiles; the rest is the machine (the "
+            "layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
 
 
 _VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page's sizes, shared by two sections
