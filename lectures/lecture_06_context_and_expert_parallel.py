@@ -8,594 +8,46 @@ tokens dispatched and combined by all-to-all. Every version is checked against o
 
 The building blocks live in `lectures/context_parallel/`: `blocks` (attention on segments, its
 block backward), `sharding` (contiguous and zig-zag shards), `ring`, `variants` (all-gather,
-Ulysses, the GPT swap, the CPU shim for PyTorch's `context_parallel`) and `moe`. This file narrates them,
-and holds the demos the ranks run.
+Ulysses, the GPT swap, the CPU shim for PyTorch's `context_parallel`) and `moe`; what the ranks
+run in the demos is in `demos`, the deep dives (the appendix page) in `deep_dives`, the drawings in
+`figures`. This file narrates them: its sections, main() and bench().
 """
-import contextlib
-import functools
-import time
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from exercises import listing as notebook_exercises
 from lectures.model.attention import merge_attention as merge_partials
-from lectures.context_parallel.blocks import _block_backward, pair_kind
+from lectures.context_parallel.blocks import _block_backward
 from lectures.context_parallel.blocks import (SegmentAttention, _block_forward, full_attention,  # noqa: F401
                                               segments_backward, segments_forward)  # noqa: F401
 from lectures.context_parallel.variants import (ATTENTION, AllGatherAttention, SeqToHeads, context_parallel_gpt,
-                                                install_cpu_context_parallel_shim, ulysses_attention)
+                                                ulysses_attention)
 from lectures.context_parallel.variants import HeadsToSeq, allgather_attention  # noqa: F401
-from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
-from lectures.model.memory import saved_bytes
 from lectures.context_parallel.moe import (AllToAll, ExpertParallelMoE, MoE, RankCapacityMoE, balance_loss,
-                                           expert_owners, moe_gpt, route, z_loss)
+                                           expert_owners, route)
 from lectures.context_parallel.moe import route_logits  # noqa: F401
 from lectures.context_parallel.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
-from lectures.context_parallel.ring import RingAttention, RingTransfer, ring_attention, tracing
-from lectures.model.roofline import threads
-from lectures.context_parallel.sharding import (causal_work, group_info, layout_segments, sequence_positions,
-                                                shard_sequence, split_sizes, striped_positions, unshard_sequence,
-                                                zigzag_shard, zigzag_unshard)
+from lectures.context_parallel.ring import RingAttention
+from lectures.context_parallel.sharding import (causal_work, layout_segments, sequence_positions,
+                                                striped_positions, unshard_sequence, zigzag_shard)
 from lectures.context_parallel.sharding import contiguous_shard, zigzag_chunks  # noqa: F401
+from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, activation_memory, attention_inputs,
+                                             attention_shards, attention_sizes, balance_ceiling, capacity_scopes,
+                                             compare_variants, cp_gpt_gradients, ep_dp_groups, expert_data_parallel,
+                                             expert_parallel_traffic, gqa_bytes, layout_steps, moe_inputs,
+                                             moe_layer, moe_reference, rank_compute, reference_attention,
+                                             reference_gpt_gradients, ring_trace, ring_work, share_spread,
+                                             train_moe_gpt, transfer_alone, ulysses_layouts, ulysses_refusal,
+                                             whole_diagonal_ceiling)
+from lectures.context_parallel.demos import expert_parallel_check  # noqa: F401  (the notebook's lec.expert_parallel_check)
+from lectures.context_parallel.deep_dives import (_TRAINING, balancing_deep_dive, node_limited_deep_dive,
+                                                  pytorch_context_parallel, usp_deep_dive)
 from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_picture, ulysses_picture,
-                                               dispatch_figure, activation_memory_figure, pytorch_cp_figure,
-                                               moe_figure, expert_groups_figure, usp_figure)
-from util import cheat, deep_dive, device, figure, note, published, see, settings, span_at, spawn, table, timeline
+                                               dispatch_figure, activation_memory_figure, moe_figure,
+                                               expert_groups_figure, attention_blocks_figure,
+                                               work_imbalance_figure, share_bars_figure)
+from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
-
-# =========================================================================================
-# Demos: context-parallel attention and the GPT, against one process
-# =========================================================================================
-
-def attention_inputs(seq_len, heads, head_dim=8, batch=2, dtype="float64", seed=0):
-    """q, k, v and an upstream gradient for the whole sequence, the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq_len, head_dim, generator=g, dtype=getattr(torch, dtype))
-            for _ in range(4)]
-
-
-def reference_attention(q, k, v, dout, causal):
-    """PyTorch's scaled_dot_product_attention on the whole sequence, and its gradients."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def attention_shards(rank, world_size, cases, seq_len, heads, head_dim=8, batch=2, dtype="float64"):
-    """Run each (variant, layout, causal) in `cases` on this rank's shard; returns the local
-    output and the local gradients of q, k, v (to be unsharded and compared with one process)."""
-    q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, batch, dtype))
-    results = {}
-    for variant, layout, causal in cases:
-        ql, kl, vl = (shard_sequence(t, rank, world_size, 2, layout).requires_grad_() for t in (q, k, v))
-        out = ATTENTION[variant](ql, kl, vl, causal=causal, layout=layout)
-        out.backward(shard_sequence(dout, rank, world_size, 2, layout))
-        results[variant, layout, causal] = [t.detach().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
-    return results
-
-
-def pytorch_context_parallel_attention(rank, world_size, seq_len, heads, head_dim=8, batch=2,
-                                       dtype="float64", causal=True, rotate="allgather"):
-    """PyTorch's `context_parallel` around plain F.scaled_dot_product_attention (its head-tail
-    layout, i.e. zig-zag, for causal), K/V moved by `rotate` ('allgather', torch 2.13's default, or
-    'alltoall', a ring); returns this rank's output and gradients in our zig-zag order, to compare
-    with one process exactly as our own variants are."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    if device().type == "cpu":
-        install_cpu_context_parallel_shim()
-    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
-    q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, batch, dtype))
-    with rotate_method(rotate), context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
-        ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
-        out.backward(dout)
-    return [t.detach().cpu() for t in (out, ql.grad, kl.grad, vl.grad)]
-
-
-@contextlib.contextmanager
-def rotate_method(method):
-    """PyTorch's context-parallel K/V rotation inside the block: 'allgather' (torch 2.13's default:
-    the forward all-gathers K/V once) or 'alltoall' (K/V pass from rank to rank, a ring). Only dK/dV
-    always rotate by all-to-all. Restores the previous setting (a private option: one place)."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-    before = cp._cp_options.rotate_method
-    cp.set_rotate_method(method)
-    try:
-        yield
-    finally:
-        cp._cp_options.rotate_method = before
-
-
-def attention_in_subgroups(rank, world_size, seq_len, heads, layout="zigzag"):
-    """Ring attention on two independent rings at once (ranks split in halves), as a context-
-    parallel group inside a larger job would run; returns the local output and gradients."""
-    half = world_size // 2
-    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world_size)))]
-    group, cp_rank = groups[rank // half], rank % half
-    q, k, v, dout = attention_inputs(seq_len, heads, seed=rank // half)
-    ql, kl, vl = (shard_sequence(t, cp_rank, half, 2, layout).requires_grad_() for t in (q, k, v))
-    out = ring_attention(ql, kl, vl, causal=True, group=group, layout=layout)
-    out.backward(shard_sequence(dout, cp_rank, half, 2, layout))
-    return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
-
-
-def gpt_config(dtype="float32", seq_len=32):
-    return GPTConfig(seq_len=seq_len, dtype=dtype)
-
-
-def cp_gpt_gradients(rank, world_size, attention="ring", layout="zigzag", batch_size=4, dtype="float64"):
-    """One forward/backward of lecture 01's GPT with the sequence split over the ranks. Each rank's
-    loss is its tokens' share of the mean; gradients are summed over ranks (the parameters are
-    replicated, as in data parallelism). Returns the loss, local logits and the summed gradients."""
-    cfg = gpt_config(dtype)
-    model = context_parallel_gpt(GPT(cfg).to(device()), attention=attention, layout=layout)
-    tokens, targets = batch(cfg, batch_size, step=0)
-    pos = sequence_positions(cfg.seq_len, rank, world_size, layout).to(device())
-    logits = model(tokens.to(device())[:, pos], positions=pos)
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.to(device())[:, pos].reshape(-1),
-                           reduction="sum") / targets.numel()
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    grads = {}
-    for name, p in model.named_parameters():
-        dist.all_reduce(p.grad)
-        grads[name] = p.grad.cpu()
-    return {"loss": total.item(), "logits": logits.detach().cpu(), "positions": pos.cpu(), "grads": grads}
-
-
-def reference_gpt_gradients(batch_size=4, dtype="float64"):
-    cfg = gpt_config(dtype)
-    model = GPT(cfg)
-    tokens, targets = batch(cfg, batch_size, step=0)
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
-    loss.backward()
-    return {"loss": loss.item(), "logits": logits.detach(),
-            "grads": {n: p.grad for n, p in model.named_parameters()}}
-
-
-# =========================================================================================
-# Demos: the mixture of experts and expert parallelism, against one process
-# =========================================================================================
-
-def moe_layer(d_model=16, d_ff=24, n_experts=6, top_k=2, capacity_factor=1.0, seed=0, dtype="float64", n_shared=0):
-    torch.manual_seed(seed)
-    return MoE(d_model, d_ff, n_experts, top_k, capacity_factor, n_shared=n_shared).to(getattr(torch, dtype))
-
-
-def moe_inputs(world_size, tokens_per_rank, d_model, seed=0, dtype="float64"):
-    """Every rank's tokens (a list, rank order) and a fixed upstream weight for the loss."""
-    g = torch.Generator().manual_seed(100 + seed)
-    xs = [torch.randn(n, d_model, generator=g, dtype=getattr(torch, dtype)) for n in tokens_per_rank]
-    ws = [torch.randn(n, d_model, generator=g, dtype=getattr(torch, dtype)) for n in tokens_per_rank]
-    return xs, ws
-
-
-AUX_WEIGHT = 0.1
-
-
-def moe_reference(layer_kw, tokens_per_rank, seed=0, capacity="global"):
-    """One process, all ranks' tokens together: outputs, gradients, which choices were dropped.
-    capacity="rank": each rank's tokens as a batch of their own (GShard's groups), the balance
-    loss averaged over the groups: what `RankCapacityMoE` must equal."""
-    moe = moe_layer(**layer_kw)
-    xs, ws = moe_inputs(len(tokens_per_rank), tokens_per_rank, moe.d_model, seed)
-    x = torch.cat(xs).requires_grad_()
-    groups = [x] if capacity == "global" else torch.split(x, tokens_per_rank)
-    outs, auxes, stats = [], [], []
-    for part in groups:
-        outs.append(moe(part))
-        auxes.append(moe.aux_loss)
-        stats.append(moe.stats)
-    out, aux = torch.cat(outs), sum(auxes) / len(auxes)
-    dropped = sum(st["dropped"] for st in stats)
-    loss = (out * torch.cat(ws)).sum() + AUX_WEIGHT * aux
-    loss.backward()
-    return {"out": out.detach(), "x_grad": x.grad, "aux": aux.item(), "keep": torch.cat([st["keep"] for st in stats]),
-            "dropped": dropped, "stats": stats[0] if len(stats) == 1 else stats,    # per group under capacity="rank"
-            "grads": {n: p.grad for n, p in moe.named_parameters()}}
-
-
-def expert_parallel_check(rank, world_size, layer_kw, tokens_per_rank, seed=0, capacity="global"):
-    """The expert-parallel layer on this rank's tokens, capacity counted over all ranks' tokens
-    (`ExpertParallelMoE`) or per rank (`RankCapacityMoE`); returns what moe_reference returns, local."""
-    moe = moe_layer(**layer_kw)
-    ep = {"global": ExpertParallelMoE, "rank": RankCapacityMoE}[capacity].from_full(moe).to(device())
-    xs, ws = moe_inputs(world_size, tokens_per_rank, moe.d_model, seed)
-    x = xs[rank].to(device()).requires_grad_()
-    out = ep(x)
-    loss = (out * ws[rank].to(device())).sum() + AUX_WEIGHT * ep.aux_loss
-    loss.backward()
-    aux = ep.aux_loss.detach().clone()
-    dist.all_reduce(aux)
-    grads = {}
-    for name, p in [("router.weight", ep.router.weight)] + [("shared." + n, p) for n, p in ep.shared.named_parameters()]:
-        dist.all_reduce(p.grad)                          # replicated (router, shared experts): sum the gradients
-        grads[name] = p.grad.cpu()
-    counts, starts = expert_owners(moe.n_experts, world_size)
-    for j, expert in enumerate(ep.experts):
-        for name, p in expert.named_parameters():
-            grads[f"experts.{starts[rank] + j}.{name}"] = p.grad.cpu()
-    return {"out": out.detach().cpu(), "x_grad": x.grad.cpu(), "aux": aux.item(),
-            "keep": ep.stats["keep"].cpu(), "stats": {k: v for k, v in ep.stats.items() if k != "keep"},
-            "grads": grads}
-
-
-# =========================================================================================
-# Rank functions for the measurements
-# =========================================================================================
-
-def activation_memory(rank, world_size, seq_lens, layout="zigzag", batch_size=2):
-    """Bytes a context-parallel GPT step keeps for backward on this rank, for each sequence length.
-    One rank = the whole sequence (ring attention on a group of one is plain block attention)."""
-    rows = {}
-    for S in seq_lens:
-        cfg = gpt_config("float32", seq_len=S)
-        model = context_parallel_gpt(GPT(cfg).to(device()), layout=layout)
-        tokens = torch.randint(cfg.vocab_size, (batch_size, S), generator=torch.Generator().manual_seed(S))
-        pos = sequence_positions(S, rank, world_size, layout).to(device())
-        _, held = saved_bytes(lambda: model(tokens.to(device())[:, pos], positions=pos), model.parameters())
-        rows[S] = held
-    return rows
-
-
-def _inputs(seq_len, heads, head_dim, rank, world_size, layout, dtype="float32", batch=1):
-    full = attention_inputs(seq_len, heads, head_dim, batch, dtype)
-    return [shard_sequence(t, rank, world_size, 2, layout).to(device()).contiguous() for t in full]
-
-
-def fwd_bwd(fn, q, k, v, dout):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    fn(q, k, v).backward(dout)
-
-
-def ring_trace(rank, world_size, seq_len, heads, head_dim, layout="contiguous", causal=False, repeats=5):
-    """Ring attention forward+backward with its compute blocks, waits and transfers traced: the last
-    repetition goes on the timeline; medians over the repetitions are returned, per rank."""
-    q, k, v, dout = _inputs(seq_len, heads, head_dim, rank, world_size, layout)
-    fn = functools.partial(ring_attention, causal=causal, layout=layout)
-    fwd_bwd(fn, q, k, v, dout)                                       # warm-up
-    per = []
-    for i in range(repeats):
-        dist.barrier()
-        with tracing() as events:
-            t0 = time.perf_counter()
-            fwd_bwd(fn, q, k, v, dout)
-            wall = time.perf_counter() - t0
-        total = lambda pred: sum(e - s for label, s, e, _ in events if pred(label))
-        per.append({"wall": wall, "compute": total(lambda l: l.startswith("block compute")),
-                    "forward_compute": total(lambda l: l == "block compute"),
-                    "waiting": total(lambda l: l == "waiting"),
-                    "work": sum(w for label, _, _, w in events if label.startswith("block compute"))})
-    for label, start, end, _ in events:
-        span_at(label, start, end)
-    med = lambda key: sorted(p[key] for p in per)[len(per) // 2]
-    return dict({key: med(key) for key in per[0]}, samples={key: [p[key] for p in per] for key in per[0]})
-
-
-def rank_compute(rank, world_size, seq_len, heads, head_dim, ranks, layouts=("contiguous", "zigzag"), repeats=7):
-    """Each ring rank's attention work, measured alone: for every layout and every rank r of `ranks`,
-    forward+backward of r's queries over all keys with exactly the segment pairs the ring computes
-    over its steps (the same kernel calls), minus the communication. One rank's share at a time, in
-    one process, all shares taking turns: so the ranks do not compete for the cores, and drift on a
-    shared machine hits every share alike. One thread: a second thread on a shared core mostly
-    waits, and its stalls dominated the shares (a 1-ms share once timed at 750 ms). Returns
-    {(layout, r): Timing}."""
-    with threads(1):
-        return _rank_compute(seq_len, heads, head_dim, ranks, layouts, repeats)
-
-
-def _rank_compute(seq_len, heads, head_dim, ranks, layouts, repeats):
-    from util.measure import measure_side_by_side
-    q, k, v, dout = (t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32"))
-    fns = {}
-    for layout in layouts:
-        lengths = [len(sequence_positions(seq_len, r, ranks, layout)) for r in range(ranks)]
-        segs = layout_segments(lengths, layout)
-        starts = [sum(lengths[:j]) for j in range(ranks)]
-        ksegs = [(starts[j] + a, ln, g) for j in range(ranks) for a, ln, g in segs[j]]
-        kall, vall = (torch.cat([shard_sequence(t, j, ranks, 2, layout) for j in range(ranks)], 2) for t in (k, v))
-        for r in range(ranks):
-            ql, dl = (shard_sequence(t, r, ranks, 2, layout).contiguous() for t in (q, dout))
-
-            def share(ql=ql, dl=dl, qsegs=segs[r]):
-                qq, kk, vv = (t.detach().requires_grad_() for t in (ql, kall, vall))
-                SegmentAttention.apply(qq, kk, vv, qsegs, ksegs, True).backward(dl)
-            fns[layout, r] = share
-    return measure_side_by_side(fns, warmup=1, repeats=repeats)
-
-
-def share_spread(counted, timings):
-    """Whether timed shares can be read against counted work: the timed busiest/idlest ratio (of
-    the lower quartiles, the least disturbed repetitions) and None, or None and the reason it is
-    noise. A timed spread above the counted one, by more than the shares' own q3/q1, cannot be
-    the work (fixed costs only narrow it), and a share whose q3/q1 exceeds 3 was mostly waiting
-    for the cores."""
-    low = [t.q1 for t in timings]
-    noisy = [i for i, t in enumerate(timings) if t.q3 > 3 * t.q1]
-    if noisy:
-        return None, (f"rank {noisy[0]}'s repetitions range over {timings[noisy[0]].q3 / timings[noisy[0]].q1:.1f}× "
-                      "between quartiles")
-    timed, work = max(low) / min(low), max(counted) / min(counted)
-    slack = max(1.05, max(t.q3 / t.q1 for t in timings))          # the shares' own repeat-to-repeat spread
-    if timed > work * slack:
-        return None, f"the timed spread ({timed:.2f}×) exceeds the counted one ({work:.2f}×), which work cannot do"
-    return timed, None
-
-
-def balance_ceiling(seq_len, n):
-    """The most zig-zag can gain over contiguous chunks by balance alone: the busiest rank's
-    counted work under each. Per ring step the busiest contiguous rank does a full block (half a
-    block at step 0), a zig-zag rank half a block: (n − ½)/(n/2) = (2n − 1)/n, below 2 for any n."""
-    return max(ring_work(seq_len, n, "contiguous")) / max(ring_work(seq_len, n, "zigzag"))
-
-
-def whole_diagonal_ceiling(n):
-    """The ceiling if a kernel computed every diagonal block whole (masked half included):
-    contiguous n blocks against zig-zag's 2n + 1 quarter-blocks, 4n/(2n + 1)."""
-    return 4 * n / (2 * n + 1)
-
-
-N_HALF = ("per ring step the last contiguous rank computes a whole block (half of one at step 0), n − ½ "
-          "blocks in all, while every zig-zag rank computes half a block per step, n/2 in all.")
-
-
-def speedup_words(zigzag, contiguous, n, ceiling):
-    """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
-    of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
-    spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
-    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
-    from util.measure import compare
-    words = compare(zigzag, contiguous, "zig-zag", "contiguous")
-    ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
-    if ratio <= ceiling:
-        return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
-    if low <= ceiling:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
-                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
-                "more than balance can, so this ratio is not read as zig-zag's gain")
-    if ratio <= whole:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
-                f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
-                "of each diagonal block's masked half was paid for")
-    return (f"{words}: more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× even with "
-            "diagonal blocks computed whole), even between the quartiles; the rest is the machine (the "
-            "layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
-
-
-def layout_steps(rank, world_size, seq_len, heads, head_dim, repeats=7):
-    """The causal ring's forward+backward under each layout, the two taking turns repetition by
-    repetition (so a busy machine's drift hits both alike), each repetition the slowest rank's."""
-    from util.measure import measure_side_by_side
-    fns = {}
-    for layout in ("contiguous", "zigzag"):
-        q, k, v, dout = _inputs(seq_len, heads, head_dim, rank, world_size, layout)
-        fns[layout] = functools.partial(fwd_bwd, functools.partial(ring_attention, causal=True, layout=layout),
-                                        q, k, v, dout)
-    return measure_side_by_side(fns, warmup=1, repeats=repeats)
-
-
-def transfer_alone(rank, world_size, seq_len, heads, head_dim):
-    """One hop of a K/V block (every rank sends its block to the next and receives from the
-    previous) with nothing else to do: what one transfer of the ring costs alone."""
-    from util.measure import measure
-    group, n, r = group_info(None)
-    kv = torch.randn(1, heads, seq_len // world_size, 2 * head_dim, device=device())
-    t = measure(lambda: RingTransfer(kv, kv.shape, group, n, r, 0, "alone").wait(), warmup=2, repeats=9)
-    return t
-
-
-def compare_variants(rank, world_size, seq_len, heads, head_dim, variants, causal=True, repeats=7):
-    """For each attention variant on the same shapes: forward+backward time (slowest rank), the bytes
-    this rank sent, and the bytes autograd saved for backward on this rank."""
-    from util.measure import bytes_sent, measure
-    out = {}
-    for name in variants:
-        layout = "zigzag" if causal and name != "ulysses" else "contiguous"
-        q, k, v, dout = _inputs(seq_len, heads, head_dim, rank, world_size, layout)
-        fn = functools.partial(ATTENTION[name], causal=causal, layout=layout)
-        fwd_bwd(fn, q, k, v, dout)
-        dist.barrier()
-        with bytes_sent() as sent:
-            _, held = saved_bytes(lambda: fn(*(t.detach().requires_grad_() for t in (q, k, v))))
-        dist.barrier()
-        with bytes_sent() as sent_all:
-            fwd_bwd(fn, q, k, v, dout)
-        timing = measure(lambda: fwd_bwd(fn, q, k, v, dout), warmup=1, repeats=repeats)
-        out[name] = {"time": timing, "held": held, "sent_forward": sent.bytes, "sent": sent_all.bytes,
-                     "shard_bytes": q.numel() * q.element_size()}
-    return out
-
-
-def ulysses_refusal(rank, world_size, heads):
-    """Ulysses with fewer heads than ranks: the error it gives."""
-    q = torch.randn(1, heads, 4, 8, device=device())
-    try:
-        ulysses_attention(q, q, q)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-PYTORCH_VS_OURS = {   # name: (whose, how K/V move); like compared with like
-    "PyTorch, all-gather (default)": ("pytorch", "allgather"), "ours, all-gather": ("ours", "all-gather"),
-    "PyTorch, all-to-all rotation (a ring)": ("pytorch", "alltoall"), "ours, ring": ("ours", "ring")}
-
-
-def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
-    """PyTorch's context_parallel with each rotate method against our variant that moves K/V the
-    same way: causal attention, zig-zag (= PyTorch's head-tail) layout, float32, forward+backward.
-    Returns the timings (all four take turns) and the bytes this rank sent in one step of each."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from util.measure import bytes_sent, measure_side_by_side
-    if device().type == "cpu":
-        install_cpu_context_parallel_shim()
-    mesh = init_device_mesh(device().type, (world_size,), mesh_dim_names=("cp",))
-    full = [t.to(device()) for t in attention_inputs(seq_len, heads, head_dim, 1, "float32")]
-    q, k, v, dout = (t.clone() for t in full)
-    mine = [zigzag_shard(t, rank, world_size, 2) for t in full]
-
-    def step(whose, how):
-        if whose == "pytorch":
-            def run():
-                with rotate_method(how):
-                    fwd_bwd(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, dout)
-            return run
-        return lambda: fwd_bwd(functools.partial(ATTENTION[how], causal=True, layout="zigzag"), *mine)
-    fns = {name: step(*spec) for name, spec in PYTORCH_VS_OURS.items()}
-    sent = {}
-    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
-        # the four take turns, so drift on a busy machine hits them alike
-        t = measure_side_by_side(fns, warmup=2, repeats=repeats)
-        for name, fn in fns.items():
-            dist.barrier()
-            with bytes_sent() as b:
-                fn()
-            sent[name] = b.bytes
-        ql = q.detach().requires_grad_()
-        their_out = F.scaled_dot_product_attention(ql, k, v, is_causal=True).detach()
-    our_out = ring_attention(*mine[:3], causal=True, layout="zigzag")
-    return {"time": t, "sent": sent, "same_layout": bool(torch.equal(q, mine[0])),
-            "max_diff": (their_out - our_out).abs().max().item(), "shard_bytes": q.numel() * q.element_size()}
-
-
-def pytorch_cp_demo(rank, world_size, check_len, seq_len, heads, head_dim):
-    """Both PyTorch comparisons in one run: equality with one process (both rotate methods), then
-    speed and bytes against ours."""
-    return {"check": {how: pytorch_context_parallel_attention(rank, world_size, check_len, 4, rotate=how)
-                      for how in ("allgather", "alltoall")},
-            "timing": pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim)}
-
-
-def train_moe_gpt(rank, world_size, configs, steps, n_experts=4, top_k=1, capacity_factor=1.25,
-                  batch_size=16, lr=3e-3):
-    """Rank r trains its own copy with configs[r] = {"aux": balance-loss weight, "bias": DeepSeek-V3's
-    bias step γ (0 = off), "z": router z-loss weight} (independent runs side by side, no
-    communication). Returns per-step loss, balance loss, z-loss, the mean largest router logit, expert load
-    and dropped fraction."""
-    cfg = gpt_config("float32")
-    model = moe_gpt(cfg, n_experts, top_k, capacity_factor).to(device())
-    alpha, gamma, zeta = (configs[rank].get(key, 0.0) for key in ("aux", "bias", "z"))
-    moes = [b.mlp for b in model.blocks]
-    logits = []                                # every router's mean largest logit, this step
-    for m in moes:
-        m.bias_update = gamma
-        m.router.register_forward_hook(lambda mod, inp, out: logits.append(out.detach().amax(-1).mean().item()))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    log = {"loss": [], "aux": [], "z": [], "max_logit": [], "max_load": [], "dropped": [], "tokens_per_expert": None}
-    for step in range(steps):
-        tokens, targets = batch(cfg, batch_size, step)
-        logits.clear()
-        loss = loss_fn(model(tokens.to(device())), targets.to(device()))
-        aux = sum(m.aux_loss for m in moes) / len(moes)
-        z = sum(m.z_loss for m in moes) / len(moes)
-        (loss + alpha * aux + zeta * z).backward()
-        opt.step()
-        opt.zero_grad()
-        if gamma:
-            for m in moes:
-                m.update_bias()
-        counts = torch.tensor([m.stats["tokens_per_expert"] for m in moes], dtype=torch.float64)
-        log["loss"].append(loss.item())
-        log["aux"].append(aux.item())
-        log["z"].append(z.item())
-        log["max_logit"].append(sum(logits) / len(logits))
-        log["max_load"].append((counts.max(1).values / counts.mean(1)).mean().item())
-        log["dropped"].append(sum(m.stats["dropped"] for m in moes) / sum(m.stats["assignments"] for m in moes))
-    log["tokens_per_expert"] = [m.stats["tokens_per_expert"] for m in moes]
-    return log
-
-
-def ep_dp_groups(world_size, ep):
-    """Rank r = dp_index · ep + ep_index: the expert-parallel groups (consecutive ranks, which
-    split the experts) and the expert-data-parallel groups (ranks holding the same experts)."""
-    ep_groups = [list(range(i * ep, (i + 1) * ep)) for i in range(world_size // ep)]
-    edp_groups = [list(range(j, world_size, ep)) for j in range(ep)]
-    return ep_groups, edp_groups
-
-
-def expert_data_parallel(rank, world_size, ep, layer_kw, tokens):
-    """EP inside DP: experts split over `ep` ranks, replicated over world_size/ep data-parallel
-    copies, every rank with its own tokens. After backward, gradients are summed (a) the right way
-    (router over all ranks = DP×EP, each expert over its expert-data-parallel group) and (b) two
-    wrong ways; returns each way's gradients, named as in the one-process MoE, and the bytes each
-    right reduction sent."""
-    from util.measure import bytes_sent
-    ep_groups, edp_groups = ep_dp_groups(world_size, ep)
-    pgs = {tuple(g): dist.new_group(g) for g in ep_groups + edp_groups}
-    my_ep = next(g for g in ep_groups if rank in g)
-    my_edp = next(g for g in edp_groups if rank in g)
-    moe = moe_layer(**layer_kw)
-    layer = ExpertParallelMoE.from_full(moe, group=pgs[tuple(my_ep)])
-    xs, ws = moe_inputs(world_size, [tokens] * world_size, moe.d_model)
-    (layer(xs[rank]) * ws[rank]).sum().backward()
-    counts, starts = expert_owners(moe.n_experts, ep)
-    first = starts[my_ep.index(rank)]
-    names = {f"experts.{first + j}.{n}": p for j, e in enumerate(layer.experts) for n, p in e.named_parameters()}
-    names["router.weight"] = layer.router.weight
-    local = {n: p.grad.clone() for n, p in names.items()}
-
-    def reduced(router_group, expert_group):
-        out = {}
-        for n, g in local.items():
-            g = g.clone()
-            group = router_group if n == "router.weight" else expert_group
-            dist.all_reduce(g, group=None if group is None else pgs[tuple(group)])
-            out[n] = g.cpu()
-        return out
-    dist.barrier()
-    with bytes_sent() as router_bytes:
-        dist.all_reduce(local["router.weight"].clone())
-    with bytes_sent() as expert_bytes:
-        for n, g in local.items():
-            if n != "router.weight":
-                dist.all_reduce(g.clone(), group=pgs[tuple(my_edp)])
-    return {"right": reduced(None, my_edp), "router over EP only": reduced(my_ep, my_edp),
-            "experts over all ranks": reduced(None, None),
-            "bytes": {"router": router_bytes.bytes, "experts": expert_bytes.bytes},
-            "numel": {"router": local["router.weight"].numel(),
-                      "experts": sum(g.numel() for n, g in local.items() if n != "router.weight")}}
-
-
-def expert_parallel_traffic(rank, world_size, tokens, d_model, d_ff, n_experts, top_k, capacity_factor,
-                            repeats=5):
-    """The expert-parallel layer on `tokens` tokens per rank: equality with the one-process layer on
-    all ranks' tokens, the bytes this rank sent in one forward+backward, rows sent and received, time."""
-    from util.measure import bytes_sent, measure
-    kw = dict(d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor,
-              dtype="float32")
-    check = expert_parallel_check(rank, world_size, dict(kw, dtype="float64"), [tokens] * world_size)
-    moe = moe_layer(**kw)
-    ep = ExpertParallelMoE.from_full(moe).to(device())
-    xs, ws = moe_inputs(world_size, [tokens] * world_size, d_model, dtype="float32")
-    x, w = xs[rank].to(device()), ws[rank].to(device())
-
-    def step():
-        xx = x.detach().requires_grad_()
-        ((ep(xx) * w).sum() + AUX_WEIGHT * ep.aux_loss).backward()
-    step()
-    dist.barrier()
-    with bytes_sent() as sent:
-        step()
-    stats = {k: v for k, v in ep.stats.items() if k != "keep"}
-    t = measure(step, warmup=1, repeats=repeats)
-    return {"check": check, "sent": sent.bytes, "stats": stats, "time": t}
-
-
-# =========================================================================================
-# The lecture
-# =========================================================================================
-
-def attention_sizes():
-    """Shapes for the timings: (sequence, heads, head dim)."""
-    return (512, 4, 32) if settings.quick else (1024, 4, 32)
 
 
 def intro():
@@ -780,55 +232,6 @@ def wait_words(wait, wire):
             "partly hidden transfer looks like.")
 
 
-def ring_work(seq_len, world_size, layout):
-    """Score entries each rank computes in causal attention (masked entries skipped), per layout."""
-    pos = (lambda r: striped_positions(seq_len, r, world_size)) if layout == "striped" else \
-        (lambda r: sequence_positions(seq_len, r, world_size, layout))
-    return [causal_work(pos(r)) for r in range(world_size)]
-
-
-LAYOUTS = ("contiguous", "zigzag", "striped")
-
-
-def layout_owner(seq_len, world_size, layout):
-    """owner[p] = the rank holding position p under `layout` (from the same functions the ranks use)."""
-    owner = [0] * seq_len
-    for r in range(world_size):
-        pos = striped_positions(seq_len, r, world_size) if layout == "striped" else \
-            sequence_positions(seq_len, r, world_size, layout)
-        for p in pos.tolist():
-            owner[p] = r
-    return owner
-
-
-def attention_blocks_figure(seq_len=16, world_size=4):
-    """Which (query, key) score entries each rank computes under each layout: the causal matrix
-    coloured by the rank that holds the query, with every rank's count of entries."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    colors = plt.get_cmap("tab10").colors[:world_size]
-    fig, axes = plt.subplots(1, 3, figsize=(9, 3.9), sharey=True)
-    for ax, layout in zip(axes, LAYOUTS):
-        owner = layout_owner(seq_len, world_size, layout)
-        grid = torch.full((seq_len, seq_len), float("nan"))
-        for i in range(seq_len):
-            grid[i, :i + 1] = owner[i]
-        ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=world_size - 0.5)
-        work = ring_work(seq_len, world_size, layout)
-        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize=10)
-        ax.set_xlabel("key position", fontsize=10)
-        ax.set_xticks([0, seq_len - 1])
-        ax.set_yticks([0, seq_len - 1])
-    axes[0].set_ylabel("query position", fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
-    fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=world_size,
-               fontsize=10, frameon=False)
-    fig.subplots_adjust(bottom=0.24, top=0.84, wspace=0.08)
-    figure(fig, caption=f"causal attention on {seq_len} tokens over {world_size} ranks: each coloured cell is a "
-                        "score a rank computes (the rank holding that query); white cells are masked and skipped. "
-                        "Contiguous chunks leave rank 0 a small triangle and the last rank a long strip")
-
-
 def balance_sizes():
     """Shapes for the balance measurement (sequence, heads, head dim): large enough that block
     compute, not communication, sets the step."""
@@ -836,7 +239,6 @@ def balance_sizes():
 
 
 def load_balance_section():
-    import matplotlib.pyplot as plt
     from util.measure import machine, timing_ranks
     note("## Causal masking unbalances the ring: zig-zag and striped layouts")
     attention_blocks_figure(16, 4)
@@ -859,16 +261,7 @@ def load_balance_section():
     see(causal_work)
     ns = list(range(2, 9))
     S0 = 8192
-    imb = {layout: [max(w) / min(w) for w in (ring_work(S0, m, layout) for m in ns)] for layout in LAYOUTS}
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for layout, marker in zip(LAYOUTS, "os^"):
-        ax.plot(ns, imb[layout], marker + "-", label=layout)
-        ax.annotate(f"{imb[layout][-1]:.2f}", (ns[-1], imb[layout][-1]), textcoords="offset points",
-                    xytext=(6, 0), va="center", fontsize=9)
-    ax.set_xlabel("ranks n", fontsize=10)
-    ax.set_ylabel("busiest / idlest rank's work", fontsize=10)
-    ax.set_xlim(1.5, 9)
-    ax.legend(fontsize=9)
+    fig = work_imbalance_figure(ns, S0)
     figure(fig, caption=f"counted work imbalance of causal attention, s = {S0}: contiguous grows as 2n − 1, "
                         "zig-zag and striped stay at 1")
     S, h, d = balance_sizes()
@@ -913,17 +306,7 @@ def load_balance_section():
             zig-zag's against contiguous chunks',
             {speedup_words(busiest["zigzag"], busiest["contiguous"], nb, balance_ceiling(S, nb))}.
         """)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
-    for ax, layout in zip(axes, ("contiguous", "zigzag")):
-        c = ring_work(S, nb, layout)
-        t = [shares[layout, r].q1 for r in range(nb)]
-        ax.bar([r - 0.2 for r in range(nb)], [x / max(c) for x in c], width=0.4, label="work counted")
-        ax.bar([r + 0.2 for r in range(nb)], [x / max(t) for x in t], width=0.4, label="time measured")
-        ax.set_title(layout, fontsize=10)
-        ax.set_xlabel("rank", fontsize=10)
-        ax.set_xticks(range(nb))
-    axes[0].set_ylabel("relative to the busiest rank", fontsize=10)
-    axes[0].legend(fontsize=9, loc="upper left")
+    fig = share_bars_figure(shares, S, nb)
     figure(fig, caption="each rank's share of causal attention on a 4-rank ring, contiguous chunks vs zig-zag: "
                         "counted entries and measured time (lower quartile), each relative to its busiest rank")
     n = timing_ranks(4)
@@ -956,6 +339,33 @@ def load_balance_section():
     """)
 
 
+N_HALF = ("per ring step the last contiguous rank computes a whole block (half of one at step 0), n − ½ "
+          "blocks in all, while every zig-zag rank computes half a block per step, n/2 in all.")
+
+
+def speedup_words(zigzag, contiguous, n, ceiling):
+    """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
+    of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
+    spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
+    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
+    from util.measure import compare
+    words = compare(zigzag, contiguous, "zig-zag", "contiguous")
+    ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
+    if ratio <= ceiling:
+        return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
+    if low <= ceiling:
+        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
+                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
+                "more than balance can, so this ratio is not read as zig-zag's gain")
+    if ratio <= whole:
+        return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
+                f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
+                "of each diagonal block's masked half was paid for")
+    return (f"{words}: more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× even with "
+            "diagonal blocks computed whole), even between the quartiles; the rest is the machine (the "
+            "layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
+
+
 _VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page's sizes, shared by two sections
 
 
@@ -969,23 +379,6 @@ def variant_run():
                                   variants=["ring", "all-gather", "ulysses"],
                                   name=f"ring vs all-gather vs Ulysses, {n} ranks").returns
     return _VARIANT_RUN[key]
-
-
-def gqa_bytes(rank, world_size, seq_len, heads, kv_heads, head_dim):
-    """Bytes this rank sent in one causal forward+backward of each variant, with K/V of `kv_heads`
-    heads (grouped-query attention) and with K/V repeated to all `heads` before the call."""
-    from util.measure import bytes_sent
-    out = {}
-    for kvh in (kv_heads, heads):
-        q, _, _, dout = _inputs(seq_len, heads, head_dim, rank, world_size, "zigzag")
-        _, k, v, _ = _inputs(seq_len, kvh, head_dim, rank, world_size, "zigzag")
-        for name in ATTENTION:
-            fn = functools.partial(ATTENTION[name], causal=True, layout="zigzag")
-            dist.barrier()
-            with bytes_sent() as sent:
-                fwd_bwd(fn, q, k, v, dout)
-            out[name, kvh] = sent.bytes
-    return out
 
 
 def allgather_section():
@@ -1026,14 +419,6 @@ def allgather_section():
           caption=f"bytes rank 0 wrote in one causal forward+backward, s = {Sg}, {hg} query heads, head dim {dg}, "
                   f"float32; the ring and all-gather move only K/V and dK/dV (expected ratio {kvg}/{hg}), "
                   "Ulysses also moves q and the output")
-
-
-def ulysses_layouts(rank, world_size, heads=4, positions_per_rank=2):
-    """What each rank holds before and after Ulysses' first all-to-all, each entry the rank that
-    held it before: (heads × its positions) in, (its heads × every position) out."""
-    x = torch.full((1, heads, positions_per_rank, 1), float(rank))
-    y = SeqToHeads.apply(x, [positions_per_rank] * world_size, None)
-    return {"before": x[0, :, :, 0].tolist(), "after": y[0, :, :, 0].tolist()}
 
 
 def ulysses_section():
@@ -1110,88 +495,6 @@ def ulysses_section():
     """)
 
 
-def pytorch_context_parallel():
-    from util.measure import compare, machine, timing_ranks
-    note("""
-        ## PyTorch's own: `context_parallel`
-        `torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`
-        shards the given tensors along the sequence (head-tail order for causal attention: our
-        zig-zag) and routes `F.scaled_dot_product_attention` to its context-parallel attention.
-        How K/V move is an option, and **torch 2.13's default is not a ring**: `set_rotate_method`
-        chooses `"allgather"` (the default: the forward all-gathers K/V once) or `"alltoall"` (K/V
-        pass from rank to rank, a ring). Either way dK/dV travel around the ring by all-to-all in
-        backward. In torch 2.13 its handlers cover the CUDA kernels only; on CPU it fails with
-        "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-        registered". The shim below registers that op (and its backward) with PyTorch's own
-        `_templated_ring_attention` functions, which then follow the rotate method; on a GPU it is
-        not used. Both rotate methods are checked against one process like our variants.
-    """)
-    see(install_cpu_context_parallel_shim)
-    see(rotate_method)
-    n = timing_ranks(4)
-    S, h, d = attention_sizes()
-    Sc = 24
-    q, k, v, dout = attention_inputs(Sc, 4)
-    ref = reference_attention(q, k, v, dout, True)
-    r = spawn(pytorch_cp_demo, n, check_len=Sc, seq_len=S, heads=h, head_dim=d,
-              name=f"PyTorch context_parallel vs one process and vs ours, {n} ranks").returns
-    diffs = {how: [(zigzag_unshard([x["check"][how][i] for x in r], 2) - ref[i]).abs().max().item() for i in range(4)]
-             for how in ("allgather", "alltoall")}
-    t = r[0]["timing"]
-    table([[f"max |Δ| vs one process, rotate {how!r} (float64, s = {Sc}): output, dQ, dK, dV",
-            ", ".join(f"{x:.1e}" for x in diffs[how])] for how in diffs] +
-          [["PyTorch's layout equals our zig-zag", t["same_layout"]],
-           ["max |Δ| PyTorch vs our ring (float32 outputs)", t["max_diff"]]],
-          header=["check", "value"], caption="PyTorch merges partials in float32 (`convert_to_f32`), hence ~1e-7 "
-                                             "in float64")
-    names = list(PYTORCH_VS_OURS)
-    table([[name, t["time"][name].ms(), t["sent"][name] / 2**20, t["sent"][name] / t["shard_bytes"]] for name in names],
-          header=["implementation", "forward+backward", "MiB rank 0 sent", "sent / one K shard"],
-          caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}; the four "
-                  "take turns, repetition by repetition (ours are timed again here, beside PyTorch's, under the "
-                  "same load; the all-gather section's run was separate, so the two can differ by the machine's "
-                  "drift); bytes from /proc/self/io")
-    fig = pytorch_cp_figure(names, t)
-    figure(fig, caption="like against like: PyTorch's default (all-gather) beside ours, PyTorch's all-to-all "
-                        "rotation beside our ring (blue: PyTorch, orange: ours; bars: medians, whiskers: "
-                        "interquartile range)")
-    ag = compare(t["time"]["ours, all-gather"], t["time"]["PyTorch, all-gather (default)"], "ours", "PyTorch's")
-    ring = compare(t["time"]["ours, ring"], t["time"]["PyTorch, all-to-all rotation (a ring)"], "our ring",
-                   "PyTorch's all-to-all rotation")
-    note(f"""
-        All-gather against all-gather: {ag}. Ring against ring: {ring}.
-        {rotate_words(t["sent"], n)}
-        Both sides run the same fused CPU kernel on the blocks, so what remains is how the work
-        around it is organised (read in torch 2.13's `_templated_ring_attention(_backward)`):
-
-        - **Backward of the all-gather variant.** PyTorch saves only the local K/V and
-          all-gathers them again in backward, then passes the dK/dV accumulators around the ring
-          (n all-to-alls); ours keeps the gathered K/V for backward (more memory, no second
-          gather) and sends dK/dV home with one reduce-scatter — on gloo a full all-reduce.
-          Measured, ours sent {t["sent"]["ours, all-gather"] / t["sent"]["PyTorch, all-gather (default)"]:.2f}×
-          the bytes PyTorch's all-gather did.
-        - **One kernel call per step or several.** Under zig-zag PyTorch halves the query or the
-          key block so each step is one kernel call; ours calls the kernel once per pair of
-          segments (up to three per step) and merges each partial in Python.
-        - **How a ring hop travels.** PyTorch's rotation is an `all_to_all_single` in which each
-          rank sends to one other (`permute_tensor`); ours is a batched `isend`/`irecv` pair.
-        - **Precision of the merge.** PyTorch merges partials in float32 (`convert_to_f32`), ours in
-          float32 or float64, as the inputs are.
-    """)
-
-
-def rotate_words(sent, n):
-    """Whether PyTorch's two rotate methods can be told apart by their bytes at this size."""
-    a, b = sent["PyTorch, all-gather (default)"], sent["PyTorch, all-to-all rotation (a ring)"]
-    words = f"PyTorch's all-gather sent {a / 2**20:.3f} MiB and its rotation {b / 2**20:.3f} MiB ({a / b:.3f}×)"
-    if abs(a / b - 1) < 0.02:
-        return (f"{words}: each rank's K/V reach every other rank once either way, so the bytes are equal, and "
-                f"both compute the same blocks with the same kernel. At {n} "
-                "ranks the two PyTorch rows differ by timing only; what the choice changes is memory (the "
-                "gathered K/V held at once) and how many waits a step has, not bytes.")
-    return f"{words}."
-
-
 def mixture_of_experts():
     note("## Mixture of experts: router, capacity, balance loss")
     torch.manual_seed(0)
@@ -1261,54 +564,6 @@ def mixture_of_experts():
     """)
 
 
-def alpha_words():
-    """Why α = AUX_WEIGHT, from the balancing runs of mixture_of_experts() (kept in _TRAINING)."""
-    r, labels = _TRAINING.get("logs"), _TRAINING.get("labels")
-    if not r:
-        return
-    steps = len(r[0]["loss"])
-    tail = max(1, steps // 10)
-    mean = lambda xs: sum(xs[-tail:]) / tail
-    load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
-    loss = {label: mean(log["loss"]) for label, log in zip(labels, r)}
-    base, a1, a2 = loss[labels[0]], loss[labels[1]], loss[labels[2]]
-    if all(abs(x / base - 1) < LOSS_NOISE for x in (a1, a2)):     # say "no clear difference" once
-        loss_sentence = (f"The loss over the last steps: {a1:.3f} with α = 0.01 and {a2:.3f} with "
-                         f"α = {AUX_WEIGHT}, against {base:.3f} without balancing: no clear difference here.")
-    else:
-        loss_sentence = (f"The loss over the last steps: {loss_words(a1, base, 'α = 0.01')}; "
-                         f"{loss_words(a2, base, f'α = {AUX_WEIGHT}')}.")
-    note(f"""
-        **Why α = {AUX_WEIGHT} here, 10× Switch's 0.01.** Fedus et al. chose α = 10⁻² as large enough to
-        balance and small enough not to disturb the language-modelling loss, over runs of many
-        thousands of steps. This run has {steps} steps: with α = 0.01 the busiest expert ended at {load[labels[1]]:.2f}× the mean
-        load (none: {load[labels[0]]:.2f}×), with α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×.
-        {loss_sentence} {SINGLE_RUN}
-        Balancing can cost loss (the router is pushed away from its preferred experts) or save
-        it (fewer dropped tokens: {mean(r[0]["dropped"]):.1%} of choices dropped without
-        balancing, {mean(r[2]["dropped"]):.1%} with α = {AUX_WEIGHT}). The larger weight is for a
-        short demonstration, not a recommendation.
-    """)
-
-
-LOSS_NOISE = 0.05   # single runs of one seed: loss differences below 5% are not read as a result
-SINGLE_RUN = "(One run of one seed each: differences under 5% are not ranked.)"
-
-
-def loss_words(loss, baseline, name, without="without balancing"):
-    """A loss against a baseline run's (by default the unbalanced one), in words from its sign and
-    size: "no clear difference" within LOSS_NOISE (single runs), otherwise higher or lower by the
-    percentage."""
-    rel = loss / baseline - 1
-    if abs(rel) < LOSS_NOISE:
-        return f"{name} {loss:.3f} against {baseline:.3f} {without}, no clear difference here"
-    return f"{name} {loss:.3f}, {abs(rel):.0%} {'higher' if rel > 0 else 'lower'} than {baseline:.3f} {without}"
-
-
-BIAS_STEP = 0.01
-_TRAINING = {}   # the balancing runs of mixture_of_experts(), reported again by the deep dive
-
-
 def expert_parallelism():
     from util.measure import machine, timing_ranks
     note("## Expert parallelism: all-to-all dispatch and combine")
@@ -1363,15 +618,6 @@ def expert_parallelism():
         out experts also evens out the ranks.
     """)
     capacity_per_rank()
-
-
-def capacity_scopes(rank, world_size, layer_kw, tokens):
-    """The same tokens through expert parallelism three ways: capacity over all ranks' tokens
-    (ExpertParallelMoE), per rank (RankCapacityMoE), and dropless (no capacity)."""
-    return {"all ranks": expert_parallel_check(rank, world_size, layer_kw, [tokens] * world_size),
-            "per rank": expert_parallel_check(rank, world_size, layer_kw, [tokens] * world_size, capacity="rank"),
-            "dropless": expert_parallel_check(rank, world_size, dict(layer_kw, capacity_factor=None),
-                                              [tokens] * world_size)}
 
 
 def capacity_per_rank():
@@ -1466,110 +712,6 @@ def expert_gradient_groups():
         its expert-data-parallel group of {world // ep}: in a large MoE most parameters are experts, so
         most gradient traffic runs in the smaller groups.
     """)
-
-
-def usp_deep_dive():
-    import matplotlib.pyplot as plt
-    note("""
-        ## Deep dive: Ulysses × ring (USP)
-        Ulysses is limited by the number of heads,
-        the ring by its growing traffic; USP (Fang & Zhao 2024) combines them on a 2-D grid of
-        ranks: the sequence is split over a ring dimension of size R and, within each ring
-        position, over a Ulysses dimension of size U. The Ulysses all-to-all turns each
-        U-group's sequence shards into head shards (h/U heads of its s/R positions), then ring
-        attention runs over the R ranks that share those heads, and a second all-to-all
-        turns the result back. CP degree U·R may then exceed the head count.
-    """)
-    see("https://arxiv.org/abs/2405.07719", "Fang & Zhao 2024: USP: A Unified Sequence Parallelism Approach for Long Context Generative AI")
-    U, R, h = 2, 2, 4
-    colors = plt.get_cmap("tab10").colors
-    fig = usp_figure(R, h, U, colors)
-    figure(fig, caption=f"USP with U = {U} (Ulysses) × R = {R} (ring) = {U * R} ranks and {h} heads: ranks "
-                        f"{list(range(U))} and {list(range(U, 2 * U))} are Ulysses groups; in attention, each rank's "
-                        "queries attend around a ring of the ranks holding the same heads")
-
-
-def balancing_deep_dive():
-    note("""
-        ## Deep dive: the balance loss's weight, balancing without a loss, and the router z-loss
-        An auxiliary loss balances by pushing on the
-        router's gradients, which also pulls against the language-modelling loss. DeepSeek-V3
-        balances without a loss: each expert has a bias added to its score *only when choosing*
-        the top-k experts (the gate still uses the unbiased score), and after each step the bias
-        of every overloaded expert falls by γ and every underloaded one rises by γ (they use
-        γ = 0.001 for most of training, with a very small sequence-wise balance loss beside it).
-        The fourth run of the training above did this with γ = {γ}, without any balance loss,
-        and with two simplifications: its scores are the softmax probabilities, where DeepSeek-V3's
-        affinities are sigmoids normalised over the chosen experts, and its γ is 10× theirs, to
-        act within a short run.
-    """.replace("{γ}", str(BIAS_STEP)))
-    see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (§2.1.2, auxiliary-loss-free load balancing)")
-    alpha_words()
-    see(MoE.update_bias)
-    z_loss_section()
-
-
-Z_WEIGHT = 1e-3   # ST-MoE's router z-loss weight
-
-
-def z_loss_section():
-    """ST-MoE's router z-loss, trained: the α = AUX_WEIGHT run again with the z-loss in its loss,
-    against the same run without it (both from mixture_of_experts())."""
-    note("""
-        **The router z-loss.** ST-MoE adds another auxiliary term, for stability rather than
-        balance: the mean squared log-sum-exp of the router logits, $\\frac{1}{T}\\sum_t (\\log\\sum_e
-        e^{x_{t,e}})^2$. It pulls each token's log-sum-exp towards 0, so no logit can grow
-        large, where an exponential in low precision loses its digits (weight 10⁻³ in ST-MoE). Since
-        the softmax ignores a common shift, the term need not change the routing: it is smallest
-        when the log-sum-exp is 0, which for equal logits means −log E each, not 0.
-    """)
-    see("https://arxiv.org/abs/2202.08906", "Zoph et al. 2022: ST-MoE: Designing Stable and Transferable Sparse Expert Models (router z-loss)")
-    see(z_loss)
-    logs, configs = _TRAINING.get("logs"), _TRAINING.get("configs")
-    if not logs:
-        return
-    base = configs.index({"aux": AUX_WEIGHT})
-    z_run = spawn(train_moe_gpt, 1, configs=[dict(configs[base], z=Z_WEIGHT)], steps=_TRAINING["steps"], batch_size=8,
-                  name="MoE GPT training with the router z-loss").returns[0]
-    runs = {f"balance loss α = {AUX_WEIGHT}": logs[base], f"the same, + z-loss × {Z_WEIGHT:g}": z_run}
-    tail = max(1, _TRAINING["steps"] // 10)
-    mean = lambda xs: sum(xs[-tail:]) / tail
-    table([[name, mean(lg["z"]), mean(lg["max_logit"]), mean(lg["loss"]), mean(lg["max_load"])]
-           for name, lg in runs.items()],
-          header=["run", "router z-loss", "largest logit per token (mean)", "loss", "busiest / mean load"],
-          caption=f"the same model, data and seed, {_TRAINING['steps']} steps, with and without the z-loss in the "
-                  f"loss; means over the last {tail} steps, over the router of every layer")
-    (a, b) = runs.values()
-    note(f"""
-        Trained with the z-loss, the routers' z-loss ended at {mean(b["z"]):.3f} against
-        {mean(a["z"]):.3f} without it ({mean(b["z"]) / mean(a["z"]):.2f}×), and each token's largest logit at
-        {mean(b["max_logit"]):.3f} against {mean(a["max_logit"]):.3f}: {z_words(a, b, mean)}
-        {loss_words(mean(b["loss"]), mean(a["loss"]), "The loss", "without the z-loss")}. {SINGLE_RUN}
-    """)
-    labels = _TRAINING["labels"]
-    table([[label, mean(lg["max_load"]), mean(lg["loss"]), mean(lg["z"])] for label, lg in zip(labels, logs)],
-          header=["balancing", "busiest / mean load", "loss", "router z-loss (not in the loss)"],
-          caption=f"the four balancing runs above, means over the last {tail} steps: none of them trains on the z-loss")
-
-
-def z_words(without, with_z, mean):
-    """Whether the z-loss run's logits ended smaller, in words from the numbers."""
-    if mean(with_z["z"]) < mean(without["z"]) and mean(with_z["max_logit"]) < mean(without["max_logit"]):
-        return "the term did what it is for, in a run this short."
-    return "in a run this short the term has not yet moved the logits down."
-
-
-def node_limited_deep_dive():
-    note("""
-        ## Deep dive: why DeepSeek-V3 limits each token to 4 nodes
-        With hundreds of fine-grained experts and
-        top-8 routing, a token's experts could sit on up to 8 different nodes, and every copy
-        crosses the slow inter-node network (InfiniBand) both ways. DeepSeek-V3 first picks at
-        most 4 nodes per token (by the best expert scores on each node), then the experts within
-        them, so each token crosses IB at most 4 times and is forwarded to its experts over the
-        fast intra-node NVLink — bounding the all-to-all traffic that dominates EP's cost.
-    """)
-    see("https://arxiv.org/abs/2412.19437", "DeepSeek-AI 2024: DeepSeek-V3 Technical Report (node-limited routing)")
 
 
 def what_to_remember():

@@ -8,7 +8,11 @@ import torch
 import torch.distributed as dist
 
 from lectures.context_parallel import blocks as attention_blocks
+from lectures.context_parallel import deep_dives, demos
+from lectures.context_parallel import moe as moe_layers
+from lectures.context_parallel import sharding as sequence_layout
 from lectures import lecture_06_context_and_expert_parallel as L
+from lectures.model import gpt as gpt_model
 from util import spawn
 from tests.conftest import built
 
@@ -42,8 +46,8 @@ def everything(rank, world_size):
             "moe": {(name, cap): L.expert_parallel_check(rank, world_size, layer_kw=kw, tokens_per_rank=tokens[:world_size],
                                                          capacity=cap)
                     for name, (kw, tokens, _) in MOE_CASES.items() for cap in CAPACITY},
-            "subgroups": L.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
-            "pytorch": {how: L.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4,
+            "subgroups": demos.attention_in_subgroups(rank, world_size, seq_len=11, heads=4) if world_size == 4 else None,
+            "pytorch": {how: deep_dives.pytorch_context_parallel_attention(rank, world_size, seq_len=8 * world_size, heads=4,
                                                                   rotate=how) for how in ("allgather", "alltoall")}
             if world_size != 3 else None}
 
@@ -74,7 +78,7 @@ def test_zigzag_round_trip_and_balance():
     for n, total in [(1, 5), (2, 8), (3, 17), (4, 19), (4, 8), (3, 4)]:
         x = torch.arange(total * 3).view(3, total)
         shards = [L.zigzag_shard(x, r, n, dim=1) for r in range(n)]
-        assert torch.equal(L.zigzag_unshard(shards, dim=1), x)
+        assert torch.equal(sequence_layout.zigzag_unshard(shards, dim=1), x)
         lengths = [s.shape[1] for s in shards]
         assert max(lengths) - min(lengths) <= 2
         for r, segs in enumerate(L.layout_segments(lengths, "zigzag")):
@@ -110,7 +114,7 @@ def test_ring_on_subgroups(runs):
         q, k, v, dout = L.attention_inputs(11, 4, seed=half)
         reference = L.reference_attention(q, k, v, dout, causal=True)
         for i, ref in enumerate(reference):
-            got = L.zigzag_unshard([per_rank[2 * half + r][i] for r in range(2)], dim=2)
+            got = sequence_layout.zigzag_unshard([per_rank[2 * half + r][i] for r in range(2)], dim=2)
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
@@ -216,7 +220,7 @@ def test_pytorch_context_parallel_with_the_cpu_shim(runs, world_size, rotate):
     reference = L.reference_attention(q, k, v, dout, causal=True)
     per_rank = [r["pytorch"][rotate] for r in runs[world_size]]
     for i, ref in enumerate(reference):
-        got = L.zigzag_unshard([x[i] for x in per_rank], dim=2)   # head-tail = our zig-zag
+        got = sequence_layout.zigzag_unshard([x[i] for x in per_rank], dim=2)   # head-tail = our zig-zag
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -255,10 +259,10 @@ def one_rank_groups(rank, world_size):
             o = L.ATTENTION[variant](ql, kl, vl, causal=causal, group=groups[rank], layout="zigzag")
             o.backward(dout)
             out[variant, causal] = [t.detach() for t in (o, ql.grad, kl.grad, vl.grad)]
-    cfg = L.gpt_config("float64")
-    model = L.context_parallel_gpt(L.GPT(cfg), group=groups[rank])
-    tokens, targets = L.batch(cfg, 2, step=0)
-    L.loss_fn(model(tokens), targets).backward()
+    cfg = demos.gpt_config("float64")
+    model = L.context_parallel_gpt(gpt_model.GPT(cfg), group=groups[rank])
+    tokens, targets = gpt_model.batch(cfg, 2, step=0)
+    gpt_model.loss_fn(model(tokens), targets).backward()
     out["gpt"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out
 
@@ -270,10 +274,10 @@ def test_a_group_of_one_rank_is_plain_attention():
         for causal in (False, True):
             for got, want in zip(runs[1][variant, causal], L.reference_attention(q, k, v, dout, causal)):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{variant} {causal}")
-    cfg = L.gpt_config("float64")
-    model = L.GPT(cfg)
-    tokens, targets = L.batch(cfg, 2, step=0)
-    L.loss_fn(model(tokens), targets).backward()
+    cfg = demos.gpt_config("float64")
+    model = gpt_model.GPT(cfg)
+    tokens, targets = gpt_model.batch(cfg, 2, step=0)
+    gpt_model.loss_fn(model(tokens), targets).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(runs[0]["gpt"][n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
 
@@ -321,7 +325,7 @@ def gqa_shards(rank, world_size, seq_len, heads, kv_heads):
     from util.measure import bytes_sent
     q, _, _, dout = L.attention_inputs(seq_len, heads, head_dim=16)
     _, k, v, _ = L.attention_inputs(seq_len, kv_heads, head_dim=16, seed=1)
-    shard = lambda t: L.shard_sequence(t, rank, world_size, 2, "zigzag")
+    shard = lambda t: sequence_layout.shard_sequence(t, rank, world_size, 2, "zigzag")
     out, sent = {}, {}
     for variant in VARIANTS:
         for name, (kk, vv) in {"gqa": (k, v), "repeated": (k.repeat_interleave(heads // kv_heads, 1),
@@ -354,7 +358,7 @@ def test_grouped_query_attention_sends_kv_heads():
     fold = lambda g: g.view(g.shape[0], kv_heads, heads // kv_heads, *g.shape[2:]).sum(2)
     for variant in VARIANTS:
         for i, want in enumerate((ref.detach(), qr.grad, fold(kr.grad), fold(vr.grad))):
-            got = L.zigzag_unshard([r["out"][variant][i] for r in runs], 2)
+            got = sequence_layout.zigzag_unshard([r["out"][variant][i] for r in runs], 2)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{variant} {i}")
     sent = runs[0]["sent"]
     # ring and all-gather move only K/V (and dK/dV): a quarter of the bytes, headers aside
@@ -368,7 +372,7 @@ def test_pytorch_default_rotation_is_all_gather():
     """torch 2.13's context_parallel all-gathers K/V unless told otherwise; rotate_method restores."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
     assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_GATHER
-    with L.rotate_method("alltoall"):
+    with deep_dives.rotate_method("alltoall"):
         assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_TO_ALL
     assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_GATHER
 
@@ -428,7 +432,7 @@ def test_bias_balancing_moves_the_choice_not_the_gate_and_z_loss():
     load = torch.tensor(moe.stats["tokens_per_expert"], dtype=torch.float64)
     moe.update_bias()
     torch.testing.assert_close(moe.expert_bias, 0.5 * torch.sign(load.mean() - load))
-    torch.testing.assert_close(L.z_loss(logits), torch.logsumexp(logits, -1).pow(2).mean())
+    torch.testing.assert_close(moe_layers.z_loss(logits), torch.logsumexp(logits, -1).pow(2).mean())
 
 
 def biased_expert_parallel(rank, world_size, steps=3):
@@ -492,9 +496,9 @@ def test_rank_shares_are_timed_on_one_thread_and_noise_is_flagged(monkeypatch):
 def test_balancing_loss_words_follow_the_sign():
     """The page called 2.145 and 2.089 against 2.155 'the price in loss': a lower loss is no price,
     and single runs within 5% are not ranked."""
-    assert "no clear difference" in L.loss_words(2.089, 2.155, "α = 0.1")
-    assert "lower" in L.loss_words(1.8, 2.155, "α = 0.1")
-    assert "higher" in L.loss_words(2.5, 2.155, "α = 0.1")
+    assert "no clear difference" in deep_dives.loss_words(2.089, 2.155, "α = 0.1")
+    assert "lower" in deep_dives.loss_words(1.8, 2.155, "α = 0.1")
+    assert "higher" in deep_dives.loss_words(2.5, 2.155, "α = 0.1")
     import inspect
     assert "price" not in inspect.getsource(L.mixture_of_experts)
 
@@ -539,8 +543,8 @@ def test_the_router_z_loss_is_trained_and_lowers_the_logits():
     assert with_z["z"][-1] < 0.8 * without["z"][-1]
     assert with_z["max_logit"][-1] < without["max_logit"][-1]
     mean = lambda xs: sum(xs) / len(xs)
-    assert "did what it is for" in L.z_words(without, with_z, mean)
-    assert "not yet" in L.z_words(with_z, without, mean)
+    assert "did what it is for" in deep_dives.z_words(without, with_z, mean)
+    assert "not yet" in deep_dives.z_words(with_z, without, mean)
 
 
 def test_rank_capacity_drops_what_each_rank_alone_would_and_refuses_the_bias():
@@ -616,6 +620,6 @@ def test_wait_and_rotation_words_claim_only_what_the_numbers_show():
     assert "cannot say" in L.wait_words(0.8, 1.0) and "not the wire" not in L.wait_words(0.8, 1.0)
     assert "excess is not the transfers" in L.wait_words(1.5, 1.0)
     same = {"PyTorch, all-gather (default)": 2.001 * 2**20, "PyTorch, all-to-all rotation (a ring)": 2.0 * 2**20}
-    assert "differ by timing only" in L.rotate_words(same, 2)
+    assert "differ by timing only" in deep_dives.rotate_words(same, 2)
     other = dict(same, **{"PyTorch, all-gather (default)": 3.0 * 2**20})
-    assert "timing only" not in L.rotate_words(other, 4)
+    assert "timing only" not in deep_dives.rotate_words(other, 4)

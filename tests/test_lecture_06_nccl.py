@@ -64,9 +64,9 @@ def ring_under_nccl(monkeypatch, world_size, ranks, seq_len, heads, kv_heads, la
     def rank_main(g):
         p2p.local.rank = g
         r = list(ranks).index(g)
-        ql, kl, vl = (L.shard_sequence(t, r, n, 2, layout).requires_grad_() for t in (q, k, v))
+        ql, kl, vl = (sequence_layout.shard_sequence(t, r, n, 2, layout).requires_grad_() for t in (q, k, v))
         out = ring_attention.ring_attention(ql, kl, vl, causal=causal, group=group, layout=layout)
-        out.backward(L.shard_sequence(dout, r, n, 2, layout))
+        out.backward(sequence_layout.shard_sequence(dout, r, n, 2, layout))
         return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
     got = run_ranks(rank_main, ranks)
     parts = [L.unshard_sequence([got[g][i] for g in ranks], 2, layout) for i in range(4)]

@@ -1,7 +1,12 @@
 """Lecture 06's figures: the drawings of its page (activation memory per rank, the ring's
 steps, the bytes all-gather attention holds, Ulysses' all-to-all, PyTorch's variants beside ours,
-MoE's loads and dispatch, expert and data-parallel groups, USP's layouts); the figures of the
-load-balance section stay in the lecture beside the work counts they draw. Each helper returns a matplotlib figure."""
+MoE's loads and dispatch, expert and data-parallel groups, USP's layouts, and the load-balance
+section's: which scores each rank computes under each layout, the counted imbalance, each rank's
+share counted and timed). Each helper returns a matplotlib figure."""
+import torch
+
+from lectures.context_parallel.demos import LAYOUTS, ring_work
+from lectures.context_parallel.sharding import sequence_positions, striped_positions
 from util import figure
 from util.measure import errorbar
 
@@ -225,4 +230,78 @@ def usp_figure(R, h, U, colors):
         ax.set_title(phase, fontsize=10)
     axes[0].set_ylabel("heads", fontsize=10)
     axes[0].set_yticks(range(h + 1))
+    return fig
+
+
+def layout_owner(seq_len, world_size, layout):
+    """owner[p] = the rank holding position p under `layout` (from the same functions the ranks use)."""
+    owner = [0] * seq_len
+    for r in range(world_size):
+        pos = striped_positions(seq_len, r, world_size) if layout == "striped" else \
+            sequence_positions(seq_len, r, world_size, layout)
+        for p in pos.tolist():
+            owner[p] = r
+    return owner
+
+
+def attention_blocks_figure(seq_len=16, world_size=4):
+    """Which (query, key) score entries each rank computes under each layout: the causal matrix
+    coloured by the rank that holds the query, with every rank's count of entries."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    colors = plt.get_cmap("tab10").colors[:world_size]
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.9), sharey=True)
+    for ax, layout in zip(axes, LAYOUTS):
+        owner = layout_owner(seq_len, world_size, layout)
+        grid = torch.full((seq_len, seq_len), float("nan"))
+        for i in range(seq_len):
+            grid[i, :i + 1] = owner[i]
+        ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=world_size - 0.5)
+        work = ring_work(seq_len, world_size, layout)
+        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize=10)
+        ax.set_xlabel("key position", fontsize=10)
+        ax.set_xticks([0, seq_len - 1])
+        ax.set_yticks([0, seq_len - 1])
+    axes[0].set_ylabel("query position", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
+    fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=world_size,
+               fontsize=10, frameon=False)
+    fig.subplots_adjust(bottom=0.24, top=0.84, wspace=0.08)
+    figure(fig, caption=f"causal attention on {seq_len} tokens over {world_size} ranks: each coloured cell is a "
+                        "score a rank computes (the rank holding that query); white cells are masked and skipped. "
+                        "Contiguous chunks leave rank 0 a small triangle and the last rank a long strip")
+
+
+def work_imbalance_figure(ns, S0):
+    """The counted busiest/idlest work ratio of causal attention against the number of ranks, one
+    line per layout (from ring_work, the count the ranks' shares are checked against)."""
+    import matplotlib.pyplot as plt
+    imb = {layout: [max(w) / min(w) for w in (ring_work(S0, m, layout) for m in ns)] for layout in LAYOUTS}
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for layout, marker in zip(LAYOUTS, "os^"):
+        ax.plot(ns, imb[layout], marker + "-", label=layout)
+        ax.annotate(f"{imb[layout][-1]:.2f}", (ns[-1], imb[layout][-1]), textcoords="offset points",
+                    xytext=(6, 0), va="center", fontsize=9)
+    ax.set_xlabel("ranks n", fontsize=10)
+    ax.set_ylabel("busiest / idlest rank's work", fontsize=10)
+    ax.set_xlim(1.5, 9)
+    ax.legend(fontsize=9)
+    return fig
+
+
+def share_bars_figure(shares, S, nb):
+    """Each ring rank's share of causal attention, contiguous beside zig-zag: its counted entries
+    (ring_work) and its measured time (the lower quartile of `shares`), each over its busiest rank."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for ax, layout in zip(axes, ("contiguous", "zigzag")):
+        c = ring_work(S, nb, layout)
+        t = [shares[layout, r].q1 for r in range(nb)]
+        ax.bar([r - 0.2 for r in range(nb)], [x / max(c) for x in c], width=0.4, label="work counted")
+        ax.bar([r + 0.2 for r in range(nb)], [x / max(t) for x in t], width=0.4, label="time measured")
+        ax.set_title(layout, fontsize=10)
+        ax.set_xlabel("rank", fontsize=10)
+        ax.set_xticks(range(nb))
+    axes[0].set_ylabel("relative to the busiest rank", fontsize=10)
+    axes[0].legend(fontsize=9, loc="upper left")
     return fig
