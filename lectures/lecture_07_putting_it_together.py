@@ -20,8 +20,7 @@ from util.measure import machine, timing_ranks, value_range
 from exercises import listing as notebook_exercises
 from lectures.layout.calculator import calculator_data
 from lectures.layout.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
-                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_layers,
-                                       stage_params)
+                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_params)
 from lectures.model.gpt import param_count
 from lectures.layout.search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, causal_discounted,  # noqa: F401
                                     decision_procedure,
@@ -30,16 +29,17 @@ from lectures.layout.search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, 
 from lectures.layout.trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
                                      held_bytes, max_param_diff, reference_run, train_layout)
 from lectures.layout.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
-                                  replica_groups, torch_mesh)
-from lectures.layout.pytorch import pytorch_layout, pytorch_tp_plan  # noqa: F401
-from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB,  # noqa: F401
-                                       IB_ACHIEVED, IB_BW, NVLINK, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
+                                  replica_groups)
+from lectures.layout.pytorch import pytorch_tp_plan  # noqa: F401
+from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16,  # noqa: F401
+                                       IB_ACHIEVED, IB_BW, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
                                        LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW, Hardware, all_reduce_time, axis_link,
                                        collective_bytes, dp_traffic, flops_per_token, tp_collectives, gather_time,
-                                       h100_cluster, mfu, p2p_link, kept_gathered, p2p_time, step_bytes, step_time,
+                                       h100_cluster, mfu, p2p_link, kept_gathered, step_bytes, step_time,
                                        zero3_bytes)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
-                                     draw_predicted_vs_measured, search_space_picture, mfu_picture)
+                                     draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
+                                     mfu_picture)
 from lectures.layout.demos import (axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    trivial_prediction)
@@ -506,7 +506,6 @@ def search_here():
 
 
 def published_scale():
-    import matplotlib.pyplot as plt
     a = {k: v for k, v in ASSUMED.items() if k != GEMM}
     note(f"""
         ## At published scale: Llama 3's runs, then an 8B and a 70B model on 64–512 H100s
@@ -556,8 +555,7 @@ def published_scale():
     """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
     hw, band = llama3_table4()
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
+    for model in (LLAMA3_8B, LLAMA3_70B):
         for world in (64, 512):
             found = search(model, world, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
                            precision="bf16", max_tp=8, sp=(False, True), virtual_stages=(1, 2, 4, 5),
@@ -581,25 +579,7 @@ def published_scale():
                 rows.append([model.name, world, "decision procedure", rule.label(),
                              estimate_memory(model, rule)["total"] / 2 ** 30, t,
                              mfu(model, tokens / t, world * H100_PEAK_BF16), "; ".join(why)])
-            if world == 512:
-                xs = [r["memory"]["total"] / 2 ** 30 for r in found]
-                ys = [r["time"]["total"] for r in found]
-                ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
-                if fitting:
-                    best = fitting[0]["layout"].label().rsplit(" mb", 1)[0]
-                    ax.scatter([fitting[0]["memory"]["total"] / 2 ** 30], [fitting[0]["time"]["total"]],
-                               marker="*", s=150, color="#c44e52", label=f"fastest that fits:\n{best}")
-                if rule is not None:
-                    ax.scatter([estimate_memory(model, rule)["total"] / 2 ** 30], [step_time(model, rule, hw)["total"]],
-                               marker="D", s=110, facecolors="none", edgecolors="#55a868", linewidths=2,
-                               zorder=3, label="decision procedure")
-                ax.axvline(hw.memory / 2 ** 30, color="black", ls="--", lw=1)
-                ax.set_xscale("log")
-                ax.set_yscale("log")
-                ax.set_xlabel("predicted GiB per GPU")
-                ax.set_ylabel("predicted s per step")
-                ax.set_title(f"{model.name}, 512 GPUs: {len(found)} configurations", fontsize=10)
-                ax.legend(fontsize=9, loc="upper left")
+    fig = draw_search_at_scale((LLAMA3_8B, LLAMA3_70B), searched, rule_of, hw)
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU", "why"],
           caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
     with deep_dive("The search's space and the decision procedure, step by step",

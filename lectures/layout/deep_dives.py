@@ -11,7 +11,7 @@ from util.measure import machine, usable_cores
 
 from lectures.layout.demos import small_run, time_ours_vs_pytorch, train_pytorch_layout
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
-from lectures.layout.figures import draw_decision_flow
+from lectures.layout.figures import draw_decision_flow, draw_wire_ratios
 from lectures.layout.pytorch import pytorch_layout
 from lectures.layout.search import decision_procedure, reproduce_table4
 from lectures.layout.step_time import (ATTENTION, FA2_H100, IB, IB_ACHIEVED, IB_BW, LLAMA3_405B, NVLINK,
@@ -56,7 +56,6 @@ def memory_with_recomputation(cfg, shape, sp_shown):
 def wire_bytes():
     """Every layout many_layouts trained: each rank's bytes on the wire in a step, predicted by
     `step_bytes` (gloo as it is, and what NCCL would send) against /proc/self/io."""
-    import matplotlib.pyplot as plt
     runs = _RESULTS.get("layouts")
     if runs is None:      # the lecture's many_layouts() trains them, earlier on the page
         raise RuntimeError("wire_bytes() checks the runs many_layouts() trained: run that section first")
@@ -99,16 +98,7 @@ def wire_bytes():
                         "predicted by axis", "NCCL would send"],
           caption="One training step, each rank's bytes on the wire, measured and predicted. Ranks "
                   "that sent the same bytes are shown once.")
-    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(ratios) + 1.4))
-    names = [f"{n} ({l.world} ranks)" for n, l, _ in ratios]
-    ax.barh(range(len(ratios)), [r for _, _, r in ratios], color="#4c72b0")
-    ax.axvline(1.0, color="black", lw=1)
-    ax.set_yticks(range(len(ratios)), names, fontsize=10)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(1.5, max(r for _, _, r in ratios) * 1.1))
-    ax.set_xlabel("measured / predicted bytes (1 = the payload exactly)", fontsize=10)
-    fig.tight_layout()
-    figure(fig, caption="Measured over predicted bytes per rank and step, every layout and stage.")
+    figure(draw_wire_ratios(ratios), caption="Measured over predicted bytes per rank and step, every layout and stage.")
     low, high = min(r for _, _, r in ratios), max(r for _, _, r in ratios)
     pp_only = [r for n, l, r in ratios if l.pp > 1 and l.dp == l.tp == l.cp == 1]
     note(f"""
