@@ -6,7 +6,6 @@ formulas of the earlier lectures turned into a per-rank memory estimator and a s
 calibrated on this machine, used to search every valid layout — here, where we can run them,
 and at published scale, where we cannot.
 """
-import collections
 import dataclasses
 import math
 import statistics
@@ -42,7 +41,7 @@ from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_ag
                                      mfu_picture)
 from lectures.layout.demos import (axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
-                                   trivial_prediction)
+                                   long_context_words, rho_uncertainty, ties_words, trivial_prediction, verdict_of)
 from lectures.layout.deep_dives import (_RESULTS, decision_flow, memory_with_recomputation, notes, pytorch_pieces,
                                         table4_sensitivity, wire_bytes)
 
@@ -305,27 +304,6 @@ def memory_at_scale():
         A calculator at the end of the published-scale section runs this estimator in the page
         for any model and layout you type.
     """)
-
-
-def rho_uncertainty(rho, lo, hi):
-    """The words for ρ's 95% interval; Fisher's z has none at ρ = ±1 (its z is infinite)."""
-    if abs(rho) >= 1:
-        return "Fisher's z gives no interval at a perfect ranking, yet a few layouts are a small sample"
-    if math.isnan(lo):
-        return "too few layouts for an interval"
-    return f"95% interval {value_range(lo, hi, decimals=2)}, Fisher's z"
-
-
-def verdict_of(baseline, lo, hi):
-    """How the cost model's ρ compares with a baseline's, given the model's 95% interval."""
-    return ("ranks them better than" if baseline < lo else "ranks them worse than" if baseline > hi
-            else "cannot be told apart, with this many layouts, from")
-
-
-def ties_words(predictions):
-    """' (4 of its 8 predictions tie, …)' where predictions print alike (ties make a ρ fragile)."""
-    tied = sum(c for c in collections.Counter(f"{p:.6g}" for p in predictions).values() if c > 1)
-    return f" ({tied} of its {len(predictions)} predictions tie, which makes its ρ fragile)" if tied else ""
 
 
 def step_time_model():
@@ -681,25 +659,6 @@ def llama3_table4():
     return hw, band
 
 
-def long_context_words(row, best, err, hw):
-    """What a long-context row's prediction rests on: attention, at a published rate, and an
-    MFU count Meta does not define; each in numbers."""
-    shape = dataclasses.replace(LLAMA3_405B, seq=row["seq"])
-    share = 12 * shape.seq / (12 * shape.seq + 6 * sum(shape.layer_params()) / shape.hidden)
-    rate = attention_rate_needed(row, best, LLAMA3_405B, hw)
-    other = causal_discounted(row, LLAMA3_405B)
-    return f"""The {row['seq'] // 1024}K row ({100 * err:+.1f}%) rests on attention, {100 * share:.0f}% of
-        a block's counted FLOPs at that length. The model runs it at FlashAttention-2's top H100
-        figure, {hw.attention / 1e12:.0f} TFLOP/s — the highest panel of its Figure 7, from
-        2023, not a bound (FlashAttention-3 is faster) — and would predict Meta's
-        {100 * row['mfu']:.0f}% exactly at {rate / 1e12:.0f} TFLOP/s ({rate / hw.attention:.2f}×
-        that figure). Two inputs here are not measurements: Meta publishes no attention rate,
-        and the report does not define its MFU count. The model assumes PaLM's (12·h·s per token
-        and block, no discount for the causal mask); had Meta credited causal attention half,
-        its {100 * row['mfu']:.0f}% would be {100 * other:.0f}% in this count and the row
-        {100 * (best['mfu'] / other - 1):+.0f}% off."""
-
-
 def nvidia_and_ties(searched, hw, band):
     """NVIDIA's published 70B recipe beside the model's picks, and the near-ties reported as a
     group: every layout within the model's own error of the fastest."""
@@ -807,6 +766,7 @@ def mfu_section():
 def cal_n():
     cal = _RESULTS.get("cal")
     return cal["matmul"]["n"] if cal else 0
+
 
 def remember():
     note("""

@@ -1,5 +1,6 @@
 """What each rank runs in lecture 07's demos, and the one-process references they are checked
 against; the lecture launches them with spawn() and narrates what they return."""
+import collections
 import dataclasses
 import logging
 import math
@@ -9,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from util import device, settings
-from util.measure import measure, measure_side_by_side
+from util.measure import measure, measure_side_by_side, value_range
 
 from lectures.data_parallel.collectives import fit_alpha_beta
 from lectures.layout.estimator import ModelShape, stage_layers
 from lectures.layout.mesh import MESH_AXES, make_mesh, mesh_coords, torch_mesh
 from lectures.layout.pytorch import pytorch_layout
-from lectures.layout.search import valid_layouts
-from lectures.layout.step_time import Hardware, flops_per_token, p2p_time, step_time
+from lectures.layout.search import attention_rate_needed, causal_discounted, valid_layouts
+from lectures.layout.step_time import LLAMA3_405B, Hardware, flops_per_token, p2p_time, step_time
 from lectures.layout.trainer import LayoutTrainer, Run
 from lectures.model.gpt import GPT, batch, loss_fn
 
@@ -273,8 +274,52 @@ def rho_interval(rho, n):
     return math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
 
 
+def rho_uncertainty(rho, lo, hi):
+    """The words for ρ's 95% interval; Fisher's z has none at ρ = ±1 (its z is infinite)."""
+    if abs(rho) >= 1:
+        return "Fisher's z gives no interval at a perfect ranking, yet a few layouts are a small sample"
+    if math.isnan(lo):
+        return "too few layouts for an interval"
+    return f"95% interval {value_range(lo, hi, decimals=2)}, Fisher's z"
+
+
+def verdict_of(baseline, lo, hi):
+    """How the cost model's ρ compares with a baseline's, given the model's 95% interval."""
+    return ("ranks them better than" if baseline < lo else "ranks them worse than" if baseline > hi
+            else "cannot be told apart, with this many layouts, from")
+
+
+def ties_words(predictions):
+    """' (4 of its 8 predictions tie, …)' where predictions print alike (ties make a ρ fragile)."""
+    tied = sum(c for c in collections.Counter(f"{p:.6g}" for p in predictions).values() if c > 1)
+    return f" ({tied} of its {len(predictions)} predictions tie, which makes its ρ fragile)" if tied else ""
+
+
 # =========================================================================================
-# 5. The same layouts from PyTorch's own pieces (lectures/layout/pytorch.py)
+# 5. Llama 3's Table 4 through the model: what a long-context row rests on
+# =========================================================================================
+
+def long_context_words(row, best, err, hw):
+    """What a long-context row's prediction rests on: attention, at a published rate, and an
+    MFU count Meta does not define; each in numbers."""
+    shape = dataclasses.replace(LLAMA3_405B, seq=row["seq"])
+    share = 12 * shape.seq / (12 * shape.seq + 6 * sum(shape.layer_params()) / shape.hidden)
+    rate = attention_rate_needed(row, best, LLAMA3_405B, hw)
+    other = causal_discounted(row, LLAMA3_405B)
+    return f"""The {row['seq'] // 1024}K row ({100 * err:+.1f}%) rests on attention, {100 * share:.0f}% of
+        a block's counted FLOPs at that length. The model runs it at FlashAttention-2's top H100
+        figure, {hw.attention / 1e12:.0f} TFLOP/s — the highest panel of its Figure 7, from
+        2023, not a bound (FlashAttention-3 is faster) — and would predict Meta's
+        {100 * row['mfu']:.0f}% exactly at {rate / 1e12:.0f} TFLOP/s ({rate / hw.attention:.2f}×
+        that figure). Two inputs here are not measurements: Meta publishes no attention rate,
+        and the report does not define its MFU count. The model assumes PaLM's (12·h·s per token
+        and block, no discount for the causal mask); had Meta credited causal attention half,
+        its {100 * row['mfu']:.0f}% would be {100 * other:.0f}% in this count and the row
+        {100 * (best['mfu'] / other - 1):+.0f}% off."""
+
+
+# =========================================================================================
+# 6. The same layouts from PyTorch's own pieces (lectures/layout/pytorch.py)
 # =========================================================================================
 
 def _dp_rows(run, layout, step):
