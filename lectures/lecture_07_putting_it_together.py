@@ -6,248 +6,48 @@ formulas of the earlier lectures turned into a per-rank memory estimator and a s
 calibrated on this machine, used to search every valid layout — here, where we can run them,
 and at published scale, where we cannot.
 """
-import collections
 import dataclasses
-import logging
 import math
 import statistics
 
-import torch
-import torch.distributed as dist
-
-from util import cheat, deep_dive, device, figure, note, published, see, settings, spawn, table, widget
+from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
 from util import try_it_yourself
-from util.measure import usable_cores, machine, measure, measure_side_by_side, timing_ranks, value_range
+from util.measure import machine, timing_ranks, value_range
 
 # The building blocks, one module each (see() shows their code on the page). Every name the
 # tests and the notebook use stays importable from this file.
 from exercises import listing as notebook_exercises
-from lectures.model.activations import with_recomputation
 from lectures.layout.calculator import calculator_data
-from lectures.data_parallel.collectives import fit_alpha_beta
 from lectures.layout.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
-                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_layers,
-                                       stage_params)
-from lectures.model.gpt import GPT, batch, loss_fn, param_count
+                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_params)
+from lectures.model.gpt import param_count
 from lectures.layout.search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, causal_discounted,  # noqa: F401
                                     decision_procedure,
                                     divisors, fit_gemm_fraction, near_ties, open_knobs, reproduce_table4,
                                     search, table4_row, valid_layouts)
 from lectures.layout.trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
                                      held_bytes, max_param_diff, reference_run, train_layout)
-from lectures.model.memory import SavedBytes
 from lectures.layout.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
-                                  replica_groups, torch_mesh)
-from lectures.layout.pytorch import pytorch_layout, pytorch_tp_plan  # noqa: F401
-from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB,  # noqa: F401
-                                       IB_ACHIEVED, IB_BW, NVLINK, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
+                                  replica_groups)
+from lectures.layout.pytorch import pytorch_tp_plan  # noqa: F401
+from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16,  # noqa: F401
+                                       IB_ACHIEVED, IB_BW, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
                                        LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW, Hardware, all_reduce_time, axis_link,
                                        collective_bytes, dp_traffic, flops_per_token, tp_collectives, gather_time,
-                                       h100_cluster, mfu, p2p_link, kept_gathered, p2p_time, step_bytes, step_time,
+                                       h100_cluster, mfu, p2p_link, kept_gathered, step_bytes, step_time,
                                        zero3_bytes)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
-                                     draw_predicted_vs_measured, search_space_picture, draw_decision_flow,
+                                     draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
+from lectures.layout.demos import (axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
+                                   rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
+                                   long_context_words, rho_uncertainty, ties_words, trivial_prediction, verdict_of)
+from lectures.layout.deep_dives import (_RESULTS, decision_flow, memory_with_recomputation, notes, pytorch_pieces,
+                                        table4_sensitivity, wire_bytes)
 
 
 # =========================================================================================
-# 1. The device mesh (lectures/layout/mesh.py): checked against PyTorch's, and drawn
-# =========================================================================================
-
-def compare_meshes(rank, world_size, shape):
-    """Ours and init_device_mesh's: the global ranks of this rank's group on every axis."""
-    ours = make_mesh(*shape)
-    theirs = torch_mesh(*shape)
-    out = {"coords": ours.coords, "ours": ours.ranks, "torch": {}}
-    for axis in MESH_AXES:
-        g = theirs[axis].get_group()
-        out["torch"][axis] = sorted(dist.get_process_group_ranks(g))
-    # The groups work: a sum over each axis counts its members.
-    for axis in MESH_AXES:
-        if ours.group[axis] is not None:
-            t = torch.ones(1, device=device())
-            dist.all_reduce(t, group=ours.group[axis])
-            out.setdefault("sums", {})[axis] = int(t.item())
-    return out
-
-
-# =========================================================================================
-# 2. Calibrating the step-time model on this machine
-# =========================================================================================
-
-def fit_line(xs, ys):
-    """Least-squares y = a + b·x, both non-negative."""
-    import numpy as np
-    x, y = np.asarray(xs, float), np.asarray(ys, float)
-    b, a = np.polyfit(x, y, 1)
-    if a < 0:
-        a, b = 0.0, float((x * y).sum() / (x * x).sum())
-    return float(a), float(max(b, 1e-30))
-
-
-def model_step_parts(cfg, micro_batch):
-    """forward+backward and optimizer-step callables of the one-process GPT on `micro_batch`
-    sequences (what every rank of a layout runs a slice of)."""
-    model = GPT(cfg).to(device())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, targets = (t.to(device()) for t in batch(cfg, micro_batch, 0))
-
-    def fwd_bwd():
-        loss_fn(model(tokens), targets).backward()
-
-    def step():
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    fwd_bwd()
-    return fwd_bwd, step
-
-
-def calibrate(rank, world_size, cfg, batch_sizes, sizes, repeats=7):
-    """The constants of the step-time model, measured with every rank busy at once (as in the
-    runs being predicted): matmul throughput, the one-process forward+backward time against
-    its FLOPs, the optimizer step, α–β fits of all-reduce and of send/recv, and one block's
-    ring attention against the same attention on the rank's shard alone. None of it is a
-    training step of a layout: calibration and validation use different runs. Any number of
-    ranks: with an odd count the last rank sits out the send/recv pairs."""
-    out = {}
-    n = 512 if not settings.quick else 256
-    a, b = torch.randn(n, n, device=device()), torch.randn(n, n, device=device())
-    t = measure(lambda: a @ b, warmup=2, repeats=repeats)
-    out["matmul"] = {"n": n, "flops": 2 * n ** 3 / t.median, "timing": t}
-    model = ModelShape.from_gpt(cfg)
-    rows = []
-    for mb in batch_sizes:
-        fwd_bwd, step = model_step_parts(cfg, mb)
-        t = measure(fwd_bwd, warmup=2, repeats=repeats)
-        flops = mb * model.seq * flops_per_token(model)[0]
-        rows.append((mb, flops, t))
-    out["compute"] = rows
-    out["optimizer"] = measure(step, warmup=1, repeats=repeats)
-    ar, p2p = [], []
-    peer = rank ^ 1 if (rank ^ 1) < world_size else None      # odd world: the last rank waits
-    for nbytes in sizes:
-        x = torch.zeros(nbytes // 4, device=device())
-        ar.append(measure(lambda: dist.all_reduce(x), warmup=2, repeats=repeats))
-
-        def ping():
-            if peer is None:
-                return
-            if rank % 2 == 0:
-                dist.send(x, peer)
-                dist.recv(x, peer)
-            else:
-                dist.recv(x, peer)
-                dist.send(x, peer)
-        p2p.append(measure(ping, warmup=2, repeats=repeats))
-    out["all_reduce"] = list(zip(sizes, ar))
-    out["p2p"] = [(s, t) for s, t in zip(sizes, p2p)]          # a round trip: two messages
-    out["fit_all_reduce"] = fit_alpha_beta(sizes, [t.median for t in ar])
-    out["fit_p2p"] = fit_alpha_beta(sizes, [t.median / 2 for t in p2p])
-    out["ring"] = calibrate_ring(cfg, world_size, repeats) if world_size > 1 else None
-    return out
-
-
-def calibrate_ring(cfg, n, repeats):
-    """One block's ring attention over all `n` ranks (zig-zag, micro-batch 1) and the same
-    attention on the rank's shard alone, forward and forward + backward: what a ring step adds
-    beyond its FLOPs (which the compute term already counts) and its bytes."""
-    from lectures.context_parallel.blocks import SegmentAttention
-    from lectures.context_parallel.ring import ring_attention
-    from lectures.context_parallel.sharding import layout_segments
-    hd = cfg.d_model // cfg.n_heads
-    local = -(-cfg.seq_len // (2 * n)) * 2            # tokens per rank: two zig-zag chunks
-    shape = (1, cfg.n_heads, local, hd)
-    q, k, v = (torch.randn(shape, device=device(), requires_grad=True) for _ in range(3))
-    segs = layout_segments([local], "zigzag")[0]
-    runs = {"ring": lambda: ring_attention(q, k, v, causal=True, layout="zigzag"),
-            "alone": lambda: SegmentAttention.apply(q, k, v, segs, segs, True)}
-    out = {"n": n, "kv_bytes": 2 * q.numel() * q.element_size()}
-    for name, f in runs.items():
-        out[name + " forward"] = measure(f, warmup=2, repeats=repeats)
-        out[name + " forward+backward"] = measure(lambda: f().sum().backward(), warmup=2, repeats=repeats)
-    return out
-
-
-def this_machine(cal, cfg, world_size):
-    """Hardware constants of this machine from `calibrate`'s measurements. The ring all-reduce
-    on n ranks is 2(n−1) steps each moving 1/n of the buffer, so the fitted whole-collective
-    (α, β) become per-step (α/(2(n−1)), β·2(n−1)/n), the form the model uses; point-to-point messages use the send/recv fit."""
-    n = world_size
-    link = ring_link(cal, n)[0]
-    overhead, per_flop = fit_line([f for _, f, _ in cal["compute"]], [t.median for _, _, t in cal["compute"]])
-    return Hardware("this machine", flops=1 / per_flop, memory=float("inf"), ranks_per_node=10 ** 6,
-                    intra=link, inter=link, overhead=overhead / cfg.n_layers,
-                    step_overhead=cal["optimizer"].median, overlap=0.0, peak=cal["matmul"]["flops"],
-                    p2p=cal["fit_p2p"], bucketed=False, ring_step=ring_step_cost(cal), backend="gloo")
-
-
-def ring_link(cal, n):
-    """The per-ring-step (α, β) from the all-reduce fit, and whether β came from send/recv
-    instead. A fit over latency-bound sizes only finds no growth with size (β = ∞), which
-    would make every byte free: then a ring step, one message of 1/n of the buffer to a
-    neighbour, takes the send/recv fit's β. Refuses when neither fit saw bandwidth."""
-    alpha_ar, beta_ar = cal["fit_all_reduce"]
-    alpha = alpha_ar / (2 * (n - 1))
-    if math.isfinite(beta_ar) and beta_ar > 0:
-        return (alpha, beta_ar * 2 * (n - 1) / n), False
-    beta_p2p = cal["fit_p2p"][1]
-    if not (math.isfinite(beta_p2p) and beta_p2p > 0):
-        raise ValueError("neither the all-reduce nor the send/recv fit found a finite bandwidth: "
-                         "calibrate with larger messages (several MB)")
-    return (alpha, beta_p2p), True
-
-
-def ring_step_cost(cal):
-    """(forward, backward) seconds a ring step adds beyond the shard's own attention and the
-    K/V bytes it moves (K and V forward; K, V, dK, dV backward), from `calibrate_ring`."""
-    ring = cal.get("ring")
-    if not ring or ring["n"] < 2:
-        return (0.0, 0.0)
-    steps = ring["n"] - 1
-    send = p2p_time(ring["kv_bytes"], cal["fit_p2p"])
-    fwd = ring["ring forward"].median - ring["alone forward"].median
-    both = ring["ring forward+backward"].median - ring["alone forward+backward"].median
-    return (max(0.0, fwd / steps - send), max(0.0, (both - fwd) / steps - 2 * send))
-
-
-# =========================================================================================
-# 3. Timing the layouts (lectures/layout/trainer.py trains them)
-# =========================================================================================
-
-def time_layouts(rank, world_size, run, layouts, repeats=5, warmup=2):
-    """Measured seconds per training step of every layout (slowest rank, median of `repeats`
-    after `warmup` steps), one layout after another in the same processes, without the
-    activation meter (its hooks cost 15–20% here, and the calibration runs without them)."""
-    out = []
-    for lay in layouts:
-        trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp), track_memory=False)
-        out.append(measure(lambda: trainer.train_step(0), warmup=warmup, repeats=repeats))
-    return out
-
-
-def rank_correlation(xs, ys):
-    """Spearman's ρ: the Pearson correlation of the ranks (ties get their mean rank)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    a, b = ranks(xs), ranks(ys)
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    var = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
-    return cov / var if var else float("nan")
-
-
-# =========================================================================================
-# 4. Narration
+# The page: its sections (what each rank runs is in lectures/layout/demos.py)
 # =========================================================================================
 
 LAYOUTS_4 = [  # (name, Layout) trained on 4 ranks; global batch 8 sequences in every one
@@ -267,11 +67,6 @@ LAYOUT_8 = ("dp×pp×tp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=
 QUICK_SKIPS = ("dp + ZeRO-1", "dp×tp + SP")
 ACT_TOLERANCE = 0.08      # saved activations: the formula leaves out a few bytes per token,
 ACT_SLACK_PER_TOKEN = 32  # which matter only on a stage that holds almost nothing (no blocks)
-_RESULTS = {}             # what the sections measured, for the ones after them
-
-
-def small_run():
-    return Run(steps=4 if settings.quick else 6)
 
 
 def intro():
@@ -484,35 +279,6 @@ def memory_of_the_layouts(runs, shape):
               what=f"per parameter rank 0 holds, {plain[0]} layout, measured from its tensors")
 
 
-def memory_with_recomputation(cfg, shape, sp_shown):
-    """What the layouts leave out: sequence parallelism's gap, and full recomputation checked
-    in one process."""
-    note(f"""
-        ## Deep dive: sequence parallelism and full recomputation in the estimator
-        **Sequence parallelism**: the estimator follows Megatron-LM, which splits every
-        residual-stream tensor over tp and re-gathers the norm outputs in backward; lecture
-        04's version keeps an all-gathered input for backward
-        ({"the dp×tp + SP row's error in the memory table of the main page" if sp_shown else "the full build's dp×tp + SP run shows the gap; the tests bound it"}).
-        **Full recomputation** is not among the layouts, so it is checked here in one process
-        with lecture 01's `Recomputed` blocks: only each block's input stays saved between
-        forward and backward.
-    """)
-    rows = []
-    for mode in ("none", "full"):
-        model = with_recomputation(cfg, mode)
-        meter = SavedBytes(exclude=model.parameters())
-        tokens, targets = batch(cfg, 4, 0)
-        with meter:
-            loss = loss_fn(model(tokens), targets)
-        loss.backward()
-        est = estimate_memory(shape, Layout(micro_batch=4, recompute=mode))
-        rows.append([mode, meter.peak, est["stored activations"], est["activations"] - est["stored activations"],
-                     f"{100 * (meter.peak - est['stored activations']) / est['stored activations']:+.1f}%"])
-    table(rows, header=["recomputation", "saved (measured)", "saved (predicted)",
-                        "transient: recomputed block or loss backward (predicted)", "error"],
-          caption="One process, micro-batch of 4 sequences, float32.")
-
-
 def memory_at_scale():
     """How the parts scale, for a model we cannot run: the estimator at published scale."""
     lays = [("dp", Layout(dp=64, micro_batch=1, precision="bf16")),
@@ -538,75 +304,6 @@ def memory_at_scale():
         A calculator at the end of the published-scale section runs this estimator in the page
         for any model and layout you type.
     """)
-
-
-def runnable(layouts):
-    """The layouts this lecture's trainer wires up (pipelines with context parallelism and
-    ZeRO-3 on a mesh are left out)."""
-    return [l for l in layouts if not (l.pp > 1 and l.cp > 1) and l.zero in (0, 1, 2) and not l.sp
-            and l.recompute == "none"]
-
-
-def timing_layouts(run, ranks):
-    layouts = runnable(valid_layouts(ModelShape.from_gpt(run.cfg), ranks, run.global_batch))
-    if settings.quick:     # per mesh the fewest micro-batches; both extremes for tp and pp: ≥ 6
-        keep, seen = [], {}
-        for l in layouts:
-            seen.setdefault((l.dp, l.pp, l.cp, l.tp, l.zero), []).append(l)
-        for (dp, pp, cp, tp, zero), group in seen.items():
-            keep += [group[-1]] if (tp == 1 and pp == 1) or len(group) == 1 else [group[0], group[-1]]
-        layouts = keep
-    return layouts
-
-
-def rho_interval(rho, n):
-    """An approximate 95% interval of a Spearman ρ from n pairs (Fisher's z, standard error
-    1.06/√(n − 3), Fieller et al. 1957)."""
-    if n <= 3 or abs(rho) >= 1:
-        return (float("nan"), float("nan")) if n <= 3 else (rho, rho)
-    z, se = math.atanh(rho), 1.06 / math.sqrt(n - 3)
-    return math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)
-
-
-def rho_uncertainty(rho, lo, hi):
-    """The words for ρ's 95% interval; Fisher's z has none at ρ = ±1 (its z is infinite)."""
-    if abs(rho) >= 1:
-        return "Fisher's z gives no interval at a perfect ranking, yet a few layouts are a small sample"
-    if math.isnan(lo):
-        return "too few layouts for an interval"
-    return f"95% interval {value_range(lo, hi, decimals=2)}, Fisher's z"
-
-
-def trivial_prediction(model, layout):
-    """A predictor without any constants: micro-batches × blocks on the busiest rank. The cost
-    model must beat this to earn its constants."""
-    return layout.micro_batches * max(stage_layers(model.layers, layout.pp))
-
-
-def verdict_of(baseline, lo, hi):
-    """How the cost model's ρ compares with a baseline's, given the model's 95% interval."""
-    return ("ranks them better than" if baseline < lo else "ranks them worse than" if baseline > hi
-            else "cannot be told apart, with this many layouts, from")
-
-
-def ties_words(predictions):
-    """' (4 of its 8 predictions tie, …)' where predictions print alike (ties make a ρ fragile)."""
-    tied = sum(c for c in collections.Counter(f"{p:.6g}" for p in predictions).values() if c > 1)
-    return f" ({tied} of its {len(predictions)} predictions tie, which makes its ρ fragile)" if tied else ""
-
-
-def compute_only_prediction(model, layout, hw):
-    """The cost model with every transfer free (links of no latency and unbounded bandwidth,
-    no ring-step cost): compute and the pipeline's bubble alone. What the communication terms
-    add to the ranking is the cost model's ρ beyond this one's."""
-    free = dataclasses.replace(hw, intra=(0.0, math.inf), inter=(0.0, math.inf), p2p=None, ring_step=(0.0, 0.0))
-    return step_time(model, layout, free)["total"]
-
-
-def axes_of(layout):
-    """Which axes a layout splits (and its ZeRO stage): the rows of the per-axis error table."""
-    parts = [a for a in MESH_AXES if getattr(layout, a) > 1] or ["one rank"]
-    return "×".join(parts) + (f" + ZeRO-{layout.zero}" if layout.zero else "")
 
 
 def step_time_model():
@@ -763,79 +460,6 @@ def zero_note(layouts, pred, meas):
     """)
 
 
-def wire_bytes():
-    """Every layout many_layouts trained: each rank's bytes on the wire in a step, predicted by
-    `step_bytes` (gloo as it is, and what NCCL would send) against /proc/self/io."""
-    import matplotlib.pyplot as plt
-    runs = _RESULTS.get("layouts") or many_layouts()
-    shape = ModelShape.from_gpt(small_run().cfg)
-    note(f"""
-        ## Checking the communication model exactly: bytes on the wire
-        Timings on {usable_cores()} cores cannot check the communication model at 4 or 8 ranks, but bytes
-        can be checked exactly at any rank count. `step_bytes` predicts what each rank sends in
-        one step, axis by axis, from the same counts the step-time model charges — per block
-        and micro-batch for tp and cp, per micro-batch for pp, per step or per micro-batch for
-        dp according to the ZeRO stage — and every rank of every layout above counted the
-        bytes it wrote to its sockets during its last step (Linux's `/proc/self/io`). gloo is
-        modelled as it is: its reduce-scatter is a full all-reduce and a copy, so ZeRO's
-        reduce-scatters send an all-reduce's bytes here; the last column says what NCCL's
-        ring would send instead.
-    """)
-    see(step_bytes)
-    rows, ratios = [], []
-    for name, lay, got in runs:
-        seen = {}
-        for r in got:
-            if r.get("bytes_sent") is None:
-                continue
-            pred = step_bytes(shape, lay, r["coords"]["pp"], tensor_sizes=r["tensor_sizes"])
-            nccl = step_bytes(shape, lay, r["coords"]["pp"], backend="nccl", tensor_sizes=r["tensor_sizes"])
-            key = (r["coords"]["pp"], r["bytes_sent"])
-            if key in seen:
-                continue                           # replicas and tp peers send the same
-            seen[key] = True
-            ratio = r["bytes_sent"] / pred["total"] if pred["total"] else float("nan")
-            ratios.append((name + (f", stage {r['coords']['pp']}" if lay.pp > 1 else ""), lay, ratio))
-            rows.append([name, f"stage {r['coords']['pp']}" if lay.pp > 1 else "every rank",
-                         r["bytes_sent"], pred["total"], ratio,
-                         ", ".join(f"{k} {pred[k]:,.0f}" for k in ("tp", "cp", "pp", "dp") if pred[k]),
-                         nccl["total"]])
-    if not rows:
-        note("This machine does not count the bytes a process writes (not Linux): nothing to check.")
-        return
-    table(rows, header=["layout", "rank", "measured bytes", "predicted (gloo)", "measured / predicted",
-                        "predicted by axis", "NCCL would send"],
-          caption="One training step, each rank's bytes on the wire, measured and predicted. Ranks "
-                  "that sent the same bytes are shown once.")
-    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(ratios) + 1.4))
-    names = [f"{n} ({l.world} ranks)" for n, l, _ in ratios]
-    ax.barh(range(len(ratios)), [r for _, _, r in ratios], color="#4c72b0")
-    ax.axvline(1.0, color="black", lw=1)
-    ax.set_yticks(range(len(ratios)), names, fontsize=10)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(1.5, max(r for _, _, r in ratios) * 1.1))
-    ax.set_xlabel("measured / predicted bytes (1 = the payload exactly)", fontsize=10)
-    fig.tight_layout()
-    figure(fig, caption="Measured over predicted bytes per rank and step, every layout and stage.")
-    low, high = min(r for _, _, r in ratios), max(r for _, _, r in ratios)
-    pp_only = [r for n, l, r in ratios if l.pp > 1 and l.dp == l.tp == l.cp == 1]
-    note(f"""
-        Every rank sent between {low:.2f} and {high:.2f} times the predicted payload. The
-        prediction counts tensors only; the transport adds its own framing to every message
-        {f"(in the pipeline-only layouts, which send only point-to-point messages, {100 * (statistics.median(pp_only) - 1):.0f}% on top)" if pp_only else ""},
-        and a collective sends several messages per call, so layouts with many small
-        collectives carry the most. A model that charged ZeRO-2 once per step, or a
-        reduce-scatter at NCCL's (n−1)/n on gloo, would predict too few bytes: its ratios
-        would reach about 2 for the ZeRO layouts. The tests require every ratio between 1 and
-        1.4.
-    """)
-    _RESULTS["wire_ratios"] = ratios
-    cheat("collective bytes", "per rank: ring all-reduce $2\\frac{n-1}{n}$ of the tensor, all-gather and reduce-scatter "
-          "$\\frac{n-1}{n}$ each (gloo's reduce-scatter: an all-reduce), summed by `step_bytes` over a step",
-          round(statistics.median(r for _, _, r in ratios), 3), "× predicted",
-          what=f"median measured / predicted bytes over {len(ratios)} ranks and layouts (/proc/self/io)")
-
-
 def search_here():
     run = small_run()
     shape = ModelShape.from_gpt(run.cfg)
@@ -860,7 +484,6 @@ def search_here():
 
 
 def published_scale():
-    import matplotlib.pyplot as plt
     a = {k: v for k, v in ASSUMED.items() if k != GEMM}
     note(f"""
         ## At published scale: Llama 3's runs, then an 8B and a 70B model on 64–512 H100s
@@ -910,8 +533,7 @@ def published_scale():
     """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
     hw, band = llama3_table4()
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    for ax, model in zip(axes, (LLAMA3_8B, LLAMA3_70B)):
+    for model in (LLAMA3_8B, LLAMA3_70B):
         for world in (64, 512):
             found = search(model, world, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
                            precision="bf16", max_tp=8, sp=(False, True), virtual_stages=(1, 2, 4, 5),
@@ -935,25 +557,7 @@ def published_scale():
                 rows.append([model.name, world, "decision procedure", rule.label(),
                              estimate_memory(model, rule)["total"] / 2 ** 30, t,
                              mfu(model, tokens / t, world * H100_PEAK_BF16), "; ".join(why)])
-            if world == 512:
-                xs = [r["memory"]["total"] / 2 ** 30 for r in found]
-                ys = [r["time"]["total"] for r in found]
-                ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
-                if fitting:
-                    best = fitting[0]["layout"].label().rsplit(" mb", 1)[0]
-                    ax.scatter([fitting[0]["memory"]["total"] / 2 ** 30], [fitting[0]["time"]["total"]],
-                               marker="*", s=150, color="#c44e52", label=f"fastest that fits:\n{best}")
-                if rule is not None:
-                    ax.scatter([estimate_memory(model, rule)["total"] / 2 ** 30], [step_time(model, rule, hw)["total"]],
-                               marker="D", s=110, facecolors="none", edgecolors="#55a868", linewidths=2,
-                               zorder=3, label="decision procedure")
-                ax.axvline(hw.memory / 2 ** 30, color="black", ls="--", lw=1)
-                ax.set_xscale("log")
-                ax.set_yscale("log")
-                ax.set_xlabel("predicted GiB per GPU")
-                ax.set_ylabel("predicted s per step")
-                ax.set_title(f"{model.name}, 512 GPUs: {len(found)} configurations", fontsize=10)
-                ax.legend(fontsize=9, loc="upper left")
+    fig = draw_search_at_scale((LLAMA3_8B, LLAMA3_70B), searched, rule_of, hw)
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU", "why"],
           caption="The search's best layouts beside the syllabus' decision procedure, predicted.")
     with deep_dive("The search's space and the decision procedure, step by step",
@@ -995,16 +599,6 @@ def calculator(hw):
                    f"{ASSUMED['usable fraction of HBM']} of 80 GiB) and the predicted step time with its parts, "
                    f"on the H100 cluster's constants with the GEMM fraction fitted on Table 4, or on this "
                    f"machine's as measured above.")
-
-
-def decision_flow(outcomes, space):
-    note("## Deep dive: the search's space and the decision procedure, step by step")
-    figure(space, caption="Every configuration of the search at 512 GPUs: grey ones exceed the memory "
-                          "limit (dashed line).")
-    see(decision_procedure)
-    figure(draw_decision_flow(outcomes),
-           caption="The decision procedure as a flowchart, with where it stopped for each model and "
-                   "GPU count on the main page (from the calls that filled its table).")
 
 
 def llama3_table4():
@@ -1063,71 +657,6 @@ def llama3_table4():
                    "attention's rate, the link bandwidths and data-parallel overlap changed, the fit redone"):
         table4_sensitivity(frac, out)
     return hw, band
-
-
-def long_context_words(row, best, err, hw):
-    """What a long-context row's prediction rests on: attention, at a published rate, and an
-    MFU count Meta does not define; each in numbers."""
-    shape = dataclasses.replace(LLAMA3_405B, seq=row["seq"])
-    share = 12 * shape.seq / (12 * shape.seq + 6 * sum(shape.layer_params()) / shape.hidden)
-    rate = attention_rate_needed(row, best, LLAMA3_405B, hw)
-    other = causal_discounted(row, LLAMA3_405B)
-    return f"""The {row['seq'] // 1024}K row ({100 * err:+.1f}%) rests on attention, {100 * share:.0f}% of
-        a block's counted FLOPs at that length. The model runs it at FlashAttention-2's top H100
-        figure, {hw.attention / 1e12:.0f} TFLOP/s — the highest panel of its Figure 7, from
-        2023, not a bound (FlashAttention-3 is faster) — and would predict Meta's
-        {100 * row['mfu']:.0f}% exactly at {rate / 1e12:.0f} TFLOP/s ({rate / hw.attention:.2f}×
-        that figure). Two inputs here are not measurements: Meta publishes no attention rate,
-        and the report does not define its MFU count. The model assumes PaLM's (12·h·s per token
-        and block, no discount for the causal mask); had Meta credited causal attention half,
-        its {100 * row['mfu']:.0f}% would be {100 * other:.0f}% in this count and the row
-        {100 * (best['mfu'] / other - 1):+.0f}% off."""
-
-
-def table4_sensitivity(frac, out):
-    """The fit and the predictions redone with each assumed constant changed: what the split
-    of Table 4 depends on besides the fitted GEMM fraction."""
-    note("""
-        ## Deep dive: how the Table 4 fit moves with the constants it does not fit
-        Attention's rate and the link bandwidths are published figures and the overlap of
-        data-parallel traffic is assumed; none is fitted. Changing them and fitting the GEMM
-        fraction again on the first row shows how much the predictions of the other rows rest
-        on each.
-    """)
-    rows = [["as stated", f"{100 * frac:.1f}%"] + [f"{100 * err:+.1f}%" for _, _, err in out[1:]]]
-    fits = [(frac, [err for _, _, err in out[1:]])]
-    overlap = "fraction of that compute hiding data-parallel traffic"
-    changes = [("attention at 80% of FlashAttention-2's figure", {ATTENTION: 0.8 * FA2_H100}),
-               ("attention at 120% of FlashAttention-2's figure", {ATTENTION: 1.2 * FA2_H100}),
-               ("both links at 75% of NCCL's bandwidth", {NVLINK: 0.75 * NVLINK_ACHIEVED, IB: 0.75 * IB_ACHIEVED}),
-               ("both links at their line rate", {NVLINK: NVLINK_BW, IB: IB_BW}),
-               (f"{overlap} 0.5", {overlap: 0.5}), (f"{overlap} 0", {overlap: 0.0})]
-    for words, change in changes:
-        f, got = reproduce_table4(LLAMA3_405B, lambda **kw: h100_cluster(**{**change, **kw}))
-        fits.append((f, [err for _, _, err in got[1:]]))
-        rows.append([words, f"{100 * f:.1f}%"]
-                    + [f"{100 * err:+.1f}%" if err is not None else "no fit" for _, _, err in got[1:]])
-    table(rows, header=["changed", "fitted GEMM fraction"]
-          + [f"error, {r['gpus']:,} GPUs at {r['seq'] // 1024}K" for r, _, _ in out[1:]],
-          caption="Each line fits the GEMM fraction on the 8,192-GPU row again with the constants it names "
-                  "changed, and predicts the other rows with it.")
-    errs = list(zip(*[e for _, e in fits]))
-    labels = ["as stated"] + [words for words, _ in changes]
-    ranges = []
-    for (row, _, _), e in zip(out[1:], errs):
-        if None in e:
-            continue
-        inside = all(abs(x) <= 0.10 for x in e)
-        mover = labels[max(range(len(e)), key=lambda i: abs(e[i] - e[0]))]
-        ranges.append(f"{row['seq'] // 1024}K on {row['gpus']:,} GPUs from {100 * min(e):+.0f}% to "
-                      f"{100 * max(e):+.0f}% ({'inside ±10% on every line' if inside else 'leaving ±10% on some'}; "
-                      f"most with {mover})")
-    note(f"""
-        Across these lines the fitted GEMM fraction runs from {100 * min(f for f, _ in fits):.0f}% to
-        {100 * max(f for f, _ in fits):.0f}% of peak — whatever is made slower must be paid for
-        with faster GEMMs to reach the measured 43% — and the errors of the predicted rows run:
-        {'; '.join(ranges)}.
-    """)
 
 
 def nvidia_and_ties(searched, hw, band):
@@ -1237,132 +766,6 @@ def mfu_section():
 def cal_n():
     cal = _RESULTS.get("cal")
     return cal["matmul"]["n"] if cal else 0
-
-# =========================================================================================
-# 5. The same layouts from PyTorch's own pieces (lectures/layout/pytorch.py)
-# =========================================================================================
-
-def _dp_rows(run, layout, step):
-    mesh_dp = mesh_coords(dist.get_rank(), (layout.dp, layout.pp, 1, layout.tp))["dp"]
-    tokens, targets = batch(run.cfg, run.global_batch, step)
-    rows = run.global_batch // layout.dp
-    return (tokens[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()),
-            targets[mesh_dp * rows:(mesh_dp + 1) * rows].to(device()))
-
-
-def train_pytorch_layout(rank, world_size, run, layout):
-    """`run` under `layout` from PyTorch's pieces; returns the losses and full parameters."""
-    module, step = pytorch_layout(run.cfg, layout, run.lr)
-    losses = []
-    for s in range(run.steps):
-        loss = step(*_dp_rows(run, layout, s))
-        t = torch.tensor([loss if loss is not None and mesh_coords(rank, (layout.dp, layout.pp, 1, layout.tp))["tp"] == 0 else 0.0],
-                         dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(t.item() / layout.dp)
-    params = {}
-    # Gathering a 2D (FSDP2 on TP) parameter takes two all-gathers in a row, and DTensor logs a
-    # warning per parameter saying so: for a one-off check after training, that is fine.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    for k, p in module.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        name = module.global_name(k) if hasattr(module, "global_name") else k
-        params[name] = full.detach().cpu().clone()
-    return {"losses": losses, "params": params}
-
-
-def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
-    """Seconds per step of each layout, ours and PyTorch's, alternating in the same processes."""
-    out = []
-    for lay in layouts:
-        ours = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp), track_memory=False)
-        _, theirs = pytorch_layout(run.cfg, lay, run.lr)
-        rows = _dp_rows(run, lay, 0)
-        t = measure_side_by_side({"ours": lambda: ours.train_step(0), "PyTorch": lambda: theirs(*rows)},
-                                 warmup=1, repeats=repeats)
-        out.append((t["ours"], t["PyTorch"]))
-    return out
-
-
-PYTORCH_LAYOUTS = [("dp×pp", Layout(dp=2, pp=2, micro_batch=2, micro_batches=2)),
-                   ("tp×pp", Layout(pp=2, tp=2, micro_batch=2, micro_batches=4)),
-                   ("dp×tp", Layout(dp=2, tp=2, micro_batch=2, micro_batches=2))]
-PYTORCH_3D = ("dp×tp×pp", Layout(dp=2, pp=2, tp=2, micro_batch=2, micro_batches=2))  # 8 ranks: full build
-
-
-def pytorch_pieces():
-    run = Run(steps=3)     # enough steps for AdamW's state to matter; PyTorch's pieces start slowly
-    note("""
-        ## Deep dive: the same layouts from PyTorch's own pieces
-        This rebuilds what the lecture built with PyTorch's own building blocks, to show they
-        agree. PyTorch ships every piece: `init_device_mesh` for the mesh, `parallelize_module`
-        with `ColwiseParallel` / `RowwiseParallel` for tensor parallelism (DTensor
-        parameters; `loss_parallel()` computes the loss on vocabulary-sharded logits),
-        `fully_shard` (FSDP2) on the dp dimension, and `PipelineStage` with `Schedule1F1B`
-        on the pp dimension's group. Built on the same lecture-01 GPT (lecture 05's
-        `GPTStage` cuts the stages), with one adapter: the attention module reads its head
-        count from its projections' `out_features`, which a column-sharded `nn.Linear`
-        keeps at the global width. On top of tensor parallelism, FSDP2 shards parameters that
-        are already DTensors over the tp dimension, so they become 2D DTensors (sharded on
-        both mesh dimensions). The full build also runs all three together on 8 ranks.
-    """)
-    see(pytorch_layout)
-    ref = reference_run(run)
-    rows = []
-    every = PYTORCH_LAYOUTS + [PYTORCH_3D]
-    cases = every[:2] if settings.quick else every   # the tests check all three 4-rank layouts
-    for name, lay in cases:
-        got = spawn(train_pytorch_layout, lay.world, run=run, layout=lay,
-                    name=f"PyTorch pieces: {name}, {lay.label()}").returns
-        diff = max_param_diff(got, ref["params"])
-        rows.append([name, lay.label(), lay.world, got[0]["losses"][-1], diff])
-        assert diff < 1e-4, (name, diff)
-    for name, lay in every[len(cases):]:
-        rows.append([name, lay.label(), lay.world, "full build only", ""])
-    table(rows, header=["layout", "mesh", "ranks", "last loss", "max |Δ parameter| vs one process"],
-          caption=f"PyTorch's pieces train the same model to the same parameters (one process: "
-                  f"last loss {ref['losses'][-1]:.6f}).")
-    ranks = 4
-    timed = PYTORCH_LAYOUTS[:1] if settings.quick else PYTORCH_LAYOUTS[:2]   # dp×pp, tp×pp
-    times = spawn(time_ours_vs_pytorch, ranks, run=run, layouts=[l for _, l in timed],
-                  repeats=3 if settings.quick else 5, name="step time: ours vs PyTorch's pieces").returns[0]
-    table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
-           for (name, lay), (a, b) in zip(timed, times)],
-          header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
-          caption=f"Seconds per step, median and IQR, ours and PyTorch's taking turns, {machine(ranks)}.")
-    _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(timed, times)]
-
-
-def notes():
-    note("""
-        ## Deep dive: launching across nodes, NCCL, and what to check first
-        Practice for running on a real cluster, beyond the lecture's argument.
-
-        **Launch.** Every rank runs the same program; `torchrun` starts one process per GPU on
-        each node and they meet at a rendezvous endpoint:
-        `torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER:29500
-        --rdzv-id $JOB -m util.run lecture_07_putting_it_together --world-size 16`. Under Slurm,
-        one `srun` task per node runs that command with `$MASTER` taken from
-        `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1` (the course README has the
-        script). The mesh's order matters then: with 8 GPUs per node, tp = 8 keeps every
-        tensor-parallel group inside a node.
-
-        **NCCL's environment.** `NCCL_DEBUG=INFO` prints the transports and rings it picked
-        (check that InfiniBand, not TCP sockets, carries inter-node traffic);
-        `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` choose the interfaces; `NCCL_ALGO` and
-        `NCCL_PROTO` force ring/tree and LL/LL128/Simple for experiments;
-        `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` and a process-group timeout turn a hang into an
-        error.
-
-        **A big run is slow: check, in order,** (1) the MFU against the 35–50% that published
-        runs reach; (2) one node alone at the same per-GPU batch — if it is fast, the network
-        or the layout across nodes is the problem (run nccl-tests across nodes and compare
-        bus bandwidth with the link's); (3) the profile of one step: exposed communication
-        (tensor parallelism crossing nodes, data-parallel traffic not overlapped), the pipeline
-        bubble ((pp − 1)/m), recomputation you do not need; (4) stragglers: one slow GPU or
-        link sets everyone's pace, so compare per-rank step times; (5) the data loader and
-        host-side stalls.
-    """)
 
 
 def remember():

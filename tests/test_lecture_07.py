@@ -13,6 +13,8 @@ import torch
 
 from lectures import lecture_01_memory_and_precision as L1
 from lectures import lecture_07_putting_it_together as L
+from lectures.layout.deep_dives import PYTORCH_LAYOUTS
+from lectures.layout.demos import train_pytorch_layout
 from lectures.model.memory import SavedBytes
 from util import spawn
 from tests.conftest import built
@@ -220,11 +222,11 @@ def test_quick_build(course_site):
     assert "Table 4 through the model" in page and "NVIDIA's recipe" in page
 
 
-@pytest.mark.parametrize("name,layout", L.PYTORCH_LAYOUTS)
+@pytest.mark.parametrize("name,layout", PYTORCH_LAYOUTS)
 def test_pytorch_pieces_equal_one_process(name, layout):
     run = L.Run(steps=2)
     ref = L.reference_run(run)
-    got = spawn(L.train_pytorch_layout, layout.world, run=run, layout=layout).returns
+    got = spawn(train_pytorch_layout, layout.world, run=run, layout=layout).returns
     assert L.max_param_diff(got, ref["params"]) < 1e-4
     torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
 

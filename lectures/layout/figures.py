@@ -1,11 +1,12 @@
 """Lecture 07's figures: the drawings of its page (the mesh and each axis' groups, the layouts'
-agreement with one process, memory at scale, predicted against measured step times, the search
-space, the decision flow and MFU). Each helper returns a matplotlib figure."""
+agreement with one process, memory at scale, predicted against measured step times, bytes on the
+wire against the prediction, the search space here and at 512 GPUs, the decision flow and MFU).
+Each helper returns a matplotlib figure."""
 import math
 
 from lectures.layout.estimator import estimate_memory
 from lectures.layout.mesh import MESH_AXES, axis_groups, mesh_coords, replica_groups
-from lectures.layout.step_time import H100_MEMORY
+from lectures.layout.step_time import H100_MEMORY, step_time
 from util import figure, plural
 
 
@@ -205,6 +206,22 @@ def draw_predicted_vs_measured(layouts, pred, times, rho, ranks):
     return fig
 
 
+def draw_wire_ratios(ratios):
+    """Measured over predicted bytes per rank and step, one bar per (layout and stage, layout,
+    ratio) of `ratios`; the line at 1 is the payload exactly."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 0.34 * len(ratios) + 1.4))
+    names = [f"{n} ({l.world} ranks)" for n, l, _ in ratios]
+    ax.barh(range(len(ratios)), [r for _, _, r in ratios], color="#4c72b0")
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_yticks(range(len(ratios)), names, fontsize=10)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.5, max(r for _, _, r in ratios) * 1.1))
+    ax.set_xlabel("measured / predicted bytes (1 = the payload exactly)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def search_space_picture(rows):
     """Configurations per rank count (log scale), each bar labelled with its number of meshes."""
     import matplotlib.pyplot as plt
@@ -229,6 +246,36 @@ DECISION_STEPS = [("fits with data parallelism alone\n(ZeRO-0, 1 or 2) on every 
                   ("fits with ZeRO-3 (FSDP)\non every rank?", "ZeRO-3", "ZeRO-3 (FSDP)"),
                   ("fits with TP = 2, 4 or 8 (+ SP)\nwithin a node?", "TP", "tensor parallelism"),
                   ("fits with the node's TP\nand PP across nodes?", "PP", "pipeline across nodes")]
+
+
+def draw_search_at_scale(models, searched, rule_of, hw, world=512):
+    """Every configuration the search predicted for each of `models` at `world` GPUs, one
+    panel each: GiB per GPU against seconds per step, grey where it exceeds the memory cap
+    (dashed line), the fastest that fits starred and the decision procedure's pick ringed."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(models), figsize=(10, 4.2), sharey=True)
+    for ax, model in zip(axes, models):
+        found, rule = searched[model.name, world], rule_of[model.name, world]
+        fitting = [r for r in found if r["fits"]]
+        xs = [r["memory"]["total"] / 2 ** 30 for r in found]
+        ys = [r["time"]["total"] for r in found]
+        ax.scatter(xs, ys, s=3, c=["#4c72b0" if r["fits"] else "#c0c0c0" for r in found])
+        if fitting:
+            best = fitting[0]["layout"].label().rsplit(" mb", 1)[0]
+            ax.scatter([fitting[0]["memory"]["total"] / 2 ** 30], [fitting[0]["time"]["total"]],
+                       marker="*", s=150, color="#c44e52", label=f"fastest that fits:\n{best}")
+        if rule is not None:
+            ax.scatter([estimate_memory(model, rule)["total"] / 2 ** 30], [step_time(model, rule, hw)["total"]],
+                       marker="D", s=110, facecolors="none", edgecolors="#55a868", linewidths=2,
+                       zorder=3, label="decision procedure")
+        ax.axvline(hw.memory / 2 ** 30, color="black", ls="--", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("predicted GiB per GPU")
+        ax.set_ylabel("predicted s per step")
+        ax.set_title(f"{model.name}, {world} GPUs: {len(found)} configurations", fontsize=10)
+        ax.legend(fontsize=9, loc="upper left")
+    return fig
 
 
 def decision_step(reasons):
