@@ -8,4 +8,5 @@
 - `async_tp`: the sequence-parallel collectives hidden behind the matmuls they feed.
 - `demos`: what each rank runs in lecture 04's demos, and the one-process references.
 - `deep_dives`: lecture 04's appendix page (dropout and random numbers; async TP).
+- `figures`: the drawings of lecture 04's pages.
 """
