@@ -136,6 +136,11 @@ buckets_spelled_torch_distributed = variant(
     ("dist.all_reduce(flat)", "torch.distributed.all_reduce(flat)"))
 
 
+def ring_by_a_demos_module(x):
+    from lectures.data_parallel.communication_demos import ring_all_reduce   # imported there too
+    return ring_all_reduce(x)
+
+
 def ring_by_all_reduce(x):
     dist.all_reduce(x)
     return x
@@ -282,6 +287,7 @@ def bus_bandwidth_with_a_global(collective, nbytes, seconds, n):
 CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
     ("ring_all_reduce", (ring_by_all_reduce,), "your function called dist.all_reduce"),
     ("ring_all_reduce", (ring_by_the_course,), "called ring_all_reduce (from lectures.lecture_02_communication)"),
+    ("ring_all_reduce", (ring_by_a_demos_module,), "your function called ring_all_reduce (from lectures."),
     ("ring_all_reduce", (ring_without_communication,), "called rank_input"),
     ("ring_all_reduce", (ring_for_three_ranks,), ("the check on 2 ranks failed", "rank 0 of 2", "rank 1 of 2")),
     # the other ranks then fail in the course's ring, an echo: the verdict shows the student's line
@@ -350,3 +356,26 @@ def test_verdict_numbers_show_the_difference_and_the_dtype():
     import numpy as np                                # a correct count returned as numpy's integer
     assert engine.first_difference(110336, np.int64(110336)) is None
     assert engine.first_difference(1.5, np.float32(1.5)) is None
+
+
+def test_a_forbidden_course_function_is_refused_by_every_spelling_and_put_back():
+    """The ring is importable from the collectives, the lecture and lecture 02's demos module:
+    all three meet the refusal, and a module imported during the call (it takes the
+    replacement from its source) holds the real function again afterwards."""
+    import sys
+    import types
+    import lectures.lecture_02_communication as lecture
+    from lectures.data_parallel import collectives, communication_demos
+    from util.exercise import StudentError, watching
+    real = collectives.ring_all_reduce
+    with watching({"lectures.data_parallel.collectives.ring_all_reduce": "write it yourself"}):
+        for holder in (collectives, lecture, communication_demos):
+            with pytest.raises(StudentError, match="write it yourself"):
+                holder.ring_all_reduce(torch.zeros(3))
+        late = sys.modules["lectures._imported_during_the_call"] = types.ModuleType("lectures._late")
+        late.ring = collectives.ring_all_reduce
+    try:
+        assert collectives.ring_all_reduce is real and lecture.ring_all_reduce is real
+        assert communication_demos.ring_all_reduce is real and late.ring is real
+    finally:
+        del sys.modules["lectures._imported_during_the_call"]

@@ -28,6 +28,7 @@ import inspect
 import linecache
 import math
 import numbers
+import sys
 import textwrap
 import time
 
@@ -106,26 +107,48 @@ def _replacement(dotted, original, reason):
     return forbidden if reason else counted
 
 
+def _spellings(module_name, attr, original):
+    """Every (module, name) a student could reach `original` by: the module itself; for
+    torch.distributed, distributed_c10d too; for a course function, every loaded module of
+    its package that imported it (a lecture file, a demos module), under any name."""
+    import torch.distributed.distributed_c10d as c10d
+    top = module_name.split(".")[0]
+    if module_name == "torch.distributed":
+        return [(importlib.import_module(module_name), attr), (c10d, attr)]
+    found = [(importlib.import_module(module_name), attr)]
+    for name, m in list(sys.modules.items()):
+        if m is not None and name.startswith(top + ".") and name != module_name:
+            found += [(m, a) for a, v in list(vars(m).items()) if v is original]
+    return found
+
+
 @contextlib.contextmanager
 def watching(watch):
-    """Replace each dotted name of `watch` for the duration (restored even on error). A name in
-    torch.distributed is replaced in distributed_c10d too, so every spelling meets it."""
-    import torch.distributed.distributed_c10d as c10d
-    saved = []
+    """Replace each dotted name of `watch` for the duration (restored even on error), wherever
+    it can be reached (_spellings). A module the student imports during the call takes the
+    replacement from its source, so that is put back too."""
+    saved, replaced = [], []
     try:
         for dotted, reason in watch.items():
             module_name, attr = dotted.rsplit(".", 1)
-            module = importlib.import_module(module_name)
-            original = getattr(module, attr)
+            original = getattr(importlib.import_module(module_name), attr)
             new = _replacement(dotted, original, reason)
-            for m in [module] + ([c10d] if module_name == "torch.distributed" else []):
-                if getattr(m, attr, None) is original:
-                    saved.append((m, attr, original))
-                    setattr(m, attr, new)
+            if not module_name.startswith("torch"):    # the course's own packages: a few modules
+                replaced.append((module_name.split(".")[0], new, original))
+            for m, a in _spellings(module_name, attr, original):
+                if getattr(m, a, None) is original:
+                    saved.append((m, a, original))
+                    setattr(m, a, new)
         yield
     finally:
         for m, attr, original in reversed(saved):
             setattr(m, attr, original)
+        for top, new, original in replaced:
+            for name, m in list(sys.modules.items()):
+                if m is not None and name.startswith(top + "."):
+                    for a, v in list(vars(m).items()):
+                        if v is new:
+                            setattr(m, a, original)
 
 
 def _tensors(args, names):
