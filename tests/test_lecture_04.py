@@ -472,11 +472,18 @@ def _string_constants(code):
             yield from _string_constants(c)
 
 
-@pytest.mark.parametrize("module", ["lecture_02_communication", "lecture_03_data_parallel",
-                                    "lecture_04_tensor_parallel"])
+def _course_modules():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "lectures"
+    return sorted(".".join(p.relative_to(root).with_suffix("").parts) for p in root.rglob("*.py")
+                  if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("module", _course_modules())
 def test_no_control_characters_in_page_text(module):
     """'$t\\times$' in a non-raw string put a TAB on the page ('times' instead of t×): no string
-    in a lecture holds a control character other than a newline."""
+    in a lecture, nor in the modules that hold its demos, deep dives and drawings, holds a
+    control character other than a newline."""
     import importlib
     import re
     mod = importlib.import_module(f"lectures.{module}")
