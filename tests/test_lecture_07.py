@@ -688,3 +688,12 @@ def test_zero3_bytes_on_the_wire_match_the_communication_model(world):
         once = (m * L.collective_bytes("reduce-scatter", world, 4 * sum(r["sizes"]))
                 + L.collective_bytes("all-gather", world, 4 * sum(r["sizes"])))   # ZeRO-2's count
         assert r["bytes"] < 0.9 * twice and r["bytes"] > 1.2 * once
+
+
+def test_fit_line_never_returns_a_slope_that_does_not_rise():
+    """Timings on a loaded machine can fall with the batch: the fit then goes through the origin
+    (it clamped the slope to 1e-30 once, and the page printed ~1e21 GFLOP/s)."""
+    from lectures.layout.demos import fit_line
+    assert fit_line([1, 2, 4], [3.0, 2.9, 2.8]) == pytest.approx((0.0, (3 + 5.8 + 11.2) / 21))
+    a, b = fit_line([1, 2, 4], [2.0, 3.0, 5.0])
+    assert a == pytest.approx(1.0) and b == pytest.approx(1.0)
