@@ -360,22 +360,30 @@ def test_verdict_numbers_show_the_difference_and_the_dtype():
 
 def test_a_forbidden_course_function_is_refused_by_every_spelling_and_put_back():
     """The ring is importable from the collectives, the lecture and lecture 02's demos module:
-    all three meet the refusal, and a module imported during the call (it takes the
-    replacement from its source) holds the real function again afterwards."""
+    all three meet the refusal (the lecture's under its own name, as the exercise forbids both
+    spellings), and modules imported during the call (each takes a replacement from its
+    source) hold the real function again afterwards."""
     import sys
     import types
     import lectures.lecture_02_communication as lecture
     from lectures.data_parallel import collectives, communication_demos
     from util.exercise import StudentError, watching
     real = collectives.ring_all_reduce
-    with watching({"lectures.data_parallel.collectives.ring_all_reduce": "write it yourself"}):
-        for holder in (collectives, lecture, communication_demos):
-            with pytest.raises(StudentError, match="write it yourself"):
+    watch = {"lectures.data_parallel.collectives.ring_all_reduce": "write it yourself",
+             "lectures.lecture_02_communication.ring_all_reduce": "write it yourself"}
+    late = [types.ModuleType("lectures._late_a"), types.ModuleType("lectures._late_b")]
+    with watching(watch):
+        for holder, source in ((collectives, "data_parallel.collectives"),
+                               (lecture, "lecture_02_communication"),
+                               (communication_demos, "data_parallel.collectives")):
+            with pytest.raises(StudentError, match=f"from lectures.{source}.*write it yourself"):
                 holder.ring_all_reduce(torch.zeros(3))
-        late = sys.modules["lectures._imported_during_the_call"] = types.ModuleType("lectures._late")
-        late.ring = collectives.ring_all_reduce
+        for module, source in zip(late, (collectives, lecture)):
+            sys.modules[module.__name__] = module
+            module.ring = source.ring_all_reduce
     try:
         assert collectives.ring_all_reduce is real and lecture.ring_all_reduce is real
-        assert communication_demos.ring_all_reduce is real and late.ring is real
+        assert communication_demos.ring_all_reduce is real and all(m.ring is real for m in late)
     finally:
-        del sys.modules["lectures._imported_during_the_call"]
+        for module in late:
+            del sys.modules[module.__name__]

@@ -125,30 +125,32 @@ def _spellings(module_name, attr, original):
 @contextlib.contextmanager
 def watching(watch):
     """Replace each dotted name of `watch` for the duration (restored even on error), wherever
-    it can be reached (_spellings). A module the student imports during the call takes the
-    replacement from its source, so that is put back too."""
-    saved, replaced = [], []
+    it can be reached (_spellings). Two spellings of one function each refuse with their own
+    name. A module the student imports during the call takes a replacement from its source,
+    so every replacement left in a course module afterwards is put back to the real function."""
+    saved, real = [], {}    # id(replacement) -> (replacement, the function it stands for)
     try:
         for dotted, reason in watch.items():
             module_name, attr = dotted.rsplit(".", 1)
-            original = getattr(importlib.import_module(module_name), attr)
+            found = getattr(importlib.import_module(module_name), attr)
+            original = real.get(id(found), (None, found))[1]   # a second spelling of one replaced
             new = _replacement(dotted, original, reason)
-            if not module_name.startswith("torch"):    # the course's own packages: a few modules
-                replaced.append((module_name.split(".")[0], new, original))
+            real[id(new)] = (new, original)
             for m, a in _spellings(module_name, attr, original):
-                if getattr(m, a, None) is original:
-                    saved.append((m, a, original))
+                before = getattr(m, a, None)
+                if before is original or before is found:
+                    saved.append((m, a, before))
                     setattr(m, a, new)
         yield
     finally:
-        for m, attr, original in reversed(saved):
-            setattr(m, attr, original)
-        for top, new, original in replaced:
-            for name, m in list(sys.modules.items()):
-                if m is not None and name.startswith(top + "."):
-                    for a, v in list(vars(m).items()):
-                        if v is new:
-                            setattr(m, a, original)
+        for m, attr, before in reversed(saved):
+            setattr(m, attr, before)
+        tops = {d.split(".")[0] for d in watch if not d.startswith("torch")}   # the course's packages
+        for name, m in list(sys.modules.items()):
+            if m is not None and name.split(".")[0] in tops:
+                for a, v in list(vars(m).items()):
+                    if id(v) in real and real[id(v)][0] is v:
+                        setattr(m, a, real[id(v)][1])
 
 
 def _tensors(args, names):
