@@ -38,8 +38,8 @@ from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, activation_m
                                              reference_gpt_gradients, ring_trace, ring_work, share_spread,
                                              train_moe_gpt, transfer_alone, ulysses_layouts, ulysses_refusal,
                                              whole_diagonal_ceiling)
-from lectures.context_parallel.demos import expert_parallel_check  # noqa: F401  (the notebook's lec.expert_parallel_check)
-from lectures.context_parallel.deep_dives import (_TRAINING, balancing_deep_dive, node_limited_deep_dive,
+from lectures.context_parallel.demos import _TRAINING, expert_parallel_check  # noqa: F401  (the notebook's lec.expert_parallel_check)
+from lectures.context_parallel.deep_dives import (balancing_deep_dive, node_limited_deep_dive,
                                                   pytorch_context_parallel, usp_deep_dive)
 from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_picture, ulysses_picture,
                                                dispatch_figure, activation_memory_figure, moe_figure,
@@ -565,7 +565,7 @@ def mixture_of_experts():
 
 
 def expert_parallelism():
-    from util.measure import machine, timing_ranks
+    from util.measure import machine
     note("## Expert parallelism: all-to-all dispatch and combine")
     tokens, d_model, d_ff, E, k = (256, 64, 128, 8, 2) if settings.quick else (1024, 64, 256, 8, 2)
     rows, imbalance = [], []

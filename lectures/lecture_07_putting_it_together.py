@@ -39,10 +39,10 @@ from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
                                      draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
-from lectures.layout.demos import (axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
+from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    long_context_words, rho_uncertainty, ties_words, trivial_prediction, verdict_of)
-from lectures.layout.deep_dives import (_RESULTS, decision_flow, memory_with_recomputation, notes, pytorch_pieces,
+from lectures.layout.deep_dives import (decision_flow, memory_with_recomputation, notes, pytorch_pieces,
                                         table4_sensitivity, wire_bytes)
 
 

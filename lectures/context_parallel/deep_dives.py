@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, attention_inputs, attention_sizes, fwd_bwd,
+from lectures.context_parallel.demos import (_TRAINING, AUX_WEIGHT, BIAS_STEP, attention_inputs, attention_sizes, fwd_bwd,
                                              reference_attention, train_moe_gpt)
 from lectures.context_parallel.figures import pytorch_cp_figure, usp_figure
 from lectures.context_parallel.moe import MoE, z_loss
@@ -204,8 +204,6 @@ def pytorch_vs_ours(rank, world_size, seq_len, heads, head_dim, repeats=7):
     return {"time": t, "sent": sent, "same_layout": bool(torch.equal(q, mine[0])),
             "max_diff": (their_out - our_out).abs().max().item(), "shard_bytes": q.numel() * q.element_size()}
 
-
-_TRAINING = {}   # the balancing runs of mixture_of_experts(), reported again by the deep dive
 
 
 def balancing_deep_dive():

@@ -326,10 +326,9 @@ def moe_layer(d_model=16, d_ff=24, n_experts=6, top_k=2, capacity_factor=1.0, se
     return MoE(d_model, d_ff, n_experts, top_k, capacity_factor, n_shared=n_shared).to(getattr(torch, dtype))
 
 
-AUX_WEIGHT = 0.1
-
-
-BIAS_STEP = 0.01
+AUX_WEIGHT = 0.1       # the balance loss's weight α (the deep dive shows why)
+BIAS_STEP = 0.01       # γ, the speed of DeepSeek-V3's bias update (balancing without a loss)
+_TRAINING = {}         # the balancing runs of mixture_of_experts(), reported again by its deep dive
 
 
 def train_moe_gpt(rank, world_size, configs, steps, n_experts=4, top_k=1, capacity_factor=1.25,

@@ -9,7 +9,7 @@ import statistics
 from util import cheat, figure, note, see, settings, spawn, table
 from util.measure import machine, usable_cores
 
-from lectures.layout.demos import small_run, time_ours_vs_pytorch, train_pytorch_layout
+from lectures.layout.demos import _RESULTS, small_run, time_ours_vs_pytorch, train_pytorch_layout
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.figures import draw_decision_flow, draw_wire_ratios
 from lectures.layout.pytorch import pytorch_layout
@@ -20,8 +20,6 @@ from lectures.layout.trainer import Run, max_param_diff, reference_run
 from lectures.model.activations import with_recomputation
 from lectures.model.gpt import batch, loss_fn
 from lectures.model.memory import SavedBytes
-
-_RESULTS = {}             # what the sections measured, for the ones after them (the lecture's too)
 
 
 def memory_with_recomputation(cfg, shape, sp_shown):
@@ -58,7 +56,7 @@ def wire_bytes():
     `step_bytes` (gloo as it is, and what NCCL would send) against /proc/self/io."""
     runs = _RESULTS.get("layouts")
     if runs is None:      # the lecture's many_layouts() trains them, earlier on the page
-        raise RuntimeError("wire_bytes() checks the runs many_layouts() trained: run that section first")
+        raise RuntimeError("wire_bytes() checks the runs that many_layouts() trained: run many_layouts() (lec.many_layouts() in the notebook) first")
     shape = ModelShape.from_gpt(small_run().cfg)
     note(f"""
         ## Checking the communication model exactly: bytes on the wire

@@ -1,5 +1,7 @@
 """What each rank runs in lecture 07's demos, and the one-process references they are checked
-against; the lecture launches them with spawn() and narrates what they return."""
+against; the lecture launches them with spawn() and narrates what they return. Also the analysis
+of those returns (the calibrated machine, rank correlation and its interval) and the helpers that
+put it into words (verdict_of, ties_words, long_context_words)."""
 import collections
 import dataclasses
 import logging
@@ -20,6 +22,8 @@ from lectures.layout.search import attention_rate_needed, causal_discounted, val
 from lectures.layout.step_time import LLAMA3_405B, Hardware, flops_per_token, p2p_time, step_time
 from lectures.layout.trainer import LayoutTrainer, Run
 from lectures.model.gpt import GPT, batch, loss_fn
+
+_RESULTS = {}   # what the lecture's sections measured, for the sections and deep dives after them
 
 
 # =========================================================================================
