@@ -4,11 +4,12 @@ Before any communication: what a training step holds in memory, how number forma
 for resolution, and why both decide everything the later lectures do. This lecture also defines
 the small GPT and the learnable synthetic task that lectures 04–07 train.
 
-The building blocks live in modules beside this file, and this file narrates them: the model and
+The building blocks live in `lectures/model/`, and this file narrates them: the model and
 the task in `gpt.py`, the two memory meters in `memory.py`, a step's memory by category in
 `training_memory.py`, activation accounting, recomputation and accumulation in `activations.py`,
 number formats, loss scaling, master weights and fp8 in `precision.py`, blocked attention with an
-online softmax in `attention.py`, and the roofline's rates in `roofline.py`.
+online softmax in `attention.py`, and the roofline's rates in `roofline.py`. What the demos run is in
+`demos.py`, the appendix page's deep dives in `deep_dives.py`, the page's drawings in `figures.py`.
 """
 import dataclasses
 import math

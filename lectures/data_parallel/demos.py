@@ -1,5 +1,7 @@
 """What each rank runs in lecture 03's demos, and the one-process references they are checked
-against; the lecture launches them with spawn() and narrates what they return."""
+against; the lecture launches them with spawn() and narrates what they return. Also the analysis
+of those returns and the helpers that put it into words (the published-scale estimate and
+fp32_words, zero2_words, best_rules, both_ratios, span_of), each beside the run it reads."""
 import contextlib
 import dataclasses
 import math
@@ -224,8 +226,7 @@ def uneven_with_join(rank, world_size, n_rows, batch, steps_seen=None):
 # =========================================================================================
 # 4. ZeRO: shard the optimizer state, then the gradients, then the parameters
 # =========================================================================================
-# The building blocks (Zero1, Zero2, Zero3 and their helpers) live in lectures/data_parallel/zero.py, so this
-# file stays readable; the page shows their code with see() as if they were here.
+# The building blocks (Zero1, Zero2, Zero3 and their helpers) are in lectures/data_parallel/zero.py.
 
 def train_zero(rank, world_size, task, stage=1, micro_batches=1, eval_between=False):
     """ZeRO-1/2/3 with the same data, loss and checks as `train_data_parallel`. With

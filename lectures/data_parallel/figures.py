@@ -557,7 +557,7 @@ def batch_scaling_figure(rules, batches, got):
     return fig
 
 
-# --- lecture 02 (communication): drawings moved from the lecture file ---
+# --- lecture 02 (communication) ---
 
 def draw_collective(name, before, after, sums):
     """Two panels, one row per rank: the tensors before and after. Cells are coloured by the
@@ -568,7 +568,7 @@ def draw_collective(name, before, after, sums):
     return draw_stages(name, [("before", before, "none"), ("after", after, sums)], stacked=cells > 6)
 
 
-# Lecture 03: the memory section's drawing, moved out of the lecture file
+# --- lecture 03: the memory section's bytes per rank ---
 
 def memory_per_rank_figure(got, stages, psi, n):
     """Bytes per rank under DP and each ZeRO stage: what rank 0 measured (`got`, from
