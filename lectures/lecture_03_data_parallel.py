@@ -348,6 +348,49 @@ def gradient_accumulation():
                   "per step whatever the number of micro-batches")
 
 
+def batch_and_learning_rate():
+    ranks = timing_world()
+    base_batch, base_lr = 8, 0.05
+    batches = [8, 32, 128] if settings.quick else [8, 32, 128, 512]
+    samples = base_batch * (100 if settings.quick else 300)
+    rules = ["none", "sqrt", "linear"]
+    note("## Batch size and learning rate")
+    configs = [(b, r) for b in batches for r in rules]
+    got = {}
+    run = spawn(lr_scaling, ranks, configs=configs, base_batch=base_batch, base_lr=base_lr,
+                samples=samples, name=f"learning-rate scaling, {len(configs)} SGD runs over {ranks} ranks")
+    for part in run.returns:
+        got.update(part)
+    fig = batch_scaling_figure(rules, batches, got)
+    figure(fig, caption="final held-out loss against batch size for three learning-rate rules")
+    note(f"""
+        Data parallelism grows the global batch with the number of ranks (times micro-batch
+        times accumulation). With a fixed budget of samples a bigger batch means fewer steps,
+        and each step must then move further: the learning rate has to grow. Goyal et al.
+        (2017) scale it *linearly* with the batch (k times the batch, k times the rate), after
+        a warm-up; the *square-root* rule (Krizhevsky 2014; Hoffer et al. 2017) scales it by
+        √k, which keeps the variance of each update constant: a batch k times larger divides
+        the gradient noise's variance by k, and a rate √k times larger multiplies the update's
+        variance by k. A small experiment: plain SGD on the teacher task, {samples:,} samples
+        in all, batch {base_batch} at rate {base_lr} as the base, a linear warm-up over the
+        first tenth of the steps, the held-out loss at the end (one run per point).
+    """)
+    table([[b, samples // b, *(got[b, r] for r in rules)] for b in batches],
+          header=["global batch", "steps", *(f"loss, {r} scaling" for r in rules)])
+    note(f"""
+        {best_rules(got, batches, rules, base_batch)}
+        Keeping the rate fixed ("none") wastes the larger batches: the same samples buy fewer
+        and equally small steps. Linear scaling keeps the loss close to the small-batch result
+        as long as the scaled rate stays stable. Past the task's *critical batch size*
+        (McCandlish et al. 2018) no learning-rate rule restores linear speed-up: once the
+        batch's gradient is nearly noise-free, a k-times larger batch gives a barely better
+        gradient, so it cannot replace k smaller steps; the square-root rule and LARS/LAMB
+        change how stable a large batch is, not this limit. What holds for this small
+        regression need not hold for a transformer; the experiment is the method.
+    """)
+    see(train_at_batch)
+
+
 def stage_measurements():
     """What each rank held and sent under DP and ZeRO-1/2/3 on the memory model: measured once,
     shown by the ZeRO section's picture and the memory section's tables."""
@@ -686,49 +729,6 @@ def fsdp2_knobs():
     """)
     see("https://github.com/pytorch/pytorch/issues/114299", title="PyTorch RFC: per-parameter-sharding FSDP (FSDP2 design)")
     see(fsdp2_variant)
-
-
-def batch_and_learning_rate():
-    ranks = timing_world()
-    base_batch, base_lr = 8, 0.05
-    batches = [8, 32, 128] if settings.quick else [8, 32, 128, 512]
-    samples = base_batch * (100 if settings.quick else 300)
-    rules = ["none", "sqrt", "linear"]
-    note("## Batch size and learning rate")
-    configs = [(b, r) for b in batches for r in rules]
-    got = {}
-    run = spawn(lr_scaling, ranks, configs=configs, base_batch=base_batch, base_lr=base_lr,
-                samples=samples, name=f"learning-rate scaling, {len(configs)} SGD runs over {ranks} ranks")
-    for part in run.returns:
-        got.update(part)
-    fig = batch_scaling_figure(rules, batches, got)
-    figure(fig, caption="final held-out loss against batch size for three learning-rate rules")
-    note(f"""
-        Data parallelism grows the global batch with the number of ranks (times micro-batch
-        times accumulation). With a fixed budget of samples a bigger batch means fewer steps,
-        and each step must then move further: the learning rate has to grow. Goyal et al.
-        (2017) scale it *linearly* with the batch (k times the batch, k times the rate), after
-        a warm-up; the *square-root* rule (Krizhevsky 2014; Hoffer et al. 2017) scales it by
-        √k, which keeps the variance of each update constant: a batch k times larger divides
-        the gradient noise's variance by k, and a rate √k times larger multiplies the update's
-        variance by k. A small experiment: plain SGD on the teacher task, {samples:,} samples
-        in all, batch {base_batch} at rate {base_lr} as the base, a linear warm-up over the
-        first tenth of the steps, the held-out loss at the end (one run per point).
-    """)
-    table([[b, samples // b, *(got[b, r] for r in rules)] for b in batches],
-          header=["global batch", "steps", *(f"loss, {r} scaling" for r in rules)])
-    note(f"""
-        {best_rules(got, batches, rules, base_batch)}
-        Keeping the rate fixed ("none") wastes the larger batches: the same samples buy fewer
-        and equally small steps. Linear scaling keeps the loss close to the small-batch result
-        as long as the scaled rate stays stable. Past the task's *critical batch size*
-        (McCandlish et al. 2018) no learning-rate rule restores linear speed-up: once the
-        batch's gradient is nearly noise-free, a k-times larger batch gives a barely better
-        gradient, so it cannot replace k smaller steps; the square-root rule and LARS/LAMB
-        change how stable a large batch is, not this limit. What holds for this small
-        regression need not hold for a transformer; the experiment is the method.
-    """)
-    see(train_at_batch)
 
 
 def scaling_notes():

@@ -306,6 +306,29 @@ def memory_at_scale():
     """)
 
 
+def search_here():
+    run = small_run()
+    shape = ModelShape.from_gpt(run.cfg)
+    rows = []
+    for world in (1, 2, 4, 8):
+        ls = valid_layouts(shape, world, run.global_batch)
+        meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
+        rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
+    note("## Every valid configuration")
+    search_space_picture(rows)
+    note(f"""
+        A configuration is valid when the four axes multiply to the rank count and each
+        axis can split what it splits: tp divides the heads and the K/V heads, pp divides the
+        layers (equal stages), the sequence splits into 2·cp zig-zag chunks, dp divides the
+        global batch, and a pipeline gets at least pp micro-batches. For this GPT
+        ({shape.layers} layers, {shape.heads} heads, sequence {shape.seq}, global batch
+        {run.global_batch}):
+    """)
+    see(valid_layouts)
+    table(rows, header=["ranks", "meshes", "configurations (with micro-batching, ZeRO-1)", "meshes dp×pp×cp×tp"],
+          caption="The search space grows fast: each mesh multiplies by the ways to cut the batch.")
+
+
 def step_time_model():
     run = small_run()
     ranks = timing_ranks(4)
@@ -458,29 +481,6 @@ def zero_note(layouts, pred, meas):
         extra collective calls per tensor wait on each other; which of them costs what, the
         build does not time.
     """)
-
-
-def search_here():
-    run = small_run()
-    shape = ModelShape.from_gpt(run.cfg)
-    rows = []
-    for world in (1, 2, 4, 8):
-        ls = valid_layouts(shape, world, run.global_batch)
-        meshes = sorted({(l.dp, l.pp, l.cp, l.tp) for l in ls})
-        rows.append([world, len(meshes), len(ls), ", ".join("×".join(map(str, m)) for m in meshes)])
-    note("## Every valid configuration")
-    search_space_picture(rows)
-    note(f"""
-        A configuration is valid when the four axes multiply to the rank count and each
-        axis can split what it splits: tp divides the heads and the K/V heads, pp divides the
-        layers (equal stages), the sequence splits into 2·cp zig-zag chunks, dp divides the
-        global batch, and a pipeline gets at least pp micro-batches. For this GPT
-        ({shape.layers} layers, {shape.heads} heads, sequence {shape.seq}, global batch
-        {run.global_batch}):
-    """)
-    see(valid_layouts)
-    table(rows, header=["ranks", "meshes", "configurations (with micro-batching, ZeRO-1)", "meshes dp×pp×cp×tp"],
-          caption="The search space grows fast: each mesh multiplies by the ways to cut the batch.")
 
 
 def published_scale():

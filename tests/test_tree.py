@@ -44,3 +44,25 @@ def test_the_engine_imports_no_course_package():
     for path in (ROOT / "util").glob("*.py"):
         course = [m for m in imported_modules(path) if m.split(".")[0] in ("lectures", "exercises")]
         assert not course, (path.name, course)
+
+
+def test_each_lecture_file_defines_its_sections_in_the_order_main_calls_them():
+    """A lecture file reads top to bottom as its page: the section functions it defines appear
+    in the order main() first calls them (deep dives are imported, so they do not count)."""
+    for path in sorted(LECTURES.glob("lecture_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name: n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)}
+        main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        calls = []
+        for node in sorted((n for n in ast.walk(main) if isinstance(n, ast.Call)), key=lambda n: n.lineno):
+            if isinstance(node.func, ast.Name) and node.func.id in defined and node.func.id not in calls:
+                calls.append(node.func.id)
+        lines = [defined[c] for c in calls]
+        assert len(calls) >= 5 and lines == sorted(lines), (path.name, calls)
+
+
+def test_each_lecture_file_reads_in_one_sitting():
+    """The issue's aim (~800 lines): what only the pages need lives in the topic packages."""
+    for path in sorted(LECTURES.glob("lecture_*.py")):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        assert n <= 900, f"{path.name} has {n} lines: move its demos, deep dives or drawings to its package"
