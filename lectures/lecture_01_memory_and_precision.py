@@ -46,6 +46,15 @@ from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memor
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_01_memory_and_precision import LiveBytes`.
+from lectures.model.memory import LiveBytes  # noqa: F401
+from lectures.model.attention import OnlineSoftmaxAttention  # noqa: F401
+from lectures.model.precision import (accumulate, accumulation_error, ordinary_channels, overflow_table,  # noqa: F401
+                                      quantize_fp8, scaled_mm_error, scaling_over_steps)
+from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
+                                     largest_cache_bytes, matmul_rate, threads)
+from lectures.model.training_memory import fake_training_step  # noqa: F401
 
 
 def intro():

@@ -24,6 +24,10 @@ from lectures.data_parallel.deep_dives import bucket_sweep, further_reading, loc
 from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
                                             accumulation_traffic_figure, pytorch_versions_figure,
                                             fsdp2_knobs_figure, batch_scaling_figure, memory_per_rank_figure)
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_03_data_parallel import NesterovOuter`.
+from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_update  # noqa: F401
+from lectures.data_parallel.ddp import make_grad_sync  # noqa: F401
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)

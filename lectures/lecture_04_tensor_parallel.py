@@ -40,6 +40,11 @@ from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, acti
                                             vocab_demo)
 from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_04_tensor_parallel import batch`.
+from lectures.model.gpt import batch, loss_fn  # noqa: F401
+from lectures.model.training_memory import held_by_training  # noqa: F401
+from lectures.model.roofline import threads  # noqa: F401
 
 
 # =========================================================================================

@@ -32,6 +32,13 @@ from lectures.pipeline.figures import draw_rows  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import compare, machine, spreads_overlap
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_05_pipeline_parallel import Action`.
+from lectures.pipeline.schedules import Action, SCHEDULES  # noqa: F401
+from lectures.model.gpt import GPT, batch, loss_fn  # noqa: F401
+from lectures.pipeline.executor import build_rank, gradients_by_name, split_gpt, stage_parameters  # noqa: F401
+from lectures.pipeline.simulate import (consecutive_steps, dualpipev_readme_bubble, message_order, qi_bubble,  # noqa: F401
+                                        steady_step)
 
 
 def sleep_cfg(p):

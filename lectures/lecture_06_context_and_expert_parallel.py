@@ -48,6 +48,16 @@ from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_pic
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_06_context_and_expert_parallel import GPT`.
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn  # noqa: F401
+from lectures.context_parallel.ring import RingTransfer, ring_attention, tracing  # noqa: F401
+from lectures.context_parallel.sharding import group_info, shard_sequence, split_sizes, zigzag_unshard  # noqa: F401
+from lectures.context_parallel.variants import install_cpu_context_parallel_shim  # noqa: F401
+from lectures.context_parallel.moe import moe_gpt, z_loss  # noqa: F401
+from lectures.context_parallel.blocks import pair_kind  # noqa: F401
+from lectures.model.memory import saved_bytes  # noqa: F401
+from lectures.model.roofline import threads  # noqa: F401
 
 
 def intro():

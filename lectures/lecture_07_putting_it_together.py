@@ -44,6 +44,16 @@ from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes,
                                    long_context_words, rho_uncertainty, ties_words, trivial_prediction, verdict_of)
 from lectures.layout.deep_dives import (decision_flow, memory_with_recomputation, notes, pytorch_pieces,
                                         table4_sensitivity, wire_bytes)
+# Building blocks this page no longer calls itself (its demos and deep dives do), still
+# importable from here as before: `from lectures.lecture_07_putting_it_together import GPT`.
+from lectures.model.gpt import GPT, batch, loss_fn  # noqa: F401
+from lectures.layout.step_time import IB, NVLINK, p2p_time  # noqa: F401
+from lectures.model.memory import SavedBytes  # noqa: F401
+from lectures.data_parallel.collectives import fit_alpha_beta  # noqa: F401
+from lectures.layout.pytorch import pytorch_layout  # noqa: F401
+from lectures.layout.estimator import stage_layers  # noqa: F401
+from lectures.layout.mesh import torch_mesh  # noqa: F401
+from lectures.model.activations import with_recomputation  # noqa: F401
 
 
 # =========================================================================================
