@@ -16,7 +16,6 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 
 from util import cheat, deep_dive, note, see, settings, spawn, table
 from util import try_it_yourself
@@ -41,7 +40,7 @@ from lectures.model.training_memory import (MEM_CATEGORIES, CastWeightCopies, by
 from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_backward, fp8_scaling,
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
-                                  checked_attention_inputs, same_on_every_rank)
+                                  blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
 from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
@@ -668,12 +667,7 @@ def flash_attention_idea():
 def online_softmax_checks():
     g, q, k, v = checked_attention_inputs()
     s = q.shape[2]
-    checks = []
-    for causal in (False, True):
-        for bs in (7, 64, 256):
-            out = online_softmax_attention(q, k, v, bs, causal=causal)
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            checks.append([causal, bs, (out - ref).abs().max().item()])
+    checks = [[causal, bs, (out - ref).abs().max().item()] for causal, bs, out, ref in blocked_and_sdpa(q, k, v)]
     note("## FlashAttention's idea: attention in blocks with an online softmax")
     show(attention_blocks_figure(s=16, block=4),
            caption="causal attention over 16 positions in blocks of 4 keys: each coloured column is "

@@ -13,7 +13,7 @@ from util.measure import machine, usable_cores
 
 from lectures.model.activations import block_activations
 from lectures.model.attention import OnlineSoftmaxAttention, online_softmax_attention
-from lectures.model.demos import checked_attention_inputs
+from lectures.model.demos import blocked_and_sdpa, checked_attention_inputs
 from lectures.model.figures import delayed_scaling_figure, fmt_bytes, roofline_figure, show, tile_error_figure
 from lectures.model.gpt import GPTConfig, causal_attention, param_count
 from lectures.model.memory import SavedBytes
@@ -306,14 +306,11 @@ def flash_attention_backward():
     g, q, k, v = checked_attention_inputs()
     s = q.shape[2]
     checks = []
-    for causal in (False, True):
-        for bs in (7, 64, 256):
-            out = online_softmax_attention(q, k, v, bs, causal=causal)
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            d_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
-            g1 = torch.autograd.grad(out, (q, k, v), d_out)
-            g2 = torch.autograd.grad(ref, (q, k, v), d_out)
-            checks.append([causal, bs, max((x - y).abs().max().item() for x, y in zip(g1, g2))])
+    for causal, bs, out, ref in blocked_and_sdpa(q, k, v):
+        d_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+        g1 = torch.autograd.grad(out, (q, k, v), d_out)
+        g2 = torch.autograd.grad(ref, (q, k, v), d_out)
+        checks.append([causal, bs, max((x - y).abs().max().item() for x, y in zip(g1, g2))])
     note("""
         ## Deep dive: FlashAttention's backward
         This section can be skipped on a first read: lecture 06 uses the forward and the

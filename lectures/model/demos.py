@@ -4,9 +4,11 @@ small measurements its sections take on one process: the bytes an autocast loop 
 forward and backward, the inputs of the online-softmax checks, and attention's peak bytes."""
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from util import device
 
+from lectures.model.attention import online_softmax_attention
 from lectures.model.gpt import GPT, batch, loss_fn
 from lectures.model.memory import LiveBytes
 from lectures.model.training_memory import CastWeightCopies, held_by_training
@@ -52,6 +54,16 @@ def checked_attention_inputs(s=200):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, s, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     return g, q, k, v
+
+
+def blocked_and_sdpa(q, k, v):
+    """Our blocked online-softmax attention beside SDPA on the same inputs, without and with
+    the causal mask, in blocks of 7 (not a divisor of s), 64 and 256 (more than s):
+    (causal, block, ours, sdpa), the forward and the backward checks' cases."""
+    for causal in (False, True):
+        for bs in (7, 64, 256):
+            yield (causal, bs, online_softmax_attention(q, k, v, bs, causal=causal),
+                   F.scaled_dot_product_attention(q, k, v, is_causal=causal))
 
 
 def attention_peak_bytes(attend, b, heads, s, d, backward=False, seed=0):
