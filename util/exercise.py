@@ -107,6 +107,11 @@ def _replacement(dotted, original, reason):
     return forbidden if reason else counted
 
 
+def _loaded(top):
+    """Every loaded module of the package `top` (lectures, exercises)."""
+    return [m for name, m in list(sys.modules.items()) if m is not None and name.split(".")[0] == top]
+
+
 def _spellings(module_name, attr, original):
     """Every (module, name) a student could reach `original` by: the module itself; for
     torch.distributed, distributed_c10d too; for a course function, every loaded module of
@@ -115,11 +120,9 @@ def _spellings(module_name, attr, original):
     top = module_name.split(".")[0]
     if module_name == "torch.distributed":
         return [(importlib.import_module(module_name), attr), (c10d, attr)]
-    found = [(importlib.import_module(module_name), attr)]
-    for name, m in list(sys.modules.items()):
-        if m is not None and name.startswith(top + ".") and name != module_name:
-            found += [(m, a) for a, v in list(vars(m).items()) if v is original]
-    return found
+    module = importlib.import_module(module_name)
+    return [(module, attr)] + [(m, a) for m in _loaded(top) if m is not module
+                               for a, v in list(vars(m).items()) if v is original]
 
 
 @contextlib.contextmanager
@@ -146,11 +149,10 @@ def watching(watch):
         for m, attr, before in reversed(saved):
             setattr(m, attr, before)
         tops = {d.split(".")[0] for d in watch if not d.startswith("torch")}   # the course's packages
-        for name, m in list(sys.modules.items()):
-            if m is not None and name.split(".")[0] in tops:
-                for a, v in list(vars(m).items()):
-                    if id(v) in real and real[id(v)][0] is v:
-                        setattr(m, a, real[id(v)][1])
+        for m in [m for top in tops for m in _loaded(top)]:
+            for a, v in list(vars(m).items()):
+                if id(v) in real and real[id(v)][0] is v:
+                    setattr(m, a, real[id(v)][1])
 
 
 def _tensors(args, names):
