@@ -464,35 +464,6 @@ def test_activation_memory_equals_sixteen_over_t_with_sequence_parallelism():
         assert m[False] == L.activation_formula(cfg, 2, t, False), (t, m)
 
 
-def _string_constants(code):
-    for c in code.co_consts:
-        if isinstance(c, str):
-            yield c
-        elif hasattr(c, "co_consts"):
-            yield from _string_constants(c)
-
-
-def _course_modules():
-    import pathlib
-    root = pathlib.Path(__file__).resolve().parent.parent / "lectures"
-    return sorted(".".join(p.relative_to(root).with_suffix("").parts) for p in root.rglob("*.py")
-                  if p.name != "__init__.py")
-
-
-@pytest.mark.parametrize("module", _course_modules())
-def test_no_control_characters_in_page_text(module):
-    """'$t\\times$' in a non-raw string put a TAB on the page ('times' instead of t×): no string
-    in a lecture, nor in the modules that hold its demos, deep dives and drawings, holds a
-    control character other than a newline."""
-    import importlib
-    import re
-    mod = importlib.import_module(f"lectures.{module}")
-    bad = [(fn.__name__, s[:60]) for fn in vars(mod).values() if callable(fn) and hasattr(fn, "__code__")
-           and fn.__module__ == mod.__name__ for s in _string_constants(fn.__code__)
-           if re.search(r"[\x00-\x09\x0b-\x1f]", s)]
-    assert not bad, bad
-
-
 def test_cut_figure_names_both_matrices():
     """The row-parallel panel is B (it said 'A is 12×8'), and its formula is mathtext, not
     literal underscores."""

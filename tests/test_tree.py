@@ -3,6 +3,8 @@ topic; the blocks never import a lecture file, and the engine (util/) imports no
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LECTURES = ROOT / "lectures"
 PACKAGES = {"model", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layout"}
@@ -85,3 +87,30 @@ def test_public_building_blocks_stay_importable_from_their_lecture_files():
         module = importlib.import_module(f"lectures.{lecture}")
         missing = [n for n in names if not hasattr(module, n)]
         assert not missing, (lecture, missing)
+
+
+def _string_constants(code):
+    for c in code.co_consts:
+        if isinstance(c, str):
+            yield c
+        elif hasattr(c, "co_consts"):
+            yield from _string_constants(c)
+
+
+def _course_modules():
+    return sorted(".".join(p.relative_to(LECTURES).with_suffix("").parts) for p in LECTURES.rglob("*.py")
+                  if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("module", _course_modules())
+def test_no_control_characters_in_page_text(module):
+    """'$t\\times$' in a non-raw string put a TAB on the page ('times' instead of t×): no string
+    in a lecture, nor in the modules that hold its demos, deep dives and drawings, holds a
+    control character other than a newline."""
+    import importlib
+    import re
+    mod = importlib.import_module(f"lectures.{module}")
+    bad = [(fn.__name__, s[:60]) for fn in vars(mod).values() if callable(fn) and hasattr(fn, "__code__")
+           and fn.__module__ == mod.__name__ for s in _string_constants(fn.__code__)
+           if re.search(r"[\x00-\x09\x0b-\x1f]", s)]
+    assert not bad, bad
