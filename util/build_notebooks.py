@@ -207,6 +207,7 @@ def main(argv=None):
         print(f"[{i}/{len(args.paths)}] {name}: executing (quick={args.quick}, "
               f"cell timeout {args.cell_timeout:g} s)", file=sys.stderr, flush=True)
         start = time.perf_counter()
+        os.environ["COURSE_NOTEBOOK"] = name    # the kernel inherits it: where its returns go
         written, error = execute(path, out_ipynb, parameters, args.cell_timeout)
         seconds = time.perf_counter() - start
         if written:

@@ -144,10 +144,17 @@ def _slowest_rank(seconds, group):
     return t.item()
 
 
+# Set when this process timed something or counted bytes: what a demo then returns differs from
+# run to run, and a comparison of two builds must not expect the same numbers.
+used = False
+
+
 def measure(fn, *, warmup=2, repeats=9, group=None, synchronize=True):
     """Time `fn()`: `warmup` untimed calls, then `repeats` timed ones. In a process group each
     repeat starts after a barrier and counts the slowest rank. On a GPU, CUDA is synchronized
     before the clock stops (`synchronize`). Returns a `Timing`."""
+    global used
+    used = True
     import torch
     import torch.distributed as dist
     distributed = dist.is_available() and dist.is_initialized()
@@ -225,6 +232,8 @@ def bytes_sent():
     too). It counts every write, so keep files and printing out of the block; the overhead
     beyond the payload is the transport's own headers. `.bytes` stays None where the kernel
     does not provide the counter (not Linux)."""
+    global used
+    used = True
     sent = Sent()
     if not can_count_bytes():
         yield sent

@@ -21,6 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _UTIL = os.path.dirname(os.path.abspath(__file__))
+_LECTURES = (os.path.join(ROOT, "lectures") + os.sep, os.path.join(ROOT, "tests") + os.sep)
 _SKIP = (_UTIL + os.sep, os.path.abspath(contextlib.__file__))
 
 
@@ -58,9 +59,12 @@ class Recorder:
         if frame is None:
             return None
         code = frame.f_code
-        return {"file": relpath(code.co_filename), "line": frame.f_lineno,
-                "function": code.co_name,
-                "key": self.remember(code) if code.co_name != "<module>" else None}
+        where = {"file": relpath(code.co_filename), "line": frame.f_lineno, "function": code.co_name,
+                 "key": self.remember(code) if code.co_name != "<module>" else None}
+        section = _section(frame)
+        if section:
+            where["section"] = section
+        return where
 
     def remember(self, code):
         """Note the function with this code object for `functions`; returns its key. Its source
@@ -90,6 +94,17 @@ class Recorder:
 
 
 _current = Recorder()
+
+
+def _section(frame):
+    """The lecture section a record was made in: the function that the lecture's main() called
+    (so a test can tell that every section recorded something, whichever helper made the record)."""
+    while frame is not None and frame.f_back is not None:
+        caller = frame.f_back.f_code
+        if caller.co_name == "main" and os.path.abspath(caller.co_filename).startswith(_LECTURES):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
 
 
 def current():

@@ -1,15 +1,17 @@
-"""Build one lecture: run its main(), record everything, write content/<lecture>.json and its page.
+"""Build lectures: run each one's main(), record everything, write <out>/<lecture>.json and its page.
 
-    python -m util.run NAME [--quick] [--world-size N] [--backend gloo|nccl]
-                            [--launcher pool|spawn] [--timeout S] [--verbose] [--out DIR]
+    python -m util.run NAME [NAME ...] [--quick] [--world-size N] [--backend gloo|nccl]
+                                       [--launcher pool|spawn] [--timeout S] [--verbose] [--out DIR]
 
 NAME is a lecture in lectures/ (lecture_02_communication), a dotted module
-(tests.fixture_lecture) or a path to a .py file. Exit status: 0 built (demos that failed as
-expected are lessons, not failures), 1 a demo or the lecture failed (the page is still written
-and shows the failure), 2 bad command line.
+(tests.support.fixture_lecture) or a path to a .py file. Several are built one after the
+other by one process, sharing its ranks. Exit status: 0 built (demos that failed as expected
+are lessons, not failures), 1 a demo or a lecture failed (the page is still written and shows
+the failure), 2 bad command line.
 
-Under torchrun every rank runs this; rank 0 writes the files. The recording's format is
-documented in util/recording.py.
+Under torchrun every rank runs this: rank 0 runs the lectures and writes the files, the other
+ranks serve rank 0's demos (util/torchrun_job.py). The recording's format is documented in
+util/recording.py.
 """
 import argparse
 import datetime
@@ -24,7 +26,7 @@ import sys
 import time
 import traceback
 
-from util import launch, record, recording
+from util import launch, record, recording, torchrun_job
 from util.measure import usable_cores
 
 
@@ -38,7 +40,8 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = Parser(prog="python -m util.run", description="Build one lecture into content/.")
-    p.add_argument("lecture", help="lecture name in lectures/, dotted module, or .py path")
+    p.add_argument("lectures", nargs="+", metavar="lecture",
+                   help="lecture name in lectures/, dotted module, or .py path")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
     p.add_argument("--world-size", type=int, default=4, help="ranks for demos that take any number")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
@@ -57,12 +60,14 @@ def parse_args(argv):
         import torch
         if not torch.cuda.is_available():
             p.error("--backend nccl needs CUDA GPUs, and none are visible")
-    args.module = resolve(args.lecture, p)
-    module = importlib.import_module(args.module)   # importing a lecture has no side effects
-    sizes = getattr(module, "WORLD_SIZES", None)
-    if sizes and args.world_size not in sizes:
-        p.error(f"{args.lecture} runs its demos on {', '.join(map(str, sizes))} ranks, not "
-                f"--world-size {args.world_size}")
+    args.modules = []
+    for name in args.lectures:
+        args.modules.append(resolve(name, p))
+        module = importlib.import_module(args.modules[-1])   # importing a lecture has no side effects
+        sizes = getattr(module, "WORLD_SIZES", None)
+        if sizes and args.world_size not in sizes:
+            p.error(f"{name} runs its demos on {', '.join(map(str, sizes))} ranks, not "
+                    f"--world-size {args.world_size}")
     return args
 
 
@@ -113,20 +118,24 @@ def describe_module(module, name):
     return title.strip(), summary
 
 
-def build(args):
-    """Run the lecture; returns the recording (a dict)."""
-    import torch
+def apply_settings(args):
     s = launch.settings
     s.quick, s.world_size, s.backend = args.quick, args.world_size, args.backend
     s.launcher, s.timeout, s.verbose = args.launcher, args.timeout, args.verbose
     s.progress = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports progress
+
+
+def build(args, module_name):
+    """Run one lecture; returns the recording (a dict)."""
+    import torch
     recorder = record.Recorder()
     recorder.demo_names = set()
     record.use(recorder)
-    module = importlib.import_module(args.module)
-    name = args.module.rsplit(".", 1)[-1]
+    first_demo, first_startup = len(launch.demos), len(launch.startups)
+    module = importlib.import_module(module_name)
+    name = module_name.rsplit(".", 1)[-1]
     title, summary = describe_module(module, name)
-    if s.progress:
+    if launch.settings.progress:
         print(f"building {name}: {title}", file=sys.stderr, flush=True)
     start, status = time.perf_counter(), "ok"
     try:
@@ -139,18 +148,19 @@ def build(args):
         traceback.print_exc()
         recorder.add("error", text="The lecture stopped here:\n" + traceback.format_exc())
     finally:
-        launch.shutdown()
-    statuses = [d[2] for d in launch.demos]
+        if not launch.in_torchrun():
+            launch.shutdown()
+    statuses = [d[2] for d in launch.demos[first_demo:]]
     if "failed" in statuses:
         status = "failed"
     return {
         "schema": recording.SCHEMA, "lecture": name, "title": title, "summary": summary,
-        "module": args.module,
+        "module": module_name,
         "file": record.relpath(module.__file__),
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "elapsed": round(time.perf_counter() - start, 3), "status": status,
-        "startup": {"workers": sum(n for n, _ in launch.startups),
-                    "seconds": round(sum(t for _, t in launch.startups), 3)},
+        "startup": {"workers": sum(n for n, _ in launch.startups[first_startup:]),
+                    "seconds": round(sum(t for _, t in launch.startups[first_startup:]), 3)},
         "environment": {
             "python": platform.python_version(), "torch": torch.__version__,
             "backend": args.backend or launch.choose_backend(args.world_size),
@@ -175,14 +185,31 @@ def _stop_on_sigterm():
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     _stop_on_sigterm()
-    rec = build(args)
+    apply_settings(args)
+    if launch.in_torchrun():
+        if torchrun_job.rank() != 0:
+            torchrun_job.job().serve()  # rank 0 runs the lectures; this rank runs its demos
+            return 0
+        import torch                    # torchrun set one thread per process; while rank 0
+        torch.set_num_threads(usable_cores())   # narrates, the other ranks only wait
+    failed = 0
+    try:
+        for module_name in args.modules:
+            failed += write(args, build(args, module_name)) != 0
+    finally:
+        launch.shutdown()
+        torchrun_job.end()
+    return 1 if failed else 0
+
+
+def write(args, rec):
+    """Write one lecture's recording and page (and the index); returns its exit status."""
     if rec["status"] != "ok" and rec["demos"]["total"] == 0 and os.path.exists(
             os.path.join(args.out, rec["lecture"] + ".html")):
         print(f"{rec['lecture']}: the lecture failed before any demo ran; the previous page is kept",
               file=sys.stderr)
         return 1
-    if launch.in_torchrun() and int(os.environ["RANK"]) != 0:
-        return 0 if rec["status"] == "ok" else 1
+    keep_returns(rec["lecture"])
     path = os.path.join(args.out, rec["lecture"] + ".json")
     recording.save(path, rec)
     from util import render
@@ -194,6 +221,17 @@ def main(argv=None):
           f"{rec['elapsed']:.1f} s (of which worker start-up {rec['startup']['seconds']:.1f} s) "
           f"-> {os.path.relpath(page)}", file=sys.stderr)
     return 0 if rec["status"] == "ok" else 1
+
+
+def keep_returns(lecture):
+    """With COURSE_RETURNS=DIR, every demo's full returns go to DIR/<lecture>.pkl (the tests
+    compare two builds' numbers with them; the page keeps only a summary)."""
+    folder = os.environ.get("COURSE_RETURNS")
+    if folder:
+        import pickle
+        os.makedirs(folder, exist_ok=True)
+        recording.write_atomic(os.path.join(folder, lecture + ".pkl"), pickle.dumps(launch.returned))
+    launch.returned.clear()
 
 
 if __name__ == "__main__":

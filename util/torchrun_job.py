@@ -1,0 +1,203 @@
+"""Demos under torchrun: this process is one rank of a job that may span nodes.
+
+Rank 0 runs the lecture (narration, figures, searches) and, at each `spawn`, tells the other
+ranks through the job's rendezvous store which importable function to run with which
+arguments; the other ranks do nothing but serve those demos, as pooled workers do, until rank 0
+says the build is over. So a cluster does not run matplotlib or a layout search on every rank.
+
+Each demo runs in a process group of its own, formed over the store on the first k ranks (the
+rest wait for the next demo), so a demo that fails — even one that leaves a collective hanging —
+stays inside that demo. Results travel through the store, not through a process group a demo
+might have broken.
+"""
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import gc
+import os
+import pickle
+import sys
+import time
+
+from util.ranks import (choose_backend, describe_failure, dumps, error_result, forget_meshes, run_task,
+                        settings, use_device)
+
+# How long a serving rank waits for rank 0's next demo: rank 0 may narrate for minutes between
+# two demos (a full-size layout search). If rank 0 dies, torchrun stops every rank anyway.
+NEXT_DEMO_WAIT = datetime.timedelta(hours=6)
+DONE = b"done"
+
+
+def rank():
+    return int(os.environ["RANK"])
+
+
+class Job:
+    """This process's place in the torchrun job.
+
+    A demo's group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP
+    comm hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and
+    some of them run on, and are released by, the group's own worker threads. Had one of those
+    threads dropped the group's last reference, the group's destructor would join that very
+    thread: `std::system_error: Resource deadlock avoided`, and the rank aborts."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        self.rank, self.size = rank(), int(os.environ["WORLD_SIZE"])
+        self.store = next(dist.rendezvous("env://"))[0]
+        self.backend = choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", self.size)))
+        if self.backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            use_device(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        self.demo = 0
+        self.group = None   # the running demo's process group
+        self.retired = []   # groups something still held when their demo ended
+        self.ended = False
+
+    # --- rank 0: the lecture's side -----------------------------------------------------------
+
+    def run(self, fn, world_size, kwargs, timeout):
+        """Rank 0: hand the demo to the other ranks, take part, and gather every rank's result."""
+        task = pickle.dumps((fn, kwargs, world_size, timeout, dataclasses.asdict(settings)))
+        self.store.set(f"course/task{self.demo + 1}", task)
+        return self._take_part(fn, world_size, kwargs, timeout)
+
+    def end(self):
+        """Rank 0: the build is over; the serving ranks leave."""
+        if self.rank == 0 and not self.ended:
+            self.ended = True
+            with contextlib.suppress(Exception):
+                self.store.set(f"course/task{self.demo + 1}", DONE)
+
+    # --- every other rank ---------------------------------------------------------------------
+
+    def serve(self):
+        """Ranks other than 0: run the demos rank 0 hands out until it says the build is over
+        (rank 0 records how each demo ended)."""
+        while True:
+            key = f"course/task{self.demo + 1}"
+            self.store.wait([key], NEXT_DEMO_WAIT)
+            blob = self.store.get(key)
+            if blob == DONE:
+                return
+            try:
+                fn, kwargs, world_size, timeout, chosen = pickle.loads(blob)
+                for name, value in chosen.items():
+                    setattr(settings, name, value)
+                settings.progress = False           # rank 0 reports
+            except Exception:                       # rank 0 pickled it, so this is rare: say so
+                import traceback
+                traceback.print_exc()
+                fn, kwargs, world_size, timeout = None, {}, self.size, settings.timeout
+            if self.rank < world_size:
+                self._take_part(fn, world_size, kwargs, timeout)
+            else:
+                self.demo += 1                      # not needed for this one: wait for the next
+
+    # --- a demo, on every rank that takes part --------------------------------------------------
+
+    def _take_part(self, fn, world_size, kwargs, timeout):
+        import torch
+        import torch.distributed as dist
+        narrating_threads = torch.get_num_threads()     # rank 0 narrates with every core again
+        self.demo += 1
+        prefix = f"course/demo{self.demo}/"
+        self.store.set_timeout(datetime.timedelta(seconds=timeout + 30))
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        try:
+            if fn is None:
+                raise RuntimeError(f"rank {self.rank} could not unpickle the demo rank 0 sent")
+            dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
+                                    rank=self.rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+            self.group = dist.group.WORLD   # held here until the group can die on this thread
+            mine = run_task(self.rank, world_size, fn, kwargs, threads)
+        except Exception:
+            mine = error_result(self.rank)
+        ok, blob, mine = mine["ok"], dumps(mine), None
+        # The demo's objects that sit in reference cycles (DDP and its reducer, FSDP and
+        # DTensor state) die here, on this thread, while their group is still alive.
+        gc.collect()
+        if not ok and self.group is not None:
+            self._leave(clean=False)    # at once: the other ranks' collectives fail now
+        self.store.set(f"{prefix}result{self.rank}", blob)
+        got = {}
+        for r in range(world_size):
+            try:
+                got[r] = pickle.loads(self.store.get(f"{prefix}result{r}"))
+            except Exception:  # that rank never reported within the timeout
+                pass
+        if self.group is not None:
+            self._leave(clean=len(got) == world_size and all(m["ok"] for m in got.values()))
+        done = [r for r, m in got.items() if m["ok"]]
+        torch.set_num_threads(narrating_threads)
+        return got, describe_failure(got, range(world_size), timeout, done[0] if done else None)
+
+    def _leave(self, clean):
+        """Destroy the demo's group so that its destructor runs on this thread, never on one of
+        the group's own worker threads. When every rank finished the demo (`clean`), a barrier
+        on the group first: it returns only once each operation issued before it has finished
+        on the worker threads, callbacks included (gloo runs a future's callbacks, releases
+        them, and only then marks the operation done). Then the group is dropped once nothing
+        else in Python holds it (a callback still being released lets go within moments); a
+        group something still holds (an operation of a failed demo that is stuck, say) is
+        kept until the end of the build instead, and released there by `close`."""
+        import torch.distributed as dist
+        if clean:
+            try:
+                dist.barrier()
+            except Exception:       # a rank went away after it reported
+                pass
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        forget_meshes()             # DTensor's caches hold meshes of this group
+        if sys.getrefcount(self.group) > 2:   # 2: self.group and getrefcount's argument
+            gc.collect()            # what only the caches held
+        deadline = time.monotonic() + 1.0
+        while sys.getrefcount(self.group) > 2 and time.monotonic() < deadline:
+            time.sleep(0.005)       # lets a worker thread take the GIL and release its callback
+        if sys.getrefcount(self.group) > 2:
+            self.retired.append(self.group)
+        self.group = None           # the last reference, here: the group joins its threads
+
+    def close(self):
+        """Release the groups kept after failed demos (their operations are long over)."""
+        gc.collect()
+        self.retired.clear()
+
+
+_job = None
+
+
+def job():
+    """This process's Job (made on first use: the rendezvous happens then)."""
+    global _job
+    _job = _job or Job()
+    return _job
+
+
+def close():
+    if _job is not None:
+        _job.close()
+
+
+@atexit.register
+def end():
+    """Rank 0 tells the serving ranks the build is over (called when the build ends, and at
+    exit whatever happened, so no rank waits for a demo that will never come)."""
+    if _job is not None:
+        _job.end()
+
+
+def run_in_place(fn, world_size, kwargs, timeout, run):
+    """Rank 0 of a torchrun job: demos for k <= the job's ranks run on ranks 0..k-1, larger
+    ones are skipped with the reason."""
+    have = int(os.environ["WORLD_SIZE"])
+    if world_size > have:
+        run.status = "skipped"
+        run.error = (f"needs {world_size} ranks, but torchrun started {have}; run it with "
+                     f"--nproc-per-node/--nnodes giving at least {world_size} ranks, or without torchrun")
+        return {}, None
+    return job().run(fn, world_size, kwargs, timeout)
