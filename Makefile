@@ -13,7 +13,7 @@ PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-LECTURES := $(sort $(basename $(notdir $(wildcard lectures/lecture_*.py))))
+LECTURES := $(shell $(PYTHON) -c 'import lectures; print(*lectures.LECTURES)')
 # QUICK=0 (or no, false, off) means off, as it reads
 on = $(filter-out 0 no false off,$(1))
 RUNFLAGS := $(if $(call on,$(QUICK)),--quick) $(if $(LAUNCHER),--launcher $(LAUNCHER)) \
@@ -51,7 +51,7 @@ lecture: $(STAMP)
 	@$(PY) -m util.run $(L) $(RUNFLAGS)
 
 test: $(STAMP)
-	@$(PY) -m pytest tests
+	@$(PY) -m pytest tests --durations=25
 
 test-torchrun: $(STAMP)
 	@$(PY) -m pytest tests -m torchrun
@@ -65,7 +65,7 @@ jupyter: $(STAMP)
 	@$(VENV)/bin/jupyter lab --notebook-dir=lectures/notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: $(STAMP)
-	@$(PY) -m tests.bench
+	@$(PY) -m scripts.bench
 
 clean:
 	@find content -mindepth 1 ! -name README.md -exec rm -rf {} +

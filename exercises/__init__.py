@@ -16,17 +16,11 @@ import importlib
 import importlib.util
 import typing
 
+from lectures import LECTURES as course_lectures
 from util import exercise as engine
 
-LECTURES = {
-    "lecture_01_memory_and_precision": "exercises.lecture_01",
-    "lecture_02_communication": "exercises.lecture_02",
-    "lecture_03_data_parallel": "exercises.lecture_03",
-    "lecture_04_tensor_parallel": "exercises.lecture_04",
-    "lecture_05_pipeline_parallel": "exercises.lecture_05",
-    "lecture_06_context_and_expert_parallel": "exercises.lecture_06",
-    "lecture_07_putting_it_together": "exercises.lecture_07",
-}
+# lecture -> the module of its exercises: lecture_02_communication -> exercises.lecture_02
+LECTURES = {name: "exercises." + name[:len("lecture_NN")] for name in course_lectures}
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ Not a test: these machines are noisy, so nothing here passes or fails. It prints
 - each lecture's build time: a quick build timed here, and the full build's time from the last
   `make` (content/<lecture>.json), against the budget (quick < 60 s, all of `make` < 10 min).
 
-    python -m tests.bench [--repeat N] [--only engine|lecture_02_communication|...]
+    python -m scripts.bench [--repeat N] [--only engine|lecture_02_communication|...]
 """
 import argparse
 import importlib
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def build_seconds(launcher, out):
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "util.run", "tests.fixture_lecture", "--quick",
+    subprocess.run([sys.executable, "-m", "util.run", "tests.support.fixture_lecture", "--quick",
                     "--launcher", launcher, "--out", out], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
@@ -74,7 +74,7 @@ def lectures():
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python -m tests.bench")
+    p = argparse.ArgumentParser(prog="python -m scripts.bench")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--only", help="engine, builds, or a lecture name")
     args = p.parse_args()

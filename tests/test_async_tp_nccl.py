@@ -1,6 +1,6 @@
 """Async TP's rings (lectures/tensor_parallel/async_tp.py) under NCCL's point-to-point rules, without a GPU.
 
-`tests/nccl_standin.py` runs ranks as threads with NCCL's contract: one Work per
+`tests/support/nccl_standin.py` runs ranks as threads with NCCL's contract: one Work per
 batch_isend_irecv, a receive's data only once that Work is waited for (NaN before), batches in
 posting order on one stream, sends that complete only when their receive runs. The decomposed
 ops must give the same results as one process at t = 2, 3, 4, forward and backward."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lectures.tensor_parallel import async_tp as A
-from tests.nccl_standin import NcclLikeP2P, run_ranks
+from tests.support.nccl_standin import NcclLikeP2P, run_ranks
 
 F64 = torch.float64
 B, H, OUT = 3, 7, 5

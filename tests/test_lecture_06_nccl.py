@@ -1,6 +1,6 @@
 """Ring attention under NCCL's rules, without a GPU (issue 29).
 
-`tests/nccl_standin.py` models what NCCL does with `batch_isend_irecv`: one Work per batch, a
+`tests/support/nccl_standin.py` models what NCCL does with `batch_isend_irecv`: one Work per batch, a
 receive's data only after that Work is waited for (NaN before), a rank's batches in posting order
 on one stream, sends that complete only when their receive runs. Ring attention is run under it
 with ranks as threads: it must equal one process at p = 2, 3, 4 (5 and 8 zig-zag causal, and on a
@@ -14,7 +14,7 @@ import torch
 from lectures import lecture_06_context_and_expert_parallel as L
 from lectures.context_parallel import ring as ring_attention
 from lectures.context_parallel import sharding as sequence_layout
-from tests.nccl_standin import NcclLikeP2P, run_ranks
+from tests.support.nccl_standin import NcclLikeP2P, run_ranks
 
 
 class ThreadedNccl(NcclLikeP2P):

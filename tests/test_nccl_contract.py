@@ -3,7 +3,7 @@
 NCCL returns one Work per batch_isend_irecv, fills a receive only for the Work that is waited on,
 runs a rank's batches in order on one stream, matches a pair's messages in posting order and
 completes a send only when its receive runs. `simulate.p2p_deadlock` applies those rules to
-the executor's plans for every schedule and size lecture 05 allows; `tests/nccl_standin.py`
+the executor's plans for every schedule and size lecture 05 allows; `tests/support/nccl_standin.py`
 applies them to real tensors, with ranks as threads, and the executor must then train exactly
 like one process."""
 import types
@@ -16,7 +16,7 @@ from lectures import lecture_05_pipeline_parallel as L
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline import demos, schedules
 from lectures.pipeline.simulate import message_order, p2p_deadlock
-from tests.nccl_standin import NcclLikeP2P, run_ranks
+from tests.support.nccl_standin import NcclLikeP2P, run_ranks
 
 V = {"interleaved-1f1b": (2, 3, 4), "zb-v": (2,), "dualpipev": (2,), "gpipe": (1, 2), "1f1b": (1, 2)}
 

@@ -14,7 +14,7 @@ from lectures.pipeline import executor as pipeline
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline import demos
 from util import spawn
-from tests.nccl_standin import NcclLikeP2P, run_ranks
+from tests.support.nccl_standin import NcclLikeP2P, run_ranks
 
 CFG = GPTConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8, dtype="float64", tie_embeddings=True)
 MB, STEPS = 3, 2

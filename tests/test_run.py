@@ -20,16 +20,16 @@ def load(out, name="fixture_lecture"):
 
 @pytest.mark.parametrize("args, complaint", [
     (["no_such_lecture"], "no lecture 'no_such_lecture'"),
-    (["tests.fixture_lecture", "--launcher", "threads"], "invalid choice"),
-    (["tests.fixture_lecture", "--world-size", "0"], "--world-size must be at least 1"),
-    (["tests.fixture_lecture", "--timeout", "-1"], "--timeout must be a number of seconds between 0 and 86400"),
-    (["tests.fixture_lecture", "--timeout", "nan"], "--timeout must be a number of seconds between 0 and 86400, not nan"),
-    (["tests.fixture_lecture", "--timeout", "inf"], "not inf"),
-    (["tests.fixture_lecture", "--timeout", "1e300"], "not 1e+300"),
+    (["tests.support.fixture_lecture", "--launcher", "threads"], "invalid choice"),
+    (["tests.support.fixture_lecture", "--world-size", "0"], "--world-size must be at least 1"),
+    (["tests.support.fixture_lecture", "--timeout", "-1"], "--timeout must be a number of seconds between 0 and 86400"),
+    (["tests.support.fixture_lecture", "--timeout", "nan"], "--timeout must be a number of seconds between 0 and 86400, not nan"),
+    (["tests.support.fixture_lecture", "--timeout", "inf"], "not inf"),
+    (["tests.support.fixture_lecture", "--timeout", "1e300"], "not 1e+300"),
     (["lectures.model.gpt"], "'lectures.model.gpt' is not a lecture: it has no main()"),
     (["lectures.nonexistent"], "no module 'lectures.nonexistent'"),
     (["os.nonexistent"], "no module 'os.nonexistent'"),
-    (["tests.fixture_lecture", "--bogus"], "unrecognized arguments"),
+    (["tests.support.fixture_lecture", "--bogus"], "unrecognized arguments"),
     (["lecture_02_communication", "--world-size", "1"], "runs its demos on 2, 3, 4, 5, 6, 7, 8 ranks, not --world-size 1"),
     (["lecture_03_data_parallel", "--world-size", "3"], "runs its demos on 2, 4, 8 ranks, not --world-size 3"),
     ([], "required"),
@@ -46,7 +46,7 @@ def test_recording_follows_the_schema(fixture_site):
     rec = load(fixture_site)
     assert rec["schema"] == recording.SCHEMA and rec["status"] == "ok"
     assert rec["lecture"] == "fixture_lecture" and rec["title"].startswith("Fixture lecture")
-    assert rec["file"] == "tests/fixture_lecture.py"
+    assert rec["file"] == "tests/support/fixture_lecture.py"
     assert rec["demos"] == {"total": 15, "failed": 0, "expected_failures": 1, "skipped": 0}
     assert rec["summary"].startswith("Small on purpose")
     # 4 workers, and 4 again after the expected failure threw the pool away
@@ -59,7 +59,7 @@ def test_recording_follows_the_schema(fixture_site):
     kinds = {r["kind"] for r in rec["records"]}
     assert {"note", "table", "figure", "code", "link", "image", "demo"} <= kinds
     for r in rec["records"]:
-        assert r["source"]["file"] == "tests/fixture_lecture.py" and r["source"]["line"] > 0
+        assert r["source"]["file"] == "tests/support/fixture_lecture.py" and r["source"]["line"] > 0
         assert r["rank"] is None
         if r["source"]["key"]:
             assert r["source"]["key"] in rec["functions"]
@@ -76,7 +76,7 @@ def test_recording_follows_the_schema(fixture_site):
 
 def test_failing_demo_fails_the_build_promptly_and_still_writes_the_page(tmp_path):
     start = time.monotonic()
-    proc = build("tests.failing_lecture", tmp_path, "--timeout", "60", check=False)
+    proc = build("tests.support.failing_lecture", tmp_path, "--timeout", "60", check=False)
     assert proc.returncode == 1
     assert time.monotonic() - start < 45  # not the 60 s collective timeout
     assert "rank one cannot go on" in proc.stderr and "FAILED" in proc.stderr
@@ -105,7 +105,7 @@ def test_write_atomic_never_leaves_half_a_file(tmp_path, monkeypatch):
 
 def test_two_builds_at_once(tmp_path):
     outs = [tmp_path / "a", tmp_path / "b"]
-    procs = [subprocess.Popen([sys.executable, "-m", "util.run", "tests.fixture_lecture", "--quick",
+    procs = [subprocess.Popen([sys.executable, "-m", "util.run", "tests.support.fixture_lecture", "--quick",
                                "--out", str(o)], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for o in outs]
     for p in procs:
@@ -118,12 +118,13 @@ def test_two_builds_at_once(tmp_path):
 def build_tiny(tmp_path, body, *flags):
     """Build a throwaway lecture whose main() is `body` (it must live in the repository to be
     importable by the workers)."""
-    path = os.path.join(ROOT, "tests", "_tiny_lecture.py")
+    name = f"_tiny_lecture_{os.getpid()}"      # two test processes never share the file
+    path = os.path.join(ROOT, "tests", "support", name + ".py")
     with open(path, "w") as f:
-        f.write("from tests.fixture_lecture import seeded_noise, skip_a_collective\n"
+        f.write("from tests.support.fixture_lecture import seeded_noise, skip_a_collective\n"
                 "from util import spawn\n\ndef main():\n" + body)
     try:
-        return build("tests._tiny_lecture", tmp_path, *flags, check=False)
+        return build(f"tests.support.{name}", tmp_path, *flags, check=False)
     finally:
         os.unlink(path)
 
@@ -133,7 +134,7 @@ def test_a_demo_name_used_twice_is_refused_with_a_clear_error(tmp_path):
                                 "    spawn(seeded_noise, 2, name='noise')\n")
     assert proc.returncode == 1
     assert "a demo named 'noise' already ran in this lecture" in proc.stderr
-    assert load(tmp_path, "_tiny_lecture")["status"] == "failed"
+    assert load(tmp_path, f"_tiny_lecture_{os.getpid()}")["status"] == "failed"
 
 
 def test_expected_failure_prints_its_status_first_and_its_traceback_only_when_verbose(tmp_path):
@@ -156,7 +157,7 @@ def test_under_torchrun_demos_run_on_sub_groups_and_failures_stay_inside_their_d
     2 s timeout) ends inside its demo and the build goes on and exits 0."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "util.run",
-                           "tests.fixture_lecture", "--quick", "--out", str(tmp_path)],
+                           "tests.support.fixture_lecture", "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = load(tmp_path)
@@ -196,7 +197,7 @@ def test_a_signalled_build_leaves_no_course_process_running(tmp_path, how):
     """Signalled while its ranks are inside a demo (asleep), the build leaves nothing running:
     SIGTERM and SIGINT through the build's clean-up, SIGKILL through the workers' watch on it."""
     env = {**os.environ, "COURSE_TEST_MARKERS": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "util.run", "tests.sleeping_lecture", "--world-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "util.run", "tests.support.sleeping_lecture", "--world-size", "2",
                              "--out", str(tmp_path / "site")], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             # a shell's background job starts with SIGINT ignored, and Python then
