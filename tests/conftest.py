@@ -1,17 +1,15 @@
 """Shared test fixtures. Tests run on CPU with gloo, whatever the machine has."""
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from lectures import LECTURES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "tests", "artifacts")  # screenshots etc., ignored by git
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "torchrun: builds under torchrun (one job, or two agents as "
-                            "two nodes); `make test-torchrun` runs only these")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,20 +31,72 @@ def build(lecture, out, *flags, check=True):
     return proc
 
 
-LECTURES = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "lectures"))
-                  if f.startswith("lecture_") and f.endswith(".py"))
+# --- the session's course build: made once, read by many tests ------------------------------
+
+BUILD_READERS = ("course_site", "executed_notebooks")
+# Tests that time something in a browser run after the builds, on a machine no build shares.
+AFTER_THE_BUILDS = ("test_widgets.py",)
+_BUILDS = []        # the session's builds, reported at the end of the run
+_background = None
+
+
+def _lectures():
+    # COURSE_ONLY=lecture_04_tensor_parallel,... builds only those (while working on one lecture)
+    only = [n for n in os.environ.get("COURSE_ONLY", "").split(",") if n]
+    return [n for n in LECTURES if not only or n in only]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the builds the collected tests need in the background, and run the tests that read
+    them last: the unit tests run while the course builds."""
+    global _background
+    from tests.support import course_build
+    from util import build_notebooks
+
+    def reads(item, fixture):
+        return fixture in getattr(item, "fixturenames", ())
+    late = [i for i in items if any(reads(i, f) for f in BUILD_READERS) or i.path.name in AFTER_THE_BUILDS]
+    items[:] = [i for i in items if i not in late] + \
+        sorted(late, key=lambda i: (reads(i, "executed_notebooks"), i.path.name in AFTER_THE_BUILDS))
+    plan = []
+    if any(reads(i, "course_site") for i in items):
+        plan.append(("pages", course_build.pages, _lectures()))
+    if any(reads(i, "executed_notebooks") for i in items):
+        plan.append(("notebooks", course_build.notebooks, build_notebooks.available()))
+    if plan and not config.option.collectonly:
+        _background = course_build.Background(plan)
+
+
+def _session_build(kind):
+    from tests.support import course_build
+    from util import build_notebooks
+    if _background and kind in _background.kinds:
+        build = _background.get(kind)
+    elif kind == "pages":
+        build = course_build.pages(_lectures())
+    else:
+        build = course_build.notebooks(build_notebooks.available())
+    if build not in _BUILDS:
+        _BUILDS.append(build)
+    return build
 
 
 @pytest.fixture(scope="session")
-def course_site(tmp_path_factory):
-    """Every lecture built once per test session, quick, into one content folder (so pages link
-    their neighbours): (folder, {lecture: CompletedProcess}). Lecture tests and page tests
-    share it instead of building each lecture again."""
-    out = tmp_path_factory.mktemp("course")
-    # COURSE_ONLY=lecture_04_tensor_parallel,... builds only those (while working on one lecture)
-    only = [n for n in os.environ.get("COURSE_ONLY", "").split(",") if n]
-    return out, {name: build(name, out, "--quick", check=False) for name in LECTURES
-                 if not only or name in only}
+def course_site():
+    """Every lecture built once, quick, into one content folder (so pages link their neighbours)
+    by one torchrun job on 4 ranks, and reused by later runs while the sources are unchanged
+    (tests/support/course_build.py): (folder, Build). Lecture, page, exercise and torchrun tests
+    all read it instead of building a lecture again."""
+    build = _session_build("pages")
+    return pathlib.Path(build.path("content")), build
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say what the builds cost, apart from the tests that waited for them."""
+    for b in _BUILDS:
+        terminalreporter.write_line(
+            f"course build '{b.kind}': " + (f"reused {os.path.relpath(b.folder, ROOT)} (sources unchanged)"
+                                            if b.reused else f"built in {b.seconds:.0f} s, exit {b.returncode}"))
 
 
 def walk(records):
@@ -59,20 +109,36 @@ def walk(records):
 
 def built(course_site, name):
     """The content folder holding `name`'s page; fails with the build's own error output."""
-    out, procs = course_site
-    if name not in procs:
+    out, build = course_site
+    if name not in build.command:
         pytest.skip(f"{name} is not in COURSE_ONLY")
-    proc = procs[name]
-    if proc.returncode != 0:
-        raise AssertionError(f"building {name} --quick exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    path = out / f"{name}.json"
+    if not path.exists():
+        raise AssertionError(f"the course build wrote no {name}.json (exit {build.returncode}); "
+                             f"its log:\n{build.log[-4000:]}")
     return out
+
+
+def recording(course_site, name):
+    """`name`'s recording from the session's build (a dict)."""
+    import json
+    return json.loads((built(course_site, name) / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def executed_notebooks():
+    """Every companion notebook executed once, quick, on 4 pooled ranks, reused while the sources
+    are unchanged: (folder, Build). The notebook tests read it, and the torchrun test compares
+    its demos' numbers with the course build's."""
+    build = _session_build("notebooks")
+    return pathlib.Path(build.path("notebooks")), build
 
 
 @pytest.fixture(scope="session")
 def fixture_site(tmp_path_factory):
-    """The fixture lecture built once (quick) into a temporary content folder."""
+    """The fixture lecture built once (quick, pooled) into a temporary content folder."""
     out = tmp_path_factory.mktemp("content")
-    build("tests.fixture_lecture", out, "--quick")
+    build("tests.support.fixture_lecture", out, "--quick")
     return out
 
 
@@ -83,10 +149,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--no-first-run", "--disable-sync"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
     """Debian's headless Chromium driven by Playwright (its own browser download does not work
-    here); one per test module."""
+    here); one for the whole session."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright

@@ -6,10 +6,8 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS, LECTURES, Watched, built
-
-pytestmark = pytest.mark.timeout(900)  # the first test waits for the course to build
-
+from tests.conftest import ARTIFACTS, Watched
+from tests.support.pages import pages_fit
 
 def wait_until(page, expression, timeout=10.0):
     """Poll a JavaScript expression until it is true. (Playwright's wait_for_function evaluates
@@ -136,7 +134,7 @@ def test_index_links_the_lecture(browser, fixture_site):
 def test_remote_image_only_when_online(browser, fixture_site):
     """Online, the link card becomes the picture; if the picture fails, the card stays (and no
     broken-image icon is ever in the page). The network is faked with Playwright routes."""
-    png = open(os.path.join(os.path.dirname(__file__), "fixture_image.png"), "rb").read()
+    png = open(os.path.join(os.path.dirname(__file__), "support", "fixture_image.png"), "rb").read()
     for works in (True, False):
         context = browser.new_context(viewport={"width": 1000, "height": 800})
         if works:
@@ -163,73 +161,6 @@ def test_remote_image_only_when_online(browser, fixture_site):
 
 # --- every built page, as a reader sees it ----------------------------------------------------
 
-LAYOUT_CHECKS = """() => {
-  const wide = el => el.scrollWidth > el.clientWidth + 1;
-  const label = el => el.tagName.toLowerCase() + (el.className ? '.' + String(el.className).split(' ')[0] : '')
-                     + ' in #' + (el.closest('section') || {}).id + ': ' + (el.innerText || '').slice(0, 60);
-  const scroller = el => { for (let a = el.parentElement; a; a = a.parentElement) {
-      const o = getComputedStyle(a).overflowX;
-      if ((o === 'auto' || o === 'scroll') && a.clientWidth <= innerWidth) return a; } return null; };
-  const out = {pageScrolls: document.documentElement.scrollWidth > innerWidth, codeOrTable: [],
-               unscrolled: [], figures: 0, unlinked: [], filler: [], tracebacks: 0};
-  for (const el of document.querySelectorAll('main pre, main .scroll'))
-    if (wide(el) && !el.closest('.ranks')) out.codeOrTable.push(label(el));
-  for (const el of document.querySelectorAll('main pre, main table, main img, main math, main .ranks'))
-    if (el.getBoundingClientRect().width > innerWidth + 1 && !scroller(el)) out.unscrolled.push(label(el));
-  for (const fig of document.querySelectorAll('figure.plot')) {
-    out.figures++;
-    const a = fig.querySelector('a.full-size');
-    const img = fig.querySelector('img');
-    if (!a || a.target !== '_blank' || !img || a.getAttribute('href') !== img.getAttribute('src')
-        || !/\\.svg$/.test(a.getAttribute('href'))) out.unlinked.push(label(fig));
-  }
-  for (const d of document.querySelectorAll('.demo'))
-    if (/printed nothing|timing spans/.test(d.innerText)) out.filler.push(label(d));
-  out.tracebacks = document.querySelectorAll('.demo details.traceback').length;
-  out.widgets = [...document.querySelectorAll('figure.widget')].map(
-    f => f.classList.contains('live') ? 'live' : 'failed: ' + f.innerText.slice(-200));
-  return out; }"""
-
-
-def check_layout(page, name, width):
-    found = page.evaluate(LAYOUT_CHECKS)
-    assert not found["pageScrolls"], f"{name} scrolls sideways at {width} px"
-    assert not found["unscrolled"], f"{name} at {width} px: wider than the screen, no scroll box: {found['unscrolled']}"
-    assert not found["unlinked"], f"{name}: figures without a full-size link: {found['unlinked']}"
-    assert not found["filler"], f"{name}: demo boxes with filler text: {found['filler']}"
-    assert all(w == "live" for w in found["widgets"]), f"{name}: interactive figures that did not start: {found['widgets']}"
-    return found
-
-
 def test_the_fixture_page_hides_nothing_at_1280_and_fits_a_phone(browser, fixture_site):
+    """The same checks every lecture page gets in test_first_read, on the fixture's tracebacks."""
     pages_fit(browser, fixture_site, "fixture_lecture", expect_tracebacks=True)
-
-
-@pytest.mark.parametrize("name", LECTURES)
-def test_every_lecture_page_hides_nothing_at_1280_and_fits_a_phone(browser, course_site, name):
-    pages_fit(browser, built(course_site, name), name)
-
-
-def pages_fit(browser, folder, name, expect_tracebacks=False):
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    for width, height, phone in ((1280, 800, False), (390, 844, True)):
-        extra = {"device_scale_factor": 2, "is_mobile": True, "has_touch": True} if phone else {}
-        w = Watched(browser, viewport={"width": width, "height": height}, reduced_motion="reduce", **extra)
-        try:
-            w.page.goto(_url(folder / f"{name}.html"))
-            w.page.wait_for_load_state("load")
-            found = check_layout(w.page, name, width)
-            if not phone:   # at 1280 px no code listing or table hides anything
-                assert not found["codeOrTable"], f"{name}: needs sideways scrolling at 1280 px: {found['codeOrTable']}"
-            w.page.screenshot(path=os.path.join(ARTIFACTS, f"{name}_{width}.png"))
-            if expect_tracebacks:
-                assert found["tracebacks"] > 0
-            if found["tracebacks"]:  # a rank's full error text opens on demand
-                box = w.page.locator(".demo details.traceback").first
-                assert not box.locator("pre").nth(1).is_visible()
-                box.locator("summary").click()
-                full = box.locator("pre").nth(1)
-                assert full.is_visible() and full.inner_text().count("\n") >= 1
-            w.check_clean()
-        finally:
-            w.close()

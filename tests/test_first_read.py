@@ -1,4 +1,4 @@
-"""The course as a first read (issue 28), measured in a real browser on the quick-built pages:
+"""The course as a first read, measured in a real browser on the quick-built pages:
 each lecture's main path as it opens (folded code and deep dives closed) is at most 25 screens
 at 1280x800, shows a picture before the first visible code listing in at least 80% of the
 sections that show code, leaks no template text and says "every number on this page" once;
@@ -12,8 +12,7 @@ import re
 import pytest
 
 from tests.conftest import ARTIFACTS, LECTURES, Watched, built, walk
-
-pytestmark = pytest.mark.timeout(900)  # the first test waits for the course to build
+from tests.support.pages import check_page
 
 MAX_SCREENS, PICTURE_FIRST = 25, 0.8
 LEAKS = [(r"\b[a-z]{3,}\(s\)", "a pluralisation placeholder"),
@@ -52,7 +51,7 @@ def screenshots(page, stem, width):
 
 
 @pytest.mark.parametrize("name", LECTURES)
-def test_the_main_path_is_a_first_read(browser, course_site, name):
+def test_the_main_path_is_a_first_read_and_hides_nothing(browser, course_site, name):
     folder = built(course_site, name)
     w = Watched(browser, viewport={"width": 1280, "height": 800}, reduced_motion="reduce")
     try:
@@ -71,6 +70,7 @@ def test_the_main_path_is_a_first_read(browser, course_site, name):
         assert not leaks(text), f"{name}: template text on the page: {leaks(text)[:5]}"
         assert len(re.findall(r"[Ee]very number on this page", text)) == 1
         screenshots(page, name, 1280)
+        check_page(page, name, 1280)     # and it hides nothing: one load serves both checks
 
         # the deep dives: each pointer on the main path opens its section of the appendix page,
         # which links back to the spot that pointed there
@@ -96,6 +96,8 @@ def test_the_main_path_is_a_first_read(browser, course_site, name):
         phone.page.goto(_url(folder / f"{name}.html"))
         phone.page.wait_for_load_state("load")
         screenshots(phone.page, name, 390)
+        check_page(phone.page, name, 390)
+        phone.check_clean()
     finally:
         phone.close()
 

@@ -291,10 +291,6 @@ def test_gpt_runs_under_fake_tensor_mode():
     assert rows["after optimizer step"]["Parameter"] == 2 * L.param_count(huge)
 
 
-def test_quick_build(course_site):
-    site = built(course_site, "lecture_01_memory_and_precision")    # the session's one quick build
-    assert (site / "lecture_01_memory_and_precision.json").exists() and (site / "lecture_01_memory_and_precision.html").exists()
-
 
 # --- issue 19: statements the numbers back -------------------------------------------------
 

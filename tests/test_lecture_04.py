@@ -281,9 +281,6 @@ def parallelize_leaves_original(rank, world_size, model):
             and all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
 
 
-def test_quick_build(course_site):
-    site = built(course_site, "lecture_04_tensor_parallel")    # the session's one quick build
-
 
 def both(rank, world_size, cfg, sequence_parallel, batch_size):
     return {"dtensor": train_dtensor(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel),

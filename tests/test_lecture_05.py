@@ -14,7 +14,7 @@ from lectures.pipeline import deep_dives, demos, executor, schedules
 from lectures.pipeline import simulate as S
 from util import spawn
 from tests.conftest import built
-from tests.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
+from tests.support.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
 
 
 def cases():
@@ -339,10 +339,6 @@ def test_sleep_mode_measures_the_schedule():
     assert got == pytest.approx(1 / 5, abs=0.1)
     assert max(r["gpipe"]["peak_saved_bytes"] for r in R) > max(r["1f1b"]["peak_saved_bytes"] for r in R) > 0
 
-
-def test_quick_build(course_site):
-    site = built(course_site, "lecture_05_pipeline_parallel")    # the session's one quick build
-    assert (site / "lecture_05_pipeline_parallel.json").exists()
 
 
 def test_split_backward_refuses_modules_returning_tuples():

@@ -240,10 +240,6 @@ def test_block_math_with_and_without_the_fused_kernel(monkeypatch, fused):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_quick_build(course_site):
-    site = built(course_site, "lecture_06_context_and_expert_parallel")    # the session's one quick build
-    assert (site / "lecture_06_context_and_expert_parallel.json").exists()
-
 
 # --- Misuse and edge cases found by trying ----------------------------------------------------
 

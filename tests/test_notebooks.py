@@ -1,5 +1,6 @@
 """The companion notebooks: committed clean, executed headless by papermill (`make notebooks`
---quick on 2 ranks), checked on what they computed, and their HTML opened offline in a browser."""
+--quick on 4 ranks, the session's notebook build: tests/support/course_build.py), checked on
+what they computed, and their HTML opened offline in a browser."""
 import json
 import os
 import subprocess
@@ -8,12 +9,12 @@ import sys
 import nbformat
 import pytest
 
-from tests.conftest import ARTIFACTS, ROOT, Watched
+from tests.conftest import ARTIFACTS, LECTURES, ROOT, Watched
+from tests.support.sections import sections_of
 from util import build_notebooks as tool
 
-pytestmark = pytest.mark.timeout(600)   # the module fixture runs every notebook (~2 min)
-
 NAMES = tool.available()
+RANKS = 4                                   # the notebooks run on as many ranks as the pages
 CLI = [sys.executable, "-m", "util.build_notebooks"]
 
 
@@ -31,23 +32,23 @@ EXPECT = {
     "lecture_02_communication": lambda c: (
         c["ring_equals_builtin"] is True and c["ring_max_abs_error"] <= 1e-5
         and c["all_reduce_is_reduce_scatter_plus_all_gather"] is True
-        and c["ranks"] == 2),
+        and c["ranks"] == RANKS),
     "lecture_03_data_parallel": lambda c: (
         c["replicas_identical"] is True and _all_equal(c["parameter_checksums"])
-        and len(c["parameter_checksums"]) == 2
+        and len(c["parameter_checksums"]) == RANKS
         and c["matches_single_process"] is True and c["max_abs_diff_vs_single_process"] <= 1e-5
         and c["zero_matches_single_process"] is True and c["zero_max_abs_diff"] <= 1e-5),
     "lecture_04_tensor_parallel": lambda c: (
-        c["ranks"] == 2 and c["matches_single_process"] is True
+        c["ranks"] == RANKS and c["matches_single_process"] is True
         and c["max_abs_diff_vs_single_process"] <= 1e-4 and c["ranks_agree"] is True),
     "lecture_05_pipeline_parallel": lambda c: (
-        c["ranks"] == 2 and c["matches_single_process"] is True and 0 < c["simulated_bubble"] < 1
+        c["ranks"] == RANKS and c["matches_single_process"] is True and 0 < c["simulated_bubble"] < 1
         and c["every_parameter_on_one_stage"] is True),
     "lecture_06_context_and_expert_parallel": lambda c: (
-        c["ranks"] == 2 and c["ring_matches_single_process"] is True and c["ring_max_abs_diff"] <= 1e-10
+        c["ranks"] == RANKS and c["ring_matches_single_process"] is True and c["ring_max_abs_diff"] <= 1e-10
         and c["expert_parallel_matches"] is True and c["same_tokens_dropped"] is True),
     "lecture_07_putting_it_together": lambda c: (
-        c["ranks"] == 2 and c["matches_single_process"] is True
+        c["ranks"] == RANKS and c["matches_single_process"] is True
         and c["estimator_exact_for_weights_grads_optimizer"] is True
         and c["search_found_a_fitting_layout"] is True),
 }
@@ -69,17 +70,12 @@ def published_checks(nb):
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """Every notebook run once through the real command line, quick, on 2 ranks."""
-    out = tmp_path_factory.mktemp("notebooks")
-    proc = subprocess.run([*CLI, "--quick", "--world-size", "2", "--backend", "gloo",
-                           "--cell-timeout", "240", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    return out, proc
+def executed(executed_notebooks):
+    """Every notebook run once through the real command line, quick, on 4 ranks."""
+    return executed_notebooks
 
 
 def test_there_are_notebooks():
-    from tests.conftest import LECTURES
     assert set(LECTURES) <= set(NAMES)            # every lecture has its companion notebook
     assert set(EXPECT) == set(NAMES)              # and says what its notebook must compute
 
@@ -100,16 +96,16 @@ def test_committed_clean_with_parameters(name):
     assert any("checks" in c.metadata.get("tags", []) for c in code), "no checks cell"
 
 
+def test_sections_of_sees_the_deep_dives():
+    """The sections inside deep dives count: lecture 02 runs `this_machine` inside one."""
+    assert "this_machine" in sections_of("lecture_02_communication")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs_every_section(name):
-    """Every section function the lecture's main() calls has its cell (lectures grow)."""
-    import ast
-    with open(os.path.join(ROOT, "lectures", name + ".py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    sections = [c.value.func.id for c in main.body if isinstance(c, ast.Expr)
-                and isinstance(c.value, ast.Call) and isinstance(c.value.func, ast.Name)
-                and c.value.func.id not in ("note", "table", "figure", "see", "image", "try_it_yourself")]
+    """Every section function the lecture's main() calls has its cell (lectures grow), the deep
+    dives' sections included."""
+    sections = sections_of(name)
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     missing = [s for s in sections if f"lec.{s}()" not in code]
@@ -117,10 +113,10 @@ def test_notebook_runs_every_section(name):
 
 
 def test_cli_ran_every_notebook(executed):
-    out, proc = executed
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, build = executed
+    assert build.returncode == 0, build.log[-4000:]
     for name in NAMES:
-        assert f"{name}: ok in" in proc.stderr
+        assert f"{name}: ok in" in build.log
         assert os.path.isfile(out / f"{name}.ipynb") and os.path.isfile(out / f"{name}.html")
     assert not [f for f in os.listdir(out) if f.startswith(".tmp-")], "temporary files left"
 
@@ -135,7 +131,7 @@ def test_notebook_outputs(executed, name):
                      if o.output_type == "stream" and o.name == "stderr")
     assert "Traceback" not in stderr, stderr[-2000:]
     text = json.dumps([o.get("data", {}).get("text/plain", "") for _, o in outputs(nb)])
-    assert "quick=True, world_size=2, backend=gloo" in text, "parameters were not applied"
+    assert f"quick=True, world_size={RANKS}, backend=gloo" in text, "parameters were not applied"
     assert "demo " in text, "no demo ran"
     # Knobs and what was shown: at least one table and one figure came out inline.
     mimes = [m for _, o in outputs(nb) for m in o.get("data", {})]
@@ -169,35 +165,29 @@ def test_exercises_fail_with_stubs(executed, name):
     assert not any(verdicts.values()), verdicts
 
 
-@pytest.fixture(scope="module")
-def with_solutions(tmp_path_factory):
-    """Every notebook's exercise part (the cells tagged `exercises`, as committed), run once in
-    one kernel with solutions = True: the lecture sections are left out, they ran above."""
-    nbs = [nbformat.read(os.path.join(tool.NOTEBOOKS, n + ".ipynb"), as_version=4) for n in NAMES]
-    cells = [nbformat.v4.new_code_cell("solutions = False\nbackend = None", metadata={"tags": ["parameters"]}),
-             nbformat.v4.new_code_cell(nbs[0].cells[2].source.split("import torch")[0]
-                                       + "from util import in_notebook\n"
-                                         "in_notebook.setup(quick=True, world_size=2, backend=backend)")]
-    for nb in nbs:
-        cells += [c for c in nb.cells if "exercises" in c.metadata.get("tags", [])]
-    cells.append(nbformat.v4.new_code_cell("in_notebook.finish()"))
-    combined = nbformat.v4.new_notebook(cells=cells, metadata=nbs[0].metadata)
-    folder = tmp_path_factory.mktemp("solutions")
-    nbformat.write(combined, folder / "exercises.ipynb")
-    written, error = tool.execute(str(folder / "exercises.ipynb"), str(folder / "ran.ipynb"),
-                                  {"solutions": True, "backend": "gloo"}, cell_timeout=120)
-    assert written and not error, error
-    return nbformat.read(folder / "ran.ipynb", as_version=4)
-
-
-def test_exercises_pass_with_solutions(with_solutions):
+@pytest.mark.parametrize("name", NAMES)
+def test_solutions_true_hands_every_check_the_reference(name):
+    """`solutions = True` in the parameters cell: each exercise cell binds the names its check
+    cell passes to the course's reference solution (whose check passes in test_exercises: each
+    reference is evaluated once, there), and the reference's source is not in the notebook."""
+    import ast
     import exercises
-    verdicts = exercise_verdicts(with_solutions)
-    expected = {n for lecture in NAMES for n, _ in exercises.listing(lecture)}
-    assert set(verdicts) == expected and len(expected) >= 3 * len(NAMES), verdicts
-    assert all(verdicts.values()), [n for n, ok in verdicts.items() if not ok]
-    shown = "".join(o.get("text", "") for _, o in outputs(with_solutions))
-    assert "def ring_all_reduce" not in shown   # the reference stays out of the notebook
+    from util import exercise as engine
+    nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
+    stubs = [c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
+    checks = [c.source for c in nb.cells if "check" in c.metadata.get("tags", [])]
+    listed = [n for n, _ in exercises.listing(name)]
+    assert len(stubs) == len(checks) == len(listed) >= 3
+    everything = "\n".join(c.source for c in nb.cells)
+    for exercise, stub, check in zip(listed, stubs, checks):
+        ns = {**engine.namespace(), "solutions": True, "exercises": exercises}
+        exec(compile(stub, f"<{exercise} cell>", "exec"), ns)
+        call = ast.parse(check).body[0].value
+        assert call.args[0].value == exercise, check
+        handed = tuple(ns[a.id] for a in call.args[1:])
+        assert handed == exercises.get(exercise).solution, exercise
+        for fn in handed:
+            assert engine.source_of(fn).strip() not in everything, f"{exercise}'s reference is in the notebook"
 
 
 def _open_offline(browser, path, shot=None):
@@ -246,7 +236,7 @@ def test_failing_notebook_is_loud(tmp_path):
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell(
-                    "from util import in_notebook, spawn\nfrom tests import fixture_lecture\n"
+                    "from util import in_notebook, spawn\nfrom tests.support import fixture_lecture\n"
                     "in_notebook.setup(quick=quick, world_size=1, backend='gloo')\n"
                     "run = spawn(fixture_lecture.sum_of_ranks, 1)"),
                 nbformat.v4.new_code_cell("in_notebook.checks(sum_is_one=run.returns == [1.0])")]
@@ -270,7 +260,7 @@ def test_recorder_displays_each_kind(monkeypatch):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tests import fixture_lecture
+    from tests.support import fixture_lecture
     from util import launch, in_notebook, record
     shown = []
     monkeypatch.setattr(in_notebook, "_display", shown.append)

@@ -195,17 +195,21 @@ PRECISION_BYTES = {  # bytes per parameter (weights, grads, optimizer state) and
 }
 
 
+# The search asks these two for the same few (layers, pp, v) a million times: cached, and tuples
+# so that no caller can change a cached answer.
+@functools.lru_cache(maxsize=None)
 def stage_layers(layers, pp):
     """How many blocks each pipeline stage holds: lecture 05's GPTStage cuts at k·L/pp, so
     sizes differ by at most one and the later stages take the extra."""
-    return [(k + 1) * layers // pp - k * layers // pp for k in range(pp)]
+    return tuple((k + 1) * layers // pp - k * layers // pp for k in range(pp))
 
 
+@functools.lru_cache(maxsize=None)
 def rank_layers(layers, pp, v=1):
     """Blocks on each pipeline rank when every rank holds v chunks: chunk c of rank r is stage
     c·pp + r of lecture 05's looped layout (v = 1: `stage_layers`)."""
     stages = stage_layers(layers, pp * v)
-    return [sum(stages[c * pp + r] for c in range(v)) for r in range(pp)]
+    return tuple(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
 
 
 def held_chunks(layout, stage):

@@ -1,0 +1,145 @@
+"""The test session's course build: made once, read by every test that needs it.
+
+Two builds, each kept in `.pytest_cache/course/<kind>-<key>/` where the key is a hash of the
+course's sources (lectures/, util/, exercises/, requirements.txt) and of the torch and Python
+versions: a re-run with unchanged sources reuses them, and any change to a source builds anew.
+A file lock makes concurrent test processes (two terminals, pytest-xdist) wait for one build
+instead of making two. A failed build is not kept: the next run tries again.
+
+- `pages`: every lecture built quick by ONE torchrun job on 4 ranks (rank 0 narrates, the others
+  serve its demos), into `content/`; every demo's full returns in `returns/`. The page, lecture,
+  exercise-listing and torchrun tests read it.
+- `notebooks`: every companion notebook executed quick on 4 ranks (the pooled launcher), into
+  `notebooks/`, with its demos' returns in `returns/`. The notebook tests read it, and the
+  torchrun test compares the two builds' numbers.
+"""
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.path.join(ROOT, ".pytest_cache", "course")
+SOURCES = ("lectures", "util", "exercises", "requirements.txt")
+RANKS = 4
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+BUILD_TIMEOUT = 2400      # seconds: a build that takes longer has hung; its log says where
+
+
+def source_key(*extra):
+    """A hash of every source file the builds run, and of the versions that run them."""
+    import torch
+    digest = hashlib.sha1(f"{torch.__version__} {sys.version} {extra}".encode())
+    for top in SOURCES:
+        path = os.path.join(ROOT, top)
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, dirs, names in os.walk(path)
+            if "__pycache__" not in d and ".ipynb_checkpoints" not in d for f in names
+            if not f.endswith((".pyc", ".pyo")))
+        for f in files:
+            digest.update(os.path.relpath(f, ROOT).encode())
+            with open(f, "rb") as fh:
+                digest.update(fh.read())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _locked(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Build:
+    """A finished build: its folder, exit code, log, seconds, and whether this run reused it."""
+
+    def __init__(self, kind, folder, info, reused):
+        self.kind, self.folder, self.reused = kind, folder, reused
+        self.returncode, self.seconds, self.command = info["returncode"], info["seconds"], info["command"]
+
+    @property
+    def log(self):
+        with open(os.path.join(self.folder, "log.txt"), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def path(self, *parts):
+        return os.path.join(self.folder, *parts)
+
+
+def cached(kind, command, lectures, env=None):
+    """Run `command` (a list, with {out} standing for the build's folder) once per source key,
+    under a lock; later calls with the same sources reuse its folder."""
+    key = source_key(kind, tuple(lectures))
+    folder = os.path.join(CACHE, f"{kind}-{key}")
+    with _locked(os.path.join(CACHE, f"{kind}.lock")):
+        done = os.path.join(folder, "build.json")
+        if os.path.exists(done):
+            with open(done) as f:
+                return Build(kind, folder, json.load(f), reused=True)
+        for old in os.listdir(CACHE):               # builds of older sources: no longer read
+            if old.startswith(kind + "-"):
+                shutil.rmtree(os.path.join(CACHE, old), ignore_errors=True)
+        os.makedirs(folder)
+        cmd = [part.replace("{out}", folder) for part in command]
+        start = time.monotonic()
+        with open(os.path.join(folder, "log.txt"), "w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {}),
+                                                        "COURSE_RETURNS": os.path.join(folder, "returns")},
+                                    stdout=log, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT).returncode
+            except subprocess.TimeoutExpired:
+                rc = f"killed after {BUILD_TIMEOUT} s"
+        info = {"returncode": rc, "seconds": round(time.monotonic() - start, 1), "command": cmd}
+        if rc == 0:                                 # only a good build is kept for the next run
+            with open(done, "w") as f:
+                json.dump(info, f)
+        return Build(kind, folder, info, reused=False)
+
+
+def pages(lectures):
+    """Every lecture of `lectures` built quick by one torchrun job on 4 ranks."""
+    return cached("pages", [TORCHRUN, "--standalone", "--nproc-per-node", str(RANKS), "-m", "util.run",
+                            *lectures, "--quick", "--out", "{out}/content"], lectures,
+                  env={"PYTHONFAULTHANDLER": "1"})
+
+
+def notebooks(lectures):
+    """Every companion notebook of `lectures` executed quick on 4 pooled ranks."""
+    return cached("notebooks", [sys.executable, "-m", "util.build_notebooks", *lectures, "--quick",
+                                "--world-size", str(RANKS), "--backend", "gloo", "--cell-timeout", "600",
+                                "--out", "{out}/notebooks"], lectures)
+
+
+class Background:
+    """The builds this session needs, started in a thread as soon as the tests are collected,
+    so that the unit tests run while the course builds (the tests that read a build run last,
+    see conftest.py). `get(kind)` waits for that build and returns it."""
+
+    def __init__(self, plan):
+        import threading
+        self.plan, self.done, self.error = plan, {}, None   # plan: [(kind, function, lectures)]
+        self.kinds = [kind for kind, _, _ in plan]
+        self.thread = threading.Thread(target=self._run, name="course-build", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for kind, make, lectures in self.plan:
+                self.done[kind] = make(lectures)
+        except BaseException as e:     # said by get(), in the test that needs the build
+            self.error = e
+
+    def get(self, kind):
+        self.thread.join()
+        if kind not in self.done:
+            raise RuntimeError(f"the course build '{kind}' did not finish: {self.error!r}")
+        return self.done[kind]

@@ -1,0 +1,27 @@
+"""Each lecture's recording from the session's course build is right: the build ended well, no
+demo failed unless it was meant to (and then the page shows the lesson), every section that
+main() calls — the deep dives' included — recorded something, and every figure was drawn."""
+import pytest
+
+from tests.conftest import LECTURES, recording, walk
+from tests.support.sections import sections_of
+
+
+@pytest.mark.parametrize("name", LECTURES)
+def test_the_recording_is_right(course_site, name):
+    rec = recording(course_site, name)
+    assert rec["status"] == "ok", [r["text"][:2000] for r in rec["records"] if r["kind"] == "error"]
+    assert rec["demos"]["failed"] == 0, rec["demos"]
+    demos = [r for r in walk(rec["records"]) if r["kind"] == "demo"]
+    assert demos and rec["demos"]["total"] == len(demos)
+    for d in demos:
+        assert d["status"] in ("ok", "expected_failure", "skipped"), (d["name"], d["status"])
+        if d["status"] != "ok":
+            assert d["error"], f"{d['name']} ended {d['status']} without saying why"
+    made = {r["source"].get("section") for r in rec["records"] if r.get("source")}
+    missing = [s for s in sections_of(name) if s not in made]
+    assert not missing, f"{name}: sections main() calls that recorded nothing: {missing}"
+    figures = [r for r in walk(rec["records"]) if r["kind"] == "figure"]
+    assert figures, f"{name} drew no figure"
+    for f in figures:
+        assert f["svg"].lstrip().startswith(("<?xml", "<svg")) and "<path" in f["svg"], f["caption"][:80]
