@@ -1,8 +1,32 @@
-"""Figures drawn from what a run measured, and progress bars for long sweeps."""
+"""The course's figure style, figures drawn from what a run measured, and progress bars for
+long sweeps."""
 import os
 import sys
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+import matplotlib  # noqa: E402  (after MPLBACKEND: the backend is chosen on import)
+
+# One style for every figure of the course, in points. It is set here, when util is imported, so
+# before any figure exists: matplotlib fixes a text's size when the text is made, not when it is
+# saved. A figure asks for a size by role, never in points: nothing (the style's size for axis
+# labels, titles, tick labels, legends), a name matplotlib scales from font.size ("x-small" 6.9,
+# "small" 8.3, "medium" 10, "large" 12, "x-large" 14.4), or NOTE. On a phone a chart is drawn
+# about 5 inches wide (util.record.PHONE_INCHES), where 1 pt is about 1 px.
+STYLE = {
+    "font.size": 10,            # text written on a chart or a diagram (ax.text), and "medium"
+    "axes.labelsize": 12,
+    "axes.titlesize": 12,
+    "xtick.labelsize": 11,
+    "ytick.labelsize": 11,
+    "legend.fontsize": 11,
+    "figure.titlesize": 14,
+}
+# The size of the tick labels and the legend, between the text and the axis labels (no name of
+# matplotlib's gives it): a value or remark written beside a bar or an arrow, a diagram's box, and
+# the titles and labels of figures packed with panels.
+NOTE = STYLE["legend.fontsize"]
+matplotlib.rcParams.update(STYLE)
 
 
 def timeline(spans, title="", ax=None):
@@ -65,7 +89,7 @@ def progress(iterable, desc="", total=None):
                 mininterval=0.5, dynamic_ncols=True)
 
 
-def kb_bars(ax, labels, nbytes, colours, xmax, fontsize=12):
+def kb_bars(ax, labels, nbytes, colours, xmax, fontsize="large"):
     """Horizontal bars of byte counts in kB, top to bottom in the given order, each labelled with
     its value; the x axis runs to 1.3 × `xmax` bytes so the labels fit."""
     bars = ax.barh(range(len(nbytes)), [b / 1e3 for b in nbytes], color=colours)

@@ -8,6 +8,7 @@ import torch
 from lectures.context_parallel.demos import LAYOUTS, ring_work
 from lectures.context_parallel.sharding import sequence_positions, striped_positions
 from util import figure
+from util.figures import NOTE
 from util.measure import errorbar
 
 
@@ -22,7 +23,7 @@ def ring_steps_figure(n):
         for r in range(n):
             src = ring_source(r, step, n)
             ax.add_patch(plt.Rectangle((step * 2, -r - 0.4), 1.2, 0.8, color=colors[src], alpha=0.85))
-            ax.text(step * 2 + 0.6, -r, f"K/V {src}", ha="center", va="center", fontsize=12, color="white",
+            ax.text(step * 2 + 0.6, -r, f"K/V {src}", ha="center", va="center", fontsize="large", color="white",
                     fontweight="bold")
             if step < n - 1:
                 nxt = (r + 1) % n
@@ -30,9 +31,9 @@ def ring_steps_figure(n):
                             arrowprops=dict(arrowstyle="->", color="gray", lw=1,
                                             connectionstyle="arc3,rad=0.0" if nxt > r else "arc3,rad=-0.25"))
     ax.set_xticks([step * 2 + 0.6 for step in range(n)])
-    ax.set_xticklabels([f"step {t}" for t in range(n)], fontsize=12)
+    ax.set_xticklabels([f"step {t}" for t in range(n)], fontsize="large")
     ax.set_yticks([-r for r in range(n)])
-    ax.set_yticklabels([f"rank {r}\n(queries {r})" for r in range(n)], fontsize=12)
+    ax.set_yticklabels([f"rank {r}\n(queries {r})" for r in range(n)], fontsize="large")
     ax.set_xlim(-0.3, 2 * n - 0.5)
     ax.set_ylim(-n + 0.4, 0.6)
     for side in ("top", "right", "bottom", "left"):
@@ -52,11 +53,11 @@ def held_bytes_picture(r, n):
     shard = r[0]["ring"]["shard_bytes"] / 2**20
     fig, ax = plt.subplots(figsize=(6.2, 2.2))
     bars = ax.barh(names, held, color=["#4c72b0", "#dd8452"], height=0.55)
-    ax.bar_label(bars, labels=[f"{h:.2f} MiB = {h / shard:.1f} q shards" for h in held], fontsize=10, padding=3)
+    ax.bar_label(bars, labels=[f"{h:.2f} MiB = {h / shard:.1f} q shards" for h in held], padding=3)
     ax.set_xlim(0, max(held) * 1.6)
     ax.invert_yaxis()
-    ax.set_xlabel("held for backward per rank (MiB, busiest rank)", fontsize=10)
-    ax.tick_params(labelsize=10)
+    ax.set_xlabel("held for backward per rank (MiB, busiest rank)", fontsize="medium")
+    ax.tick_params(labelsize="medium")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
@@ -84,15 +85,15 @@ def ulysses_picture(layouts):
                                            edgecolor="white", linewidth=1))
             x0, y0, w, h = (r * per, 0, per, heads) if when == "before" else (0, heads - (r + 1) * hn, S, hn)
             ax.add_patch(Rectangle((x0, y0), w, h, fill=False, edgecolor="black", linewidth=2))
-            ax.text(x0 + w / 2, y0 + h / 2, f"rank {r}", ha="center", va="center", fontsize=10,
+            ax.text(x0 + w / 2, y0 + h / 2, f"rank {r}", ha="center", va="center",
                     color="white", fontweight="bold",
                     bbox={"facecolor": "black", "alpha": 0.45, "edgecolor": "none", "pad": 1.5})
         ax.set_xlim(0, S); ax.set_ylim(0, heads); ax.set_aspect("equal")
         ax.set_xticks([]); ax.set_yticks([])
-        ax.set_xlabel(f"sequence positions (0–{S - 1})", fontsize=10)
-        ax.set_ylabel(f"heads (0–{heads - 1})", fontsize=10)
+        ax.set_xlabel(f"sequence positions (0–{S - 1})", fontsize="medium")
+        ax.set_ylabel(f"heads (0–{heads - 1})", fontsize="medium")
         ax.set_title("before: a block of positions, every head" if when == "before"
-                     else "after one all-to-all: a head, every position", fontsize=10)
+                     else "after one all-to-all: a head, every position", fontsize="medium")
     fig.tight_layout()
     return fig
 
@@ -115,11 +116,11 @@ def dispatch_figure(rows_sent, n):
     for x, label in zip(xs, ("tokens\n(routed here)", "experts", "tokens\n(combined)")):
         for r in range(n):
             ax.add_patch(plt.Rectangle((x - 0.12, -r - 0.3), 0.24, 0.6, color=colors[r], zorder=3))
-            ax.text(x, -r, f"rank {r}", ha="center", va="center", fontsize=11, color="white", zorder=4,
+            ax.text(x, -r, f"rank {r}", ha="center", va="center", fontsize=NOTE, color="white", zorder=4,
                     fontweight="bold")
-        ax.text(x, 0.75, label, ha="center", va="bottom", fontsize=12)
-    ax.text(0.5, -n + 0.2, "dispatch (all-to-all)", ha="center", fontsize=12)
-    ax.text(1.5, -n + 0.2, "combine (all-to-all)", ha="center", fontsize=12)
+        ax.text(x, 0.75, label, ha="center", va="bottom", fontsize="large")
+    ax.text(0.5, -n + 0.2, "dispatch (all-to-all)", ha="center", fontsize="large")
+    ax.text(1.5, -n + 0.2, "combine (all-to-all)", ha="center", fontsize="large")
     ax.set_xlim(-0.3, 2.3)
     ax.set_ylim(-n, 1.5)
     ax.axis("off")
@@ -136,10 +137,9 @@ def activation_memory_figure(lens, one, per):
     ax.plot(lens, [one[S] / 2**20 for S in lens], "o-", label="1 rank")
     for n in (2, 4):
         ax.plot(lens, [max(x[S] for x in per[n]) / 2**20 for S in lens], "o-", label=f"CP = {n}, per rank")
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("activations kept (MiB)", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=11)
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("activations kept (MiB)")
+    ax.legend()
     return fig
 
 
@@ -156,7 +156,8 @@ def pytorch_cp_figure(names, t):
     axes[1].set_ylabel("MiB sent by rank 0")
     for ax in axes:
         ax.set_xticks(range(4))
-        ax.set_xticklabels(["PyTorch\nall-gather", "ours\nall-gather", "PyTorch\nring", "ours\nring"], fontsize=9)
+        ax.set_xticklabels(["PyTorch\nall-gather", "ours\nall-gather", "PyTorch\nring", "ours\nring"],
+                           fontsize="small")
         ax.axvline(1.5, color="gray", lw=0.8, ls=":")
     return fig
 
@@ -169,7 +170,7 @@ def moe_figure(counts, labels, r):
     axes[0].bar(range(8), counts)
     axes[0].set_xlabel("expert")
     axes[0].set_ylabel("tokens routed (both choices)")
-    axes[0].set_title("untrained router, 512 tokens", fontsize=10)
+    axes[0].set_title("untrained router, 512 tokens", fontsize="medium")
     for label, log in zip(labels, r):
         axes[1].plot(log["max_load"], label=label)
         axes[2].plot(log["loss"], label=label)
@@ -178,7 +179,7 @@ def moe_figure(counts, labels, r):
     axes[1].set_ylabel("busiest expert / mean load")
     axes[2].set_xlabel("step")
     axes[2].set_ylabel("training loss")
-    axes[1].legend(fontsize=8)
+    axes[1].legend(fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -190,17 +191,17 @@ def expert_groups_figure(ep_groups, edp_groups, ep, world, starts, colors, count
     for g in ep_groups:
         d = g[0] // ep
         ax.add_patch(plt.Rectangle((-0.45, -d - 0.42), ep - 0.1, 0.84, fill=False, ec="tab:blue", lw=2))
-        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize=9, color="tab:blue")
+        ax.text(ep - 0.5, -d, f"EP group {g}", va="center", fontsize="small", color="tab:blue")
     for j, g in enumerate(edp_groups):
         ax.add_patch(plt.Rectangle((j - 0.4, -len(g) + 0.55), 0.8, len(g) - 0.1, fill=False, ec="tab:red", lw=2,
                                    ls="--"))
-        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize=9, color="tab:red")
+        ax.text(j, -len(g) + 0.4, f"expert-DP\ngroup {g}", ha="center", va="top", fontsize="small", color="tab:red")
     for g in ep_groups:
         for j, rank in enumerate(g):
             d = rank // ep
             ax.add_patch(plt.Rectangle((j - 0.3, -d - 0.3), 0.6, 0.6, color=colors[rank], alpha=0.8))
             experts = list(range(starts[j], starts[j] + counts[j]))
-            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize=9)
+            ax.text(j, -d, f"rank {rank}\nrouter\nexperts {experts}", ha="center", va="center", fontsize="small")
     ax.set_xlim(-0.6, ep + 1.0)
     ax.set_ylim(-world // ep - 0.3, 0.5)
     ax.axis("off")
@@ -220,15 +221,15 @@ def usp_figure(R, h, U, colors):
                 else:
                     x0, w, y0, hh = ring * U, U, u * h // U, h // U  # h/U heads, the ring slot's s/R positions
                 ax.add_patch(plt.Rectangle((x0, y0), w, hh, color=colors[rank], alpha=0.8, ec="white", lw=2))
-                ax.text(x0 + w / 2, y0 + hh / 2, f"rank {rank}", ha="center", va="center", fontsize=10, color="white",
+                ax.text(x0 + w / 2, y0 + hh / 2, f"rank {rank}", ha="center", va="center", color="white",
                         fontweight="bold")
         ax.set_xlim(0, U * R)
         ax.set_ylim(0, h)
         ax.set_xticks([i + 0.5 for i in range(U * R)])
-        ax.set_xticklabels([f"s/{U * R}" for _ in range(U * R)], fontsize=9)
-        ax.set_xlabel("sequence", fontsize=10)
-        ax.set_title(phase, fontsize=10)
-    axes[0].set_ylabel("heads", fontsize=10)
+        ax.set_xticklabels([f"s/{U * R}" for _ in range(U * R)], fontsize="small")
+        ax.set_xlabel("sequence", fontsize="medium")
+        ax.set_title(phase, fontsize="medium")
+    axes[0].set_ylabel("heads", fontsize="medium")
     axes[0].set_yticks(range(h + 1))
     return fig
 
@@ -258,14 +259,14 @@ def attention_blocks_figure(seq_len=16, world_size=4):
             grid[i, :i + 1] = owner[i]
         ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=world_size - 0.5)
         work = ring_work(seq_len, world_size, layout)
-        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize=10)
-        ax.set_xlabel("key position", fontsize=10)
+        ax.set_title(f"{layout}\nentries per rank: {', '.join(map(str, work))}", fontsize="medium")
+        ax.set_xlabel("key position", fontsize="medium")
         ax.set_xticks([0, seq_len - 1])
         ax.set_yticks([0, seq_len - 1])
-    axes[0].set_ylabel("query position", fontsize=10)
+    axes[0].set_ylabel("query position", fontsize="medium")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
     fig.legend(handles, [f"rank {r}" for r in range(world_size)], loc="lower center", ncol=world_size,
-               fontsize=10, frameon=False)
+               fontsize="medium", frameon=False)
     fig.subplots_adjust(bottom=0.24, top=0.84, wspace=0.08)
     figure(fig, caption=f"causal attention on {seq_len} tokens over {world_size} ranks: each coloured cell is a "
                         "score a rank computes (the rank holding that query); white cells are masked and skipped. "
@@ -281,11 +282,11 @@ def work_imbalance_figure(ns, S0):
     for layout, marker in zip(LAYOUTS, "os^"):
         ax.plot(ns, imb[layout], marker + "-", label=layout)
         ax.annotate(f"{imb[layout][-1]:.2f}", (ns[-1], imb[layout][-1]), textcoords="offset points",
-                    xytext=(6, 0), va="center", fontsize=9)
-    ax.set_xlabel("ranks n", fontsize=10)
-    ax.set_ylabel("busiest / idlest rank's work", fontsize=10)
+                    xytext=(6, 0), va="center", fontsize="small")
+    ax.set_xlabel("ranks n", fontsize="medium")
+    ax.set_ylabel("busiest / idlest rank's work", fontsize="medium")
     ax.set_xlim(1.5, 9)
-    ax.legend(fontsize=9)
+    ax.legend(fontsize="small")
     return fig
 
 
@@ -299,9 +300,9 @@ def share_bars_figure(shares, S, nb):
         t = [shares[layout, r].q1 for r in range(nb)]
         ax.bar([r - 0.2 for r in range(nb)], [x / max(c) for x in c], width=0.4, label="work counted")
         ax.bar([r + 0.2 for r in range(nb)], [x / max(t) for x in t], width=0.4, label="time measured")
-        ax.set_title(layout, fontsize=10)
-        ax.set_xlabel("rank", fontsize=10)
+        ax.set_title(layout, fontsize="medium")
+        ax.set_xlabel("rank", fontsize="medium")
         ax.set_xticks(range(nb))
-    axes[0].set_ylabel("relative to the busiest rank", fontsize=10)
-    axes[0].legend(fontsize=9, loc="upper left")
+    axes[0].set_ylabel("relative to the busiest rank", fontsize="medium")
+    axes[0].legend(fontsize="small", loc="upper left")
     return fig

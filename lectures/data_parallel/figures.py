@@ -8,7 +8,7 @@ import numpy as np
 
 from lectures.data_parallel.collectives import bus_bandwidth_factor, crossover_bytes, optimal_bytes
 from util import plural
-from util.figures import kb_bars
+from util.figures import NOTE, kb_bars
 from util.measure import Timing, errorbar
 
 KB, MB = 1024, 1024 ** 2
@@ -36,15 +36,13 @@ def draw_hierarchy(copy_gbs):
     bars = ax.barh(range(len(names)), values, color=["#4c72b0"] * len(H100_LEVELS) + ["#dd8452"])
     for bar, v in zip(bars, values):
         ax.text(v * 1.1, bar.get_y() + bar.get_height() / 2,
-                f"{v:,.0f} GB/s" if v >= 100 else f"{v:.3g} GB/s", va="center", fontsize=12)
+                f"{v:,.0f} GB/s" if v >= 100 else f"{v:.3g} GB/s", va="center", fontsize="large")
     ax.set_xscale("log")
     ax.set_xlim(min(values) / 3, max(values) * 12)
-    ax.set_yticks(range(len(names)), names, fontsize=12)
+    ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s per direction (log scale)", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend([bars[0], bars[-1]], ["H100 SXM node (published)", "measured by this build"],
-              fontsize=11, loc="lower right")
+    ax.set_xlabel("GB/s per direction (log scale)")
+    ax.legend([bars[0], bars[-1]], ["H100 SXM node (published)", "measured by this build"], loc="lower right")
     return fig
 
 
@@ -69,16 +67,18 @@ def draw_stages(name, panels, stacked=False):
                                                           0.55 * world_size + 1.0),
                                  gridspec_kw={"width_ratios": widths})
     axes = np.atleast_1d(axes)
-    big = 13 if stacked else 9          # stacked figures are shrunk most on a phone
+    # stacked figures are shrunk most on a phone: their text is larger
+    cells, titles, heading = ("large", "x-large", "x-large") if stacked else ("small", "medium", NOTE)
     for k, (ax, (side, data, sums), width) in enumerate(zip(axes, panels, widths)):
-        _draw_panel(ax, side, data, sums, width, origin, big, ranks=k == 0 or stacked)
-    fig.suptitle(name, fontweight="bold", fontsize=big + 2)
+        _draw_panel(ax, side, data, sums, width, origin, cells, titles, ranks=k == 0 or stacked)
+    fig.suptitle(name, fontweight="bold", fontsize=heading)
     fig.tight_layout()
     return fig
 
 
-def _draw_panel(ax, side, data, sums, width, origin, big, ranks=True):
-    """One stage of a collective on `ax`: a row of cells per rank (see `draw_stages`)."""
+def _draw_panel(ax, side, data, sums, width, origin, fontsize, title_size, ranks=True):
+    """One stage of a collective on `ax`: a row of cells per rank (see `draw_stages`); `fontsize`
+    is the cells' and the ranks' size."""
     import matplotlib.pyplot as plt
     world_size = len(data)
     colours = plt.cm.Pastel1
@@ -86,7 +86,7 @@ def _draw_panel(ax, side, data, sums, width, origin, big, ranks=True):
         y = world_size - 1 - r
         values = t.tolist() if t is not None else []
         if not values:
-            ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=big, color="0.5")
+            ax.text(0.05, y + 0.4, "(nothing)", va="center", fontsize=fontsize, color="0.5")
         for i, v in enumerate(values):
             kind = "moved"
             if sums == "all" or (sums == "dst" and r == 0):
@@ -101,19 +101,19 @@ def _draw_panel(ax, side, data, sums, width, origin, big, ranks=True):
             ax.add_patch(plt.Rectangle((i, y), 0.95, 0.8, facecolor=face, edgecolor="0.3",
                                        hatch="///" if kind == "scratch" else None,
                                        linewidth=1.6 if kind == "owned" else 0.6))
-            ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=big,
+            ax.text(i + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=fontsize,
                     color="0.45" if kind == "scratch" else "black",
                     fontweight="bold" if kind in ("sum", "owned") else "normal")
     ax.set_xlim(-0.1, width + 0.1)
     ax.set_ylim(-0.2, world_size)
     ax.set_yticks([world_size - 1 - r + 0.4 for r in range(world_size)],
                   [f"rank {r}" for r in range(world_size)] if ranks else [],
-                  fontsize=big)
+                  fontsize=fontsize)
     ax.tick_params(length=0)
     ax.set_xticks([])
     for spine in ax.spines.values():
         spine.set_visible(False)
-    ax.set_title(side, fontsize=big + 1)
+    ax.set_title(side, fontsize=title_size)
 
 
 def draw_gallery(results, columns=2):
@@ -136,11 +136,10 @@ def draw_gallery(results, columns=2):
         inner = outer[i // columns, i % columns].subgridspec(1, 2, wspace=0.08)
         for k, (side, data, kind) in enumerate((("before", before, "none"), ("after", after, sums))):
             ax = fig.add_subplot(inner[0, k])
-            _draw_panel(ax, side, data, kind, width, origin, 12, ranks=k == 0 and i % columns == 0)
-            ax.title.set_fontsize(11)
+            _draw_panel(ax, side, data, kind, width, origin, "large", NOTE, ranks=k == 0 and i % columns == 0)
             if k == 0:
                 ax.text(1.04, 1.32, name, transform=ax.transAxes, ha="center", va="bottom",
-                        fontsize=14, fontweight="bold")
+                        fontsize="x-large", fontweight="bold")
     return fig
 
 
@@ -169,19 +168,19 @@ def draw_ring_trace(traces):
                                            edgecolor="red" if c == got else "0.4",
                                            linewidth=2.0 if c == got else 0.5))
                 ax.text(c + 0.475, world_size - 1 - r + 0.45, f"{int(v)}", ha="center",
-                        va="center", fontsize=9, color="white" if share > 0.6 else "black",
+                        va="center", fontsize="small", color="white" if share > 0.6 else "black",
                         fontweight="bold" if v == full else "normal")
         ax.set_xlim(0, world_size)
         ax.set_ylim(0, world_size)
         ax.set_xticks([c + 0.475 for c in range(world_size)], [f"c{c}" for c in range(world_size)],
-                      fontsize=9)
+                      fontsize="small")
         ax.set_yticks([world_size - 1 - r + 0.45 for r in range(world_size)],
                       [f"rank {r}" for r in range(world_size)] if col in (0, 1) and (row, col) != (0, 1)
-                      else [], fontsize=9)
+                      else [], fontsize="small")
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
-        ax.set_title("start" if phase == "start" else f"{phase}\nstep {step}", fontsize=9)
+        ax.set_title("start" if phase == "start" else f"{phase}\nstep {step}", fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -207,7 +206,7 @@ def draw_ring_arrows(traces):
             k = 1 + row * (n - 1) + col                # index in the trace (0 is the start)
             if n == 1 or k >= len(traces[0]):
                 continue
-            ax.set_title(f"{phase}, step {col + 1}", fontsize=11)
+            ax.set_title(f"{phase}, step {col + 1}", fontsize=NOTE)
             for r in range(n):
                 right = (r + 1) % n
                 chunk = traces[right][k][2]
@@ -219,11 +218,11 @@ def draw_ring_arrows(traces):
                 mx, my = (x0 + x1) / 2, (y0 + y1) / 2
                 norm = max(1e-9, np.hypot(mx, my))
                 lx, ly = (mx / norm * 1.2, my / norm * 1.2) if n > 2 else (mx + (0.55 if r else -0.55), my)
-                ax.text(lx, ly, f"c{chunk}={value:g}", ha="center", va="center", fontsize=11,
+                ax.text(lx, ly, f"c{chunk}={value:g}", ha="center", va="center", fontsize=NOTE,
                         color=plt.cm.tab10(chunk % 10), fontweight="bold")
             for r, (x, y) in enumerate(pos):
                 ax.add_patch(plt.Circle((x, y), 0.27, facecolor="white", edgecolor="0.3", lw=1))
-                ax.text(x, y, f"r{r}", ha="center", va="center", fontsize=11)
+                ax.text(x, y, f"r{r}", ha="center", va="center", fontsize=NOTE)
     fig.tight_layout()
     return fig
 
@@ -240,13 +239,12 @@ def draw_busbw(names, sizes, timings, ranks):
         errorbar(ax, these, bus, scale=1, marker="o", label=name.replace("_", "-"))
     ticks = min(sizes, key=len)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], rotation=45, fontsize=11)
-    ax.set_xlabel("message size S", fontsize=12)
-    ax.set_ylabel("bus bandwidth (GB/s)", fontsize=12)
-    ax.tick_params(labelsize=11)
+    ax.set_xticks(ticks, [human_bytes(s) for s in ticks], rotation=45)
+    ax.set_xlabel("message size S")
+    ax.set_ylabel("bus bandwidth (GB/s)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=11)
-    ax.set_title(f"busbw vs size, {ranks} ranks", fontsize=12)
+    ax.legend()
+    ax.set_title(f"busbw vs size, {ranks} ranks")
     return fig
 
 
@@ -261,13 +259,12 @@ def draw_wire(wire, nbytes, n):
             edgecolor="black", lw=1.5, label="bandwidth-optimal (NCCL's ring)")
     for i, k in enumerate(names):
         ax.text(wire[k] / MB, i, f" {wire[k] / optimal_bytes(k, nbytes, n):.2f}×", va="center",
-                fontsize=12)
-    ax.set_yticks(y, [k.replace("_", "-") for k in names], fontsize=12)
+                fontsize="large")
+    ax.set_yticks(y, [k.replace("_", "-") for k in names])
     ax.invert_yaxis()
     ax.set_xlim(0, max(wire.values()) / MB * 1.25)
-    ax.set_xlabel(f"MB sent per rank, S = {human_bytes(nbytes)}, {n} ranks", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=11, loc="lower right")
+    ax.set_xlabel(f"MB sent per rank, S = {human_bytes(nbytes)}, {n} ranks")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -297,7 +294,7 @@ def draw_alpha_beta(sizes, timings, alpha, beta, regimes=None):
     ax.set_ylabel("time (µs)")
     ax.set_ylim(min(t.q1 for t in timings) * 1e6 / 2, max(t.q3 for t in timings) * 1e6 * 2)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=9)
+    ax.legend(fontsize="small")
     return fig
 
 
@@ -308,18 +305,17 @@ def draw_hang(waited, world_size, timeout):
     for rank in range(world_size):
         w = waited.get(rank)
         if w is None:
-            ax.text(0.05, rank, "skipped the all-reduce, returned at once", va="center", fontsize=12,
+            ax.text(0.05, rank, "skipped the all-reduce, returned at once", va="center", fontsize="large",
                     color="#c44e52")
         else:
             ax.barh(rank, w, color="#8c8c8c", height=0.6)
-            ax.text(w + 0.05, rank, f"waited {w:.1f} s", va="center", fontsize=12)
+            ax.text(w + 0.05, rank, f"waited {w:.1f} s", va="center", fontsize="large")
     ax.axvline(timeout, color="#c44e52", ls="--", lw=1.5)
-    ax.text(timeout, -0.75, f"timeout {timeout} s", color="#c44e52", ha="center", fontsize=12)
-    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=12)
+    ax.text(timeout, -0.75, f"timeout {timeout} s", color="#c44e52", ha="center", fontsize="large")
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
     ax.set_ylim(world_size - 0.5, -1.1)
     ax.set_xlim(0, timeout * 1.6)
-    ax.set_xlabel("seconds inside dist.all_reduce", fontsize=12)
-    ax.tick_params(labelsize=11)
+    ax.set_xlabel("seconds inside dist.all_reduce")
     return fig
 
 
@@ -332,18 +328,18 @@ def ddp_figure(ref, runs, apart):
     left.plot(steps, ref["losses"], lw=6, alpha=0.3, color="k", label="one process")
     for (n, r), style in zip(runs.items(), ("o-", "s--", "^:")):
         left.plot(steps, r[0]["losses"], style, ms=5, label=plural(n, "rank"))
-    left.set_xlabel("step", fontsize=12)
-    left.set_ylabel("loss", fontsize=12)
-    left.set_title("with the broadcast", fontsize=12)
-    left.legend(fontsize=10, frameon=False)
+    left.set_xlabel("step")
+    left.set_ylabel("loss")
+    left.set_title("with the broadcast")
+    left.legend(fontsize="medium", frameon=False)
     for r, (k, run) in enumerate(apart.items()):
         right.plot(steps, run["checksums"], "o-", ms=5, label=f"rank {k}")
-    right.set_xlabel("step", fontsize=12)
-    right.set_ylabel("parameter checksum", fontsize=12)
-    right.set_title("without it: replicas never meet", fontsize=12)
-    right.legend(fontsize=10, frameon=False)
+    right.set_xlabel("step")
+    right.set_ylabel("parameter checksum")
+    right.set_title("without it: replicas never meet")
+    right.legend(fontsize="medium", frameon=False)
     for ax in (left, right):
-        ax.tick_params(labelsize=10)
+        ax.tick_params(labelsize="medium")
     fig.tight_layout()
     return fig
 
@@ -366,12 +362,12 @@ def sampler_figure(result, rows):
                     ax.add_patch(plt.Rectangle((j, n - 1 - r), 0.92, 0.85,
                                                color="#c44e52" if twice else "#4c72b0", alpha=0.85))
                     ax.text(j + 0.46, n - 1 - r + 0.42, str(x), ha="center", va="center", color="white",
-                            fontsize=11)
+                            fontsize=NOTE)
             ax.set_xlim(0, width)
             ax.set_ylim(0, n)
-            ax.set_yticks([n - 1 - r + 0.42 for r in range(n)], [f"rank {r}" for r in range(n)], fontsize=11)
+            ax.set_yticks([n - 1 - r + 0.42 for r in range(n)], [f"rank {r}" for r in range(n)])
             ax.set_xticks([])
-            ax.set_title(f"{'drop_last' if drop_last else 'padding (default)'}, epoch {epoch}", fontsize=12)
+            ax.set_title(f"{'drop_last' if drop_last else 'padding (default)'}, epoch {epoch}")
             for spine in ax.spines.values():
                 spine.set_visible(False)
     fig.tight_layout()
@@ -413,8 +409,8 @@ def draw_holdings(per_rank, stages):
         ax.set_xlim(0, 1)
         ax.set_ylim(0, n)
         ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)],
-                      fontsize=12)
-        ax.set_title(stage, fontsize=13, loc="left")
+                      fontsize="large")
+        ax.set_title(stage, loc="left")
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
@@ -423,7 +419,7 @@ def draw_holdings(per_rank, stages):
         ticks.append(x0 + full[c] * scale * 0.48)
         x0 += full[c] * scale
     for ax in axes[-cols:]:
-        ax.set_xticks(ticks, ["params", "grads", "Adam state"], fontsize=12)
+        ax.set_xticks(ticks, ["params", "grads", "Adam state"], fontsize="large")
     fig.tight_layout()
     return fig
 
@@ -434,9 +430,8 @@ def bucket_sweep_figure(nbuckets, kinds, t):
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     errorbar(ax, [nbuckets[k] for k in kinds], [t[k] for k in kinds], fmt="o-")
     ax.set_xscale("log")
-    ax.set_xlabel("all-reduce messages per step (buckets)", fontsize=12)
-    ax.set_ylabel("ms per step", fontsize=12)
-    ax.tick_params(labelsize=11)
+    ax.set_xlabel("all-reduce messages per step (buckets)")
+    ax.set_ylabel("ms per step")
     ax.grid(alpha=0.3, which="both")
     return fig
 
@@ -449,12 +444,12 @@ def hidden_all_reduce_figure(backward, comm, at_scale):
                                                  ("7B on H100s (computed)", at_scale["backward"],
                                                   at_scale["comm"], "s")]):
         bars = ax.barh([0, 1], [bwd, ar], color=["#dd8452", "#8172b3"])
-        ax.bar_label(bars, labels=[f"{bwd:.3g} {unit}", f"{ar:.3g} {unit}"], padding=3, fontsize=12)
-        ax.set_yticks([0, 1], ["backward", "all-reduce"], fontsize=12)
+        ax.bar_label(bars, labels=[f"{bwd:.3g} {unit}", f"{ar:.3g} {unit}"], padding=3, fontsize="large")
+        ax.set_yticks([0, 1], ["backward", "all-reduce"], fontsize="large")
         ax.invert_yaxis()
         ax.set_xlim(0, max(bwd, ar) * 1.45)
         ax.set_xticks([])
-        ax.set_title(title, fontsize=12)
+        ax.set_title(title)
         for spine in ("top", "right", "bottom"):
             ax.spines[spine].set_visible(False)
     fig.tight_layout()
@@ -471,11 +466,10 @@ def accumulation_traffic_figure(rows):
             if pts:
                 ax.plot(*zip(*pts), marker + "-", color=colour, ms=7,
                         label=f"{ranks_} ranks, {kind}")
-    ax.set_xlabel("micro-batches accumulated per step", fontsize=12)
-    ax.set_ylabel("kB sent per step\nper rank (counted)", fontsize=12)
+    ax.set_xlabel("micro-batches accumulated per step")
+    ax.set_ylabel("kB sent per step\nper rank (counted)")
     ax.set_ylim(0, max(r[6] for r in rows) / 1e3 * 1.3)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=10, frameon=False, ncol=2, loc="lower right")
+    ax.legend(fontsize="medium", frameon=False, ncol=2, loc="lower right")
     return fig
 
 
@@ -492,12 +486,12 @@ def pytorch_versions_figure(t):
             m = t[key].median * 1e3
             ax.barh(i + dy, m, 0.32, color=colour, label=who if i == 0 else None,
                     xerr=[[m - t[key].q1 * 1e3], [t[key].q3 * 1e3 - m]], capsize=3)
-            ax.text(m * 1.02 + 0.02, i + dy, f"{m:.3g} ms", va="center", fontsize=11)
-    ax.set_yticks(range(len(pairs)), [p[0] for p in pairs], fontsize=12)
+            ax.text(m * 1.02 + 0.02, i + dy, f"{m:.3g} ms", va="center", fontsize=NOTE)
+    ax.set_yticks(range(len(pairs)), [p[0] for p in pairs], fontsize="large")
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step (median, IQR)", fontsize=12)
+    ax.set_xlabel("ms per step (median, IQR)")
     ax.set_xlim(0, max(t[k].q3 for p in pairs for k in p[1:] if k) * 1e3 * 1.3)
-    ax.legend(fontsize=11, frameon=False, loc="lower right")
+    ax.legend(frameon=False, loc="lower right")
     return fig
 
 
@@ -507,8 +501,8 @@ def fsdp2_knobs_figure(rows):
     fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.5 * len(rows)))
     short = [r[0].replace("FSDP2, ", "").replace(" (every rank a full replica)", "")
              .replace(" (shard 2, replicate 2)", "") for r in rows]
-    kb_bars(ax, short, [r[2] for r in rows], "#8172b3", max(r[2] for r in rows), fontsize=11)
-    ax.set_xlabel("bytes written per step by rank 0 (kB, measured)", fontsize=12)
+    kb_bars(ax, short, [r[2] for r in rows], "#8172b3", max(r[2] for r in rows), fontsize=NOTE)
+    ax.set_xlabel("bytes written per step by rank 0 (kB, measured)")
     return fig
 
 
@@ -524,7 +518,7 @@ def local_sgd_figure(curves):
     left.set_ylabel("held-out loss")
     right.set_xscale("log")
     right.set_xlabel("MB sent per rank (cumulative, counted)")
-    right.legend(fontsize=7)
+    right.legend(fontsize="x-small")
     return fig
 
 
@@ -537,7 +531,7 @@ def powersgd_figure(run):
         ax.plot(s, loss, marker=".", label=impl)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize="small")
     return fig
 
 
@@ -549,11 +543,10 @@ def batch_scaling_figure(rules, batches, got):
         ax.plot(batches, [got[b, rule] for b in batches], style, label=f"{rule} scaling")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("global batch (same samples in all)", fontsize=12)
-    ax.set_ylabel("held-out loss at the end", fontsize=12)
-    ax.tick_params(labelsize=11)
+    ax.set_xlabel("global batch (same samples in all)")
+    ax.set_ylabel("held-out loss at the end")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=11)
+    ax.legend()
     return fig
 
 
@@ -590,10 +583,9 @@ def memory_per_rank_figure(got, stages, psi, n):
     tallest = max(max(sum(got[s]["held"].values()), sum(formula_bytes(psi, n, s, 4, 4, 8)))
                   for s in stages) / 2**20
     ax.set_ylim(0, tallest * 1.12)              # every bar inside the axes
-    ax.set_xticks(range(len(stages)), [f"{s}\nmeas. | form." for s in stages], fontsize=12)
-    ax.set_ylabel("MB per rank", fontsize=12)
-    ax.tick_params(axis="y", labelsize=11)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=12, frameon=False)
-    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}", fontsize=12)
+    ax.set_xticks(range(len(stages)), [f"{s}\nmeas. | form." for s in stages], fontsize="large")
+    ax.set_ylabel("MB per rank")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize="large", frameon=False)
+    ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}")
     fig.tight_layout()
     return fig

@@ -8,6 +8,7 @@ from lectures.layout.estimator import estimate_memory
 from lectures.layout.mesh import MESH_AXES, axis_groups, mesh_coords, replica_groups
 from lectures.layout.step_time import H100_MEMORY, step_time
 from util import figure, plural
+from util.figures import NOTE
 
 
 def draw_mesh(shape, highlight=0):
@@ -25,9 +26,9 @@ def draw_mesh(shape, highlight=0):
         inside = [a for a in MESH_AXES if all(c[b] == here[b] for b in MESH_AXES if b != a)]
         face = "#fff3c4" if rank == highlight else "white"
         ax.add_patch(Rectangle((x + 0.05, -y - 0.95), 0.9, 0.9, facecolor=face, edgecolor="black", lw=0.8))
-        ax.text(x + 0.5, -y - 0.42, f"{rank}", ha="center", va="center", fontsize=11, weight="bold")
+        ax.text(x + 0.5, -y - 0.42, f"{rank}", ha="center", va="center", fontsize=NOTE, weight="bold")
         ax.text(x + 0.5, -y - 0.78, f"d{c['dp']} p{c['pp']} c{c['cp']} t{c['tp']}",
-                ha="center", va="center", fontsize=8)
+                ha="center", va="center", fontsize="small")
         for j, axis in enumerate(a for a in MESH_AXES if a in inside and shape[MESH_AXES.index(a)] > 1):
             ax.add_patch(Rectangle((x + 0.05 + 0.04 * j, -y - 0.95 + 0.04 * j), 0.9 - 0.08 * j,
                                    0.9 - 0.08 * j, fill=False, edgecolor=colours[axis], lw=2))
@@ -41,8 +42,8 @@ def draw_mesh(shape, highlight=0):
     ax.tick_params(length=0)
     for s in ax.spines.values():
         s.set_visible(False)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=10, frameon=False)
-    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}", fontsize=11)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="medium", frameon=False)
+    ax.set_title(f"mesh dp={dp} × pp={pp} × cp={cp} × tp={tp}", fontsize=NOTE)
     fig.tight_layout()
     return fig
 
@@ -88,10 +89,10 @@ def draw_axis_groups(shape):
                                              alpha=0.5, zorder=1, connectionstyle=f"arc3,rad={bend}"))
             for r, (x, y) in zip(members, xy):
                 ax.scatter([x], [y], s=420, color=colour, zorder=2)
-                ax.text(x, y, str(r), ha="center", va="center", color="white", fontsize=10, weight="bold", zorder=3)
+                ax.text(x, y, str(r), ha="center", va="center", color="white", weight="bold", zorder=3)
         title = ("replicas (dp·cp):\nZeRO and the gradient sync" if axis == "replica"
                  else f"{axis} groups ({len(groups)} of {len(groups[0])})")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize="medium")
         ax.set_xlim(-0.6, cp * tp - 0.4)
         ax.set_ylim(-dp * pp + 0.4, 0.6)
         ax.set_xticks([])
@@ -113,10 +114,10 @@ def draw_layout_agreement(ref, runs, rows):
     for k, (name, lay, got) in enumerate(runs):
         left.scatter(steps, got[0]["losses"], s=18, marker="o", facecolor="none",
                      edgecolor="#4c72b0", label="each layout" if k == 0 else None)
-    left.set_xlabel("step", fontsize=10)
-    left.set_ylabel("training loss (whole global batch)", fontsize=10)
+    left.set_xlabel("step", fontsize="medium")
+    left.set_ylabel("training loss (whole global batch)", fontsize="medium")
     left.set_xticks(list(steps))
-    left.legend(fontsize=9)
+    left.legend(fontsize="small")
     names = [f"{r[0]} ({r[2]} ranks)" for r in rows]
     y = range(len(rows))
     tiny = 1e-12                                      # an exact match still gets a dot
@@ -124,11 +125,11 @@ def draw_layout_agreement(ref, runs, rows):
     right.scatter([max(r[5], tiny) for r in rows], y, color="#4c72b0", marker="s", label="max |Δ parameter|", zorder=3)
     right.axvline(1e-4, color="#c44e52", ls="--", lw=1, label="limit 1e-4")
     right.set_xscale("log")
-    right.set_yticks(list(y), names, fontsize=10)
+    right.set_yticks(list(y), names, fontsize="medium")
     right.invert_yaxis()
     right.grid(axis="x", color="0.9")
-    right.set_xlabel("difference from one process", fontsize=10)
-    right.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    right.set_xlabel("difference from one process", fontsize="medium")
+    right.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -148,15 +149,15 @@ def draw_memory_bars(model, lays):
             ax.bar(i, est[k] / 2 ** 30, bottom=bottom, color=c, label=k if i == 0 else None)
             bottom += est[k] / 2 ** 30
         text = f"{bottom:,.0f} GiB ↑" if bottom > top else f"{bottom:.0f} GiB"
-        ax.text(i, min(bottom, top * 0.93) + 2, text, ha="center", va="bottom", fontsize=9,
+        ax.text(i, min(bottom, top * 0.93) + 2, text, ha="center", va="bottom", fontsize="small",
                 weight="bold" if bottom > top else None)
     ax.axhline(H100_MEMORY / 2 ** 30, color="black", ls="--", lw=1, label=f"H100: {H100_MEMORY / 2 ** 30:.0f} GiB")
     ax.set_ylim(0, top)
-    ax.set_xticks(range(len(lays)), [l for l, _ in lays], fontsize=9, rotation=20, ha="right")
-    ax.set_ylabel("GiB per GPU", fontsize=10)
-    ax.legend(fontsize=9, ncol=3, loc="upper right")
+    ax.set_xticks(range(len(lays)), [l for l, _ in lays], fontsize="small", rotation=20, ha="right")
+    ax.set_ylabel("GiB per GPU", fontsize="medium")
+    ax.legend(fontsize="small", ncol=3, loc="upper right")
     ax.set_title(f"{model.name}, 64 GPUs, bf16 weights + fp32 gradients and AdamW, sequences of "
-                 f"{model.seq}, micro-batch 1", fontsize=10)
+                 f"{model.seq}, micro-batch 1", fontsize="medium")
     fig.tight_layout()
     return fig
 
@@ -187,7 +188,7 @@ def draw_predicted_vs_measured(layouts, pred, times, rho, ranks):
             k += 1
         placed.append((fx, fy + 0.04 * k))
         ax.annotate(str(i), (p * 1e3, t.median * 1e3), xytext=(5, 3 + 13 * k), textcoords="offset points",
-                    fontsize=10, arrowprops=dict(arrowstyle="-", color="0.6", lw=0.5) if k else None)
+                    arrowprops=dict(arrowstyle="-", color="0.6", lw=0.5) if k else None)
     ax.plot([lo, hi], [lo, hi], color="0.6", ls="--", lw=1, label="measured = predicted")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
@@ -197,11 +198,11 @@ def draw_predicted_vs_measured(layouts, pred, times, rho, ranks):
     for axis in (ax.xaxis, ax.yaxis):             # "200", not "2×10²"; minor ticks at 2 and 5 only
         axis.set_major_formatter(plain)
         axis.set_minor_formatter(plain)
-    ax.set_xlabel("predicted step time (ms)", fontsize=11)
-    ax.set_ylabel("measured step time (ms)", fontsize=11)
-    ax.tick_params(which="both", labelsize=9)
-    ax.legend(fontsize=10, loc="lower right")   # the points sit above the diagonal
-    ax.set_title(f"{len(layouts)} layouts on {ranks} ranks: Spearman ρ = {rho:.2f}", fontsize=11)
+    ax.set_xlabel("predicted step time (ms)", fontsize=NOTE)
+    ax.set_ylabel("measured step time (ms)", fontsize=NOTE)
+    ax.tick_params(which="both", labelsize="small")
+    ax.legend(fontsize="medium", loc="lower right")   # the points sit above the diagonal
+    ax.set_title(f"{len(layouts)} layouts on {ranks} ranks: Spearman ρ = {rho:.2f}", fontsize=NOTE)
     fig.tight_layout()
     return fig
 
@@ -214,10 +215,10 @@ def draw_wire_ratios(ratios):
     names = [f"{n} ({l.world} ranks)" for n, l, _ in ratios]
     ax.barh(range(len(ratios)), [r for _, _, r in ratios], color="#4c72b0")
     ax.axvline(1.0, color="black", lw=1)
-    ax.set_yticks(range(len(ratios)), names, fontsize=10)
+    ax.set_yticks(range(len(ratios)), names, fontsize="medium")
     ax.invert_yaxis()
     ax.set_xlim(0, max(1.5, max(r for _, _, r in ratios) * 1.1))
-    ax.set_xlabel("measured / predicted bytes (1 = the payload exactly)", fontsize=10)
+    ax.set_xlabel("measured / predicted bytes (1 = the payload exactly)", fontsize="medium")
     fig.tight_layout()
     return fig
 
@@ -230,11 +231,11 @@ def search_space_picture(rows):
     bars = ax.bar([str(w) for w in worlds], configs, color="#4c72b0")
     for bar, m, c in zip(bars, meshes, configs):
         ax.annotate(f"{c} ({plural(m, 'mesh', 'meshes')})", (bar.get_x() + bar.get_width() / 2, c),
-                    ha="center", va="bottom", fontsize=10, xytext=(0, 2), textcoords="offset points")
+                    ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_ylim(1, max(configs) * 4)
-    ax.set_xlabel("ranks", fontsize=10)
-    ax.set_ylabel("valid configurations", fontsize=10)
+    ax.set_xlabel("ranks", fontsize="medium")
+    ax.set_ylabel("valid configurations", fontsize="medium")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
@@ -273,8 +274,8 @@ def draw_search_at_scale(models, searched, rule_of, hw, world=512):
         ax.set_yscale("log")
         ax.set_xlabel("predicted GiB per GPU")
         ax.set_ylabel("predicted s per step")
-        ax.set_title(f"{model.name}, {world} GPUs: {len(found)} configurations", fontsize=10)
-        ax.legend(fontsize=9, loc="upper left")
+        ax.set_title(f"{model.name}, {world} GPUs: {len(found)} configurations", fontsize="medium")
+        ax.legend(fontsize="small", loc="upper left")
     return fig
 
 
@@ -303,24 +304,24 @@ def draw_decision_flow(outcomes):
             recompute.append(label)
     for i, (question, short, _) in enumerate(DECISION_STEPS):
         y = -1.4 * i - 0.6
-        ax.text(0.3, y, question, ha="center", va="center", fontsize=11,
+        ax.text(0.3, y, question, ha="center", va="center", fontsize=NOTE,
                 bbox={**box, "facecolor": "#eef3fb", "edgecolor": "#4c72b0"})
         ax.annotate("", xy=(0.645, y), xytext=(0.575, y), arrowprops=dict(arrowstyle="->", lw=1.2))
-        ax.text(0.61, y + 0.12, "yes", ha="center", fontsize=10)
+        ax.text(0.61, y + 0.12, "yes", ha="center")
         chosen = ends[i]
         ax.text(0.66, y, short + ("\n" + "\n".join(chosen) if chosen else ""), ha="left", va="center",
-                fontsize=11, bbox={**box, "facecolor": "#fff3c4" if chosen else "#f4f4f4",
+                fontsize=NOTE, bbox={**box, "facecolor": "#fff3c4" if chosen else "#f4f4f4",
                                     "edgecolor": "#dd8452" if chosen else "0.7"})
         if i < n - 1:
             ax.annotate("", xy=(0.3, y - 0.95), xytext=(0.3, y - 0.45), arrowprops=dict(arrowstyle="->", lw=1.2))
             ax.text(0.32, y - 0.7, "no" + ("; sequence ≥ 32K tokens? then cp = 2 from here on" if i == 0 else ""),
-                    fontsize=10, style="normal" if i else "italic")
+                    style="normal" if i else "italic")
     y = -1.4 * n - 0.3
     ax.annotate("", xy=(0.3, y + 0.3), xytext=(0.3, y + 0.8), arrowprops=dict(arrowstyle="->", lw=1.2))
-    ax.text(0.32, y + 0.5, "no", fontsize=10)
+    ax.text(0.32, y + 0.5, "no")
     ax.text(0.3, y, "no: turn on full recomputation\nand ask again from ZeRO-3"
             + (f"\n(taken by {', '.join(recompute)})" if recompute else ""), ha="center", va="center",
-            fontsize=11, bbox={**box, "facecolor": "#fbeeee", "edgecolor": "#c44e52"})
+            fontsize=NOTE, bbox={**box, "facecolor": "#fbeeee", "edgecolor": "#c44e52"})
     ax.set_xlim(0, 1)
     ax.set_ylim(y - 0.6, -0.05)
     ax.axis("off")
@@ -347,12 +348,12 @@ def mfu_picture(here, t4):
         labels.append("this CPU, fastest\nlayout measured")
         ax.barh([len(labels) - 1], [100 * here], height=0.38, color="#dd8452", label="measured by this build")
     for bars in ax.containers:
-        ax.bar_label(bars, fmt="%.1f%%", fontsize=9, padding=2)
-    ax.set_yticks(range(len(labels)), labels, fontsize=9)
+        ax.bar_label(bars, fmt="%.1f%%", fontsize="small", padding=2)
+    ax.set_yticks(range(len(labels)), labels, fontsize="small")
     ax.invert_yaxis()
-    ax.set_xlabel("MFU (%)", fontsize=10)
+    ax.set_xlabel("MFU (%)", fontsize="medium")
     ax.set_xlim(0, 100)
-    ax.legend(fontsize=9, loc="lower right", frameon=False)
+    ax.legend(fontsize="small", loc="lower right", frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

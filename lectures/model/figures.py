@@ -1,8 +1,8 @@
 """Lecture 01's figures: the drawings of its page (the training loss, memory by phase, bytes per
 parameter, saved activations, recomputation, accumulation, the logits' share, number formats and
 their rounding error, loss scaling, master weights, fp8 tiles and delayed scaling, attention by
-blocks and its memory, the roofline), and `show`, the page's `util.figure` with tick labels
-readable at a phone's width. Each helper takes what a demo measured and returns a matplotlib
+blocks and its memory, the roofline), and `show`, the page's `util.figure` with log axes
+labelled in plain numbers. Each helper takes what a demo measured and returns a matplotlib
 figure; the lecture narrates and shows it."""
 import math
 
@@ -11,16 +11,15 @@ import torch
 from lectures.model.precision import FORMATS, dequantize_fp8, quantize_fp8, relative_error_across_magnitudes
 from lectures.model.training_memory import MEM_CATEGORIES
 from util import figure
+from util.figures import NOTE
 
 
 def show(fig, caption=""):
-    """`util.figure` with tick labels large enough to read when the page shrinks the figure to
-    a phone's width, and log axes labelled with plain numbers (16, 0.001) at their major ticks
+    """`util.figure` with log axes labelled with plain numbers (16, 0.001) at their major ticks
     only, never "2×10⁰"."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     for ax in fig.axes:
-        ax.tick_params(labelsize=11)
         for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
                                  (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
             if scale != "log":
@@ -50,9 +49,9 @@ def training_loss_figure(losses, floor, vocab_size):
     ax.plot(range(1, steps + 1), losses, label="training loss")
     ax.axhline(floor, color="gray", ls="--", label="entropy rate (best possible)")
     ax.axhline(math.log(vocab_size), color="gray", ls=":", label="uniform guess")
-    ax.set_xlabel("step", fontsize=12)
-    ax.set_ylabel("loss (nats/token)", fontsize=12)
-    ax.legend(fontsize=11)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
     return fig
 
 
@@ -72,14 +71,14 @@ def memory_phases_figure(rows):
             ax.bar(x, vals, bottom=bottom, width=0.8, label=names[c])
         bottom += vals
     ax.set_ylim(0, bottom.max() * 1.18)
-    ax.set_xticks(x, [short[r["phase"]] for r in rows], fontsize=12)
+    ax.set_xticks(x, [short[r["phase"]] for r in rows])
     for step in sorted({r["step"] for r in rows}):
         xs = [xi for xi, r in zip(x, rows) if r["step"] == step]
-        ax.text(sum(xs) / len(xs), bottom.max() * 1.06, f"step {step}", ha="center", fontsize=12)
+        ax.text(sum(xs) / len(xs), bottom.max() * 1.06, f"step {step}", ha="center", fontsize="large")
         if step > 1:
             ax.axvline(xs[0] - 0.7, color="gray", lw=0.8, ls=":")
-    ax.set_ylabel("MB held (MemTracker)", fontsize=12)
-    ax.legend(fontsize=12, ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
+    ax.set_ylabel("MB held (MemTracker)")
+    ax.legend(fontsize="large", ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
     return fig
 
 
@@ -103,13 +102,12 @@ def bytes_per_parameter_figure(setups, psi):
                 ax.barh(i, w, left=left, color=color, edgecolor="white",
                         label=label if label not in ax.get_legend_handles_labels()[1] else None)
                 left += w
-        ax.text(left + 0.2, i, f"{left:.3g}", va="center", fontsize=12)
-    ax.set_yticks(range(len(names)), names, fontsize=12)
+        ax.text(left + 0.2, i, f"{left:.3g}", va="center", fontsize="large")
+    ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlim(0, max(sum(v.values()) for v in setups.values()) / psi * 1.12)
-    ax.set_xlabel("bytes per parameter", fontsize=12)
-    ax.tick_params(labelsize=12)
-    ax.legend(fontsize=11, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
+    ax.set_xlabel("bytes per parameter")
+    ax.legend(ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False)
     return fig
 
 
@@ -125,9 +123,9 @@ def activations_figure(seqs, measured, reconciled, paper):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(seqs, [str(x) for x in seqs])
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("MB saved per layer", fontsize=12)
-    ax.legend(fontsize=11)
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("MB saved per layer")
+    ax.legend()
     return fig
 
 
@@ -139,16 +137,14 @@ def recomputation_figure(results, timings):
     held = [results[m]["held"] / 1e6 for m in modes]
     ax1.bar(modes, held, color=["C0", "C1", "C2"])
     for i, h in enumerate(held):
-        ax1.text(i, h, f"{h:.2f}", ha="center", va="bottom", fontsize=12)
+        ax1.text(i, h, f"{h:.2f}", ha="center", va="bottom", fontsize="large")
     ax1.set_ylim(0, max(held) * 1.2)
-    ax1.set_ylabel("MB held after forward", fontsize=12)
+    ax1.set_ylabel("MB held after forward")
     ms = [timings[m].median * 1e3 for m in modes]
     err = [[(timings[m].median - timings[m].q1) * 1e3 for m in modes],
            [(timings[m].q3 - timings[m].median) * 1e3 for m in modes]]
     ax2.bar(modes, ms, yerr=err, capsize=4, color=["C0", "C1", "C2"])
-    ax2.set_ylabel("ms, forward + backward", fontsize=12)
-    for ax in (ax1, ax2):
-        ax.tick_params(labelsize=12)
+    ax2.set_ylabel("ms, forward + backward")
     fig.tight_layout()
     return fig
 
@@ -162,12 +158,11 @@ def accumulation_figure(rows):
     ax.bar(range(len(ks)), mb, color="C0", width=0.6)
     ax.plot(range(len(ks)), [mb[0] / k for k in ks], "k--", marker="_", ms=20, label="1/k of one batch")
     for i, (m, r) in enumerate(zip(mb, rows)):
-        ax.text(i, m, fmt_bytes(r[2]), ha="center", va="bottom", fontsize=12)
-    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks], fontsize=12)
+        ax.text(i, m, fmt_bytes(r[2]), ha="center", va="bottom", fontsize="large")
+    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
     ax.set_ylim(0, max(mb) * 1.2)
-    ax.set_ylabel("MB held after a forward", fontsize=12)
-    ax.tick_params(labelsize=12)
-    ax.legend(fontsize=12)
+    ax.set_ylabel("MB held after a forward")
+    ax.legend(fontsize="large")
     return fig
 
 
@@ -186,20 +181,20 @@ def format_bits_figure():
             ax.add_patch(Rectangle((x, y + 0.1), n, 0.8, color=color, alpha=0.75, lw=0))
             if n >= 2 or label == "sign":
                 ax.text(x + n / 2, y + 0.5, str(n) if label != "sign" else "s", ha="center", va="center",
-                        color="white", fontsize=12, fontweight="bold")
+                        color="white", fontsize="large", fontweight="bold")
             x += n
-        ax.text(-0.6, y + 0.5, name, ha="right", va="center", fontsize=12)
+        ax.text(-0.6, y + 0.5, name, ha="right", va="center", fontsize="large")
     for label, color in (("sign", "#d62728"), ("exponent bits (range)", "#1f77b4"),
                          ("mantissa bits (resolution)", "#2ca02c")):
         ax.bar(0, 0, color=color, alpha=0.75, label=label)
     ax.set_xlim(-9, 33)
     ax.set_ylim(0, len(FORMATS) + 0.2)
     ax.set_xticks(range(0, 33, 8))
-    ax.set_xlabel("bits", fontsize=12)
+    ax.set_xlabel("bits")
     ax.set_yticks([])
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
-    ax.legend(fontsize=11, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.legend(ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     return fig
 
 
@@ -215,14 +210,13 @@ def tile_error_figure(a, tokens=64, features=256):
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.4), sharey=True)
     for ax, (name, img) in zip(axes, rel.items()):
         im = ax.imshow(img, aspect="auto", vmin=-4, vmax=0, cmap="magma", interpolation="nearest")
-        ax.set_title(name, fontsize=12)
-        ax.set_xlabel("feature", fontsize=12)
+        ax.set_title(name)
+        ax.set_xlabel("feature")
         for x in range(128, features, 128):
             ax.axvline(x - 0.5, color="white", lw=1, ls="--")
-    axes[0].set_ylabel("token", fontsize=12)
+    axes[0].set_ylabel("token")
     bar = fig.colorbar(im, ax=axes, shrink=0.9)
     bar.set_ticks([-4, -3, -2, -1, 0], labels=["≤1e-4", "1e-3", "1e-2", "0.1", "1 (lost)"])
-    bar.ax.tick_params(labelsize=11)
     return fig
 
 
@@ -240,14 +234,13 @@ def attention_blocks_figure(s, block):
                 visible = kk <= q
                 ax.add_patch(Rectangle((kk, q), 1, 1, color=f"C{i}" if visible else "#eeeeee",
                                        alpha=0.8 if visible else 1, lw=0))
-        ax.text(st + width / 2, -0.6, f"step {i + 1}", ha="center", va="bottom", fontsize=12)
+        ax.text(st + width / 2, -0.6, f"step {i + 1}", ha="center", va="bottom", fontsize="large")
         ax.axvline(st, color="black", lw=1)
     ax.set_xlim(0, s)
     ax.set_ylim(s, -1.8)
     ax.set_aspect("equal")
-    ax.set_xlabel("key position (blocks of keys, one per loop step)", fontsize=12)
-    ax.set_ylabel("query position", fontsize=12)
-    ax.tick_params(labelsize=11)
+    ax.set_xlabel("key position (blocks of keys, one per loop step)")
+    ax.set_ylabel("query position")
     return fig
 
 
@@ -263,12 +256,12 @@ def logits_figure(vocabs, chunk, held):
            label="whole loss: fp32 log-softmax")
     ax.bar(x + 0.2, [held[v][1] / 1e6 for v in vocabs], 0.38, color="C2", label=f"chunked ({chunk} tokens)")
     for i, v in enumerate(vocabs):
-        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=11)
-        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=11)
-    ax.set_xticks(x, [f"v = {v}" for v in vocabs], fontsize=12)
+        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=NOTE)
+        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=NOTE)
+    ax.set_xticks(x, [f"v = {v}" for v in vocabs])
     ax.set_ylim(0, max(held[v][0] for v in vocabs) / 1e6 * 1.15)
-    ax.set_ylabel("MB held after forward", fontsize=12)
-    ax.legend(fontsize=11, loc="upper left")
+    ax.set_ylabel("MB held after forward")
+    ax.legend(loc="upper left")
     return fig
 
 
@@ -283,9 +276,9 @@ def rounding_error_figure(exps):
         ax.plot([10 ** e for e in exps], [max(e, 1e-9) for e in errs], marker=".", label=name, **styles[name])
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("magnitude of the value", fontsize=12)
-    ax.set_ylabel("median relative\nrounding error", fontsize=12)
-    ax.legend(fontsize=11, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
+    ax.set_xlabel("magnitude of the value")
+    ax.set_ylabel("median relative\nrounding error")
+    ax.legend(ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.01), frameon=False,
               handlelength=1.5, columnspacing=1.0)
     return fig
 
@@ -295,15 +288,15 @@ def delayed_scaling_figure(amax, steps, jump, errs, history):
     import matplotlib.pyplot as plt
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(8, 4.6), sharex=True, height_ratios=[1, 2])
     ax0.plot(range(steps), amax, "k.-")
-    ax0.set_ylabel("amax", fontsize=12)
+    ax0.set_ylabel("amax")
     ax1.plot(range(steps), [e[0] for e in errs], "o-", label="current scaling")
     ax1.plot(range(steps), [e[1] for e in errs], "s--", label=f"delayed (max of last {history} steps)")
     ax1.set_ylim(0, max(max(e[:2]) for e in errs) * 1.15)
-    ax1.set_ylabel("relative error\nof the cast", fontsize=12)
-    ax1.set_xlabel("step", fontsize=12)
+    ax1.set_ylabel("relative error\nof the cast")
+    ax1.set_xlabel("step")
     ax1.annotate(f"{errs[jump][2]:.0%} saturated", (jump, errs[jump][1]), textcoords="offset points",
-                 xytext=(10, -4), fontsize=11)
-    ax1.legend(fontsize=11, loc="center right")
+                 xytext=(10, -4), fontsize=NOTE)
+    ax1.legend(loc="center right")
     fig.tight_layout()
     return fig
 
@@ -318,14 +311,14 @@ def roofline_figure(sizes, mm, add, gelu, peak, bw):
     for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
         ax.annotate(f"n={n}", (n / 6, r / 1e9), textcoords="offset points", ha="center",
                     xytext=(0, 9) if i % 2 == 0 else (0, -9), va="bottom" if i % 2 == 0 else "top",
-                    fontsize=11)
+                    fontsize=NOTE)
     ax.plot([add[2]], [add[0] / 1e9], "s", label="add")
     ax.plot([gelu[2]], [gelu[0] / 1e9], "^", label="GELU (8 FLOP assumed)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)", fontsize=12)
-    ax.set_ylabel("GFLOP/s", fontsize=12)
-    ax.legend(fontsize=11, loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=2, frameon=False)
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("GFLOP/s")
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=2, frameon=False)
     return fig
 
 
@@ -337,13 +330,13 @@ def loss_scaling_figure(worst, rms, real, s16, per_tensor):
     for sc, marker, label in ((None, "o", "no scaling"), (s16, "s", "loss scale 2^16")):
         ax.plot(xs, [per_tensor[sc][k] for k in real], marker, label=label, alpha=0.8)
     ax.annotate(worst, (rms[worst], per_tensor[None][worst]), textcoords="offset points",
-                xytext=(8, 4), fontsize=11)
+                xytext=(8, 4), fontsize=NOTE)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylim(top=ax.get_ylim()[1] * 3)               # room for the label
-    ax.set_xlabel("gradient RMS of the tensor (fp32)", fontsize=12)
-    ax.set_ylabel("relative error of its fp16 gradient", fontsize=12)
-    ax.legend(fontsize=11)
+    ax.set_xlabel("gradient RMS of the tensor (fp32)")
+    ax.set_ylabel("relative error of its fp16 gradient")
+    ax.legend()
     return fig
 
 
@@ -358,10 +351,10 @@ def master_weights_figure(curves, styles):
         if v != "fp32":
             dax.plot([t for t, _ in c], [loss - ref[t] for t, loss in c], label=v, **styles[v])
     dax.axhline(0, color="black", lw=1, alpha=0.35)
-    ax.set_ylabel("loss", fontsize=12)
-    dax.set_ylabel("loss − fp32's", fontsize=12)
-    dax.set_xlabel("step", fontsize=12)
-    ax.legend(fontsize=11, loc="upper right")
+    ax.set_ylabel("loss")
+    dax.set_ylabel("loss − fp32's")
+    dax.set_xlabel("step")
+    ax.legend(loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -377,12 +370,12 @@ def attention_memory_figure(peaks, seqs):
         close = [other for other in ends if abs(math.log(peaks[other][-1] / ys[-1])) < 0.35]
         shift = 7 * (2 * close.index(name) - (len(close) - 1)) if len(close) > 1 else 0
         ax.annotate(fmt_bytes(ys[-1]), (seqs[-1], ys[-1] / 1e6), textcoords="offset points",
-                    xytext=(6, -3 + shift), fontsize=11)
+                    xytext=(6, -3 + shift), fontsize=NOTE)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(seqs, [str(x) for x in seqs])
     ax.set_xlim(seqs[0] / 1.3, seqs[-1] * 2.2)
-    ax.set_xlabel("sequence length s", fontsize=12)
-    ax.set_ylabel("peak MB, forward", fontsize=12)
-    ax.legend(fontsize=11, loc="upper left")
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("peak MB, forward")
+    ax.legend(loc="upper left")
     return fig

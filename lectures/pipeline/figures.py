@@ -10,14 +10,19 @@ from lectures.pipeline.demos import PYTORCH_SCHEDULES, bubble_row, chunk_cost, m
 from lectures.pipeline.schedules import Action, Layout, make_schedule
 from lectures.pipeline.simulate import consecutive_steps, held, simulate
 from util import figure
+from util.figures import NOTE
 
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 
 
-def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11, numbers=True):
+def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=NOTE, numbers=True):
     """A schedule's timeline: one row per rank, F blue, B orange, W green, the micro-batch
     number on each bar wide enough to hold it (unless `numbers` is False), later chunks hatched.
-    `rows[r]` = [(Action, start, end)]; `span`: the x-axis length shared with other panels."""
+    `rows[r]` = [(Action, start, end)]; `span`: the x-axis length shared with other panels;
+    `fontsize`: the axis and tick labels', "medium" in small panels, "large" in a figure of its own."""
+    # the title a step above the labels, the bars' numbers a step or two below
+    title_size, number_size = {"medium": (NOTE, "small"), NOTE: ("large", "small"),
+                               "large": ("large", "medium")}[fontsize]
     t0 = min(s for row in rows for _, s, _ in row)
     span = span or max(e for row in rows for _, _, e in row) - t0
     for r, row in enumerate(rows):
@@ -27,11 +32,11 @@ def draw_rows(ax, rows, title, unit="ms", scale=1e3, span=None, fontsize=11, num
                     linewidth=0.3, hatch="//" if a.chunk else None)
             if numbers and width >= span * scale / 40:
                 ax.text(left + width / 2, r, str(a.microbatch), ha="center", va="center",
-                        fontsize=fontsize - 2, color="white")
+                        fontsize=number_size, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, span * scale)
-    ax.set_title(title, fontsize=fontsize + 1, loc="left")
+    ax.set_title(title, fontsize=title_size, loc="left")
     ax.set_xlabel(unit, fontsize=fontsize)
     ax.tick_params(labelsize=fontsize)
 
@@ -55,15 +60,16 @@ def side_by_side(pairs):
                     for m in measured) if measured else None
     for (title, sim_rows, measured_rows, sim_unit), (left, right) in zip(pairs, axes):
         draw_rows(left, sim_rows, f"{title}: simulated", unit=sim_unit, scale=1, span=sim_span,
-                  fontsize=10, numbers=False)
+                  fontsize="medium", numbers=False)
         if measured_rows is not None:
-            draw_rows(right, measured_rows, f"{title}: measured", span=meas_span, fontsize=10, numbers=False)
+            draw_rows(right, measured_rows, f"{title}: measured", span=meas_span, fontsize="medium",
+                      numbers=False)
         else:
             right.set_axis_off()
     for ax in axes[:-1].flat:          # one time axis per column: tick labels on the bottom row only
         ax.tick_params(labelbottom=False)
         ax.set_xlabel("")
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=10)
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize="medium")
     fig.tight_layout(rect=(0, 0.5 / (0.8 + 1.2 * len(pairs)), 1, 1))
     return fig
 
@@ -79,15 +85,14 @@ def layouts_figure(p):
         ax.plot(range(lay.stages), [r for r, _ in pts], "-", color="grey", zorder=1)
         for st, (r, c) in enumerate(pts):
             ax.scatter(st, r, s=330, color=["#4c78a8", "#e45756"][c], zorder=2)
-            ax.text(st, r, str(st), ha="center", va="center", color="white", fontsize=11, zorder=3)
-        ax.set_title(title, fontsize=12, loc="left")
-        ax.set_xlabel("stage (forward order)", fontsize=12)
+            ax.text(st, r, str(st), ha="center", va="center", color="white", fontsize=NOTE, zorder=3)
+        ax.set_title(title, loc="left")
+        ax.set_xlabel("stage (forward order)")
         ax.set_xticks(range(lay.stages))
         ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
         ax.set_ylim(p - 0.5, -0.6)
-        ax.tick_params(labelsize=11)
     axes[0].scatter([], [], color="#4c78a8", label="chunk 0"), axes[0].scatter([], [], color="#e45756", label="chunk 1")
-    fig.legend(loc="lower center", ncol=2, frameon=False, fontsize=12)
+    fig.legend(loc="lower center", ncol=2, frameon=False, fontsize="large")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     figure(fig, caption=f"Two chunks per rank on {p} ranks. Looped: stage c·p + r on rank r, so a "
                         "micro-batch crosses rank p−1 → rank 0 mid-model. V: stages r and 2p−1−r on "
@@ -107,9 +112,9 @@ def executor_figure(returns, runs, names=("1f1b", "zb-v")):
     for ax, k in zip(axes, keys):
         name, m, v = k
         draw_rows(ax, rows[k], f"{name}, m = {m}: {length[k] * 1e3:.0f} ms", span=max(length.values()),
-                  fontsize=10, numbers=False)
+                  fontsize="medium", numbers=False)
         ax.label_outer()
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize=10)
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=4, frameon=False, fontsize="medium")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig, length
 
@@ -127,20 +132,20 @@ def deadlock_figure(blocked, batched, mib, received):
         for r, (t0, t1) in spans.items():
             ax.barh(r, (t1 - t0) * scale, left=t0 * scale, height=0.35, color=colour)
             what = "timed out" if ax is axes[0] else f"got {received[r]:g}"
-            ax.text(t1 * scale, r, f" {what}", va="center", fontsize=10)
+            ax.text(t1 * scale, r, f" {what}", va="center")
         mid = end / 3
         for r in spans:                    # the message each rank sends the other
             x = mid + (0.04 if r else -0.04) * end
             ax.annotate("", xy=(x, 0.8 - 0.6 * r), xytext=(x, 0.2 + 0.6 * r),
                         arrowprops={"arrowstyle": "->", "lw": 1.3, "color": "black",
                                     "linestyle": "--" if ax is axes[0] else "-"})
-        ax.text(mid + 0.1 * end, 0.5, f"{mib:g} MiB each way", ha="left", va="center", fontsize=10)
+        ax.text(mid + 0.1 * end, 0.5, f"{mib:g} MiB each way", ha="left", va="center")
         ax.set_yticks([0, 1], ["rank 0", "rank 1"])
         ax.set_ylim(1.6, -0.6)
         ax.set_xlim(0, end * 1.45)
-        ax.set_xlabel(unit, fontsize=10)
-        ax.set_title(title, fontsize=11, loc="left")
-        ax.tick_params(labelsize=10)
+        ax.set_xlabel(unit, fontsize="medium")
+        ax.set_title(title, fontsize=NOTE, loc="left")
+        ax.tick_params(labelsize="medium")
     fig.tight_layout()
     return fig
 
@@ -158,12 +163,12 @@ def bubble_picture(p=4, m=8):
     for ax, (name, mm, sim) in zip(axes, runs):
         what = "one batch" if mm == 1 else f"the batch as {mm} micro-batches (GPipe)"
         draw_rows(ax, sim.timeline, f"{what}: {pct(sim.bubble)} idle", unit="time (one batch's forward = 1)",
-                  scale=1, span=span, fontsize=12)
+                  scale=1, span=span, fontsize="large")
         ax.axvspan(0, sim.makespan, color="#e8e8e8", zorder=0)   # grey up to the step's end: the bubble
         ax.label_outer()
     from matplotlib.patches import Patch
     fig.legend(handles=legend_patches(chunks=False)[:2] + [Patch(color="#e8e8e8", label="idle: the bubble")],
-               loc="lower center", ncol=3, frameon=False, fontsize=12)
+               loc="lower center", ncol=3, frameon=False, fontsize="large")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     figure(fig, caption=f"{p} stages on {p} ranks, simulated. Top: one batch keeps one rank busy at a time. "
                         f"Bottom: cut into {m} micro-batches, the stages work at once and the grey "
@@ -175,8 +180,8 @@ def schedule_figure(sim, p, m):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.5, 2.6))
     draw_rows(ax, sim.timeline, f"1F1B, {p} ranks, {m} micro-batches: bubble {pct(sim.bubble)}",
-              unit="time (F = 1, unsplit B = 2)", scale=1, fontsize=12)
-    fig.legend(handles=legend_patches(chunks=False)[:2], loc="lower center", ncol=2, frameon=False, fontsize=12)
+              unit="time (F = 1, unsplit B = 2)", scale=1, fontsize="large")
+    fig.legend(handles=legend_patches(chunks=False)[:2], loc="lower center", ncol=2, frameon=False, fontsize="large")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
@@ -196,11 +201,10 @@ def gpipe_figure(R, p, ms, mem):
         ax.set_xticks(xs, [str(m) for m in xs])      # the m measured, as plain numbers
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("micro-batches m (log scale)", fontsize=11)
-        ax.set_ylabel(ylabel, fontsize=11)
-        ax.set_title(title, fontsize=12, loc="left")
-        ax.tick_params(labelsize=11)
-        ax.legend(fontsize=11)
+        ax.set_xlabel("micro-batches m (log scale)", fontsize=NOTE)
+        ax.set_ylabel(ylabel, fontsize=NOTE)
+        ax.set_title(title, loc="left")
+        ax.legend()
     fig.tight_layout()
     return fig
 
@@ -246,15 +250,15 @@ def memory_figure(p, m, names=MEMORY_NAMES, caption=None):
         for r, pts in enumerate(held_over_time(sim, sch.layout)):
             xs, ys = zip(*pts)
             ax.step(xs, ys, where="post", color=colours[r], lw=1.6, label=f"rank {r}")
-        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=11, loc="left")
-        ax.tick_params(labelsize=10)
+        ax.set_title(f"{name}: most {max(held(sch)) / v:g}", fontsize=NOTE, loc="left")
+        ax.tick_params(labelsize="medium")
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
-        ax.set_ylabel("held", fontsize=11)
+        ax.set_ylabel("held", fontsize=NOTE)
     for ax in axes[-1]:
-        ax.set_xlabel("time (F = B = W = 1)", fontsize=10)
+        ax.set_xlabel("time (F = B = W = 1)", fontsize="medium")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False, fontsize=11)
+    fig.legend(handles, labels, loc="lower center", ncol=p, frameon=False)
     fig.tight_layout(rect=(0, 0.7 / (2.0 * rows + 0.7), 1, 1))
     figure(fig, caption=caption or f"Activations each rank holds during one step ({p} ranks, {m} micro-batches, "
                         "simulated from the action lists the ranks run): a micro-batch counts from its F "
@@ -273,9 +277,9 @@ def zero_bubble_picture(p, m):
     fig, axes = plt.subplots(len(sims), 1, figsize=(8, 1.5 * len(sims) + 0.9), sharex=True)
     for ax, (name, v, sim) in zip(axes, sims):
         draw_rows(ax, sim.timeline, f"{name}: {sim.makespan:g} units, bubble {pct(sim.bubble)}",
-                  unit="time (F = B = W = 1 per stage)", scale=1, span=span, fontsize=11)
+                  unit="time (F = B = W = 1 per stage)", scale=1, span=span)
         ax.label_outer()
-    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False, fontsize=11)
+    fig.legend(handles=legend_patches(), loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.9 / (1.5 * len(sims) + 0.9), 1, 1))
     figure(fig, caption=f"{p} ranks, {m} micro-batches, simulated: the weight gradients W (green) move "
                         "into the slots where 1F1B idles (hatched: a rank's second chunk in ZB-V's V).")
@@ -292,7 +296,7 @@ def zb_h2_two_steps(p, m, cost=None):
     work = m * (cost["F"] + cost["B"] + cost["W"])
     fig, ax = plt.subplots(figsize=(8, 0.6 * p + 1.4))
     draw_rows(ax, two.timeline, f"zb-h2, two steps back to back: {two.makespan:g} units "
-              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1, fontsize=11)
+              f"= {one.makespan:g} + {steady:g}", unit="time (F = B = W = 1 per stage)", scale=1)
     ax.axvline(one.makespan, color="black", ls=":", lw=1.2)
     figure(fig, caption=f"{p} ranks, {m} micro-batches per step, simulated (the second step's micro-batches "
                         f"are numbered from {m}). One step alone takes {one.makespan:g} units; the second "
@@ -320,14 +324,14 @@ def real_compute_figure(R, runs):
                     fmt="o", color=c, capsize=3, label=r["label"])
         peak = max(x_[r["label"]]["peak_saved_bytes"] for x_ in R)
         a2.barh(r["label"], peak / 2**20, color=c)
-    a1.set_xlabel("measured bubble (%)", fontsize=10)
-    a1.set_ylabel("step time (ms)", fontsize=10)
-    a1.set_title("step time against bubble", fontsize=11, loc="left")
-    a2.set_xlabel("MiB", fontsize=10)
-    a2.set_title("peak activations held", fontsize=11, loc="left")
+    a1.set_xlabel("measured bubble (%)", fontsize="medium")
+    a1.set_ylabel("step time (ms)", fontsize="medium")
+    a1.set_title("step time against bubble", fontsize=NOTE, loc="left")
+    a2.set_xlabel("MiB", fontsize="medium")
+    a2.set_title("peak activations held", fontsize=NOTE, loc="left")
     a2.invert_yaxis()
     for ax in (a1, a2):
-        ax.tick_params(labelsize=10)
+        ax.tick_params(labelsize="medium")
         ax.grid(alpha=0.3)
     a1.set_xlim(left=0)
     a1.set_ylim(bottom=0)
@@ -348,11 +352,11 @@ def pytorch_figure(times, classes):
                     label=("PyTorch's" if j == 0 else "ours (closest)") if i == 0 else None)
     ax.set_yticks(range(len(classes)), [f"{c.removeprefix('Schedule')} / {PYTORCH_SCHEDULES[c][1]}" for c in classes])
     ax.invert_yaxis()
-    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize=10)
-    ax.tick_params(labelsize=10)
+    ax.set_xlabel("step time (ms): median, bar = interquartile range", fontsize="medium")
+    ax.tick_params(labelsize="medium")
     ax.grid(axis="x", alpha=0.3)
     ax.set_xlim(0, 1.45 * max(t.q3 for t in times.values()) * 1e3)   # room on the right for the legend
-    ax.legend(fontsize=10, loc="lower right")
+    ax.legend(fontsize="medium", loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -368,13 +372,13 @@ def posting_order_figure(sent, needed, src, dst):
         j = pos[k]
         ax.plot([i, j], [1, 0], color="#e45756" if i != j else "#bbbbbb", lw=1.4)
     for i, k in enumerate(sent):
-        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize=9, rotation=90)
+        ax.text(i, 1.06, label(k), ha="center", va="bottom", fontsize="small", rotation=90)
     for j, k in enumerate(needed):
-        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize=9, rotation=90)
+        ax.text(j, -0.06, label(k), ha="center", va="top", fontsize="small", rotation=90)
     ax.set_yticks([0, 1], [f"rank {dst} needs", f"rank {src} sends"])
     ax.set_xticks([])
     ax.set_ylim(-0.45, 1.45)
-    ax.tick_params(labelsize=9)
+    ax.tick_params(labelsize="small")
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

@@ -4,7 +4,7 @@ loss, memory per rank, the sequence-parallel split and its activation memory, dr
 async-TP timeline, GEMM efficiency against t and DTensor's placements). Each helper returns a
 matplotlib figure."""
 from util import figure
-from util.figures import kb_bars
+from util.figures import NOTE, kb_bars
 
 
 def cut_figure(n, shapes):
@@ -23,7 +23,7 @@ def cut_figure(n, shapes):
                 rect = (0, rows - (r + 1) * rows / n, cols, rows / n)
             ax.add_patch(plt.Rectangle(rect[:2], rect[2], rect[3], color=colours[r], alpha=0.75, ec="black"))
             ax.text(rect[0] + rect[2] / 2, rect[1] + rect[3] / 2, f"rank {r}", ha="center", va="center",
-                    fontsize=13, rotation=90 if kind == "column" else 0)
+                    fontsize="large", rotation=90 if kind == "column" else 0)
         ax.set_xlim(0, cols)
         ax.set_ylim(0, rows)
         ax.set_aspect("equal")
@@ -31,13 +31,13 @@ def cut_figure(n, shapes):
         ax.set_yticks([])
         local = shapes["column weight"][::-1] if kind == "column" else shapes["row weight"][::-1]
         name = "A" if kind == "column" else "B"
-        ax.set_title(f"{kind}-parallel: {name} is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}", fontsize=13)
-        ax.set_xlabel("outputs" if kind == "column" else "outputs (whole)", fontsize=13)
-        ax.set_ylabel("inputs (whole)" if kind == "column" else "inputs", fontsize=13)
+        ax.set_title(f"{kind}-parallel: {name} is {rows}×{cols},\nrank 0 holds {local[0]}×{local[1]}")
+        ax.set_xlabel("outputs" if kind == "column" else "outputs (whole)")
+        ax.set_ylabel("inputs (whole)" if kind == "column" else "inputs")
     axes[0].text(0.5, -0.22, r"$Y_r = X A_r$: no collective", transform=axes[0].transAxes,
-                 ha="center", va="top", fontsize=13)
+                 ha="center", va="top", fontsize="large")
     axes[1].text(0.5, -0.22, r"$Z = \sum_r Y_r B_r$: all-reduce", transform=axes[1].transAxes,
-                 ha="center", va="top", fontsize=13)
+                 ha="center", va="top", fontsize="large")
     fig.tight_layout()
     return fig
 
@@ -51,7 +51,7 @@ def fg_figure(n, counts):
     ax.set_ylim(-1.7, n - 0.4)
     ax.set_axis_off()
     box = lambda x, y, text, c: (ax.add_patch(plt.Rectangle((x - 0.62, y - 0.3), 1.24, 0.6, color=c, alpha=0.8)),
-                                 ax.text(x, y, text, ha="center", va="center", fontsize=13))
+                                 ax.text(x, y, text, ha="center", va="center", fontsize="large"))
     mid = (n - 1) / 2
     box(0.6, mid, "$X$", "#cccccc")
     box(2.2, mid, "f", "#8fbc8f")
@@ -68,9 +68,9 @@ def fg_figure(n, counts):
     ax.annotate("", xy=(1.58, mid), xytext=(1.22, mid), arrowprops=dict(arrowstyle="->"))
     fwd = ", ".join(f"{k} ×{v}" for k, v in counts["forward"].items()) or "none"
     bwd = ", ".join(f"{k} ×{v}" for k, v in counts["backward"].items()) or "none"
-    ax.text(2.2, -0.75, "f: identity fwd,\nall-reduce bwd", ha="center", va="center", fontsize=12)
-    ax.text(8.8, -0.75, "g: all-reduce fwd,\nidentity bwd", ha="center", va="center", fontsize=12)
-    ax.text(5.5, -1.55, f"measured: fwd {fwd}; bwd {bwd}", ha="center", va="center", fontsize=12)
+    ax.text(2.2, -0.75, "f: identity fwd,\nall-reduce bwd", ha="center", va="center", fontsize="large")
+    ax.text(8.8, -0.75, "g: all-reduce fwd,\nidentity bwd", ha="center", va="center", fontsize="large")
+    ax.text(5.5, -1.55, f"measured: fwd {fwd}; bwd {bwd}", ha="center", va="center", fontsize="large")
     return fig
 
 
@@ -85,19 +85,22 @@ def gqa_figure(layouts):
         for r, g in enumerate(layouts[key]):
             x0 = r * width
             ax.add_patch(plt.Rectangle((x0 + 0.005, 0.02), width - 0.01, 0.96, fill=False, lw=1.2))
-            ax.text(x0 + width / 2, 0.86, f"rank {r}", ha="center", va="center", fontsize=10)
+            ax.text(x0 + width / 2, 0.86, f"rank {r}", ha="center", va="center")
             for j, q in enumerate(g["q heads"]):
                 span = (width - 0.02) / len(g["q heads"])
                 ax.add_patch(plt.Rectangle((x0 + 0.01 + j * span, 0.42), span * 0.9, 0.28, color="#4c72b0"))
-                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.56, f"q{q}", ha="center", va="center", color="white", fontsize=9)
+                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.56, f"q{q}", ha="center", va="center", color="white",
+                        fontsize="small")
             for j, kv in enumerate(g["kv heads"]):
                 span = (width - 0.02) / len(g["kv heads"])
                 ax.add_patch(plt.Rectangle((x0 + 0.01 + j * span, 0.06), span * 0.9, 0.28, color="#dd8452"))
-                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.2, f"kv{kv}", ha="center", va="center", color="white", fontsize=9)
+                ax.text(x0 + 0.01 + (j + 0.45) * span, 0.2, f"kv{kv}", ha="center", va="center", color="white",
+                        fontsize="small")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_axis_off()
-        ax.set_title(f"tp={n}, {a} query heads, {k} K/V heads: K/V {layouts[key][0]['kv kind']}", fontsize=10, loc="left")
+        ax.set_title(f"tp={n}, {a} query heads, {k} K/V heads: K/V {layouts[key][0]['kv kind']}",
+                     fontsize="medium", loc="left")
     fig.tight_layout()
     return fig
 
@@ -126,9 +129,9 @@ def sp_split_figure(cfg, t, b):
         ax.add_patch(FancyBboxPatch((x0 + 0.12, y0 + 0.35), w - 0.24, 0.95,
                                     boxstyle="round,pad=0.02,rounding_size=0.08", facecolor=colour,
                                     edgecolor="black", lw=0.8, linestyle="--" if collective else "-"))
-        ax.text(x0 + w / 2, y0 + 0.82, name, ha="center", va="center", fontsize=11)
+        ax.text(x0 + w / 2, y0 + 0.82, name, ha="center", va="center", fontsize=NOTE)
         if shape:
-            ax.text(x0 + w / 2, y0 + 0.12, shape, ha="center", va="center", fontsize=11, color="#333")
+            ax.text(x0 + w / 2, y0 + 0.12, shape, ha="center", va="center", fontsize=NOTE, color="#333")
         if k:
             ax.annotate("", xy=(x0 + 0.12, y0 + 0.82), xytext=(x0 - 0.12, y0 + 0.82),
                         arrowprops=dict(arrowstyle="->", lw=0.9))
@@ -136,9 +139,9 @@ def sp_split_figure(cfg, t, b):
     ax.annotate("", xy=(w / 2, 0.3 + 1.3), xytext=(per_row * w - w / 2, 2.3 + 0.35),
                 arrowprops=dict(arrowstyle="->", lw=0.9, color="#666", shrinkA=0, shrinkB=0))
     ax.text(0.1, 4.1, f"t = {t}. blue: split along the sequence ({s // t} of {s} positions)",
-            fontsize=11, ha="left", va="center")
+            fontsize=NOTE, ha="left", va="center")
     ax.text(0.1, 3.75, "orange: split across heads or MLP width; grey: a collective",
-            fontsize=11, ha="left", va="center")
+            fontsize=NOTE, ha="left", va="center")
     figure(fig, caption=f"Where sequence parallelism splits one block ({t} ranks, this page's GPT: b = {b}, s = {s}, "
                         f"h = {h}, {cfg.n_heads} heads of {hd}, MLP width {f}). Every shape is what a rank holds. "
                         "Backward runs the same path right to left with each collective swapped "
@@ -159,12 +162,13 @@ def dropout_mask_figure(masks):
             row[col].set_xticks([])
             row[col].set_yticks([])
             if setup == setups[0]:
-                row[col].set_title(f"{'hidden (split)' if kind == 'hidden' else 'output (repl.)'}\nrank {rank}", fontsize=10)
+                row[col].set_title(f"{'hidden (split)' if kind == 'hidden' else 'output (repl.)'}\nrank {rank}",
+                                   fontsize="medium")
         same_h = masks[setup][0]["hidden"] == masks[setup][1]["hidden"]
         same_r = masks[setup][0]["residual"] == masks[setup][1]["residual"]
-        row[0].set_ylabel(setup.replace(" ", "\n", 1), fontsize=10)
-        row[1].set_xlabel("same on both ranks ✗" if same_h else "differs across ranks ✓", fontsize=10)
-        row[3].set_xlabel("same ✓" if same_r else "differs ✗", fontsize=10)
+        row[0].set_ylabel(setup.replace(" ", "\n", 1), fontsize="medium")
+        row[1].set_xlabel("same on both ranks ✗" if same_h else "differs across ranks ✓", fontsize="medium")
+        row[3].set_xlabel("same ✓" if same_r else "differs ✗", fontsize="medium")
     fig.tight_layout()
     return fig
 
@@ -195,12 +199,12 @@ def async_tp_figure(spans):
             ticks.append((y + 0.22, f"rank {rank}"))
         ax.set_yticks([t for t, _ in ticks], [n for _, n in ticks])
         ax.set_title(f"{name}: " + ("all-gather, matmul, …, matmul, reduce-scatter" if name == "plain"
-                                    else "partial matmuls while the chunks travel"), fontsize=10, loc="left")
+                                    else "partial matmuls while the chunks travel"), fontsize="medium", loc="left")
     axes[-1].set_xlabel("time since the forward started (ms)")
     labels = ["matmul (whole or partial)", "collective, or transfer in flight", "posting a transfer",
               "waiting for a transfer"]
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4c72b0", "#dd8452", "#8172b3", "#c44e52")],
-               labels=labels, loc="lower center", ncol=2, frameon=False, fontsize=9)
+               labels=labels, loc="lower center", ncol=2, frameon=False, fontsize="small")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
@@ -213,7 +217,7 @@ def placements_picture(rows, n):
     names = {"P(sum)": "Partial\n(summands)", "R": "Replicate", "S(0)": "Shard(0)", "S(1)": "Shard(1)"}
     fig, ax = plt.subplots(figsize=(7.2, 2.9))
     for key, (x, y) in at.items():
-        ax.text(x, y, names[key], ha="center", va="center", fontsize=11,
+        ax.text(x, y, names[key], ha="center", va="center", fontsize=NOTE,
                 bbox={"boxstyle": "round,pad=0.4", "facecolor": "#f3f3f3", "edgecolor": "#555555"})
     pairs = {(r[0], r[1]) for r in rows}
     for src, dst, collective, *_ in rows:
@@ -224,7 +228,7 @@ def placements_picture(rows, n):
                                 "connectionstyle": f"arc3,rad={rad}"})
         # the label at the curve's middle: half-way from the chord's middle to arc3's control point
         mx, my = (x0 + x1) / 2 + 0.5 * rad * (y1 - y0), (y0 + y1) / 2 - 0.5 * rad * (x1 - x0)
-        ax.text(mx, my, collective.replace(" ×1", ""), ha="center", va="center", fontsize=10, color="#1f3b63",
+        ax.text(mx, my, collective.replace(" ×1", ""), ha="center", va="center", color="#1f3b63",
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     ax.set_xlim(-0.6, 3.6)
     ax.set_ylim(-0.45, 1.45)
@@ -241,9 +245,9 @@ def training_loss_figure(steps, ref, runs, tps):
     ax.plot(range(1, steps + 1), ref["losses"], lw=4, alpha=0.35, color="k", label="one process")
     for n, style in zip(tps, ("-", "--")):
         ax.plot(range(1, steps + 1), runs[n][0]["losses"], style, label=f"tp={n}")
-    ax.set_xlabel("step", fontsize=12)
-    ax.set_ylabel("loss (nats/token)", fontsize=12)
-    ax.legend(fontsize=12)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend(fontsize="large")
     return fig
 
 
@@ -258,10 +262,9 @@ def memory_per_rank_figure(ts, parts, n_full):
         ax.bar([str(t) for t in ts], vals, bottom=bottom, color=colour, label=key.replace("sharded", "split"))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot([str(t) for t in ts], [16 * n_full / t / 1e3 for t in ts], "k--", lw=1, label="one process ÷ tp")
-    ax.set_xlabel("tp", fontsize=12)
-    ax.set_ylabel("kB per rank (measured)", fontsize=12)
-    ax.tick_params(labelsize=11)
-    ax.legend(fontsize=11, frameon=False)
+    ax.set_xlabel("tp")
+    ax.set_ylabel("kB per rank (measured)")
+    ax.legend(frameon=False)
     return fig
 
 
@@ -270,7 +273,7 @@ def vocab_parallel_figure(labels, values, full, got):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 0.7 + 0.55 * len(values)))
     kb_bars(ax, labels, values, ["gray"] + ["#4c72b0"] * len(got), full)
-    ax.set_xlabel("kB (measured)", fontsize=12)
+    ax.set_xlabel("kB (measured)")
     return fig
 
 
@@ -281,7 +284,7 @@ def sp_activation_figure(rows):
     labels = [("one process" if r[0] == 1 else f"tp={r[0]}, SP {r[1]}") for r in rows]
     colours = ["gray" if r[0] == 1 else ("#4c72b0" if r[1] == "off" else "#55a868") for r in rows]
     kb_bars(ax, labels, [r[2] for r in rows], colours, max(r[2] for r in rows))
-    ax.set_xlabel("saved for backward per rank (kB, measured)", fontsize=12)
+    ax.set_xlabel("saved for backward per rank (kB, measured)")
     return fig
 
 
@@ -298,7 +301,7 @@ def gemm_efficiency_figure(widths, tps, rates):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("t (ranks splitting the matmul)")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize="medium")
     axes[0].set_ylabel("speed-up of one rank's share")
-    axes[0].legend(fontsize=8, frameon=False)
+    axes[0].legend(fontsize="small", frameon=False)
     return fig
