@@ -18,6 +18,8 @@ import typing
 
 from util import exercise as engine
 
+mutant = engine.mutant   # the lecture modules' wrong solutions: mutant(reference, (old, new), ...)
+
 LECTURES = {
     "lecture_01_memory_and_precision": "exercises.lecture_01",
     "lecture_02_communication": "exercises.lecture_02",
@@ -37,7 +39,8 @@ class Exercise:
     stub: str                      # the notebook's code: a def that raises NotImplementedError("hint: ...")
     harness: typing.Callable       # harness(rank, world_size, *fns, **kwargs) -> [(case, expected, got)]
     solution: tuple                # the reference function(s), in the order the student writes them
-    wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch
+    wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch,
+                                   # mostly mutant(reference, (old, new)): the reference with one line changed
     hint: str                      # shown under a failing verdict
     sizes: str                     # what the check runs, in words (shown when it passes)
     ranks: typing.Union[int, tuple] = 3   # world sizes the check runs at: (3, 2) catches a hard-coded 3
