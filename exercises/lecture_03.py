@@ -4,7 +4,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from exercises import exercise
+from exercises import exercise, mutant
 from util import exercise as engine
 
 
@@ -39,65 +39,14 @@ def check_buckets(rank, world_size, fn):
 
 
 def all_reduce_gradients(params, bucket_mb):
-    """Reference: plan_buckets' rule, one flat all-reduce per bucket, then average."""
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
+    """Reference: the course's plan_buckets (the rule the statement spells out), one flat
+    all-reduce per bucket, then the average."""
+    from lectures.data_parallel.ddp import plan_buckets
     n = dist.get_world_size()
-    for bucket in buckets:
+    for bucket in plan_buckets(params, bucket_mb):
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         dist.all_reduce(flat)
         flat /= n
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
-
-
-def all_reduce_per_parameter(params, bucket_mb):
-    for p in params:
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-
-def all_reduce_buckets_no_average(params, bucket_mb):
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
-
-
-def all_reduce_buckets_forward_order(params, bucket_mb):
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in params:                            # definition order, not backward's
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
         for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
             p.grad.copy_(g.view_as(p.grad))
 
@@ -122,9 +71,11 @@ exercise(
         "                              \">= bucket_mb * 2**20 bytes; torch.cat the grads, all_reduce, / n\")\n"),
     harness=check_buckets, solution=all_reduce_gradients, ranks=(3, 2),
     watch={"torch.distributed.all_reduce": None},
-    wrong={"one all-reduce per parameter": all_reduce_per_parameter,
-           "sums, forgets to average": all_reduce_buckets_no_average,
-           "buckets in definition order": all_reduce_buckets_forward_order},
+    wrong={"one all-reduce per parameter":
+               mutant(all_reduce_gradients, ("plan_buckets(params, bucket_mb)", "[[p] for p in params]")),
+           "sums, forgets to average": mutant(all_reduce_gradients, ("        flat /= n\n", "")),
+           "buckets in definition order":
+               mutant(all_reduce_gradients, ("plan_buckets(params,", "plan_buckets(params[::-1],"))},
     hint="gradients become ready last layer first: fill buckets from the end of params",
     sizes="float64, 6 tensors, bucket limits 200 B, 1e-9 MB, 1 MB, 400 B")
 
