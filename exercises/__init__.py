@@ -19,6 +19,8 @@ import typing
 from lectures import LECTURES as course_lectures
 from util import exercise as engine
 
+mutant = engine.mutant   # the lecture modules' wrong solutions: mutant(reference, (old, new), ...)
+
 # lecture -> the module of its exercises: lecture_02_communication -> exercises.lecture_02
 LECTURES = {name: "exercises." + name[:len("lecture_NN")] for name in course_lectures}
 
@@ -31,7 +33,8 @@ class Exercise:
     stub: str                      # the notebook's code: a def that raises NotImplementedError("hint: ...")
     harness: typing.Callable       # harness(rank, world_size, *fns, **kwargs) -> [(case, expected, got)]
     solution: tuple                # the reference function(s), in the order the student writes them
-    wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch
+    wrong: dict                    # {what is wrong: function(s)}: plausible mistakes the check must catch,
+                                   # mostly mutant(reference, (old, new)): the reference with one line changed
     hint: str                      # shown under a failing verdict
     sizes: str                     # what the check runs, in words (shown when it passes)
     ranks: typing.Union[int, tuple] = 3   # world sizes the check runs at: (3, 2) catches a hard-coded 3

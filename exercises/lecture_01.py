@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from exercises import exercise
+from exercises import exercise, mutant
 
 # --- the parameter count of a GPT config ---------------------------------------------------
 
@@ -38,24 +38,6 @@ def gpt_param_count(cfg):
     return h * v + cfg.seq_len * h + cfg.n_layers * per_layer + 2 * h + head
 
 
-def param_count_without_gqa(cfg):
-    h, v, f = cfg.d_model, cfg.vocab_size, cfg.ff
-    per_layer = 4 * (h * h + h) + (2 * h * f + f + h) + 4 * h
-    return h * v + cfg.seq_len * h + cfg.n_layers * per_layer + 2 * h + (0 if cfg.tie_embeddings else h * v)
-
-
-def param_count_untied(cfg):
-    h, v, f = cfg.d_model, cfg.vocab_size, cfg.ff
-    h_kv = cfg.kv_heads * cfg.head_dim
-    per_layer = 2 * (h * h + h) + 2 * (h * h_kv + h_kv) + (2 * h * f + f + h) + 4 * h
-    return 2 * h * v + cfg.seq_len * h + cfg.n_layers * per_layer + 2 * h
-
-
-def param_count_syllabus(cfg):
-    h, v, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
-    return h * v + L * (12 * h * h + 13 * h) + 2 * h
-
-
 exercise(
     module=__name__, name="gpt_param_count",
     title="the parameter count Ψ of a GPT config, in closed form",
@@ -76,9 +58,11 @@ exercise(
         "    raise NotImplementedError(\"hint: count one block (Q, K, V, O, the MLP, two LayerNorms), \"\n"
         "                              \"times n_layers, plus embeddings, positions, final norm, head\")\n"),
     harness=check_param_count, solution=gpt_param_count,
-    wrong={"K and V as wide as Q (ignores GQA)": param_count_without_gqa,
-           "ignores tie_embeddings": param_count_untied,
-           "the syllabus' approximation": param_count_syllabus},
+    wrong={"K and V as wide as Q (ignores GQA)": mutant(gpt_param_count, ("cfg.kv_heads * cfg.head_dim", "h")),
+           "ignores tie_embeddings": mutant(gpt_param_count, ("0 if cfg.tie_embeddings else h * v", "h * v")),
+           "the syllabus' approximation": mutant(gpt_param_count,
+                                                 ("cfg.seq_len * h + cfg.n_layers * per_layer + 2 * h + head",
+                                                  "cfg.n_layers * (12 * h * h + 13 * h) + 2 * h"))},
     hint="K and V are h × (kv_heads · head_dim); a tied head adds nothing; positions add seq_len · h",
     sizes="6 configs: GQA, tied heads, odd widths")
 
@@ -117,25 +101,6 @@ def online_softmax_update(m, l, acc, scores, v):
     return m_new, l * correction + p.sum(-1), acc * correction[:, None] + p @ v
 
 
-def online_softmax_no_rescale(m, l, acc, scores, v):
-    m_new = torch.maximum(m, scores.amax(dim=-1))
-    correction = torch.exp(m - m_new)
-    p = torch.exp(scores - m_new[:, None])
-    return m_new, l * correction + p.sum(-1), acc + p @ v
-
-
-def online_softmax_no_max(m, l, acc, scores, v):
-    p = torch.exp(scores)
-    return torch.zeros_like(m), l + p.sum(-1), acc + p @ v
-
-
-def online_softmax_sign(m, l, acc, scores, v):
-    m_new = torch.maximum(m, scores.amax(dim=-1))
-    correction = torch.exp(m_new - m).nan_to_num(posinf=0.0)
-    p = torch.exp(scores - m_new[:, None])
-    return m_new, l * correction + p.sum(-1), acc * correction[:, None] + p @ v
-
-
 exercise(
     module=__name__, name="online_softmax_update",
     title="the online-softmax update of one attention block (FlashAttention)",
@@ -156,9 +121,11 @@ exercise(
         "    raise NotImplementedError(\"hint: m_new = max(m, scores.amax(-1)); rescale l and acc \"\n"
         "                              \"by exp(m - m_new), then add this block with exp(scores - m_new)\")\n"),
     harness=check_online_softmax, solution=online_softmax_update,
-    wrong={"forgets to rescale the accumulator": online_softmax_no_rescale,
-           "no running max (overflows)": online_softmax_no_max,
-           "rescales by exp(m_new - m)": online_softmax_sign},
+    wrong={"forgets to rescale the accumulator": mutant(online_softmax_update, ("acc * correction[:, None]", "acc")),
+           "no running max (overflows)": mutant(online_softmax_update,
+                                                ("torch.maximum(m, scores.amax(dim=-1))", "torch.zeros_like(m)")),
+           "rescales by exp(m_new - m)": mutant(online_softmax_update,
+                                                ("exp(m - m_new)", "exp(m_new - m).nan_to_num(posinf=0.0)"))},
     hint="both l and acc were summed relative to the old max: multiply both by exp(m - m_new)",
     sizes="float64, 11 keys in blocks of [3, 1, 5, 2], [11], [1×5, 6]; scores up to ~1000")
 
@@ -188,22 +155,6 @@ def bytes_per_parameter(recipe):
             "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
 
 
-def bytes_without_master(recipe):
-    size = {"fp32": 4, "bf16": 2, "fp64": 8}[recipe]
-    return {"weights": size, "grads": size, "optimizer": 2 * size}
-
-
-def bytes_bf16_gradients(recipe):
-    return {"fp32": {"weights": 4, "grads": 4, "optimizer": 8},
-            "bf16": {"weights": 2, "grads": 2, "optimizer": 12},
-            "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
-
-
-def bytes_fp32_with_master(recipe):
-    size = {"fp32": 4, "bf16": 2, "fp64": 8}[recipe]
-    return {"weights": size, "grads": size, "optimizer": 12 if size <= 4 else 2 * size}
-
-
 exercise(
     module=__name__, name="bytes_per_parameter",
     title="bytes per parameter of a precision recipe (AdamW, mixed precision)",
@@ -223,8 +174,11 @@ exercise(
         "    raise NotImplementedError(\"hint: the mixed-precision optimizer holds fp32 master \"\n"
         "                              \"weights + two fp32 moments\")\n"),
     harness=check_bytes, solution=bytes_per_parameter,
-    wrong={"mixed precision without the fp32 master copy": bytes_without_master,
-           "a master copy in plain fp32 too": bytes_fp32_with_master,
-           "bf16 gradients (the ZeRO paper's count, not fp32 accumulation)": bytes_bf16_gradients},
+    wrong={"mixed precision without the fp32 master copy":
+               mutant(bytes_per_parameter, ('"grads": 4, "optimizer": 12', '"grads": 4, "optimizer": 8')),
+           "a master copy in plain fp32 too":
+               mutant(bytes_per_parameter, ('"grads": 4, "optimizer": 8', '"grads": 4, "optimizer": 12')),
+           "bf16 gradients (the ZeRO paper's count, not fp32 accumulation)":
+               mutant(bytes_per_parameter, ('"grads": 4, "optimizer": 12', '"grads": 2, "optimizer": 12'))},
     hint="18 bytes per parameter in total for mixed precision (2 + 4 + 12); 16 for fp32 (4 + 4 + 8)",
     sizes="fp32, bf16, fp64, one per rank")

@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from exercises import COLLECTIVES, built_in, exercise, forbid
+from exercises import COLLECTIVES, built_in, exercise, forbid, mutant
 
 # what a ring built from send/recv may not lean on: a collective, the course's answer, the inputs
 SEND_RECV_ONLY = "it asks for a ring of point-to-point messages (dist.isend / dist.irecv)"
@@ -33,7 +33,7 @@ def check_ring(rank, world_size, fn):
 
 def ring_all_reduce(x):
     """Reference: reduce-scatter then all-gather around the ring; chunks by tensor_split."""
-    n, rank = dist.get_world_size(), dist.get_rank() 
+    n, rank = dist.get_world_size(), dist.get_rank()
     if n == 1:
         return x
     chunks = x.view(-1).tensor_split(n)
@@ -55,48 +55,6 @@ def ring_all_reduce(x):
         exchange(chunks[send_i], incoming)
         chunks[recv_i].copy_(incoming)
     return x
-
-
-def ring_without_all_gather(x):
-    n, rank = dist.get_world_size(), dist.get_rank() 
-    chunks = x.view(-1).tensor_split(n)
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):
-        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        ops = [dist.P2POp(dist.isend, chunks[send_i].contiguous(), right),
-               dist.P2POp(dist.irecv, incoming, left)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        chunks[recv_i].add_(incoming)
-    return x
-
-
-def ring_chunks_off_by_one(x):
-    n, rank = dist.get_world_size(), dist.get_rank() 
-    chunks = x.view(-1).tensor_split(n)
-    right, left = (rank + 1) % n, (rank - 1) % n
-
-    def exchange(send, recv):
-        ops = [dist.P2POp(dist.isend, send.contiguous(), right), dist.P2POp(dist.irecv, recv, left)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for step in range(n - 1):                  # walks the chunks the wrong way round the ring
-        send_i, recv_i = (rank + step) % n, (rank + step - 1) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        exchange(chunks[send_i], incoming)
-        chunks[recv_i].add_(incoming)
-    for step in range(n - 1):
-        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        exchange(chunks[send_i], incoming)
-        chunks[recv_i].copy_(incoming)
-    return x
-
-
-def ring_averages(x):
-    dist.all_reduce(x) 
-    return x.div_(dist.get_world_size()) 
 
 
 exercise(
@@ -125,9 +83,10 @@ exercise(
                  "lectures.data_parallel.collectives.ring_all_reduce", "lectures.data_parallel.collectives.pipelined_ring_all_reduce",
                  "lectures.lecture_02_communication.ring_all_reduce",
                  "lectures.lecture_02_communication.pipelined_ring_all_reduce"),
-    wrong={"no all-gather phase": ring_without_all_gather,
-           "chunks walked the wrong way (off by one rank)": ring_chunks_off_by_one,
-           "averages instead of summing": ring_averages},
+    wrong={"no all-gather phase": mutant(ring_all_reduce, ("chunks[recv_i].copy_(incoming)", "pass")),
+           "chunks walked the wrong way (off by one rank)":
+               mutant(ring_all_reduce, ("(rank - step) % n, (rank - step - 1)", "(rank + step) % n, (rank + step - 1)")),
+           "averages instead of summing": mutant(ring_all_reduce, ("\n    return x\n", "\n    return x / n\n"))},
     hint="post the send and the receive of one step together (dist.batch_isend_irecv), or a "
          "blocking send can wait forever; with 3 ranks and 1 element, two chunks are empty",
     sizes="float64 buffers of 1, 2, 7, 13, 100 elements, send/recv only")
@@ -152,7 +111,7 @@ def check_all_gather(rank, world_size, fn):
 
 def all_gather(x):
     """Reference: n - 1 ring steps, each forwarding the piece that arrived last."""
-    n, rank = dist.get_world_size(), dist.get_rank() 
+    n, rank = dist.get_world_size(), dist.get_rank()
     out = [None] * n
     out[rank] = x.clone()
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -163,34 +122,6 @@ def all_gather(x):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return out
-
-
-def all_gather_forwards_own(x):
-    n, rank = dist.get_world_size(), dist.get_rank() 
-    out = [None] * n
-    out[rank] = x.clone()
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):
-        recv_i = (rank - step - 1) % n
-        out[recv_i] = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, right), dist.P2POp(dist.irecv, out[recv_i], left)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out
-
-
-def all_gather_rotated(x):
-    n, rank = dist.get_world_size(), dist.get_rank() 
-    out = [None] * n
-    out[rank] = x.clone()
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):
-        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
-        out[recv_i] = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, out[send_i], right), dist.P2POp(dist.irecv, out[recv_i], left)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return out[1:] + out[:1]          # indexed from rank 1: every slot off by one rank
 
 
 exercise(
@@ -212,8 +143,8 @@ exercise(
         "                              \"right and receive out[(rank - s - 1) % n] from the left\")\n"),
     harness=check_all_gather, solution=all_gather, ranks=(3, 2),
     watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.all_gather"),
-    wrong={"forwards its own tensor every step": all_gather_forwards_own,
-           "list rotated by one rank": all_gather_rotated},
+    wrong={"forwards its own tensor every step": mutant(all_gather, ("isend, out[send_i]", "isend, x")),
+           "list rotated by one rank": mutant(all_gather, ("return out", "return out[1:] + out[:1]"))},
     hint="the piece to forward at step s is the one that arrived at step s - 1, from rank "
          "(rank - s) % n",
     sizes="float64, shapes (5,), (3, 4), (1,), send/recv only")
@@ -243,18 +174,6 @@ def bus_bandwidth(collective, nbytes, seconds, n):
     return algbw, algbw * factor
 
 
-def bus_bandwidth_no_two(collective, nbytes, seconds, n):
-    algbw = nbytes / seconds
-    factor = 1.0 if collective in ("broadcast", "reduce") else (n - 1) / n
-    return algbw, algbw * factor
-
-
-def bus_bandwidth_divides(collective, nbytes, seconds, n):
-    algbw = nbytes / seconds
-    factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}.get(collective, (n - 1) / n)
-    return algbw, algbw / factor if factor else 0.0
-
-
 exercise(
     module=__name__, name="bus_bandwidth",
     title="bus bandwidth from a timing, the nccl-tests way",
@@ -271,7 +190,7 @@ exercise(
         "    \"\"\"(algbw, busbw) in bytes/s; collective is 'all_reduce', 'all_gather', ...\"\"\"\n"
         "    raise NotImplementedError(\"hint: in a ring all-reduce every rank sends 2(n-1)/n of the buffer\")\n"),
     harness=check_bus_bandwidth, solution=bus_bandwidth,
-    wrong={"all-reduce factor without the 2": bus_bandwidth_no_two,
-           "divides by the factor": bus_bandwidth_divides},
+    wrong={"all-reduce factor without the 2": mutant(bus_bandwidth, ('"all_reduce": 2 *', '"all_reduce":')),
+           "divides by the factor": mutant(bus_bandwidth, ("algbw * factor", "(algbw / factor if factor else 0.0)"))},
     hint="busbw = algbw × factor; on one rank nothing moves (factor 0 for all_reduce)",
     sizes="6 collectives × n = 1, 2, 3, 5, 8, 16")

@@ -4,7 +4,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from exercises import exercise
+from exercises import exercise, mutant
 from util import exercise as engine
 
 
@@ -39,65 +39,14 @@ def check_buckets(rank, world_size, fn):
 
 
 def all_reduce_gradients(params, bucket_mb):
-    """Reference: plan_buckets' rule, one flat all-reduce per bucket, then average."""
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
+    """Reference: the course's plan_buckets (the rule the statement spells out), one flat
+    all-reduce per bucket, then the average."""
+    from lectures.data_parallel.ddp import plan_buckets
     n = dist.get_world_size()
-    for bucket in buckets:
+    for bucket in plan_buckets(params, bucket_mb):
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         dist.all_reduce(flat)
         flat /= n
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
-
-
-def all_reduce_per_parameter(params, bucket_mb):
-    for p in params:
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-
-def all_reduce_buckets_no_average(params, bucket_mb):
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
-
-
-def all_reduce_buckets_forward_order(params, bucket_mb):
-    limit = bucket_mb * 2 ** 20
-    buckets, current, size = [], [], 0
-    for p in params:                            # definition order, not backward's
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= limit:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
         for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
             p.grad.copy_(g.view_as(p.grad))
 
@@ -122,9 +71,11 @@ exercise(
         "                              \">= bucket_mb * 2**20 bytes; torch.cat the grads, all_reduce, / n\")\n"),
     harness=check_buckets, solution=all_reduce_gradients, ranks=(3, 2),
     watch={"torch.distributed.all_reduce": None},
-    wrong={"one all-reduce per parameter": all_reduce_per_parameter,
-           "sums, forgets to average": all_reduce_buckets_no_average,
-           "buckets in definition order": all_reduce_buckets_forward_order},
+    wrong={"one all-reduce per parameter":
+               mutant(all_reduce_gradients, ("plan_buckets(params, bucket_mb)", "[[p] for p in params]")),
+           "sums, forgets to average": mutant(all_reduce_gradients, ("        flat /= n\n", "")),
+           "buckets in definition order":
+               mutant(all_reduce_gradients, ("plan_buckets(params,", "plan_buckets(params[::-1],"))},
     hint="gradients become ready last layer first: fill buckets from the end of params",
     sizes="float64, 6 tensors, bucket limits 200 B, 1e-9 MB, 1 MB, 400 B")
 
@@ -162,7 +113,7 @@ def check_zero1(rank, world_size, fn):
 
 
 def zero1_step(param, grad, m, v, step, lr, weight_decay):
-    """Reference: reduce-scatter (as all-reduce + slice), AdamW on my shard, all-gather."""
+    """Reference: reduce-scatter, AdamW on my shard, all-gather."""
     n, rank = dist.get_world_size(), dist.get_rank()
     numel = param.numel()
     s = -(-numel // n)
@@ -183,71 +134,6 @@ def zero1_step(param, grad, m, v, step, lr, weight_decay):
     gathered = torch.empty(s * n, dtype=param.dtype)
     dist.all_gather_single(gathered, p)
     return gathered[:numel]
-
-
-def zero1_sums(param, grad, m, v, step, lr, weight_decay):
-    n, rank = dist.get_world_size(), dist.get_rank()
-    numel = param.numel()
-    s = -(-numel // n)
-    flat_g = torch.zeros(s * n, dtype=grad.dtype)
-    flat_g[:numel] = grad
-    dist.all_reduce(flat_g)                              # the sum, never divided by n
-    shard_g = flat_g[rank * s:(rank + 1) * s]
-    flat_p = torch.zeros(s * n, dtype=param.dtype)
-    flat_p[:numel] = param
-    p = flat_p[rank * s:(rank + 1) * s].clone()
-    b1, b2, eps = 0.9, 0.999, 1e-8
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(shard_g, 1 - b1)
-    v.mul_(b2).addcmul_(shard_g, shard_g, value=1 - b2)
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
-    gathered = [torch.empty(s, dtype=param.dtype) for _ in range(n)]
-    dist.all_gather(gathered, p)
-    return torch.cat(gathered)[:numel]
-
-
-def zero1_wrong_shard(param, grad, m, v, step, lr, weight_decay):
-    n, rank = dist.get_world_size(), dist.get_rank()
-    numel = param.numel()
-    s = -(-numel // n)
-    mine = (rank + 1) % n                                # updates its neighbour's shard
-    flat_g = torch.zeros(s * n, dtype=grad.dtype)
-    flat_g[:numel] = grad
-    dist.all_reduce(flat_g)
-    shard_g = flat_g[mine * s:(mine + 1) * s] / n
-    flat_p = torch.zeros(s * n, dtype=param.dtype)
-    flat_p[:numel] = param
-    p = flat_p[mine * s:(mine + 1) * s].clone()
-    b1, b2, eps = 0.9, 0.999, 1e-8
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(shard_g, 1 - b1)
-    v.mul_(b2).addcmul_(shard_g, shard_g, value=1 - b2)
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
-    gathered = [torch.empty(s, dtype=param.dtype) for _ in range(n)]
-    dist.all_gather(gathered, p)
-    return torch.cat(gathered)[:numel]
-
-
-def zero1_no_bias_correction(param, grad, m, v, step, lr, weight_decay):
-    n, rank = dist.get_world_size(), dist.get_rank()
-    numel = param.numel()
-    s = -(-numel // n)
-    flat_g = torch.zeros(s * n, dtype=grad.dtype)
-    flat_g[:numel] = grad
-    dist.all_reduce(flat_g)
-    shard_g = flat_g[rank * s:(rank + 1) * s] / n
-    flat_p = torch.zeros(s * n, dtype=param.dtype)
-    flat_p[:numel] = param
-    p = flat_p[rank * s:(rank + 1) * s].clone()
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(shard_g, 0.1)
-    v.mul_(0.999).addcmul_(shard_g, shard_g, value=0.001)
-    p.addcdiv_(m, v.sqrt().add_(1e-8), value=-lr)
-    gathered = [torch.empty(s, dtype=param.dtype) for _ in range(n)]
-    dist.all_gather(gathered, p)
-    return torch.cat(gathered)[:numel]
 
 
 exercise(
@@ -272,9 +158,11 @@ exercise(
         "    raise NotImplementedError(\"hint: s = -(-numel // n); pad, reduce-scatter (/ n), AdamW \"\n"
         "                              \"on shard [rank*s, (rank+1)*s), all-gather, drop the padding\")\n"),
     harness=check_zero1, solution=zero1_step, ranks=(3, 2),
-    wrong={"sums the gradients, forgets to average": zero1_sums,
-           "updates the next rank's shard": zero1_wrong_shard,
-           "AdamW without bias correction": zero1_no_bias_correction},
+    wrong={"sums the gradients, forgets to average": mutant(zero1_step, ("    shard_g /= n\n", "")),
+           "updates the next rank's shard": mutant(zero1_step, ("flat_p[rank * s:(rank + 1) * s]",
+                                                                "flat_p[(rank + 1) % n * s:((rank + 1) % n + 1) * s]")),
+           "AdamW without bias correction": mutant(zero1_step, ("v.sqrt() / math.sqrt(1 - b2 ** step)", "v.sqrt()"),
+                                                   ("-lr / (1 - b1 ** step)", "-lr"))},
     hint="pad with zeros so every shard has s = ceil(numel / n) elements; the bias corrections "
          "divide m by 1 - 0.9**step and v by 1 - 0.999**step",
     sizes="float64, 10, 2 and 31 parameters, 2 steps, lr 0.1, weight decay 0.01")
@@ -320,41 +208,6 @@ def sampler_indices(rank, world_size, n, epoch, shuffle=True, drop_last=False, s
     return indices[rank:total:world_size]
 
 
-def sampler_contiguous(rank, world_size, n, epoch, shuffle=True, drop_last=False, seed=0):
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        indices = torch.randperm(n, generator=g).tolist()
-    else:
-        indices = list(range(n))
-    per_rank = n // world_size if drop_last else -(-n // world_size)
-    indices = (indices * world_size)[:per_rank * world_size]
-    return indices[rank * per_rank:(rank + 1) * per_rank]
-
-
-def sampler_no_padding(rank, world_size, n, epoch, shuffle=True, drop_last=False, seed=0):
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        indices = torch.randperm(n, generator=g).tolist()
-    else:
-        indices = list(range(n))
-    return indices[rank:n:world_size]
-
-
-def sampler_same_every_epoch(rank, world_size, n, epoch, shuffle=True, drop_last=False, seed=0):
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed)
-        indices = torch.randperm(n, generator=g).tolist()
-    else:
-        indices = list(range(n))
-    per_rank = n // world_size if drop_last else -(-n // world_size)
-    total = per_rank * world_size
-    indices = (indices * world_size)[:total]
-    return indices[rank:total:world_size]
-
-
 exercise(
     module=__name__, name="sampler_indices",
     title="the indices a distributed sampler gives a rank",
@@ -374,9 +227,10 @@ exercise(
         "    raise NotImplementedError(\"hint: permute with a generator seeded seed + epoch, pad (or drop) \"\n"
         "                              \"to a multiple of world_size, then take indices[rank::world_size]\")\n"),
     harness=check_sampler, solution=sampler_indices,
-    wrong={"contiguous blocks instead of strided": sampler_contiguous,
-           "no padding (uneven ranks)": sampler_no_padding,
-           "ignores the epoch": sampler_same_every_epoch},
+    wrong={"contiguous blocks instead of strided":
+               mutant(sampler_indices, ("[rank:total:world_size]", "[rank * per_rank:(rank + 1) * per_rank]")),
+           "no padding (uneven ranks)": mutant(sampler_indices, ("if total > len(indices):", "if False:")),
+           "ignores the epoch": mutant(sampler_indices, ("seed + epoch", "seed"))},
     hint="with 2 rows (or 1) on 3 ranks the padding wraps around, as often as needed: every rank "
          "still gets one index",
     sizes="10, 2, 1, 7 rows; shuffle and drop_last on and off; epochs 0 and 1")

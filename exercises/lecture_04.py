@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises import COLLECTIVES, built_in, exercise, forbid
+from exercises import COLLECTIVES, built_in, exercise, forbid, mutant
 
 
 def _tensor(rank, shape, seed, scale=1.0):
@@ -59,36 +59,6 @@ def g(x, group):
     return Reduce.apply(x)
 
 
-def f_averages(x, group):
-    class Copy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad / dist.get_world_size(group)
-    return Copy.apply(x)
-
-
-def g_reduces_both_ways(x, group):
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            out = x.clone()
-            dist.all_reduce(out, group=group)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
-    return Reduce.apply(x)
-
-
 exercise(
     module=__name__, name="f_and_g",
     title="Megatron's conjugate operators f and g as autograd functions",
@@ -115,8 +85,8 @@ exercise(
         "    raise NotImplementedError(\"hint: the mirror image of f\")\n"),
     harness=check_f_and_g, solution=(f, g), ranks=(3, 2), subgroup=True, keeps_inputs=True,
     wrong={"f and g swapped": (g, f),
-           "f averages the gradient": (f_averages, g),
-           "g all-reduces backward too": (f, g_reduces_both_ways)},
+           "f averages the gradient": (mutant(f, ("return grad", "return grad / dist.get_world_size(group)")), g),
+           "g all-reduces backward too": (f, mutant(g, ("return grad", "return Reduce.forward(ctx, grad)")))},
     hint="forward and backward are conjugate: what one does in the forward, the other does in "
          "the backward; the sum, not the mean",
     sizes="float64, shapes (3, 5) and (7,), a different upstream gradient per rank")
@@ -149,22 +119,6 @@ def tp_mlp(x, w1, b1, w2, b2, group):
     return partial + b2
 
 
-def tp_mlp_bias_everywhere(x, w1, b1, w2, b2, group):
-    partial = F.gelu(x @ w1.T + b1) @ w2.T + b2
-    dist.all_reduce(partial, group=group)
-    return partial
-
-
-def tp_mlp_no_reduce(x, w1, b1, w2, b2, group):
-    return F.gelu(x @ w1.T + b1) @ w2.T + b2
-
-
-def tp_mlp_averages(x, w1, b1, w2, b2, group):
-    partial = F.gelu(x @ w1.T + b1) @ w2.T
-    dist.all_reduce(partial, group=group)
-    return partial / dist.get_world_size(group) + b2
-
-
 exercise(
     module=__name__, name="tp_mlp",
     title="a column-parallel then row-parallel MLP (one all-reduce)",
@@ -185,9 +139,10 @@ exercise(
         "    raise NotImplementedError(\"hint: gelu(x @ w1.T + b1) @ w2.T is a partial sum: all-reduce \"\n"
         "                              \"it, and add the bias once\")\n"),
     harness=check_tp_mlp, solution=tp_mlp, ranks=(3, 2), subgroup=True, keeps_inputs=True,
-    wrong={"adds the output bias on every rank": tp_mlp_bias_everywhere,
-           "no all-reduce": tp_mlp_no_reduce,
-           "averages the partial sums": tp_mlp_averages},
+    wrong={"adds the output bias on every rank":
+               mutant(tp_mlp, ("@ w2.T\n", "@ w2.T + b2\n"), ("return partial + b2", "return partial")),
+           "no all-reduce": mutant(tp_mlp, ("    dist.all_reduce(partial, group=group)\n", "")),
+           "averages the partial sums": mutant(tp_mlp, ("partial + b2", "partial / dist.get_world_size(group) + b2"))},
     hint="the row-parallel output is a SUM of the ranks' partials; a bias added before the "
          "all-reduce is counted n times",
     sizes="float64, hidden 7 and 4, f = 15 and 6 over 3, 2 and a sub-group of ranks")
@@ -229,45 +184,6 @@ def vocab_parallel_ce(local_logits, targets, group):
     return (sum_exp.log() - picked).mean()
 
 
-def vocab_ce_local_max(local_logits, targets, group):
-    rank, per = dist.get_rank(group), local_logits.shape[-1]
-    m = local_logits.amax(dim=-1)                          # never all-reduced
-    shifted = local_logits - m.unsqueeze(-1)
-    sum_exp = shifted.exp().sum(-1)
-    dist.all_reduce(sum_exp, group=group)
-    mine = (targets >= rank * per) & (targets < (rank + 1) * per)
-    local = (targets - rank * per).clamp(0, per - 1)
-    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-    dist.all_reduce(picked, group=group)
-    return (sum_exp.log() - picked).mean()
-
-
-def vocab_ce_off_by_one_rank(local_logits, targets, group):
-    rank, per = dist.get_rank(group), local_logits.shape[-1]
-    start = ((rank + 1) % dist.get_world_size(group)) * per
-    m = local_logits.amax(dim=-1)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    shifted = local_logits - m.unsqueeze(-1)
-    sum_exp = shifted.exp().sum(-1)
-    dist.all_reduce(sum_exp, group=group)
-    mine = (targets >= start) & (targets < start + per)
-    local = (targets - start).clamp(0, per - 1)
-    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-    dist.all_reduce(picked, group=group)
-    return (sum_exp.log() - picked).mean()
-
-
-def vocab_ce_no_max(local_logits, targets, group):
-    rank, per = dist.get_rank(group), local_logits.shape[-1]
-    sum_exp = local_logits.exp().sum(-1)
-    dist.all_reduce(sum_exp, group=group)
-    mine = (targets >= rank * per) & (targets < (rank + 1) * per)
-    local = (targets - rank * per).clamp(0, per - 1)
-    picked = local_logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-    dist.all_reduce(picked, group=group)
-    return (sum_exp.log() - picked).mean()
-
-
 exercise(
     module=__name__, name="vocab_parallel_ce",
     title="vocab-parallel cross-entropy without gathering the logits",
@@ -292,8 +208,10 @@ exercise(
     watch=forbid("the point is never to gather the logits", *built_in(*COLLECTIVES[1:]),
                  "lectures.tensor_parallel.vocab.vocab_parallel_cross_entropy",
                  "lectures.lecture_04_tensor_parallel.vocab_parallel_cross_entropy", "exercises.solution"),
-    wrong={"each rank subtracts its own max": vocab_ce_local_max,
-           "target slice of the next rank": vocab_ce_off_by_one_rank,
-           "no max subtracted (overflows)": vocab_ce_no_max},
+    wrong={"each rank subtracts its own max":
+               mutant(vocab_parallel_ce, ("    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)\n", "")),
+           "target slice of the next rank":
+               mutant(vocab_parallel_ce, ("dist.get_rank(group),", "(dist.get_rank(group) + 1) % dist.get_world_size(group),")),
+           "no max subtracted (overflows)": mutant(vocab_parallel_ce, ("local_logits - m.unsqueeze(-1)", "local_logits"))},
     hint="every rank must subtract the SAME max before the exponentials are summed across ranks",
     sizes="float64, vocab 24, 12, 18 over 3, 2 and a sub-group of ranks; logits up to ~1500")

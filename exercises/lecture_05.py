@@ -4,7 +4,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from exercises import exercise
+from exercises import exercise, mutant
 
 SCHEDULE_CASES = [(3, 1), (3, 2), (3, 5), (3, 8), (4, 7), (5, 3)]   # (stages, micro-batches)
 
@@ -37,30 +37,6 @@ def one_f_one_b(stages, microbatches, stage):
     return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]
 
 
-def one_f_one_b_long_warmup(stages, microbatches, stage):
-    warmup = min(stages - stage, microbatches)
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]
-
-
-def one_f_one_b_no_cooldown(stages, microbatches, stage):
-    warmup = min(stages - stage - 1, microbatches)
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions
-
-
-def one_f_one_b_backward_first(stages, microbatches, stage):
-    warmup = min(stages - stage - 1, microbatches)
-    actions = [("F", i) for i in range(warmup + 1)]
-    for i in range(microbatches - warmup - 1):
-        actions += [("B", i), ("F", warmup + 1 + i)]
-    return actions + [("B", i) for i in range(microbatches - warmup - 1, microbatches)]
-
-
 exercise(
     module=__name__, name="one_f_one_b",
     title="1F1B's action list for one pipeline stage",
@@ -79,9 +55,10 @@ exercise(
         "    raise NotImplementedError(\"hint: warm-up = min(stages - stage - 1, microbatches) forwards, \"\n"
         "                              \"then F, B pairs, then the backwards left\")\n"),
     harness=check_1f1b, solution=one_f_one_b,
-    wrong={"warm-up one too long (p - r)": one_f_one_b_long_warmup,
-           "forgets the cool-down backwards": one_f_one_b_no_cooldown,
-           "alternates B then F": one_f_one_b_backward_first},
+    wrong={"warm-up one too long (p - r)": mutant(one_f_one_b, ("stages - stage - 1", "stages - stage")),
+           "forgets the cool-down backwards":
+               mutant(one_f_one_b, ("range(microbatches - warmup, microbatches)", "range(0)")),
+           "alternates B then F": mutant(one_f_one_b, ('("F", warmup + i), ("B", i)', '("B", i), ("F", warmup + i)'))},
     hint="the last stage has no warm-up: it runs F0 then B0 at once",
     sizes="(stages, micro-batches) = (3, 1), (3, 2), (3, 5), (3, 8), (4, 7), (5, 3)")
 
@@ -89,18 +66,6 @@ exercise(
 def gpipe(stages, microbatches, stage):
     """Reference: every forward, then every backward, in micro-batch order."""
     return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
-
-
-def gpipe_reversed_backward(stages, microbatches, stage):
-    return [("F", i) for i in range(microbatches)] + [("B", i) for i in reversed(range(microbatches))]
-
-
-def gpipe_warmup_by_stage(stages, microbatches, stage):
-    warmup = min(stages - stage - 1, microbatches)          # 1F1B's order
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]
 
 
 exercise(
@@ -119,8 +84,9 @@ exercise(
         "    \"\"\"[(\"F\" or \"B\", micro-batch), ...] that `stage` runs under GPipe.\"\"\"\n"
         "    raise NotImplementedError(\"hint: all forwards, then all backwards\")\n"),
     harness=check_gpipe, solution=gpipe,
-    wrong={"backwards in reverse order": gpipe_reversed_backward,
-           "1F1B instead": gpipe_warmup_by_stage},
+    wrong={"backwards in reverse order":
+               mutant(gpipe, ('("B", i) for i in range(microbatches)', '("B", i) for i in reversed(range(microbatches))')),
+           "1F1B instead": one_f_one_b},
     hint="the course's GPipe runs B0, B1, ... in the order the forwards ran",
     sizes="the 1F1B cases")
 
@@ -174,16 +140,6 @@ def bubble_local(events):
     return 1 - sum(e - s for _, s, e in events) / (end - start)
 
 
-def bubble_no_ranks(events):
-    t = torch.tensor([min(s for _, s, _ in events), -max(e for _, _, e in events),
-                      sum(e - s for _, s, e in events)], dtype=torch.float64)
-    first = t[:2].clone()
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    busy = t[2:].clone()
-    dist.all_reduce(busy, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
-    return 1 - busy.item() / (-first[1] - first[0]).item()
-
-
 def bubble_mean_of_ranks(events):
     start, end = min(s for _, s, _ in events), max(e for _, _, e in events)
     mine = torch.tensor([1 - sum(e - s for _, s, e in events) / (end - start)], dtype=torch.float64)
@@ -211,7 +167,7 @@ exercise(
         "                              \"and busy time (SUM); 1 - busy / (world_size * makespan)\")\n"),
     harness=check_bubble, solution=bubble, ranks=(3, 2),
     wrong={"this rank's idle fraction only": bubble_local,
-           "forgets the p in p × makespan": bubble_no_ranks,
+           "forgets the p in p × makespan": mutant(bubble, ("dist.get_world_size() * ", "")),
            "mean of the ranks' own bubbles": bubble_mean_of_ranks},
     hint="the makespan is the whole pipeline's (earliest start anywhere to latest end anywhere), "
          "not this rank's",

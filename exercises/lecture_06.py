@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises import exercise
+from exercises import exercise, mutant
 
 
 def _tensor(rank, shape, seed, scale=1.0):
@@ -30,11 +30,6 @@ def zigzag_shard(x, rank, world_size, dim):
     """Reference: chunks r and 2n - 1 - r of 2n (torch.tensor_split's sizes)."""
     chunks = torch.tensor_split(x, 2 * world_size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim=dim)
-
-
-def zigzag_off_by_one(x, rank, world_size, dim):
-    chunks = torch.tensor_split(x, 2 * world_size, dim=dim)
-    return torch.cat([chunks[rank], chunks[(2 * world_size - rank) % (2 * world_size)]], dim=dim)
 
 
 def zigzag_equal_chunks(x, rank, world_size, dim):
@@ -65,7 +60,8 @@ exercise(
         "    raise NotImplementedError(\"hint: torch.tensor_split(x, 2 * world_size, dim=dim), then \"\n"
         "                              \"torch.cat two of the chunks\")\n"),
     harness=check_zigzag, solution=zigzag_shard,
-    wrong={"second chunk off by one": zigzag_off_by_one,
+    wrong={"second chunk off by one":
+               mutant(zigzag_shard, ("2 * world_size - 1 - rank", "(2 * world_size - rank) % (2 * world_size)")),
            "equal chunks (drops the remainder)": zigzag_equal_chunks,
            "contiguous shard": zigzag_contiguous},
     hint="13 positions in 6 chunks: sizes 3, 2, 2, 2, 2, 2; 5 positions: one chunk is empty",
@@ -144,16 +140,6 @@ def merge_average(out_a, lse_a, out_b, lse_b):
     return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
 
-def merge_max_lse(out_a, lse_a, out_b, lse_b):
-    lse = torch.maximum(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
-
-
-def merge_unnormalised(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a)[..., None] + out_b * torch.exp(lse_b)[..., None], lse
-
-
 exercise(
     module=__name__, name="merge_attention",
     title="merging two partial attention results (ring attention's step)",
@@ -177,8 +163,9 @@ exercise(
         "                              \"by exp(its lse - lse) (unsqueeze the last dim)\")\n"),
     harness=check_merge, solution=merge_attention, ranks=(3, 2),
     wrong={"averages the two outputs": merge_average,
-           "max instead of log-sum-exp": merge_max_lse,
-           "forgets to divide by the new sum": merge_unnormalised},
+           "max instead of log-sum-exp": mutant(merge_attention, ("torch.logaddexp", "torch.maximum")),
+           "forgets to divide by the new sum": mutant(
+               merge_attention, ("torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))", "torch.zeros_like(lse)"))},
     hint="each partial output is normalised over its own keys: weight it by its share of the "
          "total mass, exp(lse_part - lse_total)",
     sizes="a real ring on 3 and 2 ranks; float64; 13 positions causal (uneven blocks), 8 full; "
@@ -220,47 +207,6 @@ def route_with_capacity(logits, top_k, capacity_factor):
     return idx, gates, pos < cap
 
 
-def route_token_order(logits, top_k, capacity_factor):
-    tokens, experts = logits.shape
-    probs = torch.softmax(logits, dim=-1)
-    top, idx = probs.topk(top_k, dim=-1)
-    gates = top if top_k == 1 else top / top.sum(-1, keepdim=True)
-    cap = math.ceil(capacity_factor * tokens * top_k / experts)
-    seen = [0] * experts
-    keep = torch.zeros_like(idx, dtype=torch.bool)
-    for t in range(tokens):                                # token by token, all its choices
-        for i in range(top_k):
-            e = int(idx[t, i])
-            keep[t, i] = seen[e] < cap
-            seen[e] += 1
-    return idx, gates, keep
-
-
-def route_floor(logits, top_k, capacity_factor):
-    tokens, experts = logits.shape
-    probs = torch.softmax(logits, dim=-1)
-    top, idx = probs.topk(top_k, dim=-1)
-    gates = top if top_k == 1 else top / top.sum(-1, keepdim=True)
-    cap = int(capacity_factor * tokens * top_k / experts)
-    onehot = F.one_hot(idx, experts)
-    counts = onehot.sum(0)
-    base = torch.cat([torch.zeros_like(counts[:1]), counts.cumsum(0)[:-1]])
-    pos = (onehot.cumsum(0) - onehot + base.unsqueeze(0)).gather(2, idx.unsqueeze(-1)).squeeze(-1)
-    return idx, gates, pos < cap
-
-
-def route_unnormalised_gates(logits, top_k, capacity_factor):
-    tokens, experts = logits.shape
-    probs = torch.softmax(logits, dim=-1)
-    top, idx = probs.topk(top_k, dim=-1)
-    cap = math.ceil(capacity_factor * tokens * top_k / experts)
-    onehot = F.one_hot(idx, experts)
-    counts = onehot.sum(0)
-    base = torch.cat([torch.zeros_like(counts[:1]), counts.cumsum(0)[:-1]])
-    pos = (onehot.cumsum(0) - onehot + base.unsqueeze(0)).gather(2, idx.unsqueeze(-1)).squeeze(-1)
-    return idx, top, pos < cap
-
-
 exercise(
     module=__name__, name="route_with_capacity",
     title="top-k routing with an expert capacity (GShard's priority)",
@@ -282,9 +228,12 @@ exercise(
         "    raise NotImplementedError(\"hint: probs.topk(top_k); C = ceil(factor * T * k / E); an \"\n"
         "                              \"expert's queue holds every first choice before any second\")\n"),
     harness=check_routing, solution=route_with_capacity,
-    wrong={"queue in token order, not by choice": route_token_order,
-           "capacity rounded down": route_floor,
-           "top-k gates not renormalised": route_unnormalised_gates},
+    wrong={"queue in token order, not by choice":     # a place among all earlier tokens' choices, any rank of choice
+               mutant(route_with_capacity, ("onehot.cumsum(0) - onehot + base.unsqueeze(0)",
+                                            "(onehot.sum(1, True).cumsum(0) - onehot.sum(1, True)).expand_as(onehot)")),
+           "capacity rounded down": mutant(route_with_capacity, ("math.ceil(", "int(")),
+           "top-k gates not renormalised":
+               mutant(route_with_capacity, ("top if top_k == 1 else top / top.sum(-1, keepdim=True)", "top"))},
     hint="F.one_hot(idx, E) is (T, k, E): a cumulative sum over tokens gives each choice's place "
          "among earlier tokens' same choice; add the count of all earlier choices",
     sizes="float64; (tokens, experts, k, factor) = (7, 4, 2, 1.0), (7, 4, 1, 0.5), (5, 3, 2, 1.25), "

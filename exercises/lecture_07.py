@@ -3,7 +3,7 @@ of a gradient all-reduce. The course's answers are computed here, in the noteboo
 (lecture 07 is slow to import: the ranks never need it), and the ranks run the student's code."""
 import math
 
-from exercises import exercise
+from exercises import exercise, mutant
 
 # (1, 2, 2, 1): pp and cp both > 1, so putting cp outside pp (Megatron-LM's order) shows
 MESH_SHAPES = [(2, 1, 1, 3), (1, 3, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (3, 2, 1, 2), (1, 2, 2, 1)]
@@ -51,34 +51,6 @@ def mesh_groups(rank, shape):
     return [coords, groups]
 
 
-def mesh_dp_innermost(rank, shape):
-    axes = ("dp", "pp", "cp", "tp")
-    coords, rest = {}, rank
-    for axis, size in zip(axes, shape):                     # dp varies fastest
-        coords[axis] = rest % size
-        rest //= size
-    strides = [math.prod(shape[:k]) for k in range(4)]
-    groups = {}
-    for k, axis in enumerate(axes):
-        first = rank - coords[axis] * strides[k]
-        groups[axis] = [first + i * strides[k] for i in range(shape[k])]
-    return [coords, groups]
-
-
-def mesh_contiguous_groups(rank, shape):
-    axes = ("dp", "pp", "cp", "tp")
-    coords, rest = {}, rank
-    for axis, size in zip(reversed(axes), reversed(shape)):
-        coords[axis] = rest % size
-        rest //= size
-    coords = {a: coords[a] for a in axes}
-    groups = {}
-    for k, axis in enumerate(axes):                         # consecutive ranks for every axis
-        first = rank - coords[axis]
-        groups[axis] = [first + i for i in range(shape[k])]
-    return [coords, groups]
-
-
 exercise(
     module=__name__, name="mesh_groups",
     title="mesh coordinates and the process groups of a (dp, pp, cp, tp) mesh",
@@ -98,8 +70,10 @@ exercise(
         "    raise NotImplementedError(\"hint: tp varies fastest (stride 1), then cp (stride tp), \"\n"
         "                              \"pp (stride cp*tp), dp (stride pp*cp*tp)\")\n"),
     harness=run_cases, prepare=mesh_cases, solution=mesh_groups,
-    wrong={"dp innermost": mesh_dp_innermost,
-           "every group consecutive ranks": mesh_contiguous_groups},
+    wrong={"dp innermost": mutant(mesh_groups, ("zip(reversed(axes), reversed(shape))", "zip(axes, shape)"),
+                                  ("shape[k + 1:]", "shape[:k]")),
+           "every group consecutive ranks":
+               mutant(mesh_groups, ("[math.prod(shape[k + 1:]) for k in range(4)]", "[1] * 4"))},
     hint="a group on axis a is the ranks rank + (i - coords[a]) * stride(a), i = 0 .. size(a) - 1",
     sizes="meshes (2,1,1,3), (1,3,1,2), (2,2,1,2), (2,1,2,2), (3,2,1,2), (1,2,2,1): 44 ranks in all")
 
@@ -134,27 +108,6 @@ def memory_estimate(params, layout):
             "optimizer": B["optimizer"] * params / (dp if z >= 1 else 1)}
 
 
-def memory_over_dp_only(params, layout):
-    B, dp, z = PRECISION_BYTES[layout.precision], layout.dp, layout.zero
-    return {"weights": B["weights"] * params / (dp if z >= 3 else 1),
-            "grads": B["grads"] * params / (dp if z >= 2 else 1),
-            "optimizer": B["optimizer"] * params / (dp if z >= 1 else 1)}
-
-
-def memory_stage_off_by_one(params, layout):
-    B, dp, z = PRECISION_BYTES[layout.precision], layout.dp * layout.cp, layout.zero
-    return {"weights": B["weights"] * params / (dp if z >= 2 else 1),
-            "grads": B["grads"] * params / (dp if z >= 1 else 1),
-            "optimizer": B["optimizer"] * params / (dp if z >= 1 else 1)}
-
-
-def memory_over_world(params, layout):
-    B, n, z = PRECISION_BYTES[layout.precision], layout.world, layout.zero
-    return {"weights": B["weights"] * params / (n if z >= 3 else 1),
-            "grads": B["grads"] * params / (n if z >= 2 else 1),
-            "optimizer": B["optimizer"] * params / (n if z >= 1 else 1)}
-
-
 exercise(
     module=__name__, name="memory_estimate",
     title="the memory of a layout: weights, gradients, optimizer state under ZeRO",
@@ -177,9 +130,9 @@ exercise(
         "    raise NotImplementedError(\"hint: ZeRO-k divides the first k of optimizer, grads, weights \"\n"
         "                              \"by layout.dp * layout.cp\")\n"),
     harness=run_cases, prepare=memory_cases, given=precision_bytes, solution=memory_estimate,
-    wrong={"ZeRO-1 also shards the gradients": memory_stage_off_by_one,
-           "shards over every rank, not dp·cp": memory_over_world,
-           "shards over dp only, not dp·cp": memory_over_dp_only},
+    wrong={"ZeRO-1 also shards the gradients": mutant(memory_estimate, ("z >= 2", "z >= 1")),
+           "shards over every rank, not dp·cp": mutant(memory_estimate, ("layout.dp * layout.cp", "layout.world")),
+           "shards over dp only, not dp·cp": mutant(memory_estimate, ("layout.dp * layout.cp", "layout.dp"))},
     hint="the dp·cp ranks hold copies of the same parameters: tp and pp ranks hold different ones",
     sizes="Llama 3 8B, 6 layouts: ZeRO 0-3; bf16, fp32, fp64; dp with tp, pp, cp")
 
@@ -206,21 +159,6 @@ def exposed_all_reduce(n, nbytes, alpha, beta, backward_seconds, overlap):
     return max(0.0, t - overlap * backward_seconds)
 
 
-def exposed_no_floor(n, nbytes, alpha, beta, backward_seconds, overlap):
-    t = 0.0 if n == 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
-    return t - overlap * backward_seconds
-
-
-def exposed_half_traffic(n, nbytes, alpha, beta, backward_seconds, overlap):
-    t = 0.0 if n == 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
-    return max(0.0, t - overlap * backward_seconds)
-
-
-def exposed_one_latency(n, nbytes, alpha, beta, backward_seconds, overlap):
-    t = 0.0 if n == 1 else alpha + 2 * (n - 1) / n * nbytes / beta
-    return max(0.0, t - overlap * backward_seconds)
-
-
 exercise(
     module=__name__, name="exposed_all_reduce",
     title="the exposed time of a gradient all-reduce under backward",
@@ -239,8 +177,9 @@ exercise(
         "    raise NotImplementedError(\"hint: ring time 2(n-1)·alpha + 2(n-1)/n·nbytes/beta, minus \"\n"
         "                              \"overlap·backward_seconds, at least 0\")\n"),
     harness=run_cases, prepare=exposed_cases, solution=exposed_all_reduce,
-    wrong={"can go negative": exposed_no_floor,
-           "reduce-scatter's traffic only": exposed_half_traffic,
-           "one latency instead of 2(n - 1)": exposed_one_latency},
+    wrong={"can go negative": mutant(exposed_all_reduce, ("max(0.0, ", "(")),
+           "reduce-scatter's traffic only": mutant(exposed_all_reduce, ("2 * (n - 1) * alpha + 2 * (n - 1) / n",
+                                                                        "(n - 1) * alpha + (n - 1) / n")),
+           "one latency instead of 2(n - 1)": mutant(exposed_all_reduce, ("2 * (n - 1) * alpha", "alpha"))},
     hint="a fully hidden all-reduce costs 0 s, not a negative time",
     sizes="6 cases: n = 1, 3, 8, 64; overlap 0 to 1")

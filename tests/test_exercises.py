@@ -81,6 +81,33 @@ def test_notebook_has_the_exercises(lecture):
         assert check.startswith(f"exercises.check({name!r}"), check
 
 
+def test_a_mutant_is_its_reference_with_each_change_made_once():
+    """The wrong solutions are mutants: renamed, shipped by their own source, and refused when
+    an old text is not in the reference exactly once (a refactor would silently undo them)."""
+    reference = exercises.solution("bus_bandwidth")
+    wrong = engine.mutant(reference, ("algbw * factor", "algbw"), name="bus_bandwidth_unscaled")
+    source = engine.source_of(wrong)
+    assert source.startswith("def bus_bandwidth_unscaled(") and "return algbw, algbw\n" in source
+    assert engine.source_of(reference).startswith("def bus_bandwidth(")
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        engine.mutant(reference, ("not in the reference", ""))
+    with pytest.raises(ValueError, match="occurs 4 times"):
+        engine.mutant(reference, ("(n - 1) / n", "1"))
+    with pytest.raises(ValueError, match="a different mutant is already named"):
+        engine.mutant(reference, ("algbw * factor", "0.0"), name="bus_bandwidth_unscaled")
+
+
+@pytest.mark.parametrize("lecture,name", ALL, ids=[n for _, n in ALL])
+def test_wrong_solutions_differ_from_each_other(lecture, name):
+    ex = exercises.get(name)
+
+    def text(fns):
+        return [engine.source_of(f).split("\n", 1)[1] for f in fns]   # the body, whatever the name
+    bodies = [text(fns) for fns in ex.wrong.values()]
+    assert text(ex.solution) not in bodies
+    assert len({repr(b) for b in bodies}) == len(bodies), name
+
+
 def test_function_without_source_is_refused():
     verdict = exercises.evaluate("bus_bandwidth", lambda *a: (0, 0))
     assert verdict["passed"] is False and "lambda" in verdict["detail"]
@@ -103,37 +130,35 @@ def test_first_difference_names_the_element():
 
 # --- students' solutions from the adversarial review (area 1): each wrong one caught, each
 # correct spelling accepted. They are module functions so that their source can be shipped,
-# or the course's solution with one line changed (variant()).
+# or the course's solution with one line changed (mutant(), as the exercises write their wrong ones).
 
-def variant(fn, renamed, *changes):
-    """The reference solution `fn` with each (old, new) of `changes` applied, defined as a
-    notebook cell would define it (its source in linecache) as `renamed`."""
-    fn = exercises.solution(fn) if isinstance(fn, str) else fn
-    source = engine.source_of(fn).replace(f"def {fn.__name__}(", f"def {renamed}(", 1)
-    for old, new in changes:
-        assert old in source, old
-        source = source.replace(old, new)
-    filename = f"<cell with {renamed}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    ns = engine.namespace()
-    exec(compile(source, filename, "exec"), ns)
-    return ns[renamed]
+def mutant(name, renamed, *changes):
+    """Exercise `name`'s reference solution (its first function) with `changes`, as `renamed`."""
+    reference = exercises.get(name).solution[0]
+    return engine.mutant(reference, *changes, name=renamed)
 
 
-ring_for_three_ranks = variant("ring_all_reduce", "ring_for_three_ranks",
-                               ("dist.get_world_size(), dist.get_rank()", "3, dist.get_rank()"))
-vocab_ce_global_rank = variant("vocab_parallel_ce", "vocab_ce_global_rank",
-                               ("dist.get_rank(group)", "dist.get_rank()"))
-f_default_group = variant(exercises.solution("f_and_g")[0], "f_default_group",
-                          ("dist.all_reduce(grad, group=group)", "dist.all_reduce(grad)"))
-sampler_pads_once = variant("sampler_indices", "sampler_pads_once",       # wrong when the padding exceeds n
-                            ("(indices * -(-(total - len(indices)) // len(indices)))", "indices"))
-all_gather_float32 = variant("all_gather", "all_gather_float32", ("    return out\n", "    return [t.float() for t in out]\n"))
+ring_for_three_ranks = mutant("ring_all_reduce", "ring_for_three_ranks",
+                              ("dist.get_world_size(), dist.get_rank()", "3, dist.get_rank()"))
+vocab_ce_global_rank = mutant("vocab_parallel_ce", "vocab_ce_global_rank",
+                              ("dist.get_rank(group)", "dist.get_rank()"))
+f_default_group = mutant("f_and_g", "f_default_group",
+                         ("dist.all_reduce(grad, group=group)", "dist.all_reduce(grad)"))
+sampler_pads_once = mutant("sampler_indices", "sampler_pads_once",       # wrong when the padding exceeds n
+                           ("(indices * -(-(total - len(indices)) // len(indices)))", "indices"))
+all_gather_float32 = mutant("all_gather", "all_gather_float32",
+                            ("    return out\n", "    return [t.float() for t in out]\n"))
 # the habitual import inside the function, and the long spelling of all_reduce
-buckets_spelled_torch_distributed = variant(
+buckets_spelled_torch_distributed = mutant(
     "all_reduce_gradients", "buckets_spelled_torch_distributed",
     ("    n = dist.get_world_size()\n", "    import torch.distributed as dist\n    n = dist.get_world_size()\n"),
     ("dist.all_reduce(flat)", "torch.distributed.all_reduce(flat)"))
+tp_mlp_default_group = mutant("tp_mlp", "tp_mlp_default_group",
+                              ("dist.all_reduce(partial, group=group)", "dist.all_reduce(partial)"))
+tp_mlp_zeroes_input = mutant("tp_mlp", "tp_mlp_zeroes_input",
+                             ("    return partial + b2", "    x.zero_()\n    return partial + b2"))
+merge_unguarded = mutant("merge_attention", "merge_unguarded",
+                         ("torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))", "lse"))
 
 
 def ring_by_a_demos_module(x):
@@ -224,26 +249,8 @@ def tp_mlp_bias_on_rank_0(x, w1, b1, w2, b2, group):
     return partial
 
 
-def tp_mlp_default_group(x, w1, b1, w2, b2, group):
-    partial = F.gelu(x @ w1.T + b1) @ w2.T
-    dist.all_reduce(partial)
-    return partial + b2
-
-
-def tp_mlp_zeroes_input(x, w1, b1, w2, b2, group):
-    partial = F.gelu(x @ w1.T + b1) @ w2.T
-    dist.all_reduce(partial, group=group)
-    x.zero_()
-    return partial + b2
-
-
 def merge_no_max(out_a, lse_a, out_b, lse_b):
     lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
-
-
-def merge_unguarded(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
 
 

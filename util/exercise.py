@@ -21,6 +21,9 @@ built-in collective an exercise asks you to write, the course's own solution); m
 works and is recorded in `calls` for the harness. With `keeps_inputs`, changing a tensor
 argument in place is an error too. `show(verdict)` displays it in the
 notebook and publishes `{"exercise", "passed", "detail"}` as JSON (util.in_notebook).
+
+`mutant(reference, (old, new), ...)` is a correct function with a line changed, defined as a
+cell defines one: the plausible mistakes a check must catch, written as what they change.
 """
 import contextlib
 import importlib
@@ -75,14 +78,48 @@ def namespace():
     return {"torch": torch, "dist": dist, "math": math, "F": F, "nn": nn, "__name__": "exercise"}
 
 
-def load(name, source, given=None):
+def load(name, source, given=None, filename=None):
     """Exec `source` in a fresh namespace and return the function `name` it defines. The text is
-    registered with linecache, so a traceback shows the student's own lines."""
-    filename = f"<your {name}>"
+    registered with linecache (as `filename`), so a traceback shows the student's own lines."""
+    filename = filename or f"<your {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     ns = {**namespace(), **(given or {})}
     exec(compile(source, filename, "exec"), ns)
     return ns[name]
+
+
+_mutants = {}   # name -> source of every mutant defined in this process (their linecache entries)
+
+
+def mutant(reference, *changes, name=None):
+    """`reference` with each `(old, new)` text of `changes` applied in turn: a plausible mistake
+    one line away from a correct function, for a check to catch. It is defined as a notebook
+    cell defines a function (its source in linecache, under a name of its own), so it ships to
+    the ranks like a student's, and sees what the ranks see (namespace()), not the reference's
+    module. Each old text must occur exactly once when it is replaced, so a change to the
+    reference cannot silently turn a mutant into a copy of it or a no-op."""
+    if not changes:
+        raise ValueError(f"a mutant of {reference.__name__} needs at least one (old, new) change")
+    original = source_of(reference)
+    if name is None:
+        name = next(f"{reference.__name__}_mutant{n}" for n in range(1, len(_mutants) + 2)
+                    if f"{reference.__name__}_mutant{n}" not in _mutants)
+    head = f"def {reference.__name__}("
+    if not original.startswith(head):
+        raise ValueError(f"the source of {reference.__name__} does not start with {head!r}")
+    renamed = source = original.replace(head, f"def {name}(", 1)
+    for old, new in changes:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(f"mutant {name}: {old!r} occurs {count} times in the source of "
+                             f"{reference.__name__}, not once")
+        source = source.replace(old, new)
+    if source == renamed:
+        raise ValueError(f"mutant {name} is the same as {reference.__name__}")
+    if _mutants.get(name, source) != source:
+        raise ValueError(f"a different mutant is already named {name}")
+    _mutants[name] = source
+    return load(name, source, filename=f"<mutant {name}>")
 
 
 def short(dotted):
