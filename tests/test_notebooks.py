@@ -5,8 +5,9 @@ import os
 import subprocess
 import sys
 
-import nbformat
 import pytest
+# nbformat is imported inside the tests that read notebooks: its import (jsonschema) costs
+# seconds at every collection, even of `pytest -k` on another test.
 
 from tests.conftest import ARTIFACTS, ROOT, Watched
 from util import build_notebooks as tool
@@ -86,6 +87,7 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_clean_with_parameters(name):
+    import nbformat
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -104,6 +106,7 @@ def test_committed_clean_with_parameters(name):
 def test_notebook_runs_every_section(name):
     """Every section function the lecture's main() calls has its cell (lectures grow)."""
     import ast
+    import nbformat
     with open(os.path.join(ROOT, "lectures", name + ".py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
@@ -127,6 +130,7 @@ def test_cli_ran_every_notebook(executed):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_outputs(executed, name):
+    import nbformat
     out, _ = executed
     nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
     errors = [o for _, o in outputs(nb) if o.output_type == "error"]
@@ -161,6 +165,7 @@ def exercise_verdicts(nb):
 def test_exercises_fail_with_stubs(executed, name):
     """solutions = False (the default): the notebook ran to the end (test_notebook_outputs) and
     every exercise's check reported passed: false — the stubs fail, so the checks can fail."""
+    import nbformat
     import exercises
     out, _ = executed
     nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
@@ -173,6 +178,7 @@ def test_exercises_fail_with_stubs(executed, name):
 def with_solutions(tmp_path_factory):
     """Every notebook's exercise part (the cells tagged `exercises`, as committed), run once in
     one kernel with solutions = True: the lecture sections are left out, they ran above."""
+    import nbformat
     nbs = [nbformat.read(os.path.join(tool.NOTEBOOKS, n + ".ipynb"), as_version=4) for n in NAMES]
     cells = [nbformat.v4.new_code_cell("solutions = False\nbackend = None", metadata={"tags": ["parameters"]}),
              nbformat.v4.new_code_cell(nbs[0].cells[2].source.split("import torch")[0]
@@ -242,6 +248,7 @@ def test_bad_command_line():
 def test_failing_notebook_is_loud(tmp_path):
     """A failed check stops the run: exit 1, one line naming the notebook, cell and reason; the
     executed copy and its page are still written, and no worker is left behind to die noisily."""
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
@@ -314,6 +321,7 @@ def test_index_links_the_notebook_page(fixture_site, tmp_path):
 
 
 def test_cell_timeout_is_loud(tmp_path):
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
