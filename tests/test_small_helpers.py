@@ -4,10 +4,10 @@ a negative bubble, a negative capacity)."""
 import pytest
 import torch
 
-from lectures.layout.mesh import mesh_coords
-from lectures.context_parallel.moe import capacity
-from lectures.pipeline.simulate import theory_bubble
-from lectures.data_parallel.zero import take_shard
+from lectures.context_parallel import capacity
+from lectures.data_parallel import take_shard
+from lectures.layout import mesh_coords
+from lectures.pipeline import theory_bubble
 
 
 @pytest.mark.parametrize("call, says", [

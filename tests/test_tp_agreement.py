@@ -9,13 +9,11 @@ import torch
 import torch.distributed as dist
 
 from lectures.tensor_parallel import ops as tp_ops
+from lectures.model import GPT, GPTConfig, batch
+from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
+                                      VocabParallelEmbedding, parallelize_gpt, tp_loss, vocab_parallel_cross_entropy)
 
 from lectures.tensor_parallel import vocab as vocab_parallel
-from lectures.model.gpt import GPT, GPTConfig, batch
-from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lectures.tensor_parallel.attention import TensorParallelAttention
-from lectures.tensor_parallel.gpt import parallelize_gpt, tp_loss
-from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import spawn
 
 

@@ -7,9 +7,7 @@ import random
 
 import pytest
 
-from lectures.pipeline.explorer import explorer_data
-from lectures.pipeline.simulate import simulate
-from lectures.pipeline.schedules import make_schedule
+from lectures.pipeline import explorer_data, make_schedule, simulate
 from tests.conftest import Watched
 from util import render
 
@@ -139,7 +137,7 @@ def test_without_javascript_the_widget_stays_hidden(browser, explorer_page):
 
 @pytest.fixture(scope="module")
 def calculator_page(tmp_path_factory):
-    from lectures.layout.calculator import calculator_data
+    from lectures.layout import calculator_data
     out = tmp_path_factory.mktemp("calculator")
     rec = {"schema": "course-lecture/1", "lecture": "lecture_calc", "title": "Calculator",
            "status": "ok", "environment": {"device": "CPU: test", "backend": "gloo"}, "functions": {},
@@ -153,8 +151,8 @@ def calculator_page(tmp_path_factory):
 def random_layouts(n, seed=0):
     """(ModelShape, Layout) pairs the estimator accepts: presets and random shapes, every axis."""
     import dataclasses
-    from lectures.layout.calculator import presets
-    from lectures.layout.estimator import Layout, ModelShape
+    from lectures.layout import presets
+    from lectures.layout import Layout, ModelShape
     rng = random.Random(seed)
     shapes = [ModelShape(**f) for f in presets().values()]
     while len(shapes) < 12:
@@ -182,7 +180,7 @@ def random_layouts(n, seed=0):
 
 
 def test_javascript_estimator_equals_python_for_random_layouts(browser, calculator_page):
-    from lectures.layout.estimator import estimate_memory
+    from lectures.layout import estimate_memory
     w = Watched(browser, viewport={"width": 1280, "height": 800})
     try:
         w.page.goto("file://" + calculator_page)
@@ -231,7 +229,7 @@ def test_calculator_controls(browser, calculator_page, width, height):
 
 def test_javascript_step_time_equals_python_for_random_layouts(browser, calculator_page):
     import dataclasses
-    from lectures.layout.step_time import Hardware, h100_cluster, step_time
+    from lectures.layout import Hardware, h100_cluster, step_time
     small = Hardware("a small machine", flops=2e10, memory=8e9, ranks_per_node=2, intra=(5e-5, 2e9),
                      inter=(1e-4, 1e9), overhead=1e-3, step_overhead=2e-3, overlap=0.5, bucketed=False,
                      p2p=(3e-5, 3e9), ring_step=(1e-4, 2e-4), backend="gloo")
@@ -258,7 +256,7 @@ def test_explorer_shows_the_pages_numbers(browser, explorer_page, name, p, m, v)
     """Opened on a schedule, the explorer says what the page's tables say: costs per stage
     (a chunk's action takes 1/v), the makespan, and the most micro-batches a rank holds (a
     chunk counting 1/v)."""
-    from lectures.pipeline.simulate import held
+    from lectures.pipeline import held
     sched = make_schedule(name, p, m, v)
     want = simulate(sched, {"F": 1 / v, "B": 1 / v, "W": 1 / v})
     w = Watched(browser, viewport={"width": 1280, "height": 800})
@@ -279,7 +277,7 @@ def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_pa
     embedded schedule at random costs (some outside a formula's assumptions: then none); ZB-H1
     shows Qi et al.'s (p−1)(F+B−W) at the explorer's costs, and ZB-H2, ZB-V and DualPipeV say
     there is no closed form here."""
-    from lectures.pipeline.explorer import explorer_entries, formula_bubble
+    from lectures.pipeline import explorer_entries, formula_bubble
     entries = {(e["name"], e["p"], e["m"], e["chunks"]): e for e in explorer_entries()}
     with opened(browser, explorer_page) as pg:
         rng, cases = random.Random(2), []
@@ -362,7 +360,7 @@ def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_pa
 def test_calculator_and_search_share_the_memory_cap(browser, calculator_page):
     """Review M5: the calculator opens at the search's memory cap (0.9 × 80 GiB), so the two
     agree on what fits."""
-    from lectures.layout.step_time import h100_cluster
+    from lectures.layout import h100_cluster
     w = Watched(browser, viewport={"width": 1280, "height": 800})
     try:
         pg = w.page
