@@ -101,7 +101,7 @@ def test_first_difference_names_the_element():
     assert engine.first_difference(float("nan"), float("nan")) is None
 
 
-# --- students' solutions from the adversarial review (area 1): each wrong one caught, each
+# --- plausible students' solutions: each wrong one caught, each
 # correct spelling accepted. They are module functions so that their source can be shipped,
 # or the course's solution with one line changed (variant()).
 

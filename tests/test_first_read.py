@@ -1,4 +1,4 @@
-"""The course as a first read (issue 28), measured in a real browser on the quick-built pages:
+"""The course as a first read, measured in a real browser on the quick-built pages:
 each lecture's main path as it opens (folded code and deep dives closed) is at most 25 screens
 at 1280x800, shows a picture before the first visible code listing in at least 80% of the
 sections that show code, leaks no template text and says "every number on this page" once;

@@ -303,7 +303,7 @@ def test_quick_build(course_site):
     assert (site / "lecture_01_memory_and_precision.json").exists() and (site / "lecture_01_memory_and_precision.html").exists()
 
 
-# --- issue 19: statements the numbers back -------------------------------------------------
+# --- statements the numbers back -----------------------------------------------------------
 
 def test_memtracker_activations_exceed_saved_bytes_by_the_loss_alone():
     """MemTracker files the loss (4 bytes) under activations; everything else it counts after
@@ -445,10 +445,10 @@ def test_memory_phase_figure_labels_whole_and_legend_outside_the_bars():
     plt.close(fig)
 
 
-# --- fresh-eyes review -----------------------------------------------------------------------
+# --- what the page claims, checked against the code and the sources it cites -----------------
 
 def test_autocast_keeps_its_bf16_weight_copies_from_forward_to_backward():
-    """Review 01-1: every Linear's bf16 weight copy is saved for backward (2 bytes per weight
+    """Every Linear's bf16 weight copy is saved for backward (2 bytes per weight
     parameter) by the forward; without autocast nothing is copied."""
     cfg = GPTConfig()
     model = GPT(cfg)
@@ -483,23 +483,23 @@ def test_parameters_and_bytes_page_counts_autocast_copies_until_backward():
     text = _page_of(L.parameters_and_bytes)
     assert "live only during the forward" not in text
     assert "bf16 weight copies saved by the forward, freed by the backward" in text
-    assert "assumes f = 4h" in text and "h=96 l=3 a=6 kv=3 f=200" in text   # review 01-7: the miss named
+    assert "assumes f = 4h" in text and "h=96 l=3 a=6 kv=3 f=200" in text   # the miss named
 
 
 def test_delayed_scaling_names_transformer_engines_window():
-    """Review 01-2: TE's default amax history is 1024 steps, ours 8 for the plot."""
+    """TE's default amax history is 1024 steps, ours 8 for the plot."""
     text = _page_of(delayed_scaling)
     assert "1024" in text and "last 8 steps" not in text
 
 
 def test_format_caption_gives_median_and_worst_case():
-    """Review 01-3: the curve is the median (about eps/4); the worst case is eps/2."""
+    """The curve is the median (about eps/4); the worst case is eps/2."""
     text = _page_of(L.formats_and_rounding)
     assert "worst case eps/2" in text and "accurate to ~eps/4" not in text
 
 
 def test_copy_size_is_beyond_the_largest_cache(tmp_path):
-    """Review 01-5: the bandwidth copy's two buffers are at least 4x the last-level cache."""
+    """The bandwidth copy's two buffers are at least 4x the last-level cache."""
     for level, size in enumerate(["32K", "1024K", "32768K"]):
         (tmp_path / f"index{level}").mkdir()
         (tmp_path / f"index{level}" / "size").write_text(size + "\n")
@@ -512,7 +512,7 @@ def test_copy_size_is_beyond_the_largest_cache(tmp_path):
 
 
 def test_memtracker_residue_after_backward_is_the_batch_and_the_loss():
-    """Review 01-6: the bytes MemTracker keeps under activations after a backward are the
+    """The bytes MemTracker keeps under activations after a backward are the
     batch's int64 token ids and targets and the 4-byte loss, nothing else."""
     rows = memory_timeline(GPTConfig(), batch_size=16, steps=2)
     for r in rows[1:4] + rows[5:8]:
@@ -520,7 +520,7 @@ def test_memtracker_residue_after_backward_is_the_batch_and_the_loss():
 
 
 def test_recomputation_policy_is_named_ours_and_the_papers_distinguished():
-    """Review 01-4 and 01-8: our selective policy is not Korthikanti et al.'s; no unsupported
+    """Our selective policy is not Korthikanti et al.'s; no unsupported
     'a few percent'."""
     import inspect
     src = inspect.getsource(L.recomputation)
@@ -528,7 +528,7 @@ def test_recomputation_policy_is_named_ours_and_the_papers_distinguished():
 
 
 def test_mxfp8_scale_called_a_variant_of_the_ocp_rule():
-    """Review 01-9: the OCP scale is 2^(floor(log2 amax) - emax); ours rounds up."""
+    """The OCP scale is 2^(floor(log2 amax) - emax); ours rounds up."""
     import math as m
     x = torch.full((1, 32), 300.0)
     _, scale = quantize_fp8(x, (1, 32), power_of_two=True)
@@ -537,17 +537,17 @@ def test_mxfp8_scale_called_a_variant_of_the_ocp_rule():
     x = torch.full((1, 32), 500.0)                                    # above 448 at scale 2^0
     _, scale = quantize_fp8(x, (1, 32), power_of_two=True)
     assert scale.item() == 2.0 and 2.0 ** (m.floor(m.log2(500.0)) - 8) == 1.0   # OCP would saturate
-    assert "Mishra et al. 2025" in quantize_fp8.__doc__                    # review C1: NVIDIA's recipe
+    assert "Mishra et al. 2025" in quantize_fp8.__doc__                    # NVIDIA's recipe
 
 
 def test_fake_tensor_table_uses_readable_units():
-    """Review 01-11: small values in kB, not 1.6e-05 GB; the header is not 'after' again."""
+    """Small values in kB, not 1.6e-05 GB; the header is not 'after' again."""
     import inspect
     src = inspect.getsource(a_step_too_big_to_hold)
     assert "fmt_bytes(r.get(c, 0))" in src and 'header=["phase"' in src
 
 
-# ---- issue 30: fp8 conclusions that follow their numbers ------------------------------------
+# ---- fp8 conclusions that follow their numbers ----------------------------------------------
 
 def test_fp8_outliers_sit_in_tokens_and_in_channels():
     a, w = outlier_matrices(200, 1024, 8, outlier=1e3, frac=0.01, channel_frac=0.002)
@@ -559,7 +559,7 @@ def test_fp8_outliers_sit_in_tokens_and_in_channels():
 
 
 def test_fp8_tiles_beat_rows_only_once_outlier_channels_are_large():
-    """Review M1: per-channel outliers give the 1×128 tiles something to win; small ones do not."""
+    """Per-channel outliers give the 1×128 tiles something to win; small ones do not."""
     m, k, n = 128, 512, 128
     keep = ordinary_channels(k)
     big = fp8_scaling_errors(*outlier_matrices(m, k, n, outlier=1e5), keep)
@@ -584,7 +584,7 @@ def test_fp8_verdict_is_read_from_the_table():
 
 
 def test_e8m0_scale_costs_only_the_block_maximum():
-    """Review W1: a power-of-two scale loses no precision on a block's other values; what it
+    """A power-of-two scale loses no precision on a block's other values; what it
     loses is the exactness of the block's largest value, which an exact scale maps onto 448."""
     x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))
     blocks = x.reshape(-1, 32)
@@ -612,7 +612,7 @@ def test_scaled_mm_row_wise_matches_simulation_on_the_ordinary_channels():
 
 
 def test_accumulator_model_that_reproduces_deepseeks_two_percent():
-    """Review M2: DeepSeek-V3 §3.3.2 reports a maximum relative error of nearly 2% for k = 4096
+    """DeepSeek-V3 §3.3.2 reports a maximum relative error of nearly 2% for k = 4096
     with a ~14-bit accumulator; the error depends on the assumed rounding, and the page picks
     the model nearest the paper's number."""
     worst = {name: accumulation_error(4096, group=g, rounding=r, worst=True)
@@ -629,7 +629,7 @@ def test_accumulator_model_that_reproduces_deepseeks_two_percent():
 
 
 def test_autocast_bytes_between_forward_and_backward_depend_on_zero_grad():
-    """Review M3: 12 + copies in a loop that sets gradients to None before the forward, 16 +
+    """12 + copies in a loop that sets gradients to None before the forward, 16 +
     copies when last step's gradients are alive (gradient accumulation)."""
     cfg = GPTConfig()
     tokens, targets = batch(cfg, 4, 0)
@@ -645,7 +645,7 @@ def test_autocast_bytes_between_forward_and_backward_depend_on_zero_grad():
 
 
 def test_elementwise_kernels_reach_the_copy_bandwidth():
-    """Review B2: with preallocated outputs, add and GELU move bytes at the rate a copy does,
+    """With preallocated outputs, add and GELU move bytes at the rate a copy does,
     not 6× slower (which is what timing a fresh 64 MB output per call measures)."""
     from lectures.model import copy_rate, elementwise_rate
     nbytes = 64 * 2 ** 20
@@ -657,10 +657,10 @@ def test_elementwise_kernels_reach_the_copy_bandwidth():
 
 
 def test_attention_scores_of_bf16_inputs_are_computed_in_fp32():
-    """Review (earlier, 'suspected'): the forward multiplied q kᵀ in bf16 and upcast afterwards,
-    while the backward recomputes the scores from fp32 operands, so the backward's P was not the
-    forward's. Now the forward's log-sum-exp is that of the fp32 scores, and our bf16 attention
-    errs about as little as PyTorch's SDPA."""
+    """The backward recomputes the scores from fp32 operands, so the forward must compute them in
+    fp32 too (not multiply q kᵀ in bf16 and upcast), or the backward's P is not the forward's: the
+    forward's log-sum-exp is that of the fp32 scores, and our bf16 attention errs about as little
+    as PyTorch's SDPA."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g).bfloat16() for _ in range(3))
     _, lse = attention_with_lse(q, k, v, causal=True)
@@ -672,7 +672,7 @@ def test_attention_scores_of_bf16_inputs_are_computed_in_fp32():
 
 
 def test_allocator_and_torchao_float8_are_on_the_main_path():
-    """The earlier review's missing items: the CUDA caching allocator beside the meter, and
+    """The main path names the CUDA caching allocator beside the meter, and
     torchao's float8 as PyTorch's own fp8 path (prose with a citation: it needs an fp8 GPU)."""
     import inspect
     step, formats = inspect.getsource(L.anatomy_of_a_step), inspect.getsource(L.master_weights)

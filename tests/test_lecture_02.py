@@ -391,7 +391,7 @@ def test_quick_build_has_every_section_and_figure(course_site):
     assert len(links) >= 5 and any("nccl-tests" in l["url"] for l in links)
 
 
-# --- what gloo really sends (issue 21) --------------------------------------------------------
+# --- what gloo really sends -------------------------------------------------------------------
 
 def test_gloo_reduce_scatter_writes_an_all_reduces_bytes():
     """3 ranks, 3 MB: gloo's reduce_scatter_tensor is a clone, a full all-reduce and a copy, so

@@ -343,7 +343,7 @@ def test_quick_build(course_site):
         assert row[3] >= row[2] > 0                            # measured includes headers
 
 
-# --- what the bytes on the wire say (issue 21) ------------------------------------------------
+# --- what the bytes on the wire say -----------------------------------------------------------
 
 def test_measured_bytes_match_gloo_count_and_zero_excess_is_exactly_gloos_reduce_scatter():
     """gloo's reduce-scatter is a full all-reduce plus a copy, so against ring counts ZeRO-1/2
@@ -417,11 +417,11 @@ def zero3_after_backward(rank, world_size, layers=8, width=64):
 
 
 def test_zero3_retires_reduce_scatters_during_backward():
-    """ZeRO-3 used to leave every layer's async reduce-scatter pending until step(); a gloo Work
-    keeps a full-size copy of its input, so every full gradient lived until the step while the
-    'transient' meter counted only the gathered weights. Now at most one layer's reduce-scatters
-    (weight and bias) stay in flight after backward, and the meter counts full gradients too:
-    two gathered layers plus one layer's full gradient at the peak."""
+    """A gloo Work keeps a full-size copy of its input, so a reduce-scatter left pending until
+    step() keeps a layer's full gradient alive: ZeRO-3 retires them during backward, at most one
+    layer's reduce-scatters (weight and bias) stay in flight after it, and the 'transient' meter
+    counts full gradients as well as gathered weights: two gathered layers plus one layer's full
+    gradient at the peak."""
     for got in spawn(zero3_after_backward, 2).returns:
         assert got["pending"] <= 2, got
         assert got["transient"] >= 3 * got["layer bytes"], got

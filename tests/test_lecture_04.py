@@ -349,8 +349,8 @@ def test_fresh_row_parallel_initialises_like_nn_linear():
 
 
 def misuse_more(rank, world_size):
-    """{misuse: the error message} for misuses that used to give a silent wrong answer or a
-    crash far from the cause."""
+    """{misuse: the error message} for misuses that would otherwise give a silent wrong answer or
+    a crash far from the cause."""
     out = {}
 
     def attempt(name, fn):
@@ -392,7 +392,7 @@ def test_misuse_fails_loudly():
         assert "must divide the 2 K/V heads" in msgs["GQA neither divides"]
         assert "shards differ" in msgs["unequal shards"] and "rank 1: (2, 4, 4)" in msgs["unequal shards"]
         assert "shards differ" in msgs["unequal dtypes"] and "float64" in msgs["unequal dtypes"]
-        # refused at the layer's first call, where the ranks agree on their inputs (issue 30)
+        # refused at the layer's first call, where the ranks agree on their inputs
         assert "disagree" in msgs["unequal shards into a column-parallel layer"]
         assert "input size 1=2; rank 1: input size 1=3" in msgs["unequal shards into a column-parallel layer"]
     assert "is not a member" in got[2]["group without this rank: layer"]
@@ -410,7 +410,7 @@ def gqa_layouts(rank, world_size, cases):
 
 def test_gqa_holds_each_kv_head_once_per_rank_that_reads_it():
     """K/V heads split when tp divides them; else each rank holds the ONE K/V head its query
-    heads read (it used to hold the whole K/V weight and compute one head per query head)."""
+    heads read (not the whole K/V weight, computing one head per query head)."""
     cases = [dict(n_heads=8, n_kv_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]
     got = spawn(gqa_layouts, 4, cases=cases).returns
     d32 = lambda heads: 32 // heads
@@ -450,9 +450,9 @@ def fresh_replicated(rank, world_size):
 
 
 def test_fresh_layers_agree_on_replicated_parameters():
-    """Layers built without from_full used to initialise every parameter per rank, so the
-    replicated ones (a row-parallel bias, the positions, a K/V head held by several ranks)
-    differed across ranks: a silent wrong model. They are now broadcast from the first rank."""
+    """Layers built without from_full broadcast their replicated parameters (a row-parallel bias,
+    the positions, a K/V head held by several ranks) from the first rank: initialised per rank,
+    they would differ across ranks, a silent wrong model."""
     got = spawn(fresh_replicated, 4).returns
     for name in ("row bias", "positions", "K/V rows", "K/V bias", "o_proj bias"):
         for r in range(1, 4):
@@ -507,7 +507,7 @@ def test_training_state_per_rank_is_split_over_t_plus_what_stays_whole():
 
 
 def test_sequence_parallel_bytes_are_counted_with_the_backward_regather():
-    """Review M4: with SP a block moves 10 ring units, not TP's 8: the column-parallel layers keep
+    """With SP a block moves 10 ring units, not TP's 8: the column-parallel layers keep
     their slice and all-gather it again in backward. The page's ratio is the counted one."""
     r = spawn(sp_traffic, 2, cfg=L.demo_cfg()).returns[0]
     assert sequence_units(r) == RING_UNITS == {False: 8, True: 10}
@@ -515,7 +515,7 @@ def test_sequence_parallel_bytes_are_counted_with_the_backward_regather():
 
 
 def test_sp_replicated_gradients_are_all_reduced_one_by_one_and_counted():
-    """Review X2: the page states what our per-tensor f costs beside Megatron's one flattened
+    """The page states what our per-tensor f costs beside Megatron's one flattened
     all-reduce per step; the count it states is the backward's (10 LayerNorm tensors, 4
     row-parallel biases, 1 position table in the 2-layer GPT, plus the loss's)."""
     r = spawn(replicated_grad_reduction, 2, cfg=L.demo_cfg(), repeats=2).returns[0]

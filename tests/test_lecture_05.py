@@ -74,7 +74,7 @@ def test_bubble_equals_formula_under_unit_costs(name, p):
 
 
 def test_interleaved_bubble_formula_holds_for_every_m_from_p():
-    """Review C1: (p − 1)/(v·m + p − 1) is the simulated bubble (F = B, W = 0) for every m >= p,
+    """(p − 1)/(v·m + p − 1) is the simulated bubble (F = B, W = 0) for every m >= p,
     not only multiples of p (441 sizes), so theory_bubble gives it there; below p it gives none."""
     for p in range(2, 9):
         for v in (2, 3, 4):
@@ -220,7 +220,7 @@ def test_zb_h2_across_steps_has_qi_et_als_bubble(p):
 
 
 def test_interleaved_memory_sentence_counts_the_lists():
-    """Review M3: with p < m < 2p interleaved 1F1B makes one group, and rank 0 holds all m
+    """With p < m < 2p interleaved 1F1B makes one group, and rank 0 holds all m
     micro-batches (GPipe's memory); at m = 2p it holds p + (p − 1)/v. The page's sentence comes
     from held()."""
     for p in range(2, 9):
@@ -525,7 +525,7 @@ def _disagreeing_step(r, case, cfg):
 
 @pytest.mark.parametrize("case", ["boundary dtype", "micro-batch shape", "schedule"])
 def test_ranks_that_disagree_get_a_clear_error(case, monkeypatch):
-    """Adversarial review 5 (the executor's part): a rank with another dtype, micro-batch shape or
+    """A rank with another dtype, micro-batch shape or
     schedule made gloo abort ('op.preamble.length <= op.nbytes'), wait for ever, or (NCCL) copy
     bytes into a buffer of another type. An all_gather of each rank's signature at entry now
     gives every rank the same ValueError naming what each has. Ranks as threads here; the gloo
@@ -575,10 +575,10 @@ def test_checkpointing_counts_the_recomputation():
         torch.testing.assert_close(q.grad, w)
 
 
-# --- fresh-eyes review -----------------------------------------------------------------------
+# --- what the page claims, checked against the code and the sources it cites -----------------
 
 def test_dualpipev_readme_formula_beside_the_simulated_idle():
-    """Review 05-7: (S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
+    """(S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
     F&B = F + B is 3 units per rank at p = 4; the simulated list idles 1.5 on every rank."""
     from lectures.pipeline import dualpipev_readme_bubble
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5) == 3.0
@@ -623,7 +623,7 @@ def test_dualpipev_and_its_pairs_are_pytorchs(p):
 
 
 def test_dualpipev_readme_formula_equals_the_reference_run():
-    """Review X1: (S/2 − 1)(F&B + B − 3W) is the most idle rank of DualPipeV run as the reference
+    """(S/2 − 1)(F&B + B − 3W) is the most idle rank of DualPipeV run as the reference
     runs it (each F&B pair one unit, its outputs leaving at its end), for p = 2..8, m = 2p, 2p + 3,
     4p and F&B from F + B to max(F, B), exactly when F = B_in = W; our pair-by-pair list idles
     (p − 1)F, (p − 1)B_in less. With F = 0.5, B_in = 0.6, W = 0.4 the formula is off."""
@@ -645,7 +645,7 @@ def test_dualpipev_readme_formula_equals_the_reference_run():
 
 
 def test_free_w_caption_comes_from_the_numbers():
-    """Review 05-4: with W = 0 the caption says which split lists gain and which do not, from the
+    """With W = 0 the caption says which split lists gain and which do not, from the
     simulated bubbles. (With the greedy ZB-V it said that list lost 8.7 points; the paper's ZB-V
     gains from its V.)"""
     free = {n: simulate(make_schedule(n, 4, 8, v), chunk_cost(v, W=0)).bubble for n, v in ALL}
@@ -657,7 +657,7 @@ def test_free_w_caption_comes_from_the_numbers():
 
 
 def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
-    """Review 05-3 and 05-5: a single sample yields times and no verdict; the checkpointing
+    """A single sample yields times and no verdict; the checkpointing
     sentence names plain GPipe first and says 'slower'."""
     from util.measure import Timing
     one = L.verdict(Timing([0.0609]), Timing([0.0550]), "ours", "PyTorch's")
@@ -671,7 +671,7 @@ def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
 
 
 def test_zb_h1_verdict_is_the_step_not_the_bubble():
-    """Review M4: a smaller measured bubble with a slower step reads as a slower step, said so."""
+    """A smaller measured bubble with a slower step reads as a slower step, said so."""
     from util.measure import Timing
     slow, fast = Timing([0.0976, 0.0926, 0.101]), Timing([0.0731, 0.070, 0.0788])
     words = L.zb_h1_verdict(0.212, 0.285, slow, fast)
@@ -684,7 +684,7 @@ def test_zb_h1_verdict_is_the_step_not_the_bubble():
 
 
 def test_timed_comparisons_take_enough_samples():
-    """Review 05-3 and 05-6: PyTorch's comparison warms up and takes 3 repeats in quick mode;
+    """PyTorch's comparison warms up and takes 3 repeats in quick mode;
     sleep mode takes at least 5."""
     import inspect
     src = inspect.getsource(L.pytorch_schedules)
@@ -693,7 +693,8 @@ def test_timed_comparisons_take_enough_samples():
 
 
 def test_sleep_caveat_said_once_and_megatron_claim_dated():
-    """Review 05-8 and 05-12."""
+    """Sleep mode's caveat is said once, and the Megatron claim names the option it rests on
+    (microbatch_group_size_per_vp_stage), so a reader can check it against their version."""
     import inspect
     assert inspect.getsource(L.measured_schedules).count("sleep_mode(p)") == 1
     assert "microbatch_group_size_per_vp_stage" in inspect.getsource(L.interleaved_measured)
@@ -707,7 +708,7 @@ def test_sleep_caveat_said_once_and_megatron_claim_dated():
     ({"F": 1.0}, None, "cost needs F and B"),
     ({"F": 1.0, "B": 1.0, "W": 1.0}, float("nan"), "cost pair must be")])
 def test_simulate_refuses_costs_that_are_not_times(cost, pair, says):
-    """adversarial.md item 28: a negative or non-finite cost (or a missing B) is a clear
+    """A negative or non-finite cost (or a missing B) is a clear
     ValueError, not a NaN makespan or a bubble outside 0-100%; zero costs stay allowed."""
     with pytest.raises(ValueError, match=re.escape(says)):
         simulate(make_schedule("dualpipev", 2, 4, 2), cost, pair=pair)
@@ -716,7 +717,7 @@ def test_simulate_refuses_costs_that_are_not_times(cost, pair, says):
 
 
 def test_explorer_formula_is_the_papers_and_exact_where_it_is_shown():
-    """Review C1: beside the explorer's timeline stands the paper's formula, evaluated at the
+    """Beside the explorer's timeline stands the paper's formula, evaluated at the
     explorer's costs, and only where it equals the simulated bubble of that very list; ZB-H2,
     ZB-V and DualPipeV say there is no closed form here, and why."""
     import random
@@ -769,9 +770,9 @@ def test_figure_helpers_draw_what_the_runs_measured():
 
 
 def test_four_sections_open_with_a_picture(course_site):
-    """Issue 28: the executor, real compute, deadlock and PyTorch sections open with a figure
+    """The executor, real compute, deadlock and PyTorch sections open with a figure
     drawn from their runs (only a demo's own bar may come first); the page stays within 25
-    screens (checked by the page tests) because two tables moved to the appendix."""
+    screens (checked by the page tests) because two tables live in the appendix."""
     import json
     from tests.conftest import walk
     rec = json.loads((built(course_site, "lecture_05_pipeline_parallel") / "lecture_05_pipeline_parallel.json").read_text())

@@ -464,8 +464,8 @@ def biased_expert_parallel(rank, world_size, steps=3):
 
 
 def test_expert_parallel_keeps_deepseek_bias():
-    """from_full used to drop expert_bias and bias_update: the EP copy routed differently (max
-    |Δ output| 0.3 on one rank). The copy must route with the bias and move it by the global load."""
+    """from_full keeps expert_bias and bias_update: without them the EP copy routes differently
+    (max |Δ output| 0.3 on one rank). The copy must route with the bias and move it by the global load."""
     runs = spawn(biased_expert_parallel, 2).returns
     moe = moe_layer(n_experts=4, top_k=1, capacity_factor=None)
     moe.bias_update = 0.01
@@ -525,9 +525,9 @@ def test_balanced_shares_within_their_own_noise_are_not_flagged():
 
 
 def test_zigzag_speedups_are_read_against_the_balance_ceiling():
-    """Review M2: the page read "zig-zag 2.25× faster" (80.2 vs 180 ms at 2 ranks) as balance, where
-    the counts allow at most (2n − 1)/n = 1.5×. The ceiling is counted, and a ratio above it is said
-    to be something else."""
+    """Balance alone allows zig-zag at most (2n − 1)/n = 1.5× at 2 ranks, so a measured "2.25×
+    faster" (80.2 vs 180 ms) cannot be read as balance: the ceiling is counted, and a ratio above it
+    is said to be something else."""
     from util.measure import Timing
     for n in (2, 3, 4, 8):
         assert balance_ceiling(4096, n) == pytest.approx((2 * n - 1) / n, rel=2e-3)
@@ -546,8 +546,8 @@ def test_zigzag_speedups_are_read_against_the_balance_ceiling():
 
 
 def test_the_router_z_loss_is_trained_and_lowers_the_logits():
-    """Review X3: the page measured the z-loss but never trained on it. With it in the loss the
-    routers' z-loss and each token's largest logit end lower than in the same run without it."""
+    """The z-loss is trained on, not only measured: with it in the loss the routers' z-loss and
+    each token's largest logit end lower than in the same run without it."""
     runs = {z: train_moe_gpt(0, 1, [{"aux": AUX_WEIGHT, "z": z}], steps=10, batch_size=4) for z in (0.0, 1e-2)}
     without, with_z = runs[0.0], runs[1e-2]
     assert with_z["z"][0] == pytest.approx(without["z"][0])          # the same start: only the loss differs
@@ -559,7 +559,7 @@ def test_the_router_z_loss_is_trained_and_lowers_the_logits():
 
 
 def test_rank_capacity_drops_what_each_rank_alone_would_and_refuses_the_bias():
-    """Review X5: real EP sizes capacity per rank, with no exchange of counts. Then which tokens drop
+    """Real EP sizes capacity per rank, with no exchange of counts. Then which tokens drop
     depends on the grouping (so it differs from one batch of all tokens), and DeepSeek-V3's bias,
     which needs the global load, is refused rather than moved differently on every rank."""
     kw, tokens, _ = MOE_CASES["top-2, drops"]
@@ -573,7 +573,8 @@ def test_rank_capacity_drops_what_each_rank_alone_would_and_refuses_the_bias():
 
 
 def test_no_tokens_give_a_zero_balance_loss_not_nan():
-    """Adversarial 6 / review C6: a batch without tokens gave aux_loss = 0/0 = NaN."""
+    """A batch without tokens has a balance loss of 0, not 0/0 = NaN (a NaN would poison the
+    whole step's loss)."""
     moe = moe_layer(n_experts=3, top_k=1, n_shared=1)
     out = moe(torch.zeros(0, moe.d_model, dtype=torch.float64))
     assert out.shape == (0, moe.d_model) and moe.aux_loss.item() == 0.0
@@ -615,9 +616,9 @@ def disagreeing_ranks(rank, world_size, what):
 
 @pytest.mark.parametrize("what", list(DISAGREEMENTS))
 def test_ranks_that_disagree_get_one_clear_error(what):
-    """Adversarial 5 / review C6: ring attention with 2 heads on rank 0 and 4 on rank 1 (or float32
-    against float64) aborted gloo ('op.preamble.length <= op.nbytes'); a different mask or layout
-    gave a silent answer. Every variant now refuses on every rank, naming what differs."""
+    """Ring attention with 2 heads on rank 0 and 4 on rank 1 (or float32 against float64) would
+    abort gloo ('op.preamble.length <= op.nbytes'), and a different mask or layout would give a
+    silent wrong answer: every variant refuses on every rank instead, naming what differs."""
     runs = spawn(disagreeing_ranks, 2, what=what).returns
     for rank, errors in enumerate(runs):
         for variant, msg in errors.items():
@@ -625,9 +626,8 @@ def test_ranks_that_disagree_get_one_clear_error(what):
 
 
 def test_wait_and_rotation_words_claim_only_what_the_numbers_show():
-    """Review C5: 'the waits are less than that (0.8×), and they are not the wire' read a number
-    as evidence it cannot be. Review C3: at 2 ranks PyTorch's two rotate methods move the same
-    bytes, which the page did not say."""
+    """A wait ratio of 0.8× is not evidence that the waits are not the wire, so the words do not
+    say so; and at 2 ranks PyTorch's two rotate methods move the same bytes, which the page says."""
     assert "cannot say" in L.wait_words(0.8, 1.0) and "not the wire" not in L.wait_words(0.8, 1.0)
     assert "excess is not the transfers" in L.wait_words(1.5, 1.0)
     same = {"PyTorch, all-gather (default)": 2.001 * 2**20, "PyTorch, all-to-all rotation (a ring)": 2.0 * 2**20}

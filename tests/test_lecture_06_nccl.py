@@ -1,4 +1,4 @@
-"""Ring attention under NCCL's rules, without a GPU (issue 29).
+"""Ring attention under NCCL's rules, without a GPU.
 
 `tests/nccl_standin.py` models what NCCL does with `batch_isend_irecv`: one Work per batch, a
 receive's data only after that Work is waited for (NaN before), a rank's batches in posting order

@@ -365,7 +365,7 @@ def test_baselines_are_judged_by_the_models_interval_and_ties_are_named():
 
 
 def test_compute_only_prediction_is_the_model_without_transfers():
-    """Review C5's baseline: the step-time model with every link free equals its compute plus
+    """The step-time model with every link free equals its compute plus
     bubble plus step overhead (no tp, cp, pp or dp seconds), and is below the full prediction."""
     hw = Hardware("h", flops=1e9, memory=1e30, ranks_per_node=2, intra=(1e-4, 1e8), inter=(1e-3, 1e7),
                   overhead=1e-3, step_overhead=2e-3, ring_step=(1e-4, 1e-4))
@@ -503,7 +503,7 @@ def test_step_time_charges_the_tensor_parallel_bytes_step_bytes_counts(sp):
 
 
 def test_pipeline_sends_with_sequence_parallelism_are_split_over_tp():
-    """Review C2: with sequence parallelism a stage's output is split along the sequence over the
+    """With sequence parallelism a stage's output is split along the sequence over the
     tp ranks, so each sends 1/tp of it (Megatron-LM); step_time and step_bytes agree on that."""
     hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for v in (1, 2):
@@ -581,7 +581,7 @@ def test_attention_runs_the_kernels_flops_at_its_own_rate():
 
 
 def test_without_interleaving_table4_is_not_reproduced(table4):
-    """The review's finding, now a check: with v = 1 the 8K rows fall far below what Meta measured."""
+    """Interleaving is what reproduces Table 4: with v = 1 the 8K rows fall far below what Meta measured."""
     frac, out = table4
     hw = h100_cluster(**{GEMM: frac})
     for row, best, err in out[:2]:

@@ -1,4 +1,4 @@
-"""The pipeline executor under NCCL's rules, without a GPU (issue 29).
+"""The pipeline executor under NCCL's rules, without a GPU.
 
 NCCL returns one Work per batch_isend_irecv, fills a receive only for the Work that is waited on,
 runs a rank's batches in order on one stream, matches a pair's messages in posting order and

@@ -1,4 +1,4 @@
-"""Tied embeddings in the pipeline (review X4): the first stage's embedding and the last stage's LM
+"""Tied embeddings in the pipeline: the first stage's embedding and the last stage's LM
 head are two copies of one weight; after the pipeline's backward their gradients are summed across
 the two ranks (or, on the V layouts' rank 0, which holds both ends, autograd has summed them in the
 one Parameter). Loss, every gradient and the parameters after two AdamW steps equal one process

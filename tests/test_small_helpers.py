@@ -1,6 +1,6 @@
-"""Small building blocks refuse arguments outside their range (adversarial review, area 3 item
-21): each returned a plausible wrong value before (another rank's coordinates, an empty shard,
-a negative bubble, a negative capacity)."""
+"""Small building blocks refuse arguments outside their range: otherwise each would return a
+plausible wrong value (another rank's coordinates, an empty shard, a negative bubble, a negative
+capacity) that a caller could not tell from a right one."""
 import pytest
 import torch
 

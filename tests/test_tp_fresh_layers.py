@@ -1,7 +1,7 @@
 """Fresh tensor-parallel layers, built on ranks seeded the way the launcher seeds them (every rank
 alike), hold the shards of ONE full layer: the one nn.Linear, nn.Embedding or lecture 01's
-attention would draw with that seed, sliced (issue 30). Before, each rank drew its shard from the
-shared seed, so every rank held the same numbers and a fresh model had 1/t of its width."""
+attention would draw with that seed, sliced. Drawing each shard from the shared seed instead
+would give every rank the same numbers: a fresh model with 1/t of its width."""
 import pytest
 import torch
 import torch.distributed as dist
