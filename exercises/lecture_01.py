@@ -19,7 +19,7 @@ CONFIGS = [   # one group per rank: GQA, tied embeddings, odd widths, a one-laye
 
 
 def check_param_count(rank, world_size, fn):
-    from lectures.lecture_01_memory_and_precision import GPT, GPTConfig, param_count
+    from lectures.model import GPT, GPTConfig, param_count
     out = []
     for kw in CONFIGS[rank]:
         cfg = GPTConfig(**kw)
@@ -73,7 +73,7 @@ BLOCKS = [[3, 1, 5, 2], [11], [1, 1, 1, 1, 1, 6]]   # key blocks per rank: uneve
 
 
 def check_online_softmax(rank, world_size, fn):
-    from lectures.lecture_01_memory_and_precision import attention_with_lse
+    from lectures.model import attention_with_lse
     out = []
     g = torch.Generator().manual_seed(rank)
     for scale in (1.0, 300.0):               # 300: exp() of raw scores overflows float64
@@ -136,7 +136,7 @@ RECIPES = ["fp32", "bf16", "fp64"]   # one per rank
 
 
 def check_bytes(rank, world_size, fn):
-    from lectures.layout.estimator import PRECISION_BYTES
+    from lectures.layout import PRECISION_BYTES
     name = RECIPES[rank]
     expected = {k: PRECISION_BYTES[name][k] for k in ("weights", "grads", "optimizer")}
     got = fn(name)

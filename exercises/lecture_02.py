@@ -21,7 +21,7 @@ RING_LENGTHS = [1, 2, 7, 13, 100]   # on 3 and 2 ranks: empty chunks, uneven chu
 
 
 def check_ring(rank, world_size, fn):
-    from lectures.lecture_02_communication import ring_all_reduce as course
+    from lectures.data_parallel import ring_all_reduce as course
     out = []
     for length in RING_LENGTHS:
         x = rank_input(rank, (length,), seed=length)
@@ -81,8 +81,7 @@ exercise(
     harness=check_ring, solution=ring_all_reduce, ranks=(3, 2),
     watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.ring_all_reduce",
                  "lectures.data_parallel.collectives.ring_all_reduce", "lectures.data_parallel.collectives.pipelined_ring_all_reduce",
-                 "lectures.lecture_02_communication.ring_all_reduce",
-                 "lectures.lecture_02_communication.pipelined_ring_all_reduce"),
+                 "lectures.lecture_02_communication.ring_all_reduce"),
     wrong={"no all-gather phase": mutant(ring_all_reduce, ("chunks[recv_i].copy_(incoming)", "pass")),
            "chunks walked the wrong way (off by one rank)":
                mutant(ring_all_reduce, ("(rank - step) % n, (rank - step - 1)", "(rank + step) % n, (rank + step - 1)")),
@@ -156,7 +155,7 @@ COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 
 
 def check_bus_bandwidth(rank, world_size, fn):
-    from lectures.lecture_02_communication import bandwidths
+    from lectures.data_parallel import bandwidths
     out = []
     for n in [(2, 3), (5, 8), (1, 16)][rank]:
         for name in COLLECTIVES:

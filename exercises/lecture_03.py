@@ -20,7 +20,7 @@ BUCKETS = [200 / 2 ** 20, 1e-9, 1.0, 400 / 2 ** 20]        # MB: mixed, one per 
 
 
 def check_buckets(rank, world_size, fn):
-    from lectures.lecture_03_data_parallel import plan_buckets
+    from lectures.data_parallel import plan_buckets
     out = []
     for bucket_mb in BUCKETS:
         params = [torch.nn.Parameter(_tensor(0, s, k)) for k, s in enumerate(SHAPES)]
@@ -86,8 +86,7 @@ NUMELS = [10, 2, 31]   # not divisible by 3 ranks; fewer elements than ranks
 
 
 def check_zero1(rank, world_size, fn):
-    from lectures.lecture_03_data_parallel import adamw_update
-    from lectures.data_parallel.zero import shard_size
+    from lectures.data_parallel import adamw_update, shard_size
     out = []
     lr, wd = 0.1, 0.01
     for numel in NUMELS:

@@ -14,7 +14,7 @@ def _tensor(rank, shape, seed, scale=1.0):
 # --- f and g ---------------------------------------------------------------------------------
 
 def check_f_and_g(rank, world_size, f, g, group=None):
-    from lectures.lecture_04_tensor_parallel import copy_to_region, reduce_from_region
+    from lectures.tensor_parallel import copy_to_region, reduce_from_region
     group = group or dist.group.WORLD
     out = []
     for name, mine, course in (("f", f, copy_to_region), ("g", g, reduce_from_region)):
@@ -95,8 +95,7 @@ exercise(
 # --- a column-parallel then row-parallel MLP ---------------------------------------------------
 
 def check_tp_mlp(rank, world_size, fn, group=None):
-    from lectures.lecture_04_tensor_parallel import GPTConfig
-    from lectures.model.gpt import MLP
+    from lectures.model import MLP, GPTConfig
     out = []
     for h, ff, shape in [(7, 15, (2, 3)), (4, 6, (5,))]:
         cfg = GPTConfig(d_model=h, n_heads=1, d_ff=ff, dtype="float64")
@@ -151,7 +150,7 @@ exercise(
 # --- vocab-parallel cross-entropy ----------------------------------------------------------------
 
 def check_vocab_ce(rank, world_size, fn, group=None):
-    from lectures.lecture_04_tensor_parallel import vocab_parallel_cross_entropy
+    from lectures.tensor_parallel import vocab_parallel_cross_entropy
     group = group or dist.group.WORLD
     out = []
     for vocab, shape, scale in [(24, (2, 5), 1.0), (12, (7,), 1.0), (18, (3, 2), 400.0)]:   # split by 1, 2, 3

@@ -11,7 +11,7 @@ SCHEDULE_CASES = [(3, 1), (3, 2), (3, 5), (3, 8), (4, 7), (5, 3)]   # (stages, m
 
 def _schedule_check(name):
     def harness(rank, world_size, fn):
-        from lectures.lecture_05_pipeline_parallel import make_schedule
+        from lectures.pipeline import make_schedule
         out = []
         for p, m in SCHEDULE_CASES:
             for stage in range(rank, p, world_size):         # this rank, and stage + 3 when p > 3
@@ -95,7 +95,7 @@ exercise(
 
 def _timeline(p, m, seed):
     """Per-rank (action, start, end) spans of a 1F1B step with uneven, jittered costs."""
-    from lectures.lecture_05_pipeline_parallel import make_schedule, simulate
+    from lectures.pipeline import make_schedule, simulate
     g = torch.Generator().manual_seed(seed)
     sched = make_schedule("1f1b", p, m)
     sim = simulate(sched, {"F": 1.0, "B": 2.0, "W": 0.0})
@@ -110,7 +110,7 @@ def _timeline(p, m, seed):
 
 
 def check_bubble(rank, world_size, fn):
-    from lectures.lecture_05_pipeline_parallel import measured_bubble
+    from lectures.pipeline.demos import measured_bubble
     out = []
     for m, seed in [(4, 0), (1, 1), (9, 2)]:
         timeline = _timeline(world_size, m, seed)

@@ -17,7 +17,7 @@ def _tensor(rank, shape, seed, scale=1.0):
 # --- a zig-zag shard -------------------------------------------------------------------------
 
 def check_zigzag(rank, world_size, fn):
-    from lectures.lecture_06_context_and_expert_parallel import zigzag_shard as course
+    from lectures.context_parallel import zigzag_shard as course
     out = []
     for shape, dim in [((2, 13, 3), 1), ((12, 2), 0), ((1, 5), 1), ((4, 7, 2), 1)]:
         x = _tensor(0, shape, sum(shape))
@@ -73,8 +73,7 @@ exercise(
 def check_merge(rank, world_size, fn):
     """A real ring: each rank keeps its queries, the key/value blocks travel around, and every
     partial result is merged in with the student's function (and, beside it, the course's)."""
-    from lectures.lecture_06_context_and_expert_parallel import merge_partials
-    from lectures.model.attention import attention_with_lse
+    from lectures.model import attention_with_lse, merge_attention as merge_partials
     out = []
     for seq, causal in [(13, True), (8, False)]:
         q_all, k_all, v_all = (_tensor(0, (1, 2, seq, 4), s) for s in (1, 2, 3))
@@ -178,7 +177,7 @@ ROUTING = [[(7, 4, 2, 1.0), (7, 4, 1, 0.5)], [(5, 3, 2, 1.25), (9, 4, 2, 0.5)], 
 
 
 def check_routing(rank, world_size, fn):
-    from lectures.lecture_06_context_and_expert_parallel import capacity, positions_in_expert, route, slot_counts
+    from lectures.context_parallel import capacity, positions_in_expert, route, slot_counts
     out = []
     for tokens, experts, top_k, factor in ROUTING[rank]:
         logits = _tensor(rank, (tokens, experts), tokens + experts)

@@ -22,7 +22,7 @@ def run_cases(rank, world_size, fn, cases):
 # --- mesh coordinates and groups ----------------------------------------------------------------
 
 def mesh_cases():
-    from lectures.lecture_07_putting_it_together import MESH_AXES, axis_groups, mesh_coords
+    from lectures.layout import MESH_AXES, axis_groups, mesh_coords
     cases = []
     for shape in MESH_SHAPES:
         world = 1
@@ -81,7 +81,7 @@ exercise(
 # --- the memory estimate of a layout ------------------------------------------------------------
 
 def memory_cases():
-    from lectures.lecture_07_putting_it_together import LLAMA3_8B, Layout, estimate_memory
+    from lectures.layout import LLAMA3_8B, Layout, estimate_memory
     layouts = [Layout(dp=8, zero=0, precision="bf16"), Layout(dp=8, zero=1, precision="bf16"),
                Layout(dp=6, tp=2, zero=2, precision="bf16"), Layout(dp=3, pp=2, zero=3, precision="fp32"),
                Layout(dp=1, tp=4, precision="fp32"), Layout(dp=5, cp=2, zero=1, precision="fp64")]
@@ -95,7 +95,7 @@ def memory_cases():
 
 
 def precision_bytes():
-    from lectures.lecture_07_putting_it_together import PRECISION_BYTES
+    from lectures.layout import PRECISION_BYTES
     return {"PRECISION_BYTES": PRECISION_BYTES}
 
 
@@ -140,7 +140,7 @@ exercise(
 # --- the exposed time of a gradient all-reduce ---------------------------------------------------
 
 def exposed_cases():
-    from lectures.lecture_07_putting_it_together import all_reduce_time
+    from lectures.layout import all_reduce_time
     cases = []
     for n, nbytes, link, backward, overlap in [
             (8, 16e9, (5e-6, 450e9), 0.2, 1.0), (8, 16e9, (5e-6, 450e9), 0.02, 1.0),

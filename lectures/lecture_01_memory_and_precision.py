@@ -22,21 +22,17 @@ from util import try_it_yourself
 from util.measure import compare, machine, measure
 
 from exercises import listing as notebook_exercises
-from lectures.model.activations import (Recomputed, _save_matmuls, accumulated_gradients,  # noqa: F401
-                                        block_activations, chunked_cross_entropy, korthikanti_bytes, loss_memory,
-                                        reconciled_bytes, recomputation_step, with_recomputation)
-from lectures.model.attention import (attention_with_lse, merge_attention, naive_causal_attention,  # noqa: F401
+from lectures.model.activations import (Recomputed, _save_matmuls, accumulated_gradients, block_activations,
+                                        chunked_cross_entropy, korthikanti_bytes, loss_memory, reconciled_bytes,
+                                        recomputation_step)
+from lectures.model.attention import (attention_with_lse, merge_attention, naive_causal_attention,
                                       online_softmax_attention)
-from lectures.model.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, MLP, batch,  # noqa: F401
-                                causal_attention, entropy_rate, loss_fn, markov_chain, param_count)
+from lectures.model.gpt import GPT, Block, GPTConfig, batch, causal_attention, entropy_rate, loss_fn, param_count
 from lectures.model.memory import SavedBytes
-from lectures.model.precision import (FORMATS, MasterWeights, dequantize_fp8, format_properties,  # noqa: F401
-                                      fp8_matmul_error, fp16_gradients, fp32_gradients, freeze_threshold,
-                                      frozen_fraction, gradient_error, gradient_rms, keep_bits, outlier_matrices,
-                                      per_tensor_error, relative_error_across_magnitudes, round_to, train_curve,
-                                      values_between)
-from lectures.model.training_memory import (MEM_CATEGORIES, CastWeightCopies, by_category,  # noqa: F401
-                                            held_by_training, memory_timeline)
+from lectures.model.precision import (FORMATS, MasterWeights, format_properties, fp16_gradients, fp32_gradients,
+                                      freeze_threshold, frozen_fraction, gradient_error, gradient_rms,
+                                      per_tensor_error, train_curve)
+from lectures.model.training_memory import MEM_CATEGORIES, CastWeightCopies, held_by_training, memory_timeline
 from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_backward, fp8_scaling,
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
@@ -45,15 +41,6 @@ from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memor
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_01_memory_and_precision import LiveBytes`.
-from lectures.model.memory import LiveBytes  # noqa: F401
-from lectures.model.attention import OnlineSoftmaxAttention  # noqa: F401
-from lectures.model.precision import (accumulate, accumulation_error, ordinary_channels, overflow_table,  # noqa: F401
-                                      quantize_fp8, scaled_mm_error, scaling_over_steps)
-from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, elementwise_rate,  # noqa: F401
-                                     largest_cache_bytes, matmul_rate, threads)
-from lectures.model.training_memory import fake_training_step  # noqa: F401
 
 
 def intro():

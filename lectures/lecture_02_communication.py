@@ -14,18 +14,15 @@ from util import (cheat, deep_dive, figure, note, plural, published, see, settin
                   timeline)
 from util import try_it_yourself
 from util.launch import choose_backend
-from util.recording import trim_build_paths  # noqa: F401  (tests use it from here)
 from util.measure import compare, machine, measure, spreads_overlap, timing_ranks, value_range
 
 from exercises import listing as notebook_exercises
 from lectures.data_parallel.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends,
                                                 bus_bandwidth_factor, crossover_bytes, fit_alpha_beta, optimal_bytes,
                                                 ring_all_reduce, sweep, wire_bytes)
-from lectures.data_parallel.collectives import pipelined_ring_all_reduce  # noqa: F401  (exercises/lecture_02.py watches it here)
-from lectures.data_parallel.communication_demos import (
-    COLLECTIVES, MEASURED, RING_VARIANTS, all_reduce_in_two_halves, all_reduce_two_ways, async_overlap, copy_time,
-    demo_all_to_all, demo_send_recv, race_ring, ring_trace, skip_a_collective, us)
-from lectures.data_parallel.communication_demos import demo_reduce_scatter, ring_vs_builtin  # noqa: F401  (the notebook uses them)
+from lectures.data_parallel.communication_demos import (COLLECTIVES, MEASURED, RING_VARIANTS, all_reduce_in_two_halves,
+                                                        all_reduce_two_ways, async_overlap, copy_time, demo_all_to_all,
+                                                        demo_send_recv, race_ring, ring_trace, skip_a_collective, us)
 from lectures.data_parallel.communication_deep_dives import (
     alpha_beta_details, finding_the_culprit, overlap_streams, ring_checked, ring_raced, this_machine)
 from lectures.data_parallel.figures import (human_bytes, draw_hierarchy, draw_stages, draw_gallery, draw_ring_trace,

@@ -9,9 +9,9 @@ from util import try_it_yourself
 from util.measure import compare, spreads_overlap, machine, timing_ranks
 
 from exercises import listing as notebook_exercises
-from lectures.data_parallel.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives,  # noqa: F401
-                                        OverlappedAllReduce, broadcast_parameters, plan_buckets)
-from lectures.data_parallel.zero import Zero1, Zero2, Zero3, Zero3Layer, Zero3LinearFunction, adamw_update  # noqa: F401
+from lectures.data_parallel.ddp import (AllReduceAfterBackward, BucketedAllReduce, Collectives, OverlappedAllReduce,
+                                        broadcast_parameters)
+from lectures.data_parallel.zero import Zero1, Zero2, Zero3Layer, Zero3LinearFunction, adamw_update
 from lectures.data_parallel.demos import (Task, make_model, make_batches, shard_rows, param_count,
                                           reference_train, data_parallel_step, train_data_parallel,
                                           sampler_epochs, strided_batches, uneven_with_join, train_zero,
@@ -24,10 +24,6 @@ from lectures.data_parallel.deep_dives import bucket_sweep, further_reading, loc
 from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
                                             accumulation_traffic_figure, pytorch_versions_figure,
                                             fsdp2_knobs_figure, batch_scaling_figure, memory_per_rank_figure)
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_03_data_parallel import NesterovOuter`.
-from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_update  # noqa: F401
-from lectures.data_parallel.ddp import make_grad_sync  # noqa: F401
 
 # --world-size values its demos accept: the tasks' batch of 16 rows splits evenly, and data
 # parallelism needs a second rank (util.run refuses others)

@@ -12,21 +12,12 @@ import torch
 from exercises import listing as notebook_exercises
 from lectures.model.gpt import GPT, GPTConfig
 from lectures.model.memory import saved_bytes
-# The building blocks, each in its module; the names are imported here too so that
-# `from lectures.lecture_04_tensor_parallel import parallelize_gpt` keeps working.
-from lectures.tensor_parallel.layers import (ColumnParallelLinear, ColumnParallelLinearFunction,  # noqa: F401
-                                             RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelPositions)
-from lectures.tensor_parallel.attention import ShareKVHeads, TensorParallelAttention  # noqa: F401
-from lectures.tensor_parallel.async_tp import (AllGatherMatmul, MatmulReduceScatter, SequenceParallelMLP,  # noqa: F401
-                                               all_gather_matmul, counting, matmul_reduce_scatter, without_overlap)
-from lectures.tensor_parallel.gpt import (check_splittable, dtensor_plan, full_parameters, gpt_plan,  # noqa: F401
-                                          parallelize_gpt, parallelize_gpt_dtensor, tp_group, tp_loss)
-from lectures.tensor_parallel.ops import (SEQ_DIM, AllGatherSequence, CopyToRegion, GatherFromRegion,  # noqa: F401
-                                          GatherFromSequence, ReduceFromRegion, ReduceScatterSequence, ScatterToRegion,
-                                          ScatterToSequence, all_gather_sequence, copy_to_region, gather_from_region,
-                                          gather_from_sequence, reduce_from_region, reduce_scatter_sequence,
-                                          scatter_to_region, scatter_to_sequence, shard_checks, traced)
-from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask  # noqa: F401
+from lectures.tensor_parallel.layers import (ColumnParallelLinear, ColumnParallelLinearFunction, RowParallelLinear,
+                                             SequenceParallelLayerNorm)
+from lectures.tensor_parallel.attention import ShareKVHeads, TensorParallelAttention
+from lectures.tensor_parallel.gpt import check_splittable, dtensor_plan, gpt_plan, parallelize_gpt
+from lectures.tensor_parallel.ops import (AllGatherSequence, CopyToRegion, GatherFromRegion, ReduceFromRegion,
+                                          ReduceScatterSequence, ScatterToRegion)
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from lectures.tensor_parallel.figures import (cut_figure, fg_figure, gqa_figure, sp_split_figure, placements_picture,
                                               memory_per_rank_figure, vocab_parallel_figure, training_loss_figure,
@@ -40,11 +31,6 @@ from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, acti
                                             vocab_demo)
 from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_04_tensor_parallel import batch`.
-from lectures.model.gpt import batch, loss_fn  # noqa: F401
-from lectures.model.training_memory import held_by_training  # noqa: F401
-from lectures.model.roofline import threads  # noqa: F401
 
 
 # =========================================================================================

@@ -17,28 +17,16 @@ from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, SLEEP, both_send_fi
                                      compare_with_pytorch, differences, measure_schedules, measured_bubbles,
                                      measured_busy, measured_pct, median_step, pct, rank_spans, reference_train,
                                      train_schedules, units_against)
-from lectures.pipeline.demos import measured_bubble, merged, train_pipeline  # noqa: F401  (re-exported)
 from lectures.pipeline.explorer import explorer_data
 from lectures.pipeline.executor import PipelineExecutor
-from lectures.pipeline.executor import GPTStage, param_leaves  # noqa: F401  (re-exported)
 from lectures.pipeline.simulate import held, simulate, theory_bubble
-from lectures.pipeline.simulate import Simulation, check_schedule, dependencies  # noqa: F401  (re-exported)
 from lectures.pipeline.schedules import Layout, make_schedule
-from lectures.pipeline.schedules import V_SHAPED, ZERO_BUBBLE, Schedule  # noqa: F401  (re-exported)
 from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_figure, deadlock_figure, bubble_picture,
                                        schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
                                        zb_h2_two_steps, real_compute_figure, pytorch_figure)
-from lectures.pipeline.figures import draw_rows  # noqa: F401  (re-exported)
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import compare, machine, spreads_overlap
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_05_pipeline_parallel import Action`.
-from lectures.pipeline.schedules import Action, SCHEDULES  # noqa: F401
-from lectures.model.gpt import GPT, batch, loss_fn  # noqa: F401
-from lectures.pipeline.executor import build_rank, gradients_by_name, split_gpt, stage_parameters  # noqa: F401
-from lectures.pipeline.simulate import (consecutive_steps, dualpipev_readme_bubble, message_order, qi_bubble,  # noqa: F401
-                                        steady_step)
 
 
 def sleep_cfg(p):

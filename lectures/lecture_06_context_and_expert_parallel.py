@@ -17,28 +17,20 @@ import torch
 from exercises import listing as notebook_exercises
 from lectures.model.attention import merge_attention as merge_partials
 from lectures.context_parallel.blocks import _block_backward
-from lectures.context_parallel.blocks import (SegmentAttention, _block_forward, full_attention,  # noqa: F401
-                                              segments_backward, segments_forward)  # noqa: F401
 from lectures.context_parallel.variants import (ATTENTION, AllGatherAttention, SeqToHeads, context_parallel_gpt,
                                                 ulysses_attention)
-from lectures.context_parallel.variants import HeadsToSeq, allgather_attention  # noqa: F401
 from lectures.context_parallel.moe import (AllToAll, ExpertParallelMoE, MoE, RankCapacityMoE, balance_loss,
-                                           expert_owners, route)
-from lectures.context_parallel.moe import route_logits  # noqa: F401
-from lectures.context_parallel.moe import Expert, capacity, positions_in_expert, slot_counts  # noqa: F401
+                                           expert_owners, route, capacity)
 from lectures.context_parallel.ring import RingAttention
-from lectures.context_parallel.sharding import (causal_work, layout_segments, sequence_positions,
-                                                striped_positions, unshard_sequence, zigzag_shard)
-from lectures.context_parallel.sharding import contiguous_shard, zigzag_chunks  # noqa: F401
+from lectures.context_parallel.sharding import (causal_work, layout_segments, sequence_positions, striped_positions,
+                                                unshard_sequence, zigzag_shard)
 from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, activation_memory, attention_inputs,
                                              attention_shards, attention_sizes, balance_ceiling, capacity_scopes,
                                              compare_variants, cp_gpt_gradients, ep_dp_groups, expert_data_parallel,
-                                             expert_parallel_traffic, gqa_bytes, layout_steps, moe_inputs,
-                                             moe_layer, moe_reference, rank_compute, reference_attention,
-                                             reference_gpt_gradients, ring_trace, ring_work, share_spread,
-                                             train_moe_gpt, transfer_alone, ulysses_layouts, ulysses_refusal,
-                                             whole_diagonal_ceiling)
-from lectures.context_parallel.demos import _TRAINING, expert_parallel_check  # noqa: F401  (the notebook's lec.expert_parallel_check)
+                                             expert_parallel_traffic, gqa_bytes, layout_steps, moe_inputs, moe_layer,
+                                             moe_reference, rank_compute, reference_attention, reference_gpt_gradients,
+                                             ring_trace, ring_work, share_spread, train_moe_gpt, transfer_alone,
+                                             ulysses_layouts, ulysses_refusal, whole_diagonal_ceiling, _TRAINING)
 from lectures.context_parallel.deep_dives import (balancing_deep_dive, node_limited_deep_dive,
                                                   pytorch_context_parallel, usp_deep_dive)
 from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_picture, ulysses_picture,
@@ -48,16 +40,6 @@ from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_pic
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_06_context_and_expert_parallel import GPT`.
-from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn  # noqa: F401
-from lectures.context_parallel.ring import RingTransfer, ring_attention, tracing  # noqa: F401
-from lectures.context_parallel.sharding import group_info, shard_sequence, split_sizes, zigzag_unshard  # noqa: F401
-from lectures.context_parallel.variants import install_cpu_context_parallel_shim  # noqa: F401
-from lectures.context_parallel.moe import moe_gpt, z_loss  # noqa: F401
-from lectures.context_parallel.blocks import pair_kind  # noqa: F401
-from lectures.model.memory import saved_bytes  # noqa: F401
-from lectures.model.roofline import threads  # noqa: F401
 
 
 def intro():

@@ -14,28 +14,17 @@ from util import cheat, deep_dive, figure, note, published, see, settings, spawn
 from util import try_it_yourself
 from util.measure import machine, timing_ranks, value_range
 
-# The building blocks, one module each (see() shows their code on the page). Every name the
-# tests and the notebook use stays importable from this file.
 from exercises import listing as notebook_exercises
 from lectures.layout.calculator import calculator_data
-from lectures.layout.estimator import (PRECISION_BYTES, Layout, ModelShape, activation_bytes,  # noqa: F401
-                                       estimate_memory, held_chunks, in_flight, rank_layers, stage_params)
+from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.model.gpt import param_count
-from lectures.layout.search import (GEMM, LLAMA3_TABLE4, attention_rate_needed, causal_discounted,  # noqa: F401
-                                    decision_procedure,
-                                    divisors, fit_gemm_fraction, near_ties, open_knobs, reproduce_table4,
-                                    search, table4_row, valid_layouts)
-from lectures.layout.trainer import (GroupCollectives, LayoutTrainer, Run, global_loss,  # noqa: F401
-                                     held_bytes, max_param_diff, reference_run, train_layout)
-from lectures.layout.mesh import (MESH_AXES, Mesh, axis_groups, make_mesh, mesh_coords, mesh_rank,  # noqa: F401
-                                  replica_groups)
-from lectures.layout.pytorch import pytorch_tp_plan  # noqa: F401
-from lectures.layout.step_time import (ASSUMED, ATTENTION, FA2_H100, H100_MEMORY, H100_PEAK_BF16,  # noqa: F401
-                                       IB_ACHIEVED, IB_BW, NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B,
-                                       LLAMA3_405B_PUBLISHED_PARAMS, NVLINK_BW, Hardware, all_reduce_time, axis_link,
-                                       collective_bytes, dp_traffic, flops_per_token, tp_collectives, gather_time,
-                                       h100_cluster, mfu, p2p_link, kept_gathered, step_bytes, step_time,
-                                       zero3_bytes)
+from lectures.layout.search import (GEMM, decision_procedure, near_ties, reproduce_table4, search, table4_row,
+                                    valid_layouts)
+from lectures.layout.trainer import GroupCollectives, LayoutTrainer, max_param_diff, reference_run, train_layout
+from lectures.layout.mesh import MESH_AXES, axis_groups, make_mesh, mesh_coords
+from lectures.layout.step_time import (ASSUMED, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB_ACHIEVED, IB_BW,
+                                       NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, NVLINK_BW, dp_traffic,
+                                       flops_per_token, h100_cluster, mfu, step_time)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
                                      draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
@@ -44,16 +33,6 @@ from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes,
                                    long_context_words, rho_uncertainty, ties_words, trivial_prediction, verdict_of)
 from lectures.layout.deep_dives import (decision_flow, memory_with_recomputation, notes, pytorch_pieces,
                                         table4_sensitivity, wire_bytes)
-# Building blocks this page no longer calls itself (its demos and deep dives do), still
-# importable from here as before: `from lectures.lecture_07_putting_it_together import GPT`.
-from lectures.model.gpt import GPT, batch, loss_fn  # noqa: F401
-from lectures.layout.step_time import IB, NVLINK, p2p_time  # noqa: F401
-from lectures.model.memory import SavedBytes  # noqa: F401
-from lectures.data_parallel.collectives import fit_alpha_beta  # noqa: F401
-from lectures.layout.pytorch import pytorch_layout  # noqa: F401
-from lectures.layout.estimator import stage_layers  # noqa: F401
-from lectures.layout.mesh import torch_mesh  # noqa: F401
-from lectures.model.activations import with_recomputation  # noqa: F401
 
 
 # =========================================================================================

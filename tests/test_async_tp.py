@@ -198,7 +198,7 @@ def test_sends_what_the_decomposition_sends(results, t):
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_column_parallel_keeps_only_its_slice_for_backward(results, t):
-    """Review X1: the decomposed column-parallel layer keeps this rank's slice of the input (and
+    """The decomposed column-parallel layer keeps this rank's slice of the input (and
     re-gathers it in backward), not the gathered input, so SP's activation saving stands."""
     for res in results[t]:
         kept = res["kept for backward"]

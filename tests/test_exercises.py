@@ -7,7 +7,6 @@ import linecache
 import math
 import time
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +68,7 @@ def test_built_page_lists_its_notebook_exercises(course_site, lecture):
 def test_notebook_has_the_exercises(lecture):
     """Every registered exercise has its statement, stub and check cells in the notebook (written
     by `python -m exercises.notebook_cells`), and the parameters cell has `solutions`."""
+    import nbformat     # here, not at the top: its import (jsonschema) costs seconds at every collection
     nb = nbformat.read(f"{build_notebooks.NOTEBOOKS}/{lecture}.ipynb", as_version=4)
     assert "solutions = False" in nb.cells[0].source
     stubs = [c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
@@ -128,7 +128,7 @@ def test_first_difference_names_the_element():
     assert engine.first_difference(float("nan"), float("nan")) is None
 
 
-# --- students' solutions from the adversarial review (area 1): each wrong one caught, each
+# --- plausible students' solutions: each wrong one caught, each
 # correct spelling accepted. They are module functions so that their source can be shipped,
 # or the course's solution with one line changed (mutant(), as the exercises write their wrong ones).
 

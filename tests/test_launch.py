@@ -236,7 +236,7 @@ def test_dtensor_works_after_the_workers_changed_process_group():
     assert spawn(dtensor_row_parallel_sum, 4, name="dtensor after").returns == [want] * 4
 
 
-# --- runs that cannot break the launcher (adversarial.md, area 4) ---------------------------
+# --- runs that cannot break the launcher ----------------------------------------------------
 
 def spin_forever(rank, world_size):
     step = 0

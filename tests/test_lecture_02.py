@@ -13,11 +13,16 @@ import torch
 import torch.distributed as dist
 
 from lectures.data_parallel import collectives as C
+from lectures.data_parallel.communication_deep_dives import finding_the_culprit
+from lectures.data_parallel.communication_demos import COLLECTIVES, all_reduce_two_ways, ring_trace, ring_vs_builtin
+from lectures.data_parallel.figures import draw_ring_arrows, human_bytes
 from lectures.data_parallel import communication_demos as D
 from lectures.data_parallel import communication_deep_dives as DD
 from lectures import lecture_02_communication as L
 from tests.conftest import built, walk
-from util import spawn
+from util import settings, spawn
+from util.measure import timing_ranks
+from util.recording import trim_build_paths
 
 SECTIONS = [
     "## The hardware hierarchy",
@@ -59,7 +64,7 @@ def references(name, before, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name,fn", [(name, fn) for name, fn, _, _ in L.COLLECTIVES])
+@pytest.mark.parametrize("name,fn", [(name, fn) for name, fn, _, _ in COLLECTIVES])
 def test_collective_matches_single_process_reference(name, fn, world_size):
     chunk = 3   # not the figure's 2: pieces of odd length
     run = spawn(fn, world_size, chunk=chunk)
@@ -82,7 +87,7 @@ def test_collective_matches_single_process_reference(name, fn, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("integer", [True, False])
 def test_all_reduce_is_reduce_scatter_plus_all_gather(world_size, integer):
-    run = spawn(L.all_reduce_two_ways, world_size, length=6 * world_size, integer=integer)
+    run = spawn(all_reduce_two_ways, world_size, length=6 * world_size, integer=integer)
     reference = sum(r["input"].double() for r in run.returns)
     for r in run.returns:
         assert torch.allclose(r["direct"].double(), reference, atol=1e-5)
@@ -98,7 +103,7 @@ LENGTHS = [1, 2, 3, 5, 7, 13, 31, 97, 1000, 1009]   # 1, primes, non-multiples o
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_all_reduce_equals_dist_all_reduce(world_size):
-    run = spawn(L.ring_vs_builtin, world_size, lengths=LENGTHS)
+    run = spawn(ring_vs_builtin, world_size, lengths=LENGTHS)
     for k, length in enumerate(LENGTHS):
         reference = sum(r[k][0].double() for r in run.returns)
         for rank, (x, ours, pipelined, theirs) in enumerate(r[k] for r in run.returns):
@@ -130,7 +135,7 @@ def test_rings_are_exact_on_integer_data(length, slices):
 
 
 def test_ring_trace_ends_with_everyones_sum():
-    run = spawn(L.ring_trace, 4)
+    run = spawn(ring_trace, 4)
     for steps in run.returns:
         assert len(steps) == 1 + 2 * 3                      # start + 2(n-1) steps
         assert torch.equal(steps[-1][3], torch.full((4,), 15.0))
@@ -318,7 +323,7 @@ def test_fit_alpha_beta_degenerate_cases():
 
 
 def test_human_bytes():
-    h = L.human_bytes
+    h = human_bytes
     assert h(4096) == "4 KB" and h(64 * 2 ** 20) == "64 MB"
     assert h(10) == "10 B" and h(0) == "0 B"
     assert h(1000) == "1000 B" and h(1023) == "1023 B"          # no '1e+03 B'
@@ -330,13 +335,6 @@ def test_human_bytes():
 
 
 # --- where the building blocks live -------------------------------------------------------------
-
-def test_lecture_re_exports_its_building_blocks():
-    """Tests, notebooks and users import them from the lecture; they are the module's objects."""
-    for name in ["ring_all_reduce", "pipelined_ring_all_reduce", "bus_bandwidth_factor",
-                 "bandwidths", "fit_alpha_beta", "crossover_bytes", "sweep", "SWEPT"]:
-        assert getattr(L, name) is getattr(C, name), name
-
 
 def test_collectives_module_imports_no_lecture():
     """Modules sit below the lecture files: lectures/data_parallel/collectives.py imports util, never a lecture."""
@@ -360,7 +358,7 @@ def test_quick_build_has_every_section_and_figure(course_site):
         assert heading in notes, heading
     figures = [r for r in page["records"] if r["kind"] == "figure"]
     captions = " ".join(f["caption"] for f in figures)
-    for name, *_ in L.COLLECTIVES:                          # one figure per collective
+    for name, *_ in COLLECTIVES:                            # one figure per collective
         assert f"**{name}**" in captions
     assert "ring on 4 ranks" in captions and "α–β" in captions
     assert "Bus bandwidth" in captions and "Measured spans" in captions
@@ -393,7 +391,7 @@ def test_quick_build_has_every_section_and_figure(course_site):
     assert len(links) >= 5 and any("nccl-tests" in l["url"] for l in links)
 
 
-# --- what gloo really sends (issue 21) --------------------------------------------------------
+# --- what gloo really sends -------------------------------------------------------------------
 
 def test_gloo_reduce_scatter_writes_an_all_reduces_bytes():
     """3 ranks, 3 MB: gloo's reduce_scatter_tensor is a clone, a full all-reduce and a copy, so
@@ -433,8 +431,8 @@ def test_ring_arrows_are_read_from_the_trace():
     sender held: in the all-gather every label carries the full sum."""
     import matplotlib
     matplotlib.use("Agg")
-    traces = spawn(L.ring_trace, 3).returns
-    fig = L.draw_ring_arrows(traces)
+    traces = spawn(ring_trace, 3).returns
+    fig = draw_ring_arrows(traces)
     labels = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().startswith("c")]
     assert len(labels) == 2 * (3 - 1) * 3
     assert all(l.endswith("=7") for l in labels[len(labels) // 2:])     # 1 + 2 + 4
@@ -445,8 +443,8 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
     of each size per page) instead of timing them again."""
     from util.measure import Timing
     sizes = L.alpha_beta_sizes()
-    ranks = L.timing_ranks(L.settings.world_size)
-    monkeypatch.setattr(L, "MEASURED", {("sweep", ranks, L.settings.quick, s):
+    ranks = timing_ranks(settings.world_size)
+    monkeypatch.setattr(L, "MEASURED", {("sweep", ranks, settings.quick, s):
                                         Timing([1e-4 + s / 1e9] * 3) for s in sizes})
     monkeypatch.setattr(L, "spawn", lambda *a, **k: pytest.fail("measured again"))
     for module, names in ((L, ("note", "see", "table", "figure")), (DD, ("note", "table"))):
@@ -456,7 +454,7 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
 
 
 def broadcast_counted_and_written(rank, world_size, nbytes):
-    from lectures.data_parallel.ddp import Collectives
+    from lectures.data_parallel import Collectives
     t = torch.zeros(nbytes // 4)
     comm = Collectives(world_size)
     comm.broadcast(t, src=0)                  # connections set up
@@ -521,13 +519,13 @@ def test_overlap_verdict_says_slower_when_it_was():
 def test_hang_errors_lose_the_build_path():
     line = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
             "Timed out waiting 3000ms for recv operation to complete")
-    assert L.trim_build_paths(line) == "RuntimeError: Timed out waiting 3000ms for recv operation to complete"
-    assert L.trim_build_paths("plain message") == "plain message"
+    assert trim_build_paths(line) == "RuntimeError: Timed out waiting 3000ms for recv operation to complete"
+    assert trim_build_paths("plain message") == "plain message"
 
 
 def test_flight_recorder_names_the_dump_file_variable():
     import inspect
-    src = inspect.getsource(L.finding_the_culprit)      # the hang section's deep dive
+    src = inspect.getsource(finding_the_culprit)        # the hang section's deep dive
     assert "TORCH_FR_DUMP_TEMP_FILE" in src and "still" in src
 
 

@@ -10,28 +10,33 @@ import pytest
 import torch
 
 from lectures import lecture_03_data_parallel as L
+from lectures.data_parallel import (AllReduceAfterBackward, Collectives, OverlappedAllReduce, PowerSGD, Zero3,
+                                    plan_buckets)
+from lectures.data_parallel.demos import (Task, best_rules, budget_probe, lr_scaling, make_batches, make_model,
+                                          measure_stages, merge_in_flight, param_count, published_scale,
+                                          reference_train, sampler_epochs, shard_rows, strided_batches, train_at_batch,
+                                          train_data_parallel, train_pytorch, train_zero, uneven_with_join, zero2_words)
 from lectures.data_parallel import deep_dives
-from lectures.data_parallel.compression import PowerSGD
 from util import spawn
 from tests.conftest import built, walk
 
 VARIANTS = {
-    "naive": (L.train_data_parallel, {}),
-    "overlapped": (L.train_data_parallel, {"grad_sync": "overlapped"}),
-    "bucketed": (L.train_data_parallel, {"grad_sync": "bucketed", "bucket_mb": 0.002}),
-    "accumulation (overlapped)": (L.train_data_parallel, {"grad_sync": "overlapped", "micro_batches": 3}),
-    "accumulation (bucketed)": (L.train_data_parallel, {"grad_sync": "bucketed", "micro_batches": 2,
-                                                        "bucket_mb": 0.001}),
-    "zero1": (L.train_zero, {"stage": 1}),
-    "zero2": (L.train_zero, {"stage": 2}),
-    "zero3": (L.train_zero, {"stage": 3}),
-    "zero1 accumulation": (L.train_zero, {"stage": 1, "micro_batches": 3}),
-    "zero2 accumulation": (L.train_zero, {"stage": 2, "micro_batches": 3}),
-    "zero3 accumulation": (L.train_zero, {"stage": 3, "micro_batches": 3}),
-    "zero3 no_grad loss between backward and step": (L.train_zero, {"stage": 3, "eval_between": True}),
-    "zero2 no_grad loss between backward and step": (L.train_zero, {"stage": 2, "eval_between": True}),
-    "pytorch ddp": (L.train_pytorch, {"kind": "ddp"}),
-    "pytorch fsdp2": (L.train_pytorch, {"kind": "fsdp2"}),
+    "naive": (train_data_parallel, {}),
+    "overlapped": (train_data_parallel, {"grad_sync": "overlapped"}),
+    "bucketed": (train_data_parallel, {"grad_sync": "bucketed", "bucket_mb": 0.002}),
+    "accumulation (overlapped)": (train_data_parallel, {"grad_sync": "overlapped", "micro_batches": 3}),
+    "accumulation (bucketed)": (train_data_parallel, {"grad_sync": "bucketed", "micro_batches": 2,
+                                                      "bucket_mb": 0.001}),
+    "zero1": (train_zero, {"stage": 1}),
+    "zero2": (train_zero, {"stage": 2}),
+    "zero3": (train_zero, {"stage": 3}),
+    "zero1 accumulation": (train_zero, {"stage": 1, "micro_batches": 3}),
+    "zero2 accumulation": (train_zero, {"stage": 2, "micro_batches": 3}),
+    "zero3 accumulation": (train_zero, {"stage": 3, "micro_batches": 3}),
+    "zero3 no_grad loss between backward and step": (train_zero, {"stage": 3, "eval_between": True}),
+    "zero2 no_grad loss between backward and step": (train_zero, {"stage": 2, "eval_between": True}),
+    "pytorch ddp": (train_pytorch, {"kind": "ddp"}),
+    "pytorch fsdp2": (train_pytorch, {"kind": "fsdp2"}),
 }
 
 
@@ -44,9 +49,9 @@ def train_all_variants(rank, world_size, task, names):
 
 
 TASKS = {
-    "float64": (L.Task(dtype="float64", steps=5), 1e-10),
-    "float32": (L.Task(steps=5), 1e-5),
-    "tiny": (L.Task(sizes=(5, 3, 11, 2), batch=24, steps=5, dtype="float64"), 1e-10),
+    "float64": (Task(dtype="float64", steps=5), 1e-10),
+    "float32": (Task(steps=5), 1e-5),
+    "tiny": (Task(sizes=(5, 3, 11, 2), batch=24, steps=5, dtype="float64"), 1e-10),
 }
 CASES = [(2, "float64"), (4, "float64"), (4, "float32"), (2, "tiny"), (4, "tiny")]
 MISUSE_CASES = [(2, "float64"), (4, "float32"), (4, "tiny")]
@@ -61,7 +66,7 @@ def results():
     for world_size, name in CASES:
         task, _ = TASKS[name]
         names = [v for c_ws, c_name, v in COMBOS if (c_ws, c_name) == (world_size, name)]
-        out[world_size, name] = (L.reference_train(task),
+        out[world_size, name] = (reference_train(task),
                                  spawn(train_all_variants, world_size, task=task, names=names).returns)
     return out
 
@@ -91,15 +96,15 @@ def test_checksums_agree_every_step(results):
 
 def test_without_broadcast_replicas_differ():
     """The check above can fail: skip the broadcast and the replicas never agree."""
-    run = spawn(L.train_data_parallel, 2, task=L.Task(steps=2), broadcast=False)
+    run = spawn(train_data_parallel, 2, task=Task(steps=2), broadcast=False)
     a, b = run.returns
     assert max((p - q).abs().max().item() for p, q in zip(a["params"], b["params"])) > 1e-3
 
 
 def test_traffic_and_memory_follow_the_formulas():
-    task = L.Task(sizes=(16,) + (48,) * 6 + (4,), batch=8, steps=2)
-    n, psi = 4, L.param_count(task)
-    got = spawn(L.measure_stages, n, task=task).returns[0]
+    task = Task(sizes=(16,) + (48,) * 6 + (4,), batch=8, steps=2)
+    n, psi = 4, param_count(task)
+    got = spawn(measure_stages, n, task=task).returns[0]
     ring = 2 * (n - 1) / n * 4 * psi
     assert got["DP"]["bytes_per_step"] == pytest.approx(ring, rel=0.01)
     assert got["ZeRO-1"]["bytes_per_step"] == pytest.approx(ring, rel=0.02)
@@ -122,15 +127,15 @@ def train_with_unused_parameter(rank, world_size, task, used_on=None):
     """Naive DDP on a model with one extra parameter that no forward uses (`used_on`: the ranks
     on which it *does* get a gradient, through a term that adds zero to the loss... but not to
     its gradient: 0.1·sum(extra) has gradient 0.1 everywhere)."""
-    comm = L.Collectives(world_size)
-    model = L.make_model(task, seed=task.seed)
+    comm = Collectives(world_size)
+    model = make_model(task, seed=task.seed)
     extra = torch.nn.Parameter(torch.ones(3, dtype=task.torch_dtype))
-    sync = L.AllReduceAfterBackward(model, comm)
+    sync = AllReduceAfterBackward(model, comm)
     sync.params.append(extra)
     opt = torch.optim.AdamW(list(model.parameters()) + [extra], lr=task.lr, weight_decay=task.weight_decay)
-    for x, y in L.make_batches(task):
-        loss = torch.nn.functional.mse_loss(model(L.shard_rows(x, rank, world_size)),
-                                            L.shard_rows(y, rank, world_size))
+    for x, y in make_batches(task):
+        loss = torch.nn.functional.mse_loss(model(shard_rows(x, rank, world_size)),
+                                            shard_rows(y, rank, world_size))
         if used_on is not None and rank in used_on:
             loss = loss + 0.1 * extra.sum()
         loss.backward()
@@ -142,10 +147,10 @@ def train_with_unused_parameter(rank, world_size, task, used_on=None):
 
 def reference_with_unused(task, world_size, used_on):
     """One process: the extra parameter's gradient is the mean over ranks of 0.1 (or 0)."""
-    model = L.make_model(task, seed=task.seed)
+    model = make_model(task, seed=task.seed)
     extra = torch.nn.Parameter(torch.ones(3, dtype=task.torch_dtype))
     opt = torch.optim.AdamW(list(model.parameters()) + [extra], lr=task.lr, weight_decay=task.weight_decay)
-    for x, y in L.make_batches(task):
+    for x, y in make_batches(task):
         loss = torch.nn.functional.mse_loss(model(x), y)
         if used_on is not None:
             loss = loss + 0.1 * len(used_on) / world_size * extra.sum()
@@ -157,7 +162,7 @@ def reference_with_unused(task, world_size, used_on):
 
 @pytest.mark.parametrize("used_on", [None, (0,)])
 def test_naive_ddp_with_a_parameter_without_gradient(used_on):
-    task = L.Task(dtype="float64", steps=3)
+    task = Task(dtype="float64", steps=3)
     run = spawn(train_with_unused_parameter, 2, task=task, used_on=used_on)
     ref_params, ref_extra = reference_with_unused(task, 2, used_on)
     for params, extra in run.returns:
@@ -169,11 +174,11 @@ def test_naive_ddp_with_a_parameter_without_gradient(used_on):
 
 
 def overlapped_with_unused(rank, world_size):
-    task = L.Task(steps=1)
-    model = L.make_model(task, seed=0)
+    task = Task(steps=1)
+    model = make_model(task, seed=0)
     model.register_parameter("unused", torch.nn.Parameter(torch.zeros(2)))
-    sync = L.OverlappedAllReduce(model, L.Collectives(world_size))
-    x, y = L.make_batches(task)[0]
+    sync = OverlappedAllReduce(model, Collectives(world_size))
+    x, y = make_batches(task)[0]
     torch.nn.functional.mse_loss(model(x), y).backward()
     try:
         sync.finish()
@@ -188,10 +193,10 @@ def test_overlapped_sync_refuses_a_parameter_without_gradient():
 
 
 def zero3_on(rank, world_size, module):
-    task = L.Task(sizes=(4, 6, 3))
+    task = Task(sizes=(4, 6, 3))
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), module, torch.nn.Linear(6, 3))
     try:
-        L.Zero3(model, L.Collectives(world_size), task)
+        Zero3(model, Collectives(world_size), task)
     except TypeError as e:
         return str(e)
     return "accepted"
@@ -210,15 +215,15 @@ def test_bucket_count_comes_from_the_real_bucketing():
     0.25, 1 or 4 MB; small tensors share buckets; every parameter lands in exactly one."""
     big = [torch.nn.Parameter(torch.zeros(2 ** 20)) for _ in range(3)]        # 4 MB each
     for mb in (0.25, 1.0, 4.0):
-        assert len(L.plan_buckets(big, mb)) == 3
-    assert len(L.plan_buckets(big, 25.0)) == 1
-    task = L.Task(sizes=(32,) + (128,) * 24 + (10,))
-    params = list(L.make_model(task, 0).parameters())
-    counts = [len(L.plan_buckets(params, mb)) for mb in (1e-6, 0.03, 0.25, 1.0, 25.0)]
+        assert len(plan_buckets(big, mb)) == 3
+    assert len(plan_buckets(big, 25.0)) == 1
+    task = Task(sizes=(32,) + (128,) * 24 + (10,))
+    params = list(make_model(task, 0).parameters())
+    counts = [len(plan_buckets(params, mb)) for mb in (1e-6, 0.03, 0.25, 1.0, 25.0)]
     assert counts[0] == len(params) and counts[-1] == 1
     assert counts == sorted(counts, reverse=True) and len(set(counts)) == len(counts)
     for mb in (1e-6, 0.03, 0.25):
-        buckets = L.plan_buckets(params, mb)
+        buckets = plan_buckets(params, mb)
         flat = [id(p) for b in buckets for p in b]
         assert sorted(flat) == sorted(id(p) for p in params)           # each exactly once
         assert flat == [id(p) for p in reversed(params)]               # in backward's order
@@ -227,8 +232,8 @@ def test_bucket_count_comes_from_the_real_bucketing():
 
 @pytest.mark.parametrize("world_size,rows", [(2, 9), (3, 10)])
 def test_sampler_indices_are_disjoint_and_reshuffled(world_size, rows):
-    drop = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=3, drop_last=True).returns
-    pad = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=1, drop_last=False).returns
+    drop = spawn(sampler_epochs, world_size, n_rows=rows, epochs=3, drop_last=True).returns
+    pad = spawn(sampler_epochs, world_size, n_rows=rows, epochs=1, drop_last=False).returns
     for epoch in range(3):
         lists = [r[epoch] for r in drop]
         seen = [i for l in lists for i in l]
@@ -238,28 +243,28 @@ def test_sampler_indices_are_disjoint_and_reshuffled(world_size, rows):
     assert drop[0][0] != drop[0][1]                                          # set_epoch reshuffles
     padded = [i for r in pad for i in r[0]]
     assert set(padded) == set(range(rows)) and len(padded) == -(-rows // world_size) * world_size
-    same = spawn(L.sampler_epochs, world_size, n_rows=rows, epochs=2, drop_last=True,
+    same = spawn(sampler_epochs, world_size, n_rows=rows, epochs=2, drop_last=True,
                  set_epoch=False).returns
     assert all(r[0] == r[1] for r in same)                                   # forgot set_epoch
 
 
 def test_join_finishes_uneven_batches_with_equal_models():
     rows, n, batch = 17, 4, 2
-    counts = [len(L.strided_batches(r, n, rows, batch)) for r in range(n)]
+    counts = [len(strided_batches(r, n, rows, batch)) for r in range(n)]
     assert len(set(counts)) > 1                                              # really uneven
-    run = spawn(L.uneven_with_join, n, n_rows=rows, batch=batch)
+    run = spawn(uneven_with_join, n, n_rows=rows, batch=batch)
     assert [x["batches"] for x in run.returns] == counts
     assert len({x["checksum"] for x in run.returns}) == 1
 
 
 def test_learning_rate_rules_and_budget_probe():
-    got = L.train_at_batch(32, "linear", base_batch=8, base_lr=0.05, samples=8 * 20)
-    none = L.train_at_batch(32, "none", base_batch=8, base_lr=0.05, samples=8 * 20)
+    got = train_at_batch(32, "linear", base_batch=8, base_lr=0.05, samples=8 * 20)
+    none = train_at_batch(32, "none", base_batch=8, base_lr=0.05, samples=8 * 20)
     assert math.isfinite(got) and got < none          # bigger steps help with few steps
-    parts = spawn(L.lr_scaling, 2, configs=[(8, "none"), (16, "sqrt"), (16, "linear")],
+    parts = spawn(lr_scaling, 2, configs=[(8, "none"), (16, "sqrt"), (16, "linear")],
                   base_batch=8, base_lr=0.05, samples=32).returns
     assert sorted(k for p in parts for k in p) == sorted([(8, "none"), (16, "sqrt"), (16, "linear")])
-    probe = spawn(L.budget_probe, 2, task=L.Task()).returns
+    probe = spawn(budget_probe, 2, task=Task()).returns
     for key in ("forward", "forward+backward", "all-reduce"):
         assert probe[0][key].samples == probe[1][key].samples and probe[0][key].median > 0
 
@@ -276,7 +281,7 @@ def powersgd_full_rank(rank, world_size):
     for t in exact:
         torch.distributed.all_reduce(t)
         t.div_(world_size)
-    comp = PowerSGD([w, b], L.Collectives(world_size), rank=3, start_iter=0, min_rate=0)
+    comp = PowerSGD([w, b], Collectives(world_size), rank=3, start_iter=0, min_rate=0)
     comp.sync()
     return [w.grad, b.grad], exact, comp.error[w]
 
@@ -288,7 +293,7 @@ def test_powersgd_is_exact_at_full_rank():
 
 
 def test_powersgd_ours_close_to_pytorch_hook_and_cheaper_than_exact():
-    task = L.Task(sizes=(32, 128, 128, 10), batch=16)
+    task = Task(sizes=(32, 128, 128, 10), batch=16)
     runs = {impl: spawn(deep_dives.powersgd_train, 2, task=task, impl=impl, steps=20, every=10).returns
             for impl in ("exact", "pytorch", "ours")}
     for impl, r in runs.items():
@@ -302,7 +307,7 @@ def test_powersgd_ours_close_to_pytorch_hook_and_cheaper_than_exact():
 
 
 def test_local_sgd_and_diloco_keep_ranks_identical():
-    task = L.Task(batch=16)
+    task = Task(batch=16)
     run = spawn(deep_dives.local_sgd_sweep, 2, task=task, variants=[(4, "", None), (4, "int8", "nesterov")],
                 steps=8).returns
     for k in run[0]:
@@ -338,15 +343,15 @@ def test_quick_build(course_site):
         assert row[3] >= row[2] > 0                            # measured includes headers
 
 
-# --- what the bytes on the wire say (issue 21) ------------------------------------------------
+# --- what the bytes on the wire say -----------------------------------------------------------
 
 def test_measured_bytes_match_gloo_count_and_zero_excess_is_exactly_gloos_reduce_scatter():
     """gloo's reduce-scatter is a full all-reduce plus a copy, so against ring counts ZeRO-1/2
     write 3/2 and ZeRO-3 about 4/3 at any size; against the count of gloo's own algorithms every
     stage is within a few percent (headers, padding)."""
-    task = L.Task(sizes=(32, 256, 256, 10), batch=12, steps=2)
+    task = Task(sizes=(32, 256, 256, 10), batch=12, steps=2)
     n = 3
-    got = spawn(L.measure_stages, n, task=task).returns[0]
+    got = spawn(measure_stages, n, task=task).returns[0]
     for stage in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
         ratio = got[stage]["wire_per_step"] / got[stage]["gloo_per_step"]
         assert ratio >= 1.0 and ratio < 1.05, stage
@@ -360,12 +365,12 @@ def test_measured_bytes_match_gloo_count_and_zero_excess_is_exactly_gloos_reduce
 def test_published_scale_overlap_verdict_follows_the_numbers():
     """0.56 s of all-reduce under 2.32 s of backward hides ~4x over: not 'on the edge'; and DP
     sends about 4Ψ bytes per rank in bf16 (2 x the 2Ψ-byte gradient)."""
-    text = L.published_scale()
+    text = published_scale()
     assert "0.56 s" in text and "2.32 s" in text
     assert "on the edge" not in text and "4.1×" in text
     assert "28 GB per GPU" in text
     assert "doubles to 1.12 s and backward is 2.1× it" in text   # fp32 gradients, as lecture 07 charges
-    equal = L.published_scale(tokens=int(32768 / 4.14))    # a 4.1x smaller batch per GPU
+    equal = published_scale(tokens=int(32768 / 4.14))      # a 4.1x smaller batch per GPU
     assert "on the edge" in equal
 
 
@@ -381,11 +386,11 @@ def test_merge_in_flight_gives_one_bar_per_stretch():
              {"rank": 0, "label": "all-reduce (async)", "start": 0.2, "end": 0.6},
              {"rank": 0, "label": "all-reduce (async)", "start": 0.9, "end": 1.2},
              {"rank": 1, "label": "all-reduce (async)", "start": 0.3, "end": 0.4}]
-    merged, count = L.merge_in_flight(spans)
+    merged, count = merge_in_flight(spans)
     bars = sorted((s["rank"], s["start"], s["end"]) for s in merged if "in flight" in s["label"])
     assert bars == [(0, 0.1, 0.6), (0, 0.9, 1.2), (1, 0.3, 0.4)] and count == 3
     assert [s for s in merged if s["label"] == "backward"] == spans[:1]
-    alone, count = L.merge_in_flight(spans[:2])
+    alone, count = merge_in_flight(spans[:2])
     assert count == 0 and alone == spans[:2]
 
 
@@ -401,29 +406,29 @@ def test_step_times_are_measured_once_and_reused(monkeypatch):
 
 
 def zero3_after_backward(rank, world_size, layers=8, width=64):
-    task = L.Task(sizes=(16,) + (width,) * layers + (4,), batch=8, steps=1)
-    z = L.Zero3(L.make_model(task, seed=task.seed), L.Collectives(world_size), task)
-    x, y = next(iter(L.make_batches(task)))
-    torch.nn.functional.mse_loss(z(L.shard_rows(x, rank, world_size)), L.shard_rows(y, rank, world_size)).backward()
+    task = Task(sizes=(16,) + (width,) * layers + (4,), batch=8, steps=1)
+    z = Zero3(make_model(task, seed=task.seed), Collectives(world_size), task)
+    x, y = next(iter(make_batches(task)))
+    torch.nn.functional.mse_loss(z(shard_rows(x, rank, world_size)), shard_rows(y, rank, world_size)).backward()
     pending = len(z.pending)
     z.step()
     return {"pending": pending, "transient": z.held["transient"], "layer bytes": (width * width + width) * 4,
-            "psi bytes": 4 * L.param_count(task)}
+            "psi bytes": 4 * param_count(task)}
 
 
 def test_zero3_retires_reduce_scatters_during_backward():
-    """ZeRO-3 used to leave every layer's async reduce-scatter pending until step(); a gloo Work
-    keeps a full-size copy of its input, so every full gradient lived until the step while the
-    'transient' meter counted only the gathered weights. Now at most one layer's reduce-scatters
-    (weight and bias) stay in flight after backward, and the meter counts full gradients too:
-    two gathered layers plus one layer's full gradient at the peak."""
+    """A gloo Work keeps a full-size copy of its input, so a reduce-scatter left pending until
+    step() keeps a layer's full gradient alive: ZeRO-3 retires them during backward, at most one
+    layer's reduce-scatters (weight and bias) stay in flight after it, and the 'transient' meter
+    counts full gradients as well as gathered weights: two gathered layers plus one layer's full
+    gradient at the peak."""
     for got in spawn(zero3_after_backward, 2).returns:
         assert got["pending"] <= 2, got
         assert got["transient"] >= 3 * got["layer bytes"], got
         assert got["transient"] < got["psi bytes"] / 2, got
 
 
-class _GroupComm(L.Collectives):
+class _GroupComm(Collectives):
     """Lecture 03's Collectives on one process group (as lecture 07's trainer uses them)."""
 
     def __init__(self, group):
@@ -446,15 +451,15 @@ def zero3_on_subgroups(rank, world_size, task):
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     comm, r, n = _GroupComm(group), dist.get_rank(group), 2
-    z = L.Zero3(L.make_model(task, seed=task.seed), comm, task)
-    for x, y in L.make_batches(task):
-        torch.nn.functional.mse_loss(z(L.shard_rows(x, r, n)), L.shard_rows(y, r, n)).backward()
+    z = Zero3(make_model(task, seed=task.seed), comm, task)
+    for x, y in make_batches(task):
+        torch.nn.functional.mse_loss(z(shard_rows(x, r, n)), shard_rows(y, r, n)).backward()
         z.step()
     out = z.full_parameters()
     outside = None
     if rank == 3:                       # a group this rank is not in
         try:
-            L.Zero3(L.make_model(task, seed=task.seed), _GroupComm(groups[0]), task)
+            Zero3(make_model(task, seed=task.seed), _GroupComm(groups[0]), task)
         except ValueError as e:
             outside = str(e)
     return {"params": out, "outside": outside}
@@ -464,8 +469,8 @@ def test_zero3_shards_by_the_rank_in_its_group():
     """Zero3Layer took its shard by the GLOBAL rank: on a sub-group, ranks 2 and 3 took pieces
     past the end of each tensor (zeros) and trained silently wrong. It uses the rank in comm's
     group now, and refuses a group without this rank."""
-    task = L.Task(dtype="float64", steps=3)
-    ref = L.reference_train(task)
+    task = Task(dtype="float64", steps=3)
+    ref = reference_train(task)
     got = spawn(zero3_on_subgroups, 4, task=task).returns
     for rank, r in enumerate(got):
         for p, q in zip(r["params"], ref["params"]):
@@ -477,25 +482,25 @@ def test_best_rule_at_the_base_batch_is_a_tie():
     """At the base batch all three rules are the same run; the page said '8: none' (list order)."""
     rules = ["none", "sqrt", "linear"]
     got = {(8, r): 0.25 for r in rules} | {(32, "none"): 0.4, (32, "sqrt"): 0.3, (32, "linear"): 0.28}
-    text = L.best_rules(got, [8, 32], rules, base_batch=8)
+    text = best_rules(got, [8, 32], rules, base_batch=8)
     assert "8: all equal" in text and "8: none" not in text and "32: linear" in text
 
 
 def test_shard_rows_refuses_with_value_error():
     with pytest.raises(ValueError, match="does not split evenly"):
-        L.shard_rows(torch.zeros(5, 2), 0, 2)
+        shard_rows(torch.zeros(5, 2), 0, 2)
     with pytest.raises(ValueError, match="not in"):
-        L.shard_rows(torch.zeros(4, 2), 2, 2)
+        shard_rows(torch.zeros(4, 2), 2, 2)
 
 
 def test_zero2_timing_is_said_from_the_numbers():
     from util.measure import Timing
     t = {"zero1": Timing([10e-3, 10.5e-3, 11e-3]), "zero2": Timing([15e-3, 15.5e-3, 16e-3]),
          "zero3": Timing([9e-3, 9.5e-3, 10e-3])}
-    text = L.zero2_words(t)
+    text = zero2_words(t)
     assert "ZeRO-1 1.48× faster than ZeRO-2" in text and "in_flight=1" in text
     t["zero2"] = Timing([10e-3, 10.4e-3, 11e-3])
-    assert "no measurable difference" in L.zero2_words(t) and "in_flight" not in L.zero2_words(t)
+    assert "no measurable difference" in zero2_words(t) and "in_flight" not in zero2_words(t)
 
 
 def test_local_sgd_does_not_rank_single_runs_within_noise():

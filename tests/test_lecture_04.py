@@ -11,8 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lectures import lecture_04_tensor_parallel as L
-from lectures.model.gpt import batch
-from lectures.tensor_parallel.demos import train_dtensor
+from lectures.model import GPT, GPTConfig, batch
+from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                      all_gather_sequence, copy_to_region, gather_from_region, parallelize_gpt,
+                                      reduce_from_region, reduce_scatter_sequence, scatter_to_region, tp_loss,
+                                      vocab_parallel_cross_entropy)
+from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, activation_memory,
+                                            replicated_grad_reduction, sequence_units, sp_traffic, traced_block,
+                                            train_dtensor, train_reference, train_tp, training_state_bytes)
+from lectures.tensor_parallel.figures import cut_figure
 from util import spawn
 from tests.conftest import built
 
@@ -43,32 +50,32 @@ def block_checks(rank, world_size):
     up = torch.randn(b, s, h_in, dtype=F64)      # upstream gradient, different on each rank:
     ups = [up * (k + 1) for k in range(n)]
     xi = x.clone().requires_grad_(True)
-    L.copy_to_region(xi, g).backward(ups[r])
+    copy_to_region(xi, g).backward(ups[r])
     d["f: identity forward, all-reduce backward"] = diff(xi.grad, sum(ups))
     xi = x.clone().requires_grad_(True)
-    out = L.reduce_from_region(xi * (r + 1), g)
+    out = reduce_from_region(xi * (r + 1), g)
     out.backward(up)
     d["g: all-reduce forward"] = diff(out, x * sum(range(1, n + 1)))
     d["g: identity backward"] = diff(xi.grad, up * (r + 1))
     assert torch.equal(x, xi.detach()), "an operator modified its input"
     wide = torch.randn(b, s, 4 * n, dtype=F64)
     wi = _slice(wide, -1, r, n).clone().requires_grad_(True)
-    out = L.gather_from_region(wi, g)
+    out = gather_from_region(wi, g)
     out.backward(torch.ones_like(out) * (r + 1))
     d["gather last dim: forward"] = diff(out, wide)
     d["gather last dim: backward keeps my slice"] = diff(wi.grad, torch.full_like(wi, r + 1.0))
     wi = wide.clone().requires_grad_(True)
-    out = L.scatter_to_region(wi, g)
+    out = scatter_to_region(wi, g)
     out.backward(torch.ones_like(out))
     d["scatter last dim"] = diff(out, _slice(wide, -1, r, n)) + diff(wi.grad, torch.ones_like(wide))
     seq = torch.randn(b, 3 * n, h_in, dtype=F64)
     si = _slice(seq, 1, r, n).clone().requires_grad_(True)
-    out = L.all_gather_sequence(si, g)
+    out = all_gather_sequence(si, g)
     out.backward(seq * (r + 1))                  # each rank's partial gradient of the whole
     d["SP all-gather: forward"] = diff(out, seq)
     d["SP all-gather: reduce-scatter backward"] = diff(si.grad, _slice(seq, 1, r, n) * sum(range(1, n + 1)))
     si = seq.clone().requires_grad_(True)
-    out = L.reduce_scatter_sequence(si * (r + 1), g)
+    out = reduce_scatter_sequence(si * (r + 1), g)
     out.backward(torch.ones_like(out) * (r + 1))
     d["SP reduce-scatter: forward"] = diff(out, _slice(seq, 1, r, n) * sum(range(1, n + 1)))
     d["SP reduce-scatter: all-gather backward"] = diff(
@@ -81,7 +88,7 @@ def block_checks(rank, world_size):
     ref_y, (ref_x,) = _grad_of(col_full, x)
     (ref_y * G_col).sum().backward()
     for gather in (True, False):
-        layer = L.ColumnParallelLinear.from_full(col_full, g, gather_output=gather)
+        layer = ColumnParallelLinear.from_full(col_full, g, gather_output=gather)
         y, (xx,) = _grad_of(layer, x)
         G = G_col if gather else _slice(G_col, -1, r, n)
         (y * G).sum().backward()
@@ -97,7 +104,7 @@ def block_checks(rank, world_size):
     ref_y, (ref_h,) = _grad_of(row_full, h)
     (ref_y * G_row).sum().backward()
     for parallel_in in (True, False):
-        layer = L.RowParallelLinear.from_full(row_full, g, input_is_parallel=parallel_in)
+        layer = RowParallelLinear.from_full(row_full, g, input_is_parallel=parallel_in)
         y, (hh,) = _grad_of(layer, _slice(h, -1, r, n) if parallel_in else h)
         (y * G_row).sum().backward()
         d[f"row input_is_parallel={parallel_in}: output"] = diff(y, ref_y)
@@ -117,8 +124,8 @@ def block_checks(rank, world_size):
     for _ in range(2):
         (mlp_ref(ref_x) * G).sum().backward()
     for sp in (False, True):
-        col = L.ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
-        row = L.RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
+        col = ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
+        row = RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
         mlp = lambda t: row(torch.nn.functional.gelu(col(t)))
         inp = _slice(xs, 1, r, n) if sp else xs
         xx = inp.detach().clone().requires_grad_(True)
@@ -143,7 +150,7 @@ def block_checks(rank, world_size):
     Ge = torch.randn(b, s_sp, 6, dtype=F64)
     (emb_full(tokens) * Ge).sum().backward()
     for sp in (False, True):
-        emb = L.VocabParallelEmbedding.from_full(emb_full, g, sequence_parallel=sp)
+        emb = VocabParallelEmbedding.from_full(emb_full, g, sequence_parallel=sp)
         y = emb(tokens)
         (y * (_slice(Ge, 1, r, n) if sp else Ge)).sum().backward()
         want = emb_full(tokens).detach()
@@ -153,7 +160,7 @@ def block_checks(rank, world_size):
     targets = torch.randint(V, (b, s))
     ref_loss, (ref_l,) = _grad_of(lambda t: torch.nn.functional.cross_entropy(t.reshape(-1, V), targets.reshape(-1)), logits)
     ref_loss.backward()
-    loss, (ll,) = _grad_of(lambda t: L.vocab_parallel_cross_entropy(t, targets, g), _slice(logits, -1, r, n))
+    loss, (ll,) = _grad_of(lambda t: vocab_parallel_cross_entropy(t, targets, g), _slice(logits, -1, r, n))
     loss.backward()
     d["vocab-parallel cross-entropy: loss"] = diff(loss, ref_loss)
     d["vocab-parallel cross-entropy: logits grad"] = diff(ll.grad, _slice(ref_l.grad, -1, r, n))
@@ -175,13 +182,13 @@ GPT_CASES = [
 
 
 def _cfg(overrides):
-    return L.GPTConfig(dtype="float64", d_model=32, **overrides)
+    return GPTConfig(dtype="float64", d_model=32, **overrides)
 
 
 def everything(rank, world_size, gpt_cases):
     out = {"blocks": block_checks(rank, world_size), "gpt": {}}
     for name, cfg, options, batch_size in gpt_cases:
-        out["gpt"][name] = L.train_tp(rank, world_size, cfg, steps=2, batch_size=batch_size, **options)
+        out["gpt"][name] = train_tp(rank, world_size, cfg, steps=2, batch_size=batch_size, **options)
     return out
 
 
@@ -205,7 +212,7 @@ def test_building_blocks_equal_one_process(results, world_size):
 @pytest.mark.parametrize("case", GPT_CASES, ids=[c[0] for c in GPT_CASES])
 def test_split_gpt_equals_one_process(results, case):
     name, world_size, overrides, _, batch_size = case
-    ref = L.train_reference(_cfg(overrides), steps=2, batch_size=batch_size)
+    ref = train_reference(_cfg(overrides), steps=2, batch_size=batch_size)
     for rank, ours in enumerate(r["gpt"][name] for r in results[world_size]):
         torch.testing.assert_close(ours["logits"], ref["logits"], rtol=1e-12, atol=1e-12)
         assert set(ours["grads"]) >= set(ref["grads"])
@@ -227,7 +234,7 @@ def test_shards_are_smaller(results):
 
 def refuse(rank, world_size, overrides):
     try:
-        L.parallelize_gpt(L.GPT(L.GPTConfig(**overrides)), dist.group.WORLD)
+        parallelize_gpt(GPT(GPTConfig(**overrides)), dist.group.WORLD)
     except ValueError as e:
         return str(e)
     return None
@@ -243,12 +250,12 @@ def test_refuses_what_it_cannot_split():
 def misuse(rank, world_size):
     """Each misuse must raise a ValueError that names the problem."""
     g, msgs = dist.group.WORLD, []
-    model = L.parallelize_gpt(L.GPT(L.GPTConfig(seq_len=7)), g, sequence_parallel=True)
+    model = parallelize_gpt(GPT(GPTConfig(seq_len=7)), g, sequence_parallel=True)
     tokens, targets = batch(model.cfg, 2, 0)
-    for fn in (lambda: L.tp_loss(model, tokens, targets),                      # 7 positions, 2 ranks
-               lambda: L.ColumnParallelLinear.from_full(nn.Linear(4, 4), g, sequence_parallel=True)(torch.randn(3, 4)),
-               lambda: L.vocab_parallel_cross_entropy(torch.randn(3, 2), torch.tensor([0, 1, 9]), g),
-               lambda: L.ColumnParallelLinear.from_full(nn.Linear(4, 3), g)):
+    for fn in (lambda: tp_loss(model, tokens, targets),                        # 7 positions, 2 ranks
+               lambda: ColumnParallelLinear.from_full(nn.Linear(4, 4), g, sequence_parallel=True)(torch.randn(3, 4)),
+               lambda: vocab_parallel_cross_entropy(torch.randn(3, 2), torch.tensor([0, 1, 9]), g),
+               lambda: ColumnParallelLinear.from_full(nn.Linear(4, 3), g)):
         try:
             fn()
             msgs.append(None)
@@ -267,7 +274,7 @@ def test_misuse_is_refused_clearly():
 
 def test_inputs_are_not_modified():
     """parallelize_gpt returns a copy: the model it was given is unchanged."""
-    model = L.GPT(L.GPTConfig(d_model=32))
+    model = GPT(GPTConfig(d_model=32))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert spawn(parallelize_leaves_original, 2, model=model).returns[0]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -275,7 +282,7 @@ def test_inputs_are_not_modified():
 
 def parallelize_leaves_original(rank, world_size, model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tp = L.parallelize_gpt(model, dist.group.WORLD)
+    tp = parallelize_gpt(model, dist.group.WORLD)
     types = {type(m).__name__ for m in model.modules()}
     return (tp is not model and "ColumnParallelLinear" not in types
             and all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
@@ -284,13 +291,13 @@ def parallelize_leaves_original(rank, world_size, model):
 
 def both(rank, world_size, cfg, sequence_parallel, batch_size):
     return {"dtensor": train_dtensor(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel),
-            "ours": L.train_tp(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel)}
+            "ours": train_tp(rank, world_size, cfg, batch_size=batch_size, sequence_parallel=sequence_parallel)}
 
 
 @pytest.mark.parametrize("world_size,sp,overrides", [(2, False, dict(seq_len=7)), (4, True, dict(seq_len=8, n_heads=8, n_kv_heads=4))])
 def test_dtensor_parallelize_module_equals_ours(world_size, sp, overrides):
     cfg = _cfg(overrides)
-    ref = L.train_reference(cfg, steps=3, batch_size=3)
+    ref = train_reference(cfg, steps=3, batch_size=3)
     run = spawn(both, world_size, cfg=cfg, sequence_parallel=sp, batch_size=3).returns[0]
     for k in ref["params"]:
         torch.testing.assert_close(run["dtensor"]["grads"][k], ref["grads"][k], rtol=1e-10, atol=1e-12, msg=k)
@@ -309,8 +316,8 @@ def collective_warnings(rank, world_size):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for sp in (False, True):
-            col = L.ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
-            row = L.RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
+            col = ColumnParallelLinear.from_full(col_full, g, sequence_parallel=sp)
+            row = RowParallelLinear.from_full(row_full, g, sequence_parallel=sp)
             x = torch.randn(2, world_size, 4, requires_grad=True)
             row(torch.nn.functional.gelu(col(x))).sum().backward()
     return [f"{w.category.__name__}: {w.message}" for w in caught]
@@ -326,7 +333,7 @@ def test_collectives_raise_no_warnings():
 
 def fresh_row_std(rank, world_size, h_in=1024, h_out=256):
     torch.manual_seed(rank)
-    layer = L.RowParallelLinear(h_in, h_out, dist.group.WORLD)
+    layer = RowParallelLinear(h_in, h_out, dist.group.WORLD)
     return layer.full_tensors()["weight"].std().item()
 
 
@@ -339,8 +346,8 @@ def test_fresh_row_parallel_initialises_like_nn_linear():
 
 
 def misuse_more(rank, world_size):
-    """{misuse: the error message} for misuses that used to give a silent wrong answer or a
-    crash far from the cause."""
+    """{misuse: the error message} for misuses that would otherwise give a silent wrong answer or
+    a crash far from the cause."""
     out = {}
 
     def attempt(name, fn):
@@ -350,25 +357,25 @@ def misuse_more(rank, world_size):
         except ValueError as e:
             out[name] = str(e)
     g = dist.group.WORLD
-    cfg = L.GPTConfig(vocab_size=48, seq_len=6, d_model=36, n_heads=3)
-    model = L.parallelize_gpt(L.GPT(cfg), g)
+    cfg = GPTConfig(vocab_size=48, seq_len=6, d_model=36, n_heads=3)
+    model = parallelize_gpt(GPT(cfg), g)
     tokens, targets = batch(cfg, 2, 0)
     bad = lambda v: torch.cat([torch.full_like(tokens[:, :1], v), tokens[:, 1:]], 1)
-    attempt("token id = vocab", lambda: L.tp_loss(model, bad(50), targets))
+    attempt("token id = vocab", lambda: tp_loss(model, bad(50), targets))
     attempt("token id < 0", lambda: model(bad(-1)))
-    attempt("parallelize twice", lambda: L.parallelize_gpt(model, g))
-    attempt("GQA neither divides", lambda: L.parallelize_gpt(
-        L.GPT(L.GPTConfig(vocab_size=66, d_model=36, n_heads=6, n_kv_heads=2)), g))
+    attempt("parallelize twice", lambda: parallelize_gpt(model, g))
+    attempt("GQA neither divides", lambda: parallelize_gpt(
+        GPT(GPTConfig(vocab_size=66, d_model=36, n_heads=6, n_kv_heads=2)), g))
     seq = torch.randn(2, 3 + rank, 4)   # unequal sequence shards
-    attempt("unequal shards", lambda: L.all_gather_sequence(seq, g))
-    attempt("unequal dtypes", lambda: L.reduce_scatter_sequence(
+    attempt("unequal shards", lambda: all_gather_sequence(seq, g))
+    attempt("unequal dtypes", lambda: reduce_scatter_sequence(
         torch.randn(2, 6, 4, dtype=torch.float64 if rank else torch.float32), g))
-    col = L.ColumnParallelLinear(4, 6, g, sequence_parallel=True)
+    col = ColumnParallelLinear(4, 6, g, sequence_parallel=True)
     attempt("unequal shards into a column-parallel layer", lambda: col(torch.randn(2, 2 + rank, 4)))
     sub = dist.new_group([0, 1])   # every rank creates it; the last rank is not in it
     if rank == world_size - 1:
-        attempt("group without this rank: layer", lambda: L.ColumnParallelLinear(4, 6, sub))
-        attempt("group without this rank: f", lambda: L.copy_to_region(torch.ones(3), sub))
+        attempt("group without this rank: layer", lambda: ColumnParallelLinear(4, 6, sub))
+        attempt("group without this rank: f", lambda: copy_to_region(torch.ones(3), sub))
     dist.barrier()
     return out
 
@@ -382,7 +389,7 @@ def test_misuse_fails_loudly():
         assert "must divide the 2 K/V heads" in msgs["GQA neither divides"]
         assert "shards differ" in msgs["unequal shards"] and "rank 1: (2, 4, 4)" in msgs["unequal shards"]
         assert "shards differ" in msgs["unequal dtypes"] and "float64" in msgs["unequal dtypes"]
-        # refused at the layer's first call, where the ranks agree on their inputs (issue 30)
+        # refused at the layer's first call, where the ranks agree on their inputs
         assert "disagree" in msgs["unequal shards into a column-parallel layer"]
         assert "input size 1=2; rank 1: input size 1=3" in msgs["unequal shards into a column-parallel layer"]
     assert "is not a member" in got[2]["group without this rank: layer"]
@@ -392,15 +399,15 @@ def test_misuse_fails_loudly():
 def gqa_layouts(rank, world_size, cases):
     out = []
     for over in cases:
-        cfg = L.GPTConfig(d_model=32, seq_len=8, **over)
-        attn = L.parallelize_gpt(L.GPT(cfg), dist.group.WORLD).blocks[0].attn
+        cfg = GPTConfig(d_model=32, seq_len=8, **over)
+        attn = parallelize_gpt(GPT(cfg), dist.group.WORLD).blocks[0].attn
         out.append((attn.kv_layout, attn.q_heads_held, attn.kv_held, tuple(attn.weight.shape)))
     return out
 
 
 def test_gqa_holds_each_kv_head_once_per_rank_that_reads_it():
     """K/V heads split when tp divides them; else each rank holds the ONE K/V head its query
-    heads read (it used to hold the whole K/V weight and compute one head per query head)."""
+    heads read (not the whole K/V weight, computing one head per query head)."""
     cases = [dict(n_heads=8, n_kv_heads=4), dict(n_heads=8, n_kv_heads=2), dict(n_heads=4, n_kv_heads=1)]
     got = spawn(gqa_layouts, 4, cases=cases).returns
     d32 = lambda heads: 32 // heads
@@ -414,8 +421,8 @@ def test_gqa_holds_each_kv_head_once_per_rank_that_reads_it():
 def test_attention_backward_overlaps_like_the_mlp():
     """Q, K, V are one column-parallel matmul: each block's backward starts BOTH its input-gradient
     all-reduces (attention's and the MLP's) asynchronously, and waits on no blocking all-reduce."""
-    cfg = L.GPTConfig(seq_len=8, d_model=32)
-    run = spawn(L.traced_block, 2, cfg=cfg, b=2, steps=2)
+    cfg = GPTConfig(seq_len=8, d_model=32)
+    run = spawn(traced_block, 2, cfg=cfg, b=2, steps=2)
     spans = [s for s in run.spans if s["rank"] == 0]
     backward = [s for s in spans if s["label"] == "backward"]
     inside = lambda s: any(b["start"] <= s["start"] <= b["end"] for b in backward)
@@ -427,11 +434,11 @@ def test_attention_backward_overlaps_like_the_mlp():
 def fresh_replicated(rank, world_size):
     """A fresh layer of each kind built with a different seed on every rank: its replicated
     parameters as this rank holds them."""
-    from lectures.tensor_parallel.layers import SequenceParallelPositions
-    from lectures.tensor_parallel.attention import TensorParallelAttention
+    from lectures.tensor_parallel import SequenceParallelPositions
+    from lectures.tensor_parallel import TensorParallelAttention
     g = dist.group.WORLD
     torch.manual_seed(100 + rank)   # each rank draws differently, as separate processes may
-    row = L.RowParallelLinear(8, 4, g)
+    row = RowParallelLinear(8, 4, g)
     pos = SequenceParallelPositions(6, 4, g)
     attn = TensorParallelAttention(n_heads=4, n_kv_heads=1, head_dim=2, d_model=8, group=g)
     return {"row bias": row.bias.detach(), "positions": pos.weight.detach(),
@@ -440,9 +447,9 @@ def fresh_replicated(rank, world_size):
 
 
 def test_fresh_layers_agree_on_replicated_parameters():
-    """Layers built without from_full used to initialise every parameter per rank, so the
-    replicated ones (a row-parallel bias, the positions, a K/V head held by several ranks)
-    differed across ranks: a silent wrong model. They are now broadcast from the first rank."""
+    """Layers built without from_full broadcast their replicated parameters (a row-parallel bias,
+    the positions, a K/V head held by several ranks) from the first rank: initialised per rank,
+    they would differ across ranks, a silent wrong model."""
     got = spawn(fresh_replicated, 4).returns
     for name in ("row bias", "positions", "K/V rows", "K/V bias", "o_proj bias"):
         for r in range(1, 4):
@@ -454,11 +461,11 @@ def test_activation_memory_equals_sixteen_over_t_with_sequence_parallelism():
     """The column-parallel layers (fused QKV, fc_in) save only their sequence slice, so with SP a
     block saves 16/t units of b·s·h plus per-token statistics, exactly (the page used 1 + 15/t and
     printed 'measured / formula 0.94' without a word)."""
-    cfg = L.GPTConfig(seq_len=16, d_model=32, n_heads=4)
+    cfg = GPTConfig(seq_len=16, d_model=32, n_heads=4)
     for t in (2, 4):
-        m = spawn(L.activation_memory, t, cfg=cfg, b=2).returns[0]
-        assert m[True] == L.activation_formula(cfg, 2, t, True), (t, m)
-        assert m[False] == L.activation_formula(cfg, 2, t, False), (t, m)
+        m = spawn(activation_memory, t, cfg=cfg, b=2).returns[0]
+        assert m[True] == activation_formula(cfg, 2, t, True), (t, m)
+        assert m[False] == activation_formula(cfg, 2, t, False), (t, m)
 
 
 def test_cut_figure_names_both_matrices():
@@ -466,7 +473,7 @@ def test_cut_figure_names_both_matrices():
     literal underscores."""
     import matplotlib
     matplotlib.use("Agg")
-    fig = L.cut_figure(2, {"column weight": (6, 8), "row weight": (8, 6)})
+    fig = cut_figure(2, {"column weight": (6, 8), "row weight": (8, 6)})
     left, right = fig.axes
     assert left.get_title().startswith("column-parallel: A is 8×12"), left.get_title()
     assert right.get_title().startswith("row-parallel: B is 12×8"), right.get_title()
@@ -478,13 +485,13 @@ def test_training_state_per_rank_is_split_over_t_plus_what_stays_whole():
     """Weights, gradients and Adam's moments per rank, measured from storages, are
     16·(S/t + R) bytes (float32) at tp = 1, 2, 3, 4, with sequence parallelism off and on; the
     parameters kept whole are exactly the norms, the positions and the row-parallel biases."""
-    cfg = L.GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_heads=12, n_layers=2)
-    full = dict(L.GPT(cfg).named_parameters())
+    cfg = GPTConfig(vocab_size=48, seq_len=12, d_model=24, n_heads=12, n_layers=2)
+    full = dict(GPT(cfg).named_parameters())
     whole = {k for k in full if any(w in k for w in ("ln1.", "ln2.", "ln_f.", "pos_emb.", "o_proj.bias", "fc_out.bias"))}
     S, R = sum(full[k].numel() for k in full if k not in whole), sum(full[k].numel() for k in whole)
     for t in (1, 2, 3, 4):
         for sp in ((False, True) if t > 1 else (False,)):
-            got = spawn(L.training_state_bytes, t, cfg=cfg, sequence_parallel=sp).returns
+            got = spawn(training_state_bytes, t, cfg=cfg, sequence_parallel=sp).returns
             for m in got:
                 assert m == got[0]
             m = got[0]
@@ -497,18 +504,18 @@ def test_training_state_per_rank_is_split_over_t_plus_what_stays_whole():
 
 
 def test_sequence_parallel_bytes_are_counted_with_the_backward_regather():
-    """Review M4: with SP a block moves 10 ring units, not TP's 8: the column-parallel layers keep
+    """With SP a block moves 10 ring units, not TP's 8: the column-parallel layers keep
     their slice and all-gather it again in backward. The page's ratio is the counted one."""
-    r = spawn(L.sp_traffic, 2, cfg=L.demo_cfg()).returns[0]
-    assert L.sequence_units(r) == L.RING_UNITS == {False: 8, True: 10}
+    r = spawn(sp_traffic, 2, cfg=L.demo_cfg()).returns[0]
+    assert sequence_units(r) == RING_UNITS == {False: 8, True: 10}
     assert r[True]["backward"]["all-gather"] == 4           # dY's all-gather twice, the re-gathers twice
 
 
 def test_sp_replicated_gradients_are_all_reduced_one_by_one_and_counted():
-    """Review X2: the page states what our per-tensor f costs beside Megatron's one flattened
+    """The page states what our per-tensor f costs beside Megatron's one flattened
     all-reduce per step; the count it states is the backward's (10 LayerNorm tensors, 4
     row-parallel biases, 1 position table in the 2-layer GPT, plus the loss's)."""
-    r = spawn(L.replicated_grad_reduction, 2, cfg=L.demo_cfg(), repeats=2).returns[0]
+    r = spawn(replicated_grad_reduction, 2, cfg=L.demo_cfg(), repeats=2).returns[0]
     cfg = L.demo_cfg()
     assert r["tensors"] == 2 * (4 + 2) + 2 + 1                    # 2 LNs × (w, b) and 2 biases per block, ln_f, positions
     assert r["bytes"] == 4 * (cfg.n_layers * 6 * cfg.d_model + 2 * cfg.d_model + cfg.seq_len * cfg.d_model)

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from lectures import lecture_05_pipeline_parallel as L
-from lectures.model.gpt import GPTConfig
-from lectures.model.memory import saved_bytes
+from lectures.model import GPTConfig, saved_bytes
+from lectures.pipeline import (V_SHAPED, Layout, PipelineExecutor, Schedule, check_schedule, consecutive_steps,
+                               dependencies, held, make_schedule, message_order, qi_bubble, simulate, steady_step,
+                               theory_bubble)
+from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, chunk_cost, measure_schedules, measured_bubbles,
+                                     rank_spans, reference_train, train_pipeline)
+from lectures.pipeline.figures import deadlock_figure, pytorch_figure
 from lectures.pipeline import deep_dives, demos, executor, schedules
-from lectures.pipeline import simulate as S
 from util import spawn
 from tests.conftest import built
 from tests.support.nccl_standin import NcclLikeP2P, ThreadGather, run_ranks
@@ -27,56 +31,56 @@ def cases():
 
 @pytest.mark.parametrize("name,p,m,v", list(cases()))
 def test_schedule_complete_and_dependency_correct(name, p, m, v):
-    refuses = ((name in L.V_SHAPED and v != 2) or (name in ("zb-h1", "zb-h2") and v != 1)
+    refuses = ((name in V_SHAPED and v != 2) or (name in ("zb-h1", "zb-h2") and v != 1)
                or (name == "dualpipev" and m < 2 * p))
     if refuses:                      # a schedule that cannot serve these sizes says so
         with pytest.raises(ValueError):
-            L.make_schedule(name, p, m, v)
+            make_schedule(name, p, m, v)
         return
-    sched = L.make_schedule(name, p, m, v)
-    L.check_schedule(sched)          # every (stage, micro-batch) once per kind
+    sched = make_schedule(name, p, m, v)
+    check_schedule(sched)            # every (stage, micro-batch) once per kind
     assert len(sched) == p and all(isinstance(a, schedules.Action) for acts in sched for a in acts)
     for cost in ({"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 1, "W": 1, "send": 0.2},
                  {"F": 1.0, "B": 2.0, "W": 0.5, "send": 3.0}):
-        sim = L.simulate(sched, cost)   # raises on a deadlock
+        sim = simulate(sched, cost)     # raises on a deadlock
         # and the simulated order respects every dependency
         finish = {}
         for r, row in enumerate(sim.timeline):
             for a, start, end in row:
                 finish[a.kind, sched.layout.stage(r, a.chunk), a.microbatch] = (start, end)
         for (kind, s, i), (start, _) in finish.items():
-            for dep in L.dependencies(schedules.Action(kind, i), s, sched.layout):
+            for dep in dependencies(schedules.Action(kind, i), s, sched.layout):
                 assert finish[dep][1] <= start + 1e-12, (kind, s, i, dep)
 
 
 def test_checker_and_simulator_catch_broken_schedules():
-    sched = L.make_schedule("1f1b", 3, 4)
-    missing = L.Schedule([acts[:-1] for acts in sched], "broken", sched.layout, 4)
+    sched = make_schedule("1f1b", 3, 4)
+    missing = Schedule([acts[:-1] for acts in sched], "broken", sched.layout, 4)
     with pytest.raises(ValueError, match="missing"):
-        L.check_schedule(missing)
+        check_schedule(missing)
     # the last stage runs B0 before F0: it waits for itself forever
     swapped = [list(acts) for acts in sched]
     swapped[2][0], swapped[2][1] = swapped[2][1], swapped[2][0]
     with pytest.raises(ValueError, match="deadlock"):
-        L.simulate(L.Schedule(swapped, "swapped", sched.layout, 4), {"F": 1, "B": 1})
+        simulate(Schedule(swapped, "swapped", sched.layout, 4), {"F": 1, "B": 1})
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_bubble_equals_formula_under_unit_costs(name, p):
     for m in (1, p - 1, p, 2 * p + 1, 16):
-        sim = L.simulate(L.make_schedule(name, p, m), {"F": 1, "B": 1, "W": 0, "send": 0})
+        sim = simulate(make_schedule(name, p, m), {"F": 1, "B": 1, "W": 0, "send": 0})
         assert sim.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
 
 
 def test_interleaved_bubble_formula_holds_for_every_m_from_p():
-    """Review C1: (p − 1)/(v·m + p − 1) is the simulated bubble (F = B, W = 0) for every m >= p,
+    """(p − 1)/(v·m + p − 1) is the simulated bubble (F = B, W = 0) for every m >= p,
     not only multiples of p (441 sizes), so theory_bubble gives it there; below p it gives none."""
     for p in range(2, 9):
         for v in (2, 3, 4):
             for m in range(1, 5 * p + 1):
-                sim = L.simulate(L.make_schedule("interleaved-1f1b", p, m, v), L.chunk_cost(v, W=0))
-                want = L.theory_bubble("interleaved-1f1b", p, m, v)
+                sim = simulate(make_schedule("interleaved-1f1b", p, m, v), chunk_cost(v, W=0))
+                want = theory_bubble("interleaved-1f1b", p, m, v)
                 assert (want is None) == (m < p)
                 if want is not None:
                     assert sim.bubble == pytest.approx(want, abs=1e-12), (p, v, m)
@@ -84,10 +88,10 @@ def test_interleaved_bubble_formula_holds_for_every_m_from_p():
 
 def test_interleaving_and_zero_bubble_shrink_the_bubble():
     p, m, unit = 4, 8, {"F": 1, "B": 1, "W": 1}
-    bubble = {name: L.simulate(L.make_schedule(name, p, m, v), unit).bubble
+    bubble = {name: simulate(make_schedule(name, p, m, v), unit).bubble
               for name, v in [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
                               ("zb-v", 2), ("dualpipev", 2)]}
-    assert bubble["interleaved-1f1b"] == pytest.approx(L.theory_bubble("interleaved-1f1b", p, m, 2))
+    assert bubble["interleaved-1f1b"] == pytest.approx(theory_bubble("interleaved-1f1b", p, m, 2))
     assert bubble["zb-h1"] < bubble["1f1b"] and bubble["zb-v"] < bubble["zb-h1"]
     assert bubble["dualpipev"] < bubble["1f1b"]
 
@@ -108,21 +112,21 @@ def test_zero_bubble_schedules_have_their_papers_numbers(p):
     unequal costs.)"""
     for m in sorted({1, p, 2 * p, 3 * p + 1}):
         unit = {"F": 1, "B": 1, "W": 1}
-        h1 = L.make_schedule("zb-h1", p, m)
-        assert max(S.held(h1)) <= p
+        h1 = make_schedule("zb-h1", p, m)
+        assert max(held(h1)) <= p
         if m >= p:
-            assert L.simulate(h1, unit).makespan == 3 * m + (p - 1) * (1 + 1 - 1)
-            assert L.simulate(L.make_schedule("1f1b", p, m), unit).makespan == 3 * m + 3 * (p - 1)
-        h2 = L.make_schedule("zb-h2", p, m)
-        assert max(S.held(h2)) <= 2 * p - 1
+            assert simulate(h1, unit).makespan == 3 * m + (p - 1) * (1 + 1 - 1)
+            assert simulate(make_schedule("1f1b", p, m), unit).makespan == 3 * m + 3 * (p - 1)
+        h2 = make_schedule("zb-h2", p, m)
+        assert max(held(h2)) <= 2 * p - 1
         if m >= 2 * p:          # fewer micro-batches cannot fill the warm-up
-            sim = L.simulate(h2, unit)
+            sim = simulate(h2, unit)
             assert all(_gaps(row) == 0 and row[0][1] == r for r, row in enumerate(sim.timeline))
-        zbv = L.make_schedule("zb-v", p, m, 2)
-        assert max(S.held(zbv)) <= 2 * p
+        zbv = make_schedule("zb-v", p, m, 2)
+        assert max(held(zbv)) <= 2 * p
         if m >= 2 * p:
             half = {k: 0.5 for k in "FBW"}
-            assert L.simulate(zbv, half).makespan == 3 * m + (p - 1) * 0.5
+            assert simulate(zbv, half).makespan == 3 * m + (p - 1) * 0.5
 
 
 def pytorch_zbv_order(p, m, rank):
@@ -142,8 +146,8 @@ def test_zb_v_is_pytorchs_order(p):
     every m up to 4p + 1 (below 2p − 1 both drop the missing micro-batches' actions). It failed
     before: the list was a greedy fit (p = 6, m = 12 took 39.5 units against the V's 38.5)."""
     for m in range(1, 4 * p + 2):
-        ours = L.make_schedule("zb-v", p, m, 2)
-        L.check_schedule(ours)
+        ours = make_schedule("zb-v", p, m, 2)
+        check_schedule(ours)
         assert [pytorch_zbv_order(p, m, r) for r in range(p)] == list(ours), (p, m)
 
 
@@ -167,9 +171,9 @@ def test_measured_costs_give_qi_et_als_makespans_and_the_page_says_so(p, m):
         got = span[label] = deep_dives.mix_makespans(p, m, F, B, W)
         work = m * (F + B + W)
         for name in ("1f1b", "zb-h1"):
-            assert got[name] == pytest.approx(work + S.qi_bubble(name, p, F, B, W)), (label, name)
-        assert S.steady_step(L.make_schedule("zb-h2", p, m), L.chunk_cost(1, F, B, W)) == pytest.approx(
-            work + S.qi_bubble("zb-h2", p, F, B, W))
+            assert got[name] == pytest.approx(work + qi_bubble(name, p, F, B, W)), (label, name)
+        assert steady_step(make_schedule("zb-h2", p, m), chunk_cost(1, F, B, W)) == pytest.approx(
+            work + qi_bubble("zb-h2", p, F, B, W))
         assert got["zb-v"] < got["zb-h1"], label
         with_comm = deep_dives.mix_makespans(p, m, F, B, W, comm)
         assert with_comm["zb-v"] < with_comm["zb-h1"], label
@@ -201,28 +205,28 @@ def test_zb_h2_across_steps_has_qi_et_als_bubble(p):
     for m in (2 * p, 3 * p, 4 * p):
         for F, B, W in [(1, 1, 1), (1, 1.2, 0.8), (1, 1, 0.5), (1, 2, 1), (2, 1, 1), (1, 1.5, 0.2)]:
             cost, work = {"F": F, "B": B, "W": W}, m * (F + B + W)
-            h2 = L.make_schedule("zb-h2", p, m)
-            assert S.steady_step(h2, cost) == pytest.approx(work + S.qi_bubble("zb-h2", p, F, B, W))
-            assert L.simulate(L.make_schedule("zb-h1", p, m), cost).makespan == pytest.approx(
-                work + S.qi_bubble("zb-h1", p, F, B, W))
-            assert L.simulate(L.make_schedule("1f1b", p, m), cost).makespan == pytest.approx(
-                work + S.qi_bubble("1f1b", p, F, B, W))
+            h2 = make_schedule("zb-h2", p, m)
+            assert steady_step(h2, cost) == pytest.approx(work + qi_bubble("zb-h2", p, F, B, W))
+            assert simulate(make_schedule("zb-h1", p, m), cost).makespan == pytest.approx(
+                work + qi_bubble("zb-h1", p, F, B, W))
+            assert simulate(make_schedule("1f1b", p, m), cost).makespan == pytest.approx(
+                work + qi_bubble("1f1b", p, F, B, W))
         unit = {"F": 1, "B": 1, "W": 1}
-        assert S.steady_step(h2, unit) == 3 * m < L.simulate(h2, unit).makespan
-    two = S.consecutive_steps(L.make_schedule("zb-h2", p, 2 * p), 2)
-    L.check_schedule(two)
+        assert steady_step(h2, unit) == 3 * m < simulate(h2, unit).makespan
+    two = consecutive_steps(make_schedule("zb-h2", p, 2 * p), 2)
+    check_schedule(two)
     with pytest.raises(ValueError, match="2W <= F"):
-        S.qi_bubble("zb-h2", p, 1, 1, 1.5)
+        qi_bubble("zb-h2", p, 1, 1, 1.5)
 
 
 def test_interleaved_memory_sentence_counts_the_lists():
-    """Review M3: with p < m < 2p interleaved 1F1B makes one group, and rank 0 holds all m
+    """With p < m < 2p interleaved 1F1B makes one group, and rank 0 holds all m
     micro-batches (GPipe's memory); at m = 2p it holds p + (p − 1)/v. The page's sentence comes
     from held()."""
     for p in range(2, 9):
         for m in range(p + 1, 2 * p):
-            assert S.held(L.make_schedule("interleaved-1f1b", p, m, 2))[0] == 2 * m
-        assert S.held(L.make_schedule("interleaved-1f1b", p, 2 * p, 2))[0] / 2 == p + (p - 1) / 2
+            assert held(make_schedule("interleaved-1f1b", p, m, 2))[0] == 2 * m
+        assert held(make_schedule("interleaved-1f1b", p, 2 * p, 2))[0] / 2 == p + (p - 1) / 2
     words = L.interleaved_memory_words(4, 2)
     assert "at m = 8 rank 0 holds 5.5 micro-batches (4 with 1F1B" in words
     assert "rank 0 holds all $m$ micro-batches at once, GPipe's memory: 7 at m = 7" in words
@@ -231,7 +235,7 @@ def test_interleaved_memory_sentence_counts_the_lists():
 def test_zb_h1_is_the_papers_order():
     """Fig. 3 of Qi et al. 2023 at p = 4: the first rank runs 4 forwards, then B W F; the last
     rank runs F B pairs and starts its Ws 3 micro-batches late."""
-    sched = L.make_schedule("zb-h1", 4, 8)
+    sched = make_schedule("zb-h1", 4, 8)
     assert " ".join(map(str, sched[0][:10])) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5"
     assert " ".join(map(str, sched[3][:10])) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4"
 
@@ -250,13 +254,13 @@ def test_every_schedule_runs_or_refuses_clearly_for_every_size():
     simulator finishes or is refused at `make_schedule` with a ValueError that says why."""
     for name, p, m, v in _all_sizes():
         try:
-            sched = L.make_schedule(name, p, m, v)
+            sched = make_schedule(name, p, m, v)
         except ValueError as e:
             assert str(e)
             continue
-        L.check_schedule(sched)
-        L.simulate(sched, {"F": 1, "B": 1, "W": 1})
-        L.simulate(sched, {"F": 1, "B": 2, "W": 0.5, "send": 3})
+        check_schedule(sched)
+        simulate(sched, {"F": 1, "B": 1, "W": 1})
+        simulate(sched, {"F": 1, "B": 2, "W": 0.5, "send": 3})
 
 
 CFG = GPTConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8, dtype="float64")
@@ -275,7 +279,7 @@ def train_every_schedule(rank, world_size, cases, mb_size, steps):
     out = {}
     for p, name, v, m in cases:
         cfg = CFG8 if p * v > CFG.n_layers else CFG
-        out[name, v, m] = L.train_pipeline(rank, world_size, cfg, name, m, mb_size, chunks=v, steps=steps)
+        out[name, v, m] = train_pipeline(rank, world_size, cfg, name, m, mb_size, chunks=v, steps=steps)
     return out
 
 
@@ -291,7 +295,7 @@ def executed():
 @pytest.mark.parametrize("p,name,v,m", list(executor_cases()))
 def test_executor_equals_one_process(executed, p, name, v, m):
     cfg = CFG8 if p * v > CFG.n_layers else CFG
-    ref = L.reference_train(cfg, m, 3, steps=2)
+    ref = reference_train(cfg, m, 3, steps=2)
     cases, per_rank = executed[p]
     got = [r[name, v, m] for r in per_rank]
     losses = [x for r in got for x in [r["losses"]] if r["losses"][0] is not None]
@@ -304,7 +308,7 @@ def test_executor_equals_one_process(executed, p, name, v, m):
         torch.testing.assert_close(grads[k], ref["grads"][k], rtol=1e-9, atol=1e-12, msg=k)
         torch.testing.assert_close(params[k], ref["params"][k], rtol=1e-9, atol=1e-12, msg=k)
     # the spans the page's executor figure draws: every action of the rank's list, in its order
-    sched = L.make_schedule(name, p, m, v)
+    sched = make_schedule(name, p, m, v)
     for r, acts in zip(got, sched):
         assert [schedules.Action(*a) for a, _, _ in r["events"]] == list(acts)
         assert all(t0 <= t1 for _, t0, t1 in r["events"])
@@ -312,20 +316,20 @@ def test_executor_equals_one_process(executed, p, name, v, m):
 
 def test_building_blocks_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="unknown schedule"):
-        L.make_schedule("pipedream-2bw", 2, 4)
-    sched = L.make_schedule("zb-h1", 2, 3)
+        make_schedule("pipedream-2bw", 2, 4)
+    sched = make_schedule("zb-h1", 2, 3)
     _, stages = executor.split_gpt(CFG, sched.layout)
     with pytest.raises(ValueError, match="checkpointing"):
-        L.PipelineExecutor(sched, {0: stages[0]}, 0, (3, 8, 16), checkpoint=True)
+        PipelineExecutor(sched, {0: stages[0]}, 0, (3, 8, 16), checkpoint=True)
 
 
 def test_layouts_place_every_stage_once():
-    for layout in (L.Layout(4, 2, "looped"), L.Layout(4, 2, "v"), L.Layout(3, 1)):
+    for layout in (Layout(4, 2, "looped"), Layout(4, 2, "v"), Layout(3, 1)):
         placed = {layout.stage(r, c) for r in range(layout.ranks) for c in range(layout.chunks)}
         assert placed == set(range(layout.stages))
         for s in range(layout.stages):
             assert layout.stage(*layout.place(s)) == s
-    v = L.Layout(4, 2, "v")
+    v = Layout(4, 2, "v")
     assert v.place(0) == (0, 0) and v.place(7) == (0, 1) and v.place(3) == (3, 0) and v.place(4) == (3, 1)
 
 
@@ -333,9 +337,9 @@ def test_sleep_mode_measures_the_schedule():
     """In sleep mode the measured bubble of 1F1B is near (p-1)/(m+p-1), and GPipe holds more."""
     cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8)
     runs = [{"label": "1f1b", "name": "1f1b", "m": 4}, {"label": "gpipe", "name": "gpipe", "m": 4}]
-    R = spawn(L.measure_schedules, 2, cfg=cfg, runs=runs, mb_size=2, delay={"F": 0.01, "B": 0.01, "W": 0.01},
+    R = spawn(measure_schedules, 2, cfg=cfg, runs=runs, mb_size=2, delay={"F": 0.01, "B": 0.01, "W": 0.01},
               repeats=3).returns
-    got = statistics.median(L.measured_bubbles(R, "1f1b")[0])
+    got = statistics.median(measured_bubbles(R, "1f1b")[0])
     assert got == pytest.approx(1 / 5, abs=0.1)
     assert max(r["gpipe"]["peak_saved_bytes"] for r in R) > max(r["1f1b"]["peak_saved_bytes"] for r in R) > 0
 
@@ -358,8 +362,8 @@ def test_split_backward_refuses_modules_returning_tuples():
         def forward(self, x):
             return self.pair(x)[0]
 
-    sched = L.make_schedule("zb-h1", 1, 1)
-    ex = L.PipelineExecutor(sched, {0: Stage()}, 0, (2, 3), loss_fn=lambda y, t: (y - t).pow(2).mean())
+    sched = make_schedule("zb-h1", 1, 1)
+    ex = PipelineExecutor(sched, {0: Stage()}, 0, (2, 3), loss_fn=lambda y, t: (y - t).pow(2).mean())
     with pytest.raises(TypeError, match="one tensor"):
         ex.step([torch.ones(2, 3)], [torch.zeros(2, 3)])
 
@@ -373,8 +377,8 @@ def test_one_stage_step_under_no_grad_equals_autograd():
     want = [p.grad.clone() for p in lin.parameters()]
     for name in ("1f1b", "zb-h1"):
         lin.zero_grad()
-        ex = L.PipelineExecutor(L.make_schedule(name, 1, 2), {0: lin}, 0, (2, 2), loss_fn=loss,
-                                dtype=torch.float64)
+        ex = PipelineExecutor(make_schedule(name, 1, 2), {0: lin}, 0, (2, 2), loss_fn=loss,
+                              dtype=torch.float64)
         with torch.no_grad():
             ex.step(list(x.chunk(2)), list(t.chunk(2)))
         for p, w in zip(lin.parameters(), want):
@@ -398,8 +402,8 @@ def test_executor_meters_what_autograd_holds(name, held, grads):
     ts = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
     _, one = saved_bytes(lambda: net(xs[0]), exclude=list(net.parameters()))
     assert one > 0
-    ex = L.PipelineExecutor(L.make_schedule(name, 1, 3), {0: net}, 0, (5, 4),
-                            loss_fn=lambda y, t: (y - t).pow(2).mean(), dtype=torch.float64)
+    ex = PipelineExecutor(make_schedule(name, 1, 3), {0: net}, 0, (5, 4),
+                          loss_fn=lambda y, t: (y - t).pow(2).mean(), dtype=torch.float64)
     assert ex.step(xs, ts)["peak_saved_bytes"] == held * one + grads * (5 * 16 + 5 * 4) * 8
     assert ex.meter.live == 0
 
@@ -453,7 +457,7 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
     from lectures.pipeline import executor as pipeline
     fake = PostingOrderP2P()
     monkeypatch.setattr(pipeline, "dist", fake)
-    sched = L.make_schedule(name, p, m, v)
+    sched = make_schedule(name, p, m, v)
     cfg = GPTConfig(n_layers=2 * p, d_model=16, n_heads=2, seq_len=8, dtype="float64")
     _, stages = executor.split_gpt(cfg, sched.layout)
     inputs, targets = demos.microbatches(cfg, m, 2, 0)
@@ -463,7 +467,7 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
         fake.local.rank = r
         try:
             mine = {c: stages[sched.layout.stage(r, c)] for c in range(v)}
-            ex = L.PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), dtype=torch.float64)
+            ex = PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), dtype=torch.float64)
             executors.append(ex)
             ex.step(inputs, targets)
         except BaseException as e:            # noqa: BLE001  (reported below)
@@ -474,7 +478,7 @@ def run_threads_under_nccl_matching(name, p, m, v, monkeypatch):
     for t in threads:
         t.join()
     assert not errors, errors
-    ref = L.reference_train(cfg, m, 2, steps=1)
+    ref = reference_train(cfg, m, 2, steps=1)
     grads = executor.gradients_by_name(stages)
     for k, g in ref["grads"].items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-12, msg=f"{name} p={p} m={m}: {k}")
@@ -493,7 +497,7 @@ def test_executor_correct_when_messages_match_in_posting_order(name, p, m, v, mo
     Before, interleaved 1F1B with m mod p != 0 and DualPipeV at p >= 3 swapped tensors here."""
     executors = run_threads_under_nccl_matching(name, p, m, v, monkeypatch)
     by_rank = {ex.rank: ex.posted for ex in executors}
-    for (src, dst), keys in S.message_order(L.make_schedule(name, p, m, v)).items():
+    for (src, dst), keys in message_order(make_schedule(name, p, m, v)).items():
         assert [k for peer, kind, k in by_rank[src] if kind == "send" and peer == dst] == keys
         assert [k for peer, kind, k in by_rank[dst] if kind == "recv" and peer == src] == keys
 
@@ -504,10 +508,10 @@ def _disagreeing_step(r, case, cfg):
     name = "zb-h1" if case == "schedule" and r == 1 else "1f1b"
     dtype = torch.float32 if case == "boundary dtype" and r == 1 else torch.float64
     mb = 3 if case == "micro-batch shape" and r == 1 else 2
-    sched = L.make_schedule(name, 2, 3)
+    sched = make_schedule(name, 2, 3)
     _, stages = executor.split_gpt(cfg, sched.layout)
     inputs, targets = demos.microbatches(cfg, 3, mb, 0)
-    ex = L.PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
+    ex = PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
     try:
         ex.step(inputs, targets)
     except ValueError as e:
@@ -517,7 +521,7 @@ def _disagreeing_step(r, case, cfg):
 
 @pytest.mark.parametrize("case", ["boundary dtype", "micro-batch shape", "schedule"])
 def test_ranks_that_disagree_get_a_clear_error(case, monkeypatch):
-    """Adversarial review 5 (the executor's part): a rank with another dtype, micro-batch shape or
+    """A rank with another dtype, micro-batch shape or
     schedule made gloo abort ('op.preamble.length <= op.nbytes'), wait for ever, or (NCCL) copy
     bytes into a buffer of another type. An all_gather of each rank's signature at entry now
     gives every rank the same ValueError naming what each has. Ranks as threads here; the gloo
@@ -559,23 +563,23 @@ def test_checkpointing_counts_the_recomputation():
     sum(loss(net(x), t) for x, t in zip(xs, ts)).div(3).backward()
     want = [q.grad.clone() for q in net.parameters()]
     net.zero_grad()
-    ex = L.PipelineExecutor(L.make_schedule("gpipe", 1, 3), {0: net}, 0, (5, 4), loss_fn=loss,
-                            dtype=torch.float64, checkpoint=True)
+    ex = PipelineExecutor(make_schedule("gpipe", 1, 3), {0: net}, 0, (5, 4), loss_fn=loss,
+                          dtype=torch.float64, checkpoint=True)
     out = ex.step(xs, ts)
     assert out["peak_saved_bytes"] == 2 * xs[0].nbytes + one     # 3 inputs + one re-run minus its input
     for q, w in zip(net.parameters(), want):
         torch.testing.assert_close(q.grad, w)
 
 
-# --- fresh-eyes review -----------------------------------------------------------------------
+# --- what the page claims, checked against the code and the sources it cites -----------------
 
 def test_dualpipev_readme_formula_beside_the_simulated_idle():
-    """Review 05-7: (S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
+    """(S/2 − 1)(F&B + B − 3W) with a chunk's F = 1/2, full B = 1, W = 1/2 and
     F&B = F + B is 3 units per rank at p = 4; the simulated list idles 1.5 on every rank."""
-    from lectures.pipeline.simulate import dualpipev_readme_bubble
+    from lectures.pipeline import dualpipev_readme_bubble
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5) == 3.0
     assert dualpipev_readme_bubble(4, 0.5, 1.0, 0.5, FB=1.0) == 1.5       # a perfect overlap: F&B = B
-    sim = L.simulate(L.make_schedule("dualpipev", 4, 8, 2), L.chunk_cost(2))
+    sim = simulate(make_schedule("dualpipev", 4, 8, 2), chunk_cost(2))
     assert [sim.makespan - sum(e - b for _, b, e in row) for row in sim.timeline] == [1.5] * 4
     with pytest.raises(ValueError):
         dualpipev_readme_bubble(4, 0.5, 0.5, 1.0)                         # W cannot exceed the full B
@@ -609,13 +613,13 @@ def test_dualpipev_and_its_pairs_are_pytorchs(p):
     """Our DualPipeV list is PyTorch's ScheduleDualPipeV order, and its overlapped pairs are
     PyTorch's OVERLAP_F_B actions, for m = 2p .. 4p + 1."""
     for m in range(2 * p, 4 * p + 2):
-        sched = L.make_schedule("dualpipev", p, m, 2)
+        sched = make_schedule("dualpipev", p, m, 2)
         for r in range(p):
             assert pytorch_dualpipev_order(p, m, r) == (sched[r], sched.pairs[r]), (p, m, r)
 
 
 def test_dualpipev_readme_formula_equals_the_reference_run():
-    """Review X1: (S/2 − 1)(F&B + B − 3W) is the most idle rank of DualPipeV run as the reference
+    """(S/2 − 1)(F&B + B − 3W) is the most idle rank of DualPipeV run as the reference
     runs it (each F&B pair one unit, its outputs leaving at its end), for p = 2..8, m = 2p, 2p + 3,
     4p and F&B from F + B to max(F, B), exactly when F = B_in = W; our pair-by-pair list idles
     (p − 1)F, (p − 1)B_in less. With F = 0.5, B_in = 0.6, W = 0.4 the formula is off."""
@@ -624,23 +628,23 @@ def test_dualpipev_readme_formula_equals_the_reference_run():
         assert holds, worst
     holds, worst = deep_dives.dualpipev_readme_holds(0.5, 0.6, 0.4)
     assert not holds and worst > 0.1
-    cost = L.chunk_cost(2)
+    cost = chunk_cost(2)
     for p in range(2, 9):
-        sched = L.make_schedule("dualpipev", p, 2 * p + 1, 2)
-        ours = deep_dives.most_idle(L.simulate(sched, cost))
-        paired = deep_dives.most_idle(L.simulate(sched, cost, pair=cost["F"] + cost["B"] + cost["W"]))
+        sched = make_schedule("dualpipev", p, 2 * p + 1, 2)
+        ours = deep_dives.most_idle(simulate(sched, cost))
+        paired = deep_dives.most_idle(simulate(sched, cost, pair=cost["F"] + cost["B"] + cost["W"]))
         assert ours == pytest.approx((p - 1) * cost["F"]) and paired == pytest.approx(ours + (p - 1) * cost["B"])
     # a pair runs as one unit: the simulated rank is busy exactly F&B for it
-    sim = L.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=1.2)
-    pairs = sum(len(u) for u in L.make_schedule("dualpipev", 2, 4, 2).pairs)
+    sim = simulate(make_schedule("dualpipev", 2, 4, 2), cost, pair=1.2)
+    pairs = sum(len(u) for u in make_schedule("dualpipev", 2, 4, 2).pairs)
     assert sum(sim.busy) == pytest.approx(2 * 4 * 2 * 1.5 - pairs * (1.5 - 1.2))
 
 
 def test_free_w_caption_comes_from_the_numbers():
-    """Review 05-4: with W = 0 the caption says which split lists gain and which do not, from the
+    """With W = 0 the caption says which split lists gain and which do not, from the
     simulated bubbles. (With the greedy ZB-V it said that list lost 8.7 points; the paper's ZB-V
     gains from its V.)"""
-    free = {n: L.simulate(L.make_schedule(n, 4, 8, v), L.chunk_cost(v, W=0)).bubble for n, v in L.ALL}
+    free = {n: simulate(make_schedule(n, 4, 8, v), chunk_cost(v, W=0)).bubble for n, v in ALL}
     words = deep_dives.free_w_words(free)
     assert "zb-h1, zb-h2 have 1F1B's 27.3%" in words
     assert "zb-v is shorter (15.8% against 1F1B's 27.3%), from its 2 chunks per rank" in words
@@ -649,7 +653,7 @@ def test_free_w_caption_comes_from_the_numbers():
 
 
 def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
-    """Review 05-3 and 05-5: a single sample yields times and no verdict; the checkpointing
+    """A single sample yields times and no verdict; the checkpointing
     sentence names plain GPipe first and says 'slower'."""
     from util.measure import Timing
     one = L.verdict(Timing([0.0609]), Timing([0.0550]), "ours", "PyTorch's")
@@ -663,7 +667,7 @@ def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
 
 
 def test_zb_h1_verdict_is_the_step_not_the_bubble():
-    """Review M4: a smaller measured bubble with a slower step reads as a slower step, said so."""
+    """A smaller measured bubble with a slower step reads as a slower step, said so."""
     from util.measure import Timing
     slow, fast = Timing([0.0976, 0.0926, 0.101]), Timing([0.0731, 0.070, 0.0788])
     words = L.zb_h1_verdict(0.212, 0.285, slow, fast)
@@ -676,7 +680,7 @@ def test_zb_h1_verdict_is_the_step_not_the_bubble():
 
 
 def test_timed_comparisons_take_enough_samples():
-    """Review 05-3 and 05-6: PyTorch's comparison warms up and takes 3 repeats in quick mode;
+    """PyTorch's comparison warms up and takes 3 repeats in quick mode;
     sleep mode takes at least 5."""
     import inspect
     src = inspect.getsource(L.pytorch_schedules)
@@ -685,7 +689,8 @@ def test_timed_comparisons_take_enough_samples():
 
 
 def test_sleep_caveat_said_once_and_megatron_claim_dated():
-    """Review 05-8 and 05-12."""
+    """Sleep mode's caveat is said once, and the Megatron claim names the option it rests on
+    (microbatch_group_size_per_vp_stage), so a reader can check it against their version."""
     import inspect
     assert inspect.getsource(L.measured_schedules).count("sleep_mode(p)") == 1
     assert "microbatch_group_size_per_vp_stage" in inspect.getsource(L.interleaved_measured)
@@ -699,23 +704,23 @@ def test_sleep_caveat_said_once_and_megatron_claim_dated():
     ({"F": 1.0}, None, "cost needs F and B"),
     ({"F": 1.0, "B": 1.0, "W": 1.0}, float("nan"), "cost pair must be")])
 def test_simulate_refuses_costs_that_are_not_times(cost, pair, says):
-    """adversarial.md item 28: a negative or non-finite cost (or a missing B) is a clear
+    """A negative or non-finite cost (or a missing B) is a clear
     ValueError, not a NaN makespan or a bubble outside 0-100%; zero costs stay allowed."""
     with pytest.raises(ValueError, match=re.escape(says)):
-        S.simulate(L.make_schedule("dualpipev", 2, 4, 2), cost, pair=pair)
-    free = S.simulate(L.make_schedule("1f1b", 2, 4), {"F": 1, "B": 1, "W": 0, "send": 0})
+        simulate(make_schedule("dualpipev", 2, 4, 2), cost, pair=pair)
+    free = simulate(make_schedule("1f1b", 2, 4), {"F": 1, "B": 1, "W": 0, "send": 0})
     assert free.makespan == 10 and 0 <= free.bubble < 1
 
 
 def test_explorer_formula_is_the_papers_and_exact_where_it_is_shown():
-    """Review C1: beside the explorer's timeline stands the paper's formula, evaluated at the
+    """Beside the explorer's timeline stands the paper's formula, evaluated at the
     explorer's costs, and only where it equals the simulated bubble of that very list; ZB-H2,
     ZB-V and DualPipeV say there is no closed form here, and why."""
     import random
-    from lectures.pipeline.explorer import explorer_entries, formula_bubble
+    from lectures.pipeline import explorer_entries, formula_bubble
     rng, shown = random.Random(3), set()
     for e in explorer_entries():
-        sched = L.make_schedule(e["name"], e["p"], e["m"], e["chunks"])
+        sched = make_schedule(e["name"], e["p"], e["m"], e["chunks"])
         if e["name"] in ("zb-h2", "zb-v", "dualpipev"):
             assert e["formula"] is None and e["why"], e
             continue
@@ -726,7 +731,7 @@ def test_explorer_formula_is_the_papers_and_exact_where_it_is_shown():
             F, B = rng.uniform(0.2, 3), rng.uniform(0.2, 3)
             stage = {"F": F, "B": B, "W": rng.uniform(0, min(F, B)), "send": 0}
             v = e["chunks"]
-            sim = S.simulate(sched, {k: stage[k] / v for k in "FBW"})
+            sim = simulate(sched, {k: stage[k] / v for k in "FBW"})
             assert formula_bubble(e["formula"], e["p"], e["m"], stage) == pytest.approx(sim.bubble, abs=1e-9), e["name"]
         shown.add(e["name"])
         assert formula_bubble(e["formula"], e["p"], e["m"], dict(stage, send=0.1)) is None   # sends are not free
@@ -745,25 +750,25 @@ def test_figure_helpers_draw_what_the_runs_measured():
     from util.measure import Timing
     run = types.SimpleNamespace(world_size=2, elapsed=3.2, spans=[
         {"label": "send", "rank": 1, "start": 0.1, "end": 3.1}, {"label": "other", "rank": 0, "start": 0, "end": 1}])
-    assert L.rank_spans(run, "send") == {0: (0.0, 3.2), 1: (0.1, 3.1)}
-    fig = L.deadlock_figure({0: (0.0, 3.0), 1: (0.1, 3.1)}, {0: (0.0, 0.04), 1: (0.01, 0.05)}, 16, [1.0, 0.0])
+    assert rank_spans(run, "send") == {0: (0.0, 3.2), 1: (0.1, 3.1)}
+    fig = deadlock_figure({0: (0.0, 3.0), 1: (0.1, 3.1)}, {0: (0.0, 0.04), 1: (0.01, 0.05)}, 16, [1.0, 0.0])
     left, right = fig.axes
     assert [round(b.get_width(), 6) for b in left.patches[:2]] == [3.0, 3.0]          # seconds
     assert [round(b.get_width(), 6) for b in right.patches[:2]] == [40.0, 40.0]       # ms
     assert "got 1" in [t.get_text().strip() for t in right.texts]
     assert fig.get_size_inches()[0] <= 7.5
-    times = {label: Timing([0.1, 0.2, 0.3]) for cls in L.PYTORCH_SCHEDULES
-             for label in ("PyTorch " + cls, "ours: " + L.PYTORCH_SCHEDULES[cls][1])}
+    times = {label: Timing([0.1, 0.2, 0.3]) for cls in PYTORCH_SCHEDULES
+             for label in ("PyTorch " + cls, "ours: " + PYTORCH_SCHEDULES[cls][1])}
     times["PyTorch ScheduleGPipe"] = Timing([0.5, 0.6, 0.7])
-    fig = L.pytorch_figure(times, list(L.PYTORCH_SCHEDULES))
+    fig = pytorch_figure(times, list(PYTORCH_SCHEDULES))
     widths = sorted(round(b.get_width(), 6) for b in fig.axes[0].patches)
     assert widths == [200.0] * 11 + [600.0] and fig.get_size_inches()[0] <= 7.5
 
 
 def test_four_sections_open_with_a_picture(course_site):
-    """Issue 28: the executor, real compute, deadlock and PyTorch sections open with a figure
+    """The executor, real compute, deadlock and PyTorch sections open with a figure
     drawn from their runs (only a demo's own bar may come first); the page stays within 25
-    screens (checked by the page tests) because two tables moved to the appendix."""
+    screens (checked by the page tests) because two tables live in the appendix."""
     import json
     from tests.conftest import walk
     rec = json.loads((built(course_site, "lecture_05_pipeline_parallel") / "lecture_05_pipeline_parallel.json").read_text())

@@ -1,4 +1,4 @@
-"""Ring attention under NCCL's rules, without a GPU (issue 29).
+"""Ring attention under NCCL's rules, without a GPU.
 
 `tests/support/nccl_standin.py` models what NCCL does with `batch_isend_irecv`: one Work per batch, a
 receive's data only after that Work is waited for (NaN before), a rank's batches in posting order
@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from lectures import lecture_06_context_and_expert_parallel as L
+from lectures.context_parallel import unshard_sequence
+from lectures.context_parallel.demos import attention_inputs
 from lectures.context_parallel import ring as ring_attention
 from lectures.context_parallel import sharding as sequence_layout
 from tests.support.nccl_standin import NcclLikeP2P, run_ranks
@@ -58,8 +59,8 @@ def ring_under_nccl(monkeypatch, world_size, ranks, seq_len, heads, kv_heads, la
     monkeypatch.setattr(sequence_layout, "dist", p2p)
     group = None if len(ranks) == world_size else types.SimpleNamespace(ranks=list(ranks))
     n = len(ranks)
-    q, _, _, dout = L.attention_inputs(seq_len, heads)
-    _, k, v, _ = L.attention_inputs(seq_len, kv_heads, seed=1)
+    q, _, _, dout = attention_inputs(seq_len, heads)
+    _, k, v, _ = attention_inputs(seq_len, kv_heads, seed=1)
 
     def rank_main(g):
         p2p.local.rank = g
@@ -69,7 +70,7 @@ def ring_under_nccl(monkeypatch, world_size, ranks, seq_len, heads, kv_heads, la
         out.backward(sequence_layout.shard_sequence(dout, r, n, 2, layout))
         return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad)]
     got = run_ranks(rank_main, ranks)
-    parts = [L.unshard_sequence([got[g][i] for g in ranks], 2, layout) for i in range(4)]
+    parts = [unshard_sequence([got[g][i] for g in ranks], 2, layout) for i in range(4)]
     groups = heads // kv_heads
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
     ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)

@@ -11,40 +11,51 @@ import math
 import pytest
 import torch
 
-from lectures import lecture_01_memory_and_precision as L1
-from lectures import lecture_07_putting_it_together as L
+from lectures.data_parallel import Collectives, Zero3
+from lectures.data_parallel.demos import Task, make_batches, make_model, shard_rows
+from lectures.layout import (ATTENTION, FA2_H100, GEMM, H100_MEMORY, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS,
+                             LLAMA3_70B, LLAMA3_8B, MESH_AXES, PRECISION_BYTES, Hardware, Layout, LayoutTrainer,
+                             ModelShape, Run, activation_bytes, all_reduce_time, attention_rate_needed, axis_groups,
+                             axis_link, causal_discounted, collective_bytes, decision_procedure, dp_traffic,
+                             estimate_memory, flops_per_token, gather_time, h100_cluster, held_chunks, in_flight,
+                             kept_gathered, make_mesh, max_param_diff, mesh_coords, mesh_rank, mfu, near_ties,
+                             reference_run, replica_groups, reproduce_table4, search, stage_params, step_bytes,
+                             step_time, table4_row, train_layout, valid_layouts, zero3_bytes)
 from lectures.layout.deep_dives import PYTORCH_LAYOUTS
-from lectures.layout.demos import train_pytorch_layout
-from lectures.model.memory import SavedBytes
+from lectures.layout.demos import (calibrate, compare_meshes, compute_only_prediction, rank_correlation, rho_interval,
+                                   ring_link, this_machine, ties_words, train_pytorch_layout, trivial_prediction,
+                                   verdict_of)
+from lectures.model import GPT, GPTConfig, SavedBytes, batch, loss_fn, param_count, reconciled_bytes, with_recomputation
+from lectures import lecture_07_putting_it_together as L
 from util import spawn
 from tests.conftest import built
 
-RUN = L.Run(cfg=L1.GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4,
-                             dtype="float64"), global_batch=8, steps=2)
+RUN = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4,
+                        dtype="float64"), global_batch=8, steps=2)
 LAYOUTS = {
-    "dp×tp": L.Layout(dp=2, tp=2, micro_batch=4),
-    "dp×pp": L.Layout(dp=2, pp=2, micro_batch=2, micro_batches=2),
-    "tp×pp": L.Layout(pp=2, tp=2, micro_batch=1, micro_batches=8),
-    "dp×cp": L.Layout(dp=2, cp=2, micro_batch=2, micro_batches=2),
-    "dp×cp + ZeRO-1": L.Layout(dp=2, cp=2, zero=1, micro_batch=1, micro_batches=4),   # ZeRO over dp·cp
-    "cp×tp": L.Layout(cp=2, tp=2, micro_batch=8),
-    "dp×tp + ZeRO-1": L.Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
-    "dp + ZeRO-1": L.Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
-    "dp×pp + ZeRO-2": L.Layout(dp=2, pp=2, zero=2, micro_batch=2, micro_batches=2),
-    "dp×tp + ZeRO-2": L.Layout(dp=2, tp=2, zero=2, micro_batch=1, micro_batches=4),
-    "dp×tp + SP": L.Layout(dp=2, tp=2, sp=True, micro_batch=2, micro_batches=2),
-    "pp GPipe": L.Layout(pp=4, micro_batch=2, micro_batches=4, schedule="gpipe"),
+    "dp×tp": Layout(dp=2, tp=2, micro_batch=4),
+    "dp×pp": Layout(dp=2, pp=2, micro_batch=2, micro_batches=2),
+    "tp×pp": Layout(pp=2, tp=2, micro_batch=1, micro_batches=8),
+    "dp×cp": Layout(dp=2, cp=2, micro_batch=2, micro_batches=2),
+    "dp×cp + ZeRO-1": Layout(dp=2, cp=2, zero=1, micro_batch=1, micro_batches=4),     # ZeRO over dp·cp
+    "cp×tp": Layout(cp=2, tp=2, micro_batch=8),
+    "dp×tp + ZeRO-1": Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2),
+    "dp + ZeRO-1": Layout(dp=4, zero=1, micro_batch=1, micro_batches=2),
+    "dp×pp + ZeRO-2": Layout(dp=2, pp=2, zero=2, micro_batch=2, micro_batches=2),
+    "dp×tp + ZeRO-2": Layout(dp=2, tp=2, zero=2, micro_batch=1, micro_batches=4),
+    "dp×tp + SP": Layout(dp=2, tp=2, sp=True, micro_batch=2, micro_batches=2),
+    "pp GPipe": Layout(pp=4, micro_batch=2, micro_batches=4, schedule="gpipe"),
 }
 
 
 def train_all_layouts(rank, world_size, run, layouts):
-    return {name: L.train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
+    return {name: train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
 
 
 @pytest.fixture(scope="module")
 def trained():
-    run4 = L.Run(cfg=RUN.cfg, global_batch=8, steps=RUN.steps)
-    ref = L.reference_run(run4)
+    run4 = Run(cfg=RUN.cfg, global_batch=8, steps=RUN.steps)
+    ref = reference_run(run4)
     got = spawn(train_all_layouts, 4, run=run4, layouts=LAYOUTS).returns
     return ref, got
 
@@ -53,25 +64,25 @@ def trained():
 def test_layout_equals_one_process(trained, name):
     ref, got = trained
     per_rank = [g[name] for g in got]
-    assert L.max_param_diff(per_rank, ref["params"]) < 1e-6
+    assert max_param_diff(per_rank, ref["params"]) < 1e-6
     for r in per_rank:                       # every rank reports the global loss
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-6, atol=1e-6)
     # the check can fail: the parameters moved away from their initial values
-    init = {k: p.detach() for k, p in L1.GPT(RUN.cfg).named_parameters()}
+    init = {k: p.detach() for k, p in GPT(RUN.cfg).named_parameters()}
     assert max((ref["params"][k] - v).abs().max().item() for k, v in init.items()) > 1e-4
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_memory_estimator_matches_measured(trained, name):
     _, got = trained
-    shape = L.ModelShape.from_gpt(RUN.cfg)
+    shape = ModelShape.from_gpt(RUN.cfg)
     lay = dataclasses.replace(LAYOUTS[name], precision="fp64")
     for g in got:
         r = g[name]
-        est = L.estimate_memory(shape, lay, r["coords"]["pp"])
+        est = estimate_memory(shape, lay, r["coords"]["pp"])
         for k in ("weights", "grads", "optimizer"):
             assert r["memory"][k] == pytest.approx(est[k], rel=1e-9), (k, r["coords"])
-        held = lay.micro_batch * RUN.cfg.seq_len / lay.cp * L.in_flight(lay, r["coords"]["pp"])
+        held = lay.micro_batch * RUN.cfg.seq_len / lay.cp * in_flight(lay, r["coords"]["pp"])
         slack = L.ACT_TOLERANCE * est["stored activations"] + L.ACT_SLACK_PER_TOKEN * held
         assert abs(r["memory"]["activations"] - est["stored activations"]) <= slack, r["coords"]
 
@@ -81,20 +92,20 @@ def test_bytes_on_the_wire_match_the_communication_model(trained, name):
     """Each rank's bytes in a step (/proc/self/io) against step_bytes: the payload, plus the
     transport's framing (never less; at most 40% more)."""
     _, got = trained
-    shape = L.ModelShape.from_gpt(RUN.cfg)
+    shape = ModelShape.from_gpt(RUN.cfg)
     lay = dataclasses.replace(LAYOUTS[name], precision="fp64")
     for g in got:
         r = g[name]
         if r["bytes_sent"] is None:
             pytest.skip("no /proc/self/io here")
-        pred = L.step_bytes(shape, lay, r["coords"]["pp"], tensor_sizes=r["tensor_sizes"])
+        pred = step_bytes(shape, lay, r["coords"]["pp"], tensor_sizes=r["tensor_sizes"])
         ratio = r["bytes_sent"] / pred["total"]
         assert ratio >= 1.0 and ratio <= 1.4, (r["coords"], r["bytes_sent"], pred)
 
 
 def mesh_error(rank, world_size, shape):
     try:
-        L.make_mesh(*shape)
+        make_mesh(*shape)
     except ValueError as e:
         return str(e)
     return None
@@ -107,21 +118,21 @@ def test_a_mesh_of_the_wrong_size_is_refused():
 
 def test_mesh_groups_agree_with_init_device_mesh():
     for shape in [(2, 1, 1, 2), (1, 2, 2, 1)]:
-        for g in spawn(L.compare_meshes, 4, shape=shape).returns:
-            assert all(g["ours"][a] == g["torch"][a] for a in L.MESH_AXES), shape
+        for g in spawn(compare_meshes, 4, shape=shape).returns:
+            assert all(g["ours"][a] == g["torch"][a] for a in MESH_AXES), shape
             assert all(g["sums"][a] == len(g["ours"][a]) for a in g["sums"])
 
 
 def test_mesh_coordinates_by_hand():
     shape = (2, 2, 1, 2)             # 8 ranks: tp fastest, then cp, pp, dp
-    assert L.mesh_coords(5, shape) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
-    assert all(L.mesh_rank(L.mesh_coords(r, shape), shape) == r for r in range(8))
-    assert L.axis_groups(shape, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert L.axis_groups(shape, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert L.axis_groups(shape, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert L.axis_groups(shape, "cp") == [[r] for r in range(8)]
-    assert L.replica_groups((2, 1, 2, 1)) == [[0, 1, 2, 3]]
-    assert L.replica_groups((2, 2, 1, 2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh_coords(5, shape) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
+    assert all(mesh_rank(mesh_coords(r, shape), shape) == r for r in range(8))
+    assert axis_groups(shape, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axis_groups(shape, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups(shape, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_groups(shape, "cp") == [[r] for r in range(8)]
+    assert replica_groups((2, 1, 2, 1)) == [[0, 1, 2, 3]]
+    assert replica_groups((2, 2, 1, 2)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_search_enumerates_exactly_the_valid_configurations():
@@ -130,33 +141,33 @@ def test_search_enumerates_exactly_the_valid_configurations():
     valid micro-batching; pp2 with dp1 needs m = 2 (micro-batch 1); cp2×tp2 takes micro-batch
     1 or 2. ZeRO-1 adds a copy of each configuration with dp·cp = 2 (ZeRO shards over the
     replicas, and cp ranks are replicas)."""
-    model = L.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
+    model = ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
     got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches, l.zero)
-           for l in L.valid_layouts(model, 4, 2)}
+           for l in valid_layouts(model, 4, 2)}
     assert got == {(2, 1, 2, 1, 1, 1, 0), (2, 1, 2, 1, 1, 1, 1), (2, 1, 1, 2, 1, 1, 0), (2, 1, 1, 2, 1, 1, 1),
                    (1, 2, 2, 1, 1, 2, 0), (1, 2, 2, 1, 1, 2, 1), (1, 2, 1, 2, 1, 2, 0),
                    (1, 1, 2, 2, 1, 2, 0), (1, 1, 2, 2, 1, 2, 1), (1, 1, 2, 2, 2, 1, 0), (1, 1, 2, 2, 2, 1, 1)}
     # 3 ranks, 3 layers, 3 heads, s = 6: every axis but one is 1
-    model = L.ModelShape("three", layers=3, hidden=9, heads=3, kv_heads=3, ffn=36, vocab=9, seq=6)
+    model = ModelShape("three", layers=3, hidden=9, heads=3, kv_heads=3, ffn=36, vocab=9, seq=6)
     got = {(l.dp, l.pp, l.cp, l.tp, l.micro_batch, l.micro_batches)
-           for l in L.valid_layouts(model, 3, 3, zero_stages=(0,))}
+           for l in valid_layouts(model, 3, 3, zero_stages=(0,))}
     assert got == {(3, 1, 1, 1, 1, 1), (1, 3, 1, 1, 1, 3), (1, 1, 3, 1, 1, 3), (1, 1, 3, 1, 3, 1),
                    (1, 1, 1, 3, 1, 3), (1, 1, 1, 3, 3, 1)}
 
 
 def test_parameter_formulas():
-    for cfg in [L1.GPTConfig(), L1.GPTConfig(n_kv_heads=2, d_ff=96, n_layers=3),
-                L1.GPTConfig(tie_embeddings=True)]:
-        assert L.ModelShape.from_gpt(cfg).params() == L1.param_count(cfg)
-        assert sum(1 for _ in L1.GPT(cfg).blocks[0].parameters()) == L.ModelShape.from_gpt(cfg).tensors_per_layer()
-    assert L.LLAMA3_8B.params() == pytest.approx(8.03e9, rel=0.002)       # Llama 3 model card
-    assert L.LLAMA3_70B.params() == pytest.approx(70.55e9, rel=0.002)
-    assert L.LLAMA3_405B.params() == pytest.approx(L.LLAMA3_405B_PUBLISHED_PARAMS, rel=0.01)   # "405B"
-    assert L.H100_MEMORY == 80 * 2 ** 30
+    for cfg in [GPTConfig(), GPTConfig(n_kv_heads=2, d_ff=96, n_layers=3),
+                GPTConfig(tie_embeddings=True)]:
+        assert ModelShape.from_gpt(cfg).params() == param_count(cfg)
+        assert sum(1 for _ in GPT(cfg).blocks[0].parameters()) == ModelShape.from_gpt(cfg).tensors_per_layer()
+    assert LLAMA3_8B.params() == pytest.approx(8.03e9, rel=0.002)         # Llama 3 model card
+    assert LLAMA3_70B.params() == pytest.approx(70.55e9, rel=0.002)
+    assert LLAMA3_405B.params() == pytest.approx(LLAMA3_405B_PUBLISHED_PARAMS, rel=0.01)       # "405B"
+    assert H100_MEMORY == 80 * 2 ** 30
     # the per-rank shares add up to the whole model
-    model = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
-    lay = L.Layout(pp=2, tp=2)
-    total = sum(L.stage_params(model, lay, s) for s in range(2))
+    model = ModelShape.from_gpt(GPTConfig(n_layers=4))
+    lay = Layout(pp=2, tp=2)
+    total = sum(stage_params(model, lay, s) for s in range(2))
     sharded, replicated = model.layer_params()
     shared = 4 * replicated + model.seq * model.hidden + model.norm_params * model.hidden
     assert 2 * total - shared == pytest.approx(model.params())
@@ -164,54 +175,54 @@ def test_parameter_formulas():
 
 def test_recomputation_keeps_only_block_inputs():
     cfg = RUN.cfg
-    shape = L.ModelShape.from_gpt(cfg)
+    shape = ModelShape.from_gpt(cfg)
     for mode in ("none", "full"):
-        model = L1.with_recomputation(cfg, mode)
+        model = with_recomputation(cfg, mode)
         meter = SavedBytes(exclude=model.parameters())
         with meter:
-            loss = L1.loss_fn(model(L1.batch(cfg, 3, 0)[0]), L1.batch(cfg, 3, 0)[1])
+            loss = loss_fn(model(batch(cfg, 3, 0)[0]), batch(cfg, 3, 0)[1])
         assert meter.live == meter.peak > 0
         loss.backward()
         assert meter.live == 0                      # autograd released every saved tensor
-        est = L.estimate_memory(shape, L.Layout(micro_batch=3, recompute=mode, precision="fp64"))
+        est = estimate_memory(shape, Layout(micro_batch=3, recompute=mode, precision="fp64"))
         assert abs(meter.peak - est["stored activations"]) <= 0.02 * est["stored activations"] + 32 * 3 * cfg.seq_len
 
 
 def test_activation_formula_agrees_with_lecture_01():
-    cfg = L1.GPTConfig()
-    terms = L1.reconciled_bytes(cfg, 2, cfg.seq_len)
-    ours = L.ModelShape.from_gpt(cfg).act_elements_per_token() * 4 * 2 * cfg.seq_len
+    cfg = GPTConfig()
+    terms = reconciled_bytes(cfg, 2, cfg.seq_len)
+    ours = ModelShape.from_gpt(cfg).act_elements_per_token() * 4 * 2 * cfg.seq_len
     assert ours == pytest.approx(sum(terms.values()), rel=1e-9)
 
 
 def test_cost_model_bubble_and_collectives():
-    model = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
-    hw = L.Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=(0.0, 1e12), inter=(0.0, 1e12))
+    model = ModelShape.from_gpt(GPTConfig(n_layers=4))
+    hw = Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=(0.0, 1e12), inter=(0.0, 1e12))
     for pp, m in [(2, 2), (4, 4), (4, 16)]:
-        t = L.step_time(model, L.Layout(pp=pp, micro_batches=m), hw)
+        t = step_time(model, Layout(pp=pp, micro_batches=m), hw)
         assert t["bubble"] / t["total"] == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
-    assert L.all_reduce_time(4, 1000, (1.0, 100.0)) == pytest.approx(6 + 1.5 * 10)
-    assert L.gather_time(4, 1000, (1.0, 100.0)) == pytest.approx(3 + 0.75 * 10)
+    assert all_reduce_time(4, 1000, (1.0, 100.0)) == pytest.approx(6 + 1.5 * 10)
+    assert gather_time(4, 1000, (1.0, 100.0)) == pytest.approx(3 + 0.75 * 10)
     # tp groups are intra-node, a dp group spanning 2 nodes is not
-    hw2 = L.Hardware("two", 1e9, 1e12, ranks_per_node=8, intra=(1, 2), inter=(3, 4))
-    lay = L.Layout(dp=2, tp=8)
-    assert L.axis_link(hw2, lay, "tp") == (1, 2) and L.axis_link(hw2, lay, "dp") == (3, 4)
+    hw2 = Hardware("two", 1e9, 1e12, ranks_per_node=8, intra=(1, 2), inter=(3, 4))
+    lay = Layout(dp=2, tp=8)
+    assert axis_link(hw2, lay, "tp") == (1, 2) and axis_link(hw2, lay, "dp") == (3, 4)
 
 
 def test_rank_correlation():
-    assert L.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert L.rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert L.rank_correlation([1, 2, 3], [1, 1, 2]) == pytest.approx(math.sqrt(3) / 2)
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert rank_correlation([1, 2, 3], [1, 1, 2]) == pytest.approx(math.sqrt(3) / 2)
 
 
 def test_published_search_respects_memory():
-    hw = L.h100_cluster()
-    rows = L.search(L.LLAMA3_70B, 64, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
-                    precision="bf16", max_tp=8, micro_batch_sizes=(1,), sp=(True,))
+    hw = h100_cluster()
+    rows = search(LLAMA3_70B, 64, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
+                  precision="bf16", max_tp=8, micro_batch_sizes=(1,), sp=(True,))
     assert rows[0]["fits"] and rows[0]["memory"]["total"] <= hw.memory
     assert not any(r["fits"] for r in rows if r["layout"].dp == 64 and r["layout"].zero == 0)
-    rule, why = L.decision_procedure(L.LLAMA3_70B, 64, 512, hw)
-    assert rule is not None and rule.tp > 1 and L.estimate_memory(L.LLAMA3_70B, rule)["total"] <= hw.memory
+    rule, why = decision_procedure(LLAMA3_70B, 64, 512, hw)
+    assert rule is not None and rule.tp > 1 and estimate_memory(LLAMA3_70B, rule)["total"] <= hw.memory
 
 
 def test_the_page_has_the_calculator_and_table_4(course_site):
@@ -236,25 +247,25 @@ def test_three_axes_on_eight_ranks_train_like_one_process(executed_notebooks):
 
 @pytest.mark.parametrize("name,layout", PYTORCH_LAYOUTS)
 def test_pytorch_pieces_equal_one_process(name, layout):
-    run = L.Run(steps=2)
-    ref = L.reference_run(run)
+    run = Run(steps=2)
+    ref = reference_run(run)
     got = spawn(train_pytorch_layout, layout.world, run=run, layout=layout).returns
-    assert L.max_param_diff(got, ref["params"]) < 1e-4
+    assert max_param_diff(got, ref["params"]) < 1e-4
     torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
 
 
 # --- the cost model charges what the code does ---------------------------------------------------
 
-TOY = L.ModelShape.from_gpt(L1.GPTConfig(n_layers=4))
+TOY = ModelShape.from_gpt(GPTConfig(n_layers=4))
 LINK = (1e-4, 1e8)
 
 
 def toy_hw(**kw):
-    return L.Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=LINK, inter=LINK, **kw)
+    return Hardware("toy", flops=1e9, memory=1e12, ranks_per_node=8, intra=LINK, inter=LINK, **kw)
 
 
 def grad_bytes(layout):
-    return L.stage_params(TOY, layout, 0) * L.PRECISION_BYTES[layout.precision]["grads"]
+    return stage_params(TOY, layout, 0) * PRECISION_BYTES[layout.precision]["grads"]
 
 
 def test_zero2_and_zero3_sync_every_micro_batch():
@@ -263,87 +274,87 @@ def test_zero2_and_zero3_sync_every_micro_batch():
     the step; ZeRO-0/1 once per step."""
     hw = toy_hw()
     for m in (1, 4):
-        lay = L.Layout(dp=2, zero=2, micro_batches=m)
-        rs = L.gather_time(2, grad_bytes(lay), LINK)
-        assert L.dp_traffic(TOY, lay, hw, 0, 1.0)[1] == pytest.approx(m * rs + rs)   # + the all-gather
-        lay3 = L.Layout(dp=2, zero=3, micro_batches=m)   # backward re-gathers all but the embedding and head
-        again = L.gather_time(2, grad_bytes(lay3) - L.kept_gathered(TOY, lay3, 0) * 4, LINK)
-        assert L.dp_traffic(TOY, lay3, hw, 0, 1.0)[1] == pytest.approx(m * (2 * rs + again))
-        lay0 = L.Layout(dp=2, micro_batches=m)
-        assert L.dp_traffic(TOY, lay0, hw, 0, 1.0)[1] == pytest.approx(L.all_reduce_time(2, grad_bytes(lay0), LINK))
+        lay = Layout(dp=2, zero=2, micro_batches=m)
+        rs = gather_time(2, grad_bytes(lay), LINK)
+        assert dp_traffic(TOY, lay, hw, 0, 1.0)[1] == pytest.approx(m * rs + rs)     # + the all-gather
+        lay3 = Layout(dp=2, zero=3, micro_batches=m)     # backward re-gathers all but the embedding and head
+        again = gather_time(2, grad_bytes(lay3) - kept_gathered(TOY, lay3, 0) * 4, LINK)
+        assert dp_traffic(TOY, lay3, hw, 0, 1.0)[1] == pytest.approx(m * (2 * rs + again))
+        lay0 = Layout(dp=2, micro_batches=m)
+        assert dp_traffic(TOY, lay0, hw, 0, 1.0)[1] == pytest.approx(all_reduce_time(2, grad_bytes(lay0), LINK))
 
 
 def test_plain_dp_hides_only_under_the_last_backward():
-    lay = L.Layout(dp=2, micro_batches=4)
-    t = L.all_reduce_time(2, grad_bytes(lay), LINK)
+    lay = Layout(dp=2, micro_batches=4)
+    t = all_reduce_time(2, grad_bytes(lay), LINK)
     compute = 0.6 * t                 # one micro-batch: its backward (2/3) hides 0.4 t, not 4 × that
-    exposed, _ = L.dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
+    exposed, _ = dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
     assert exposed == pytest.approx(t - 2 / 3 * compute)
 
 
 def test_recomputation_repeats_the_forward_collectives():
     hw = toy_hw(ring_step=(1e-3, 2e-3))
-    plain, rc = (L.step_time(TOY, L.Layout(tp=2, cp=2, recompute=r), hw) for r in ("none", "full"))
+    plain, rc = (step_time(TOY, Layout(tp=2, cp=2, recompute=r), hw) for r in ("none", "full"))
     act = TOY.seq / 2 * TOY.hidden * 4                              # a block's activations per rank
-    assert rc["tp"] - plain["tp"] == pytest.approx(2 * TOY.layers * L.all_reduce_time(2, act, LINK))
+    assert rc["tp"] - plain["tp"] == pytest.approx(2 * TOY.layers * all_reduce_time(2, act, LINK))
     assert rc["cp"] > plain["cp"]
 
 
 def test_ring_steps_have_their_own_cost():
     step = (1e-3, 2e-3)
     for cp in (2, 4):
-        with_cost = L.step_time(TOY, L.Layout(cp=cp), toy_hw(ring_step=step))["cp"]
-        without = L.step_time(TOY, L.Layout(cp=cp), toy_hw())["cp"]
+        with_cost = step_time(TOY, Layout(cp=cp), toy_hw(ring_step=step))["cp"]
+        without = step_time(TOY, Layout(cp=cp), toy_hw())["cp"]
         assert with_cost - without == pytest.approx(TOY.layers * (cp - 1) * sum(step))
 
 
 def test_zero_shards_over_the_replicas_dp_times_cp():
-    shape = L.ModelShape.from_gpt(RUN.cfg)
-    plain = L.estimate_memory(shape, L.Layout(cp=2))
-    z1 = L.estimate_memory(shape, L.Layout(cp=2, zero=1))
+    shape = ModelShape.from_gpt(RUN.cfg)
+    plain = estimate_memory(shape, Layout(cp=2))
+    z1 = estimate_memory(shape, Layout(cp=2, zero=1))
     assert z1["optimizer"] == pytest.approx(plain["optimizer"] / 2)
-    z3 = L.estimate_memory(shape, L.Layout(dp=2, cp=2, zero=3))
+    z3 = estimate_memory(shape, Layout(dp=2, cp=2, zero=3))
     assert z3["weights"] == pytest.approx(plain["weights"] / 4)
 
 
 def test_published_scale_memory_terms():
     """fp32 gradient accumulation (18 bytes per parameter), ZeRO-3's two gathered blocks, and
     the loss's two fp32 copies of the logits (~4.2 GB each for Llama 3 at 1 × 8192)."""
-    est = L.estimate_memory(L.LLAMA3_8B, L.Layout(precision="bf16"))
+    est = estimate_memory(LLAMA3_8B, Layout(precision="bf16"))
     n = est["params"]
     assert (est["weights"] + est["grads"] + est["optimizer"]) / n == pytest.approx(18)
     assert est["gathered"] == 0
-    z3 = L.estimate_memory(L.LLAMA3_8B, L.Layout(dp=8, zero=3, precision="bf16"))
+    z3 = estimate_memory(LLAMA3_8B, Layout(dp=8, zero=3, precision="bf16"))
     # two blocks, and the embedding and LM head (FSDP's root unit, gathered from forward to backward)
-    embed_head = L.LLAMA3_8B.embedding_params() + L.LLAMA3_8B.head_params()
-    assert z3["gathered"] == pytest.approx((2 * sum(L.LLAMA3_8B.layer_params()) + embed_head) * (2 + 4))
-    stored, transient = L.activation_bytes(L.LLAMA3_8B, L.Layout(precision="bf16"), 0)
+    embed_head = LLAMA3_8B.embedding_params() + LLAMA3_8B.head_params()
+    assert z3["gathered"] == pytest.approx((2 * sum(LLAMA3_8B.layer_params()) + embed_head) * (2 + 4))
+    stored, transient = activation_bytes(LLAMA3_8B, Layout(precision="bf16"), 0)
     assert transient == pytest.approx(2 * 4 * 128256 * 8192)
 
 
 def test_decision_procedure_edge_cases():
-    hw = L.h100_cluster()
-    odd = L.ModelShape("odd heads", layers=32, hidden=96, heads=3, kv_heads=3, ffn=384, vocab=1000, seq=1024)
-    z2, z3 = (L.estimate_memory(odd, L.Layout(dp=4, zero=z, micro_batches=2, precision="bf16"))["total"] for z in (2, 3))
+    hw = h100_cluster()
+    odd = ModelShape("odd heads", layers=32, hidden=96, heads=3, kv_heads=3, ffn=384, vocab=1000, seq=1024)
+    z2, z3 = (estimate_memory(odd, Layout(dp=4, zero=z, micro_batches=2, precision="bf16"))["total"] for z in (2, 3))
     assert z3 < z2
-    rule, why = L.decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=(z2 + z3) / 2))
+    rule, why = decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=(z2 + z3) / 2))
     assert rule is not None and rule.tp == 1 and rule.zero == 3, why   # no tp in {2, 4, 8} divides 3 heads
-    rule, why = L.decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=1.0))
+    rule, why = decision_procedure(odd, 4, 8, dataclasses.replace(hw, memory=1.0))
     assert rule is None and why[-1] == "nothing fits"
     # the docstring's ZeRO-3 is tried: 8B on 64 ranks fits with ZeRO-2 in 0.9 × 80 GiB, not in 72 GB
-    z2 = L.estimate_memory(L.LLAMA3_8B, L.Layout(dp=64, zero=2, micro_batches=8, precision="bf16"))["total"]
+    z2 = estimate_memory(LLAMA3_8B, Layout(dp=64, zero=2, micro_batches=8, precision="bf16"))["total"]
     assert 72e9 < z2 < hw.memory
-    rule, why = L.decision_procedure(L.LLAMA3_8B, 64, 512, dataclasses.replace(hw, memory=72e9))
+    rule, why = decision_procedure(LLAMA3_8B, 64, 512, dataclasses.replace(hw, memory=72e9))
     assert rule.zero == 3 and any("ZeRO-3" in r for r in why)
 
 
 def test_calibration_runs_at_an_odd_number_of_ranks():
     # sizes far apart (4 KB and 8 MB) so the fits see bandwidth; on a loaded machine a rank taken
     # off its core can still hide it, and this_machine must then refuse clearly, not crash
-    cal = spawn(L.calibrate, 3, cfg=RUN.cfg, batch_sizes=[1, 2], sizes=[4096, 1 << 23], repeats=3).returns[0]
+    cal = spawn(calibrate, 3, cfg=RUN.cfg, batch_sizes=[1, 2], sizes=[4096, 1 << 23], repeats=3).returns[0]
     assert cal["ring"]["n"] == 3 and all(t.median > 0 for _, t in cal["p2p"])
     try:
-        hw = L.this_machine(cal, RUN.cfg, 3)
+        hw = this_machine(cal, RUN.cfg, 3)
     except ValueError as e:
         assert "found a finite bandwidth" in str(e), e
         assert not any(0 < b < float("inf") for b in (cal["fit_all_reduce"][1], cal["fit_p2p"][1]))
@@ -352,27 +363,27 @@ def test_calibration_runs_at_an_odd_number_of_ranks():
 
 
 def test_rho_interval_and_the_trivial_predictor():
-    lo, hi = L.rho_interval(0.8, 17)               # the 2-rank validation's size
+    lo, hi = rho_interval(0.8, 17)                 # the 2-rank validation's size
     assert 0.45 < lo < 0.55 and 0.9 < hi < 0.95
-    assert L.trivial_prediction(TOY, L.Layout(pp=2, micro_batches=4)) == 4 * 2
+    assert trivial_prediction(TOY, Layout(pp=2, micro_batches=4)) == 4 * 2
 
 
 def test_baselines_are_judged_by_the_models_interval_and_ties_are_named():
-    assert L.verdict_of(0.1, 0.2, 0.9) == "ranks them better than"
-    assert L.verdict_of(0.95, 0.2, 0.9) == "ranks them worse than"
-    assert L.verdict_of(0.5, 0.2, 0.9).startswith("cannot be told apart")
-    assert L.ties_words([1.0, 2.0, 3.0]) == ""
-    assert "4 of its 5 predictions tie" in L.ties_words([1.0, 1.0, 2.0, 2.0, 3.0])
+    assert verdict_of(0.1, 0.2, 0.9) == "ranks them better than"
+    assert verdict_of(0.95, 0.2, 0.9) == "ranks them worse than"
+    assert verdict_of(0.5, 0.2, 0.9).startswith("cannot be told apart")
+    assert ties_words([1.0, 2.0, 3.0]) == ""
+    assert "4 of its 5 predictions tie" in ties_words([1.0, 1.0, 2.0, 2.0, 3.0])
 
 
 def test_compute_only_prediction_is_the_model_without_transfers():
-    """Review C5's baseline: the step-time model with every link free equals its compute plus
+    """The step-time model with every link free equals its compute plus
     bubble plus step overhead (no tp, cp, pp or dp seconds), and is below the full prediction."""
-    hw = L.Hardware("h", flops=1e9, memory=1e30, ranks_per_node=2, intra=(1e-4, 1e8), inter=(1e-3, 1e7),
-                    overhead=1e-3, step_overhead=2e-3, ring_step=(1e-4, 1e-4))
-    lay = L.Layout(dp=2, tp=2, pp=2, micro_batches=4)
-    full = L.step_time(TOY, lay, hw)
-    free = L.compute_only_prediction(TOY, lay, hw)
+    hw = Hardware("h", flops=1e9, memory=1e30, ranks_per_node=2, intra=(1e-4, 1e8), inter=(1e-3, 1e7),
+                  overhead=1e-3, step_overhead=2e-3, ring_step=(1e-4, 1e-4))
+    lay = Layout(dp=2, tp=2, pp=2, micro_batches=4)
+    full = step_time(TOY, lay, hw)
+    free = compute_only_prediction(TOY, lay, hw)
     slot = full["compute"] / lay.micro_batches
     assert free == pytest.approx(full["compute"] + (lay.pp - 1) * slot + hw.step_overhead, rel=1e-12)
     assert free < full["total"]
@@ -381,46 +392,44 @@ def test_compute_only_prediction_is_the_model_without_transfers():
 def test_estimate_memory_takes_the_most_loaded_of_all_stages():
     """It checked only the first and last stages: 10 layers on pp = 4 are split 2, 3, 2, 3, and
     stage 1 (3 layers, 3 micro-batches held under 1F1B) is the heaviest, not stage 3."""
-    model = L.ModelShape("ten", layers=10, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=1000, seq=1024)
-    lay = L.Layout(pp=4, micro_batches=8, precision="bf16")
-    per_stage = [L.estimate_memory(model, lay, s)["total"] for s in range(4)]
-    est = L.estimate_memory(model, lay)
+    model = ModelShape("ten", layers=10, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=1000, seq=1024)
+    lay = Layout(pp=4, micro_batches=8, precision="bf16")
+    per_stage = [estimate_memory(model, lay, s)["total"] for s in range(4)]
+    est = estimate_memory(model, lay)
     assert est["total"] == max(per_stage) and est["stage"] == per_stage.index(max(per_stage)) == 1
-    even = L.ModelShape("even", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=64, seq=16)
-    lay = L.Layout(pp=2, micro_batches=1)          # ties resolve to the earliest stage
-    totals = [L.estimate_memory(even, lay, s)["total"] for s in range(2)]
-    assert L.estimate_memory(even, lay)["stage"] == totals.index(max(totals))
+    even = ModelShape("even", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=64, seq=16)
+    lay = Layout(pp=2, micro_batches=1)            # ties resolve to the earliest stage
+    totals = [estimate_memory(even, lay, s)["total"] for s in range(2)]
+    assert estimate_memory(even, lay)["stage"] == totals.index(max(totals))
 
 
 def test_gloo_reduce_scatter_is_charged_as_an_all_reduce():
     """step_time charged ZeRO-1 on gloo the ring's reduce-scatter, so 'dp2 mb4×1' and 'dp2 ZeRO-1
     mb4×1' had identical predictions, while step_bytes (and gloo) send a full all-reduce."""
-    model = L.ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
+    model = ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, ffn=32, vocab=16, seq=4)
     link = (1e-5, 1e8)
-    gloo = L.Hardware("gloo", 1e9, 1e12, ranks_per_node=8, intra=link, inter=link, backend="gloo")
+    gloo = Hardware("gloo", 1e9, 1e12, ranks_per_node=8, intra=link, inter=link, backend="gloo")
     nccl = dataclasses.replace(gloo, backend="nccl")
-    plain, z1 = L.Layout(dp=2, micro_batch=4), L.Layout(dp=2, zero=1, micro_batch=4)
-    from lectures.layout.step_time import all_reduce_time, gather_time, dp_traffic
-    from lectures.layout.estimator import stage_params
+    plain, z1 = Layout(dp=2, micro_batch=4), Layout(dp=2, zero=1, micro_batch=4)
     g = stage_params(model, z1, 0) * 4
     assert dp_traffic(model, z1, gloo, 0, 0.0)[1] == pytest.approx(all_reduce_time(2, g, link) + gather_time(2, g, link))
     assert dp_traffic(model, z1, nccl, 0, 0.0)[1] == pytest.approx(2 * gather_time(2, g, link))
-    assert L.step_time(model, z1, gloo)["total"] > L.step_time(model, plain, gloo)["total"]
-    assert L.step_time(model, z1, nccl)["total"] == pytest.approx(L.step_time(model, plain, nccl)["total"])
+    assert step_time(model, z1, gloo)["total"] > step_time(model, plain, gloo)["total"]
+    assert step_time(model, z1, nccl)["total"] == pytest.approx(step_time(model, plain, nccl)["total"])
     with pytest.raises(ValueError, match="backend"):
-        L.Hardware("x", 1, 1, 1, link, link, backend="mpi")
+        Hardware("x", 1, 1, 1, link, link, backend="mpi")
 
 
 def test_a_latency_bound_all_reduce_fit_does_not_make_bytes_free():
     """Quick calibration fitted all-reduce over 4-256 KB only: β = ∞, every TP and DP byte cost 0 s
     ('337 µs, inf GB/s'). The ring link falls back to send/recv's β and says so; none refuses."""
     cal = {"fit_all_reduce": (3.37e-4, math.inf), "fit_p2p": (5e-5, 2e9)}
-    link, fell_back = L.ring_link(cal, 4)
+    link, fell_back = ring_link(cal, 4)
     assert fell_back and link == pytest.approx((3.37e-4 / 6, 2e9))
-    link, fell_back = L.ring_link({"fit_all_reduce": (6e-4, 1e9), "fit_p2p": (5e-5, 2e9)}, 4)
+    link, fell_back = ring_link({"fit_all_reduce": (6e-4, 1e9), "fit_p2p": (5e-5, 2e9)}, 4)
     assert not fell_back and link == pytest.approx((1e-4, 1e9 * 6 / 4))
     with pytest.raises(ValueError, match="bandwidth"):
-        L.ring_link({"fit_all_reduce": (1e-4, math.inf), "fit_p2p": (1e-5, math.inf)}, 2)
+        ring_link({"fit_all_reduce": (1e-4, math.inf), "fit_p2p": (1e-5, math.inf)}, 2)
 
 
 def test_model_and_layout_refuse_what_they_cannot_mean():
@@ -430,15 +439,15 @@ def test_model_and_layout_refuse_what_they_cannot_mean():
                        (dict(ffn=14336.5), "ffn=14336.5"), (dict(layers=True), "layers=True"),
                        (dict(mlp_matrices=4), "mlp_matrices")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(")):
-            L.ModelShape(**{**base, **bad})
+            ModelShape(**{**base, **bad})
     for bad, words in [(dict(zero=5), "zero=5"), (dict(zero=-1), "zero=-1"), (dict(recompute="partial"), "recompute"),
                        (dict(precision="fp8"), "precision"), (dict(pp=0), "pp=0"), (dict(dp=2.5), "dp=2.5"),
                        (dict(schedule="interleaved"), "schedule"), (dict(virtual_stages=0), "virtual_stages=0"),
                        (dict(virtual_stages=2), "needs pp > 1"),
                        (dict(pp=2, micro_batches=2, virtual_stages=2, schedule="gpipe"), "schedule '1f1b'")]:
         with pytest.raises(ValueError, match=words):
-            L.Layout(**bad)
-    L.Layout(pp=2, micro_batches=4, virtual_stages=2)        # what they can mean still works
+            Layout(**bad)
+    Layout(pp=2, micro_batches=4, virtual_stages=2)          # what they can mean still works
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 2, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 4, 2), (4, 5, 2), (3, 7, 2),
@@ -446,81 +455,81 @@ def test_model_and_layout_refuse_what_they_cannot_mean():
 def test_held_micro_batches_equal_lecture_05s_simulator(p, m, v):
     """The estimator's held (micro-batch, chunk)s on every rank are what lecture 05's schedule
     holds (`held` on its action lists), for 1F1B, interleaved 1F1B and GPipe."""
-    from lectures.pipeline.simulate import held
-    from lectures.pipeline.schedules import make_schedule
+    from lectures.pipeline import held
+    from lectures.pipeline import make_schedule
     for schedule in ("1f1b", "gpipe"):
         if schedule == "gpipe" and v > 1:
             continue
-        lay = L.Layout(pp=p, micro_batches=m, virtual_stages=v, schedule=schedule)
+        lay = Layout(pp=p, micro_batches=m, virtual_stages=v, schedule=schedule)
         sim = held(make_schedule(schedule if v == 1 else "interleaved-1f1b", p, m, v))
-        assert [L.held_chunks(lay, s) for s in range(p)] == sim, (schedule, p, m, v)
-        assert [L.in_flight(lay, s) for s in range(p)] == [h / v for h in sim]
+        assert [held_chunks(lay, s) for s in range(p)] == sim, (schedule, p, m, v)
+        assert [in_flight(lay, s) for s in range(p)] == [h / v for h in sim]
 
 
 def test_interleaving_divides_the_bubble_and_multiplies_the_sends():
-    hw = L.Hardware("toy", flops=1e12, memory=1e12, ranks_per_node=1, intra=(0.0, 1e9), inter=(1e-5, 1e9))
-    model = L.ModelShape("toy", layers=16, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=512, seq=128)
-    plain = L.step_time(model, L.Layout(pp=4, micro_batches=8), hw)
+    hw = Hardware("toy", flops=1e12, memory=1e12, ranks_per_node=1, intra=(0.0, 1e9), inter=(1e-5, 1e9))
+    model = ModelShape("toy", layers=16, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=512, seq=128)
+    plain = step_time(model, Layout(pp=4, micro_batches=8), hw)
     for v in (2, 4):
-        t = L.step_time(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), hw)
+        t = step_time(model, Layout(pp=4, micro_batches=8, virtual_stages=v), hw)
         slot = t["compute"] / 8 + t["pp"] / 8
         assert t["bubble"] == pytest.approx(3 / v * slot)                         # (p − 1)/(v·m) of m slots
         assert t["pp"] == pytest.approx(v * plain["pp"], rel=1e-3)              # v sends each way per micro-batch
-        b = L.step_bytes(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), 1)
-        assert b["pp"] == v * L.step_bytes(model, L.Layout(pp=4, micro_batches=8), 1)["pp"]
-        assert L.step_bytes(model, L.Layout(pp=4, micro_batches=8, virtual_stages=v), 0)["pp"] == b["pp"] * (2 * v - 1) / (2 * v)
+        b = step_bytes(model, Layout(pp=4, micro_batches=8, virtual_stages=v), 1)
+        assert b["pp"] == v * step_bytes(model, Layout(pp=4, micro_batches=8), 1)["pp"]
+        assert step_bytes(model, Layout(pp=4, micro_batches=8, virtual_stages=v), 0)["pp"] == b["pp"] * (2 * v - 1) / (2 * v)
     # the first rank holds p(1 + (p − 1)/(p·v)) micro-batches' worth (Narayanan et al. 2021)
-    assert L.in_flight(L.Layout(pp=4, micro_batches=8, virtual_stages=2), 0) == 4 * (1 + 3 / 8)
+    assert in_flight(Layout(pp=4, micro_batches=8, virtual_stages=2), 0) == 4 * (1 + 3 / 8)
 
 
 def test_step_bytes_counts_bf16_gathers_and_zero3():
     """B1: the weights' all-gather travels at 2 bytes in bf16; B2: ZeRO-3 gathers twice per
     micro-batch and reduce-scatters once (dp_traffic's count), not ZeRO-2's."""
-    lay = lambda z: L.Layout(dp=8, zero=z, micro_batches=4, precision="bf16")
-    psi = L.stage_params(L.LLAMA3_8B, lay(2), 0)
+    lay = lambda z: Layout(dp=8, zero=z, micro_batches=4, precision="bf16")
+    psi = stage_params(LLAMA3_8B, lay(2), 0)
     padded = -(-psi // 8) * 8
-    c = lambda kind, b: L.collective_bytes(kind, 8, b, "nccl")
-    assert L.step_bytes(L.LLAMA3_8B, lay(2), 0, "nccl")["dp"] == pytest.approx(
+    c = lambda kind, b: collective_bytes(kind, 8, b, "nccl")
+    assert step_bytes(LLAMA3_8B, lay(2), 0, "nccl")["dp"] == pytest.approx(
         4 * c("reduce-scatter", 4 * padded) + c("all-gather", 2 * padded))
-    kept = L.LLAMA3_8B.embedding_params() + L.LLAMA3_8B.head_params()      # stays gathered for backward
+    kept = LLAMA3_8B.embedding_params() + LLAMA3_8B.head_params()          # stays gathered for backward
     again = padded - (-(-kept // 8) * 8)
-    assert L.step_bytes(L.LLAMA3_8B, lay(3), 0, "nccl")["dp"] == pytest.approx(
+    assert step_bytes(LLAMA3_8B, lay(3), 0, "nccl")["dp"] == pytest.approx(
         4 * (c("all-gather", 2 * padded) + c("all-gather", 2 * again) + c("reduce-scatter", 4 * padded)))
     # the step-time model charges the same bytes: with α = 0 and β = 1 its seconds are bytes
-    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for z in (0, 1, 2, 3):
-        _, moved = L.dp_traffic(L.LLAMA3_8B, lay(z), hw, 0, 0.0)
-        assert moved == pytest.approx(L.step_bytes(L.LLAMA3_8B, lay(z), 0, "nccl", tensor_sizes=[psi])["dp"], rel=1e-6)
+        _, moved = dp_traffic(LLAMA3_8B, lay(z), hw, 0, 0.0)
+        assert moved == pytest.approx(step_bytes(LLAMA3_8B, lay(z), 0, "nccl", tensor_sizes=[psi])["dp"], rel=1e-6)
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_step_time_charges_the_tensor_parallel_bytes_step_bytes_counts(sp):
     """W4: sequence parallelism's 6 all-gathers + 4 reduce-scatters per block are charged in
     time as step_bytes counts them (α = 0, β = 1 turns seconds into bytes)."""
-    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for pp in (1, 2):
-        lay = L.Layout(tp=4, pp=pp, micro_batches=2, sp=sp, precision="bf16")
-        t = L.step_time(L.LLAMA3_8B, lay, hw)
+        lay = Layout(tp=4, pp=pp, micro_batches=2, sp=sp, precision="bf16")
+        t = step_time(LLAMA3_8B, lay, hw)
         worst = pp - 1
-        assert t["tp"] == pytest.approx(L.step_bytes(L.LLAMA3_8B, lay, worst, "nccl")["tp"], rel=1e-9)
+        assert t["tp"] == pytest.approx(step_bytes(LLAMA3_8B, lay, worst, "nccl")["tp"], rel=1e-9)
 
 
 def test_pipeline_sends_with_sequence_parallelism_are_split_over_tp():
-    """Review C2: with sequence parallelism a stage's output is split along the sequence over the
+    """With sequence parallelism a stage's output is split along the sequence over the
     tp ranks, so each sends 1/tp of it (Megatron-LM); step_time and step_bytes agree on that."""
-    hw = L.Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
+    hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for v in (1, 2):
-        plain = L.Layout(tp=4, pp=2, micro_batches=4, precision="bf16", virtual_stages=v)
+        plain = Layout(tp=4, pp=2, micro_batches=4, precision="bf16", virtual_stages=v)
         split = dataclasses.replace(plain, sp=True)
-        assert L.step_time(L.LLAMA3_8B, split, hw)["pp"] == pytest.approx(L.step_time(L.LLAMA3_8B, plain, hw)["pp"] / 4)
+        assert step_time(LLAMA3_8B, split, hw)["pp"] == pytest.approx(step_time(LLAMA3_8B, plain, hw)["pp"] / 4)
         for stage in (0, 1):
-            full = L.step_bytes(L.LLAMA3_8B, plain, stage, "nccl")["pp"]
-            assert full > 0 and L.step_bytes(L.LLAMA3_8B, split, stage, "nccl")["pp"] == pytest.approx(full / 4)
+            full = step_bytes(LLAMA3_8B, plain, stage, "nccl")["pp"]
+            assert full > 0 and step_bytes(LLAMA3_8B, split, stage, "nccl")["pp"] == pytest.approx(full / 4)
 
 
 @pytest.fixture(scope="module")
 def table4():
-    return L.reproduce_table4(L.LLAMA3_405B, L.h100_cluster)
+    return reproduce_table4(LLAMA3_405B, h100_cluster)
 
 
 def test_llama3_table4_fits_and_is_predicted_from_one_fitted_row(table4):
@@ -529,7 +538,7 @@ def test_llama3_table4_fits_and_is_predicted_from_one_fitted_row(table4):
     that fits the search's memory cap, and both rows held out are predicted within ±10%."""
     frac, out = table4
     assert 0.5 < frac < 0.9
-    hw = L.h100_cluster(**{L.GEMM: frac})
+    hw = h100_cluster(**{GEMM: frac})
     for row, best, err in out:
         assert best is not None, row
         lay = best["layout"]
@@ -546,20 +555,20 @@ def test_table4_long_context_row_names_what_it_rests_on(table4):
     reading of Meta's MFU (causal attention credited half) is the same tokens per second with
     6·L·h·s fewer FLOPs per token credited."""
     frac, out = table4
-    hw = L.h100_cluster(**{L.GEMM: frac})
-    assert hw.attention == L.FA2_H100
+    hw = h100_cluster(**{GEMM: frac})
+    assert hw.attention == FA2_H100
     row, best, err = out[2]
-    rate = L.attention_rate_needed(row, best, L.LLAMA3_405B, hw)
-    assert 0.5 * L.FA2_H100 < rate < 1.5 * L.FA2_H100
-    assert (rate < L.FA2_H100) == (err > 0)                 # over-predicted: attention must be slower
-    shape = dataclasses.replace(L.LLAMA3_405B, seq=row["seq"])
+    rate = attention_rate_needed(row, best, LLAMA3_405B, hw)
+    assert 0.5 * FA2_H100 < rate < 1.5 * FA2_H100
+    assert (rate < FA2_H100) == (err > 0)                   # over-predicted: attention must be slower
+    shape = dataclasses.replace(LLAMA3_405B, seq=row["seq"])
     lay = best["layout"]
-    slower = L.step_time(shape, lay, L.h100_cluster(**{L.GEMM: frac, L.ATTENTION: rate}))["total"]
-    got = L.mfu(shape, lay.global_batch * shape.seq / slower, row["gpus"] * hw.peak)
+    slower = step_time(shape, lay, h100_cluster(**{GEMM: frac, ATTENTION: rate}))["total"]
+    got = mfu(shape, lay.global_batch * shape.seq / slower, row["gpus"] * hw.peak)
     assert got == pytest.approx(row["mfu"], rel=1e-6)
-    palm = L.flops_per_token(shape)[0]
+    palm = flops_per_token(shape)[0]
     causal = palm - 6 * shape.layers * shape.hidden * shape.seq
-    assert L.causal_discounted(row, L.LLAMA3_405B) == pytest.approx(row["mfu"] * palm / causal, rel=1e-12)
+    assert causal_discounted(row, LLAMA3_405B) == pytest.approx(row["mfu"] * palm / causal, rel=1e-12)
 
 
 def test_attention_runs_the_kernels_flops_at_its_own_rate():
@@ -567,11 +576,11 @@ def test_attention_runs_the_kernels_flops_at_its_own_rate():
     kernel runs — forward 4·h·s, backward 2.5× that (it recomputes the scores), half of each
     under the mask: 7·h·s per token — at that rate, and the rest runs at `flops`; unset,
     everything (attention counted at 12·h·s) runs at `flops` as before. A hand count."""
-    model = L.LLAMA3_8B
-    lay = L.Layout(tp=1, pp=1, micro_batches=1)
-    plain = L.Hardware("h", flops=1e15, memory=1e30, ranks_per_node=8, intra=(0.0, 1e30), inter=(0.0, 1e30))
+    model = LLAMA3_8B
+    lay = Layout(tp=1, pp=1, micro_batches=1)
+    plain = Hardware("h", flops=1e15, memory=1e30, ranks_per_node=8, intra=(0.0, 1e30), inter=(0.0, 1e30))
     split = dataclasses.replace(plain, attention=2e14)
-    a, b = L.step_time(model, lay, plain), L.step_time(model, lay, split)
+    a, b = step_time(model, lay, plain), step_time(model, lay, split)
     sharded, _ = model.layer_params()
     tokens, hs = model.seq, model.hidden * model.seq
     other = tokens * (model.layers * 6 * sharded + 6 * model.vocab * model.hidden)
@@ -580,23 +589,23 @@ def test_attention_runs_the_kernels_flops_at_its_own_rate():
     assert b["compute"] == pytest.approx(other / 1e15 + b["attention"], rel=1e-12)
     assert a["attention"] == 0 and a["flops"] == b["flops"]
     full = dataclasses.replace(lay, recompute="full")       # the forward's 2·h·s once more
-    assert L.step_time(model, full, split)["attention"] == pytest.approx(tokens * model.layers * 9 * hs / 2e14, rel=1e-12)
+    assert step_time(model, full, split)["attention"] == pytest.approx(tokens * model.layers * 9 * hs / 2e14, rel=1e-12)
 
 
 def test_without_interleaving_table4_is_not_reproduced(table4):
-    """The review's finding, now a check: with v = 1 the 8K rows fall far below what Meta measured."""
+    """Interleaving is what reproduces Table 4: with v = 1 the 8K rows fall far below what Meta measured."""
     frac, out = table4
-    hw = L.h100_cluster(**{L.GEMM: frac})
+    hw = h100_cluster(**{GEMM: frac})
     for row, best, err in out[:2]:
-        plain = L.table4_row(row, L.LLAMA3_405B, hw, virtual_stages=(1,))
+        plain = table4_row(row, LLAMA3_405B, hw, virtual_stages=(1,))
         assert plain is None or plain["mfu"] < best["mfu"] * 0.92
 
 
 def test_near_ties_group_what_the_model_cannot_separate():
-    hw = L.h100_cluster()
-    model = L.ModelShape("tiny", layers=8, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=1000, seq=1024)
-    rows = L.search(model, 8, 16, hw, zero_stages=(0, 1), precision="bf16")
-    group, differ, shared = L.near_ties(rows, 0.05)
+    hw = h100_cluster()
+    model = ModelShape("tiny", layers=8, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=1000, seq=1024)
+    rows = search(model, 8, 16, hw, zero_stages=(0, 1), precision="bf16")
+    group, differ, shared = near_ties(rows, 0.05)
     best = rows[0]["time"]["total"]
     assert group[0] is rows[0] and all(r["time"]["total"] <= 1.05 * best for r in group)
     outside = [r for r in rows if r["fits"] and r not in group]
@@ -610,20 +619,20 @@ def test_nvidia_70b_recipe_is_among_the_models_near_ties(table4):
     """NVIDIA's BF16 H100 recipe for Llama 3 70B at 512 GPUs (TP4 PP4 CP2 DP16 VP5) lies within the
     model's own error (the held-out Table 4 row's) of the search's fastest."""
     frac, out = table4
-    hw = L.h100_cluster(**{L.GEMM: frac})
+    hw = h100_cluster(**{GEMM: frac})
     band = max(abs(err) for row, _, err in out[1:] if abs(err) <= 0.10)
-    rows = L.search(L.LLAMA3_70B, 512, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
-                    precision="bf16", max_tp=8, sp=(False, True), virtual_stages=(1, 5), micro_batch_sizes=(1,))
-    group, _, _ = L.near_ties(rows, band)
+    rows = search(LLAMA3_70B, 512, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
+                  precision="bf16", max_tp=8, sp=(False, True), virtual_stages=(1, 5), micro_batch_sizes=(1,))
+    group, _, _ = near_ties(rows, band)
     assert any((r["layout"].tp, r["layout"].pp, r["layout"].cp, r["layout"].dp, r["layout"].virtual_stages)
                == (4, 4, 2, 16, 5) for r in group)
 
 
 def train_two_rank_layouts(rank, world_size, run, layouts):
-    out = {name: L.train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
+    out = {name: train_layout(rank, world_size, run, lay) for name, lay in layouts.items()}
     try:
-        L.LayoutTrainer(run, L.Layout(pp=2, micro_batch=1, micro_batches=8, virtual_stages=1, recompute="full"),
-                        L.make_mesh(1, 2, 1, 1))
+        LayoutTrainer(run, Layout(pp=2, micro_batch=1, micro_batches=8, virtual_stages=1, recompute="full"),
+                      make_mesh(1, 2, 1, 1))
     except ValueError as e:
         out["refused"] = str(e)
     return out
@@ -633,17 +642,17 @@ def test_two_rank_sequence_parallel_bytes_and_what_the_trainer_refuses():
     """At 2 ranks as at 4: sequence parallelism's wire bytes are what step_bytes (and so the
     step-time model) counts; a layout the trainer does not run (recomputation, virtual stages)
     is refused in words, never trained as something else."""
-    layouts = {"tp + SP": L.Layout(tp=2, sp=True, micro_batch=4, micro_batches=2),
-               "dp + ZeRO-2": L.Layout(dp=2, zero=2, micro_batch=2, micro_batches=2)}
+    layouts = {"tp + SP": Layout(tp=2, sp=True, micro_batch=4, micro_batches=2),
+               "dp + ZeRO-2": Layout(dp=2, zero=2, micro_batch=2, micro_batches=2)}
     got = spawn(train_two_rank_layouts, 2, run=RUN, layouts=layouts).returns
-    shape = L.ModelShape.from_gpt(RUN.cfg)
+    shape = ModelShape.from_gpt(RUN.cfg)
     for g in got:
         assert "no recomputation" in g["refused"]
         for name, lay in layouts.items():
             r = g[name]
             if r["bytes_sent"] is None:
                 pytest.skip("no /proc/self/io here")
-            pred = L.step_bytes(shape, dataclasses.replace(lay, precision="fp64"), 0, tensor_sizes=r["tensor_sizes"])
+            pred = step_bytes(shape, dataclasses.replace(lay, precision="fp64"), 0, tensor_sizes=r["tensor_sizes"])
             ratio = r["bytes_sent"] / pred["total"]
             assert ratio >= 1.0 and ratio <= 1.4, (name, r["bytes_sent"], pred)
 
@@ -652,26 +661,25 @@ def test_selective_recomputation_keeps_the_matrix_outputs_only():
     """Selective recomputation (Korthikanti et al. 2022): per token and block Q, K, V, the
     attention output and log-sum-exp, SwiGLU's gate and up (the matrices' outputs), the two
     residual-stream inputs and the norm statistics; no FLOPs added."""
-    m, h, f = L.LLAMA3_8B, L.LLAMA3_8B.hidden, L.LLAMA3_8B.ffn
+    m, h, f = LLAMA3_8B, LLAMA3_8B.hidden, LLAMA3_8B.ffn
     assert m.act_elements_per_token(selective=True) == 2 * h + 2 * m.kv_dim + m.heads + 2 * f + 2 * h + 4
     assert m.act_elements_per_token(8, True, selective=True) == (2 * h + 2 * m.kv_dim + m.heads + 2 * f + 2 * h + 4) / 8
-    lay = lambda rc: L.Layout(tp=8, sp=True, precision="bf16", recompute=rc)
-    stored = {rc: L.activation_bytes(m, lay(rc), 0)[0] for rc in ("none", "selective", "full")}
+    lay = lambda rc: Layout(tp=8, sp=True, precision="bf16", recompute=rc)
+    stored = {rc: activation_bytes(m, lay(rc), 0)[0] for rc in ("none", "selective", "full")}
     assert stored["full"] < stored["selective"] < stored["none"]
-    hw = L.h100_cluster()
-    assert L.step_time(m, lay("selective"), hw) == L.step_time(m, lay("none"), hw)
+    hw = h100_cluster()
+    assert step_time(m, lay("selective"), hw) == step_time(m, lay("none"), hw)
 
 
 def zero3_step_bytes(rank, world_size, sizes, micro_batches):
     """One ZeRO-3 step of lecture 03's Zero3 (an MLP of Linear layers): bytes this rank wrote,
     and the element counts of its tensors (weight and bias of each layer, in order)."""
     import torch.nn.functional as F
-    from lectures import lecture_03_data_parallel as L3
     from util.measure import bytes_sent
-    task = L3.Task(sizes=sizes, batch=4 * world_size * micro_batches, steps=1)
-    z = L3.Zero3(L3.make_model(task, seed=task.seed), L3.Collectives(world_size), task)
-    x, y = next(iter(L3.make_batches(task)))
-    xs, ys = L3.shard_rows(x, rank, world_size), L3.shard_rows(y, rank, world_size)
+    task = Task(sizes=sizes, batch=4 * world_size * micro_batches, steps=1)
+    z = Zero3(make_model(task, seed=task.seed), Collectives(world_size), task)
+    x, y = next(iter(make_batches(task)))
+    xs, ys = shard_rows(x, rank, world_size), shard_rows(y, rank, world_size)
     with bytes_sent() as written:
         for xm, ym in zip(xs.chunk(micro_batches), ys.chunk(micro_batches)):
             (F.mse_loss(z(xm), ym) / micro_batches).backward()
@@ -693,12 +701,12 @@ def test_zero3_bytes_on_the_wire_match_the_communication_model(world):
     for r in got:
         if r["bytes"] is None:
             pytest.skip("no /proc/self/io here")
-        pred = L.zero3_bytes(r["sizes"], r["last"], world, m, 4, 4, "gloo")
+        pred = zero3_bytes(r["sizes"], r["last"], world, m, 4, 4, "gloo")
         ratio = r["bytes"] / pred
         assert ratio >= 1.0 and ratio <= 1.1, (r["bytes"], pred)
-        twice = L.zero3_bytes(r["sizes"], [], world, m, 4, 4, "gloo")        # the last layer gathered again
-        once = (m * L.collective_bytes("reduce-scatter", world, 4 * sum(r["sizes"]))
-                + L.collective_bytes("all-gather", world, 4 * sum(r["sizes"])))   # ZeRO-2's count
+        twice = zero3_bytes(r["sizes"], [], world, m, 4, 4, "gloo")          # the last layer gathered again
+        once = (m * collective_bytes("reduce-scatter", world, 4 * sum(r["sizes"]))
+                + collective_bytes("all-gather", world, 4 * sum(r["sizes"])))     # ZeRO-2's count
         assert r["bytes"] < 0.9 * twice and r["bytes"] > 1.2 * once
 
 

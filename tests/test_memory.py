@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.model.memory import LiveBytes, SavedBytes, saved_bytes
+from lectures.model import LiveBytes, SavedBytes, saved_bytes
 
 
 def test_live_bytes_counts_a_linear_output_not_its_weight():

@@ -1,4 +1,4 @@
-"""The pipeline executor under NCCL's rules, without a GPU (issue 29).
+"""The pipeline executor under NCCL's rules, without a GPU.
 
 NCCL returns one Work per batch_isend_irecv, fills a receive only for the Work that is waited on,
 runs a rank's batches in order on one stream, matches a pair's messages in posting order and
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lectures.pipeline import executor as pipeline
-from lectures import lecture_05_pipeline_parallel as L
-from lectures.model.gpt import GPTConfig
+from lectures.model import GPTConfig
+from lectures.pipeline import PipelineExecutor, make_schedule, message_order, p2p_deadlock
+from lectures.pipeline.demos import reference_train
 from lectures.pipeline import demos, schedules
-from lectures.pipeline.simulate import message_order, p2p_deadlock
 from tests.support.nccl_standin import NcclLikeP2P, run_ranks
 
 V = {"interleaved-1f1b": (2, 3, 4), "zb-v": (2,), "dualpipev": (2,), "gpipe": (1, 2), "1f1b": (1, 2)}
@@ -28,7 +28,7 @@ def allowed(p_max=8, m_max=16):
             for v in V.get(name, (1,)):
                 for m in range(1, m_max + 1):
                     try:
-                        yield name, p, m, v, L.make_schedule(name, p, m, v)
+                        yield name, p, m, v, make_schedule(name, p, m, v)
                     except ValueError:
                         continue
 
@@ -81,7 +81,7 @@ def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
     (a sub-group when offset > 0); returns the executors and the stand-in."""
     p2p = NcclLikeP2P()
     monkeypatch.setattr(pipeline, "dist", p2p)
-    sched = L.make_schedule(name, p, m, v)
+    sched = make_schedule(name, p, m, v)
     cfg = GPTConfig(n_layers=2 * p * v, d_model=16, n_heads=2, seq_len=8, dtype="float64")
     _, stages = pipeline.split_gpt(cfg, sched.layout)
     inputs, targets = demos.microbatches(cfg, m, 2, 0)
@@ -91,11 +91,11 @@ def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
         p2p.local.rank = g
         r = g - offset
         mine = {c: stages[sched.layout.stage(r, c)] for c in range(v)}
-        ex = L.PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), group=group, dtype=torch.float64)
+        ex = PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), group=group, dtype=torch.float64)
         ex.step(inputs, targets)
         return ex
     executors = run_ranks(rank_main, range(offset, offset + p))
-    ref = L.reference_train(cfg, m, 2, steps=1)
+    ref = reference_train(cfg, m, 2, steps=1)
     grads = pipeline.gradients_by_name(stages)
     assert set(grads) == set(ref["grads"])
     for k, g in ref["grads"].items():
@@ -111,7 +111,7 @@ CASES = [(name, p, m, v) for p in (2, 3, 4) for name in schedules.SCHEDULES for 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_every_schedule_equals_one_process_under_nccls_rules(name, p, m, v, monkeypatch):
     try:
-        L.make_schedule(name, p, m, v)
+        make_schedule(name, p, m, v)
     except ValueError:
         pytest.skip("the schedule refuses this size")
     executors, p2p = run_under_nccl(name, p, m, v, monkeypatch)
@@ -147,9 +147,9 @@ def test_the_stand_in_hands_over_data_only_to_the_waited_work(monkeypatch):
 
 def test_a_step_with_another_number_of_microbatches_refuses():
     cfg = GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, dtype="float64")
-    sched = L.make_schedule("1f1b", 1, 3)
+    sched = make_schedule("1f1b", 1, 3)
     _, stages = pipeline.split_gpt(cfg, sched.layout)
-    ex = L.PipelineExecutor(sched, {0: stages[0]}, 0, (2, 8, 16), dtype=torch.float64)
+    ex = PipelineExecutor(sched, {0: stages[0]}, 0, (2, 8, 16), dtype=torch.float64)
     inputs, targets = demos.microbatches(cfg, 4, 2, 0)
     with pytest.raises(ValueError, match="runs 3 micro-batches; got 4"):
         ex.step(inputs, targets)

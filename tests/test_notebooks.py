@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 
-import nbformat
 import pytest
+# nbformat is imported inside the tests that read notebooks: its import (jsonschema) costs
+# seconds at every collection, even of `pytest -k` on another test.
 
 from tests.conftest import ARTIFACTS, LECTURES, ROOT, Watched
 from tests.support.sections import sections_of
@@ -82,6 +83,7 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_clean_with_parameters(name):
+    import nbformat
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -105,6 +107,7 @@ def test_sections_of_sees_the_deep_dives():
 def test_notebook_runs_every_section(name):
     """Every section function the lecture's main() calls has its cell (lectures grow), the deep
     dives' sections included."""
+    import nbformat
     sections = sections_of(name)
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
@@ -123,6 +126,7 @@ def test_cli_ran_every_notebook(executed):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_outputs(executed, name):
+    import nbformat
     out, _ = executed
     nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
     errors = [o for _, o in outputs(nb) if o.output_type == "error"]
@@ -157,6 +161,7 @@ def exercise_verdicts(nb):
 def test_exercises_fail_with_stubs(executed, name):
     """solutions = False (the default): the notebook ran to the end (test_notebook_outputs) and
     every exercise's check reported passed: false — the stubs fail, so the checks can fail."""
+    import nbformat
     import exercises
     out, _ = executed
     nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
@@ -172,6 +177,7 @@ def test_solutions_true_hands_every_check_the_reference(name):
     reference is evaluated once, there), and the reference's source is not in the notebook."""
     import ast
     import exercises
+    import nbformat
     from util import exercise as engine
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     stubs = [c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
@@ -232,6 +238,7 @@ def test_bad_command_line():
 def test_failing_notebook_is_loud(tmp_path):
     """A failed check stops the run: exit 1, one line naming the notebook, cell and reason; the
     executed copy and its page are still written, and no worker is left behind to die noisily."""
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),
@@ -304,6 +311,7 @@ def test_index_links_the_notebook_page(fixture_site, tmp_path):
 
 
 def test_cell_timeout_is_loud(tmp_path):
+    import nbformat
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": tool.KERNEL, "display_name": "course", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell("quick = False", metadata={"tags": ["parameters"]}),

@@ -1,4 +1,4 @@
-"""Tied embeddings in the pipeline (review X4): the first stage's embedding and the last stage's LM
+"""Tied embeddings in the pipeline: the first stage's embedding and the last stage's LM
 head are two copies of one weight; after the pipeline's backward their gradients are summed across
 the two ranks (or, on the V layouts' rank 0, which holds both ends, autograd has summed them in the
 one Parameter). Loss, every gradient and the parameters after two AdamW steps equal one process
@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from lectures import lecture_05_pipeline_parallel as L
+from lectures.model import GPTConfig
+from lectures.pipeline import V_SHAPED, Layout, PipelineExecutor, make_schedule
+from lectures.pipeline.demos import reference_train, train_pipeline
 from lectures.pipeline import executor as pipeline
-from lectures.model.gpt import GPTConfig
 from lectures.pipeline import demos
 from util import spawn
 from tests.support.nccl_standin import NcclLikeP2P, run_ranks
@@ -23,7 +24,7 @@ TIED = "tok_emb.weight"          # the name one process gives the tied weight (n
 
 
 def train_tied(rank, world_size, cases):
-    return {(name, v, m): L.train_pipeline(rank, world_size, CFG, name, m, MB, chunks=v, steps=STEPS)
+    return {(name, v, m): train_pipeline(rank, world_size, CFG, name, m, MB, chunks=v, steps=STEPS)
             for p, name, v, m in cases if p == world_size}
 
 
@@ -34,15 +35,15 @@ def executed():
 
 @pytest.mark.parametrize("p,name,v,m", CASES)
 def test_tied_pipeline_equals_one_tied_process(executed, p, name, v, m):
-    ref = L.reference_train(CFG, m, MB, steps=STEPS)
+    ref = reference_train(CFG, m, MB, steps=STEPS)
     assert "lm_head.weight" not in ref["grads"], "one process holds the tied weight once"
     got = [r[name, v, m] for r in executed[p]]
     losses = [r["losses"] for r in got if r["losses"][0] is not None]
     assert len(losses) == 1
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref["losses"]), rtol=1e-6, atol=1e-6)
     # the embedding on the first stage's rank, the LM head on the last's: both are the tied weight
-    ends = {"tok_emb.weight": L.Layout(p, v, "v" if name in L.V_SHAPED else "looped").place(0)[0],
-            "lm_head.weight": L.Layout(p, v, "v" if name in L.V_SHAPED else "looped").place(p * v - 1)[0]}
+    ends = {"tok_emb.weight": Layout(p, v, "v" if name in V_SHAPED else "looped").place(0)[0],
+            "lm_head.weight": Layout(p, v, "v" if name in V_SHAPED else "looped").place(p * v - 1)[0]}
     assert [r for r, res in enumerate(got) if "lm_head.weight" in res["grads"]] == [ends["lm_head.weight"]]
     for copy, r in ends.items():
         torch.testing.assert_close(got[r]["grads"][copy], ref["grads"][TIED], rtol=1e-9, atol=1e-12, msg=copy)
@@ -58,10 +59,10 @@ def test_tied_pipeline_equals_one_tied_process(executed, p, name, v, m):
 
 
 def test_tie_peer_is_the_other_end_or_none():
-    assert [pipeline.tie_peer(L.Layout(4), r) for r in range(4)] == [3, None, None, 0]
-    assert [pipeline.tie_peer(L.Layout(2, 2, "v"), r) for r in range(2)] == [None, None]   # rank 0 holds both
-    assert [pipeline.tie_peer(L.Layout(2, 2, "looped"), r) for r in range(2)] == [1, 0]   # stage 3 on rank 1
-    assert pipeline.tie_peer(L.Layout(1), 0) is None
+    assert [pipeline.tie_peer(Layout(4), r) for r in range(4)] == [3, None, None, 0]
+    assert [pipeline.tie_peer(Layout(2, 2, "v"), r) for r in range(2)] == [None, None]     # rank 0 holds both
+    assert [pipeline.tie_peer(Layout(2, 2, "looped"), r) for r in range(2)] == [1, 0]     # stage 3 on rank 1
+    assert pipeline.tie_peer(Layout(1), 0) is None
 
 
 def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=1, skew=False):
@@ -69,7 +70,7 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=
     matching, unbuffered sends), on global ranks offset..offset+p-1; each rank its own model."""
     p2p = NcclLikeP2P()
     monkeypatch.setattr(pipeline, "dist", p2p)
-    sched = L.make_schedule(name, p, m, v)
+    sched = make_schedule(name, p, m, v)
     stages = [pipeline.split_gpt(CFG, sched.layout)[1] for _ in range(p)]   # built here: the seeding is not thread-safe
     if hook:
         stages[0][0].tok_emb.weight.register_post_accumulate_grad_hook(lambda t: None)
@@ -83,7 +84,7 @@ def run_tied_under_nccl(name, p, m, v, monkeypatch, offset=1, hook=False, steps=
         p2p.local.rank = g
         r = g - offset
         mine = {c: stages[r][sched.layout.stage(r, c)] for c in range(v)}
-        ex = L.PipelineExecutor(sched, mine, r, (MB, CFG.seq_len, CFG.d_model), group=group, dtype=torch.float64)
+        ex = PipelineExecutor(sched, mine, r, (MB, CFG.seq_len, CFG.d_model), group=group, dtype=torch.float64)
         for _ in range(steps):         # no zero_grad between them: the gradients accumulate
             ex.step(inputs, targets)
         return {sched.layout.stage(r, c): mod for c, mod in mine.items()}
@@ -100,7 +101,7 @@ def assert_tied_grads(held, ref, times=1):
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 3, 4, 1), ("zb-h1", 2, 3, 1), ("zb-v", 2, 4, 2),
                                         ("interleaved-1f1b", 2, 4, 2), ("gpipe", 3, 3, 1), ("zb-h2", 3, 4, 1)])
 def test_tied_gradient_sum_under_nccls_rules(name, p, m, v, monkeypatch):
-    assert_tied_grads(run_tied_under_nccl(name, p, m, v, monkeypatch), L.reference_train(CFG, m, MB, steps=1)["grads"])
+    assert_tied_grads(run_tied_under_nccl(name, p, m, v, monkeypatch), reference_train(CFG, m, MB, steps=1)["grads"])
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 3, 1), ("1f1b", 3, 4, 1), ("zb-v", 2, 4, 2)])
@@ -109,7 +110,7 @@ def test_tied_gradients_accumulate_over_two_steps(name, p, m, v, monkeypatch):
     own part crosses between the ends (exchanging the accumulated total would count the first
     step's three times)."""
     held = run_tied_under_nccl(name, p, m, v, monkeypatch, steps=2)
-    assert_tied_grads(held, L.reference_train(CFG, m, MB, steps=1)["grads"], times=2)
+    assert_tied_grads(held, reference_train(CFG, m, MB, steps=1)["grads"], times=2)
 
 
 def test_the_first_step_makes_the_two_copies_equal(monkeypatch):
@@ -117,7 +118,7 @@ def test_the_first_step_makes_the_two_copies_equal(monkeypatch):
     gives it the first stage's values, so the step equals one tied process."""
     held = run_tied_under_nccl("1f1b", 3, 4, 1, monkeypatch, skew=True)
     assert torch.equal(held[1][0].tok_emb.weight, held[3][2].lm_head.weight)      # global ranks 1..3
-    assert_tied_grads(held, L.reference_train(CFG, 4, MB, steps=1)["grads"])
+    assert_tied_grads(held, reference_train(CFG, 4, MB, steps=1)["grads"])
 
 
 @pytest.mark.parametrize("p", [2, 3])

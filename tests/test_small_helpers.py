@@ -1,13 +1,13 @@
-"""Small building blocks refuse arguments outside their range (adversarial review, area 3 item
-21): each returned a plausible wrong value before (another rank's coordinates, an empty shard,
-a negative bubble, a negative capacity)."""
+"""Small building blocks refuse arguments outside their range: otherwise each would return a
+plausible wrong value (another rank's coordinates, an empty shard, a negative bubble, a negative
+capacity) that a caller could not tell from a right one."""
 import pytest
 import torch
 
-from lectures.layout.mesh import mesh_coords
-from lectures.context_parallel.moe import capacity
-from lectures.pipeline.simulate import theory_bubble
-from lectures.data_parallel.zero import take_shard
+from lectures.context_parallel import capacity
+from lectures.data_parallel import take_shard
+from lectures.layout import mesh_coords
+from lectures.pipeline import theory_bubble
 
 
 @pytest.mark.parametrize("call, says", [

@@ -1,7 +1,6 @@
 """Ranks that disagree (dtype, head count, width, input shape) are refused on every rank with an
 error naming what differs, before any collective could abort gloo or run on mismatched data
-(issue 30; the earlier adversarial review found a SIGABRT for float32 against float64 and a
-silent run for 4 against 8 heads). Ranks are seeded alike, as the launcher seeds them. The
+(float32 against float64 kills gloo with SIGABRT; 4 against 8 heads runs silently). Ranks are seeded alike, as the launcher seeds them. The
 check is one all-gather when a layer is built and one on its first call, none after; the loss,
 a function, checks on every call."""
 import pytest
@@ -9,13 +8,11 @@ import torch
 import torch.distributed as dist
 
 from lectures.tensor_parallel import ops as tp_ops
+from lectures.model import GPT, GPTConfig, batch
+from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
+                                      VocabParallelEmbedding, parallelize_gpt, tp_loss, vocab_parallel_cross_entropy)
 
 from lectures.tensor_parallel import vocab as vocab_parallel
-from lectures.model.gpt import GPT, GPTConfig, batch
-from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lectures.tensor_parallel.attention import TensorParallelAttention
-from lectures.tensor_parallel.gpt import parallelize_gpt, tp_loss
-from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import spawn
 
 

@@ -1,14 +1,15 @@
 """Fresh tensor-parallel layers, built on ranks seeded the way the launcher seeds them (every rank
 alike), hold the shards of ONE full layer: the one nn.Linear, nn.Embedding or lecture 01's
-attention would draw with that seed, sliced (issue 30). Before, each rank drew its shard from the
-shared seed, so every rank held the same numbers and a fresh model had 1/t of its width."""
+attention would draw with that seed, sliced. Drawing each shard from the shared seed instead
+would give every rank the same numbers: a fresh model with 1/t of its width."""
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lectures import lecture_04_tensor_parallel as L
-from lectures.model.gpt import CausalSelfAttention, GPTConfig
+from lectures.model import CausalSelfAttention, GPTConfig
+from lectures.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
+                                      VocabParallelEmbedding)
 from util import spawn
 
 
@@ -27,27 +28,27 @@ def fresh_layers(rank, world_size):
         dist.all_gather(full, t.detach().contiguous())
         return min((full[0] - full[i]).abs().max().item() for i in range(1, n))
 
-    again(); col = L.ColumnParallelLinear(7, 6 * n, g)
+    again(); col = ColumnParallelLinear(7, 6 * n, g)
     again(); ref = nn.Linear(7, 6 * n)
     out["column weight"] = (col.weight - ref.weight.chunk(n, 0)[r]).abs().max().item()
     out["column bias"] = (col.bias - ref.bias.chunk(n, 0)[r]).abs().max().item()
     out["column shards differ"] = shards_differ(col.weight)
 
-    again(); row = L.RowParallelLinear(5 * n, 4, g)
+    again(); row = RowParallelLinear(5 * n, 4, g)
     again(); ref = nn.Linear(5 * n, 4)
     out["row weight"] = (row.weight - ref.weight.chunk(n, 1)[r]).abs().max().item()
     out["row bias"] = (row.bias - ref.bias).abs().max().item()
     out["row shards differ"] = shards_differ(row.weight)
 
-    again(); emb = L.VocabParallelEmbedding(8 * n, 3, g)
+    again(); emb = VocabParallelEmbedding(8 * n, 3, g)
     again(); ref = nn.Embedding(8 * n, 3)
     out["embedding"] = (emb.weight - ref.weight.chunk(n, 0)[r]).abs().max().item()
     out["embedding shards differ"] = shards_differ(emb.weight)
 
     for kv in (n, 1):                                        # K/V heads split, then replicated
         cfg = GPTConfig(d_model=4 * n, n_heads=2 * n, n_kv_heads=kv, seq_len=8)
-        again(); attn = L.TensorParallelAttention(cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model, g)
-        again(); want = L.TensorParallelAttention.from_full(CausalSelfAttention(cfg), g)
+        again(); attn = TensorParallelAttention(cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model, g)
+        again(); want = TensorParallelAttention.from_full(CausalSelfAttention(cfg), g)
         for name in ("weight", "bias", "o_proj.weight", "o_proj.bias"):
             got, ref_t = attn.get_parameter(name), want.get_parameter(name)
             out[f"attention kv={kv} {name}"] = (got - ref_t).abs().max().item()
@@ -79,8 +80,8 @@ def fresh_mlp_trained(rank, world_size, steps=4):
     reference's, the shards still differ, and every shard equals its slice of the reference."""
     g, n, r = dist.group.WORLD, world_size, rank
     seeded = torch.random.get_rng_state()
-    col, row = L.ColumnParallelLinear(6, 4 * n, g, sequence_parallel=True), \
-        L.RowParallelLinear(4 * n, 6, g, sequence_parallel=True)
+    col, row = ColumnParallelLinear(6, 4 * n, g, sequence_parallel=True), \
+        RowParallelLinear(4 * n, 6, g, sequence_parallel=True)
     torch.random.set_rng_state(seeded)
     ref_in, ref_out = nn.Linear(6, 4 * n), nn.Linear(4 * n, 6)
     params, ref_params = [*col.parameters(), *row.parameters()], [*ref_in.parameters(), *ref_out.parameters()]

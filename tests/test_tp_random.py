@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lectures.tensor_parallel import ColumnParallelLinear, MaskKey, RowParallelLinear, TPRandom, dropout, keep_mask
 from lectures.tensor_parallel.ops import _all_gather
-from lectures.tensor_parallel.rng import MaskKey, TPRandom, dropout, keep_mask
 from util import spawn
 
 F64 = torch.float64

@@ -1,5 +1,7 @@
 """The tree shows the course: seven lecture files beside one package of building blocks per
-topic; the blocks never import a lecture file, and the engine (util/) imports no course package."""
+topic; the blocks never import a lecture file, and the engine (util/) imports no course package.
+A lecture file imports only what its page uses; everyone else imports a building block from its
+topic package (`from lectures.pipeline import make_schedule`)."""
 import ast
 import pathlib
 
@@ -70,23 +72,96 @@ def test_each_lecture_file_reads_in_one_sitting():
         assert n <= 900, f"{path.name} has {n} lines: move its demos, deep dives or drawings to its package"
 
 
-PUBLIC = {  # names readers import from a lecture file; the blocks live in the topic packages
-    "lecture_01_memory_and_precision": ["GPT", "GPTConfig", "online_softmax_attention", "quantize_fp8"],
-    "lecture_02_communication": ["ring_all_reduce", "pipelined_ring_all_reduce"],
-    "lecture_03_data_parallel": ["Zero3", "plan_buckets", "PowerSGD"],
-    "lecture_04_tensor_parallel": ["ColumnParallelLinear", "RowParallelLinear", "parallelize_gpt"],
-    "lecture_05_pipeline_parallel": ["make_schedule", "simulate", "split_gpt"],
-    "lecture_06_context_and_expert_parallel": ["GPT", "GPTConfig", "ring_attention", "zigzag_unshard"],
-    "lecture_07_putting_it_together": ["GPT", "estimate_memory", "pytorch_layout"],
-}
+PAGE_MODULES = {"demos", "figures", "deep_dives", "communication_demos", "communication_deep_dives"}
 
 
-def test_public_building_blocks_stay_importable_from_their_lecture_files():
+def top_level_names(path):
+    """What a module file defines or imports at its top level (a static `dir()`)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_a_lecture_file_imports_only_what_its_page_uses():
+    """Its import block reads as the list of what the page calls: a name imported and never used
+    would be an export the reader cannot tell apart (building blocks are imported from their
+    topic package instead)."""
+    for path in sorted(LECTURES.glob("lecture_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        imported = [(a.asname or a.name).split(".")[0] for n in tree.body
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+        unused = [name for name in imported if name not in used]
+        assert not unused, (path.name, unused)
+        assert "noqa" not in path.read_text(encoding="utf-8"), path.name
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_each_topic_package_names_its_building_blocks(package):
+    """`from lectures.<topic> import X` is how notebooks, exercises and tests reach a building
+    block: every name of the package's __all__ is there, once, and is the mechanism (defined
+    in the package, not in its demos, figures or deep dives)."""
     import importlib
-    for lecture, names in PUBLIC.items():
-        module = importlib.import_module(f"lectures.{lecture}")
-        missing = [n for n in names if not hasattr(module, n)]
-        assert not missing, (lecture, missing)
+    module = importlib.import_module(f"lectures.{package}")
+    names = module.__all__
+    assert names and len(names) == len(set(names)), package
+    missing = [n for n in names if not hasattr(module, n)]
+    assert not missing, (package, missing)
+    for name in names:
+        where = getattr(getattr(module, name), "__module__", None)
+        if where and where.startswith("lectures."):
+            assert where.split(".")[1] == package and where.split(".")[2] not in PAGE_MODULES, (name, where)
+
+
+def _course_names_used(tree, where):
+    """(module, name, where) for every course name `tree` reaches: `from lectures.X import n`,
+    and `alias.n` for a lecture module imported as `alias`."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lectures":
+            for a in node.names:
+                if node.module == "lectures" or (LECTURES / node.module.split(".", 1)[1].replace(".", "/")
+                                                 / f"{a.name}.py").exists():
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"     # a module
+                else:
+                    yield node.module, a.name, where
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("lectures.")})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if aliases[node.value.id].startswith("lectures.lecture_"):
+                yield aliases[node.value.id], node.attr, where
+
+
+def _sources_outside_lectures():
+    import json
+    for path in sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "exercises").glob("*.py")):
+        yield path.relative_to(ROOT), path.read_text(encoding="utf-8")
+    for path in sorted((LECTURES / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        yield path.relative_to(ROOT), "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_names_that_notebooks_exercises_and_tests_use_resolve():
+    """Every `from lectures.X import n` and every `lec.n` of the notebooks, exercises and tests
+    names something its module defines or imports; a name is looked up in the file (no import),
+    so a renamed building block fails here, not in a rank of a notebook run."""
+    bad = []
+    for where, source in _sources_outside_lectures():
+        for module, name, _ in _course_names_used(ast.parse(source), where):
+            path = ROOT / (module.replace(".", "/") + ".py")
+            if not path.exists():
+                path = ROOT / module.replace(".", "/") / "__init__.py"
+            if name not in top_level_names(path):
+                bad.append((str(where), module, name))
+    assert not bad, bad
 
 
 def _string_constants(code):

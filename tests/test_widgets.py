@@ -7,9 +7,7 @@ import random
 
 import pytest
 
-from lectures.pipeline.explorer import explorer_data
-from lectures.pipeline.simulate import simulate
-from lectures.pipeline.schedules import make_schedule
+from lectures.pipeline import explorer_data, make_schedule, simulate
 from tests.conftest import Watched
 from util import render
 
@@ -98,8 +96,8 @@ def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
 
 def test_explorer_refuses_costs_it_cannot_mean(browser, explorer_page):
     """F and B must be positive, W and send 0 or more, every field a finite number: anything else
-    is refused in words (it used to count an empty field as 0 and show 'bubble 300.0%' for
-    B = -3); the costs it accepts, at the largest schedule, keep the bubble within 0-100%."""
+    is refused in words (read as numbers, an empty field would count as 0 and B = -3 would show
+    'bubble 300.0%'); the costs it accepts, at the largest schedule, keep the bubble within 0-100%."""
     with opened(browser, explorer_page) as pg:
         readout = pg.locator(".widget-readout")
         cost = {"F": 0, "B": 1, "W": 2, "send": 3}      # the inputs' order on the page
@@ -139,7 +137,7 @@ def test_without_javascript_the_widget_stays_hidden(browser, explorer_page):
 
 @pytest.fixture(scope="module")
 def calculator_page(tmp_path_factory):
-    from lectures.layout.calculator import calculator_data
+    from lectures.layout import calculator_data
     out = tmp_path_factory.mktemp("calculator")
     rec = {"schema": "course-lecture/1", "lecture": "lecture_calc", "title": "Calculator",
            "status": "ok", "environment": {"device": "CPU: test", "backend": "gloo"}, "functions": {},
@@ -153,8 +151,8 @@ def calculator_page(tmp_path_factory):
 def random_layouts(n, seed=0):
     """(ModelShape, Layout) pairs the estimator accepts: presets and random shapes, every axis."""
     import dataclasses
-    from lectures.layout.calculator import presets
-    from lectures.layout.estimator import Layout, ModelShape
+    from lectures.layout import presets
+    from lectures.layout import Layout, ModelShape
     rng = random.Random(seed)
     shapes = [ModelShape(**f) for f in presets().values()]
     while len(shapes) < 12:
@@ -182,7 +180,7 @@ def random_layouts(n, seed=0):
 
 
 def test_javascript_estimator_equals_python_for_random_layouts(browser, calculator_page):
-    from lectures.layout.estimator import estimate_memory
+    from lectures.layout import estimate_memory
     w = Watched(browser, viewport={"width": 1280, "height": 800})
     try:
         w.page.goto("file://" + calculator_page)
@@ -231,7 +229,7 @@ def test_calculator_controls(browser, calculator_page, width, height):
 
 def test_javascript_step_time_equals_python_for_random_layouts(browser, calculator_page):
     import dataclasses
-    from lectures.layout.step_time import Hardware, h100_cluster, step_time
+    from lectures.layout import Hardware, h100_cluster, step_time
     small = Hardware("a small machine", flops=2e10, memory=8e9, ranks_per_node=2, intra=(5e-5, 2e9),
                      inter=(1e-4, 1e9), overhead=1e-3, step_overhead=2e-3, overlap=0.5, bucketed=False,
                      p2p=(3e-5, 3e9), ring_step=(1e-4, 2e-4), backend="gloo")
@@ -258,7 +256,7 @@ def test_explorer_shows_the_pages_numbers(browser, explorer_page, name, p, m, v)
     """Opened on a schedule, the explorer says what the page's tables say: costs per stage
     (a chunk's action takes 1/v), the makespan, and the most micro-batches a rank holds (a
     chunk counting 1/v)."""
-    from lectures.pipeline.simulate import held
+    from lectures.pipeline import held
     sched = make_schedule(name, p, m, v)
     want = simulate(sched, {"F": 1 / v, "B": 1 / v, "W": 1 / v})
     w = Watched(browser, viewport={"width": 1280, "height": 800})
@@ -275,11 +273,11 @@ def test_explorer_shows_the_pages_numbers(browser, explorer_page, name, p, m, v)
 
 
 def test_explorer_formula_beside_the_timeline_is_the_papers(browser, explorer_page):
-    """Review C1: the JavaScript states the formula Python's formula_bubble states, for every
+    """The JavaScript states the formula Python's formula_bubble states, for every
     embedded schedule at random costs (some outside a formula's assumptions: then none); ZB-H1
     shows Qi et al.'s (p−1)(F+B−W) at the explorer's costs, and ZB-H2, ZB-V and DualPipeV say
     there is no closed form here."""
-    from lectures.pipeline.explorer import explorer_entries, formula_bubble
+    from lectures.pipeline import explorer_entries, formula_bubble
     entries = {(e["name"], e["p"], e["m"], e["chunks"]): e for e in explorer_entries()}
     with opened(browser, explorer_page) as pg:
         rng, cases = random.Random(2), []
@@ -315,8 +313,8 @@ def test_calculator_refuses_layouts_the_search_would_not_make(browser, calculato
 
 
 def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
-    """A smaller model keeps the largest tp and pp that still divide it (the first-read review
-    found lecture 01's GPT opening on "not a valid layout" after Llama's tp = 8)."""
+    """A smaller model keeps the largest tp and pp that still divide it, so that switching from
+    Llama (tp = 8) to lecture 01's GPT opens on a valid layout, not on "not a valid layout"."""
     with opened(browser, calculator_page) as pg:
         model = pg.locator(".widget-controls label", has_text="model").locator("select")
         for name in model.locator("option").all_inner_texts() * 2:
@@ -334,7 +332,7 @@ def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
     ("device GiB", "-80", "device GiB must be a number"), ("virtual stages", "0", "virtual-stages must be a whole number"),
     ("virtual stages", "2", "virtual stages interleave a 1F1B pipeline")])
 def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page, field, value, words):
-    """adversarial.md items 13 and 28: every model field and the device memory are checked in
+    """Every model field and the device memory are checked in
     words, as ModelShape and Layout check them; no NaN, Infinity or negative size is shown."""
     with opened(browser, calculator_page) as pg:
         box = pg.locator(".widget-controls label", has_text=field).locator("input").first
@@ -347,7 +345,7 @@ def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page,
 
 
 def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_page):
-    """adversarial.md item 23: ZeRO-3 with millions of micro-batches is one multiplication."""
+    """ZeRO-3 with millions of micro-batches is one multiplication."""
     with opened(browser, calculator_page) as pg:
         pg.select_option(".widget-controls label:has-text('ZeRO') select", "3")
         mbs = pg.locator(".widget-controls label", has_text="micro-batches").locator("input")
@@ -360,9 +358,9 @@ def test_calculator_redraws_fast_at_any_micro_batch_count(browser, calculator_pa
 
 
 def test_calculator_and_search_share_the_memory_cap(browser, calculator_page):
-    """Review M5: the calculator opens at the search's memory cap (0.9 × 80 GiB), so the two
+    """The calculator opens at the search's memory cap (0.9 × 80 GiB), so the two
     agree on what fits."""
-    from lectures.layout.step_time import h100_cluster
+    from lectures.layout import h100_cluster
     w = Watched(browser, viewport={"width": 1280, "height": 800})
     try:
         pg = w.page

@@ -134,11 +134,6 @@ def group_info(group):
     return group, dist.get_world_size(group), r
 
 
-def gather_lengths(local_len, group, n, dev):
-    """Every rank's local sequence length, in rank order (the input of `layout_segments`)."""
-    return agreed_lengths(local_len, {}, group, n, dev)
-
-
 def agreed_lengths(local_len, signature, group, n, dev):
     """Every rank's local sequence length, and a check that the ranks agree on everything else in
     `signature` ({what: int}, e.g. heads, head dim, dtype): all in one all_gather of a few

@@ -25,7 +25,7 @@ def calculator_data(model="Llama 3 8B", layout=None, hardware=(), cluster=None):
     cluster's, and any `Hardware` given, e.g. this machine's as the lecture measured it), and
     the layout shown first; `cluster` replaces the default H100 cluster (e.g. with the GEMM
     fraction the lecture fits). The memory cap starts at the search's: the H100 cluster's usable
-    memory (review M5: the calculator and the search must agree on what fits)."""
+    memory (the calculator and the search must agree on what fits)."""
     layout = layout or {"dp": 8, "tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1,
                         "micro_batches": 1, "recompute": "full", "precision": "bf16",
                         "schedule": "1f1b", "sp": True, "virtual_stages": 1}

@@ -292,7 +292,7 @@ def estimate_memory(model, layout, stage=None):
     ZeRO-3's working set: two blocks' weights and gradients unsharded at once (the block being
     computed and the next one prefetched, or its gradients waiting for their reduce-scatter),
     plus the stage's embedding and LM head, which sit in FSDP's root unit and stay gathered from
-    forward to backward (review X4)."""
+    forward to backward."""
     if stage is None:   # every stage: uneven layer counts can make a middle stage the heaviest
         # (max keeps the first of equals: ties go to the earliest stage)
         return max((estimate_memory(model, layout, s) for s in range(layout.pp)), key=lambda m: m["total"])

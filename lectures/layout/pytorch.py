@@ -11,10 +11,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from lectures.model.gpt import GPT
 from lectures.layout.mesh import torch_mesh
@@ -26,6 +22,10 @@ def pytorch_tp_plan():
     """parallelize_module's plan for lecture 01's GPT: Megatron's column → row pairs, the
     embedding split by vocabulary (RowwiseParallel on an Embedding), the LM head column-wise
     with its output left as a vocabulary-sharded DTensor for loss_parallel()."""
+    # Imported here, not at the top: torch.distributed.tensor costs every process that imports
+    # lecture 07 (the build, each rank, the notebook, pytest) seconds it rarely needs.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     block = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
@@ -38,6 +38,11 @@ def pytorch_layout(cfg, layout, lr):
     """(module, step function) of `layout` built from PyTorch's pieces:
     parallelize_module on the tp mesh dimension, fully_shard (FSDP2) on dp, and for pp a
     PipelineStage per rank driven by Schedule1F1B: any of dp, tp, pp, together or alone."""
+    # Imported here, not at the top: FSDP and pipelining (which pulls in torch._dynamo) take
+    # seconds to import, and only the ranks of this one demo need them.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     mesh = torch_mesh(layout.dp, layout.pp, 1, layout.tp)
     model = GPT(cfg).to(device())
     if layout.tp > 1:
