@@ -46,6 +46,7 @@ def _lectures():
     return [n for n in LECTURES if not only or n in only]
 
 
+@pytest.hookimpl(trylast=True)      # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
     """Start the builds the collected tests need in the background, and run the tests that read
     them last: the unit tests run while the course builds."""
@@ -89,6 +90,11 @@ def course_site():
     all read it instead of building a lecture again."""
     build = _session_build("pages")
     return pathlib.Path(build.path("content")), build
+
+
+def pytest_sessionfinish(session):
+    from tests.support import course_build
+    course_build.stop_all()
 
 
 def pytest_terminal_summary(terminalreporter):

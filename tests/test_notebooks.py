@@ -148,26 +148,29 @@ def test_notebook_outputs(executed, name):
 
 
 def exercise_verdicts(nb):
-    """{exercise: passed} from the JSON every cell tagged `check` published."""
+    """{exercise: (passed, detail)} from the JSON every cell tagged `check` published."""
     found = {}
     for cell, out in outputs(nb):
         data = out.get("data", {}).get("application/json")
         if "check" in cell.metadata.get("tags", []) and data and "exercise" in data:
-            found[data["exercise"]] = data["passed"]
+            found[data["exercise"]] = (data["passed"], data["detail"])
     return found
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_exercises_fail_with_stubs(executed, name):
     """solutions = False (the default): the notebook ran to the end (test_notebook_outputs) and
-    every exercise's check reported passed: false — the stubs fail, so the checks can fail."""
+    every exercise's check reported passed: false, saying the stub is not written yet and giving
+    its hint — the stubs fail, so the checks can fail."""
     import nbformat
     import exercises
     out, _ = executed
     nb = nbformat.read(out / f"{name}.ipynb", as_version=4)
     verdicts = exercise_verdicts(nb)
     assert set(verdicts) == {n for n, _ in exercises.listing(name)}, verdicts
-    assert not any(verdicts.values()), verdicts
+    assert not any(passed for passed, _ in verdicts.values()), verdicts
+    for exercise, (_, detail) in verdicts.items():
+        assert "NotImplementedError" in detail and "hint:" in detail, (exercise, detail)
 
 
 @pytest.mark.parametrize("name", NAMES)

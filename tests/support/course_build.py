@@ -75,6 +75,28 @@ class Build:
         return os.path.join(self.folder, *parts)
 
 
+_running = set()     # build processes not yet finished
+
+
+def stop(proc):
+    """Stop a build and everything it started (its own session: torchrun's ranks, kernels, pools)."""
+    import signal
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def stop_all():
+    """At the end of a test session: no build outlives it (one the session no longer waited for)."""
+    for proc in list(_running):
+        stop(proc)
+
+
 def cached(kind, command, lectures, env=None):
     """Run `command` (a list, with {out} standing for the build's folder) once per source key,
     under a lock; later calls with the same sources reuse its folder."""
@@ -92,12 +114,17 @@ def cached(kind, command, lectures, env=None):
         cmd = [part.replace("{out}", folder) for part in command]
         start = time.monotonic()
         with open(os.path.join(folder, "log.txt"), "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {}),
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {}),
                                                         "COURSE_RETURNS": os.path.join(folder, "returns")},
-                                    stdout=log, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT).returncode
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            _running.add(proc)
+            try:
+                rc = proc.wait(timeout=BUILD_TIMEOUT)
             except subprocess.TimeoutExpired:
+                stop(proc)
                 rc = f"killed after {BUILD_TIMEOUT} s"
+            finally:
+                _running.discard(proc)
         info = {"returncode": rc, "seconds": round(time.monotonic() - start, 1), "command": cmd}
         if rc == 0:                                 # only a good build is kept for the next run
             with open(done, "w") as f:
