@@ -278,12 +278,6 @@ def parameters_and_bytes():
                   ". The last row is GPT-2 small (124M with tied embeddings); its numel is not built here")
 
 
-def activation_memory():
-    saved_against_formula()    # what autograd saves for one block, term by term against the paper
-    saved_tensor_by_tensor()   # the same, tensor by tensor
-    a_step_too_big_to_hold()   # the same tracker on shapes alone, at billions of parameters
-
-
 def saved_against_formula():
     cfg = GPTConfig()
     b = 2

@@ -40,11 +40,6 @@ WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8)
 # =========================================================================================
 
 
-def hardware():
-    hardware_hierarchy()    # published H100 levels beside this machine's memory copy
-    this_machine()          # what the build machine says about itself
-
-
 def hardware_hierarchy():
     nbytes = (16 if settings.quick else 256) * MB
     t = copy_time(nbytes, repeats=5 if settings.quick else 9)
@@ -160,12 +155,6 @@ def all_reduce_decomposed():
 # =========================================================================================
 # 4. Ring all-reduce from send and receive
 # =========================================================================================
-
-
-def ring():
-    ring_step_by_step()     # the algorithm, and a recording of it on real ranks
-    ring_checked()          # the pipelined variant; both against dist.all_reduce
-    ring_raced()            # and how fast they are next to the library's own
 
 
 def ring_step_by_step():
@@ -424,11 +413,6 @@ def alpha_beta_verdict(sizes, times, alpha, beta):
             f"{reached}, {'below' if algbw[top] < beta else 'above'} β.")
 
 
-def alpha_beta():
-    fit = alpha_beta_fit()          # the model, fitted to the sweep's all-reduce timings
-    alpha_beta_details(fit)         # size by size, and where one line stops fitting
-
-
 def alpha_beta_fit():
     """The α–β section of the main path; returns what `alpha_beta_details` shows."""
     ranks = timing_ranks(settings.world_size)
@@ -491,11 +475,6 @@ def alpha_beta_fit():
 # =========================================================================================
 
 
-def hangs():
-    hang_demo()             # one rank skips an all-reduce: the others wait until the timeout
-    finding_the_culprit()   # the switches and logs that name the rank in a real job
-
-
 def hang_demo():
     world_size = settings.world_size
     timeout = 3
@@ -548,11 +527,6 @@ def overlap_verdict(t):
         said += (f" Perfect overlap would take {ideal * 1e3:.3g} ms (the longer of the two alone): "
                  "starting the all-reduce early gained nothing here.")
     return said
-
-
-def overlap():
-    overlap_async()         # the collectives' mechanism: async_op=True and wait()
-    overlap_streams()       # the GPU's mechanism: kernels and copies on separate streams
 
 
 def overlap_async():

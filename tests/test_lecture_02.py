@@ -450,7 +450,7 @@ def test_alpha_beta_reuses_the_sweep(monkeypatch):
     for module, names in ((L, ("note", "see", "table", "figure")), (DD, ("note", "table"))):
         for name in names:
             monkeypatch.setattr(module, name, lambda *a, **k: None)
-    L.alpha_beta()
+    L.alpha_beta_details(L.alpha_beta_fit())
 
 
 def broadcast_counted_and_written(rank, world_size, nbytes):

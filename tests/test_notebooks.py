@@ -111,8 +111,13 @@ def test_notebook_runs_every_section(name):
     sections = sections_of(name)
     nb = nbformat.read(os.path.join(tool.NOTEBOOKS, name + ".ipynb"), as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    missing = [s for s in sections if f"lec.{s}()" not in code]
+    missing = [s for s in sections if f"lec.{s}(" not in code]
     assert sections and not missing, f"{name}.ipynb has no cell for section(s) {missing}"
+    # and each once: a cell that calls a wrapper of several sections would run them twice
+    called = [c.source.strip()[4:].split("(")[0] for c in nb.cells if c.cell_type == "code"
+              and c.source.strip().startswith("lec.") and c.source.strip().endswith(")")
+              and "\n" not in c.source.strip()]
+    assert sorted(called) == sorted(set(called)) and set(called) <= set(sections), called
 
 
 def test_cli_ran_every_notebook(executed):

@@ -178,7 +178,11 @@ def test_every_lecture_builds_under_torchrun_with_the_numbers_of_the_pooled_laun
           f"not in the notebook: {missing}")
     assert not differ, differ
     assert not missing, f"demos of the page that its notebook never ran with the same arguments: {missing}"
-    assert compared >= 1, f"{name}: no deterministic demo to compare"
+    deterministic = [d for d in torchrun_returns(site, name) if d["status"] == "ok" and not d["timed"]]
+    assert compared == len(deterministic), "a deterministic demo had no pooled twin to compare with"
+    # Only a lecture whose every demo reads a clock has nothing to compare (lecture 05's
+    # executor returns when each action ran); the others must compare at least one.
+    assert compared >= 1 or name == "lecture_05_pipeline_parallel", f"{name}: no deterministic demo"
 
 
 @pytest.mark.torchrun
