@@ -57,8 +57,11 @@ def pytest_collection_modifyitems(session, config, items):
     def reads(item, fixture):
         return fixture in getattr(item, "fixturenames", ())
     late = [i for i in items if any(reads(i, f) for f in BUILD_READERS) or i.path.name in AFTER_THE_BUILDS]
+    # each build's own test first: --durations then names the build, not a test that waited for it
+    first = ("test_the_course_build_ended_well", "test_cli_ran_every_notebook")
     items[:] = [i for i in items if i not in late] + \
-        sorted(late, key=lambda i: (reads(i, "executed_notebooks"), i.path.name in AFTER_THE_BUILDS))
+        sorted(late, key=lambda i: (reads(i, "executed_notebooks"), i.path.name in AFTER_THE_BUILDS,
+                                    i.name not in first))
     plan = []
     if any(reads(i, "course_site") for i in items):
         plan.append(("pages", course_build.pages, _lectures()))

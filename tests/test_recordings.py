@@ -7,6 +7,13 @@ from tests.conftest import LECTURES, recording, walk
 from tests.support.sections import sections_of
 
 
+def test_the_course_build_ended_well(course_site):
+    """The session's course build (one torchrun job, every lecture): the first test that reads
+    it, so a slow build shows in --durations under this name, not under a page test."""
+    _, build = course_site
+    assert build.returncode == 0, build.log[-6000:]
+
+
 @pytest.mark.parametrize("name", LECTURES)
 def test_the_recording_is_right(course_site, name):
     rec = recording(course_site, name)

@@ -69,8 +69,12 @@ def _worker(rank, port, backend, tasks, results, parent=None, stack_file=None):
             results.put(pickle.dumps(error_result(rank)))
             continue
         threads = max(1, (os.cpu_count() or 1) // world_size)  # 4 ranks on 2 cores: no thrashing
-        results.put(dumps(run_task_or_error(rank, world_size, fn, kwargs, threads)))
-        if not dist.is_initialized():   # the demo destroyed the group (a tutorial's last line): join anew
+        result = run_task_or_error(rank, world_size, fn, kwargs, threads)
+        # The demo destroyed the group (a tutorial's last line): the pool forms the next group
+        # under a new name, since the store still holds this one's addresses.
+        result["left_group"] = not dist.is_initialized()
+        results.put(dumps(result))
+        if result["left_group"]:
             joined = None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -253,6 +257,8 @@ class Pool:
         start = time.monotonic()
         end = start + deadline
         got = self._collect(ranks, end, on_result)
+        if any(m.get("left_group") for m in got.values()):
+            self.group = None           # every rank joins a group of a new generation next time
         error = describe_failure(got, ranks, timeout, first_done and first_done[0],
                                   self._dead, lambda r: self.procs[r].exitcode, time.monotonic() - start)
         late = [r for r in ranks if r not in got]
