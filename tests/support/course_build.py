@@ -147,26 +147,30 @@ def notebooks(lectures):
 
 
 class Background:
-    """The builds this session needs, started in a thread as soon as the tests are collected,
-    so that the unit tests run while the course builds (the tests that read a build run last,
-    see conftest.py). `get(kind)` waits for that build and returns it."""
+    """The builds this session needs, each started in a thread of its own as soon as the tests
+    are collected, so that the unit tests run while the course builds (the tests that read a
+    build run last, see conftest.py): on two cores the builds' waits (ranks in collectives,
+    kernels starting) and the tests' waits fill each other's idle time. `get(kind)` waits for
+    that build and returns it."""
 
     def __init__(self, plan):
         import threading
-        self.plan, self.done, self.error = plan, {}, None   # plan: [(kind, function, lectures)]
-        self.kinds = [kind for kind, _, _ in plan]
-        self.thread = threading.Thread(target=self._run, name="course-build", daemon=True)
-        self.thread.start()
+        self.done, self.errors = {}, {}
+        self.kinds = [kind for kind, _, _ in plan]        # plan: [(kind, function, lectures)]
+        self.threads = {kind: threading.Thread(target=self._run, args=(kind, make, lectures),
+                                               name=f"course-build-{kind}", daemon=True)
+                        for kind, make, lectures in plan}
+        for thread in self.threads.values():
+            thread.start()
 
-    def _run(self):
+    def _run(self, kind, make, lectures):
         try:
-            for kind, make, lectures in self.plan:
-                self.done[kind] = make(lectures)
+            self.done[kind] = make(lectures)
         except BaseException as e:     # said by get(), in the test that needs the build
-            self.error = e
+            self.errors[kind] = e
 
     def get(self, kind):
-        self.thread.join()
+        self.threads[kind].join()
         if kind not in self.done:
-            raise RuntimeError(f"the course build '{kind}' did not finish: {self.error!r}")
+            raise RuntimeError(f"the course build '{kind}' did not finish: {self.errors.get(kind)!r}")
         return self.done[kind]
