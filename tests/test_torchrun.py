@@ -200,11 +200,12 @@ def test_a_demo_for_more_ranks_than_torchrun_started_is_skipped_with_its_reason(
 @pytest.mark.torchrun
 @needs_torchrun
 @pytest.mark.timeout(900)
-def test_ddp_comm_hooks_survive_a_process_group_per_demo(tmp_path):
+def test_ddp_comm_hooks_survive_the_process_groups_ending(tmp_path):
     """The reproducer of the teardown crash: DDP with PyTorch's powerSGD_hook (and the plain
-    all-reduce hook) in several demos in a row, each on a group of its own. Before the launcher
-    let a demo's group die on the main thread, a rank aborted with "Resource deadlock avoided"
-    at the first PowerSGD demo in every run."""
+    all-reduce hook) in several demos in a row, the group ending whenever the ranks change
+    (4, 2, 4, 2) with the hooks' objects still alive. Before the launcher let a group die on the
+    main thread, a rank aborted with "Resource deadlock avoided" at the first PowerSGD demo in
+    every run."""
     rc, log, _ = one_job("tests.support.hooks_lecture", tmp_path)
     rec = check_build(rc, log, tmp_path, "hooks_lecture", None)
     assert {d["status"] for d in demos(rec)} == {"ok"}

@@ -5,8 +5,9 @@ ranks through the job's rendezvous store which importable function to run with w
 arguments; the other ranks do nothing but serve those demos, as pooled workers do, until rank 0
 says the build is over. So a cluster does not run matplotlib or a layout search on every rank.
 
-Each demo runs in a process group of its own, formed over the store on the first k ranks (the
-rest wait for the next demo), so a demo that fails — even one that leaves a collective hanging —
+A demo runs in a process group formed over the store on the first k ranks (the rest wait for
+the next demo), shared with the demos before it while they ended cleanly on the same ranks; a
+demo that fails — even one that leaves a collective hanging — ends its group, so the failure
 stays inside that demo. Results travel through the store, not through a process group a demo
 might have broken.
 """
@@ -36,11 +37,17 @@ def rank():
 class Job:
     """This process's place in the torchrun job.
 
-    A demo's group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP
-    comm hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and
-    some of them run on, and are released by, the group's own worker threads. Had one of those
-    threads dropped the group's last reference, the group's destructor would join that very
-    thread: `std::system_error: Resource deadlock avoided`, and the rank aborts."""
+    Like the pool, consecutive demos on the same ranks with the same timeout share a process
+    group: forming and taking down a group costs seconds per demo through the store. A demo
+    that fails, or one that needs other ranks or another timeout, ends the group; the next
+    demo forms a new one. Every rank sees every task (serving ranks read them all, taking part
+    or not), so the ranks of a group always agree on when to end it.
+
+    A group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP comm
+    hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and some of
+    them run on, and are released by, the group's own worker threads. Had one of those threads
+    dropped the group's last reference, the group's destructor would join that very thread:
+    `std::system_error: Resource deadlock avoided`, and the rank aborts."""
 
     def __init__(self):
         import torch
@@ -52,8 +59,9 @@ class Job:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             use_device(torch.device("cuda", int(os.environ["LOCAL_RANK"])))
         self.demo = 0
-        self.group = None   # the running demo's process group
-        self.retired = []   # groups something still held when their demo ended
+        self.group = None       # the process group this rank is in, kept between clean demos
+        self.group_for = None   # (world size, timeout) of the demos it serves
+        self.retired = []       # groups something still held when they were taken down
         self.ended = False
 
     # --- rank 0: the lecture's side -----------------------------------------------------------
@@ -62,14 +70,16 @@ class Job:
         """Rank 0: hand the demo to the other ranks, take part, and gather every rank's result."""
         task = pickle.dumps((fn, kwargs, world_size, timeout, dataclasses.asdict(settings)))
         self.store.set(f"course/task{self.demo + 1}", task)
+        self._before(world_size, timeout)
         return self._take_part(fn, world_size, kwargs, timeout)
 
     def end(self):
-        """Rank 0: the build is over; the serving ranks leave."""
+        """Rank 0: the build is over; the serving ranks leave, and so does this one."""
         if self.rank == 0 and not self.ended:
             self.ended = True
             with contextlib.suppress(Exception):
                 self.store.set(f"course/task{self.demo + 1}", DONE)
+                self._before(None, None)
 
     # --- every other rank ---------------------------------------------------------------------
 
@@ -81,6 +91,7 @@ class Job:
             self.store.wait([key], NEXT_DEMO_WAIT)
             blob = self.store.get(key)
             if blob == DONE:
+                self._before(None, None)
                 return
             try:
                 fn, kwargs, world_size, timeout, chosen = pickle.loads(blob)
@@ -91,12 +102,20 @@ class Job:
                 import traceback
                 traceback.print_exc()
                 fn, kwargs, world_size, timeout = None, {}, self.size, settings.timeout
+            self._before(world_size, timeout)
             if self.rank < world_size:
                 self._take_part(fn, world_size, kwargs, timeout)
             else:
                 self.demo += 1                      # not needed for this one: wait for the next
 
     # --- a demo, on every rank that takes part --------------------------------------------------
+
+    def _before(self, world_size, timeout):
+        """Every rank, before each task: end the group it is in unless the task needs the same
+        one (same ranks, same timeout). The group's members all do this at the same task."""
+        import torch.distributed as dist
+        if self.group is not None and (self.group_for != (world_size, timeout) or not dist.is_initialized()):
+            self._leave(clean=True)
 
     def _take_part(self, fn, world_size, kwargs, timeout):
         import torch
@@ -109,17 +128,16 @@ class Job:
         try:
             if fn is None:
                 raise RuntimeError(f"rank {self.rank} could not unpickle the demo rank 0 sent")
-            dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
-                                    rank=self.rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
-            self.group = dist.group.WORLD   # held here until the group can die on this thread
+            if self.group is None:
+                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
+                                        rank=self.rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+                self.group = dist.group.WORLD   # held here until the group can die on this thread
+                self.group_for = (world_size, timeout)
             mine = run_task(self.rank, world_size, fn, kwargs, threads)
         except Exception:
             mine = error_result(self.rank)
         ok, blob, mine = mine["ok"], dumps(mine), None
-        # The demo's objects that sit in reference cycles (DDP and its reducer, FSDP and
-        # DTensor state) die here, on this thread, while their group is still alive.
-        gc.collect()
         if not ok and self.group is not None:
             self._leave(clean=False)    # at once: the other ranks' collectives fail now
         self.store.set(f"{prefix}result{self.rank}", blob)
@@ -129,22 +147,29 @@ class Job:
                 got[r] = pickle.loads(self.store.get(f"{prefix}result{r}"))
             except Exception:  # that rank never reported within the timeout
                 pass
-        if self.group is not None:
-            self._leave(clean=len(got) == world_size and all(m["ok"] for m in got.values()))
+        clean = len(got) == world_size and all(m["ok"] for m in got.values())
+        if self.group is not None and not clean:
+            self._leave(clean=False)    # a failed demo may leave the group broken: never reuse it
+        if self.group is not None and not dist.is_initialized():
+            self.group = None           # the demo destroyed the group itself (a tutorial's last line)
+        forget_meshes()                 # DTensor's caches must not hand the next demo this demo's meshes
         done = [r for r, m in got.items() if m["ok"]]
         torch.set_num_threads(narrating_threads)
         return got, describe_failure(got, range(world_size), timeout, done[0] if done else None)
 
     def _leave(self, clean):
-        """Destroy the demo's group so that its destructor runs on this thread, never on one of
-        the group's own worker threads. When every rank finished the demo (`clean`), a barrier
-        on the group first: it returns only once each operation issued before it has finished
-        on the worker threads, callbacks included (gloo runs a future's callbacks, releases
-        them, and only then marks the operation done). Then the group is dropped once nothing
-        else in Python holds it (a callback still being released lets go within moments); a
-        group something still holds (an operation of a failed demo that is stuck, say) is
-        kept until the end of the build instead, and released there by `close`."""
+        """Destroy the group so that its destructor runs on this thread, never on one of the
+        group's own worker threads. When every rank finished cleanly (`clean`), a barrier on
+        the group first: it returns only once each operation issued before it has finished on
+        the worker threads, callbacks included (gloo runs a future's callbacks, releases them,
+        and only then marks the operation done). Then the group is dropped once nothing else in
+        Python holds it (a callback still being released lets go within moments); a group
+        something still holds (an operation of a failed demo that is stuck, say) is kept until
+        the end of the build instead, and released there by `close`."""
         import torch.distributed as dist
+        # The demos' objects that sit in reference cycles (DDP and its reducer, FSDP and
+        # DTensor state) die here, on this thread, while their group is still alive.
+        gc.collect()
         if clean:
             try:
                 dist.barrier()
@@ -160,7 +185,7 @@ class Job:
             time.sleep(0.005)       # lets a worker thread take the GIL and release its callback
         if sys.getrefcount(self.group) > 2:
             self.retired.append(self.group)
-        self.group = None           # the last reference, here: the group joins its threads
+        self.group, self.group_for = None, None   # the last reference, here: the group joins its threads
 
     def close(self):
         """Release the groups kept after failed demos (their operations are long over)."""
