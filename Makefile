@@ -1,7 +1,8 @@
 # The course's commands. Each sets itself up on a fresh machine: a .venv from requirements.txt.
 #   make                 build the whole course: every lecture's page, and the index
 #   make test            run the whole test suite
-#   make test-torchrun   only the torchrun tests: every lecture on 4 ranks, two agents as two nodes
+#   make test-torchrun   only the torchrun tests: every lecture on 4 ranks (compared with the
+#                        notebooks, so they run too), two agents as two nodes
 #   make lecture L=lecture_02_communication   build one lecture
 #   make notebooks       execute the companion notebooks into content/notebooks/ (full sizes)
 #   make jupyter         open the notebooks in JupyterLab with the course's kernel

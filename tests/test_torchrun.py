@@ -1,7 +1,7 @@
 """The course under torchrun, as a user who outgrows one machine runs it: every lecture on 4
 ranks (the session's course build) ends its demos as the pooled launcher does, with the same
 numbers where a demo is deterministic (demos for more ranks are skipped and say so),
-PyTorch's DDP comm hooks survive one process group per demo, and two torchrun agents on this
+PyTorch's DDP comm hooks survive their process groups ending, and two torchrun agents on this
 machine, as two "nodes" meeting at a c10d rendezvous, build a lecture exactly as one 4-rank job
 does. Marked `torchrun` (`make test-torchrun` runs only these)."""
 import json

@@ -13,7 +13,9 @@ What a rank runs is in `util/ranks.py`, and what the terminal says in `util/repo
 Failure is loud and bounded: a rank's exception ends the demo within seconds (the others are
 stopped), a rank that never finishes is stopped `timeout` seconds after the first rank
 finished, and a dead worker is noticed at once. Any failure throws the pool away, so the next
-demo starts on a healthy one.
+demo starts on a healthy one. Under torchrun a demo runs in the ranks' own processes: a rank's
+exception and a missed collective end the demo as in the pool, but nothing can stop a rank
+that loops forever (the demo's `deadline` applies to the pool only).
 """
 import atexit
 import dataclasses

@@ -132,6 +132,7 @@ def run_task(rank, world_size, fn, kwargs, threads):
         sys.stderr.flush()
     if not result["ok"]:
         recorder.add("error", source=source, text=result["error"])
+    result["left_group"] = not dist.is_initialized()     # the demo destroyed its group
     result["records"], result["functions"] = recorder.records, recorder.functions
     result["timed"] = measure.used or any(rec["kind"] == "span" for rec in recorder.records)
     return result

@@ -25,7 +25,8 @@ from util.ranks import (choose_backend, describe_failure, dumps, error_result, f
                         settings, use_device)
 
 # How long a serving rank waits for rank 0's next demo: rank 0 may narrate for minutes between
-# two demos (a full-size layout search). If rank 0 dies, torchrun stops every rank anyway.
+# two demos (a full-size layout search). If rank 0 dies, its node's agent stops that node's
+# ranks; ranks on other nodes wait out this bound (rank 0 says "done" whenever it exits).
 NEXT_DEMO_WAIT = datetime.timedelta(hours=6)
 DONE = b"done"
 
@@ -34,14 +35,36 @@ def rank():
     return int(os.environ["RANK"])
 
 
+@contextlib.contextmanager
+def _narration_kept(narrating):
+    """On rank 0 a demo runs inside the process that narrates: what the demo changes (random
+    states, the default dtype, grad mode) must not reach the narration, as it cannot in a pool."""
+    if not narrating:
+        yield
+        return
+    import random
+    import numpy as np
+    import torch
+    states = random.getstate(), np.random.get_state(), torch.get_default_dtype(), torch.is_grad_enabled()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_default_dtype(states[2])
+            torch.set_grad_enabled(states[3])
+
+
 class Job:
     """This process's place in the torchrun job.
 
     Like the pool, consecutive demos on the same ranks with the same timeout share a process
     group: forming and taking down a group costs seconds per demo through the store. A demo
     that fails, or one that needs other ranks or another timeout, ends the group; the next
-    demo forms a new one. Every rank sees every task (serving ranks read them all, taking part
-    or not), so the ranks of a group always agree on when to end it.
+    demo forms a new one. Rank 0 decides after each demo whether its group is kept and
+    publishes the verdict; every rank sees every task (serving ranks read them all, taking part
+    or not), so the members of a group end it together.
 
     A group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP comm
     hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and some of
@@ -68,7 +91,9 @@ class Job:
 
     def run(self, fn, world_size, kwargs, timeout):
         """Rank 0: hand the demo to the other ranks, take part, and gather every rank's result."""
-        task = pickle.dumps((fn, kwargs, world_size, timeout, dataclasses.asdict(settings)))
+        # The header (ranks, timeout, settings) is plain data, decodable even where the demo's
+        # function cannot be unpickled; the call is a blob of its own.
+        task = pickle.dumps((world_size, timeout, dataclasses.asdict(settings), pickle.dumps((fn, kwargs))))
         self.store.set(f"course/task{self.demo + 1}", task)
         self._before(world_size, timeout)
         return self._take_part(fn, world_size, kwargs, timeout)
@@ -93,15 +118,16 @@ class Job:
             if blob == DONE:
                 self._before(None, None)
                 return
+            world_size, timeout, chosen, call = pickle.loads(blob)
+            for name, value in chosen.items():
+                setattr(settings, name, value)
+            settings.progress = False               # rank 0 reports
             try:
-                fn, kwargs, world_size, timeout, chosen = pickle.loads(blob)
-                for name, value in chosen.items():
-                    setattr(settings, name, value)
-                settings.progress = False           # rank 0 reports
+                fn, kwargs = pickle.loads(call)
             except Exception:                       # rank 0 pickled it, so this is rare: say so
                 import traceback
                 traceback.print_exc()
-                fn, kwargs, world_size, timeout = None, {}, self.size, settings.timeout
+                fn, kwargs = None, {}               # _take_part reports the failure as this rank's
             self._before(world_size, timeout)
             if self.rank < world_size:
                 self._take_part(fn, world_size, kwargs, timeout)
@@ -134,7 +160,8 @@ class Job:
                                         timeout=datetime.timedelta(seconds=timeout))
                 self.group = dist.group.WORLD   # held here until the group can die on this thread
                 self.group_for = (world_size, timeout)
-            mine = run_task(self.rank, world_size, fn, kwargs, threads)
+            with _narration_kept(self.rank == 0):
+                mine = run_task(self.rank, world_size, fn, kwargs, threads)
         except Exception:
             mine = error_result(self.rank)
         ok, blob, mine = mine["ok"], dumps(mine), None
@@ -148,10 +175,22 @@ class Job:
             except Exception:  # that rank never reported within the timeout
                 pass
         clean = len(got) == world_size and all(m["ok"] for m in got.values())
-        if self.group is not None and not clean:
-            self._leave(clean=False)    # a failed demo may leave the group broken: never reuse it
+        # Rank 0 alone decides whether the group serves the next demo, and the others follow:
+        # a rank that missed a slow rank's result, or a demo that destroyed the group on some
+        # ranks only, must not split the members between an old group and a new one.
+        verdict = f"{prefix}keep"
+        if self.rank == 0:
+            keep = clean and not any(m.get("left_group") for m in got.values())
+            self.store.set(verdict, b"keep" if keep else b"end")
+        else:
+            try:
+                keep = self.store.get(verdict) == b"keep"
+            except Exception:               # rank 0 is gone: nothing more to keep a group for
+                keep = False
         if self.group is not None and not dist.is_initialized():
             self.group = None           # the demo destroyed the group itself (a tutorial's last line)
+        if self.group is not None and not keep:
+            self._leave(clean=clean)    # a failed demo may leave the group broken: never reuse it
         forget_meshes()                 # DTensor's caches must not hand the next demo this demo's meshes
         done = [r for r, m in got.items() if m["ok"]]
         torch.set_num_threads(narrating_threads)
@@ -211,9 +250,13 @@ def close():
 @atexit.register
 def end():
     """Rank 0 tells the serving ranks the build is over (called when the build ends, and at
-    exit whatever happened, so no rank waits for a demo that will never come)."""
+    exit whatever happened, so no rank waits for a demo that will never come) — even when no
+    demo ran in place, since the serving ranks are waiting all the same."""
     if _job is not None:
         _job.end()
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and rank() == 0:
+        with contextlib.suppress(Exception):
+            job().end()
 
 
 def run_in_place(fn, world_size, kwargs, timeout, run):

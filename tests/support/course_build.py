@@ -1,8 +1,10 @@
 """The test session's course build: made once, read by every test that needs it.
 
 Two builds, each kept in `.pytest_cache/course/<kind>-<key>/` where the key is a hash of the
-course's sources (lectures/, util/, exercises/, requirements.txt) and of the torch and Python
-versions: a re-run with unchanged sources reuses them, and any change to a source builds anew.
+course's sources (lectures/, util/, exercises/, requirements.txt), of the build's command and of
+the torch and Python versions: a re-run with unchanged sources reuses them, and any change to a
+source builds anew. Folders of older sources are deleted after an hour (a session still running
+may read one).
 A file lock makes concurrent test processes (two terminals, pytest-xdist) wait for one build
 instead of making two. A failed build is not kept: the next run tries again.
 
@@ -42,9 +44,13 @@ def source_key(*extra):
             if "__pycache__" not in d and ".ipynb_checkpoints" not in d for f in names
             if not f.endswith((".pyc", ".pyo")))
         for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:       # an editor's swap file, gone since the walk
+                continue
             digest.update(os.path.relpath(f, ROOT).encode())
-            with open(f, "rb") as fh:
-                digest.update(fh.read())
+            digest.update(data)
     return digest.hexdigest()[:12]
 
 
@@ -100,16 +106,18 @@ def stop_all():
 def cached(kind, command, lectures, env=None):
     """Run `command` (a list, with {out} standing for the build's folder) once per source key,
     under a lock; later calls with the same sources reuse its folder."""
-    key = source_key(kind, tuple(lectures))
+    key = source_key(kind, tuple(lectures), tuple(command), tuple(sorted((env or {}).items())))
     folder = os.path.join(CACHE, f"{kind}-{key}")
     with _locked(os.path.join(CACHE, f"{kind}.lock")):
         done = os.path.join(folder, "build.json")
         if os.path.exists(done):
             with open(done) as f:
                 return Build(kind, folder, json.load(f), reused=True)
-        for old in os.listdir(CACHE):               # builds of older sources: no longer read
-            if old.startswith(kind + "-"):
-                shutil.rmtree(os.path.join(CACHE, old), ignore_errors=True)
+        for old in os.listdir(CACHE):   # builds of older sources, unless a session may still read one
+            path = os.path.join(CACHE, old)
+            if old.startswith(kind + "-") and os.path.isdir(path) and time.time() - os.path.getmtime(path) > 3600:
+                shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)   # a build of these sources that did not finish
         os.makedirs(folder)
         cmd = [part.replace("{out}", folder) for part in command]
         start = time.monotonic()
@@ -126,7 +134,9 @@ def cached(kind, command, lectures, env=None):
             finally:
                 _running.discard(proc)
         info = {"returncode": rc, "seconds": round(time.monotonic() - start, 1), "command": cmd}
-        if rc == 0:                                 # only a good build is kept for the next run
+        # Only a good build is kept for the next run, and only if no source changed while it ran
+        # (it would be filed under sources it did not build).
+        if rc == 0 and source_key(kind, tuple(lectures), tuple(command), tuple(sorted((env or {}).items()))) == key:
             with open(done, "w") as f:
                 json.dump(info, f)
         return Build(kind, folder, info, reused=False)
