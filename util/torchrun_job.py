@@ -5,9 +5,8 @@ ranks through the job's rendezvous store which importable function to run with w
 arguments; the other ranks do nothing but serve those demos, as pooled workers do, until rank 0
 says the build is over. So a cluster does not run matplotlib or a layout search on every rank.
 
-A demo runs in a process group formed over the store on the first k ranks (the rest wait for
-the next demo), shared with the demos before it while they ended cleanly on the same ranks; a
-demo that fails — even one that leaves a collective hanging — ends its group, so the failure
+A demo runs in a process group of its own, formed over the store on the first k ranks (the
+rest wait for the next demo); a demo that fails — even one that leaves a collective hanging —
 stays inside that demo. Results travel through the store, not through a process group a demo
 might have broken.
 """
@@ -59,12 +58,10 @@ def _narration_kept(narrating):
 class Job:
     """This process's place in the torchrun job.
 
-    Like the pool, consecutive demos on the same ranks with the same timeout share a process
-    group: forming and taking down a group costs seconds per demo through the store. A demo
-    that fails, or one that needs other ranks or another timeout, ends the group; the next
-    demo forms a new one. Rank 0 decides after each demo whether its group is kept and
-    publishes the verdict; every rank sees every task (serving ranks read them all, taking part
-    or not), so the members of a group end it together.
+    Each demo forms a process group of its own and ends it. Rank 0 decides after each demo
+    whether its group is kept for the next one and publishes the verdict, so the members of a
+    group end it together; for now it never keeps one (see `_take_part`: rank 0's narration
+    must not see a live group), which costs about a second per demo.
 
     A group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP comm
     hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and some of
@@ -180,7 +177,10 @@ class Job:
         # ranks only, must not split the members between an old group and a new one.
         verdict = f"{prefix}keep"
         if self.rank == 0:
-            keep = clean and not any(m.get("left_group") for m in got.values())
+            # Not kept for now: rank 0 narrates in the process that holds the group, and the
+            # narration must not see one (util.measure times over every rank of a live group;
+            # a kept group made lecture 01's in-process timing wait for ranks that were not there).
+            keep = False
             self.store.set(verdict, b"keep" if keep else b"end")
         else:
             try:
