@@ -5,7 +5,7 @@
 
 NAME is a lecture in lectures/ (lecture_02_communication), a dotted module
 (tests.support.fixture_lecture) or a path to a .py file. Several are built one after the
-other by one process, sharing its ranks. Exit status: 0 built (demos that failed as expected
+other by one process (under torchrun, by the same job's ranks). Exit status: 0 built (demos that failed as expected
 are lessons, not failures), 1 a demo or a lecture failed (the page is still written and shows
 the failure), 2 bad command line.
 
@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = Parser(prog="python -m util.run", description="Build one lecture into content/.")
+    p = Parser(prog="python -m util.run", description="Build lectures into content/.")
     p.add_argument("lectures", nargs="+", metavar="lecture",
                    help="lecture name in lectures/, dotted module, or .py path")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
