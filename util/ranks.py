@@ -167,11 +167,16 @@ def describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=Non
     if missing:
         dead = dead_of(missing) if dead_of else []
         stuck = [r for r in missing if r not in dead]
-        if dead:
-            parts.append(f"{record.rank_list(dead)} died (exit codes {[exitcode(r) for r in dead]})")
+        exited = [r for r in dead if exitcode(r) == 0]     # the rank's own sys.exit / os._exit: no crash
+        crashed = [r for r in dead if r not in exited]
+        if exited:
+            parts.append(f"{record.rank_list(exited)} exited (exit code 0) before finishing")
+        if crashed:
+            parts.append(f"{record.rank_list(crashed)} died (exit codes {[exitcode(r) for r in crashed]})")
         if stuck:
             parts.append(f"{record.rank_list(stuck)} " + (
-                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} died"
+                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} "
+                f"{'died' if crashed else 'exited'}"
                 + (f", {ran:.1f} s into the demo" if ran is not None else "") if dead else
                 f"did not finish within {timeout:g} s of rank {first_done} finishing; a rank probably "
                 "skipped a collective" if first_done is not None and not failed else
