@@ -168,7 +168,7 @@ def random_layouts(n, seed=0):
     while len(out) < n:
         m = rng.choice(shapes)
         pp = rng.choice([p for p in (1, 2, 3, 4, 8) if p <= m.layers])
-        tp = rng.choice([1, 2, 4, 8])
+        tp = rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and m.kv_heads % t == 0])
         schedule = rng.choice(["1f1b", "gpipe"])
         v = rng.choice([v for v in (1, 2, 3, 5) if pp * v <= m.layers]) if pp > 1 and schedule == "1f1b" else 1
         out.append((m, Layout(dp=rng.choice([1, 2, 3, 8, 64]), pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
