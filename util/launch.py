@@ -56,6 +56,12 @@ class Run:
     error: str = None
     timed: bool = False         # a rank measured time or bytes: its numbers differ run to run
 
+    @property
+    def skipped(self):
+        """A demo for more ranks than torchrun started: it did not run (the page says why), and
+        a lecture must not read its returns."""
+        return self.status == "skipped"
+
 
 @atexit.register
 def shutdown():
