@@ -117,7 +117,7 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, d
         try:
             results, error = pool.run(fn, kwargs, world_size, timeout, deadline)
         finally:  # a failure may leave ranks stuck in a collective: never reuse them
-            if settings.launcher == "spawn" or error:
+            if settings.launcher == "spawn" or error or any(m.get("retire") for m in results.values()):
                 pools.discard(backend, pool)
     run.elapsed = time.perf_counter() - start
     traceback_text = None

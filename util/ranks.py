@@ -71,11 +71,23 @@ def _reset(seed, threads):
         torch.cuda.reset_peak_memory_stats()
 
 
+retire = False   # set by a demo whose worker must not run another (see retire_this_worker)
+
+
+def retire_this_worker():
+    """After this demo, the launcher replaces this worker with a fresh process: what ran here
+    changed it in ways nobody can vouch for (an exercise check that imported the course's
+    modules under a student's function)."""
+    global retire
+    retire = True
+
+
 def run_task(rank, world_size, fn, kwargs, threads):
+    global retire
     import torch.distributed as dist
     from util import measure
     _reset(0, threads)
-    measure.used = False
+    measure.used, retire = False, False
     try:
         dist.barrier()          # everyone starts together: spans line up across ranks
     except Exception as e:
@@ -109,6 +121,7 @@ def run_task(rank, world_size, fn, kwargs, threads):
         recorder.add("error", source=source, text=result["error"])
     result["records"], result["functions"] = recorder.records, recorder.functions
     result["timed"] = measure.used or any(rec["kind"] == "span" for rec in recorder.records)
+    result["retire"] = retire
     return result
 
 
