@@ -41,6 +41,8 @@ class Exercise:
     watch: dict = dataclasses.field(default_factory=dict)   # {dotted name: reason it is forbidden, or None: counted}
     keeps_inputs: bool = False       # the statement says the function must not change its tensors
     subgroup: bool = False           # harness takes group=: run it on ranks 1..n-1 too
+    ring: typing.Callable = None     # n -> how many times its input a rank sends: point-to-point to its
+                                     # ring neighbours only (a module-level function: the ranks import it)
     prepare: typing.Callable = None  # () -> kwargs for the harness, computed in this process
     given: typing.Callable = None    # () -> {name: object} also defined where the function runs
     rtol: float = 1e-7
@@ -54,6 +56,32 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
                "all_to_all_single", "broadcast", "reduce", "gather")
 
+# The other spellings of each collective a student finds: the process group's own method (what
+# dist.all_reduce calls) and PyTorch's functional collectives.
+PROCESS_GROUP = "torch._C._distributed_c10d.ProcessGroup."
+FUNCTIONAL = "torch.distributed._functional_collectives."
+SPELLINGS = {
+    "all_reduce": [PROCESS_GROUP + m for m in ("allreduce", "allreduce_coalesced")]
+    + [FUNCTIONAL + f for f in ("all_reduce", "all_reduce_coalesced", "all_reduce_inplace")],
+    "all_gather": [PROCESS_GROUP + m for m in ("allgather", "_allgather_base", "all_gather_single",
+                                               "allgather_coalesced", "allgather_into_tensor_coalesced")]
+    + [FUNCTIONAL + f for f in ("all_gather_tensor", "all_gather_tensor_autograd", "all_gather_inplace")],
+    "reduce_scatter": [PROCESS_GROUP + m for m in ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+                                                   "reduce_scatter_tensor_coalesced")]
+    + [FUNCTIONAL + f for f in ("reduce_scatter_tensor", "reduce_scatter_tensor_autograd")],
+    "all_to_all": [PROCESS_GROUP + m for m in ("alltoall", "alltoall_base", "all_to_all_single")]
+    + [FUNCTIONAL + f for f in ("all_to_all_single", "all_to_all_single_autograd", "permute_tensor")],
+    "broadcast": [PROCESS_GROUP + "broadcast", FUNCTIONAL + "broadcast"],
+    "reduce": [PROCESS_GROUP + "reduce"],
+    "gather": [PROCESS_GROUP + "gather"],
+}
+
+
+# The rendezvous store's methods: ranks find each other through it, and a ring's data must not
+# travel through it instead of the messages.
+STORE = tuple(f"torch._C._distributed_c10d.Store.{m}" for m in (
+    "set", "get", "add", "compare_set", "multi_set", "multi_get", "append", "queue_push", "queue_pop"))
+
 
 def forbid(reason, *names):
     """{dotted name: reason} for Exercise.watch: names the student's function may not call."""
@@ -61,8 +89,26 @@ def forbid(reason, *names):
 
 
 def built_in(*collectives):
-    """torch.distributed's own collectives, as dotted names for forbid()."""
-    return [f"torch.distributed.{c}" for c in collectives]
+    """torch.distributed's own collectives, as dotted names for forbid(), with the other
+    spellings (SPELLINGS) this PyTorch has of each."""
+    names = [f"torch.distributed.{c}" for c in collectives]
+    for family in {_family(c) for c in collectives} - {None}:
+        names += [n for n in SPELLINGS[family] if n not in names and _exists(n)]
+    return names
+
+
+def _family(collective):
+    """'reduce_scatter_tensor' -> 'reduce_scatter': the longest SPELLINGS key it starts with."""
+    return next((f for f in sorted(SPELLINGS, key=len, reverse=True)
+                 if collective == f or collective.startswith(f + "_")), None)
+
+
+def _exists(dotted):
+    try:
+        owner, attr = engine.resolve(dotted)
+    except (ImportError, AttributeError):
+        return False
+    return hasattr(owner, attr)
 
 
 def exercise(**fields):
@@ -116,7 +162,7 @@ def evaluate(name, *fns):
         return engine._verdict(name, False, f"the check could not prepare its cases: {type(e).__name__}: {e}", 0.0)
     return engine.evaluate(name, ex.harness, fns, world_size=ex.ranks, kwargs=kwargs, given=given,
                            rtol=ex.rtol, atol=ex.atol, hint=ex.hint, sizes=ex.sizes, watch=ex.watch,
-                           keeps_inputs=ex.keeps_inputs, subgroup=ex.subgroup)
+                           keeps_inputs=ex.keeps_inputs, subgroup=ex.subgroup, ring=ex.ring)
 
 
 def check(name, *fns):

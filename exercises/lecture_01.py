@@ -1,5 +1,6 @@
 """Lecture 01's exercises: counting parameters, the online softmax, bytes per parameter."""
 import math
+from types import MappingProxyType
 
 import torch
 
@@ -7,7 +8,9 @@ from exercises import exercise, mutant
 
 # --- the parameter count of a GPT config ---------------------------------------------------
 
-CONFIGS = [   # one group per rank: GQA, tied embeddings, odd widths, a one-layer model
+# The check's cases are read-only (tuples, mapping proxies): a student's function runs beside them.
+CONFIGS = tuple(tuple(MappingProxyType(kw) for kw in group) for group in (
+    # one group per rank: GQA, tied embeddings, odd widths, a one-layer model
     [dict(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=4),
      dict(vocab_size=97, seq_len=17, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2)],
     [dict(vocab_size=50, seq_len=8, d_model=32, n_layers=1, n_heads=2, tie_embeddings=True),
@@ -15,7 +18,7 @@ CONFIGS = [   # one group per rank: GQA, tied embeddings, odd widths, a one-laye
     [dict(vocab_size=7, seq_len=5, d_model=12, n_layers=4, n_heads=4, n_kv_heads=1, d_ff=9,
           tie_embeddings=True),
      dict(vocab_size=1000, seq_len=64, d_model=80, n_layers=2, n_heads=8, n_kv_heads=4)],
-]
+))
 
 
 def check_param_count(rank, world_size, fn):
@@ -69,7 +72,7 @@ exercise(
 
 # --- the online-softmax update of one block -------------------------------------------------
 
-BLOCKS = [[3, 1, 5, 2], [11], [1, 1, 1, 1, 1, 6]]   # key blocks per rank: uneven, one, many
+BLOCKS = ((3, 1, 5, 2), (11,), (1, 1, 1, 1, 1, 6))   # key blocks per rank: uneven, one, many
 
 
 def check_online_softmax(rank, world_size, fn):
@@ -88,7 +91,7 @@ def check_online_softmax(rank, world_size, fn):
         for size in BLOCKS[rank]:
             m, l, acc = fn(m, l, acc, scores[:, start:start + size], v[0, 0, start:start + size])
             start += size
-        out.append((f"keys in blocks of {BLOCKS[rank]}, scores up to {scores.abs().max():.0f}",
+        out.append((f"keys in blocks of {list(BLOCKS[rank])}, scores up to {scores.abs().max():.0f}",
                     [expected[0, 0], lse[0, 0]], [acc / l[:, None], m + torch.log(l)]))
     return out
 
@@ -132,7 +135,7 @@ exercise(
 
 # --- bytes per parameter of a precision recipe ----------------------------------------------
 
-RECIPES = ["fp32", "bf16", "fp64"]   # one per rank
+RECIPES = ("fp32", "bf16", "fp64")   # one per rank
 
 
 def check_bytes(rank, world_size, fn):

@@ -2,11 +2,12 @@
 import torch
 import torch.distributed as dist
 
-from exercises import COLLECTIVES, built_in, exercise, forbid, mutant
+from exercises import COLLECTIVES, STORE, built_in, exercise, forbid, mutant
 
-# what a ring built from send/recv may not lean on: a collective, the course's answer, the inputs
+# what a ring built from send/recv may not lean on: a collective, the store, the course's answer, the inputs
 SEND_RECV_ONLY = "it asks for a ring of point-to-point messages (dist.isend / dist.irecv)"
 NOT_THE_ANSWER = ("exercises.solution", "exercises.lecture_02.rank_input")
+NOT_A_MESSAGE = (*built_in(*COLLECTIVES), *STORE)
 
 
 def rank_input(rank, shape, seed=0):
@@ -17,7 +18,7 @@ def rank_input(rank, shape, seed=0):
 
 # --- ring all-reduce -----------------------------------------------------------------------
 
-RING_LENGTHS = [1, 2, 7, 13, 100]   # on 3 and 2 ranks: empty chunks, uneven chunks, even ones
+RING_LENGTHS = (1, 2, 7, 13, 100)   # on 3 and 2 ranks: empty chunks, uneven chunks, even ones
 
 
 def check_ring(rank, world_size, fn):
@@ -29,6 +30,11 @@ def check_ring(rank, world_size, fn):
         got = fn(x.clone())
         out.append((f"buffer of {length} float64", expected, got))
     return out
+
+
+def ring_all_reduce_volume(n):
+    """What a rank of a ring all-reduce sends, in multiples of its buffer: 2(n - 1) chunks of 1/n."""
+    return 2 * (n - 1) / n
 
 
 def ring_all_reduce(x):
@@ -71,15 +77,17 @@ exercise(
         "for n − 1 more steps, the finished chunks travel once more around the ring, copied into "
         "place. The check runs it on 3 and on 2 ranks on float64 buffers of 1, 2, 7, 13 and 100 "
         "elements against the course's `ring_all_reduce`, and fails if your function calls a "
-        "collective or the course's own ring."),
+        "collective or the course's own ring, or sends what a ring does not: a message to a rank "
+        "other than its right neighbour (or a receive from other than its left), more or fewer "
+        "than the ring's 2(n − 1)/n of the buffer, or data through the store or a file."),
     stub=(
         "def ring_all_reduce(x):\n"
         "    \"\"\"Sum x over all ranks with 2(n-1) ring steps of send/recv; return the result.\"\"\"\n"
         "    n, rank = dist.get_world_size(), dist.get_rank()\n"
         "    raise NotImplementedError(\"hint: chunks = x.tensor_split(n); at step s send chunk \"\n"
         "                              \"(rank - s) % n right, add chunk (rank - s - 1) % n from the left\")\n"),
-    harness=check_ring, solution=ring_all_reduce, ranks=(3, 2),
-    watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.ring_all_reduce",
+    harness=check_ring, solution=ring_all_reduce, ranks=(3, 2), ring=ring_all_reduce_volume,
+    watch=forbid(SEND_RECV_ONLY, *NOT_A_MESSAGE, *NOT_THE_ANSWER, "exercises.lecture_02.ring_all_reduce",
                  "lectures.data_parallel.collectives.ring_all_reduce", "lectures.data_parallel.collectives.pipelined_ring_all_reduce",
                  "lectures.lecture_02_communication.ring_all_reduce"),
     wrong={"no all-gather phase": mutant(ring_all_reduce, ("chunks[recv_i].copy_(incoming)", "pass")),
@@ -93,7 +101,7 @@ exercise(
 
 # --- all-gather ----------------------------------------------------------------------------
 
-GATHER_SHAPES = [(5,), (3, 4), (1,)]
+GATHER_SHAPES = ((5,), (3, 4), (1,))
 
 
 def check_all_gather(rank, world_size, fn):
@@ -106,6 +114,11 @@ def check_all_gather(rank, world_size, fn):
         got = list(got) if isinstance(got, (list, tuple)) else got
         out.append((f"tensor of shape {shape}", expected, got))
     return out
+
+
+def all_gather_volume(n):
+    """What a rank of a ring all-gather sends, in multiples of its input: n - 1 pieces."""
+    return n - 1
 
 
 def all_gather(x):
@@ -133,15 +146,17 @@ exercise(
         "the right the piece you received last (your own at first) and receive from the left, "
         "so every rank sends (n − 1)/n of the output, the bus-bandwidth factor of all-gather. "
         "The check runs 3 and 2 ranks on float64 tensors of shapes (5,), (3, 4) and (1,) "
-        "against `dist.all_gather`, and fails if your function calls a collective."),
+        "against `dist.all_gather`, and fails if your function calls a collective or sends what "
+        "the ring does not (a message to other than its right neighbour, more or less than n − 1 "
+        "times its tensor, data through the store or a file)."),
     stub=(
         "def all_gather(x):\n"
         "    \"\"\"[x of rank 0, x of rank 1, ...] on every rank, with n - 1 ring steps of send/recv.\"\"\"\n"
         "    n, rank = dist.get_world_size(), dist.get_rank()\n"
         "    raise NotImplementedError(\"hint: out[rank] = x; at step s send out[(rank - s) % n] \"\n"
         "                              \"right and receive out[(rank - s - 1) % n] from the left\")\n"),
-    harness=check_all_gather, solution=all_gather, ranks=(3, 2),
-    watch=forbid(SEND_RECV_ONLY, *built_in(*COLLECTIVES), *NOT_THE_ANSWER, "exercises.lecture_02.all_gather"),
+    harness=check_all_gather, solution=all_gather, ranks=(3, 2), ring=all_gather_volume,
+    watch=forbid(SEND_RECV_ONLY, *NOT_A_MESSAGE, *NOT_THE_ANSWER, "exercises.lecture_02.all_gather"),
     wrong={"forwards its own tensor every step": mutant(all_gather, ("isend, out[send_i]", "isend, x")),
            "list rotated by one rank": mutant(all_gather, ("return out", "return out[1:] + out[:1]"))},
     hint="the piece to forward at step s is the one that arrived at step s - 1, from rank "
@@ -151,7 +166,7 @@ exercise(
 
 # --- bus bandwidth -------------------------------------------------------------------------
 
-COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"]
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
 
 
 def check_bus_bandwidth(rank, world_size, fn):

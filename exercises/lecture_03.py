@@ -15,8 +15,8 @@ def _tensor(rank, shape, seed):
 
 # --- a bucketed gradient all-reduce ---------------------------------------------------------
 
-SHAPES = [(7, 3), (5,), (11, 2), (1,), (4, 4), (9,)]        # definition order, float64
-BUCKETS = [200 / 2 ** 20, 1e-9, 1.0, 400 / 2 ** 20]        # MB: mixed, one per tensor, one, two
+SHAPES = ((7, 3), (5,), (11, 2), (1,), (4, 4), (9,))        # definition order, float64
+BUCKETS = (200 / 2 ** 20, 1e-9, 1.0, 400 / 2 ** 20)        # MB: mixed, one per tensor, one, two
 
 
 def check_buckets(rank, world_size, fn):
@@ -82,7 +82,7 @@ exercise(
 
 # --- a ZeRO-1 step ----------------------------------------------------------------------------
 
-NUMELS = [10, 2, 31]   # not divisible by 3 ranks; fewer elements than ranks
+NUMELS = (10, 2, 31)   # not divisible by 3 ranks; fewer elements than ranks
 
 
 def check_zero1(rank, world_size, fn):
@@ -170,8 +170,8 @@ exercise(
 # --- the indices a distributed sampler gives a rank -------------------------------------------
 
 # 1 row on 3 ranks pads 2: more padding than data (the padding repeats the indices as often as needed)
-SAMPLER_CASES = [(10, False, False), (10, True, False), (10, True, True), (2, True, False), (1, False, False),
-                 (7, False, True)]
+SAMPLER_CASES = ((10, False, False), (10, True, False), (10, True, True), (2, True, False), (1, False, False),
+                 (7, False, True))
 
 
 def check_sampler(rank, world_size, fn):

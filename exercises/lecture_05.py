@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from exercises import exercise, mutant
 
-SCHEDULE_CASES = [(3, 1), (3, 2), (3, 5), (3, 8), (4, 7), (5, 3)]   # (stages, micro-batches)
+SCHEDULE_CASES = ((3, 1), (3, 2), (3, 5), (3, 8), (4, 7), (5, 3))   # (stages, micro-batches)
 
 
 def _schedule_check(name):

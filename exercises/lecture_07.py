@@ -6,7 +6,7 @@ import math
 from exercises import exercise, mutant
 
 # (1, 2, 2, 1): pp and cp both > 1, so putting cp outside pp (Megatron-LM's order) shows
-MESH_SHAPES = [(2, 1, 1, 3), (1, 3, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (3, 2, 1, 2), (1, 2, 2, 1)]
+MESH_SHAPES = ((2, 1, 1, 3), (1, 3, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (3, 2, 1, 2), (1, 2, 2, 1))
 
 
 def _spread(cases, world_size=3):

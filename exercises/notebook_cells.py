@@ -23,10 +23,11 @@ Write each function below yourself, then run the cell under it: the check runs y
 group), at sizes it chooses, against the course's own implementation, and says either *passed* or
 the first thing that differs (which rank, which case, which element, expected vs got) with a hint.
 It also checks what the statement asks: where it says "send/recv only" or "without gathering", a
-collective the exercise forbids fails the check by name; a function given a `group` also runs on a
-sub-group. A failing check does not stop the notebook; run it again after each change (each check
-answers within seconds). Your function is sent to the ranks as source text: keep it
-self-contained (`torch`, `dist`, `math`, `F` and `nn` are imported for you there; define helpers
+collective the exercise forbids fails the check by name, and a ring's messages are counted (only to
+its neighbours, the ring's bytes, nothing through the store or a file); a function given a `group`
+also runs on a sub-group. A failing check does not stop the notebook; run it again after each
+change (each check answers within seconds). Your function is sent to the ranks as source text: keep
+it self-contained (`torch`, `dist`, `math`, `F` and `nn` are imported for you there; define helpers
 inside it). Set `solutions = True` in the first cell to run every check on the course's reference
 solutions instead (they live in `exercises/`)."""
 

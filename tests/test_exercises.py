@@ -285,10 +285,11 @@ CAUGHT = [  # (exercise, the student's functions, what the verdict must say)
     ("ring_all_reduce", (ring_by_all_reduce,), "your function called dist.all_reduce"),
     ("ring_all_reduce", (ring_by_the_course,), "called ring_all_reduce (from lectures.lecture_02_communication)"),
     ("ring_all_reduce", (ring_by_a_demos_module,), "your function called ring_all_reduce (from lectures."),
-    ("ring_all_reduce", (ring_without_communication,), "called rank_input"),
+    ("ring_all_reduce", (ring_without_communication,), ("called rank_input", "called sys._getframe")),
     ("ring_all_reduce", (ring_for_three_ranks,), ("the check on 2 ranks failed", "rank 0 of 2", "rank 1 of 2")),
-    # the other ranks then fail in the course's ring, an echo: the verdict shows the student's line
-    ("ring_all_reduce", (ring_for_two_ranks,), 'raised:\n  File "<your ring_for_two_ranks>", line 6'),
+    # the verdict shows the student's line, or that rank 0 talked to rank 1 where a ring of 3 does not
+    ("ring_all_reduce", (ring_for_two_ranks,), ('raised:\n  File "<your ring_for_two_ranks>", line 6',
+                                               "receives only from its left, rank 2")),
     ("all_gather", (all_gather_built_in,), "your function called dist.all_gather"),
     ("all_gather", (all_gather_float32,), "dtype: expected torch.float64, got torch.float32"),
     ("all_gather", (all_gather_tries_built_in,), "the error was caught inside your function"),
@@ -369,7 +370,7 @@ def test_a_forbidden_course_function_is_refused_by_every_spelling_and_put_back()
     watch = {"lectures.data_parallel.collectives.ring_all_reduce": "write it yourself",
              "lectures.lecture_02_communication.ring_all_reduce": "write it yourself"}
     late = [types.ModuleType("lectures._late_a"), types.ModuleType("lectures._late_b")]
-    with watching(watch):
+    with watching(watch, []):
         for holder, source in ((collectives, "data_parallel.collectives"),
                                (lecture, "lecture_02_communication"),
                                (communication_demos, "data_parallel.collectives")):

@@ -291,3 +291,34 @@ def test_the_failure_sentence_says_who_died_and_who_was_stopped():
     assert "rank 1 died (exit codes [5])" in error and "ranks 0 and 2 were stopped after rank 1 died, " in error, error
     ran = float(error.split("died, ")[1].split(" s into the demo")[0])   # how long they really ran
     assert 0 < ran < time.monotonic() - start, error
+
+
+def exit_cleanly(rank, world_size):
+    os._exit(0)
+
+
+def test_a_rank_that_exits_with_code_0_is_said_to_exit_not_to_die():
+    with pytest.raises(DemoFailed) as e:
+        spawn(exit_cleanly, 2)
+    assert "ranks 0 and 1 exited (exit code 0) before finishing" in e.value.run.error
+    assert "died" not in e.value.run.error, e.value.run.error
+
+
+def test_a_signal_while_workers_start_ends_with_its_own_exit_and_no_worker_left(monkeypatch):
+    """SIGTERM (a SystemExit) during the pool's start-up: the exit goes through, not an error
+    from throwing away a pool whose last worker never started, and the started ones are gone."""
+    from util import pool as pools
+    pools.close_all()
+    process = type(pools._context().Process())
+    real_start, started = process.start, []
+
+    def start(self):
+        if started:
+            raise SystemExit(143)          # what the build's SIGTERM handler raises
+        real_start(self)
+        started.append(self.pid)
+    monkeypatch.setattr(process, "start", start)
+    with pytest.raises(SystemExit) as e:
+        pools.pooled("gloo", 3)
+    assert e.value.code == 143 and started
+    assert not os.path.exists(f"/proc/{started[0]}") or open(f"/proc/{started[0]}/stat").read().split()[2] == "Z"

@@ -509,3 +509,34 @@ def test_local_sgd_does_not_rank_single_runs_within_noise():
     text = deep_dives.local_sgd_words(final)
     assert "H=16 fp32 nesterov (0.1786)" in text and "another seed" in text
     assert "about the same" in text
+
+
+class PooledJob:
+    """A torchrun job of `ranks` ranks, as rank 0's demos see it, with the pool's workers as its
+    other ranks."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def run(self, fn, world_size, kwargs, timeout):
+        from util import pool
+        return pool.pooled("gloo", world_size).run(fn, kwargs, world_size, timeout)
+
+
+def test_under_torchrun_with_fewer_ranks_the_sections_skip_what_did_not_run(monkeypatch):
+    """Two torchrun ranks: the 4-rank demos are skipped with their reason, and the sections
+    that read their results show what the other demos did instead of crashing."""
+    from util import launch, record, torchrun_job
+    monkeypatch.setattr(launch, "in_torchrun", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torchrun_job, "job", lambda: PooledJob(2))
+    recorder = record.Recorder()
+    previous = record.use(recorder)
+    try:
+        L.ddp_from_scratch()
+    finally:
+        record.use(previous)
+    demos = {r["name"]: r for r in recorder.records if r["kind"] == "demo"}
+    assert demos["DDP from scratch, 4 ranks"]["status"] == "skipped"
+    assert "torchrun started 2" in demos["DDP from scratch, 4 ranks"]["error"]
+    assert any("on 1, 2 ranks" in r.get("caption", "") for r in recorder.records if r["kind"] == "figure")

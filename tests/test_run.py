@@ -32,6 +32,7 @@ def load(out, name="fixture_lecture"):
     (["tests.support.fixture_lecture", "--bogus"], "unrecognized arguments"),
     (["lecture_02_communication", "--world-size", "1"], "runs its demos on 2, 3, 4, 5, 6, 7, 8 ranks, not --world-size 1"),
     (["lecture_03_data_parallel", "--world-size", "3"], "runs its demos on 2, 4, 8 ranks, not --world-size 3"),
+    (["tests.support.fixture_lecture", "--out", "/dev/null"], "--out /dev/null is not a folder"),
     ([], "required"),
 ])
 def test_bad_command_line_gives_one_line_and_exit_code_2(args, complaint):
@@ -40,6 +41,18 @@ def test_bad_command_line_gives_one_line_and_exit_code_2(args, complaint):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and complaint in proc.stderr, proc.stderr
     assert proc.stdout == ""
+
+
+def test_under_torchrun_the_world_size_is_at_most_the_ranks_it_started(monkeypatch, tmp_path, capsys):
+    """Demos that take any number of ranks use torchrun's when it started fewer than 4 (none is
+    skipped, so no section reads a skipped demo), and asking for more is refused at once."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert runner.parse_args(["lecture_02_communication", "--out", str(tmp_path)]).world_size == 2
+    with pytest.raises(SystemExit) as refused:
+        runner.parse_args(["lecture_02_communication", "--world-size", "4", "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "--world-size 4 needs 4 ranks, but torchrun started 2" in capsys.readouterr().err
 
 
 def test_recording_follows_the_schema(fixture_site):
@@ -88,6 +101,21 @@ def test_failing_demo_fails_the_build_promptly_and_still_writes_the_page(tmp_pat
     assert not any("Never reached" in r.get("text", "") for r in rec["records"])
     assert (tmp_path / "failing_lecture.html").exists()
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_a_failed_build_never_replaces_a_good_page(tmp_path):
+    """The first failing build writes its page (there was none); once the page on disk comes
+    from a good build, the next failing build keeps it and says so."""
+    build("tests.support.failing_lecture", tmp_path, check=False)
+    saved = tmp_path / "failing_lecture.json"
+    good = json.loads(saved.read_text())
+    good["status"] = "ok"                                   # as a build without errors left it
+    saved.write_text(json.dumps(good))
+    page = (tmp_path / "failing_lecture.html").read_bytes()
+    proc = build("tests.support.failing_lecture", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "failing_lecture: 1 demo failed; the previous page, which built without errors, is kept" in proc.stderr
+    assert (tmp_path / "failing_lecture.html").read_bytes() == page and json.loads(saved.read_text()) == good
 
 
 def test_write_atomic_never_leaves_half_a_file(tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
         fig = pg.locator("figure.widget.live")
         assert fig.count() == 1
         before = pg.locator(".widget-readout").text_content()
-        rects_before = pg.locator(".widget-svg svg").first.locator("rect").count()
+        boxes_before = int(pg.locator(".widget-svg svg").first.get_attribute("data-boxes"))
         pg.select_option(".widget-controls select >> nth=0", "gpipe")
         after = pg.locator(".widget-readout").text_content()
         assert after != before and after.startswith("gpipe")
@@ -78,7 +78,7 @@ def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
         pg.select_option(".widget-controls select >> nth=2", "16")
         pg.select_option(".widget-controls select >> nth=3", "2")
         pg.fill(".widget-controls input >> nth=2", "0.5")
-        assert pg.locator(".widget-svg svg").first.locator("rect").count() > rects_before
+        assert int(pg.locator(".widget-svg svg").first.get_attribute("data-boxes")) > boxes_before
         times = []
         for value in ("1.5", "2.5", "0.7", "1.1", "3", "1.3", "2"):
             pg.fill(".widget-controls input >> nth=0", value)
@@ -92,6 +92,32 @@ def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
         w.check_clean()
     finally:
         w.close()
+
+
+def test_every_schedules_largest_case_redraws_within_a_frame(browser, explorer_page):
+    """The largest embedded case of each schedule (p = 8, m = 16: DualPipeV draws over 700
+    boxes), recomputed and redrawn after a cost change in under 16 ms on a CPU four times
+    slower than this one (Chromium's throttling: a loaded laptop's two cores)."""
+    largest = {}
+    for e in explorer_data()["schedules"]:
+        key = (e["p"] * e["m"] * e["chunks"], e["p"], e["m"], e["chunks"])
+        largest[e["name"]] = max(largest.get(e["name"], key), key)
+    with opened(browser, explorer_page) as pg:
+        pg.context.new_cdp_session(pg).send("Emulation.setCPUThrottlingRate", {"rate": 4})
+        fig = pg.locator("figure.widget.live")
+        slow = {}
+        for name, (_, p, m, chunks) in largest.items():
+            pg.select_option(".widget-controls select >> nth=0", name)
+            pg.select_option(".widget-controls select >> nth=1", str(p))
+            pg.select_option(".widget-controls select >> nth=2", str(m))
+            pg.select_option(".widget-controls select >> nth=3", str(chunks))
+            times = []
+            for value in ("1.5", "2.5", "0.7", "1.1", "3"):
+                pg.fill(".widget-controls input >> nth=0", value)
+                times.append(float(fig.get_attribute("data-redraw-ms")))
+            if sorted(times)[1] >= 16:     # the second fastest: see test_controls_redraw_within_a_frame
+                slow[name] = times
+        assert not slow, slow
 
 
 def test_explorer_refuses_costs_it_cannot_mean(browser, explorer_page):
@@ -168,7 +194,7 @@ def random_layouts(n, seed=0):
     while len(out) < n:
         m = rng.choice(shapes)
         pp = rng.choice([p for p in (1, 2, 3, 4, 8) if p <= m.layers])
-        tp = rng.choice([1, 2, 4, 8])
+        tp = rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and m.kv_heads % t == 0])
         schedule = rng.choice(["1f1b", "gpipe"])
         v = rng.choice([v for v in (1, 2, 3, 5) if pp * v <= m.layers]) if pp > 1 and schedule == "1f1b" else 1
         out.append((m, Layout(dp=rng.choice([1, 2, 3, 8, 64]), pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,

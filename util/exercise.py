@@ -16,11 +16,22 @@ that raises, hangs or cannot be shipped is a verdict too.
 A check grades what the statement asks, not only the numbers: it runs at every world size in
 `world_size` (a tuple), and with `subgroup` once more on ranks 1..n-1 (group rank != global
 rank: a function that ignores its `group` fails there). While the student's function runs, each
-dotted name in `watch` is replaced: mapped to a reason, calling it fails with that reason (the
-built-in collective an exercise asks you to write, the course's own solution); mapped to None, it
-works and is recorded in `calls` for the harness. With `keeps_inputs`, changing a tensor
-argument in place is an error too. `show(verdict)` displays it in the
-notebook and publishes `{"exercise", "passed", "detail"}` as JSON (util.in_notebook).
+dotted name in `watch` (a module's function or a class's method) is replaced: mapped to a
+reason, calling it fails with that reason (the built-in collective an exercise asks you to
+write, the course's own solution); mapped to None, it works and is recorded in `calls` for the
+harness. With `keeps_inputs`, changing a tensor argument in place is an error too. With `ring`
+(n -> how many times its input a rank sends), the function may pass point-to-point messages to
+its ring neighbours only, that many bytes of them, and write nothing else: a collective, the
+rendezvous store or a file fails the check. Reading the checker's frames, where the expected
+answer is, is refused.
+
+Every check starts from a clean rank and leaves one: what the function changes in the course's
+modules, the engine or PyTorch (util.rank_state), a thread it leaves running or a process group
+it destroys fails the check, and the workers are thrown away (as after any error on a rank, and
+after a function that imported course modules the harness had not); a process it starts ends
+with the check. A check that ran no case fails. The deadline covers the whole check, and
+what the function prints is capped in the verdict. `show(verdict)` displays it in the notebook
+and publishes `{"exercise", "passed", "detail"}` as JSON (util.in_notebook).
 
 `mutant(reference, (old, new), ...)` is a correct function with a line changed, defined as a
 cell defines one: the plausible mistakes a check must catch, written as what they change.
@@ -31,14 +42,16 @@ import inspect
 import linecache
 import math
 import numbers
+import re
 import sys
 import textwrap
 import time
 
-from util import launch, record
+from util import launch, measure, rank_state, ranks, record
 
 CHECK_TIMEOUT = 10.0   # seconds a rank may wait in a collective before the check calls it a hang
-CHECK_DEADLINE = 30.0  # seconds a whole check may run (a student's endless loop ends here)
+CHECK_DEADLINE = 30.0  # seconds a whole check may run, every world size together (an endless loop ends here)
+PRINTED_LIMIT = 20_000  # characters of what the function printed that a verdict keeps
 
 
 class NoSource(ValueError):
@@ -50,7 +63,6 @@ class StudentError(Exception):
 
 
 calls = []   # (short name, elements of its first tensor) of each watched call, on this rank
-refused = []  # the refusal of each forbidden call during the student's function, caught or not
 
 
 def source_of(fn):
@@ -123,14 +135,37 @@ def mutant(reference, *changes, name=None):
 
 
 def short(dotted):
-    """'torch.distributed.all_reduce' -> 'dist.all_reduce'; the course's functions by module."""
+    """'torch.distributed.all_reduce' -> 'dist.all_reduce'; a class's method by its class
+    ('ProcessGroup.allreduce'); the course's functions by module."""
     module, attr = dotted.rsplit(".", 1)
     if module == "torch.distributed":
         return f"dist.{attr}"
+    if module.rsplit(".", 1)[-1][:1].isupper():
+        return f"{module.rsplit('.', 1)[-1]}.{attr}"
     return f"{attr} (from {module})"
 
 
-def _replacement(dotted, original, reason):
+def resolve(dotted):
+    """(module or class, attribute name) of a dotted name."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:-1]:
+            owner = getattr(owner, part)
+        return owner, parts[-1]
+    raise ImportError(f"cannot import {dotted}")
+
+
+def _get(owner, attr):
+    """What `owner` holds under `attr`: a class's own entry (a method as stored, so that putting it
+    back keeps it a method), a module's attribute."""
+    return vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+
+
+def _replacement(dotted, original, reason, refused):
     name = short(dotted)
 
     def forbidden(*args, **kwargs):
@@ -149,35 +184,38 @@ def _loaded(top):
     return [m for name, m in list(sys.modules.items()) if m is not None and name.split(".")[0] == top]
 
 
-def _spellings(module_name, attr, original):
-    """Every (module, name) a student could reach `original` by: the module itself; for
-    torch.distributed, distributed_c10d too; for a course function, every loaded module of
+def _spellings(owner, attr, original):
+    """Every (module or class, name) a student could reach `original` by: where it is defined;
+    for torch.distributed, distributed_c10d too; for a course function, every loaded module of
     its package that imported it (a lecture file, a demos module), under any name."""
     import torch.distributed.distributed_c10d as c10d
-    top = module_name.split(".")[0]
-    if module_name == "torch.distributed":
-        return [(importlib.import_module(module_name), attr), (c10d, attr)]
-    module = importlib.import_module(module_name)
-    return [(module, attr)] + [(m, a) for m in _loaded(top) if m is not module
-                               for a, v in list(vars(m).items()) if v is original]
+    if isinstance(owner, type):
+        return [(owner, attr)]
+    if owner.__name__ == "torch.distributed":
+        return [(owner, attr), (c10d, attr)]
+    if owner.__name__.startswith("torch."):
+        return [(owner, attr)]
+    return [(owner, attr)] + [(m, a) for m in _loaded(owner.__name__.split(".")[0]) if m is not owner
+                              for a, v in list(vars(m).items()) if v is original]
 
 
 @contextlib.contextmanager
-def watching(watch):
+def watching(watch, refused):
     """Replace each dotted name of `watch` for the duration (restored even on error), wherever
-    it can be reached (_spellings). Two spellings of one function each refuse with their own
-    name. A module the student imports during the call takes a replacement from its source,
-    so every replacement left in a course module afterwards is put back to the real function."""
+    it can be reached (_spellings); each refusal is appended to `refused`. Two spellings of one
+    function each refuse with their own name. A module the student imports during the call
+    takes a replacement from its source, so every replacement left in a course module
+    afterwards is put back to the real function."""
     saved, real = [], {}    # id(replacement) -> (replacement, the function it stands for)
     try:
         for dotted, reason in watch.items():
-            module_name, attr = dotted.rsplit(".", 1)
-            found = getattr(importlib.import_module(module_name), attr)
+            owner, attr = resolve(dotted)
+            found = _get(owner, attr)
             original = real.get(id(found), (None, found))[1]   # a second spelling of one replaced
-            new = _replacement(dotted, original, reason)
+            new = _replacement(dotted, original, reason, refused)
             real[id(new)] = (new, original)
-            for m, a in _spellings(module_name, attr, original):
-                before = getattr(m, a, None)
+            for m, a in _spellings(owner, attr, original):
+                before = _get(m, a)
                 if before is original or before is found:
                     saved.append((m, a, before))
                     setattr(m, a, new)
@@ -192,31 +230,153 @@ def watching(watch):
                     setattr(m, a, real[id(v)][1])
 
 
+# --- what the function may not look at, and what it sends --------------------------------
+
+LOOKING = {"sys": ("_getframe", "_current_frames"), "gc": ("get_objects", "get_referrers")}
+
+
+def _students(frame):
+    """Whether `frame`, or the code that called into inspect or traceback to reach it, is a
+    shipped function's ("<your ...>")."""
+    import traceback
+    helpers = {inspect.__file__, traceback.__file__}
+    while frame is not None and frame.f_code.co_filename in helpers:
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith("<your ")
+
+
+@contextlib.contextmanager
+def no_peeking(refused):
+    """Refuse the student's code the frames and objects of the checker (the expected answer is
+    a local of the harness); PyTorch's and Python's own calls to these go through."""
+    real_getframe = sys._getframe
+    saved = [(importlib.import_module(m), a) for m, attrs in LOOKING.items() for a in attrs]
+    originals = [getattr(m, a) for m, a in saved]
+
+    def guard(name, fn):
+        def checked(*args, **kwargs):
+            if _students(real_getframe(1)):
+                refused.append(f"your function called {name}: a check gives your function its "
+                               "inputs and nothing else (the expected answer is the checker's)")
+                raise StudentError(refused[-1])
+            if fn is real_getframe:          # depth counts from the caller, not from here
+                return real_getframe((args[0] if args else kwargs.get("depth", 0)) + 1)
+            return fn(*args, **kwargs)
+        return checked
+    try:
+        for (m, a), fn in zip(saved, originals):
+            setattr(m, a, guard(f"{m.__name__}.{a}", fn))
+        yield
+    finally:
+        for (m, a), fn in zip(saved, originals):
+            setattr(m, a, fn)
+
+
+PEER = {"isend": "dst", "send": "dst", "irecv": "src", "recv": "src"}
+
+
+@contextlib.contextmanager
+def point_to_point(messages):
+    """Append (kind, peer, bytes) to `messages` for every isend, irecv, send and recv while it
+    runs, whichever spelling (P2POp and batch_isend_irecv call them); yields a dict whose
+    'written' is, afterwards, every byte this process wrote meanwhile (None where the kernel
+    does not count them)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    real = {kind: getattr(c10d, kind) for kind in PEER}
+
+    def recording(kind):
+        def call(tensor, *args, **kwargs):
+            peer = args[0] if args else kwargs.get(PEER[kind], kwargs.get("group_" + PEER[kind]))
+            messages.append((kind, peer, tensor.nbytes))
+            return real[kind](tensor, *args, **kwargs)
+        return call
+    wire = {"written": None}
+    before = measure._written() if measure.can_count_bytes() else None
+    try:
+        for kind in PEER:
+            new = recording(kind)
+            setattr(dist, kind, new)
+            setattr(c10d, kind, new)
+        yield wire
+    finally:
+        for kind, fn in real.items():
+            setattr(dist, kind, fn)
+            setattr(c10d, kind, fn)
+        if before is not None:
+            wire["written"] = measure._written() - before
+
+
+HEADER_BYTES = 128   # what the transport adds to a message, at most (gloo's header, a little spare)
+
+
+def check_ring(ring, x, messages, written):
+    """Raise StudentError unless the messages of one call are a ring's: sent right, received
+    from the left, nothing else written (a collective, the store, a file), and `ring(n)` times
+    the input's bytes sent, give or take the two elements that uneven chunks shift."""
+    import torch.distributed as dist
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for kind, peer, _ in messages:
+        sends = kind in ("isend", "send")
+        if peer != (right if sends else left):
+            raise StudentError(
+                f"your function {'sent to' if sends else 'received from'} "
+                f"{'any rank' if peer is None else f'rank {peer}'}: in a ring of {n} ranks, rank {rank} "
+                f"sends only to its right neighbour, rank {right}, and receives only from its left, rank {left}")
+    sent = sum(size for kind, _, size in messages if kind in ("isend", "send"))
+    if written is not None and written - sent > HEADER_BYTES * (len(messages) + 1):
+        raise StudentError(
+            f"your function wrote {written - sent:,} bytes besides its {len(messages)} point-to-point "
+            f"messages' {sent:,}: a collective (a process group's method, a functional collective), "
+            "the rendezvous store or a file carried data; the exercise asks for dist.isend/dist.irecv only")
+    want, slack = ring(n) * x.nbytes, 2 * x.element_size()
+    if abs(sent - want) > slack:
+        raise StudentError(
+            f"your function sent {sent:,} bytes for an input of {x.nbytes:,} bytes on {n} ranks; the "
+            f"statement's ring sends {want:,.0f} from each rank (give or take {slack} bytes of uneven chunks)")
+
+
 def _tensors(args, names):
     import torch
     return [(n, a, a.detach().clone()) for n, a in zip(names, args) if isinstance(a, torch.Tensor)]
 
 
-def guarded(fn, watch, keeps_inputs):
-    """`fn` as the harness calls it: watched names replaced while it runs, its tensor arguments
-    compared after the call when it must keep them, a generator refused by name."""
+def _kept(before):
+    """Raise StudentError if a tensor argument differs from its copy in `before`."""
+    import torch
+    for n, a, copy in before:
+        same = a.shape == copy.shape and bool(((a == copy) | (a.isnan() & copy.isnan())).all()) \
+            if a.dtype.is_floating_point else torch.equal(a, copy)
+        if not same:
+            raise StudentError(f"your function changed its input {n} in place; the statement "
+                               "asks for a new tensor (clone before an in-place operation)")
+
+
+def guarded(fn, watch, keeps_inputs, ring, untouched):
+    """`fn` as the harness calls it: watched names replaced and the checker's frames refused
+    while it runs, its messages checked against a ring's (`ring`), its tensor arguments
+    compared after the call when it must keep them, a generator refused by name; `untouched`
+    (rank_state) notes the modules around each call."""
     import torch
     names = list(inspect.signature(fn).parameters)
 
     def call(*args, **kwargs):
         before = _tensors(args, names) if keeps_inputs else []
-        refused.clear()
-        with watching(watch):
-            result = fn(*args, **kwargs)
+        refused, messages = [], []
+        counting = point_to_point(messages) if ring else contextlib.nullcontext({"written": None})
+        untouched.before_call()
+        try:
+            with watching(watch, refused), no_peeking(refused), counting as wire:
+                result = fn(*args, **kwargs)
+        finally:
+            untouched.after_call()
         if refused:     # a try/except in the student's code swallowed the refusal
             raise StudentError(f"{refused[0]} (the error was caught inside your function, which then "
                                "went on; the exercise asks for a solution without that call)")
-        for n, a, copy in before:
-            same = a.shape == copy.shape and bool(((a == copy) | (a.isnan() & copy.isnan())).all()) \
-                if a.dtype.is_floating_point else torch.equal(a, copy)
-            if not same:
-                raise StudentError(f"your function changed its input {n} in place; the statement "
-                                   "asks for a new tensor (clone before an in-place operation)")
+        if ring:
+            check_ring(ring, next(a for a in args if isinstance(a, torch.Tensor)), messages, wire["written"])
+        _kept(before)
         if inspect.isgenerator(result):
             raise StudentError(f"{fn.__name__} returned a generator; return a list (wrap it in list(...))")
         return result
@@ -224,12 +384,31 @@ def guarded(fn, watch, keeps_inputs):
     return call
 
 
-def on_rank(rank, world_size, harness, sources, given, kwargs, watch=None, keeps_inputs=False,
-            subgroup=False):
-    """The rank function `spawn` runs: rebuild the shipped functions, run the harness, and with
-    `subgroup` run it again on ranks 1..n-1 (rank 0 stands aside)."""
+def _left_as_found(untouched):
+    """Raise StudentError if the rank is not as the check found it; a worker whose modules the
+    function may have changed unseen (it imported them) is not reused."""
     import torch.distributed as dist
-    fns = [guarded(load(name, src, given), watch or {}, keeps_inputs) for name, src in sources]
+    if untouched.unvouched:
+        ranks.retire_this_worker()
+    changed = untouched.changes()
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise StudentError(f"your function changed {shown}: a check's function must leave the "
+                           "course's code and PyTorch as it found them (the check compares your "
+                           "answer with the course's own code, on ranks that later checks reuse)")
+    if not dist.is_initialized():
+        raise StudentError("your function destroyed the process group (dist.destroy_process_group): "
+                           "the ranks still need it after your function returns; leave that to the caller")
+    left = untouched.started_threads()
+    if left:
+        raise StudentError(f"your function left {len(left)} thread{'s' if len(left) > 1 else ''} running "
+                           f"({', '.join(t.name for t in left)}): join every thread it starts before it returns")
+
+
+def _harness_runs(rank, world_size, harness, fns, kwargs, subgroup):
+    """The harness's cases on every rank, and with `subgroup` those of ranks 1..n-1 on a group
+    of their own (rank 0 stands aside)."""
+    import torch.distributed as dist
     out = harness(rank, world_size, *fns, **kwargs)
     if subgroup:
         members = list(range(1, world_size))
@@ -247,6 +426,21 @@ def on_rank(rank, world_size, harness, sources, given, kwargs, watch=None, keeps
     return out
 
 
+def on_rank(rank, world_size, harness, sources, given, kwargs, watch=None, keeps_inputs=False,
+            subgroup=False, ring=None):
+    """The rank function `spawn` runs: rebuild the shipped functions, run the harness (and the
+    sub-group pass), end the processes the functions started, and fail if they left the rank
+    changed."""
+    rank_state.adopt_orphans()
+    untouched = rank_state.Untouched()
+    fns = [guarded(load(name, src, given), watch or {}, keeps_inputs, ring, untouched) for name, src in sources]
+    try:
+        return _harness_runs(rank, world_size, harness, fns, kwargs, subgroup)
+    finally:
+        untouched.end_children()
+        _left_as_found(untouched)
+
+
 # --- comparing what a rank computed with what the course computes -----------------------
 
 def _fmt(x):
@@ -257,6 +451,51 @@ def _fmt(x):
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def _unlike(expected, got):
+    """How `got` is not the kind of tensor `expected` is (layout, device, shape, dtype), or None."""
+    if got.layout != expected.layout:
+        return f"expected a dense tensor, got layout {got.layout}"
+    if got.device.type != expected.device.type:
+        meta = " (a meta tensor has a shape but no values)" if got.device.type == "meta" else ""
+        return f"expected a tensor on {expected.device.type}, got one on {got.device}{meta}"
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"shape: expected {tuple(expected.shape)}, got {tuple(got.shape)}"
+    if expected.dtype.is_floating_point != got.dtype.is_floating_point or (
+            expected.dtype.is_floating_point and expected.dtype != got.dtype):
+        return f"dtype: expected {expected.dtype}, got {got.dtype}"
+    return None
+
+
+def _tensor_difference(expected, got, rtol, atol, at):
+    import torch
+    if not isinstance(got, torch.Tensor):
+        return f"{at}expected a tensor, got {type(got).__name__}: {_fmt(got)}"
+    unlike = _unlike(expected, got)
+    if unlike:
+        return at + unlike
+    e, g = expected.detach().cpu(), got.detach().cpu()
+    if e.dtype.is_floating_point:
+        e, g = e.double(), g.double()
+        ok = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        ok = g == e
+    if bool(ok.all()):
+        return None
+    bad = [int(i) for i in (~ok).nonzero()[0]] if ok.dim() else []
+    index = f"{at}element {bad}" if bad else f"{at}the value"
+    return (f"{index}: expected {_fmt(e[tuple(bad)].item())}, got {_fmt(g[tuple(bad)].item())}"
+            f" ({int((~ok).sum())} of {ok.numel()} elements differ){_never_written(g[tuple(bad)].item())}")
+
+
+def _never_written(value):
+    """A note when a float looks like memory nobody wrote: torch.empty's leftovers are often
+    denormals (6.9e-310) or absurdly large."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0 and not 1e-300 < abs(value) < 1e300:
+        return (" — a value like that is usually memory never written (torch.empty): a slot your "
+                "function did not fill")
+    return ""
+
+
 def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
     """None when `got` matches `expected`, else one sentence saying where they first differ.
     Tensors elementwise (shape and NaN/inf included), numbers with tolerance, lists, tuples
@@ -264,26 +503,7 @@ def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
     import torch
     at = f"result{where}: " if where else ""
     if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return f"{at}expected a tensor, got {type(got).__name__}: {_fmt(got)}"
-        if tuple(got.shape) != tuple(expected.shape):
-            return f"{at}shape: expected {tuple(expected.shape)}, got {tuple(got.shape)}"
-        if expected.dtype.is_floating_point != got.dtype.is_floating_point or (
-                expected.dtype.is_floating_point and expected.dtype != got.dtype):
-            return f"{at}dtype: expected {expected.dtype}, got {got.dtype}"
-        e, g = expected.detach().cpu(), got.detach().cpu()
-        if e.dtype.is_floating_point:
-            e, g = e.double(), g.double()
-            ok = torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
-        else:
-            ok = g == e
-        if bool(ok.all()):
-            return None
-        bad = [int(i) for i in (~ok).nonzero()[0]] if ok.dim() else []
-        index = f"{at}element {bad}" if bad else f"{at}the value"
-        wrong = int((~ok).sum())
-        return (f"{index}: expected {_fmt(e[tuple(bad)].item())}, got {_fmt(g[tuple(bad)].item())}"
-                f" ({wrong} of {ok.numel()} elements differ)")
+        return _tensor_difference(expected, got, rtol, atol, at)
     if isinstance(expected, bool) or expected is None or isinstance(expected, str):
         return None if got == expected else f"{at}expected {_fmt(expected)}, got {_fmt(got)}"
     if isinstance(expected, (int, float)):
@@ -294,7 +514,7 @@ def first_difference(expected, got, rtol=1e-7, atol=1e-9, where=""):
         got = float(got.item() if hasattr(got, "item") else got)
         if math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) or (math.isnan(got) and math.isnan(expected)):
             return None
-        return f"{at}expected {_fmt(float(expected))}, got {_fmt(got)}"
+        return f"{at}expected {_fmt(float(expected))}, got {_fmt(got)}{_never_written(got)}"
     if isinstance(expected, dict):
         if not isinstance(got, dict):
             return f"{at}expected a dict, got {type(got).__name__}: {_fmt(got)}"
@@ -342,6 +562,19 @@ def _rank_error(run):
     return rec["rank"], "\n".join(lines[j] for j in keep)
 
 
+# How the ranks failed, read from the launcher's error or the rank's traceback, and a note on what
+# to look for: it replaces the exercise's hint, which is about the arithmetic.
+SITUATIONS = (
+    (("exited (exit code 0)",), "\n(a rank's process ended before its function returned: sys.exit or "
+                                "os._exit ends the worker; return the result instead)"),
+    (("died",), "\n(a rank crashed inside PyTorch: often a message to a rank that is not in the group; "
+                "the check runs at more than one world size)"),
+    (("deadline",), "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"),
+    (("did not finish", "imed out"), f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
+                                     "matching recv, and every rank must call the same collectives)"),
+)
+
+
 def _failure(name, run, error, world_size, hint_line):
     """The verdict's text when the ranks did not all return."""
     rank, tail = _rank_error(run) if run is not None else (None, "")
@@ -353,27 +586,22 @@ def _failure(name, run, error, world_size, hint_line):
     if "NameError" in tail:
         return (f"rank {rank} of {world_size} raised:\n{tail}\n(your function is sent to the ranks alone: define "
                 "the helpers and constants it uses inside it)")
-    detail = f"rank {rank} of {world_size} raised:\n{tail}" if tail else error.replace(f"demo 'check {name}'", "the check")
-    if "died" in error:
-        detail += ("\n(a rank crashed inside PyTorch: often a message to a rank that is not in the "
-                   "group; the check runs at more than one world size)")
-    elif "deadline" in error:
-        detail += "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"
-    elif "did not finish" in error or "imed out" in error:
-        detail += (f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
-                   "matching recv, and every rank must call the same collectives)")
-    return detail + hint_line
+    detail = f"rank {rank} of {world_size} raised:\n{tail}" if tail else re.sub(
+        r"the demo's deadline of [0-9.]+ s", f"the check's deadline of {CHECK_DEADLINE:g} s (every world size "
+        "together)", error.replace(f"demo 'check {name}'", "the check"))
+    said = f"{error}\n{tail}"
+    situation = next((note for words, note in SITUATIONS if any(w in said for w in words)), None)
+    return detail + (situation or hint_line)
 
 
-def _run_once(name, harness, sources, world_size, kwargs, given, watch, keeps_inputs, subgroup):
+def _run_once(name, harness, sources, world_size, kwargs, given, rules, deadline):
     """(run, error) of the harness on `world_size` ranks, recorded out of sight."""
     quiet = record.Recorder()          # the check shows its verdict, not a demo box
     previous = record.use(quiet)
     try:
         run = launch.spawn(on_rank, world_size, name=f"check {name}", timeout=CHECK_TIMEOUT,
-                           deadline=CHECK_DEADLINE, harness=harness, sources=sources, given=given,
-                           kwargs=kwargs, watch=watch, keeps_inputs=keeps_inputs,
-                           subgroup=subgroup and world_size > 1)
+                           deadline=deadline, harness=harness, sources=sources, given=given,
+                           kwargs=kwargs, **{**rules, "subgroup": rules["subgroup"] and world_size > 1})
         return run, None
     except launch.DemoFailed as e:
         return e.run, e.run.error
@@ -393,39 +621,84 @@ def _judge(name, run, error, world_size, rtol, atol, hint_line):
     for rank, got in enumerate(run.returns):
         for case, expected, value in got:
             cases += 1
-            diff = first_difference(expected, value, rtol, atol)
+            try:
+                diff = first_difference(expected, value, rtol, atol)
+            except Exception as e:          # a result no comparison foresaw: a verdict all the same
+                diff = f"the check could not compare your result ({type(value).__name__}): {type(e).__name__}: {e}"
             if diff:
                 return False, f"rank {rank} of {world_size}, {case}: {diff}{hint_line}"
+    if not cases:
+        return False, (f"the check ran no case on {world_size} ranks: its harness returned none, so "
+                       "nothing was compared (were the check's cases changed?)")
     return True, cases
 
 
+def _printed(run, world_size):
+    return "".join(f"[rank {r['rank']} of {world_size}] {line}\n" for r in run.records
+                   if r["kind"] == "output" for line in r["text"].splitlines())
+
+
+def _capped(text):
+    """The first PRINTED_LIMIT characters of `text`, and how much more there was."""
+    if len(text) <= PRINTED_LIMIT:
+        return text
+    more = len(text) - PRINTED_LIMIT
+    size = f"{more / 1e6:.1f} MB" if more >= 1e6 else f"{more / 1e3:.1f} kB" if more >= 1e3 else f"{more} characters"
+    return text[:PRINTED_LIMIT] + f"\n… {size} more not shown\n"
+
+
+# a function checked on a sub-group must use the group it is given
+_OWN_GROUPS = {f"torch.distributed.{fn}": "use the group your function is given: making a group is a "
+               "collective of every rank of the default group, and in the check's sub-group pass rank 0 "
+               "is not there to join it" for fn in ("new_group", "new_subgroups")}
+
+
+def _sizes(world_size):
+    return world_size if isinstance(world_size, tuple) else (world_size,)
+
+
 def evaluate(name, harness, fns, world_size=3, kwargs=None, given=None, rtol=1e-7, atol=1e-9,
-             hint="", sizes="", watch=None, keeps_inputs=False, subgroup=False):
+             hint="", sizes="", watch=None, keeps_inputs=False, subgroup=False, ring=None):
     """Run `harness` with the shipped `fns` on real ranks, at each size of `world_size` (an int
     or a tuple), and judge what came back. Returns a verdict dict {exercise, passed, detail,
     seconds, printed}; never raises."""
     start = time.perf_counter()
-    hint_line = f"\nhint: {hint}" if hint else ""
     try:
         sources = [(getattr(fn, "__name__", ""), source_of(fn)) for fn in fns]
     except NoSource as e:
         return _verdict(name, False, f"not checked: {e}", time.perf_counter() - start)
-    sizes_run = world_size if isinstance(world_size, tuple) else (world_size,)
-    printed, cases = "", 0
-    for n in sizes_run:
-        run, error = _run_once(name, harness, sources, n, kwargs or {}, given or {}, watch or {},
-                               keeps_inputs, subgroup)
-        if run is not None:
-            printed += "".join(f"[rank {r['rank']} of {n}] {line}\n" for r in run.records
-                               if r["kind"] == "output" for line in r["text"].splitlines())
+    rules = {"watch": {**(watch or {}), **(_OWN_GROUPS if subgroup else {})}, "keeps_inputs": keeps_inputs,
+             "subgroup": subgroup, "ring": ring}
+    try:
+        passed, detail, printed = _check(name, harness, sources, world_size, kwargs or {}, given or {}, rules,
+                                         rtol, atol, f"\nhint: {hint}" if hint else "", start)
+    except Exception as e:              # the engine's own failure is a verdict too, never a traceback
+        passed, detail, printed = False, f"the check failed: {type(e).__name__}: {e}", ""
+    seconds = time.perf_counter() - start
+    if passed:
+        on = " and ".join(map(str, _sizes(world_size))) + " real ranks" + (" and a sub-group" if subgroup else "")
+        detail = (f"passed on {on}, {detail} case{'' if detail == 1 else 's'}"
+                  + (f" ({sizes})" if sizes else "") + f", in {seconds:.1f} s")
+    return _verdict(name, passed, detail, seconds, _capped(printed))
+
+
+def _check(name, harness, sources, world_size, kwargs, given, rules, rtol, atol, hint_line, start):
+    """(passed, detail or number of cases, printed) of the runs at every world size, within
+    CHECK_DEADLINE of `start` all together (starting workers does not count)."""
+    printed, cases, startups = "", 0, len(launch.startups)
+    for n in _sizes(world_size):
+        starting = sum(seconds for _, seconds in launch.startups[startups:])   # the workers', not the function's
+        left = CHECK_DEADLINE - (time.perf_counter() - start - starting)
+        if left <= 0:
+            return False, (f"the check ran out of its {CHECK_DEADLINE:g} s before its run on {n} ranks "
+                           "(the deadline covers every world size together)"), printed
+        run, error = _run_once(name, harness, sources, n, kwargs, given, rules, left)
+        printed += _printed(run, n) if run is not None else ""
         passed, result = _judge(name, run, error, n, rtol, atol, hint_line)
         if not passed:
-            return _verdict(name, False, result, time.perf_counter() - start, printed)
+            return False, result, printed
         cases += result
-    seconds = time.perf_counter() - start
-    on = " and ".join(map(str, sizes_run)) + " real ranks" + (" and a sub-group" if subgroup else "")
-    return _verdict(name, True, f"passed on {on}, {cases} case{'' if cases == 1 else 's'}"
-                    + (f" ({sizes})" if sizes else "") + f", in {seconds:.1f} s", seconds, printed)
+    return True, cases, printed
 
 
 def show(verdict):

@@ -58,6 +58,12 @@ class Run:
     error: str = None
     timed: bool = False         # a rank measured time or bytes: its numbers differ run to run
 
+    @property
+    def skipped(self):
+        """A demo for more ranks than torchrun started: it did not run (the page says why), and
+        a lecture must not read its returns."""
+        return self.status == "skipped"
+
 
 @atexit.register
 def shutdown():
@@ -113,7 +119,7 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, d
         try:
             results, error = pool.run(fn, kwargs, world_size, timeout, deadline)
         finally:  # a failure may leave ranks stuck in a collective: never reuse them
-            if settings.launcher == "spawn" or error:
+            if settings.launcher == "spawn" or error or any(m.get("retire") for m in results.values()):
                 pools.discard(backend, pool)
     run.elapsed = time.perf_counter() - start
     traceback_text = None

@@ -34,6 +34,7 @@ def _worker(rank, port, backend, tasks, results, parent=None, stack_file=None):
     process (`parent`) is gone, however that ended, and writes its Python stack to `stack_file`
     on SIGUSR1 (what a rank was doing when its demo ran out of time)."""
     os.environ.setdefault("MPLBACKEND", "Agg")
+    os.setpgid(0, 0)    # a process group of its own: closing the pool ends what a demo started too
     if stack_file:
         import faulthandler
         import signal
@@ -271,17 +272,21 @@ class Pool:
         return got, error
 
     def close(self):
+        """Stop the workers (2 s to leave, then killed), and whatever they started and left."""
         shutil.rmtree(self.stacks, ignore_errors=True)
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
+        started = [p for p in self.procs if p.pid is not None]   # a signal may stop a start half-way
         end = time.monotonic() + 2            # 2 s for all of them to leave, not 2 s each
-        for p in self.procs:
+        for p in started:
             p.join(timeout=max(0.0, end - time.monotonic()))
-        for p in self.procs:
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join()
+            with contextlib.suppress(OSError):    # the worker's process group (see _worker)
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 _pools = {}                     # backend -> Pool

@@ -96,11 +96,23 @@ def _watching_clocks():
             setattr(time, name, clock)
 
 
+retire = False   # set by a demo whose worker must not run another (see retire_this_worker)
+
+
+def retire_this_worker():
+    """After this demo, the launcher replaces this worker with a fresh process: what ran here
+    changed it in ways nobody can vouch for (an exercise check that imported the course's
+    modules under a student's function)."""
+    global retire
+    retire = True
+
+
 def run_task(rank, world_size, fn, kwargs, threads):
+    global retire
     import torch.distributed as dist
     from util import measure
     _reset(0, threads)
-    measure.used = False
+    measure.used, retire = False, False
     try:
         dist.barrier()          # everyone starts together: spans line up across ranks
     except Exception as e:
@@ -135,6 +147,7 @@ def run_task(rank, world_size, fn, kwargs, threads):
     result["left_group"] = not dist.is_initialized()     # the demo destroyed its group
     result["records"], result["functions"] = recorder.records, recorder.functions
     result["timed"] = measure.used or any(rec["kind"] == "span" for rec in recorder.records)
+    result["retire"] = retire
     return result
 
 
@@ -193,11 +206,16 @@ def describe_failure(got, ranks, timeout, first_done, dead_of=None, exitcode=Non
     if missing:
         dead = dead_of(missing) if dead_of else []
         stuck = [r for r in missing if r not in dead]
-        if dead:
-            parts.append(f"{record.rank_list(dead)} died (exit codes {[exitcode(r) for r in dead]})")
+        exited = [r for r in dead if exitcode(r) == 0]     # the rank's own sys.exit / os._exit: no crash
+        crashed = [r for r in dead if r not in exited]
+        if exited:
+            parts.append(f"{record.rank_list(exited)} exited (exit code 0) before finishing")
+        if crashed:
+            parts.append(f"{record.rank_list(crashed)} died (exit codes {[exitcode(r) for r in crashed]})")
         if stuck:
             parts.append(f"{record.rank_list(stuck)} " + (
-                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} died"
+                f"{'was' if len(stuck) == 1 else 'were'} stopped after {record.rank_list(dead)} "
+                f"{'died' if crashed else 'exited'}"
                 + (f", {ran:.1f} s into the demo" if ran is not None else "") if dead else
                 f"did not finish within {timeout:g} s of rank {first_done} finishing; a rank probably "
                 "skipped a collective" if first_done is not None and not failed else

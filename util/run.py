@@ -17,6 +17,7 @@ import argparse
 import datetime
 import importlib
 import importlib.util
+import json
 import os
 import math
 import platform
@@ -43,7 +44,8 @@ def parse_args(argv):
     p.add_argument("lectures", nargs="+", metavar="lecture",
                    help="lecture name in lectures/, dotted module, or .py path")
     p.add_argument("--quick", action="store_true", help="small sizes (tests, CI)")
-    p.add_argument("--world-size", type=int, default=4, help="ranks for demos that take any number")
+    p.add_argument("--world-size", type=int, help="ranks for demos that take any number (default 4, or "
+                   "the ranks torchrun started if fewer)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
     p.add_argument("--launcher", choices=["pool", "spawn"], default="pool",
                    help="pool reuses worker processes; spawn starts new ones per demo")
@@ -52,8 +54,7 @@ def parse_args(argv):
                    help="also print the traceback of demos that fail as expected")
     p.add_argument("--out", default=os.path.join(record.ROOT, "content"), help="output folder")
     args = p.parse_args(argv)
-    if args.world_size < 1:
-        p.error("--world-size must be at least 1")
+    args.world_size = world_size(args.world_size, p)
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= 86400):
         p.error(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}")
     if args.backend == "nccl":
@@ -68,7 +69,34 @@ def parse_args(argv):
         if sizes and args.world_size not in sizes:
             p.error(f"{name} runs its demos on {', '.join(map(str, sizes))} ranks, not "
                     f"--world-size {args.world_size}")
+    check_out(args.out, p)
     return args
+
+
+def world_size(asked, parser):
+    """--world-size, 4 by default; under torchrun never more ranks than it started (a demo that
+    takes any number uses them all, and the page's sections read its results)."""
+    started = int(os.environ["WORLD_SIZE"]) if launch.in_torchrun() else None
+    if asked is None:
+        return min(4, started) if started else 4
+    if asked < 1:
+        parser.error("--world-size must be at least 1")
+    if started and asked > started:
+        parser.error(f"--world-size {asked} needs {asked} ranks, but torchrun started {started}: "
+                     f"pass --world-size {started} or fewer, or start more ranks")
+    return asked
+
+
+def check_out(out, parser):
+    """The output folder, made now: a bad --out is said before the build, not after it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out} is not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot make that folder ({e.strerror})")
+    if not os.access(out, os.W_OK):
+        parser.error(f"--out {out}: cannot write in that folder")
 
 
 def resolve(name, parser):
@@ -203,11 +231,14 @@ def main(argv=None):
 
 
 def write(args, rec):
-    """Write one lecture's recording and page (and the index); returns its exit status."""
-    if rec["status"] != "ok" and rec["demos"]["total"] == 0 and os.path.exists(
-            os.path.join(args.out, rec["lecture"] + ".html")):
-        print(f"{rec['lecture']}: the lecture failed before any demo ran; the previous page is kept",
-              file=sys.stderr)
+    """Write one lecture's recording and page (and the index); returns its exit status. A failed
+    build never replaces a good page: the page it would write is dropped, and stderr says so."""
+    d = rec["demos"]
+    failed = "" if rec["status"] == "ok" else "the lecture stopped with an error" if not d["failed"] else (
+        f"{d['failed']} demo{'' if d['failed'] == 1 else 's'} failed")
+    if failed and _good_page(args.out, rec["lecture"]):
+        print(f"{rec['lecture']}: {failed}; the previous page, which built without errors, is kept "
+              f"({os.path.relpath(os.path.join(args.out, rec['lecture'] + '.html'))})", file=sys.stderr)
         return 1
     keep_returns(rec["lecture"])
     path = os.path.join(args.out, rec["lecture"] + ".json")
@@ -215,12 +246,22 @@ def write(args, rec):
     from util import render
     page = render.render_lecture(path)
     render.render_index(args.out)
-    d = rec["demos"]
     print(f"{rec['lecture']}: {d['total']} demo{'' if d['total'] == 1 else 's'}, {d['failed']} failed, "
-          f"{d['expected_failures']} failed as expected, {d['skipped']} skipped; "
+          f"{d['expected_failures']} failed as expected, {d['skipped']} skipped"
+          f"{'; the lecture stopped with an error' if failed and not d['failed'] else ''}; "
           f"{rec['elapsed']:.1f} s (of which worker start-up {rec['startup']['seconds']:.1f} s) "
           f"-> {os.path.relpath(page)}", file=sys.stderr)
     return 0 if rec["status"] == "ok" else 1
+
+
+def _good_page(out, lecture):
+    """Whether `out` holds a page of `lecture` from a build without errors (a page without its
+    recording counts as good: nothing says otherwise)."""
+    try:
+        with open(os.path.join(out, lecture + ".json"), encoding="utf-8") as f:
+            return json.load(f).get("status") == "ok"
+    except (OSError, ValueError):
+        return os.path.exists(os.path.join(out, lecture + ".html"))
 
 
 def keep_returns(lecture):

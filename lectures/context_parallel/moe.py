@@ -49,6 +49,9 @@ def route(router, x, top_k, bias=None):
 
 def route_logits(logits, top_k, bias=None):
     """`route` from the router's logits (T, E)."""
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k}: every token picks 1 to {logits.shape[-1]} experts (there are "
+                         f"{logits.shape[-1]})")
     acc = torch.promote_types(logits.dtype, torch.float32)         # the softmax in fp32 at least
     probs = torch.softmax(logits.to(acc), dim=-1).to(logits.dtype)
     if bias is None:
@@ -69,7 +72,8 @@ def z_loss(logits):
 
 def capacity(capacity_factor, tokens, top_k, n_experts):
     """Expert capacity: C = ⌈factor · T · k / E⌉ slots per expert; None = no limit."""
-    if (capacity_factor is not None and capacity_factor < 0) or tokens < 0 or min(top_k, n_experts) < 1:
+    if (capacity_factor is not None and not capacity_factor >= 0) or capacity_factor == math.inf \
+            or tokens < 0 or min(top_k, n_experts) < 1:
         raise ValueError(f"need factor >= 0 (or None), tokens >= 0, top_k and n_experts >= 1; got "
                          f"{capacity_factor}, {tokens}, {top_k}, {n_experts}")
     return tokens * top_k if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / n_experts)

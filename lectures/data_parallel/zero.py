@@ -25,6 +25,9 @@ from torch import nn
 # any shape, and one tensor at a time keeps ZeRO-3's layer-by-layer gathering simple.
 
 def shard_size(numel, world_size):
+    """Elements of each rank's piece: numel / world_size, rounded up."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1; got numel={numel}, world_size={world_size}")
     return -(-numel // world_size)
 
 

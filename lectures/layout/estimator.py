@@ -282,6 +282,21 @@ def activation_bytes(model, layout, stage):
     return tokens * stored * in_flight(layout, stage), transient
 
 
+def check_split(model, layout):
+    """Refuse a layout that cannot split this model (the page's calculator refuses the same):
+    whole heads per tp rank, a block per pipeline chunk, 2·cp zig-zag chunks of the sequence."""
+    problems = []
+    if model.heads % layout.tp or model.kv_heads % layout.tp:
+        problems.append(f"tp={layout.tp} must divide the heads ({model.heads}) and the K/V heads ({model.kv_heads})")
+    if layout.pp * layout.virtual_stages > model.layers:
+        problems.append(f"pp × virtual stages = {layout.pp * layout.virtual_stages} must not exceed the "
+                        f"layers ({model.layers}): a block per chunk")
+    if layout.cp > 1 and model.seq % (2 * layout.cp):
+        problems.append(f"the sequence ({model.seq}) must split into 2·cp = {2 * layout.cp} zig-zag chunks")
+    if problems:
+        raise ValueError(f"{layout.label()} cannot split this model: " + "; ".join(problems))
+
+
 @functools.cache
 def estimate_memory(model, layout, stage=None):
     """Per-rank bytes {weights, grads, optimizer, gathered, activations, total} for the most
@@ -294,6 +309,7 @@ def estimate_memory(model, layout, stage=None):
     plus the stage's embedding and LM head, which sit in FSDP's root unit and stay gathered from
     forward to backward."""
     if stage is None:   # every stage: uneven layer counts can make a middle stage the heaviest
+        check_split(model, layout)
         # (max keeps the first of equals: ties go to the earliest stage)
         return max((estimate_memory(model, layout, s) for s in range(layout.pp)), key=lambda m: m["total"])
     B = PRECISION_BYTES[layout.precision]

@@ -11,6 +11,7 @@ same groups (`torch_mesh`; tests/test_lecture_07.py checks they agree rank by ra
 import dataclasses
 import itertools
 import math
+import numbers
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,6 +31,8 @@ MESH_AXES = ("dp", "pp", "cp", "tp")
 
 def mesh_coords(rank, shape):
     """{axis: index} of global `rank` on a mesh of `shape` = (dp, pp, cp, tp)."""
+    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+        raise ValueError(f"rank must be a whole number, not {rank!r}")
     if not 0 <= rank < math.prod(shape):
         raise ValueError(f"rank {rank} is outside 0..{math.prod(shape) - 1} of a {tuple(shape)} mesh")
     coords = {}
@@ -40,7 +43,10 @@ def mesh_coords(rank, shape):
 
 
 def mesh_rank(coords, shape):
-    """The inverse of `mesh_coords`."""
+    """The inverse of `mesh_coords`: `coords` is {axis: index}, as mesh_coords returns it."""
+    if not isinstance(coords, dict) or set(coords) != set(MESH_AXES):
+        raise ValueError(f"coords must be a dict with the axes {MESH_AXES} as keys (as mesh_coords "
+                         f"returns), not {coords!r}")
     rank = 0
     for axis, size in zip(MESH_AXES, shape):
         if not 0 <= coords[axis] < size:
@@ -52,6 +58,8 @@ def mesh_rank(coords, shape):
 def axis_groups(shape, axis):
     """Every group of `axis`: the lists of global ranks that differ only in that coordinate.
     There are world/size(axis) of them, each of size(axis) ranks, in ascending order."""
+    if axis not in MESH_AXES:
+        raise ValueError(f"axis must be one of {MESH_AXES}, not {axis!r}")
     k = MESH_AXES.index(axis)
     others = [range(s) if i != k else [0] for i, s in enumerate(shape)]
     groups = []

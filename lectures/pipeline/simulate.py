@@ -9,7 +9,11 @@ both its ends post it at, and `p2p_deadlock` runs the ranks' posting programs un
 """
 import collections
 import math
+import numbers
 import typing
+
+from lectures.pipeline.schedules import SCHEDULES
+
 
 def dependencies(action, stage, layout):
     """What `action` (on `stage`) waits for: keys (kind, stage, microbatch) of other actions.
@@ -185,8 +189,10 @@ def theory_bubble(name, p, m, v=1):
     """The textbook bubble fraction under F = B, W = 0, no communication: (p−1)/(m+p−1) for
     AFAB and 1F1B; interleaving divides the bubble time by v: (p−1)/(v·m+p−1); naive keeps one
     stage busy at a time: 1 − 1/p. None where the schedule has no closed form here."""
-    if min(p, m, v) < 1:
-        raise ValueError(f"need p, m and v of at least 1 (as make_schedule); got p={p}, m={m}, v={v}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in (p, m, v)):
+        raise ValueError(f"need whole numbers p, m and v of at least 1 (as make_schedule); got p={p}, m={m}, v={v}")
     if name == "naive":
         return 1 - 1 / p
     if name in ("gpipe", "1f1b") and v == 1:

@@ -39,11 +39,21 @@
     }
     return [["B", stage, i]];
   }
+  // finish times by (kind, stage, micro-batch), in a flat array: a key per lookup would cost a
+  // string join each, and the largest schedules look up thousands
+  var KINDS = { F: 0, B: 1, W: 2 };
+  function finishTimes(lists, layout) {
+    var m = 0;
+    lists.forEach(function (acts) { acts.forEach(function (a) { m = Math.max(m, a.microbatch + 1); }); });
+    var times = new Float64Array(3 * layout.stages * m).fill(NaN);
+    times.slot = function (kind, stage, i) { return (KINDS[kind] * layout.stages + stage) * m + i; };
+    return times;
+  }
   function simulateLists(lists, layout, cost) {
     var split = lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
     var W = cost.W || 0, send = cost.send || 0;
     var dur = { F: cost.F, B: cost.B + (split ? 0 : W), W: W };
-    var n = layout.ranks, pos = [], clock = [], timeline = [], finish = {};
+    var n = layout.ranks, pos = [], clock = [], timeline = [], finish = finishTimes(lists, layout);
     for (var r = 0; r < n; r++) { pos.push(0); clock.push(0.0); timeline.push([]); }
     var progress = true;
     while (progress) {
@@ -54,14 +64,14 @@
           var a = acts[pos[r]], s = layout.stage(r, a.chunk), deps = dependencies(a, s, layout);
           var ready = [clock[r]], missing = false;
           for (var k = 0; k < deps.length; k++) {
-            var key = deps[k].join("|");
-            if (!(key in finish)) { missing = true; break; }
-            ready.push(finish[key] + (layout.rankOf(deps[k][1]) !== r ? send : 0));
+            var done = finish[finish.slot(deps[k][0], deps[k][1], deps[k][2])];
+            if (isNaN(done)) { missing = true; break; }
+            ready.push(done + (layout.rankOf(deps[k][1]) !== r ? send : 0));
           }
           if (missing) break;
           var start = Math.max.apply(null, ready);
           clock[r] = start + dur[a.kind];
-          finish[[a.kind, s, a.microbatch].join("|")] = clock[r];
+          finish[finish.slot(a.kind, s, a.microbatch)] = clock[r];
           timeline[r].push([a, start, clock[r]]);
           pos[r] += 1;
           progress = true;
@@ -114,6 +124,17 @@
     if (parent) parent.appendChild(e);
     return e;
   }
+  // A large figure is written as one string of markup: thousands of createElementNS and
+  // setAttribute calls cost more than a frame (16 ms), one parse of the string does not.
+  function esc(text) {
+    return String(text).replace(/[&<>"]/g, function (c) { return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]; });
+  }
+  function tag(name, attrs, inner) {
+    var out = "<" + name;
+    Object.keys(attrs).forEach(function (k) { out += " " + k + '="' + esc(attrs[k]) + '"'; });
+    return out + ">" + (inner || "") + "</" + name + ">";
+  }
+  function tenth(x) { return Math.round(x * 10) / 10; }   // a tenth of a pixel: short markup, no visible change
   var COLOURS = { F: "#4c78a8", B: "#f58518", W: "#54a24b" };   // as lecture 05's static figures: F blue, B orange, W green
   function pct(x) { return (100 * x).toFixed(1) + "%"; }
 
@@ -213,32 +234,37 @@
       var e = entry(sName.value, +sP.value, +sM.value, +sV.value);
       var c = cost(e.chunks), sim = simulateLists(e.lists, makeLayout(e.p, e.chunks, e.style), c);
       var split = e.lists.some(function (acts) { return acts.some(function (a) { return a.kind === "W"; }); });
-      // the timeline: one lane per rank, every action a box, one shared time axis
-      svgBox.innerHTML = "";
-      // drawn at the box's own width, so text stays legible on a phone
-      var W = Math.max(300, Math.min(960, svgBox.clientWidth || 720)), lane = 22, top = 18, left = 46,
+      // the timeline: one lane per rank, every action a box, one shared time axis, drawn at the
+      // box's own width so that text stays legible on a phone. The boxes of one colour are one
+      // path: the largest schedules have over 700, and as elements parsing and laying them out
+      // costs more than a frame; hovering names the box under the pointer instead of a title each.
+      boxWidth = boxWidth || svgBox.clientWidth;
+      var W = Math.max(300, Math.min(960, boxWidth || 720)), lane = 22, top = 18, left = 46,
           H = top + lane * e.p + 24;
-      var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img",
-                            "aria-label": e.name + " timeline, " + e.p + " ranks" }, svgBox, true);
-      var scale = (W - left - 8) / (sim.makespan || 1);
+      var scale = (W - left - 8) / (sim.makespan || 1), parts = [], boxes = {}, count = 0;
       sim.timeline.forEach(function (row, r) {
-        el("text", { x: 4, y: top + lane * r + 15, "font-size": 11 }, svg, true).textContent = "rank " + r;
+        parts.push(tag("text", { x: 4, y: top + lane * r + 15, "font-size": 11 }, "rank " + r));
         row.forEach(function (ev) {
-          var x = left + ev[1] * scale, w = Math.max(0.5, (ev[2] - ev[1]) * scale);
-          var rect = el("rect", { x: x, y: top + lane * r + 2, width: w, height: lane - 4,
-                                  fill: COLOURS[ev[0].kind], opacity: ev[0].chunk ? 0.65 : 1 }, svg, true);
-          el("title", {}, rect, true).textContent = ev[0].text + ": " + ev[1].toFixed(2) + "–" + ev[2].toFixed(2);
-          if (w > 14) el("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
-                                   "text-anchor": "middle" }, svg, true).textContent = ev[0].text;
+          var x = left + ev[1] * scale, w = Math.max(0.5, (ev[2] - ev[1]) * scale), look = ev[0].kind + (ev[0].chunk ? 1 : 0);
+          (boxes[look] = boxes[look] || []).push("M" + tenth(x) + " " + (top + lane * r + 2) + "h" + tenth(w) +
+                                                 "v" + (lane - 4) + "h" + tenth(-w) + "z");
+          count += 1;
+          if (w > 14) parts.push(tag("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
+                                               "text-anchor": "middle" }, esc(ev[0].text)));
         });
       });
-      el("text", { x: left, y: H - 6, "font-size": 10 }, svg, true).textContent = "0";
-      el("text", { x: W - 8, y: H - 6, "font-size": 10, "text-anchor": "end" }, svg, true).textContent =
-        "time " + sim.makespan.toFixed(2);
+      Object.keys(boxes).forEach(function (look) {
+        parts.unshift(tag("path", { d: boxes[look].join(""), fill: COLOURS[look[0]], opacity: look[1] === "1" ? 0.65 : 1 }));
+      });
+      parts.push(tag("text", { x: left, y: H - 6, "font-size": 10 }, "0"));
+      parts.push(tag("text", { x: W - 8, y: H - 6, "font-size": 10, "text-anchor": "end" },
+                     "time " + sim.makespan.toFixed(2)));
+      svgBox.innerHTML = tag("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "data-boxes": count,
+                                      "aria-label": e.name + " timeline, " + e.p + " ranks" },
+                             tag("title", {}, "") + parts.join(""));
+      drawn = { timeline: sim.timeline, W: W, left: left, top: top, lane: lane, scale: scale };
       // micro-batches each rank holds over time
-      memBox.innerHTML = "";
-      var mh = 22 * e.p + 30, msvg = el("svg", { viewBox: "0 0 " + W + " " + mh, role: "img",
-                                                   "aria-label": "micro-batches held per rank" }, memBox, true);
+      var mh = 22 * e.p + 30, lines = [];
       // held in micro-batches: a (micro-batch, chunk) counts 1/v, as on the page
       var peaks = [], maxPeak = 1e-9;
       sim.timeline.forEach(function (row) {
@@ -249,18 +275,21 @@
         maxPeak = Math.max(maxPeak, f.peak);
       });
       peaks.forEach(function (f, r) {
-        var y0 = 14 + 22 * (r + 1), pts = [];
+        var y0 = 14 + 22 * (r + 1), pts = [], y = y0;
         f.steps.forEach(function (s, i) {
-          var x = left + s[0] * scale, y = y0 - 18 * s[1] / maxPeak;
-          if (i) pts.push(x + "," + pts[pts.length - 1].split(",")[1]);
+          var x = tenth(left + s[0] * scale);
+          if (i) pts.push(x + "," + y);          // level until this step, then up or down
+          y = tenth(y0 - 18 * s[1] / maxPeak);
           pts.push(x + "," + y);
         });
-        pts.push((left + sim.makespan * scale) + "," + pts[pts.length - 1].split(",")[1]);
-        el("polyline", { points: pts.join(" "), fill: "none", stroke: "#555" }, msvg, true);
-        el("text", { x: 4, y: y0, "font-size": 10 }, msvg, true).textContent = "r" + r + " ≤" + (+f.peak.toFixed(2));
+        pts.push(tenth(left + sim.makespan * scale) + "," + y);
+        lines.push(tag("polyline", { points: pts.join(" "), fill: "none", stroke: "#555" }));
+        lines.push(tag("text", { x: 4, y: y0, "font-size": 10 }, "r" + r + " ≤" + (+f.peak.toFixed(2))));
       });
-      el("text", { x: left, y: 11, "font-size": 10 }, msvg, true).textContent =
-        "activations held, in micro-batches" + (e.chunks > 1 ? " (a chunk counts 1/" + e.chunks + ")" : "") + " (peak ≤)";
+      lines.push(tag("text", { x: left, y: 11, "font-size": 10 }, esc("activations held, in micro-batches" +
+        (e.chunks > 1 ? " (a chunk counts 1/" + e.chunks + ")" : "") + " (peak ≤)")));
+      memBox.innerHTML = tag("svg", { viewBox: "0 0 " + W + " " + mh, role: "img",
+                                      "aria-label": "micro-batches held per rank" }, lines.join(""));
       var f = e.formula, value = formulaBubble(f, e.p, e.m, cost(1));
       var theory = !f ? "no closed form here (" + e.why + ")" :
         value === null ? "no closed form here (" + f.text + ", " + f.source + ", assumes " + f.assumes + ")" :
@@ -271,6 +300,21 @@
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
     }
+    var drawn = null;   // where the last redraw put the boxes, for the tooltip
+    // the box's width, read again only after the window changed: reading it right after a redraw
+    // would make the browser lay out the previous timeline first, inside this redraw
+    var boxWidth = 0;
+    window.addEventListener("resize", function () { boxWidth = 0; });
+    svgBox.addEventListener("mousemove", function (event) {
+      var svg = svgBox.querySelector("svg"), box = svg && svg.getBoundingClientRect();
+      if (!drawn || !box || !box.width) return;
+      var k = drawn.W / box.width, x = (event.clientX - box.left) * k, y = (event.clientY - box.top) * k;
+      var row = drawn.timeline[Math.floor((y - drawn.top) / drawn.lane)] || [], t = (x - drawn.left) / drawn.scale, said = "";
+      for (var i = 0; i < row.length; i++) {
+        if (row[i][1] <= t && t <= row[i][2]) said = row[i][0].text + ": " + row[i][1].toFixed(2) + "–" + row[i][2].toFixed(2);
+      }
+      svg.querySelector("title").textContent = said;
+    });
     sName.addEventListener("change", function () { refreshChoices(); redraw(); });
     sP.addEventListener("change", function () { refreshChoices(); redraw(); });
     sM.addEventListener("change", function () { refreshChoices(); redraw(); });
@@ -626,7 +670,7 @@
       }
       barBox.innerHTML = "";
       if (problems.length) {
-        out.textContent = "Not a valid layout: " + problems.join("; ") + ".";
+        out.textContent = "Not a valid model or layout: " + problems.join("; ") + ".";
         stepOut.textContent = "";
         return;
       }
