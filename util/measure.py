@@ -131,11 +131,21 @@ def compare(a, b, a_name="ours", b_name="theirs"):
     return f"{fn} {slow.median / fast.median:.2f}× faster than {sn} ({fast.ms()} vs {slow.ms()})"
 
 
+def _in_a_demo_group():
+    """True on a rank of a demo (a process util's launchers started, inside its demo) while a
+    process group is up. Outside a demo the timings are this process's alone, even where a group
+    is alive: under torchrun rank 0 narrates in the process that holds the demos' group, and its
+    own timings must not wait at a barrier for ranks that are not timing anything."""
+    import torch.distributed as dist
+    from util import record
+    return record.current().rank is not None and dist.is_available() and dist.is_initialized()
+
+
 def _slowest_rank(seconds, group):
-    """Every rank gets the slowest rank's time (a no-op outside a process group)."""
+    """Every rank gets the slowest rank's time (a no-op outside a demo's process group)."""
     import torch
     import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
+    if not _in_a_demo_group():
         return seconds
     # NCCL reduces only tensors on this rank's GPU; gloo only CPU ones
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
@@ -150,14 +160,14 @@ used = False
 
 
 def measure(fn, *, warmup=2, repeats=9, group=None, synchronize=True):
-    """Time `fn()`: `warmup` untimed calls, then `repeats` timed ones. In a process group each
-    repeat starts after a barrier and counts the slowest rank. On a GPU, CUDA is synchronized
+    """Time `fn()`: `warmup` untimed calls, then `repeats` timed ones. In a demo's process group
+    each repeat starts after a barrier and counts the slowest rank. On a GPU, CUDA is synchronized
     before the clock stops (`synchronize`). Returns a `Timing`."""
     global used
     used = True
     import torch
     import torch.distributed as dist
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = _in_a_demo_group()
     cuda = synchronize and torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(warmup):
         fn()

@@ -5,8 +5,8 @@ ranks through the job's rendezvous store which importable function to run with w
 arguments; the other ranks do nothing but serve those demos, as pooled workers do, until rank 0
 says the build is over. So a cluster does not run matplotlib or a layout search on every rank.
 
-A demo runs in a process group of its own, formed over the store on the first k ranks (the
-rest wait for the next demo); a demo that fails — even one that leaves a collective hanging —
+A demo runs in a process group formed over the store on the first k ranks (the rest wait for
+the next demo), kept for the next demo on the same ranks; a demo that fails — even one that leaves a collective hanging —
 stays inside that demo. Results travel through the store, not through a process group a demo
 might have broken.
 """
@@ -58,10 +58,10 @@ def _narration_kept(narrating):
 class Job:
     """This process's place in the torchrun job.
 
-    Each demo forms a process group of its own and ends it. Rank 0 decides after each demo
-    whether its group is kept for the next one and publishes the verdict, so the members of a
-    group end it together; for now it never keeps one (see `_take_part`: rank 0's narration
-    must not see a live group), which costs about a second per demo.
+    Consecutive demos on the same ranks with the same timeout share a process group, as the
+    pool's do: forming and ending one costs 1-2 s. Rank 0 decides after each demo whether its
+    group is kept for the next one (only after a clean demo) and publishes the verdict, so the
+    members of a group end it together.
 
     A group is taken down with care (`_leave`): PyTorch objects a demo made — a DDP comm
     hook's callbacks, FSDP or DTensor state, a pipeline schedule — hold the group, and some of
@@ -177,10 +177,10 @@ class Job:
         # ranks only, must not split the members between an old group and a new one.
         verdict = f"{prefix}keep"
         if self.rank == 0:
-            # Not kept for now: rank 0 narrates in the process that holds the group, and the
-            # narration must not see one (util.measure times over every rank of a live group;
-            # a kept group made lecture 01's in-process timing wait for ranks that were not there).
-            keep = False
+            # Kept after a clean demo. Rank 0 then narrates in a process that holds a live group:
+            # util.measure counts the slowest rank only inside a demo, so the narration's own
+            # timings do not wait at a barrier for ranks that are not timing anything.
+            keep = clean
             self.store.set(verdict, b"keep" if keep else b"end")
         else:
             try:
