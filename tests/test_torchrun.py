@@ -228,6 +228,22 @@ def test_the_fixture_lecture_under_torchrun_builds_the_pooled_demos(fixture_site
                 under_torchrun(load(fixture_site, "fixture_lecture")))
 
 
+@pytest.mark.torchrun
+@needs_torchrun
+@pytest.mark.timeout(300)
+def test_under_torchrun_a_rank_in_an_endless_loop_ends_its_demo_at_the_deadline(tmp_path):
+    """No pool can stop a torchrun rank from outside: the rank interrupts itself at the demo's
+    deadline, the demo fails (as this one expects) naming it, and the next demo runs."""
+    started = time.monotonic()
+    rc, log = finish(start("tests.support.endless_lecture", tmp_path, "--standalone", "--nproc-per-node", "2"),
+                     timeout=240)
+    assert rc == 0, log[-6000:]
+    rec = load(tmp_path, "endless_lecture")
+    assert demo_list(rec) == [("loop_forever_on_the_last_rank", 2, "expected_failure"), ("sum_of_ranks", 2, "ok")]
+    assert "deadline of 3 s" in demos(rec)[0]["error"]
+    assert demos(rec)[1]["returns"] and time.monotonic() - started < 150
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,8 +14,9 @@ Failure is loud and bounded: a rank's exception ends the demo within seconds (th
 stopped), a rank that never finishes is stopped `timeout` seconds after the first rank
 finished, and a dead worker is noticed at once. Any failure throws the pool away, so the next
 demo starts on a healthy one. Under torchrun a demo runs in the ranks' own processes: a rank's
-exception and a missed collective end the demo as in the pool, but nothing can stop a rank
-that loops forever (the demo's `deadline` applies to the pool only).
+exception and a missed collective end the demo as in the pool, and a rank past the demo's
+`deadline` interrupts itself (SIGALRM; a rank blocked in C code outside a collective is not
+stopped).
 """
 import atexit
 import dataclasses
@@ -110,7 +111,7 @@ def spawn(fn, world_size=None, *, name=None, expect_error=False, timeout=None, d
     run = Run(name=name, world_size=world_size)
     if in_torchrun():
         start = time.perf_counter()
-        results, error = torchrun_job.run_in_place(fn, world_size, kwargs, timeout, run)
+        results, error = torchrun_job.run_in_place(fn, world_size, kwargs, timeout, run, deadline)
     else:
         backend = choose_backend(world_size)
         pool = pools.pooled(backend, world_size)   # start-up is not the demo's time

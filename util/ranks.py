@@ -126,6 +126,8 @@ def run_task(rank, world_size, fn, kwargs, threads):
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _watching_clocks():
             result["returns"] = fn(rank, world_size, **kwargs)
+    except KeyboardInterrupt:   # Ctrl-C stops the build, not just this demo (torchrun's rank 0)
+        raise
     except BaseException:
         result["ok"] = False
         result["error"] = traceback.format_exc()

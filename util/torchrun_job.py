@@ -24,10 +24,75 @@ from util.ranks import (choose_backend, describe_failure, dumps, error_result, f
                         settings, use_device)
 
 # How long a serving rank waits for rank 0's next demo: rank 0 may narrate for minutes between
-# two demos (a full-size layout search). If rank 0 dies, its node's agent stops that node's
-# ranks; ranks on other nodes wait out this bound (rank 0 says "done" whenever it exits).
-NEXT_DEMO_WAIT = datetime.timedelta(hours=6)
+# two demos (a full-size layout search), so the bound is rank 0's heartbeat, not the wait: rank
+# 0 beats every BEAT seconds from a thread of its own, and a serving rank that saw no beat for
+# SILENCE seconds leaves with an error (rank 0 died where its exit could not say "done": killed,
+# out of memory, on another node whose agent went away without telling this one).
+BEAT = 5.0
+SILENCE = float(os.environ.get("COURSE_RANK0_SILENCE", 120))
 DONE = b"done"
+
+
+class Rank0Gone(RuntimeError):
+    pass
+
+
+def wait_for_task(store, key, silence=SILENCE, poll=None):
+    """A serving rank's wait for `key`, bounded by rank 0's heartbeat (the count at
+    `course/heartbeat`): returns once the key is there, raises Rank0Gone after `silence` seconds
+    in which the count did not move."""
+    poll = poll or min(30.0, silence / 4)
+    last, since = None, time.monotonic()
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=poll))
+            return
+        except Exception as e:          # the wait timed out, or the store itself went away
+            if "imeout" not in str(e) and "imed out" not in str(e):
+                raise Rank0Gone(f"rank 0's store went away while this rank waited for its next demo ({e})") from e
+        beats = store.add("course/heartbeat", 0)
+        if beats != last:
+            last, since = beats, time.monotonic()
+        elif time.monotonic() - since > silence:
+            raise Rank0Gone(f"rank 0 has not beaten for {silence:g} s: it probably died without "
+                            "saying the build is over; this rank leaves")
+
+
+def _beat_forever():
+    """Rank 0's heartbeat, over a store client of its own: the main thread's client may be
+    held for minutes by a wait (a demo's results)."""
+    import torch.distributed as dist
+    store = next(dist.rendezvous("env://"))[0]
+    while True:
+        store.add("course/heartbeat", 1)
+        time.sleep(BEAT)
+
+
+class DeadlinePassed(BaseException):   # not caught by a demo's own `except Exception`
+    pass
+
+
+@contextlib.contextmanager
+def deadline_alarm(seconds):
+    """Interrupt the demo with DeadlinePassed after `seconds` (SIGALRM, main thread only): a
+    rank in an endless Python loop cannot be stopped from outside under torchrun, as the pool
+    stops its workers, so it stops itself. A rank blocked in a collective ends at the
+    collective's own timeout instead."""
+    import signal
+    import threading
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def passed(signum, frame):
+        raise DeadlinePassed(f"the demo did not finish within its deadline of {seconds:g} s on this rank")
+    previous = signal.signal(signal.SIGALRM, passed)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def rank():
@@ -83,17 +148,21 @@ class Job:
         self.group_for = None   # (world size, timeout) of the demos it serves
         self.retired = []       # groups something still held when they were taken down
         self.ended = False
+        if self.rank == 0:
+            import threading
+            threading.Thread(target=_beat_forever, name="rank 0 heartbeat", daemon=True).start()
 
     # --- rank 0: the lecture's side -----------------------------------------------------------
 
-    def run(self, fn, world_size, kwargs, timeout):
+    def run(self, fn, world_size, kwargs, timeout, deadline=None):
         """Rank 0: hand the demo to the other ranks, take part, and gather every rank's result."""
         # The header (ranks, timeout, settings) is plain data, decodable even where the demo's
         # function cannot be unpickled; the call is a blob of its own.
-        task = pickle.dumps((world_size, timeout, dataclasses.asdict(settings), pickle.dumps((fn, kwargs))))
+        chosen = {**dataclasses.asdict(settings), "deadline": deadline or settings.deadline}
+        task = pickle.dumps((world_size, timeout, chosen, pickle.dumps((fn, kwargs))))
         self.store.set(f"course/task{self.demo + 1}", task)
         self._before(world_size, timeout)
-        return self._take_part(fn, world_size, kwargs, timeout)
+        return self._take_part(fn, world_size, kwargs, timeout, chosen["deadline"])
 
     def end(self):
         """Rank 0: the build is over; the serving ranks leave, and so does this one."""
@@ -110,7 +179,7 @@ class Job:
         (rank 0 records how each demo ended)."""
         while True:
             key = f"course/task{self.demo + 1}"
-            self.store.wait([key], NEXT_DEMO_WAIT)
+            wait_for_task(self.store, key)
             blob = self.store.get(key)
             if blob == DONE:
                 self._before(None, None)
@@ -118,6 +187,7 @@ class Job:
             world_size, timeout, chosen, call = pickle.loads(blob)
             for name, value in chosen.items():
                 setattr(settings, name, value)
+            deadline = settings.deadline            # this demo's (chosen by rank 0's spawn)
             settings.progress = False               # rank 0 reports
             try:
                 fn, kwargs = pickle.loads(call)
@@ -127,7 +197,7 @@ class Job:
                 fn, kwargs = None, {}               # _take_part reports the failure as this rank's
             self._before(world_size, timeout)
             if self.rank < world_size:
-                self._take_part(fn, world_size, kwargs, timeout)
+                self._take_part(fn, world_size, kwargs, timeout, deadline)
             else:
                 self.demo += 1                      # not needed for this one: wait for the next
 
@@ -140,7 +210,7 @@ class Job:
         if self.group is not None and (self.group_for != (world_size, timeout) or not dist.is_initialized()):
             self._leave(clean=True)
 
-    def _take_part(self, fn, world_size, kwargs, timeout):
+    def _take_part(self, fn, world_size, kwargs, timeout, deadline):
         import torch
         import torch.distributed as dist
         narrating_threads = torch.get_num_threads()     # rank 0 narrates with every core again
@@ -157,7 +227,7 @@ class Job:
                                         timeout=datetime.timedelta(seconds=timeout))
                 self.group = dist.group.WORLD   # held here until the group can die on this thread
                 self.group_for = (world_size, timeout)
-            with _narration_kept(self.rank == 0):
+            with _narration_kept(self.rank == 0), deadline_alarm(deadline):
                 mine = run_task(self.rank, world_size, fn, kwargs, threads)
         except Exception:
             mine = error_result(self.rank)
@@ -259,7 +329,7 @@ def end():
             job().end()
 
 
-def run_in_place(fn, world_size, kwargs, timeout, run):
+def run_in_place(fn, world_size, kwargs, timeout, run, deadline=None):
     """Rank 0 of a torchrun job: demos for k <= the job's ranks run on ranks 0..k-1, larger
     ones are skipped with the reason."""
     have = int(os.environ["WORLD_SIZE"])
@@ -268,4 +338,4 @@ def run_in_place(fn, world_size, kwargs, timeout, run):
         run.error = (f"needs {world_size} ranks, but torchrun started {have}; run it with "
                      f"--nproc-per-node/--nnodes giving at least {world_size} ranks, or without torchrun")
         return {}, None
-    return job().run(fn, world_size, kwargs, timeout)
+    return job().run(fn, world_size, kwargs, timeout, deadline)
