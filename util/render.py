@@ -24,6 +24,7 @@ import xml.etree.ElementTree as ET
 
 from markupsafe import Markup
 
+from util import glossary
 from util.record import rank_list
 from util.recording import load, trim_build_paths, write_atomic
 
@@ -262,6 +263,7 @@ class Page:
         self._dive = None        # the deep dive being recorded, or None on the main path
         self.demo_count = 0
         self.failed_demos = []   # {"id", "name", "page"}
+        self._linkers = {}       # page -> its glossary Linker: each term links at its first use
         self._new_section(None, None)
 
     @property
@@ -277,6 +279,12 @@ class Page:
     def cur(self):
         return self._sections[-1]
 
+    def _prose(self, html, page=None):
+        """Prose on the page being written, its glossary terms linked where first used."""
+        page = page or self.cur["page"]
+        linker = self._linkers.setdefault(page, glossary.Linker())
+        return Markup(linker.link(html))
+
     def here(self):
         """Link to the current section (page#id)."""
         sid = next((s["id"] for s in reversed(self._sections) if s["id"]), None)
@@ -289,11 +297,13 @@ class Page:
             back = self.here()
             sid = _slug(_plain_text(r.get("title", "")), self.ids)
             self._dive = {"id": sid, "title": markdown_inline(r.get("title", "")),
-                          "teaser": markdown_inline(r.get("teaser", "")), "from": back}
+                          "teaser": self._prose(markdown_inline(r.get("teaser", ""))), "from": back}
             self.dives.append(self._dive)
             self.sections[-1]["parts"].append({"kind": "dive_link", "href": f"{self.appendix_page}#{sid}",
                                                **self._dive})
             self._new_section(sid, self._dive["title"], _plain_text(r.get("title", "")), dive=self._dive)
+            # the appendix repeats the teaser under the dive's title: its first read there
+            self._dive["teaser_here"] = self._prose(markdown_inline(r.get("teaser", "")))
         else:
             self._dive = None
 
@@ -322,7 +332,7 @@ class Page:
                 sid = _slug(_plain_text(title), self.ids)
                 self._new_section(sid, markdown_inline(title), _plain_text(title))
             if body.strip():
-                self.cur["parts"].append({"kind": "note", "html": markdown(body)})
+                self.cur["parts"].append({"kind": "note", "html": self._prose(markdown(body))})
         self._key((r.get("source") or {}).get("key"))
 
     def part(self, r):
@@ -334,7 +344,7 @@ class Page:
         return method(r)
 
     def p_note(self, r):
-        return {"kind": "note", "html": markdown(r.get("text", ""))}
+        return {"kind": "note", "html": self._prose(markdown(r.get("text", "")))}
 
     def p_span(self, r):
         return None  # spans are drawn by timeline figures
@@ -364,11 +374,12 @@ class Page:
                  "section_title": section["title_html"] if section else None}
         if r.get("rank") is None:
             self.cheats.append(entry)
-        return {"kind": "cheat", **entry}
+        return {"kind": "cheat", **entry, "formula": self._prose(entry["formula"]),
+                "what": self._prose(entry["what"]) if entry["what"] else None}
 
     def p_published(self, r):
         url = r.get("url", "")
-        return {"kind": "published", "html": markdown(r.get("text", "")), "url": url,
+        return {"kind": "published", "html": self._prose(markdown(r.get("text", ""))), "url": url,
                 "safe": _safe_url(url), "cite": markdown_inline(r.get("cite", ""))}
 
     def p_table(self, r):
@@ -384,7 +395,7 @@ class Page:
                 "header": [{"text": str(h), "num": c < ncols and numeric[c]} for c, h in enumerate(header)]
                 if header else None,
                 "rows": [[cell(v) for v in row] for row in rows],
-                "caption": markdown_inline(r["caption"]) if r.get("caption") else None}
+                "caption": self._prose(markdown_inline(r["caption"])) if r.get("caption") else None}
 
     def _file(self, name, data):
         self.files[name] = data
@@ -398,7 +409,7 @@ class Page:
         return {"kind": "figure", "src": self._file(f"fig-{n:02d}.svg", svg.encode("utf-8")),
                 "phone": self._file(f"fig-{n:02d}-phone.svg", phone.encode("utf-8")) if phone else None,
                 "caption_text": cap,
-                "caption": markdown_inline(cap) if cap else None}
+                "caption": self._prose(markdown_inline(cap)) if cap else None}
 
     def p_widget(self, r):
         self.widgets.append((str(r.get("name", "")), self.here()))
@@ -407,12 +418,12 @@ class Page:
         data = json.dumps(r.get("data"), separators=(",", ":")).replace("</", "<\\/")
         cap = r.get("caption") or ""
         return {"kind": "widget", "name": str(r.get("name", "")), "data": Markup(data),
-                "caption": markdown_inline(cap) if cap else None}
+                "caption": self._prose(markdown_inline(cap)) if cap else None}
 
     def p_image(self, r):
         src, cap, width = str(r.get("src", "")), r.get("caption") or "", r.get("width")
         part = {"kind": "image", "src": src, "caption_text": cap,
-                "caption": markdown_inline(cap) if cap else None,
+                "caption": self._prose(markdown_inline(cap)) if cap else None,
                 "width": int(width) if isinstance(width, (int, float)) and width > 0 else None}
         if _safe_url(src):
             return {**part, "remote": True, "host": _host(src), "icon": Markup(_PICTURE_ICON)}
@@ -578,33 +589,49 @@ def reading_minutes(sections):
 def lecture_page(rec, name):
     """The Page (sections of the main path and of the appendix) of one recording."""
     page = Page(rec, f"{name}_files", name)
+    # the header is read first: the terms of its subtitle and its sentence on the numbers link there
+    title = page_title(rec)
+    page.subtitle = (page._prose(html.escape(rec["title"]), page=page.page)
+                     if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title) else None)
+    page.about_numbers = page._prose(about_numbers(rec.get("environment") or {}), page=page.page)
+    page.about_numbers_appendix = page._prose(about_numbers(rec.get("environment") or {}), page=page.appendix_page)
     for r in rec.get("records") or []:
         page.add_top(r)
+    page.exercises = [{**e, "title": page._prose(html.escape(str(e.get("title", ""))), page=page.page)}
+                      for e in rec.get("exercises") or []]
     for s in page.sections + page.appendix:
         s["code"] = page.code_for(s["keys"])
     return page
 
 
+def page_title(rec):
+    """A lecture's title before its page is read: its first `#` heading, else its recorded title."""
+    first = next((title for r in rec.get("records") or [] if r.get("kind") == "note"
+                  for level, title, _ in split_note(r.get("text", "")) if level == 1), None)
+    return first or rec.get("title") or rec.get("lecture", "lecture")
+
+
 def lecture_html(rec, name, previous=None, next=None):
     """(page HTML, appendix HTML or None, {file name: bytes}) for a recording."""
     page = lecture_page(rec, name)
-    title = page.title or rec.get("title") or rec.get("lecture", "lecture")
+    title = page.title or page_title(rec)
     status = rec.get("status", "ok")
-    subtitle = rec.get("title") if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title) else None
+    subtitle = page.subtitle
     common = dict(title_html=markdown_inline(title), title_text=_plain_text(title),
-                  meta=_meta_line(rec), about_numbers=about_numbers(rec.get("environment") or {}),
+                  meta=_meta_line(rec), about_numbers=page.about_numbers,
                   file=str(rec.get("file", "")), failed=status != "ok", failed_demos=page.failed_demos,
                   previous=previous, next=next, lecture=name, main_page=page.page, dives=page.dives,
                   appendix_page=page.appendix_page, minutes=reading_minutes(page.sections))
     lecture = templates().get_template("lecture.html")
     text = lecture.render(page_title=title, subtitle=subtitle, sections=page.sections,
                           body_class="lecture" + (" build-failed" if status != "ok" else ""),
-                          exercises=rec.get("exercises") or [], appendix=False, **common)
+                          exercises=page.exercises, appendix=False, **common)
     appendix = None
     if page.appendix:
         appendix = lecture.render(page_title=f"Deep dives: {title}", subtitle=None, sections=page.appendix,
                                   body_class="lecture appendix", exercises=[], appendix=True,
-                                  appendix_minutes=reading_minutes(page.appendix), **common)
+                                  appendix_minutes=reading_minutes(page.appendix),
+                                  **{**common, "about_numbers": page.about_numbers_appendix})
     return text, appendix, page.files
 
 
@@ -653,6 +680,22 @@ def _load_recordings(out_dir):
     return recs
 
 
+def notebook_offer(path):
+    """What a companion notebook lets you try, from its opening cell ("the last cells ... ."),
+    as a sentence; None when the notebook or that phrase is missing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+        text = " ".join("".join(next(c for c in cells if c["cell_type"] == "markdown")["source"]).split())
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+    m = re.search(r"the last cells? (?:are |is )?(.+?)(?: \(change [^)]*\))?\.(?: |$)", text)
+    if not m:
+        return None
+    offer = re.sub(r"^(?:let you |yours: )", "", m.group(1))
+    return markdown_inline(offer[0].upper() + offer[1:] + ".")
+
+
 def render_index(out_dir):
     """Write <out>/index.html (a start: the course's map, setup, and every lecture recording in
     <out> in order, with its reading time, notebook and exercises) and <out>/cheatsheet.html
@@ -679,7 +722,7 @@ def render_index(out_dir):
             "appendix": page.appendix_page if page.appendix else None,
             "minutes": reading_minutes(page.sections),
             "appendix_minutes": reading_minutes(page.appendix) if page.appendix else None,
-            "built": format_seconds(rec.get("elapsed")) + (" (quick sizes)" if env.get("quick") else ""),
+            "offer": notebook_offer(os.path.join(REPO, source)),
             "notebook": nb if os.path.isfile(os.path.join(out_dir, nb)) else None,
             "notebook_source": source if os.path.isfile(os.path.join(REPO, source)) else None,
             "exercises": rec.get("exercises") or []})
@@ -699,8 +742,22 @@ def render_index(out_dir):
         page_title="Cheatsheet: distributed training, executable course", body_class="cheatsheet",
         cheats=cheats, **common)
     write_atomic(os.path.join(out_dir, "cheatsheet.html"), sheet)
+    render_glossary(out_dir, lectures)
     _relink(out_dir, _titles(recordings))
     return path
+
+
+def render_glossary(out_dir, lectures):
+    """Write <out>/glossary.html: every term of lectures/glossary.yaml, with the lecture that
+    teaches it (linked when that lecture's page is built)."""
+    titles = {l["name"]: l for l in lectures}
+    terms = [{"id": t.id, "term": t.term, "means": markdown_inline(t.means), "taught": t.taught,
+              "taught_title": titles[t.taught]["title"] if t.taught in titles else t.taught.replace("_", " "),
+              "taught_page": titles[t.taught]["page"] if t.taught in titles else None}
+             for t in glossary.load()]
+    text = templates().get_template("glossary.html").render(
+        page_title="Glossary: distributed training, executable course", body_class="glossary", terms=terms)
+    write_atomic(os.path.join(out_dir, glossary.PAGE), text)
 
 
 def _relink(out_dir, lectures):
