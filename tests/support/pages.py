@@ -8,7 +8,10 @@ def _url(path):
     return "file://" + os.path.abspath(path)
 
 
-LAYOUT_CHECKS = """() => {
+# `screen` is the width the page was opened at: a phone's browser widens its layout viewport
+# (innerWidth) to content that overflows and zooms out, so innerWidth alone cannot tell.
+LAYOUT_CHECKS = """(screen) => {
+  const innerWidth = Math.min(window.innerWidth, screen);
   const wide = el => el.scrollWidth > el.clientWidth + 1;
   const label = el => el.tagName.toLowerCase() + (el.className ? '.' + String(el.className).split(' ')[0] : '')
                      + ' in #' + (el.closest('section') || {}).id + ': ' + (el.innerText || '').slice(0, 60);
@@ -37,7 +40,7 @@ LAYOUT_CHECKS = """() => {
 
 
 def check_layout(page, name, width):
-    found = page.evaluate(LAYOUT_CHECKS)
+    found = page.evaluate(LAYOUT_CHECKS, width)
     assert not found["pageScrolls"], f"{name} scrolls sideways at {width} px"
     assert not found["unscrolled"], f"{name} at {width} px: wider than the screen, no scroll box: {found['unscrolled']}"
     assert not found["unlinked"], f"{name}: figures without a full-size link: {found['unlinked']}"
