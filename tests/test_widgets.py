@@ -60,6 +60,32 @@ def test_javascript_simulator_equals_python_for_every_embedded_schedule(browser,
 
 
 @pytest.mark.parametrize("width,height", [(1280, 800), (390, 844)])
+def test_every_timeline_label_fits_inside_its_box(browser, explorer_page, width, height):
+    """Interleaved 1F1B at m = 16 packs the most boxes: a label that does not fit is shortened
+    to the micro-batch or left out, never clipped into a neighbour ("12." over "B10")."""
+    w = Watched(browser, viewport={"width": width, "height": height})
+    try:
+        pg = w.page
+        pg.goto("file://" + explorer_page)
+        for i, value in enumerate(("interleaved-1f1b", "4", "16", "2")):
+            pg.select_option(f".widget-controls select >> nth={i}", value)
+        overlaps = pg.evaluate("""() => {
+          const svg = document.querySelector('.widget-svg svg');
+          const labels = [...svg.querySelectorAll('text[fill="#fff"]')].map(t => t.getBBox());
+          const bad = [];
+          labels.forEach((a, i) => labels.slice(i + 1).forEach(b => {
+            if (Math.abs(a.y - b.y) < 1 && a.x < b.x + b.width - 0.5 && b.x < a.x + a.width - 0.5) bad.push([a.x, b.x]);
+          }));
+          return {labels: labels.length, bad};
+        }""")
+        assert overlaps["bad"] == [], overlaps
+        assert overlaps["labels"] > 0 or width < 600, overlaps      # a phone's boxes may hold none
+        w.check_clean()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("width,height", [(1280, 800), (390, 844)])
 def test_controls_redraw_within_a_frame(browser, explorer_page, width, height):
     w = Watched(browser, viewport={"width": width, "height": height})
     try:

@@ -91,7 +91,7 @@ def draw_axis_groups(shape):
                 ax.scatter([x], [y], s=420, color=colour, zorder=2)
                 ax.text(x, y, str(r), ha="center", va="center", color="white", weight="bold", zorder=3)
         title = ("replicas (dp·cp):\nZeRO and the gradient sync" if axis == "replica"
-                 else f"{axis} groups ({len(groups)} of {len(groups[0])})")
+                 else f"{axis}: {len(groups)} group{'s' if len(groups) > 1 else ''} of {len(groups[0])} rank{'s' if len(groups[0]) > 1 else ''}")
         ax.set_title(title, fontsize="medium")
         ax.set_xlim(-0.6, cp * tp - 0.4)
         ax.set_ylim(-dp * pp + 0.4, 0.6)

@@ -255,9 +255,10 @@ def logits_figure(vocabs, chunk, held):
     ax.bar(x - 0.2, [held[v][2] / 1e6 for v in vocabs], 0.38, bottom=rest, color="C3",
            label="whole loss: fp32 log-softmax")
     ax.bar(x + 0.2, [held[v][1] / 1e6 for v in vocabs], 0.38, color="C2", label=f"chunked ({chunk} tokens)")
+    # in MB, as the axis says, without the unit: two bars' labels side by side stay apart
     for i, v in enumerate(vocabs):
-        ax.text(i - 0.2, held[v][0] / 1e6, fmt_bytes(held[v][0]), ha="center", va="bottom", fontsize=NOTE)
-        ax.text(i + 0.2, held[v][1] / 1e6, fmt_bytes(held[v][1]), ha="center", va="bottom", fontsize=NOTE)
+        ax.text(i - 0.2, held[v][0] / 1e6, f"{held[v][0] / 1e6:.3g}", ha="center", va="bottom", fontsize=NOTE)
+        ax.text(i + 0.2, held[v][1] / 1e6, f"{held[v][1] / 1e6:.3g}", ha="center", va="bottom", fontsize=NOTE)
     ax.set_xticks(x, [f"v = {v}" for v in vocabs])
     ax.set_ylim(0, max(held[v][0] for v in vocabs) / 1e6 * 1.15)
     ax.set_ylabel("MB held after forward")

@@ -249,8 +249,12 @@
           (boxes[look] = boxes[look] || []).push("M" + tenth(x) + " " + (top + lane * r + 2) + "h" + tenth(w) +
                                                  "v" + (lane - 4) + "h" + tenth(-w) + "z");
           count += 1;
-          if (w > 14) parts.push(tag("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
-                                               "text-anchor": "middle" }, esc(ev[0].text)));
+          // a label only where it fits inside its box (about 5.5 px a character at 9 px): the
+          // whole name, else the micro-batch number alone (the colour says F, B or W), else none
+          var label = [ev[0].text, String(ev[0].text).replace(/^[A-Za-z]+/, "")].filter(function (t) {
+            return t && t.length * 5.5 + 3 <= w; })[0];
+          if (label) parts.push(tag("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
+                                              "text-anchor": "middle" }, esc(label)));
         });
       });
       Object.keys(boxes).forEach(function (look) {
