@@ -46,7 +46,8 @@ __all__ = [
     "pytorch_tp_plan", "pytorch_layout",
 ]
 from lectures.layout.published import (MEGATRON_TABLE1, megatron_run, megatron_shape, predict_run, fit_fraction,
-                                       a100_validation, DEEPSEEK_V3, DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED)
+                                       a100_validation, a100_runs, torchtitan_run, TORCHTITAN_A100, DEEPSEEK_V3,
+                                       DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED)
 
 __all__ += ["MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
-            "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED"]
+            "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED"]

@@ -14,7 +14,7 @@ import dataclasses
 
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.search import GEMM, reach
-from lectures.layout.step_time import a100_cluster, step_time
+from lectures.layout.step_time import LLAMA3_70B, LLAMA3_8B, a100_cluster, step_time
 
 # (parameters in billions, heads, hidden, layers, tp, pp, GPUs, global batch, teraFLOP/s per GPU)
 MEGATRON_TABLE1 = [
@@ -111,9 +111,30 @@ def fit_fraction(run, make_hw, lo=0.3, hi=1.0, steps=30):
     return reach(predicted, 1.0, lo, hi, steps)
 
 
+# torchtitan's Llama 3 numbers (pytorch/torchtitan, docs/performance.md, "Llama 3 performance
+# numbers", commit 0413364): FSDP2 (ZeRO-3) on 64 A100 80 GB, local batch 1, sequence 8,192,
+# FlashAttention through SDPA; tokens per second per GPU. 8B with torchtitan's "selective op"
+# checkpointing (not the course's selective set: charged here as the course's), 70B with full.
+TORCHTITAN_SOURCE = "torchtitan, docs/performance.md (Llama 3 on 64 A100 80 GB, FSDP2), https://github.com/pytorch/torchtitan"
+TORCHTITAN_A100 = [(LLAMA3_8B, "selective", 2973), (LLAMA3_70B, "full", 331)]
+
+
+def torchtitan_run(model, recompute, tokens_per_gpu):
+    return {"name": f"{model.name} on 64 A100s (torchtitan)", "model": model, "gpus": 64,
+            "mesh": {"dp": 64, "pp": 1, "cp": 1, "tp": 1}, "batch": 64,
+            "seconds": 64 * model.seq / (tokens_per_gpu * 64), "source": TORCHTITAN_SOURCE, "gpu": "A100",
+            "knobs": dict(zero=(3,), sp=(False,), recompute=(recompute,)), "flash": True,
+            "measured": f"{tokens_per_gpu:,} tokens/s per GPU"}
+
+
+def a100_runs():
+    return [megatron_run(r) for r in MEGATRON_TABLE1] + [torchtitan_run(*r) for r in TORCHTITAN_A100]
+
+
 def a100_validation(make_hw=a100_cluster, fit_row=A100_FIT_ROW):
-    """(fitted fraction, [prediction of every Table 1 row]) with the fraction fitted on one row."""
-    runs = [megatron_run(r) for r in MEGATRON_TABLE1]
+    """(fitted fraction, [prediction of every A100 run]) with the GEMM fraction fitted on one
+    run (Table 1's middle row), every other run predicted with it."""
+    runs = a100_runs()
     frac = fit_fraction(runs[fit_row], make_hw)
     hw = make_hw(**{GEMM: frac})
     return frac, [dict(predict_run(r, hw), fitted=i == fit_row) for i, r in enumerate(runs)]
