@@ -850,3 +850,40 @@ def test_deepseek_v3_fits_and_is_predicted_within_twenty_percent():
     assert estimate_memory(DEEPSEEK_V3_RUN["model"], got["layout"])["total"] <= hw.memory
     assert abs(got["error"]) < 0.20, got["error"]
     assert 1500 < 1e12 / (180e3 * 3600) < 1560                    # the report's rate, per GPU
+
+
+MOE_RUN = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=2, n_heads=4, dtype="float64"),
+              global_batch=8, steps=2, experts=4, top_k=2)
+MOE_LAYOUTS = {"dp4 ep4": Layout(dp=4, ep=4, micro_batch=1, micro_batches=2),
+               "dp4 ep2": Layout(dp=4, ep=2, micro_batch=2),
+               "dp4 (experts replicated)": Layout(dp=4, micro_batch=1, micro_batches=2)}
+
+
+def test_expert_groups_sit_inside_data_parallelism():
+    from lectures.layout import expert_groups
+    groups, replicas = expert_groups((4, 1, 1, 2), 2)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]            # consecutive dp ranks, same tp
+    assert replicas == [[0, 4], [1, 5], [2, 6], [3, 7]]          # same place in their ep group
+
+
+def test_a_mixture_of_experts_trains_under_ep_inside_dp_like_one_process():
+    """Lecture 06's MoE GPT (4 experts, top-2, dropless) on 4 ranks: experts shared out over ep
+    groups of 4 and of 2 inside dp, and replicated, equal one process's AdamW steps."""
+    ref = reference_run(MOE_RUN)
+    got = spawn(train_all_layouts, 4, run=MOE_RUN, layouts=MOE_LAYOUTS).returns
+    for name in MOE_LAYOUTS:
+        returns = [r[name] for r in got]
+        assert max_param_diff(returns, ref["params"]) < 1e-8, name
+        assert returns[0]["losses"] == pytest.approx(ref["losses"], rel=1e-7), name
+    # under ep4 each rank holds one expert of each block: its own, by the model's names
+    held = {k for k in got[1]["dp4 ep4"]["params"] if ".experts." in k}
+    assert held == {f"blocks.{b}.mlp.experts.1.{w}" for b in range(2)
+                    for w in ("fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias")}
+
+
+def test_the_trainer_refuses_experts_where_they_are_not_wired():
+    mesh = None
+    with pytest.raises(ValueError, match="ep > 1 needs a model with experts"):
+        LayoutTrainer(RUN, Layout(dp=4, ep=2, micro_batch=2), mesh)
+    with pytest.raises(ValueError, match="experts under dp and ep only"):
+        LayoutTrainer(MOE_RUN, Layout(dp=2, tp=2, micro_batch=4), mesh)
