@@ -1,11 +1,15 @@
-"""Putting the parallelisms together on one (dp, pp, cp, tp) mesh (lecture 07's building blocks).
+"""Putting the parallelisms together on one (dp, pp, cp, tp) mesh, experts (ep) inside dp
+(lecture 07's building blocks).
 
 - `mesh`: ranks on the grid, one group per axis; `trainer`: the GPT trained under any layout.
 - `estimator`: per-rank memory from formulas; `step_time`: seconds per step from a cost model;
   `search`: every layout ranked, and the rule of thumb; `calculator`: the page's calculator data.
 - `pytorch`: the same layouts from PyTorch's own pieces.
-- `demos`, `deep_dives`, `figures`: what lecture 07's demos run on each rank (and the analysis of
-  what they return), its appendix page's sections, and its page's drawings.
+- `published`: published runs (Megatron-LM's Table 1, torchtitan, DeepSeek-V3) through the model:
+  one fitted per GPU type, the others predicted.
+- `demos`, `deep_dives`, `figures`, `at_scale`: what lecture 07's demos run on each rank (and the
+  analysis of what they return), its appendix page's sections, its page's drawings, and its
+  sections on published runs across scale and on experts.
 
 The building blocks below are the package's public names; import them from here,
 `from lectures.layout import Layout, estimate_memory, search`,
