@@ -489,44 +489,50 @@ def published_scale():
         per GPU ({IB_BW / 1e9:.0f} GB/s), of which NCCL achieves 46–48 GB/s (the same team,
         issue 290; the model takes {IB_ACHIEVED / 1e9:.0f}). Models: Llama 3 8B and
         70B (grouped-query attention with 8 K/V heads, SwiGLU, vocabulary 128,256), sequences of
-        8192, a global batch of 512 sequences — 4M tokens, Llama 3's first batch size in tokens,
-        which it ran as 1,024 sequences of 4,096 before moving to 8M tokens of 8,192-token
-        sequences after 252M tokens and 16M after 2.87T (Llama 3 report, §3.4.1) — bf16 weights
-        with fp32 gradients and AdamW. The search covers tp ≤ 8 (one node), any pp dividing the
+        8192, a global batch of 512 sequences (4M tokens, Llama 3's first batch size; Llama 3
+        report, §3.4.1), bf16 weights with fp32 gradients and AdamW. The search covers tp ≤ 8 (one node), any pp dividing the
         layers, interleaved virtual stages (v = 1, 2, 4, 5), cp, ZeRO 0–3, recomputation (none,
         selective or full), sequence parallelism or not, micro-batches of 1, 2 (and 4 in the
         full build).
 
-        **Every assumption, stated.** Assumed, not cited:
-        {'; '.join(f'{k} {v}' for k, v in a.items())}. The sustained GEMM fraction of peak is
-        not assumed: it is fitted on one published run below. Attention is not assumed either:
-        it runs at FlashAttention-2's published best on an H100, {FA2_H100 / 1e12:.0f} TFLOP/s
-        forward and backward ({100 * FA2_H100 / H100_PEAK_BF16:.0f}% of peak; Dao 2023, §4.1),
-        on the half of its 12·h·s FLOPs per token and block that a causal kernel computes (MFU
-        still counts all 12·h·s, as PaLM's convention does). The model also assumes every
-        other GEMM runs at the fitted rate; memory-bound kernels (norms, activations, residual
-        adds, with the course's selective recomputation their re-run, and AdamW's step) move
-        their bytes at the stated fraction of HBM's datasheet rate ({H100_HBM / 1e12:.2f} TB/s on an H100); nothing
-        else costs time — no kernel launches, no stragglers or failures; communication never
-        slows compute (on GPUs NCCL's kernels share the SMs); a group is inside a node only when
-        it tiles the nodes (tp = 6 on 8-GPU nodes straddles two, and is charged the network);
-        tensor-parallel, context-parallel and pipeline transfers are fully exposed; the
-        data-parallel traffic hides under the compute beside it as `dp_traffic` says (fully,
-        with the overlap assumed above); an all-gather, reduce-scatter or all-reduce takes the
-        ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
-        reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
+        Every constant below is published or fitted; the model's assumptions are listed, one by
+        one, in the deep dive that follows.
     """)
-    note("""
-        The assumption that data-parallel traffic hides under the backward rests on GPU
-        measurements like the one below; this CPU cannot check it, because gloo moves the bytes
-        with CPU threads that compete with the very compute they would hide under.
-    """)
-    published("""
-        Li et al. 2020 (PyTorch Distributed: Experiences on Accelerating Data Parallel Training,
-        PVLDB 13(12)), with gradient bucketing and communication overlapped with the backward:
-        "when configured appropriately, the PyTorch distributed data parallel module attains
-        near-linear scalability using 256 GPUs".
-    """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
+    with deep_dive("Every assumption of the model at scale, stated",
+                   "what is assumed rather than cited, and what the model leaves out"):
+        note(f"""
+            ## Every assumption of the step-time model at scale
+            Assumed, not cited:
+            {'; '.join(f'{k} {v}' for k, v in a.items())}. The sustained GEMM fraction of peak is
+            not assumed: it is fitted on one published run below. Attention is not assumed either:
+            it runs at FlashAttention-2's published best on an H100, {FA2_H100 / 1e12:.0f} TFLOP/s
+            forward and backward ({100 * FA2_H100 / H100_PEAK_BF16:.0f}% of peak; Dao 2023, §4.1),
+            on the half of its 12·h·s FLOPs per token and block that a causal kernel computes (MFU
+            still counts all 12·h·s, as PaLM's convention does). The model also assumes every
+            other GEMM runs at the fitted rate; memory-bound kernels (norms, activations, residual
+            adds, with the course's selective recomputation their re-run, and AdamW's step) move
+            their bytes at the stated fraction of HBM's datasheet rate ({H100_HBM / 1e12:.2f} TB/s on an H100); nothing
+            else costs time — no kernel launches, no stragglers or failures; communication never
+            slows compute (on GPUs NCCL's kernels share the SMs); a group is inside a node only when
+            it tiles the nodes (tp = 6 on 8-GPU nodes straddles two, and is charged the network);
+            tensor-parallel, context-parallel and pipeline transfers are fully exposed; the
+            data-parallel traffic hides under the compute beside it as `dp_traffic` says (fully,
+            with the overlap assumed above); an all-gather, reduce-scatter or all-reduce takes the
+            ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
+            reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
+        """)
+        note("""
+            The assumption that data-parallel traffic hides under the backward rests on GPU
+            measurements like the one below; this CPU cannot check it, because gloo moves the bytes
+            with CPU threads that compete with the very compute they would hide under.
+        """)
+        published("""
+            Li et al. 2020 (PyTorch Distributed: Experiences on Accelerating Data Parallel Training,
+            PVLDB 13(12)), with gradient bucketing and communication overlapped with the backward:
+            "when configured appropriately, the PyTorch distributed data parallel module attains
+            near-linear scalability using 256 GPUs".
+        """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
+
     hw, band = llama3_table4()
     band = max(band, across_scale())
     experts_at_scale(hw)
@@ -558,25 +564,18 @@ def published_scale():
                              mfu(model, tokens / t, world * H100_PEAK_BF16),
                              step_time(model, rule, hw)["dp before hiding"], "; ".join(why)])
     fig = draw_search_at_scale((LLAMA3_8B, LLAMA3_70B), searched, rule_of, hw)
-    table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU",
-                        "DP seconds before hiding", "why"],
-          caption="The search's best layouts beside the syllabus' decision procedure, predicted. "
-                  "'DP seconds before hiding': the data-parallel collectives' time on the worst stage before "
-                  "the assumed overlap hides them; where it is a large share of the step, the pick rests on "
-                  "that assumption.")
     val = _RESULTS.get("validation", {})
     near = {name: err for name, err in val.items() if "Llama 3 8B" in name or "Llama 3 70B" in name}
-    note(f"""
-        **How far to trust these picks.** On A100s the model predicts torchtitan's own Llama 3
-        runs at these two sizes to {', '.join(f"{e:+.1%}" for e in near.values())}
-        ({', '.join(near)}), and Megatron-LM's GPTs from 1.7B to 1T within the band shown
-        above; on H100s the only runs it is checked against are Llama 3 405B's (Table 4). No
-        published H100 run of an 8B or 70B model is checked here, so the 8B and 70B MFUs above
-        carry at least the A100 error at their size and the H100 band of the 405B rows, whichever
-        is larger — and the column "DP seconds before hiding" says how much of a pick rests on the
-        overlap assumption: with overlap below 1 the picks that reduce-scatter every micro-batch
-        (ZeRO-2/3) lose first.
-    """)
+    table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU",
+                        "DP seconds before hiding", "why"],
+          caption=f"The search's best layouts beside the syllabus' decision procedure, predicted. How far to trust "
+                  f"them: on A100s the model predicts torchtitan's Llama 3 8B and 70B to "
+                  f"{' and '.join(f'{100 * e:+.1f}%' for e in near.values())}; no H100 run at these sizes is "
+                  f"checked, so these MFUs carry at least that error and the 405B rows' band. 'DP seconds before "
+                  f"hiding': the data-parallel collectives on the worst stage before the assumed overlap hides "
+                  f"them; where they are a large share of the step, the pick rests on that assumption (with less "
+                  f"overlap, ZeRO-2/3 picks lose first).")
+
     with deep_dive("The search's space and the decision procedure, step by step",
                    "every configuration at 512 GPUs, and the rule of thumb as code and as a flowchart"):
         decision_flow(outcomes, fig)
@@ -669,11 +668,8 @@ def llama3_table4():
         checkpointing; the estimator counts what eager PyTorch saves (every norm output, SwiGLU's
         four tensors), and with that count the first row's pick needs
         {bare / 2 ** 30:.0f} GiB per GPU without recomputation, so the search keeps only what no
-        cheap kernel can rebuild (the course's "selective" recomputation: the norms and the MLP's
-        activation are re-run, no matrix product — its own set, closer to Megatron-Core's
-        `--recompute-modules` or torchtitan's op-level policy than to Korthikanti et al.'s §5,
-        which re-runs the attention core that FlashAttention never stores; the model charges the
-        re-run as memory-bound work). Interleaving is what makes a 16-stage pipeline affordable:
+        cheap kernel can rebuild (the course's own "selective" set, not Korthikanti et al.'s §5:
+        norms and the MLP's activation re-run, no matrix product, charged as memory-bound work). Interleaving is what makes a 16-stage pipeline affordable:
         the search picks v = {first['layout'].virtual_stages}, a bubble of
         (p − 1)/(v·m) = {first['layout'].pp - 1}/({first['layout'].virtual_stages}·{first['layout'].micro_batches}) of the work.
         Without it (v = 1 and every other knob still open) the 8K rows are predicted at
