@@ -887,3 +887,13 @@ def test_the_trainer_refuses_experts_where_they_are_not_wired():
         LayoutTrainer(RUN, Layout(dp=4, ep=2, micro_batch=2), mesh)
     with pytest.raises(ValueError, match="experts under dp and ep only"):
         LayoutTrainer(MOE_RUN, Layout(dp=2, tp=2, micro_batch=4), mesh)
+
+
+def test_tensor_parallel_overlap_hides_under_compute():
+    hw = h100_cluster()
+    lay = Layout(dp=8, tp=8, sp=True, precision="bf16", micro_batch=1, micro_batches=4)
+    t = step_time(LLAMA3_70B, lay, hw)
+    half = step_time(LLAMA3_70B, lay, dataclasses.replace(hw, tp_overlap=0.5))
+    per_mb = t["compute"] / 4
+    assert half["tp"] == pytest.approx(max(0.0, t["tp"] - 4 * 0.5 * per_mb))
+    assert step_time(LLAMA3_70B, lay, dataclasses.replace(hw, tp_overlap=1.0))["tp"] < t["tp"]

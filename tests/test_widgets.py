@@ -276,7 +276,7 @@ def test_javascript_step_time_equals_python_for_random_layouts(browser, calculat
         w.page.goto("file://" + calculator_page)
         cases = random_layouts(200, seed=1)
         from lectures.layout import a100_cluster, h800_cluster
-        hbm = dataclasses.replace(small, hbm=5e10, scores_in_hbm=True, ep_overlap=0.5, ranks_per_node=4)
+        hbm = dataclasses.replace(small, hbm=5e10, scores_in_hbm=True, ep_overlap=0.5, tp_overlap=0.3, ranks_per_node=4)
         for hw in (h100_cluster(), small, a100_cluster(), dataclasses.replace(h800_cluster(), ep_overlap=1.0), hbm):
             got = w.page.evaluate("a => a[0].map(c => window.course.stepTime(c[0], c[1], a[1]))",
                                   [[[m, l] for m, l, _, _ in cases], dataclasses.asdict(hw)])

@@ -59,6 +59,9 @@ class Hardware:
     # fraction of a micro-batch's compute on the rank that hides its expert all-to-alls (0: all
     # exposed; DualPipe's claim, DeepSeek-V3 §3.2.1: "fully hidden", i.e. 1 while they fit under it)
     ep_overlap: float = 0.0
+    # fraction of a micro-batch's compute that hides its tensor-parallel collectives (0: all
+    # exposed, as plain Megatron-LM runs them; asynchronous TP, lecture 04, overlaps them)
+    tp_overlap: float = 0.0
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
@@ -75,7 +78,7 @@ class Hardware:
         for k, v in nonnegative.items():
             if v is not None and not v >= 0:
                 raise ValueError(f"Hardware.{k}={v!r}: a latency must be a number ≥ 0")
-        for k in ("overlap", "ep_overlap"):
+        for k in ("overlap", "ep_overlap", "tp_overlap"):
             if not 0 <= getattr(self, k) <= 1:
                 raise ValueError(f"Hardware.{k}={getattr(self, k)!r}: a fraction from 0 to 1")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -202,7 +205,7 @@ def step_time(model, layout, hw):
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
               2 backward), 6 with full recomputation (the forward's 2 run again); sequence
               parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
-              `step_bytes` uses);
+              `step_bytes` uses); `hw.tp_overlap` of the compute hides them;
     cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
               backward (K, V, dK, dV), each with its bytes and a fixed cost per step
               (`hw.ring_step`: launching a block of attention, merging, waiting); full
@@ -213,7 +216,10 @@ def step_time(model, layout, hw):
               each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
               every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
-              under the compute it runs beside (`hw.overlap`)."""
+              under the compute it runs beside (`hw.overlap`); what is left is charged after
+              the pipeline (not placed in the cool-down, where a later stage already waits);
+    ep        the experts' dispatch and combine all-to-alls (`hw.ep_overlap` hides them);
+    memory    memory-bound work at `hw.hbm` (part of compute), and the optimizer step."""
     check_split(model, layout)
     B = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
@@ -244,6 +250,7 @@ def step_time(model, layout, hw):
                "reduce-scatter": lambda b: (all_reduce_time if hw.backend == "gloo" else gather_time)(layout.tp, b, tp_link)}
     tp = sum(k * seconds[kind](b) for kind, b, k in
              tp_collectives(layout, n_layers, worst == 0, worst == layout.pp - 1, act, tokens, rc))
+    tp = max(0.0, tp - hw.tp_overlap * compute)          # what the compute beside it does not hide
     cp = 0.0
     if layout.cp > 1:
         kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp

@@ -559,7 +559,8 @@
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
     hw = Object.assign({ overhead: 0.0, step_overhead: 0.0, overlap: 0.0, bucketed: true, p2p: null,
-                         ring_step: [0.0, 0.0], backend: "nccl", hbm: null, scores_in_hbm: false, ep_overlap: 0.0 }, hw);
+                         ring_step: [0.0, 0.0], backend: "nccl", hbm: null, scores_in_hbm: false, ep_overlap: 0.0,
+                         tp_overlap: 0.0 }, hw);
     var B = PRECISION_BYTES[l.precision];
     var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
     var v = l.virtual_stages, sizes = rankLayers(m.layers, l.pp, v), worst = 0, best = -Infinity;
@@ -592,6 +593,7 @@
     tpCollectives(l, nLayers, worst === 0 ? 1 : 0, worst === l.pp - 1 ? 1 : 0, act, tokens, rc).forEach(function (op) {
       tp += op[2] * seconds[op[0]](op[1]);
     });
+    tp = Math.max(0.0, tp - hw.tp_overlap * compute);
     var cp = 0.0;
     if (l.cp > 1) {
       var kv = 2 * tokens * kvDim(m) * B.act / l.tp, link = p2pLink(hw, l, "cp");
