@@ -897,3 +897,20 @@ def test_tensor_parallel_overlap_hides_under_compute():
     per_mb = t["compute"] / 4
     assert half["tp"] == pytest.approx(max(0.0, t["tp"] - 4 * 0.5 * per_mb))
     assert step_time(LLAMA3_70B, lay, dataclasses.replace(hw, tp_overlap=1.0))["tp"] < t["tp"]
+
+
+def test_all_gather_context_parallelism_is_llama_3s_and_charged_as_gathers():
+    """Llama 3 §3.3.2: K and V all-gathered per block, dK and dV reduce-scattered; Table 4's
+    128K row is charged that way; the trainer, which runs ring attention, refuses it."""
+    from lectures.layout import LLAMA3_TABLE4
+    assert LLAMA3_TABLE4[2]["cp_algorithm"] == "allgather"
+    hw = h100_cluster()
+    lay = Layout(dp=2, cp=4, tp=2, precision="bf16", cp_algorithm="allgather")
+    kv = 2 * LLAMA3_8B.seq / 4 * LLAMA3_8B.kv_dim * 2 / 2            # this rank's K and V, bytes
+    link = axis_link(hw, lay, "cp")
+    assert step_time(LLAMA3_8B, lay, hw)["cp"] == pytest.approx(LLAMA3_8B.layers * 3 * gather_time(4, 4 * kv, link))
+    assert step_bytes(LLAMA3_8B, lay, 0)["cp"] == pytest.approx(LLAMA3_8B.layers * 3 * 3 * kv)
+    with pytest.raises(ValueError, match="ring attention"):
+        LayoutTrainer(RUN, Layout(dp=2, cp=2, micro_batch=4, cp_algorithm="allgather"), None)
+    with pytest.raises(ValueError, match="cp_algorithm"):
+        Layout(cp=2, cp_algorithm="ulysses")

@@ -210,6 +210,7 @@ def random_layouts(n, seed=0):
         dp = rng.choice([1, 2, 3, 8, 64])
         ep = rng.choice([e for e in (1, 2, 4, 8) if dp % e == 0 and (m.experts % e == 0 if m.experts else e == 1)])
         out.append((m, Layout(dp=dp, ep=ep, pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
+                              cp_algorithm=rng.choice(["ring", "allgather"]),
                               zero=rng.choice([0, 1, 2, 3]), micro_batch=rng.choice([1, 2, 4]),
                               micro_batches=rng.choice([1, 3, 8, 13]), recompute=rng.choice(["none", "selective", "full"]),
                               precision=rng.choice(["fp32", "bf16", "fp64"]), sp=tp > 1 and rng.random() < 0.5,

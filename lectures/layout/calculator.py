@@ -29,7 +29,8 @@ def calculator_data(model="Llama 3 8B", layout=None, hardware=(), cluster=None):
     memory (the calculator and the search must agree on what fits)."""
     layout = layout or {"dp": 8, "tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1,
                         "micro_batches": 1, "recompute": "full", "precision": "bf16",
-                        "schedule": "1f1b", "sp": True, "virtual_stages": 1, "ep": 1}
+                        "schedule": "1f1b", "sp": True, "virtual_stages": 1, "ep": 1,
+                        "cp_algorithm": "ring"}
     machines = [cluster or h100_cluster(), *hardware]
     return {"presets": presets(), "precision_bytes": PRECISION_BYTES,
             "hardware": {hw.name: _finite(dataclasses.asdict(hw)) for hw in machines},

@@ -219,6 +219,9 @@ class Layout:
     vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
     virtual_stages: int = 1        # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
     ep: int = 1                    # expert parallelism: groups of ep data-parallel ranks share out the experts
+    # context parallelism's attention: "ring" (K and V passed around, lecture 06's ring attention)
+    # or "allgather" (K and V all-gathered per block, dK and dV reduce-scattered: Llama 3's, §3.3.2)
+    cp_algorithm: str = "ring"
 
     def __post_init__(self):
         _whole_numbers(self, ("dp", "pp", "cp", "tp", "micro_batch", "micro_batches", "virtual_stages", "ep"))
@@ -226,7 +229,7 @@ class Layout:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism groups ep of the "
                              "data-parallel ranks (it lives inside data parallelism)")
         checks = {"zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "precision": tuple(PRECISION_BYTES),
-                  "schedule": SCHEDULES}
+                  "schedule": SCHEDULES, "cp_algorithm": ("ring", "allgather")}
         for k, allowed in checks.items():
             v = getattr(self, k)
             if isinstance(v, bool) or v not in allowed:
@@ -247,6 +250,8 @@ class Layout:
         parts = [f"{k}{getattr(self, k)}" for k in MESH_AXES if getattr(self, k) > 1] or ["1 rank"]
         if self.ep > 1:
             parts.insert(1, f"ep{self.ep}")
+        if self.cp > 1 and self.cp_algorithm != "ring":
+            parts.append("CP all-gather")
         if self.zero:
             parts.append(f"ZeRO-{self.zero}")
         if self.sp:

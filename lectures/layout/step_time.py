@@ -206,7 +206,9 @@ def step_time(model, layout, hw):
               2 backward), 6 with full recomputation (the forward's 2 run again); sequence
               parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
               `step_bytes` uses); `hw.tp_overlap` of the compute hides them;
-    cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
+    cp        all-gather CP (`layout.cp_algorithm`, Llama 3's): per block K and V all-gathered
+              forward and backward, dK and dV reduce-scattered; ring attention: per block,
+              cp−1 ring steps forward (K and V travel) and cp−1
               backward (K, V, dK, dV), each with its bytes and a fixed cost per step
               (`hw.ring_step`: launching a block of attention, merging, waiting); full
               recomputation runs the forward's steps again;
@@ -252,7 +254,14 @@ def step_time(model, layout, hw):
              tp_collectives(layout, n_layers, worst == 0, worst == layout.pp - 1, act, tokens, rc))
     tp = max(0.0, tp - hw.tp_overlap * compute)          # what the compute beside it does not hide
     cp = 0.0
-    if layout.cp > 1:
+    if layout.cp > 1 and layout.cp_algorithm == "allgather":
+        # per block: K and V all-gathered forward (again under full recomputation) and again
+        # backward, dK and dV reduce-scattered; the whole sequence's K and V, cp shards of kv
+        kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
+        link = axis_link(hw, layout, "cp")
+        cp = n_layers * ((2 + rc) * gather_time(layout.cp, layout.cp * kv, link)
+                         + gather_time(layout.cp, layout.cp * kv, link))
+    elif layout.cp > 1:
         kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
         step_fwd, step_bwd = hw.ring_step
         passes = p2p_time(kv, p2p_link(hw, layout, "cp")) * (1 + rc) + 2 * p2p_time(kv, p2p_link(hw, layout, "cp"))
@@ -536,7 +545,10 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_siz
     if cp > 1:
         kv_dim = model.hidden if model.kv_expanded else model.kv_dim
         kv = 2 * layout.micro_batch * (model.seq / cp) * kv_dim / tp * B
-        out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
+        if layout.cp_algorithm == "allgather":   # (cp − 1) shards leave per all-gather or reduce-scatter
+            out["cp"] = m * n_layers * (3 + rc) * (cp - 1) * kv
+        else:
+            out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
     if layout.pp > 1:   # v chunks: every chunk sends forward but the model's last, backward but its first
         v = layout.virtual_stages
         boundary = layout.micro_batch * model.seq * model.hidden * B / (tp if layout.sp else 1)

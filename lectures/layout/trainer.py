@@ -149,6 +149,9 @@ class LayoutTrainer:
             # the estimator and the step-time model cover these; this trainer does not run them
             raise ValueError(f"layout {layout.label()}: this trainer runs one pipeline chunk per rank "
                              "and no recomputation (virtual_stages=1, recompute='none')")
+        if layout.cp > 1 and layout.cp_algorithm != "ring":
+            raise ValueError(f"layout {layout.label()}: this trainer runs ring attention (cp_algorithm='ring'); "
+                             "lecture 06 builds the all-gather variant")
         if layout.ep > 1 and not run.experts:
             raise ValueError(f"layout {layout.label()}: ep > 1 needs a model with experts (Run.experts)")
         if run.experts and (layout.world != layout.dp or layout.zero):

@@ -341,7 +341,8 @@
   }
   function layoutDefaults(l) {
     var d = { dp: 1, pp: 1, cp: 1, tp: 1, zero: 0, micro_batch: 1, micro_batches: 1, recompute: "none",
-              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true, virtual_stages: 1, ep: 1 };
+              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true, virtual_stages: 1, ep: 1,
+              cp_algorithm: "ring" };
     var out = {};
     Object.keys(d).forEach(function (k) { out[k] = d[k]; });
     Object.keys(l).forEach(function (k) { out[k] = l[k]; });
@@ -595,7 +596,10 @@
     });
     tp = Math.max(0.0, tp - hw.tp_overlap * compute);
     var cp = 0.0;
-    if (l.cp > 1) {
+    if (l.cp > 1 && l.cp_algorithm === "allgather") {   // K, V all-gathered; dK, dV reduce-scattered
+      var kvAll = 2 * tokens * kvDim(m) * B.act / l.tp, cpLink = axisLink(hw, l, "cp");
+      cp = nLayers * ((2 + rc) * gatherTime(l.cp, l.cp * kvAll, cpLink) + gatherTime(l.cp, l.cp * kvAll, cpLink));
+    } else if (l.cp > 1) {
       var kv = 2 * tokens * kvDim(m) * B.act / l.tp, link = p2pLink(hw, l, "cp");
       var passes = p2pTime(kv, link) * (1 + rc) + 2 * p2pTime(kv, link);
       cp = nLayers * (l.cp - 1) * (passes + (1 + rc) * hw.ring_step[0] + hw.ring_step[1]);
@@ -704,6 +708,7 @@
       micro_batches: number("micro-batches", L.micro_batches),
       virtual_stages: number("virtual stages", L.virtual_stages || 1),
       recompute: select("recompute", ["none", "selective", "full"], L.recompute),
+      cp_algorithm: select("CP algorithm", ["ring", "allgather"], L.cp_algorithm || "ring"),
       precision: select("precision", Object.keys(data.precision_bytes), L.precision),
       schedule: select("schedule", ["1f1b", "gpipe"], L.schedule), sp: check("SP", L.sp),
       memory: number("device GiB", data.initial.memory_gib, 0),
@@ -740,6 +745,7 @@
       var l = {};
       ["dp", "ep", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) { l[k] = +inp[k].value; });
       l.recompute = inp.recompute.value; l.precision = inp.precision.value; l.schedule = inp.schedule.value;
+      l.cp_algorithm = inp.cp_algorithm.value;
       l.sp = inp.sp.checked && l.tp > 1;
       return l;
     }
