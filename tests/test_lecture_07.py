@@ -914,3 +914,14 @@ def test_all_gather_context_parallelism_is_llama_3s_and_charged_as_gathers():
         LayoutTrainer(RUN, Layout(dp=2, cp=2, micro_batch=4, cp_algorithm="allgather"), None)
     with pytest.raises(ValueError, match="cp_algorithm"):
         Layout(cp=2, cp_algorithm="ulysses")
+
+
+def test_the_search_takes_the_expert_axis():
+    rows = valid_layouts(SMALL_MOE, 8, 8, expert_parallel=(1, 2, 4, 8))
+    eps = {(l.dp, l.ep) for l in rows}
+    assert (8, 4) in eps and (4, 4) in eps and (8, 2) in eps
+    assert all(l.dp % l.ep == 0 and SMALL_MOE.experts % l.ep == 0 for l in rows)
+    assert not any(l.ep == 8 for l in rows)                  # 4 experts do not split 8 ways
+    assert all(l.ep == 1 for l in valid_layouts(LLAMA3_8B, 8, 8, expert_parallel=(1, 2)))
+    found = search(SMALL_MOE, 8, 8, h100_cluster(), expert_parallel=(1, 2, 4))
+    assert found[0]["fits"] and {r["layout"].ep for r in found} == {1, 2, 4}
