@@ -501,7 +501,7 @@ def published_scale():
     with deep_dive("Every assumption of the model at scale, stated",
                    "what is assumed rather than cited, and what the model leaves out"):
         note(f"""
-            ## Every assumption of the step-time model at scale
+            ## Deep dive: every assumption of the step-time model at scale
             Assumed, not cited:
             {'; '.join(f'{k} {v}' for k, v in a.items())}. The sustained GEMM fraction of peak is
             not assumed: it is fitted on one published run below. Attention is not assumed either:

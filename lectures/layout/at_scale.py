@@ -24,11 +24,11 @@ def across_scale():
     largest = max(held, key=lambda r: r["run"]["model"].params())
     note(f"""
         ### Across scale: published A100 runs from 1.7B to 1T
-        Megatron-LM published ten GPT
-        runs from 1.7B to 1T parameters on 32 to 3,072 A100s (Narayanan et al. 2021, Table 1),
-        torchtitan two Llama 3 runs on 64; the model, with the A100's datasheet and one number
-        fitted on {fit['name']} (GEMMs at {100 * frac:.1f}% of peak), predicts the other eleven
-        within {100 * abs(worst['error']):.0f}% — but not without a trend: from
+        Megatron-LM published ten GPT runs
+        from 1.7B to 1T parameters on 32 to 3,072 A100s (Narayanan et al. 2021, Table 1),
+        torchtitan two Llama 3 runs on 64. Fitted on {fit['name']} alone (GEMMs at
+        {100 * frac:.1f}% of peak), the model predicts the other eleven within
+        {100 * abs(worst['error']):.0f}%, with a trend: from
         {100 * held[0]['error']:+.1f}% (too fast) at 1.7B to {100 * largest['error']:+.1f}% (too slow)
         at 1T; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%.
     """)
@@ -38,9 +38,7 @@ def across_scale():
           caption="Published A100 runs through the model (Narayanan et al. 2021, Table 1; torchtitan "
                   "docs/performance.md): the GEMM fraction fitted on one run, every other run predicted; "
                   "the layouts and step times are in the deep dive below.")
-    with deep_dive("What the A100 validation rests on, and where it drifts",
-                   "the A100's constants, how Megatron-LM 2021 ran, and an error that still moves with size"):
-        a100_detail(frac, rows, held, worst)
+    _RESULTS["a100_detail"] = (frac, rows, held, worst)
     _RESULTS["validation"] = {r["run"]["name"]: r["error"] for r in held}
     _RESULTS["a100_fraction"] = frac
     return abs(worst["error"])
@@ -52,7 +50,7 @@ def a100_detail(frac, rows, held, worst):
     no_hbm_small, no_hbm_worst = bare[0], max((r["error"] for r in bare), key=abs)
     small, large = held[0], [r for r in held if r["run"]["model"].params() > 5e11]
     note(f"""
-        ## The A100 validation
+        ## Deep dive: the A100 validation, and where it drifts
         The A100 cluster: {A100_PEAK_BF16 / 1e12:.0f} TFLOP/s BF16, {A100_HBM / 1e12:.2f} TB/s
         HBM, NVLink 300 GB/s each way and one 200 Gb/s HDR port per GPU (NVIDIA's datasheet), NCCL's
         achieved share of each link assumed as on the H100 (nccl-tests issues 212 and 290), every
@@ -104,15 +102,17 @@ def experts_at_scale(h100):
         {100 * with_overlap['error']:+.0f}% off its {published_rate:,.0f} tokens/s per GPU if
         its all-to-alls hide as DualPipe claims, {100 * without['error']:+.0f}% if not.
     """)
-    with deep_dive("Experts on the mesh, and DeepSeek-V3 through the model",
-                   "lecture 06's MoE GPT trained under ep inside dp against one process; DeepSeek-V3's run "
-                   "with and without DualPipe's overlap, and what the model leaves out"):
+    with deep_dive("Published runs in detail: the A100 validation, experts, DeepSeek-V3",
+                   "the A100's constants and an error that still moves with size; lecture 06's MoE GPT "
+                   "trained under ep against one process; DeepSeek-V3 with and without DualPipe's overlap"):
+        if "a100_detail" in _RESULTS:
+            a100_detail(*_RESULTS["a100_detail"])
         experts_detail(run, got, ref, with_overlap, without)
 
 
 def experts_detail(run, got, ref, with_overlap, without):
     note("""
-        ## Experts on the mesh
+        ## Deep dive: experts on the mesh, and DeepSeek-V3 through the model
         The estimator holds E/ep experts per rank and ZeRO shards them over their replicas
         (dp·cp/ep ranks); the step-time model charges each token's active experts only (top-k and
         the shared ones) and the dispatch and combine all-to-alls on the ep group's links.
