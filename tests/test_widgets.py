@@ -373,7 +373,7 @@ def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
     ("device GiB", "-80", "device GiB must be a number"), ("virtual stages", "0", "virtual-stages must be a whole number"),
     ("virtual stages", "2", "virtual stages interleave a 1F1B pipeline"),
     ("ep", "3", "ep must divide dp"), ("ep", "2", "ep must divide the routed experts"),
-    ("experts", "-1", "experts must be a whole number from 0")])
+    ("experts", "-1", "experts must be a whole number from 0"), ("top k", "2", "describe a mixture of experts")])
 def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page, field, value, words):
     """Every model field and the device memory are checked in
     words, as ModelShape and Layout check them; no NaN, Infinity or negative size is shown."""

@@ -738,7 +738,7 @@
       var m = {};
       Object.keys(base).forEach(function (k) { m[k] = base[k]; });
       allShapeKeys.forEach(function (k) { m[k] = +shapeInputs[k].value; });
-      if (!m.experts) { m.top_k = 1; m.shared_experts = 0; m.expert_ffn = 0; m.dense_layers = 0; m.route_nodes = 0; }
+      if (!m.experts) m.route_nodes = 0;   // not an input: a preset's routing goes with its experts
       return m;
     }
     function layout() {
@@ -776,6 +776,8 @@
         if (l.virtual_stages > 1 && (l.pp === 1 || l.schedule !== "1f1b")) problems.push("virtual stages interleave a 1F1B pipeline: pp > 1 and schedule 1f1b");
         if (l.cp > 1 && m.seq % (2 * l.cp)) problems.push("the sequence must split into 2·cp zig-zag chunks");
         if (l.pp > 1 && l.micro_batches < l.pp) problems.push("a pipeline needs at least pp micro-batches");
+        if (!m.experts && (m.shared_experts || m.expert_ffn || m.dense_layers || m.top_k !== 1))
+          problems.push("shared experts, expert ffn, dense layers and top k describe a mixture of experts: set experts ≥ 1");
         if (m.experts && !(m.top_k >= 1 && m.top_k <= m.experts && m.expert_ffn >= 1 && m.dense_layers < m.layers))
           problems.push("experts need 1 ≤ top k ≤ experts, expert ffn ≥ 1 and a block after the dense layers");
         if (l.dp % l.ep) problems.push("ep must divide dp (expert parallelism lives inside data parallelism)");
