@@ -338,7 +338,10 @@ def bandwidth():
         {twice}
         On a GPU cluster, busbw is built so that every collective's curve approaches one
         ceiling, the bandwidth of the slowest link, because NCCL implements each of them with a
-        bandwidth-optimal algorithm whose only cost at large sizes is moving bytes. Here there
+        bandwidth-optimal algorithm whose only cost at large sizes is moving bytes — as long as
+        the ranks do the additions. With in-network reduction (NVLink SHARP in an H100's
+        NVSwitch, InfiniBand SHARP), which NCCL uses where the hardware has it, the switch adds:
+        each GPU sends about S, not 2(n−1)/n·S, and an all-reduce's busbw can exceed the link. Here there
         is no separate link (gloo "sends" by copying through the kernel's loopback TCP, on the
         same cores that run the ranks), and gloo picks its own algorithm per collective. Before
         explaining a curve, count what was really sent: one call of each collective, with the
@@ -365,9 +368,10 @@ def bandwidth():
                   "written to sockets, busiest rank (measured)", "measured / optimal"],
           caption=f"One call on a {human_bytes(nbytes)} buffer (nccl-tests' S), {ranks} ranks, "
                   f"{choose_backend(ranks)}; optimal = $f(n) \\cdot S$.")
-    note(wire_verdict(wire, nbytes, ranks) + " On a DGX H100 the common ceiling would be "
-         "NVLink's ~450 GB/s per direction.")
-    cheat("ring all-reduce bytes per rank", "$2\\,\\frac{n-1}{n}\\,S$ sent by each rank (the least any all-reduce can send)",
+    note(wire_verdict(wire, nbytes, ranks) + " On a DGX H100 the common ceiling of the ring "
+         "algorithms would be NVLink's ~450 GB/s per direction; with NVLink SHARP an all-reduce's "
+         "busbw goes above it.")
+    cheat("ring all-reduce bytes per rank", "$2\\,\\frac{n-1}{n}\\,S$ sent by each rank (the least when ranks do the additions)",
           wire["all_reduce"] / nbytes, "× S",
           what=f"written to sockets by the busiest rank, one all-reduce of S = {human_bytes(nbytes)}, {ranks} ranks, gloo")
     cheat("all-gather bytes per rank", "$\\frac{n-1}{n}\\,S$ per rank, $S$ the gathered output",
@@ -391,8 +395,8 @@ def alpha_beta_verdict(sizes, times, alpha, beta):
     sizes, times = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     algbw = sizes / times
     top = int(algbw.argmax())
-    reached = (f"The highest algorithm bandwidth measured is {algbw[top] / 1e9:.3g} GB/s "
-               f"(at {human_bytes(sizes[top])})")
+    reached = (f"The highest algorithm bandwidth measured is {algbw[top] / 1e9:.3f} GB/s "
+               f"(at {human_bytes(sizes[top])}; β ≈ {beta / 1e9:.3f} GB/s)")
     if not math.isfinite(beta):
         return ("The times did not grow with size over this range, so the fit found no bandwidth "
                 "term: every size measured here is in the latency regime.")
@@ -608,8 +612,9 @@ def what_to_remember():
     note("""
         ## What to remember
         - All-reduce = reduce-scatter + all-gather; ZeRO and FSDP use the two halves apart.
-        - The ring sends $2(n-1)/n \\cdot S$ bytes per rank, the least any all-reduce can send:
-          each element's $n$ inputs need $n-1$ transfers to combine and $n-1$ to spread.
+        - The ring sends $2(n-1)/n \\cdot S$ bytes per rank, the least any all-reduce can send
+          when the ranks do the additions: each element's $n$ inputs need $n-1$ transfers to
+          combine and $n-1$ to spread (a switch that adds, NVLink or InfiniBand SHARP, needs ~S).
         - Measure like nccl-tests: algbw $= S/t$, busbw $=$ algbw $\\cdot f(n)$; compare busbw
           with the slowest link. Count the bytes on the wire before you explain a curve.
         - gloo's reduce-scatter is a full all-reduce plus a copy: it writes all-reduce's bytes.

@@ -209,7 +209,11 @@ def overlap_and_buckets():
                 all-reduce asynchronously while autograd works on the earlier layers, and the
                 optimizer waits on the handles. One message per parameter pays the per-message
                 latency many times over, so DDP packs gradients into buckets (PyTorch's default
-                is 25 MB) and all-reduces a bucket once all its gradients are in.
+                is 25 MB) and all-reduces a bucket once all its gradients are in. Two details
+                decide how early it starts: the first bucket is capped at 1 MiB
+                (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so the first all-reduce leaves soon, and
+                after the first iteration DDP rebuilds its buckets in the order the gradients
+                actually became ready.
             """)
     check = small_task()
     ref = reference_train(check)

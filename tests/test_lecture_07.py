@@ -672,7 +672,12 @@ def test_selective_recomputation_keeps_the_matrix_outputs_only():
     stored = {rc: activation_bytes(m, lay(rc), 0)[0] for rc in ("none", "selective", "full")}
     assert stored["full"] < stored["selective"] < stored["none"]
     hw = h100_cluster()
-    assert step_time(m, lay("selective"), hw) == step_time(m, lay("none"), hw)
+    sel, none = step_time(m, lay("selective"), hw), step_time(m, lay("none"), hw)
+    assert sel["flops"] == none["flops"]                     # no matrix product runs again
+    # what it re-runs is memory-bound: the norms (4h, split by SP) and the MLP's activation
+    B, tokens = 2, m.seq
+    again = m.layers * tokens * (4 * h / 8 + 3 * f / 8) * B / hw.hbm
+    assert sel["memory"] - none["memory"] == pytest.approx(again, rel=1e-9)
 
 
 def zero3_step_bytes(rank, world_size, sizes, micro_batches):
@@ -721,3 +726,202 @@ def test_fit_line_never_returns_a_slope_that_does_not_rise():
     assert fit_line([1, 2, 4], [3.0, 2.9, 2.8]) == pytest.approx((0.0, (3 + 5.8 + 11.2) / 21))
     a, b = fit_line([1, 2, 4], [2.0, 3.0, 5.0])
     assert a == pytest.approx(1.0) and b == pytest.approx(1.0)
+
+
+# --- issue 40: across scale, experts, straddling groups, refusals -----------------------------
+
+def test_a_group_is_inside_a_node_only_when_aligned_to_one():
+    """tp6 on 8-GPU nodes: ranks 6-11 straddle two nodes, so tp is charged the network."""
+    from lectures.layout import a100_cluster
+    hw = h100_cluster()
+    assert axis_link(hw, Layout(dp=256, tp=6), "tp") == hw.inter
+    assert axis_link(hw, Layout(dp=2, pp=5), "pp") == hw.inter
+    assert axis_link(hw, Layout(dp=4, cp=3, tp=2), "cp") == hw.inter
+    assert axis_link(hw, Layout(dp=4, tp=8), "tp") == hw.intra
+    assert axis_link(hw, Layout(dp=4, cp=2, tp=4), "cp") == hw.intra
+    assert axis_link(hw, Layout(dp=16, ep=8), "ep") == hw.intra         # 8 consecutive dp ranks: one node
+    assert axis_link(hw, Layout(dp=16, tp=2, ep=8), "ep") == hw.inter   # 8 dp ranks 2 apart: two nodes
+    # the search no longer prefers the straddling tp6 for GPT-145.6B on 1,536 A100s
+    from lectures.layout import megatron_shape, MEGATRON_TABLE1
+    m = megatron_shape(MEGATRON_TABLE1[6])
+    six = Layout(dp=32, pp=8, tp=6, micro_batch=1, micro_batches=72, recompute="full", precision="bf16")
+    eight = Layout(dp=24, pp=8, tp=8, micro_batch=1, micro_batches=96, recompute="full", precision="bf16")
+    a100 = a100_cluster()
+    assert step_time(m, six, a100)["tp"] > 3 * step_time(m, eight, a100)["tp"]
+
+
+@pytest.mark.parametrize("bad,words", [
+    (Layout(tp=3), "tp=3 must divide the heads"), (Layout(cp=3), "2·cp = 6 zig-zag"),
+    (Layout(pp=64, micro_batches=64), "pp × virtual stages = 64"),
+    (Layout(pp=8, virtual_stages=8, micro_batches=8), "pp × virtual stages = 64"),
+    (Layout(dp=2, ep=2), "ep=2 must divide the routed experts")])
+def test_estimator_and_step_time_refuse_what_the_calculator_refuses(bad, words):
+    for f in (lambda: estimate_memory(LLAMA3_8B, bad), lambda: step_time(LLAMA3_8B, bad, h100_cluster())):
+        with pytest.raises(ValueError, match=words):
+            f()
+
+
+@pytest.mark.parametrize("changed,words", [
+    (dict(inter=(0, 0)), "inter β"), (dict(intra=(3e-6, -1)), "intra β"), (dict(flops=0), "flops"),
+    (dict(flops=float("nan")), "flops"), (dict(hbm=-1.0), "hbm"), (dict(attention=0.0), "attention"),
+    (dict(overlap=1.5), "overlap"), (dict(ep_overlap=-0.1), "ep_overlap"), (dict(intra=(-1e-6, 1e9)), "intra α")])
+def test_hardware_refuses_rates_that_cannot_mean_anything(changed, words):
+    with pytest.raises(ValueError, match=words):
+        dataclasses.replace(h100_cluster(), **changed)
+
+
+def test_layout_puts_experts_inside_data_parallelism():
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        Layout(dp=4, ep=3)
+    assert Layout(dp=8, ep=4, pp=2, micro_batches=2).label().startswith("dp8 ep4 pp2")
+    with pytest.raises(ValueError, match="experts"):
+        ModelShape("x", layers=2, hidden=8, heads=2, kv_heads=2, ffn=8, vocab=4, seq=4, shared_experts=1)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelShape("x", layers=2, hidden=8, heads=2, kv_heads=2, ffn=8, vocab=4, seq=4, experts=2, top_k=3,
+                   expert_ffn=4)
+
+
+SMALL_MOE = ModelShape("small MoE", layers=3, hidden=16, heads=2, kv_heads=2, ffn=48, vocab=10, seq=8,
+                       experts=4, top_k=2, shared_experts=1, expert_ffn=12, dense_layers=1)
+
+
+def test_moe_parameters_total_and_active_by_hand():
+    h, f, fe, E = 16, 48, 12, 4
+    attn = 4 * h * h + 4 * h                       # Q, K, V, O and their biases
+    norms = 2 * 2 * h
+    dense = attn + norms + (h * f + f) + (f * h + h)
+    expert = (h * fe + fe) + (fe * h + h)
+    moe = attn + norms + h * E + expert + E * expert          # router, 1 shared, 4 routed
+    outer = 10 * h + 8 * h + 2 * h + 10 * h        # embedding, positions, final norm, head
+    assert SMALL_MOE.params() == outer + dense + 2 * moe
+    assert SMALL_MOE.active_params() == SMALL_MOE.params() - 2 * (E - 2) * expert
+    from lectures.layout import DEEPSEEK_V3, DEEPSEEK_V3_PUBLISHED
+    assert DEEPSEEK_V3.params() == pytest.approx(DEEPSEEK_V3_PUBLISHED["params"], rel=0.01)
+    assert DEEPSEEK_V3.active_params() == pytest.approx(DEEPSEEK_V3_PUBLISHED["active"], rel=0.05)
+
+
+def test_experts_are_split_over_ep_and_zero_shards_them_over_their_replicas():
+    from lectures.layout import block_params
+    lay = lambda **k: Layout(dp=4, precision="bf16", **k)
+    _, experts1 = block_params(SMALL_MOE, lay(), 0)
+    _, experts4 = block_params(SMALL_MOE, lay(ep=4), 0)
+    assert experts4 == experts1 / 4
+    one, four = estimate_memory(SMALL_MOE, lay(zero=1)), estimate_memory(SMALL_MOE, lay(zero=1, ep=4))
+    n = one["params"]
+    assert one["optimizer"] == pytest.approx(12 * n / 4)
+    # with ep4 the experts held are a quarter, and their 4 dp ranks hold no other copy: not sharded again
+    assert four["optimizer"] == pytest.approx(12 * ((n - experts1) / 4 + experts4 / 1))
+
+
+def test_the_all_to_all_is_charged_per_moe_block_on_the_ep_link():
+    from lectures.layout import all_to_all_time
+    hw = h100_cluster()
+    lay = Layout(dp=8, ep=4, precision="bf16", micro_batch=2)
+    t = step_time(SMALL_MOE, lay, hw)
+    rows = 2 * SMALL_MOE.seq * SMALL_MOE.top_k * SMALL_MOE.hidden * 2
+    # 2 MoE blocks, 4 all-to-alls each (dispatch and combine, forward and backward), in a node
+    assert t["ep"] == pytest.approx(2 * 4 * all_to_all_time(4, rows, hw.intra))
+    wide = Layout(dp=16, tp=2, ep=4, precision="bf16", micro_batch=2)     # ep ranks 2 apart: 8 ranks
+    assert step_time(SMALL_MOE, wide, hw)["ep"] == pytest.approx(t["ep"])            # one 8-GPU node
+    four = dataclasses.replace(hw, ranks_per_node=4)                                 # two 4-GPU nodes
+    assert step_time(SMALL_MOE, wide, four)["ep"] == pytest.approx(2 * 4 * all_to_all_time(4, rows, hw.inter))
+    assert step_time(SMALL_MOE, Layout(dp=8, precision="bf16", micro_batch=2), hw)["ep"] == 0
+    hidden = step_time(SMALL_MOE, lay, dataclasses.replace(hw, ep_overlap=1.0))
+    assert hidden["ep"] == max(0.0, t["ep"] - t["compute"])
+
+
+def test_published_runs_are_predicted_within_ten_percent_from_one_fitted_run_per_gpu():
+    """A100: the GEMM fraction fitted on one run (Megatron-LM's 76.1B), 11 others predicted, from
+    1.7B to 1T parameters; H100: Llama 3's Table 4, fitted on its first row."""
+    from lectures.layout import a100_validation
+    frac, rows = a100_validation()
+    assert sum(r["fitted"] for r in rows) == 1 and 0.3 < frac < 1
+    for r in rows:
+        assert abs(r["error"]) < (1e-6 if r["fitted"] else 0.10), (r["run"]["name"], r["error"])
+    assert min(r["run"]["model"].params() for r in rows) < 2e9 < 1e12 < max(r["run"]["model"].params() for r in rows)
+
+
+def test_deepseek_v3_fits_and_is_predicted_within_twenty_percent():
+    from lectures.layout import DEEPSEEK_V3_RUN, h800_cluster, predict_run, reproduce_table4
+    frac, _ = reproduce_table4(LLAMA3_405B, h100_cluster)        # the H800 computes as an H100
+    hw = h800_cluster(**{GEMM: frac})
+    got = predict_run(DEEPSEEK_V3_RUN, hw)
+    assert got is not None and got["layout"].ep == 64 and got["layout"].pp == 16
+    assert estimate_memory(DEEPSEEK_V3_RUN["model"], got["layout"])["total"] <= hw.memory
+    assert abs(got["error"]) < 0.20, got["error"]
+    assert 1500 < 1e12 / (180e3 * 3600) < 1560                    # the report's rate, per GPU
+
+
+MOE_RUN = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=2, n_heads=4, dtype="float64"),
+              global_batch=8, steps=2, experts=4, top_k=2)
+MOE_LAYOUTS = {"dp4 ep4": Layout(dp=4, ep=4, micro_batch=1, micro_batches=2),
+               "dp4 ep2": Layout(dp=4, ep=2, micro_batch=2),
+               "dp4 (experts replicated)": Layout(dp=4, micro_batch=1, micro_batches=2)}
+
+
+def test_expert_groups_sit_inside_data_parallelism():
+    from lectures.layout import expert_groups
+    groups, replicas = expert_groups((4, 1, 1, 2), 2)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]            # consecutive dp ranks, same tp
+    assert replicas == [[0, 4], [1, 5], [2, 6], [3, 7]]          # same place in their ep group
+
+
+def test_a_mixture_of_experts_trains_under_ep_inside_dp_like_one_process():
+    """Lecture 06's MoE GPT (4 experts, top-2, dropless) on 4 ranks: experts shared out over ep
+    groups of 4 and of 2 inside dp, and replicated, equal one process's AdamW steps."""
+    ref = reference_run(MOE_RUN)
+    got = spawn(train_all_layouts, 4, run=MOE_RUN, layouts=MOE_LAYOUTS).returns
+    for name in MOE_LAYOUTS:
+        returns = [r[name] for r in got]
+        assert max_param_diff(returns, ref["params"]) < 1e-8, name
+        assert returns[0]["losses"] == pytest.approx(ref["losses"], rel=1e-7), name
+    # under ep4 each rank holds one expert of each block: its own, by the model's names
+    held = {k for k in got[1]["dp4 ep4"]["params"] if ".experts." in k}
+    assert held == {f"blocks.{b}.mlp.experts.1.{w}" for b in range(2)
+                    for w in ("fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias")}
+
+
+def test_the_trainer_refuses_experts_where_they_are_not_wired():
+    mesh = None
+    with pytest.raises(ValueError, match="ep > 1 needs a model with experts"):
+        LayoutTrainer(RUN, Layout(dp=4, ep=2, micro_batch=2), mesh)
+    with pytest.raises(ValueError, match="experts under dp and ep only"):
+        LayoutTrainer(MOE_RUN, Layout(dp=2, tp=2, micro_batch=4), mesh)
+
+
+def test_tensor_parallel_overlap_hides_under_compute():
+    hw = h100_cluster()
+    lay = Layout(dp=8, tp=8, sp=True, precision="bf16", micro_batch=1, micro_batches=4)
+    t = step_time(LLAMA3_70B, lay, hw)
+    half = step_time(LLAMA3_70B, lay, dataclasses.replace(hw, tp_overlap=0.5))
+    per_mb = t["compute"] / 4
+    assert half["tp"] == pytest.approx(max(0.0, t["tp"] - 4 * 0.5 * per_mb))
+    assert step_time(LLAMA3_70B, lay, dataclasses.replace(hw, tp_overlap=1.0))["tp"] < t["tp"]
+
+
+def test_all_gather_context_parallelism_is_llama_3s_and_charged_as_gathers():
+    """Llama 3 §3.3.2: K and V all-gathered per block, dK and dV reduce-scattered; Table 4's
+    128K row is charged that way; the trainer, which runs ring attention, refuses it."""
+    from lectures.layout import LLAMA3_TABLE4
+    assert LLAMA3_TABLE4[2]["cp_algorithm"] == "allgather"
+    hw = h100_cluster()
+    lay = Layout(dp=2, cp=4, tp=2, precision="bf16", cp_algorithm="allgather")
+    kv = 2 * LLAMA3_8B.seq / 4 * LLAMA3_8B.kv_dim * 2 / 2            # this rank's K and V, bytes
+    link = axis_link(hw, lay, "cp")
+    assert step_time(LLAMA3_8B, lay, hw)["cp"] == pytest.approx(LLAMA3_8B.layers * 3 * gather_time(4, 4 * kv, link))
+    assert step_bytes(LLAMA3_8B, lay, 0)["cp"] == pytest.approx(LLAMA3_8B.layers * 3 * 3 * kv)
+    with pytest.raises(ValueError, match="ring attention"):
+        LayoutTrainer(RUN, Layout(dp=2, cp=2, micro_batch=4, cp_algorithm="allgather"), None)
+    with pytest.raises(ValueError, match="cp_algorithm"):
+        Layout(cp=2, cp_algorithm="ulysses")
+
+
+def test_the_search_takes_the_expert_axis():
+    rows = valid_layouts(SMALL_MOE, 8, 8, expert_parallel=(1, 2, 4, 8))
+    eps = {(l.dp, l.ep) for l in rows}
+    assert (8, 4) in eps and (4, 4) in eps and (8, 2) in eps
+    assert all(l.dp % l.ep == 0 and SMALL_MOE.experts % l.ep == 0 for l in rows)
+    assert not any(l.ep == 8 for l in rows)                  # 4 experts do not split 8 ways
+    assert all(l.ep == 1 for l in valid_layouts(LLAMA3_8B, 8, 8, expert_parallel=(1, 2)))
+    found = search(SMALL_MOE, 8, 8, h100_cluster(), expert_parallel=(1, 2, 4))
+    assert found[0]["fits"] and {r["layout"].ep for r in found} == {1, 2, 4}

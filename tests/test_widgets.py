@@ -216,6 +216,16 @@ def random_layouts(n, seed=0):
                                  kv_expanded=rng.random() < 0.3, bias=rng.random() < 0.5,
                                  norm_params=rng.choice([1, 2]), learned_positions=rng.random() < 0.5,
                                  tied=rng.random() < 0.3))
+    while len(shapes) < 18:   # mixtures of experts (some with dense blocks first, node-limited routing)
+        heads, layers = rng.choice([2, 4, 8]), rng.randint(2, 12)
+        experts = rng.choice([2, 4, 6, 8, 16])
+        shapes.append(ModelShape(f"random MoE {len(shapes)}", layers=layers, hidden=heads * rng.choice([8, 16]),
+                                 heads=heads, kv_heads=rng.choice([k for k in (1, 2, heads) if heads % k == 0]),
+                                 ffn=rng.choice([48, 96]), vocab=rng.choice([50, 1000]), seq=rng.choice([16, 2048]),
+                                 mlp_matrices=rng.choice([2, 3]), bias=rng.random() < 0.5, experts=experts,
+                                 top_k=rng.randint(1, experts), shared_experts=rng.choice([0, 1, 2]),
+                                 expert_ffn=rng.choice([8, 24]), dense_layers=rng.randint(0, layers - 1),
+                                 route_nodes=rng.choice([0, 0, 1, 2])))
     out = []
     while len(out) < n:
         m = rng.choice(shapes)
@@ -223,7 +233,10 @@ def random_layouts(n, seed=0):
         tp = rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and m.kv_heads % t == 0])
         schedule = rng.choice(["1f1b", "gpipe"])
         v = rng.choice([v for v in (1, 2, 3, 5) if pp * v <= m.layers]) if pp > 1 and schedule == "1f1b" else 1
-        out.append((m, Layout(dp=rng.choice([1, 2, 3, 8, 64]), pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
+        dp = rng.choice([1, 2, 3, 8, 64])
+        ep = rng.choice([e for e in (1, 2, 4, 8) if dp % e == 0 and (m.experts % e == 0 if m.experts else e == 1)])
+        out.append((m, Layout(dp=dp, ep=ep, pp=pp, cp=rng.choice([1, 2, 4]), tp=tp,
+                              cp_algorithm=rng.choice(["ring", "allgather"]),
                               zero=rng.choice([0, 1, 2, 3]), micro_batch=rng.choice([1, 2, 4]),
                               micro_batches=rng.choice([1, 3, 8, 13]), recompute=rng.choice(["none", "selective", "full"]),
                               precision=rng.choice(["fp32", "bf16", "fp64"]), sp=tp > 1 and rng.random() < 0.5,
@@ -289,7 +302,9 @@ def test_javascript_step_time_equals_python_for_random_layouts(browser, calculat
     try:
         w.page.goto("file://" + calculator_page)
         cases = random_layouts(200, seed=1)
-        for hw in (h100_cluster(), small):
+        from lectures.layout import a100_cluster, h800_cluster
+        hbm = dataclasses.replace(small, hbm=5e10, scores_in_hbm=True, ep_overlap=0.5, tp_overlap=0.3, ranks_per_node=4)
+        for hw in (h100_cluster(), small, a100_cluster(), dataclasses.replace(h800_cluster(), ep_overlap=1.0), hbm):
             got = w.page.evaluate("a => a[0].map(c => window.course.stepTime(c[0], c[1], a[1]))",
                                   [[[m, l] for m, l, _, _ in cases], dataclasses.asdict(hw)])
             for (_, _, m, l), js in zip(cases, got):
@@ -382,7 +397,9 @@ def test_every_preset_opens_on_a_valid_layout(browser, calculator_page):
     ("hidden", "1e200", "hidden must be a whole number"), ("ffn", "14336.5", "ffn must be a whole number"),
     ("vocab", "128256.7", "vocab must be a whole number"), ("kv_heads", "5", "heads must be divisible by K/V heads"),
     ("device GiB", "-80", "device GiB must be a number"), ("virtual stages", "0", "virtual-stages must be a whole number"),
-    ("virtual stages", "2", "virtual stages interleave a 1F1B pipeline")])
+    ("virtual stages", "2", "virtual stages interleave a 1F1B pipeline"),
+    ("ep", "3", "ep must divide dp"), ("ep", "2", "ep must divide the routed experts"),
+    ("experts", "-1", "experts must be a whole number from 0"), ("top k", "2", "describe a mixture of experts")])
 def test_calculator_refuses_what_the_estimator_refuses(browser, calculator_page, field, value, words):
     """Every model field and the device memory are checked in
     words, as ModelShape and Layout check them; no NaN, Infinity or negative size is shown."""

@@ -202,7 +202,10 @@ def local_sgd_section():
         sends 8 bits per value with stochastic rounding; what a rank's compressed update left
         out is added to its next one (*error feedback*, Seide et al. 2014; Karimireddy et al.
         2019). DiLoCo (Douillard et al. 2023) keeps H large and applies the averaged change
-        with an *outer* optimizer, Nesterov momentum, instead of as is.
+        with an *outer* optimizer, Nesterov momentum, instead of as is. Its recipe is AdamW
+        inside, H ≈ 500 and the outer step at lr 0.7, μ 0.9; the run below keeps that outer
+        step but runs SGD inside with H = 16, a regime DiLoCo does not use, so what it shows
+        about the outer step holds for this regime only.
 
         The trade-off shows only when the ranks' data differ: here each rank's inputs are
         centred at a different point (*non-IID* shards), so a rank left alone for H steps drifts

@@ -1,5 +1,5 @@
 """The data behind lecture 07's memory calculator: the model presets (lecture 01's GPT, Llama 3
-8B, 70B and 405B), the bytes per parameter of each precision, the step-time model's hardware constants,
+8B, 70B and 405B, DeepSeek-V3), the bytes per parameter of each precision, the step-time model's hardware constants,
 and the layout it opens with.
 
 The page's JavaScript (util/static/widgets.js) is a port of `estimate_memory` that takes the same
@@ -11,12 +11,13 @@ import sys
 
 from lectures.layout.estimator import PRECISION_BYTES, ModelShape
 from lectures.model.gpt import GPTConfig
+from lectures.layout.published import DEEPSEEK_V3
 from lectures.layout.step_time import LLAMA3_405B, LLAMA3_70B, LLAMA3_8B, h100_cluster
 
 
 def presets():
     """{name: ModelShape fields} for the calculator's model menu."""
-    shapes = [ModelShape.from_gpt(GPTConfig()), LLAMA3_8B, LLAMA3_70B, LLAMA3_405B]
+    shapes = [ModelShape.from_gpt(GPTConfig()), LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, DEEPSEEK_V3]
     return {s.name: dataclasses.asdict(s) for s in shapes}
 
 
@@ -28,7 +29,8 @@ def calculator_data(model="Llama 3 8B", layout=None, hardware=(), cluster=None):
     memory (the calculator and the search must agree on what fits)."""
     layout = layout or {"dp": 8, "tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1,
                         "micro_batches": 1, "recompute": "full", "precision": "bf16",
-                        "schedule": "1f1b", "sp": True, "virtual_stages": 1}
+                        "schedule": "1f1b", "sp": True, "virtual_stages": 1, "ep": 1,
+                        "cp_algorithm": "ring"}
     machines = [cluster or h100_cluster(), *hardware]
     return {"presets": presets(), "precision_bytes": PRECISION_BYTES,
             "hardware": {hw.name: _finite(dataclasses.asdict(hw)) for hw in machines},

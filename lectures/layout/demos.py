@@ -15,12 +15,12 @@ from util import device, settings
 from util.measure import measure, measure_side_by_side, value_range
 
 from lectures.data_parallel.collectives import fit_alpha_beta
-from lectures.layout.estimator import ModelShape, stage_layers
+from lectures.layout.estimator import Layout, ModelShape, stage_layers
 from lectures.layout.mesh import MESH_AXES, make_mesh, mesh_coords, torch_mesh
 from lectures.layout.pytorch import pytorch_layout
 from lectures.layout.search import attention_rate_needed, causal_discounted, valid_layouts
 from lectures.layout.step_time import LLAMA3_405B, Hardware, flops_per_token, p2p_time, step_time
-from lectures.layout.trainer import LayoutTrainer, Run
+from lectures.layout.trainer import LayoutTrainer, Run, train_layout
 from lectures.model.gpt import GPT, batch, loss_fn
 
 _RESULTS = {}   # what the lecture's sections measured, for the sections and deep dives after them
@@ -369,3 +369,22 @@ def time_ours_vs_pytorch(rank, world_size, run, layouts, repeats=5):
                                  warmup=1, repeats=repeats)
         out.append((t["ours"], t["PyTorch"]))
     return out
+
+
+# --- experts on the mesh: lecture 06's MoE GPT under ep inside dp -----------------------------
+
+def moe_run():
+    """A small dropless MoE GPT (4 experts, top-2) trained on 4 ranks against one process."""
+    from lectures.model.gpt import GPTConfig
+    return Run(cfg=GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4), global_batch=8,
+               steps=3, experts=4, top_k=2)
+
+
+MOE_LAYOUTS = [("dp4, ep4: one expert per rank", Layout(dp=4, ep=4, micro_batch=1, micro_batches=2)),
+               ("dp4, ep2: two groups of two", Layout(dp=4, ep=2, micro_batch=2)),
+               ("dp4: experts replicated", Layout(dp=4, micro_batch=2))]
+
+
+def train_moe_layouts(rank, world_size, run, layouts):
+    """Every (name, layout) trained in turn on the same ranks (lecture 07's `train_layout`)."""
+    return [train_layout(rank, world_size, run, lay) for _, lay in layouts]

@@ -51,9 +51,34 @@ class ModelShape:
     norm_params: int = 2   # LayerNorm: weight + bias per feature; RMSNorm: 1
     learned_positions: bool = True
     tied: bool = False
+    # A mixture of experts (lecture 06): `experts` routed experts per MoE block (0: dense), each
+    # token to `top_k` of them, `shared_experts` that see every token, each expert an MLP of
+    # width `expert_ffn`; the first `dense_layers` blocks keep a dense MLP of width `ffn`
+    # (DeepSeek-V3: 256 routed, top-8, 1 shared, width 2048, 3 dense blocks first).
+    experts: int = 0
+    top_k: int = 1
+    shared_experts: int = 0
+    expert_ffn: int = 0
+    dense_layers: int = 0
+    # node-limited routing (DeepSeek-V3 §2.1.2: each token to experts on at most M = 4 nodes, sent
+    # across nodes once per node and forwarded inside it): copies of a token the all-to-all
+    # carries across nodes; 0 = no limit (all top_k copies travel)
+    route_nodes: int = 0
 
     def __post_init__(self):
-        _whole_numbers(self, ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"))
+        _whole_numbers(self, ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "top_k"))
+        for k in ("experts", "shared_experts", "expert_ffn", "dense_layers", "route_nodes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"ModelShape.{k}={v!r}: must be a whole number ≥ 0")
+        if self.experts and not (self.top_k <= self.experts and self.expert_ffn >= 1 and self.dense_layers < self.layers):
+            raise ValueError(f"a mixture of experts needs top_k ≤ experts ({self.top_k} > {self.experts}?), "
+                             f"expert_ffn ≥ 1 (got {self.expert_ffn}) and a block after the dense ones "
+                             f"(dense_layers={self.dense_layers} of {self.layers})")
+        if not self.experts and (self.shared_experts or self.expert_ffn or self.dense_layers or self.route_nodes
+                                 or self.top_k != 1):
+            raise ValueError("shared_experts, expert_ffn, dense_layers, route_nodes and top_k describe a mixture of experts: "
+                             "set experts ≥ 1, or leave them at their defaults")
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} (whole heads)")
         if self.heads % self.kv_heads:
@@ -78,20 +103,57 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @functools.cache
-    def layer_params(self, tp=1):
+    def layer_params(self, tp=1, moe=False):
         """(sharded over tp, replicated) parameters of one block. Column-parallel Q/K/V and the
         MLP's input matrices split their outputs (weights and biases), row-parallel O and the
         MLP's output matrix split their inputs (weights; the bias is added once, replicated);
-        the norms are replicated."""
-        h, kv, f, b = self.hidden, self.kv_dim, self.ffn, self.bias
-        sharded = (h * h + 2 * h * kv) + (h * h) + (self.mlp_matrices - 1) * h * f + f * h
-        sharded += b * (h + 2 * kv + (self.mlp_matrices - 1) * f)
-        replicated = b * (h + h) + 2 * self.norm_params * h
+        the norms are replicated. `moe`: an MoE block without its routed experts (`expert_params`):
+        attention, the router (replicated) and the shared experts in place of the dense MLP."""
+        h, kv, b = self.hidden, self.kv_dim, self.bias
+        sharded = (h * h + 2 * h * kv) + (h * h) + b * (h + 2 * kv)
+        replicated = b * h + 2 * self.norm_params * h
+        if moe:
+            mlp_sharded, mlp_replicated = self.expert_params()
+            sharded += self.shared_experts * mlp_sharded
+            replicated += self.shared_experts * mlp_replicated + h * self.experts
+        else:
+            f = self.ffn
+            sharded += (self.mlp_matrices - 1) * h * f + f * h + b * (self.mlp_matrices - 1) * f
+            replicated += b * h
         return sharded / tp, replicated
 
     @functools.cache
+    def expert_params(self, tp=1):
+        """(sharded over tp, replicated) parameters of one expert MLP of width `expert_ffn`."""
+        h, f, b = self.hidden, self.expert_ffn, self.bias
+        return ((self.mlp_matrices - 1) * h * f + f * h + b * (self.mlp_matrices - 1) * f) / tp, b * h
+
+    def is_moe(self, layer):
+        """Whether block `layer` (0-based) is a mixture of experts."""
+        return bool(self.experts) and layer >= self.dense_layers
+
+    @functools.cache
+    def moe_layers(self):
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @functools.cache
+    def active_params(self):
+        """Parameters one token runs through: every MoE block's top_k routed experts, not all."""
+        k = self.top_k if self.experts else 0
+        return self.params() - self.moe_layers() * (self.experts - k) * sum(self.expert_params())
+
+    @functools.cache
+    def matrix_params_per_token(self, moe=False):
+        """Matrix parameters (sharded, tp = 1) one token multiplies in a block: the attention and
+        MLP matrices; in an MoE block the router, the shared and its top_k routed experts."""
+        if not moe:
+            return self.layer_params()[0]
+        return (self.layer_params(moe=True)[0] + self.hidden * self.experts
+                + self.top_k * self.expert_params()[0])
+
+    @functools.cache
     def tensors_per_layer(self):
-        """Parameter tensors of one block: 4 attention matrices, the MLP's, their biases, norms."""
+        """Parameter tensors of one dense block: 4 attention matrices, the MLP's, their biases, norms."""
         return (4 + self.mlp_matrices) * (1 + self.bias) + 2 * (self.norm_params > 0) * self.norm_params
 
     @functools.cache
@@ -106,10 +168,12 @@ class ModelShape:
     @functools.cache
     def params(self):
         """Ψ; equals lecture 01's param_count for its GPT (tested)."""
-        return self.embedding_params() + self.layers * sum(self.layer_params()) + self.head_params()
+        dense, moe = self.layers - self.moe_layers(), self.moe_layers()
+        moe_block = sum(self.layer_params(moe=True)) + self.experts * sum(self.expert_params())
+        return self.embedding_params() + dense * sum(self.layer_params()) + moe * moe_block + self.head_params()
 
     @functools.cache
-    def act_elements_per_token(self, tp=1, sp=False, selective=False):
+    def act_elements_per_token(self, tp=1, sp=False, selective=False, moe=False):
         """Elements autograd keeps per token in one block (measured below, in float32):
         the block input x, the first norm's output, Q, K, V, the attention output and its
         log-sum-exp (flash attention: no s×s matrix), the residual after attention, the second
@@ -120,10 +184,19 @@ class ModelShape:
         `selective`: selective recomputation (Korthikanti et al. 2022, §5: recompute what takes
         much memory and few FLOPs) rebuilds the norms' outputs from their inputs and statistics
         and the MLP's activation (GELU's output; SwiGLU's silu(gate) and product) from the
-        matrix outputs; no matrix product runs again, so no FLOPs are added."""
+        matrix outputs; no matrix product runs again (the course's own set: Korthikanti's §5
+        recomputes the attention core instead, which flash attention never stores).
+        `moe`: an MoE block's MLP part is its shared and top_k routed experts' intermediates,
+        plus the k dispatched input rows and k expert outputs per token and the router's E
+        probabilities."""
         h, f, a = self.hidden, self.ffn, self.heads
         kv = h if self.kv_expanded else self.kv_dim        # what attention receives and saves
-        mlp = (2 if self.mlp_matrices == 2 else 4) * f // (2 if selective else 1)
+        per = 2 if self.mlp_matrices == 2 else 4
+        if moe:
+            mlp = per * self.expert_ffn * (self.top_k + self.shared_experts) // (2 if selective else 1)
+            mlp += 2 * self.top_k * h + self.experts
+        else:
+            mlp = per * f // (2 if selective else 1)
         split = (2 * h + 2 * kv + a + mlp) / tp               # Q, attention out, K, V, lse, MLP
         stream = (2 if selective else 4) * h + 4               # x, (norm out,) x2, (norm out,) stats
         return split + (stream / tp if sp else stream)
@@ -145,11 +218,18 @@ class Layout:
     schedule: str = "1f1b"         # "1f1b" or "gpipe"
     vocab_parallel: bool = True    # the LM head split over tp (vocab-parallel cross-entropy)
     virtual_stages: int = 1        # v: model chunks per pipeline rank (interleaved 1F1B when > 1)
+    ep: int = 1                    # expert parallelism: groups of ep data-parallel ranks share out the experts
+    # context parallelism's attention: "ring" (K and V passed around, lecture 06's ring attention)
+    # or "allgather" (K and V all-gathered per block, dK and dV reduce-scattered: Llama 3's, §3.3.2)
+    cp_algorithm: str = "ring"
 
     def __post_init__(self):
-        _whole_numbers(self, ("dp", "pp", "cp", "tp", "micro_batch", "micro_batches", "virtual_stages"))
+        _whole_numbers(self, ("dp", "pp", "cp", "tp", "micro_batch", "micro_batches", "virtual_stages", "ep"))
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism groups ep of the "
+                             "data-parallel ranks (it lives inside data parallelism)")
         checks = {"zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "precision": tuple(PRECISION_BYTES),
-                  "schedule": SCHEDULES}
+                  "schedule": SCHEDULES, "cp_algorithm": ("ring", "allgather")}
         for k, allowed in checks.items():
             v = getattr(self, k)
             if isinstance(v, bool) or v not in allowed:
@@ -168,6 +248,10 @@ class Layout:
 
     def label(self):
         parts = [f"{k}{getattr(self, k)}" for k in MESH_AXES if getattr(self, k) > 1] or ["1 rank"]
+        if self.ep > 1:
+            parts.insert(1, f"ep{self.ep}")
+        if self.cp > 1 and self.cp_algorithm != "ring":
+            parts.append("CP all-gather")
         if self.zero:
             parts.append(f"ZeRO-{self.zero}")
         if self.sp:
@@ -212,6 +296,37 @@ def rank_layers(layers, pp, v=1):
     return tuple(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
 
 
+@functools.lru_cache(maxsize=None)
+def rank_blocks(model, pp, v=1):
+    """(dense blocks, MoE blocks) on each pipeline rank: which of the model's blocks chunk c
+    of rank r holds (stage c·pp + r cuts at k·L/(pp·v)), sorted by kind."""
+    stages = stage_layers(model.layers, pp * v)
+    starts = [sum(stages[:k]) for k in range(pp * v)]
+    out = []
+    for r in range(pp):
+        ids = [i for c in range(v) for i in range(starts[c * pp + r], starts[c * pp + r] + stages[c * pp + r])]
+        moe = sum(model.is_moe(i) for i in ids)
+        out.append((len(ids) - moe, moe))
+    return tuple(out)
+
+
+def block_params(model, layout, stage):
+    """(parameters of the rank's blocks that every replica holds, routed experts' parameters):
+    experts split over ep (E/ep per rank) and their matrices over tp."""
+    dense, moe = rank_blocks(model, layout.pp, layout.virtual_stages)[stage]
+    shared = dense * sum(model.layer_params(layout.tp)) + moe * sum(model.layer_params(layout.tp, moe=True))
+    experts = moe * model.experts / layout.ep * sum(model.expert_params(layout.tp)) if model.experts else 0
+    return shared, experts
+
+
+def largest_block(model, layout):
+    """Parameters of the largest block on a rank (a dense one, or an MoE one with its E/ep experts)."""
+    dense = sum(model.layer_params(layout.tp)) if model.dense_layers or not model.experts else 0
+    moe = (sum(model.layer_params(layout.tp, moe=True)) + model.experts / layout.ep * sum(model.expert_params(layout.tp))
+           if model.experts else 0)
+    return max(dense, moe)
+
+
 def held_chunks(layout, stage):
     """(micro-batch, chunk)s whose activations a pipeline rank holds at its peak, as lecture
     05's `held` counts them on its schedules: all m·v under GPipe; under 1F1B the warm-up's
@@ -240,8 +355,7 @@ def stage_params(model, layout, stage):
     """Parameters held by one rank of pipeline stage `stage` (before ZeRO). With
     `vocab_parallel` the token embedding and the LM head are split by vocabulary rows."""
     tp, first, last = layout.tp, stage == 0, stage == layout.pp - 1
-    sharded, replicated = model.layer_params(tp)
-    n = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage] * (sharded + replicated)
+    n = sum(block_params(model, layout, stage))
     if first:
         n += model.embedding_params()
         if layout.vocab_parallel:
@@ -264,17 +378,23 @@ def activation_bytes(model, layout, stage):
     B = PRECISION_BYTES[layout.precision]["act"]
     tokens = layout.micro_batch * model.seq / layout.cp
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
-    per_layer = model.act_elements_per_token(layout.tp, layout.sp) * B
+    dense, moe = rank_blocks(model, layout.pp, layout.virtual_stages)[stage]
+    elements = lambda selective: (dense * model.act_elements_per_token(layout.tp, layout.sp, selective)
+                                  + moe * model.act_elements_per_token(layout.tp, layout.sp, selective, moe=True))
+    # one block's (the largest kind's) elements, for what is rebuilt one block at a time
+    one = max(model.act_elements_per_token(layout.tp, layout.sp, moe=k) for k, n in ((False, dense), (True, moe)) if n) \
+        if n_layers else 0
+    one_kept = max(model.act_elements_per_token(layout.tp, layout.sp, True, moe=k) for k, n in ((False, dense), (True, moe))
+                   if n) if n_layers else 0
     v = model.vocab / layout.tp if layout.vocab_parallel else model.vocab
     loss_grads = 2 * v * 4 * tokens if stage == layout.pp - 1 else 0
     if layout.recompute == "full":
         stored = n_layers * model.hidden * B * (1 / layout.tp if layout.sp else 1)
-        transient = max(per_layer * tokens, loss_grads)
+        transient = max(one * B * tokens, loss_grads)
     elif layout.recompute == "selective":   # one block's recomputed norms and activation at a time
-        kept = model.act_elements_per_token(layout.tp, layout.sp, selective=True) * B
-        stored, transient = n_layers * kept, max((per_layer - kept) * tokens, loss_grads)
+        stored, transient = elements(True) * B, max((one - one_kept) * B * tokens, loss_grads)
     else:
-        stored, transient = n_layers * per_layer, loss_grads
+        stored, transient = elements(False) * B, loss_grads
     if stage == 0:
         stored += 8                                            # the int64 token ids
     if stage == layout.pp - 1:
@@ -293,6 +413,8 @@ def check_split(model, layout):
                         f"layers ({model.layers}): a block per chunk")
     if layout.cp > 1 and model.seq % (2 * layout.cp):
         problems.append(f"the sequence ({model.seq}) must split into 2·cp = {2 * layout.cp} zig-zag chunks")
+    if model.experts % layout.ep if model.experts else layout.ep > 1:
+        problems.append(f"ep={layout.ep} must divide the routed experts ({model.experts}): whole experts per rank")
     if problems:
         raise ValueError(f"{layout.label()} cannot split this model: " + "; ".join(problems))
 
@@ -315,13 +437,16 @@ def estimate_memory(model, layout, stage=None):
     B = PRECISION_BYTES[layout.precision]
     n = stage_params(model, layout, stage)
     dp, z = layout.dp * layout.cp, layout.zero
-    block = sum(model.layer_params(layout.tp))
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
-    gathered = (min(2, n_layers) * block + n - n_layers * block) * (B["weights"] + B["grads"])
+    blocks = sum(block_params(model, layout, stage))
+    gathered = (min(2, n_layers) * largest_block(model, layout) + n - blocks) * (B["weights"] + B["grads"])
+    # ZeRO shards each parameter over the ranks that hold it: the routed experts over dp·cp/ep
+    experts = block_params(model, layout, stage)[1]
+    shards = lambda on: (n - experts) / (dp if on else 1) + experts / (dp // layout.ep if on else 1)
     out = {"stage": stage, "params": n,
-           "weights": B["weights"] * n / (dp if z >= 3 else 1),
-           "grads": B["grads"] * n / (dp if z >= 2 else 1),
-           "optimizer": B["optimizer"] * n / (dp if z >= 1 else 1),
+           "weights": B["weights"] * shards(z >= 3),
+           "grads": B["grads"] * shards(z >= 2),
+           "optimizer": B["optimizer"] * shards(z >= 1),
            "gathered": gathered if z >= 3 and dp > 1 else 0,
            "activations": sum(activation_bytes(model, layout, stage)),
            "stored activations": activation_bytes(model, layout, stage)[0]}

@@ -92,6 +92,10 @@ class Mesh:
     def index(self, axis):
         return self.coords[axis]
 
+    def group_index(self, key):
+        """This rank's position in its group `key` (e.g. "ep")."""
+        return self.ranks[key].index(self.rank)
+
 
 _GROUPS = {}   # (mesh shape, ranks) -> process group, per default group: new_group is collective and slow
 
@@ -105,8 +109,25 @@ def _new_group(ranks):
     return _GROUPS[key][1]
 
 
-def make_mesh(dp=1, pp=1, cp=1, tp=1):
-    """Build the process groups of every axis of a (dp, pp, cp, tp) mesh over all ranks.
+def expert_groups(shape, ep):
+    """(expert-parallel groups, expert-replica groups) with ep inside dp: an ep group is ep
+    consecutive data-parallel ranks (same pp, cp, tp; dp // ep equal), which share out the
+    experts; an expert's replicas are the ranks with the same pp, tp and position in their ep
+    group (dp % ep), any cp: they hold the same experts and average their gradients."""
+    dp, pp, cp, tp = shape
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp}")
+    at = lambda d, p, c, t: mesh_rank({"dp": d, "pp": p, "cp": c, "tp": t}, shape)
+    groups = [[at(g * ep + e, p, c, t) for e in range(ep)]
+              for g in range(dp // ep) for p in range(pp) for c in range(cp) for t in range(tp)]
+    replicas = [[at(g * ep + e, p, c, t) for g in range(dp // ep) for c in range(cp)]
+                for e in range(ep) for p in range(pp) for t in range(tp)]
+    return groups, replicas
+
+
+def make_mesh(dp=1, pp=1, cp=1, tp=1, ep=1):
+    """Build the process groups of every axis of a (dp, pp, cp, tp) mesh over all ranks, and
+    with ep > 1 the expert-parallel groups inside dp (`expert_groups`).
 
     `dist.new_group` is collective over the whole world: every rank must create every group, in
     the same order, even the groups it is not in. We walk the axes and their groups in a fixed
@@ -128,6 +149,12 @@ def make_mesh(dp=1, pp=1, cp=1, tp=1):
         g = _new_group(members) if len(members) > 1 else None
         if rank in members:
             ranks["replica"], group["replica"] = members, g
+    if ep > 1:
+        for key, every in zip(("ep", "expert_replica"), expert_groups(shape, ep)):
+            for members in every:
+                g = _new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    ranks[key], group[key] = members, g
     return Mesh(shape, rank, mesh_coords(rank, shape), ranks, group)
 
 

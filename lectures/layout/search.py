@@ -28,7 +28,8 @@ def divisors(n):
 
 
 def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("none",),
-                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,), virtual_stages=(1,)):
+                  precision="fp32", max_tp=None, micro_batch_sizes=None, sp=(False,), virtual_stages=(1,),
+                  expert_parallel=(1,)):
     """Every Layout with dp·pp·cp·tp = world that can run this model:
       tp divides the heads and the K/V heads (each rank holds whole heads), at most `max_tp`;
       pp divides the layers (equal stages) — and a pipeline needs m ≥ pp micro-batches; with
@@ -36,7 +37,8 @@ def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("no
       cp: the sequence splits into 2·cp equal zig-zag chunks;
       dp divides the global batch; the rest of each dp rank's batch is m micro-batches of
       `micro_batch` sequences; ZeRO stages > 0 only when dp·cp > 1 (ZeRO shards over the
-      ranks that hold the same weights); sequence parallelism only with tp > 1."""
+      ranks that hold the same weights); sequence parallelism only with tp > 1;
+      ep (from `expert_parallel`) divides dp and the routed experts (dense models: ep = 1)."""
     out = []
     for dp, pp, cp, tp in itertools.product(divisors(world), repeat=4):
         if dp * pp * cp * tp != world:
@@ -52,11 +54,13 @@ def valid_layouts(model, world, global_batch, zero_stages=(0, 1), recompute=("no
             m = per_rank // mb
             if pp > 1 and m < pp:
                 continue
-            for zero, rc, s, v in itertools.product(zero_stages, recompute, sp, virtual_stages):
+            for zero, rc, s, v, ep in itertools.product(zero_stages, recompute, sp, virtual_stages, expert_parallel):
                 if (zero and dp * cp == 1) or (s and tp == 1) or (v > 1 and (pp == 1 or model.layers % (pp * v))):
                     continue
+                if dp % ep or (model.experts % ep if model.experts else ep > 1):
+                    continue
                 out.append(Layout(dp, pp, cp, tp, zero=zero, micro_batch=mb, micro_batches=m,
-                                  recompute=rc, precision=precision, sp=s, virtual_stages=v))
+                                  recompute=rc, precision=precision, sp=s, virtual_stages=v, ep=ep))
     return out
 
 
@@ -142,12 +146,13 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
 LLAMA3_TABLE4 = [
     dict(gpus=8192, tp=8, cp=1, pp=16, dp=64, seq=8192, per_dp=32, mfu=0.43),
     dict(gpus=16384, tp=8, cp=1, pp=16, dp=128, seq=8192, per_dp=16, mfu=0.41),
-    dict(gpus=16384, tp=8, cp=16, pp=16, dp=8, seq=131072, per_dp=16, mfu=0.38),
+    # §3.3.2: "the all-gather based method" of context parallelism, not ring attention
+    dict(gpus=16384, tp=8, cp=16, pp=16, dp=8, seq=131072, per_dp=16, mfu=0.38, cp_algorithm="allgather"),
 ]
 GEMM = "sustained fraction of peak for large GEMMs"
 
 
-def open_knobs(model, mesh, per_dp, micro_batch_sizes=(1, 2), virtual_stages=(1, 2, 3, 4, 6, 8)):
+def open_knobs(model, mesh, per_dp, micro_batch_sizes=(1, 2), virtual_stages=(1, 2, 3, 4, 6, 8), cp_algorithm="ring"):
     """Every Layout on a fixed (dp, pp, cp, tp) mesh: what a published table leaves open —
     micro-batch size, virtual stages (each chunk at least one block), ZeRO stage,
     recomputation, sequence parallelism — in bf16 mixed precision."""
@@ -160,7 +165,7 @@ def open_knobs(model, mesh, per_dp, micro_batch_sizes=(1, 2), virtual_stages=(1,
         if (zero and mesh["dp"] * mesh["cp"] == 1) or (sp and mesh["tp"] == 1):
             continue
         out.append(Layout(**mesh, zero=zero, micro_batch=mb, micro_batches=m, recompute=rc,
-                          precision="bf16", sp=sp, virtual_stages=v))
+                          precision="bf16", sp=sp, virtual_stages=v, cp_algorithm=cp_algorithm))
     return out
 
 
@@ -170,7 +175,7 @@ def table4_row(row, model, hw, **knobs):
     shape = dataclasses.replace(model, seq=row["seq"])
     mesh = {k: row[k] for k in ("dp", "pp", "cp", "tp")}
     best = None
-    for lay in open_knobs(shape, mesh, row["per_dp"], **knobs):
+    for lay in open_knobs(shape, mesh, row["per_dp"], cp_algorithm=row.get("cp_algorithm", "ring"), **knobs):
         mem = estimate_memory(shape, lay)["total"]
         if mem > hw.memory:
             continue

@@ -17,7 +17,8 @@ with measured step times; `h100_cluster()` holds published H100 numbers for the 
 import dataclasses
 import math
 
-from lectures.layout.estimator import PRECISION_BYTES, ModelShape, rank_layers, stage_params
+from lectures.layout.estimator import (PRECISION_BYTES, ModelShape, block_params, check_split, rank_blocks, rank_layers,
+                                       stage_params)
 from lectures.layout.mesh import MESH_AXES
 
 # =========================================================================================
@@ -49,19 +50,58 @@ class Hardware:
     # "nccl" or "gloo": gloo's reduce-scatter is a full all-reduce and a copy
     # (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so `dp_traffic` charges it as one
     backend: str = "nccl"
+    # HBM bytes/s that memory-bound kernels (norms, activations, softmax, dropout, residual adds,
+    # the optimizer) reach; None: not charged apart (this machine's fit folds them into its rates)
+    hbm: float = None
+    # attention scores written to HBM (softmax, dropout and their backward as separate kernels,
+    # as Megatron-LM 2021 ran before FlashAttention); False: a fused FlashAttention kernel
+    scores_in_hbm: bool = False
+    # fraction of a micro-batch's compute on the rank that hides its expert all-to-alls (0: all
+    # exposed; DualPipe's claim, DeepSeek-V3 §3.2.1: "fully hidden", i.e. 1 while they fit under it)
+    ep_overlap: float = 0.0
+    # fraction of a micro-batch's compute that hides its tensor-parallel collectives (0: all
+    # exposed, as plain Megatron-LM runs them; asynchronous TP, lecture 04, overlaps them)
+    tp_overlap: float = 0.0
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={self.backend!r}: 'nccl' or 'gloo'")
+        positive = {"flops": self.flops, "memory": self.memory, "intra β": self.intra[1], "inter β": self.inter[1],
+                    "peak": self.peak, "attention": self.attention, "hbm": self.hbm,
+                    "p2p β": None if self.p2p is None else self.p2p[1]}
+        for k, v in positive.items():
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):   # nan fails v > 0 too
+                raise ValueError(f"Hardware.{k}={v!r}: a rate or size must be a number > 0")
+        nonnegative = {"intra α": self.intra[0], "inter α": self.inter[0], "overhead": self.overhead,
+                       "step_overhead": self.step_overhead, "ring_step": min(self.ring_step),
+                       "p2p α": None if self.p2p is None else self.p2p[0]}
+        for k, v in nonnegative.items():
+            if v is not None and not v >= 0:
+                raise ValueError(f"Hardware.{k}={v!r}: a latency must be a number ≥ 0")
+        for k in ("overlap", "ep_overlap", "tp_overlap"):
+            if not 0 <= getattr(self, k) <= 1:
+                raise ValueError(f"Hardware.{k}={getattr(self, k)!r}: a fraction from 0 to 1")
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"Hardware.ranks_per_node={self.ranks_per_node!r}: a whole number ≥ 1")
+
+
+def group_span(layout, axis):
+    """(stride, size) of an axis' groups on the mesh: its ranks are stride apart, the stride
+    being the product of the inner axes' sizes. Expert parallelism ("ep") is a group of ep
+    consecutive data-parallel ranks (ep inside dp, as Megatron-LM and DeepSeek place it)."""
+    sizes = dict(zip(MESH_AXES, (layout.dp, layout.pp, layout.cp, layout.tp)))
+    k = MESH_AXES.index("dp" if axis == "ep" else axis)
+    stride = math.prod(sizes[a] for a in MESH_AXES[k + 1:])
+    return stride, layout.ep if axis == "ep" else sizes[axis]
 
 
 def axis_link(hw, layout, axis):
-    """(α, β) of the links an axis' groups use: a group is inside one node when its span
-    (stride × size, the stride being the product of the inner axes) fits in a node."""
-    sizes = dict(zip(MESH_AXES, (layout.dp, layout.pp, layout.cp, layout.tp)))
-    k = MESH_AXES.index(axis)
-    stride = math.prod(sizes[a] for a in MESH_AXES[k + 1:])
-    return hw.intra if stride * sizes[axis] <= hw.ranks_per_node else hw.inter
+    """(α, β) of the links an axis' groups use. A group is inside one node only when its span
+    (stride × size) tiles the nodes, i.e. divides the ranks per node: then every group sits
+    in one node. Otherwise some group straddles two nodes (tp = 6 on 8-GPU nodes: ranks 6–11),
+    and the slowest group sets the pace: the links across nodes."""
+    stride, size = group_span(layout, axis)
+    return hw.intra if hw.ranks_per_node % (stride * size) == 0 else hw.inter
 
 
 def p2p_link(hw, layout, axis):
@@ -90,11 +130,12 @@ def flops_per_token(model, recompute="none"):
     attention scores and values, 12·L·h·s (the convention of the MFU literature: no credit
     for causal skipping). Full recomputation runs every block's forward twice (+2 per matrix
     parameter), which costs time but is not counted as useful work in MFU."""
-    sharded, _ = model.layer_params()
-    matrix = model.layers * sharded + model.vocab * model.hidden
+    dense, moe = model.layers - model.moe_layers(), model.moe_layers()
+    blocks = dense * model.matrix_params_per_token() + moe * model.matrix_params_per_token(moe=True)
+    matrix = blocks + model.vocab * model.hidden
     useful = 6 * matrix + 12 * model.layers * model.hidden * model.seq
     if recompute == "full":
-        return useful, useful + 2 * model.layers * sharded + 4 * model.layers * model.hidden * model.seq
+        return useful, useful + 2 * blocks + 4 * model.layers * model.hidden * model.seq
     return useful, useful
 
 
@@ -124,25 +165,32 @@ def dp_traffic(model, layout, hw, stage, compute):
         return 0.0, 0.0
     link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
-    grad_bytes = stage_params(model, layout, stage) * B["grads"]
-    weight_bytes = stage_params(model, layout, stage) * B["weights"]
     # One message for all gradients (bucketed), or one per parameter tensor.
     k = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (stage == 0)
                                + 3 * (stage == layout.pp - 1))
-    ar = lambda nbytes: k * all_reduce_time(n, nbytes / k, link)
-    ag = lambda nbytes: k * gather_time(n, nbytes / k, link)
-    rs = ar if hw.backend == "gloo" else ag
     fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
     m, z = layout.micro_batches, layout.zero
-    if z == 0:   # (seconds, compute it can hide under, how many times per step)
-        parts = [(ar(grad_bytes), bwd, 1)]
-    elif z == 1:
-        parts = [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
-    elif z == 2:
-        parts = [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
-    else:   # backward gathers all but the embedding and head, kept gathered since forward
-        again = weight_bytes - kept_gathered(model, layout, stage) * B["weights"]
-        parts = [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
+    # the routed experts are replicated over dp·cp/ep ranks only (expert data parallelism)
+    experts = block_params(model, layout, stage)[1]
+    params = stage_params(model, layout, stage)
+    kept = kept_gathered(model, layout, stage)
+    parts = []
+    for count, ranks, kept_here in ((params - experts, n, kept), (experts, n // layout.ep, 0)):
+        if ranks == 1 or count == 0:
+            continue
+        grad_bytes, weight_bytes = count * B["grads"], count * B["weights"]
+        ar = lambda nbytes: k * all_reduce_time(ranks, nbytes / k, link)
+        ag = lambda nbytes: k * gather_time(ranks, nbytes / k, link)
+        rs = ar if hw.backend == "gloo" else ag
+        if z == 0:   # (seconds, compute it can hide under, how many times per step)
+            parts += [(ar(grad_bytes), bwd, 1)]
+        elif z == 1:
+            parts += [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
+        elif z == 2:
+            parts += [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
+        else:   # backward gathers all but the embedding and head, kept gathered since forward
+            again = weight_bytes - kept_here * B["weights"]
+            parts += [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
     return (sum(k * max(0.0, t - hide * under) for t, under, k in parts), sum(k * t for t, _, k in parts))
 
 
@@ -157,8 +205,10 @@ def step_time(model, layout, hw):
     tp        4 all-reduces of the block's activations per block and micro-batch (2 forward,
               2 backward), 6 with full recomputation (the forward's 2 run again); sequence
               parallelism: 6 all-gathers + 4 reduce-scatters (`tp_collectives`, the counts
-              `step_bytes` uses);
-    cp        ring attention: per block, cp−1 ring steps forward (K and V travel) and cp−1
+              `step_bytes` uses); `hw.tp_overlap` of the compute hides them;
+    cp        all-gather CP (`layout.cp_algorithm`, Llama 3's): per block K and V all-gathered
+              forward and backward, dK and dV reduce-scattered; ring attention: per block,
+              cp−1 ring steps forward (K and V travel) and cp−1
               backward (K, V, dK, dV), each with its bytes and a fixed cost per step
               (`hw.ring_step`: launching a block of attention, merging, waiting); full
               recomputation runs the forward's steps again;
@@ -168,7 +218,11 @@ def step_time(model, layout, hw):
               each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
               every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
-              under the compute it runs beside (`hw.overlap`)."""
+              under the compute it runs beside (`hw.overlap`); what is left is charged after
+              the pipeline (not placed in the cool-down, where a later stage already waits);
+    ep        the experts' dispatch and combine all-to-alls (`hw.ep_overlap` hides them);
+    memory    memory-bound work at `hw.hbm` (part of compute), and the optimizer step."""
+    check_split(model, layout)
     B = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch * model.seq / layout.cp          # per rank per micro-batch
     rc = layout.recompute == "full"
@@ -176,18 +230,21 @@ def step_time(model, layout, hw):
     sizes = rank_layers(model.layers, layout.pp, v)
     worst = max(range(layout.pp), key=lambda s: sizes[s] + (s == layout.pp - 1) * model.vocab / (12 * model.hidden))
     n_layers = sizes[worst]
-    sharded, _ = model.layer_params()
-    matrix_flops = (6 + 2 * rc) * sharded                      # per token and block
+    dense, moe = rank_blocks(model, layout.pp, v)[worst]
+    # matrix FLOPs per token on this rank's blocks: an MoE block multiplies its active experts only
+    matrix_flops = (6 + 2 * rc) * (dense * model.matrix_params_per_token() + moe * model.matrix_params_per_token(True))
     attention_flops = (12 + 4 * rc) * model.hidden * model.seq
     head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
-    flops = tokens * (n_layers * (matrix_flops + attention_flops) + head_flops) / layout.tp
+    flops = tokens * (matrix_flops + n_layers * attention_flops + head_flops) / layout.tp
     if hw.attention is None:
         attention = 0.0
         compute = flops / hw.flops + n_layers * hw.overhead
     else:
         attention = tokens * n_layers * attention_kernel_flops(model, rc) / layout.tp / hw.attention
-        compute = (tokens * (n_layers * matrix_flops + head_flops) / layout.tp / hw.flops
+        compute = (tokens * (matrix_flops + head_flops) / layout.tp / hw.flops
                    + attention + n_layers * hw.overhead)
+    memory = memory_bound_time(model, layout, hw, dense, moe) if hw.hbm else 0.0
+    compute += memory
     act = tokens * model.hidden * B["act"]
     tp_link = axis_link(hw, layout, "tp")
     seconds = {"all-reduce": lambda b: all_reduce_time(layout.tp, b, tp_link),
@@ -195,8 +252,16 @@ def step_time(model, layout, hw):
                "reduce-scatter": lambda b: (all_reduce_time if hw.backend == "gloo" else gather_time)(layout.tp, b, tp_link)}
     tp = sum(k * seconds[kind](b) for kind, b, k in
              tp_collectives(layout, n_layers, worst == 0, worst == layout.pp - 1, act, tokens, rc))
+    tp = max(0.0, tp - hw.tp_overlap * compute)          # what the compute beside it does not hide
     cp = 0.0
-    if layout.cp > 1:
+    if layout.cp > 1 and layout.cp_algorithm == "allgather":
+        # per block: K and V all-gathered forward (again under full recomputation) and again
+        # backward, dK and dV reduce-scattered; the whole sequence's K and V, cp shards of kv
+        kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
+        link = axis_link(hw, layout, "cp")
+        cp = n_layers * ((2 + rc) * gather_time(layout.cp, layout.cp * kv, link)
+                         + gather_time(layout.cp, layout.cp * kv, link))
+    elif layout.cp > 1:
         kv = 2 * tokens * model.kv_dim * B["act"] / layout.tp
         step_fwd, step_bwd = hw.ring_step
         passes = p2p_time(kv, p2p_link(hw, layout, "cp")) * (1 + rc) + 2 * p2p_time(kv, p2p_link(hw, layout, "cp"))
@@ -206,14 +271,80 @@ def step_time(model, layout, hw):
     # with sequence parallelism a stage's output is split over the tp ranks: each sends its part
     boundary = act / layout.tp if layout.sp else act
     sends = 2 * v * p2p_time(boundary, p2p_link(hw, layout, "pp")) if layout.pp > 1 else 0.0
-    slot = compute + tp + cp + sends
+    # expert parallelism: per MoE block a dispatch and a combine all-to-all forward, both again
+    # backward (and forward again under full recomputation), each of the k routed copies of
+    # this rank's tokens (1/tp of them with sequence parallelism; with node-limited routing
+    # `route_nodes` copies), on the ep group's links; `hw.ep_overlap` of the compute hides them
+    ep = 0.0
+    if moe and layout.ep > 1:
+        copies = min(model.top_k, model.route_nodes) if model.route_nodes else model.top_k
+        rows = tokens * copies * model.hidden * B["act"] / (layout.tp if layout.sp else 1)
+        ep = moe * (4 + 2 * rc) * all_to_all_time(layout.ep, rows, axis_link(hw, layout, "ep"))
+        ep = max(0.0, ep - hw.ep_overlap * compute)      # what the compute beside it does not hide
+    slot = compute + tp + cp + sends + ep
     m = layout.micro_batches
     bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
-    exposed_dp, _ = dp_traffic(model, layout, hw, worst, compute)
-    total = m * slot + bubble + exposed_dp + hw.step_overhead
+    exposed_dp, dp_all = dp_traffic(model, layout, hw, worst, compute)
+    optimizer = optimizer_time(model, layout, hw, worst) if hw.hbm else 0.0
+    total = m * slot + bubble + exposed_dp + optimizer + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
-            "attention": m * attention}
+            "attention": m * attention, "memory": m * memory, "ep": m * ep, "optimizer": optimizer,
+            "dp before hiding": dp_all}
+
+
+def all_to_all_time(n, nbytes, link):
+    """All-to-all of a buffer of `nbytes` per rank over n ranks: n − 1 steps, (n − 1)/n of it leaves."""
+    alpha, beta = link
+    return 0.0 if n == 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+def elementwise_per_token(model, layout, moe=False):
+    """Elements per token that one block's memory-bound kernels read and write in a forward
+    pass, (on every tp rank, split over tp): two norms (read, write: 2h each), two residual adds
+    (read two, write one: 3h each) — split over tp only with sequence parallelism; the MLP's
+    activation (GELU read f write f; SwiGLU read 2f write f), in an MoE block for each active
+    expert, plus the dispatch's and combine's permutes (read and write k·h rows, twice); and
+    with `scores_in_hbm` the attention scores' softmax and dropout (read and write a·s each)."""
+    act = 2 if model.mlp_matrices == 2 else 3
+    if moe:
+        split = act * model.expert_ffn * (model.top_k + model.shared_experts) + 4 * model.top_k * model.hidden
+    else:
+        split = act * model.ffn
+    return 10 * model.hidden, split
+
+
+def memory_bound_time(model, layout, hw, dense, moe):
+    """Seconds of memory-bound work in one micro-batch on a rank of `dense` + `moe` blocks,
+    at `hw.hbm` bytes/s: `elementwise_per_token` for the forward, twice that backward, once
+    more under full recomputation; the course's selective recomputation re-runs the norms
+    and the MLP's activation. Attention scores (with `hw.scores_in_hbm`) add 4·a·s per token
+    forward, each head's on its tp rank."""
+    B = PRECISION_BYTES[layout.precision]["act"]
+    tokens = layout.micro_batch * model.seq / layout.cp
+    passes = 3 + (layout.recompute == "full")
+    total = 0.0
+    for n, kind in ((dense, False), (moe, True)):
+        if not n:
+            continue
+        stream, split = elementwise_per_token(model, layout, kind)
+        scores = 4 * model.heads * model.seq / layout.cp if hw.scores_in_hbm else 0
+        per = passes * ((stream / layout.tp if layout.sp else stream) + (split + scores) / layout.tp)
+        if layout.recompute == "selective":
+            per += (4 * model.hidden / (layout.tp if layout.sp else 1) + split / layout.tp)
+        total += n * per
+    return tokens * total * B / hw.hbm
+
+
+def optimizer_time(model, layout, hw, stage):
+    """The optimizer step on `hw.hbm`: AdamW reads each parameter's gradient, master weight
+    and two moments and writes back the master weight, the moments and the working weight,
+    for the parameters this rank updates (1/(dp·cp) of them from ZeRO-1 on; experts 1/(dp·cp/ep))."""
+    B = PRECISION_BYTES[layout.precision]
+    n, experts = stage_params(model, layout, stage), block_params(model, layout, stage)[1]
+    shard = layout.dp * layout.cp if layout.zero else 1
+    updated = (n - experts) / shard + experts / (shard // layout.ep if layout.zero else 1)
+    return updated * (B["grads"] + 2 * B["optimizer"] + B["weights"]) / hw.hbm
 
 
 def attention_kernel_flops(model, recompute=False):
@@ -281,32 +412,69 @@ NVLINK_ACHIEVED = 370e9
 # A 400 Gb/s NDR NIC: "you should see 46-48GB/s per NIC" (NVIDIA's NCCL team,
 # https://github.com/NVIDIA/nccl-tests/issues/290); the middle of that range.
 IB_ACHIEVED = 47e9
+# HBM3 of an H100 SXM: 3.35 TB/s (NVIDIA H100 datasheet), what memory-bound kernels are charged at
+H100_HBM = 3.35e12
 ATTENTION = "attention FLOP/s (FlashAttention-2's top figure on an H100)"
 NVLINK = "NCCL's bandwidth on NVLink (B/s)"
 IB = "NCCL's bandwidth per InfiniBand NIC (B/s)"
-PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED}
+HBM = "HBM bandwidth (B/s)"
+PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED, HBM: H100_HBM}
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
            "usable fraction of HBM": 0.9,                          # workspace, fragmentation
+           # memory-bound kernels (norms, activations, adds, AdamW) reach this share of the HBM
+           # datasheet rate (an assumption: a streaming kernel rarely sustains more)
+           "fraction of HBM bandwidth that memory-bound kernels reach": 0.8,
            "α per ring step in a node (s)": 3e-6, "α per ring step across nodes (s)": 8e-6,
            # data-parallel traffic hides completely under the compute it runs beside (the
            # best case: NCCL's kernels also take SMs from compute, see PYTORCH_ON_CPU.md)
            "fraction of that compute hiding data-parallel traffic": 1.0}
 
 
-def h100_cluster(**changed):
-    """The H100 cluster with the PUBLISHED and ASSUMED constants, any of them `changed` by name
-    (what a calibration fits: `h100_cluster(**{"sustained fraction of peak for large GEMMs": 0.8})`)."""
-    known = {**PUBLISHED, **ASSUMED}
+def _cluster(name, peak, memory, published, changed):
+    known = {**published, **ASSUMED}
     unknown = set(changed) - set(known)
     if unknown:
         raise ValueError(f"not a constant of the model: {sorted(unknown)}; choose from {sorted(known)}")
     a = {**known, **changed}
-    return Hardware("DGX H100 cluster (8 GPUs per node)", flops=a["sustained fraction of peak for large GEMMs"] * H100_PEAK_BF16,
-                    memory=a["usable fraction of HBM"] * H100_MEMORY, ranks_per_node=8,
+    return Hardware(name, flops=a["sustained fraction of peak for large GEMMs"] * peak,
+                    memory=a["usable fraction of HBM"] * memory, ranks_per_node=8,
                     intra=(a["α per ring step in a node (s)"], a[NVLINK]),
                     inter=(a["α per ring step across nodes (s)"], a[IB]),
-                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=H100_PEAK_BF16,
-                    attention=a[ATTENTION])
+                    overlap=a["fraction of that compute hiding data-parallel traffic"], peak=peak,
+                    attention=a[ATTENTION], hbm=a[HBM] * a["fraction of HBM bandwidth that memory-bound kernels reach"])
+
+
+def h100_cluster(**changed):
+    """The H100 cluster with the PUBLISHED and ASSUMED constants, any of them `changed` by name
+    (what a calibration fits: `h100_cluster(**{"sustained fraction of peak for large GEMMs": 0.8})`)."""
+    return _cluster("DGX H100 cluster (8 GPUs per node)", H100_PEAK_BF16, H100_MEMORY, PUBLISHED, changed)
+
+
+# DGX A100 80 GB (NVIDIA A100 datasheet): 312 TF/s dense BF16, 2,039 GB/s HBM2e, NVLink 3 at
+# 600 GB/s per GPU (300 per direction), 8 × 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU).
+# NCCL's achieved rates are not published for it in one place: the H100's achieved/line ratios
+# (370/450 on NVLink, 47/50 per NIC) carried over — an assumption, said on the page.
+A100_PEAK_BF16, A100_MEMORY, A100_HBM = 312e12, 80 * 2 ** 30, 2.039e12
+A100_PUBLISHED = {NVLINK: 300e9 * NVLINK_ACHIEVED / NVLINK_BW, IB: 25e9 * IB_ACHIEVED / IB_BW, HBM: A100_HBM,
+                  # FlashAttention-2 "reaching 50-73% of the theoretical maximum FLOPs/s on A100"
+                  # (Dao 2023, abstract): the top of that range
+                  ATTENTION: 0.73 * A100_PEAK_BF16}
+
+
+def a100_cluster(**changed):
+    """DGX A100 80 GB nodes, 8 GPUs each, the same ASSUMED constants as the H100 cluster."""
+    return _cluster("DGX A100 cluster (8 GPUs per node)", A100_PEAK_BF16, A100_MEMORY, A100_PUBLISHED, changed)
+
+
+# H800 SXM: an H100 with NVLink cut to 400 GB/s; DeepSeek-V3's report (DeepSeek-AI 2024,
+# https://arxiv.org/abs/2412.19437, §3.2.2): "NVLink offers a bandwidth of 160 GB/s, roughly 3.2
+# times that of IB (50 GB/s)" — what their kernels see, per GPU. Compute and HBM as the H100's.
+H800_PUBLISHED = {**PUBLISHED, NVLINK: 160e9, IB: 50e9}
+
+
+def h800_cluster(**changed):
+    """DeepSeek-V3's H800 nodes: 8 GPUs each, NVLink and InfiniBand at the rates the report gives."""
+    return _cluster("H800 cluster (8 GPUs per node)", H100_PEAK_BF16, H100_MEMORY, H800_PUBLISHED, changed)
 
 
 # =========================================================================================
@@ -329,9 +497,7 @@ def kept_gathered(model, layout, stage):
     """Parameters ZeRO-3 keeps gathered from a micro-batch's forward to its backward: the
     stage's embedding and LM head, which sit in FSDP's root unit (not resharded after forward),
     so backward does not gather them again; `estimate_memory` counts them in `gathered`."""
-    sharded, replicated = model.layer_params(layout.tp)
-    n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
-    return stage_params(model, layout, stage) - n_layers * (sharded + replicated)
+    return stage_params(model, layout, stage) - sum(block_params(model, layout, stage))
 
 
 def zero3_bytes(sizes, kept, n, m, weight_bytes, grad_bytes, backend="gloo"):
@@ -379,7 +545,10 @@ def step_bytes(model, layout, stage, backend="gloo", tensor_sizes=None, kept_siz
     if cp > 1:
         kv_dim = model.hidden if model.kv_expanded else model.kv_dim
         kv = 2 * layout.micro_batch * (model.seq / cp) * kv_dim / tp * B
-        out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
+        if layout.cp_algorithm == "allgather":   # (cp − 1) shards leave per all-gather or reduce-scatter
+            out["cp"] = m * n_layers * (3 + rc) * (cp - 1) * kv
+        else:
+            out["cp"] = m * n_layers * ((cp - 1) * kv * (1 + rc) + (cp - 1) * kv + cp * kv)
     if layout.pp > 1:   # v chunks: every chunk sends forward but the model's last, backward but its first
         v = layout.virtual_stages
         boundary = layout.micro_batch * model.seq * model.hidden * B / (tp if layout.sp else 1)

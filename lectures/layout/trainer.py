@@ -25,6 +25,7 @@ from lectures.model.memory import SavedBytes
 from lectures.layout.mesh import make_mesh
 from lectures.pipeline.executor import GPTStage, PipelineExecutor
 from lectures.context_parallel.ring import ring_attention
+from lectures.context_parallel.moe import ExpertParallelMoE, expert_owners, moe_gpt
 from lectures.pipeline.schedules import make_schedule
 from lectures.context_parallel.sharding import sequence_positions, zigzag_shard
 from lectures.tensor_parallel.gpt import full_parameters, parallelize_gpt
@@ -68,11 +69,22 @@ class Run:
     steps: int = 4
     lr: float = 3e-3
     weight_decay: float = 0.01     # AdamW's default, spelled out: ZeRO's optimizer needs it
+    experts: int = 0               # > 0: every MLP a dropless mixture of experts (lecture 06's MoE)
+    top_k: int = 1
+
+
+def build_model(run):
+    """Lecture 01's GPT, or with `run.experts` lecture 06's MoE GPT, dropless (no capacity: which
+    tokens an expert takes cannot depend on how the batch is split, so every layout can equal
+    one process)."""
+    if run.experts:
+        return moe_gpt(run.cfg, run.experts, run.top_k, capacity_factor=None)
+    return GPT(run.cfg)
 
 
 def reference_run(run):
     """One process, the whole global batch, torch.optim.AdamW: what every layout must equal."""
-    model = GPT(run.cfg).to(device())
+    model = build_model(run).to(device())
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
     losses = []
     for step in range(run.steps):
@@ -137,8 +149,17 @@ class LayoutTrainer:
             # the estimator and the step-time model cover these; this trainer does not run them
             raise ValueError(f"layout {layout.label()}: this trainer runs one pipeline chunk per rank "
                              "and no recomputation (virtual_stages=1, recompute='none')")
+        if layout.cp > 1 and layout.cp_algorithm != "ring":
+            raise ValueError(f"layout {layout.label()}: this trainer runs ring attention (cp_algorithm='ring'); "
+                             "lecture 06 builds the all-gather variant")
+        if layout.ep > 1 and not run.experts:
+            raise ValueError(f"layout {layout.label()}: ep > 1 needs a model with experts (Run.experts)")
+        if run.experts and (layout.world != layout.dp or layout.zero):
+            # the expert layers are wired for data and expert parallelism only
+            raise ValueError(f"layout {layout.label()}: this trainer runs experts under dp and ep only "
+                             "(no tp, pp, cp or ZeRO with experts)")
         self.tp_group = mesh.group["tp"]
-        self.model = self._split_model(GPT(run.cfg).to(device()))   # the same seeded weights on every rank
+        self.model = self._split_model(build_model(run).to(device()))   # the same seeded weights on every rank
         self.stage, self.executor, self.module = self._pipeline_stage()
         self.params = list(self.module.parameters())
         self.comm, self.zero, self.opt = self._optimizer()
@@ -153,7 +174,16 @@ class LayoutTrainer:
             attend = _RingAttend(self.mesh.group["cp"])
             for block in model.blocks:
                 block.attn.attend = attend
+        if self.layout.ep > 1:   # each rank keeps E/ep experts; tokens reach them by all-to-all
+            for block in model.blocks:
+                block.mlp = ExpertParallelMoE.from_full(block.mlp, self.mesh.group["ep"])
         return model
+
+    def _expert_params(self):
+        """The parameters of the routed experts this rank holds (replicated over dp/ep ranks only)."""
+        if self.layout.ep == 1:     # experts on every rank: synced like every other parameter
+            return set()
+        return {id(p) for block in self.model.blocks for p in block.mlp.experts.parameters()}
 
     def _pipeline_stage(self):
         """(stage, executor, the module this rank trains): this rank's layers and the schedule
@@ -250,10 +280,21 @@ class LayoutTrainer:
             self.zero.step()                      # reduce-scatter, sharded AdamW, all-gather
             return
         if self.comm is not None:
+            experts = self._expert_params()
+            # an expert's gradient already sums its ep group's tokens (the all-to-all brought them
+            # home): add the other ep groups' (its replicas) and divide by all dp·cp replicas
+            ep_comm = self.mesh.group.get("expert_replica")
+            ep_comm = GroupCollectives(ep_comm) if ep_comm is not None else None
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self.comm.all_reduce(p.grad)
+                if id(p) in experts:
+                    if ep_comm is not None:
+                        ep_comm.all_reduce(p.grad)
+                        self.comm.sent += ep_comm.sent
+                        ep_comm.sent = 0
+                else:
+                    self.comm.all_reduce(p.grad)
                 p.grad.div_(self.comm.n)
         self.opt.step()
         self.opt.zero_grad()
@@ -284,7 +325,18 @@ class LayoutTrainer:
             k: p.detach().clone() for k, p in module.named_parameters()}
         if self.stage is not None:
             named = {self.stage.global_name(k): v for k, v in named.items()}
+        if self.layout.ep > 1:   # local expert j of this rank is expert first + j of the model
+            first = expert_owners(self.run.experts, self.layout.ep)[1][self.mesh.group_index("ep")]
+            named = {_global_expert(k, first): v for k, v in named.items()}
         return {k: v.cpu() for k, v in named.items()}
+
+
+def _global_expert(name, first):
+    """'blocks.0.mlp.experts.1.fc_in.weight' on a rank whose first expert is `first` → the model's name."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[2:4] == ["mlp", "experts"]:
+        parts[4] = str(first + int(parts[4]))
+    return ".".join(parts)
 
 
 def global_loss(trainer, loss):
@@ -301,7 +353,7 @@ def train_layout(rank, world_size, run, layout):
     """Train `run` under `layout`; returns the loss of every step, this rank's coordinates and
     full parameters (by name), its measured memory (bytes held, peak saved activations) and the
     bytes it wrote to its sockets during the last step (`/proc/self/io`; None off Linux)."""
-    mesh = make_mesh(layout.dp, layout.pp, layout.cp, layout.tp)
+    mesh = make_mesh(layout.dp, layout.pp, layout.cp, layout.tp, ep=layout.ep)
     trainer = LayoutTrainer(run, layout, mesh)
     losses, act, held, sent = [], 0, None, None
     for step in range(run.steps):

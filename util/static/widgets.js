@@ -336,7 +336,8 @@
   var PRECISION_BYTES = null;   // from the widget's data: the Python table itself
   function floorDiv(a, b) { return Math.floor(a / b); }
   function shapeDefaults(m) {
-    var d = { mlp_matrices: 2, kv_expanded: false, bias: true, norm_params: 2, learned_positions: true, tied: false };
+    var d = { mlp_matrices: 2, kv_expanded: false, bias: true, norm_params: 2, learned_positions: true, tied: false,
+              experts: 0, top_k: 1, shared_experts: 0, expert_ffn: 0, dense_layers: 0, route_nodes: 0 };
     var out = {};
     Object.keys(d).forEach(function (k) { out[k] = d[k]; });
     Object.keys(m).forEach(function (k) { out[k] = m[k]; });
@@ -344,26 +345,71 @@
   }
   function layoutDefaults(l) {
     var d = { dp: 1, pp: 1, cp: 1, tp: 1, zero: 0, micro_batch: 1, micro_batches: 1, recompute: "none",
-              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true, virtual_stages: 1 };
+              precision: "fp32", sp: false, schedule: "1f1b", vocab_parallel: true, virtual_stages: 1, ep: 1,
+              cp_algorithm: "ring" };
     var out = {};
     Object.keys(d).forEach(function (k) { out[k] = d[k]; });
     Object.keys(l).forEach(function (k) { out[k] = l[k]; });
     return out;
   }
   function kvDim(m) { return m.kv_heads * floorDiv(m.hidden, m.heads); }
-  function layerParams(m, tp) {
-    var h = m.hidden, kv = kvDim(m), f = m.ffn, b = m.bias ? 1 : 0;
-    var sharded = (h * h + 2 * h * kv) + (h * h) + (m.mlp_matrices - 1) * h * f + f * h;
-    sharded += b * (h + 2 * kv + (m.mlp_matrices - 1) * f);
-    var replicated = b * (h + h) + 2 * m.norm_params * h;
+  function expertParams(m, tp) {   // ModelShape.expert_params
+    var h = m.hidden, f = m.expert_ffn, b = m.bias ? 1 : 0;
+    return [((m.mlp_matrices - 1) * h * f + f * h + b * (m.mlp_matrices - 1) * f) / tp, b * h];
+  }
+  function layerParams(m, tp, moe) {   // ModelShape.layer_params
+    var h = m.hidden, kv = kvDim(m), b = m.bias ? 1 : 0;
+    var sharded = (h * h + 2 * h * kv) + (h * h) + b * (h + 2 * kv);
+    var replicated = b * h + 2 * m.norm_params * h;
+    if (moe) {
+      var e = expertParams(m, 1);
+      sharded += m.shared_experts * e[0];
+      replicated += m.shared_experts * e[1] + h * m.experts;
+    } else {
+      var f = m.ffn;
+      sharded += (m.mlp_matrices - 1) * h * f + f * h + b * (m.mlp_matrices - 1) * f;
+      replicated += b * h;
+    }
     return [sharded / tp, replicated];
+  }
+  function sum2(x) { return x[0] + x[1]; }
+  function moeLayers(m) { return m.experts ? m.layers - m.dense_layers : 0; }
+  function matrixPerToken(m, moe) {   // ModelShape.matrix_params_per_token
+    if (!moe) return layerParams(m, 1)[0];
+    return layerParams(m, 1, true)[0] + m.hidden * m.experts + m.top_k * expertParams(m, 1)[0];
+  }
+  function rankBlocks(m, pp, v) {   // estimator.rank_blocks: [dense, moe] per pipeline rank
+    var stages = stageLayers(m.layers, pp * v), starts = [0], out = [];
+    for (var k = 1; k < pp * v; k++) starts.push(starts[k - 1] + stages[k - 1]);
+    for (var r = 0; r < pp; r++) {
+      var n = 0, moe = 0;
+      for (var c = 0; c < v; c++) {
+        var a = starts[c * pp + r], len = stages[c * pp + r];
+        n += len;
+        if (m.experts) moe += Math.max(0, a + len - Math.max(a, m.dense_layers));
+      }
+      out.push([n - moe, moe]);
+    }
+    return out;
+  }
+  function blockParams(m, l, stage) {   // estimator.block_params
+    var b = rankBlocks(m, l.pp, l.virtual_stages)[stage];
+    var shared = b[0] * sum2(layerParams(m, l.tp)) + b[1] * sum2(layerParams(m, l.tp, true));
+    var experts = m.experts ? b[1] * m.experts / l.ep * sum2(expertParams(m, l.tp)) : 0;
+    return [shared, experts];
+  }
+  function largestBlock(m, l) {
+    var dense = (m.dense_layers || !m.experts) ? sum2(layerParams(m, l.tp)) : 0;
+    var moe = m.experts ? sum2(layerParams(m, l.tp, true)) + m.experts / l.ep * sum2(expertParams(m, l.tp)) : 0;
+    return Math.max(dense, moe);
   }
   function embeddingParams(m) { return m.vocab * m.hidden + (m.learned_positions ? 1 : 0) * m.seq * m.hidden; }
   function headParams(m) { return m.norm_params * m.hidden + (m.tied ? 0 : m.vocab * m.hidden); }
-  function actElementsPerToken(m, tp, sp, selective) {
+  function actElementsPerToken(m, tp, sp, selective, moe) {
     var h = m.hidden, f = m.ffn, a = m.heads;
-    var kv = m.kv_expanded ? h : kvDim(m);
-    var mlp = floorDiv((m.mlp_matrices === 2 ? 2 : 4) * f, selective ? 2 : 1);
+    var kv = m.kv_expanded ? h : kvDim(m), per = m.mlp_matrices === 2 ? 2 : 4, mlp;
+    if (moe) mlp = floorDiv(per * m.expert_ffn * (m.top_k + m.shared_experts), selective ? 2 : 1) + 2 * m.top_k * h + m.experts;
+    else mlp = floorDiv(per * f, selective ? 2 : 1);
     var split = (2 * h + 2 * kv + a + mlp) / tp;
     var stream = (selective ? 2 : 4) * h + 4;
     return split + (sp ? stream / tp : stream);
@@ -393,8 +439,7 @@
   function inFlightMb(l, stage) { return heldChunks(l, stage) / l.virtual_stages; }
   function stageParams(m, l, stage) {
     var tp = l.tp, first = stage === 0, last = stage === l.pp - 1;
-    var lp = layerParams(m, tp);
-    var n = rankLayers(m.layers, l.pp, l.virtual_stages)[stage] * (lp[0] + lp[1]);
+    var n = sum2(blockParams(m, l, stage));
     if (first) {
       n += embeddingParams(m);
       if (l.vocab_parallel) n -= m.vocab * m.hidden * (1 - 1 / tp);
@@ -410,19 +455,28 @@
     var B = PRECISION_BYTES[l.precision].act;
     var tokens = l.micro_batch * m.seq / l.cp;
     var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
-    var perLayer = actElementsPerToken(m, l.tp, l.sp) * B;
+    var kinds = rankBlocks(m, l.pp, l.virtual_stages)[stage];
+    var elements = function (sel) {
+      return kinds[0] * actElementsPerToken(m, l.tp, l.sp, sel, false) + kinds[1] * actElementsPerToken(m, l.tp, l.sp, sel, true);
+    };
+    var largest = function (sel) {   // one block of the largest kind on this rank
+      var out = -Infinity;
+      if (kinds[0]) out = Math.max(out, actElementsPerToken(m, l.tp, l.sp, sel, false));
+      if (kinds[1]) out = Math.max(out, actElementsPerToken(m, l.tp, l.sp, sel, true));
+      return nLayers ? out : 0;
+    };
+    var one = largest(false), oneKept = largest(true);
     var v = l.vocab_parallel ? m.vocab / l.tp : m.vocab;
     var lossGrads = stage === l.pp - 1 ? 2 * v * 4 * tokens : 0;
     var stored, transient;
     if (l.recompute === "full") {
       stored = nLayers * m.hidden * B * (l.sp ? 1 / l.tp : 1);
-      transient = Math.max(perLayer * tokens, lossGrads);
+      transient = Math.max(one * B * tokens, lossGrads);
     } else if (l.recompute === "selective") {
-      var kept = actElementsPerToken(m, l.tp, l.sp, true) * B;
-      stored = nLayers * kept;
-      transient = Math.max((perLayer - kept) * tokens, lossGrads);
+      stored = elements(true) * B;
+      transient = Math.max((one - oneKept) * B * tokens, lossGrads);
     } else {
-      stored = nLayers * perLayer;
+      stored = elements(false) * B;
       transient = lossGrads;
     }
     if (stage === 0) stored += 8;
@@ -433,14 +487,16 @@
     var B = PRECISION_BYTES[l.precision];
     var n = stageParams(m, l, stage);
     var dp = l.dp * l.cp, z = l.zero;
-    var lp = layerParams(m, l.tp), block = lp[0] + lp[1];
     var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
-    var gathered = (Math.min(2, nLayers) * block + n - nLayers * block) * (B.weights + B.grads);   // + embedding, head
+    var bp = blockParams(m, l, stage), experts = bp[1];
+    var gathered = (Math.min(2, nLayers) * largestBlock(m, l) + n - sum2(bp)) * (B.weights + B.grads);   // + embedding, head
+    // ZeRO shards the routed experts over their dp·cp/ep replicas
+    var shards = function (on) { return (n - experts) / (on ? dp : 1) + experts / (on ? floorDiv(dp, l.ep) : 1); };
     var act = activationBytes(m, l, stage);
     var out = { stage: stage, params: n,
-                weights: B.weights * n / (z >= 3 ? dp : 1),
-                grads: B.grads * n / (z >= 2 ? dp : 1),
-                optimizer: B.optimizer * n / (z >= 1 ? dp : 1),
+                weights: B.weights * shards(z >= 3),
+                grads: B.grads * shards(z >= 2),
+                optimizer: B.optimizer * shards(z >= 1),
                 gathered: z >= 3 && dp > 1 ? gathered : 0,
                 activations: act[0] + act[1],
                 "stored activations": act[0] };
@@ -463,10 +519,11 @@
   function tensorsPerLayer(m) {
     return (4 + m.mlp_matrices) * (1 + (m.bias ? 1 : 0)) + 2 * (m.norm_params > 0 ? 1 : 0) * m.norm_params;
   }
-  function axisLink(hw, l, axis) {
-    var sizes = { dp: l.dp, pp: l.pp, cp: l.cp, tp: l.tp }, k = MESH_AXES.indexOf(axis), stride = 1;
+  function axisLink(hw, l, axis) {   // inside a node only when the group's span tiles the nodes
+    var sizes = { dp: l.dp, pp: l.pp, cp: l.cp, tp: l.tp }, k = MESH_AXES.indexOf(axis === "ep" ? "dp" : axis), stride = 1;
     for (var i = k + 1; i < MESH_AXES.length; i++) stride *= sizes[MESH_AXES[i]];
-    return stride * sizes[axis] <= hw.ranks_per_node ? hw.intra : hw.inter;
+    var size = axis === "ep" ? l.ep : sizes[axis];
+    return hw.ranks_per_node % (stride * size) === 0 ? hw.intra : hw.inter;
   }
   function p2pLink(hw, l, axis) { return hw.p2p || axisLink(hw, l, axis); }
   function allReduceTime(n, nbytes, link) {
@@ -481,20 +538,24 @@
     if (n === 1) return [0.0, 0.0];
     var link = l.dp > 1 ? axisLink(hw, l, "dp") : axisLink(hw, l, "cp");
     var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
-    var gradBytes = stageParams(m, l, stage) * B.grads, weightBytes = stageParams(m, l, stage) * B.weights;
     var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
-    var ar = function (b) { return k * allReduceTime(n, b / k, link); };
-    var ag = function (b) { return k * gatherTime(n, b / k, link); };
-    var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
     var fwd = compute / 3, bwd = 2 * compute / 3, hide = hw.overlap, mb = l.micro_batches, z = l.zero, parts = [];
-    // [seconds, compute it can hide under, times per step]: no loop per micro-batch
-    if (z === 0) parts = [[ar(gradBytes), bwd, 1]];
-    else if (z === 1) parts = [[rs(gradBytes), bwd, 1], [ag(weightBytes), fwd, 1]];
-    else if (z === 2) parts = [[rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]];
-    else {   // backward gathers all but the embedding and head (kept_gathered)
-      var lp = layerParams(m, l.tp), kept = stageParams(m, l, stage) - nLayers * (lp[0] + lp[1]);
-      parts = [[ag(weightBytes), fwd, mb], [ag(weightBytes - kept * B.weights) + rs(gradBytes), bwd, mb]];
-    }
+    var params = stageParams(m, l, stage), bp = blockParams(m, l, stage), experts = bp[1];
+    var kept = params - sum2(bp);
+    // the routed experts are replicated over dp·cp/ep ranks only
+    [[params - experts, n, kept], [experts, floorDiv(n, l.ep), 0]].forEach(function (g) {
+      var count = g[0], ranks = g[1], keptHere = g[2];
+      if (ranks === 1 || count === 0) return;
+      var gradBytes = count * B.grads, weightBytes = count * B.weights;
+      var ar = function (b) { return k * allReduceTime(ranks, b / k, link); };
+      var ag = function (b) { return k * gatherTime(ranks, b / k, link); };
+      var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
+      // [seconds, compute it can hide under, times per step]: no loop per micro-batch
+      if (z === 0) parts.push([ar(gradBytes), bwd, 1]);
+      else if (z === 1) parts.push([rs(gradBytes), bwd, 1], [ag(weightBytes), fwd, 1]);
+      else if (z === 2) parts.push([rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]);
+      else parts.push([ag(weightBytes), fwd, mb], [ag(weightBytes - keptHere * B.weights) + rs(gradBytes), bwd, mb]);
+    });
     var exposed = 0, all = 0;
     parts.forEach(function (p) { exposed += p[2] * Math.max(0.0, p[0] - hide * p[1]); });
     parts.forEach(function (p) { all += p[2] * p[0]; });
@@ -503,7 +564,8 @@
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
     hw = Object.assign({ overhead: 0.0, step_overhead: 0.0, overlap: 0.0, bucketed: true, p2p: null,
-                         ring_step: [0.0, 0.0], backend: "nccl" }, hw);
+                         ring_step: [0.0, 0.0], backend: "nccl", hbm: null, scores_in_hbm: false, ep_overlap: 0.0,
+                         tp_overlap: 0.0 }, hw);
     var B = PRECISION_BYTES[l.precision];
     var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
     var v = l.virtual_stages, sizes = rankLayers(m.layers, l.pp, v), worst = 0, best = -Infinity;
@@ -511,18 +573,21 @@
       var key = sizes[s] + (s === l.pp - 1 ? 1 : 0) * m.vocab / (12 * m.hidden);
       if (key > best) { best = key; worst = s; }
     }
-    var nLayers = sizes[worst], sharded = layerParams(m, 1)[0];
-    var matrixFlops = (6 + 2 * rc) * sharded, attentionFlops = (12 + 4 * rc) * m.hidden * m.seq;
+    var nLayers = sizes[worst], kinds = rankBlocks(m, l.pp, v)[worst];
+    var matrixFlops = (6 + 2 * rc) * (kinds[0] * matrixPerToken(m, false) + kinds[1] * matrixPerToken(m, true));
+    var attentionFlops = (12 + 4 * rc) * m.hidden * m.seq;
     var headFlops = worst === l.pp - 1 ? 6 * m.vocab * m.hidden : 0;
-    var flops = tokens * (nLayers * (matrixFlops + attentionFlops) + headFlops) / l.tp;
+    var flops = tokens * (matrixFlops + nLayers * attentionFlops + headFlops) / l.tp;
     var attention = 0.0, compute;
     if (hw.attention === null || hw.attention === undefined) {
       compute = flops / hw.flops + nLayers * hw.overhead;
     } else {   // the FLOPs a causal FlashAttention kernel runs (step_time.attention_kernel_flops)
       var forward = 4 * m.hidden * m.seq;
       attention = tokens * nLayers * ((forward * (1 + rc) + 2.5 * forward) / 2) / l.tp / hw.attention;
-      compute = tokens * (nLayers * matrixFlops + headFlops) / l.tp / hw.flops + attention + nLayers * hw.overhead;
+      compute = tokens * (matrixFlops + headFlops) / l.tp / hw.flops + attention + nLayers * hw.overhead;
     }
+    var memory = hw.hbm ? memoryBoundTime(m, l, hw, kinds[0], kinds[1]) : 0.0;
+    compute += memory;
     var act = tokens * m.hidden * B.act, tpLink = axisLink(hw, l, "tp");
     var seconds = {
       "all-reduce": function (b) { return allReduceTime(l.tp, b, tpLink); },
@@ -533,19 +598,52 @@
     tpCollectives(l, nLayers, worst === 0 ? 1 : 0, worst === l.pp - 1 ? 1 : 0, act, tokens, rc).forEach(function (op) {
       tp += op[2] * seconds[op[0]](op[1]);
     });
+    tp = Math.max(0.0, tp - hw.tp_overlap * compute);
     var cp = 0.0;
-    if (l.cp > 1) {
+    if (l.cp > 1 && l.cp_algorithm === "allgather") {   // K, V all-gathered; dK, dV reduce-scattered
+      var kvAll = 2 * tokens * kvDim(m) * B.act / l.tp, cpLink = axisLink(hw, l, "cp");
+      cp = nLayers * ((2 + rc) * gatherTime(l.cp, l.cp * kvAll, cpLink) + gatherTime(l.cp, l.cp * kvAll, cpLink));
+    } else if (l.cp > 1) {
       var kv = 2 * tokens * kvDim(m) * B.act / l.tp, link = p2pLink(hw, l, "cp");
       var passes = p2pTime(kv, link) * (1 + rc) + 2 * p2pTime(kv, link);
       cp = nLayers * (l.cp - 1) * (passes + (1 + rc) * hw.ring_step[0] + hw.ring_step[1]);
     }
     var sends = l.pp > 1 ? 2 * v * p2pTime(l.sp ? act / l.tp : act, p2pLink(hw, l, "pp")) : 0.0;
-    var slot = compute + tp + cp + sends, mb = l.micro_batches;
+    var ep = 0.0;
+    if (kinds[1] && l.ep > 1) {   // dispatch and combine, forward and backward, per MoE block
+      var copies = m.route_nodes ? Math.min(m.top_k, m.route_nodes) : m.top_k;
+      var rows = tokens * copies * m.hidden * B.act / (l.sp ? l.tp : 1), epLink = axisLink(hw, l, "ep");
+      ep = kinds[1] * (4 + 2 * rc) * ((l.ep - 1) * epLink[0] + (l.ep - 1) / l.ep * rows / epLink[1]);
+      ep = Math.max(0.0, ep - hw.ep_overlap * compute);
+    }
+    var slot = compute + tp + cp + sends + ep, mb = l.micro_batches;
     var bubble = (l.pp - 1) / v * slot;
-    var exposedDp = dpTraffic(m, l, hw, worst, compute)[0];
-    return { total: mb * slot + bubble + exposedDp + hw.step_overhead, compute: mb * compute, tp: mb * tp, cp: mb * cp,
-             bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb, attention: mb * attention };
+    var dpt = dpTraffic(m, l, hw, worst, compute), exposedDp = dpt[0];
+    var optimizer = hw.hbm ? optimizerTime(m, l, hw, worst) : 0.0;
+    return { total: mb * slot + bubble + exposedDp + optimizer + hw.step_overhead, compute: mb * compute, tp: mb * tp,
+             cp: mb * cp, bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb, attention: mb * attention,
+             memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": dpt[1] };
   };
+  function memoryBoundTime(m, l, hw, dense, moe) {   // step_time.memory_bound_time
+    var B = PRECISION_BYTES[l.precision].act, tokens = l.micro_batch * m.seq / l.cp;
+    var passes = 3 + (l.recompute === "full" ? 1 : 0), act = m.mlp_matrices === 2 ? 2 : 3, total = 0.0;
+    [[dense, false], [moe, true]].forEach(function (g) {
+      if (!g[0]) return;
+      var stream = 10 * m.hidden, split = g[1] ?
+        act * m.expert_ffn * (m.top_k + m.shared_experts) + 4 * m.top_k * m.hidden : act * m.ffn;
+      var scores = hw.scores_in_hbm ? 4 * m.heads * m.seq / l.cp : 0;
+      var per = passes * ((l.sp ? stream / l.tp : stream) + (split + scores) / l.tp);
+      if (l.recompute === "selective") per += 4 * m.hidden / (l.sp ? l.tp : 1) + split / l.tp;
+      total += g[0] * per;
+    });
+    return tokens * total * B / hw.hbm;
+  }
+  function optimizerTime(m, l, hw, stage) {   // step_time.optimizer_time
+    var B = PRECISION_BYTES[l.precision], n = stageParams(m, l, stage), experts = blockParams(m, l, stage)[1];
+    var shard = l.zero ? l.dp * l.cp : 1;
+    var updated = (n - experts) / shard + experts / (l.zero ? floorDiv(shard, l.ep) : 1);
+    return updated * (B.grads + 2 * B.optimizer + B.weights) / hw.hbm;
+  }
   function tpCollectives(l, nLayers, first, last, act, tokens, rc) {   // step_time.tp_collectives
     if (l.tp === 1) return [];
     var ops;
@@ -601,15 +699,20 @@
     var presetNames = Object.keys(data.presets);
     var preset = select("model", presetNames.concat(["custom"]), data.initial.model);
     var shapeKeys = ["layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"];
+    // a mixture of experts (0 experts: dense); these may be 0
+    var moeKeys = ["experts", "top_k", "shared_experts", "expert_ffn", "dense_layers"];
     var shapeInputs = {};
     shapeKeys.forEach(function (k) { shapeInputs[k] = number(k, data.presets[data.initial.model][k]); });
+    moeKeys.forEach(function (k) { shapeInputs[k] = number(k.replace("_", " "), data.presets[data.initial.model][k] || 0, 0); });
+    var allShapeKeys = shapeKeys.concat(moeKeys);
     var L = data.initial.layout;
     var inp = {
-      dp: number("dp", L.dp), tp: number("tp", L.tp), pp: number("pp", L.pp), cp: number("cp", L.cp),
+      dp: number("dp", L.dp), ep: number("ep", L.ep || 1), tp: number("tp", L.tp), pp: number("pp", L.pp), cp: number("cp", L.cp),
       zero: select("ZeRO", [0, 1, 2, 3], L.zero), micro_batch: number("micro-batch", L.micro_batch),
       micro_batches: number("micro-batches", L.micro_batches),
       virtual_stages: number("virtual stages", L.virtual_stages || 1),
       recompute: select("recompute", ["none", "selective", "full"], L.recompute),
+      cp_algorithm: select("CP algorithm", ["ring", "allgather"], L.cp_algorithm || "ring"),
       precision: select("precision", Object.keys(data.precision_bytes), L.precision),
       schedule: select("schedule", ["1f1b", "gpipe"], L.schedule), sp: check("SP", L.sp),
       memory: number("device GiB", data.initial.memory_gib, 0),
@@ -623,7 +726,7 @@
       var p = data.presets[preset.value];
       if (!p) return;
       base = p;
-      shapeKeys.forEach(function (k) { shapeInputs[k].value = p[k]; });
+      allShapeKeys.forEach(function (k) { shapeInputs[k].value = p[k] || 0; });
       // a smaller model cannot take the last one's tp or pp: keep the largest that still divides
       // its heads (and K/V heads) and its layers, so a preset never opens on "not a valid layout"
       var largestDivisor = function (n, atMost) {
@@ -633,17 +736,20 @@
       var gcd = function (a, b) { return b ? gcd(b, a % b) : a; };
       inp.tp.value = largestDivisor(gcd(p.heads, p.kv_heads), +inp.tp.value);
       inp.pp.value = largestDivisor(p.layers, +inp.pp.value);
+      inp.ep.value = p.experts ? largestDivisor(gcd(p.experts, +inp.dp.value), +inp.ep.value) : 1;
     }
     function model() {
       var m = {};
       Object.keys(base).forEach(function (k) { m[k] = base[k]; });
-      shapeKeys.forEach(function (k) { m[k] = +shapeInputs[k].value; });
+      allShapeKeys.forEach(function (k) { m[k] = +shapeInputs[k].value; });
+      if (!m.experts) m.route_nodes = 0;   // not an input: a preset's routing goes with its experts
       return m;
     }
     function layout() {
       var l = {};
-      ["dp", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) { l[k] = +inp[k].value; });
+      ["dp", "ep", "tp", "pp", "cp", "zero", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) { l[k] = +inp[k].value; });
       l.recompute = inp.recompute.value; l.precision = inp.precision.value; l.schedule = inp.schedule.value;
+      l.cp_algorithm = inp.cp_algorithm.value;
       l.sp = inp.sp.checked && l.tp > 1;
       return l;
     }
@@ -658,7 +764,10 @@
       shapeKeys.forEach(function (k) {
         if (!whole(m[k])) problems.push(k + " must be a whole number from 1 to 10,000,000");
       });
-      ["dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) {
+      moeKeys.forEach(function (k) {
+        if (!(m[k] >= 0 && m[k] % 1 === 0 && m[k] <= 1e7)) problems.push(k.replace("_", " ") + " must be a whole number from 0 to 10,000,000");
+      });
+      ["dp", "ep", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"].forEach(function (k) {
         if (!whole(l[k])) problems.push(k.replace("_", "-") + " must be a whole number from 1 to 10,000,000");
       });
       var gib = +inp.memory.value;
@@ -671,6 +780,12 @@
         if (l.virtual_stages > 1 && (l.pp === 1 || l.schedule !== "1f1b")) problems.push("virtual stages interleave a 1F1B pipeline: pp > 1 and schedule 1f1b");
         if (l.cp > 1 && m.seq % (2 * l.cp)) problems.push("the sequence must split into 2·cp zig-zag chunks");
         if (l.pp > 1 && l.micro_batches < l.pp) problems.push("a pipeline needs at least pp micro-batches");
+        if (!m.experts && (m.shared_experts || m.expert_ffn || m.dense_layers || m.top_k !== 1))
+          problems.push("shared experts, expert ffn, dense layers and top k describe a mixture of experts: set experts ≥ 1");
+        if (m.experts && !(m.top_k >= 1 && m.top_k <= m.experts && m.expert_ffn >= 1 && m.dense_layers < m.layers))
+          problems.push("experts need 1 ≤ top k ≤ experts, expert ffn ≥ 1 and a block after the dense layers");
+        if (l.dp % l.ep) problems.push("ep must divide dp (expert parallelism lives inside data parallelism)");
+        else if (m.experts ? m.experts % l.ep : l.ep > 1) problems.push("ep must divide the routed experts");
       }
       barBox.innerHTML = "";
       if (problems.length) {
@@ -707,12 +822,14 @@
       var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
         (st.attention > 0 ? ", of it attention " + fmt(st.attention) : "") + ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
-        fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + ", exposed data-parallel " + fmt(st.dp) + ").";
+        fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + (st.ep > 0 ? ", expert all-to-all " + fmt(st.ep) : "") +
+        ", exposed data-parallel " + fmt(st.dp) + " of " + fmt(st["dp before hiding"]) + " before hiding" +
+        (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) + " of the compute" : "") + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
     }
     preset.addEventListener("change", function () { loadPreset(); redraw(); });
-    shapeKeys.forEach(function (k) {
+    allShapeKeys.forEach(function (k) {
       shapeInputs[k].addEventListener("input", function () { preset.value = "custom"; redraw(); });
     });
     Object.keys(inp).forEach(function (k) {

@@ -1,0 +1,164 @@
+"""Published training runs through lecture 07's step-time model: calibrated on one run per GPU
+type, predicted on the others, each error shown (tests/test_lecture_07.py holds them to ±10%).
+
+- `MEGATRON_TABLE1`: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473), Table 1: GPT models from 1.7B to
+  1T parameters on up to 3,072 A100 80 GB GPUs (Selene: DGX A100 nodes, 8 × 200 Gb/s HDR), sequence
+  2,048, vocabulary 51,200, activation recomputation, teraFLOP/s per GPU counted with the
+  paper's own formula (`megatron_flops_per_token`, which includes the recomputed forward).
+- `DEEPSEEK_V3`: the MoE model of DeepSeek-V3's report (DeepSeek-AI 2024,
+  https://arxiv.org/abs/2412.19437) and its published run (`DEEPSEEK_V3_RUN`).
+- `published_fit`, `predict_run`, `fit_fraction`: the calibration and the predictions.
+"""
+import dataclasses
+
+from lectures.layout.estimator import Layout, ModelShape, estimate_memory
+from lectures.layout.search import GEMM, reach
+from lectures.layout.step_time import LLAMA3_70B, LLAMA3_8B, a100_cluster, step_time
+
+# (parameters in billions, heads, hidden, layers, tp, pp, GPUs, global batch, teraFLOP/s per GPU)
+MEGATRON_TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+MEGATRON_SOURCE = "Narayanan et al. 2021, Table 1 (A100 80 GB), https://arxiv.org/abs/2104.04473"
+# The A100 fraction is fitted on the middle row by size (76.1B), the others are predicted.
+A100_FIT_ROW = 5
+
+
+def megatron_shape(row):
+    """The GPT of a Table 1 row: GPT-3's architecture (LayerNorm, GELU MLP of 4h, biases,
+    learned positions, tied embedding), s = 2048, V = 51,200."""
+    billions, heads, hidden, layers = row[:4]
+    return ModelShape(f"GPT {billions}B", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
+                      ffn=4 * hidden, vocab=51200, seq=2048, tied=True)
+
+
+def megatron_flops_per_token(model):
+    """The paper's count per token, with activation recomputation (its Appendix):
+    96·l·h²·(1 + s/(6h) + V/(16·l·h))."""
+    l, h, s, v = model.layers, model.hidden, model.seq, model.vocab
+    return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def megatron_run(row):
+    """A Table 1 row as a published run: its mesh, batch and measured seconds per step."""
+    billions, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
+    model = megatron_shape(row)
+    seconds = batch * model.seq * megatron_flops_per_token(model) / (tflops * 1e12 * gpus)
+    return {"name": f"GPT {billions}B on {gpus} A100s", "model": model, "gpus": gpus,
+            "mesh": {"dp": gpus // (tp * pp), "pp": pp, "cp": 1, "tp": tp}, "batch": batch,
+            "seconds": seconds, "source": MEGATRON_SOURCE, "gpu": "A100",
+            # Megatron-LM 2021: full recomputation, no distributed optimizer, no sequence
+            # parallelism, attention without FlashAttention (the scores go through HBM)
+            "knobs": dict(recompute=("full",), zero=(0,), sp=(False,)), "flash": False,
+            "measured": f"{tflops} TFLOP/s per GPU"}
+
+
+def run_layouts(run, micro_batch_sizes=(1, 2, 4, 8), virtual_stages=(1, 2, 3, 4, 6, 8)):
+    """What a published run leaves open on its mesh: micro-batch size and interleaving (and
+    what `run["knobs"]` allows of ZeRO, recomputation, sequence parallelism), in bf16."""
+    mesh, model, k = run["mesh"], run["model"], run["knobs"]
+    per_dp = run["batch"] // mesh["dp"]
+    for mb in micro_batch_sizes:
+        m = per_dp // mb
+        if per_dp % mb:
+            continue
+        for v in virtual_stages:
+            if (mesh["pp"] == 1 and v > 1) or mesh["pp"] * v > model.layers or (mesh["pp"] > 1 and m < mesh["pp"]):
+                continue
+            for zero in k.get("zero", (0, 1)):
+                for rc in k.get("recompute", ("none", "selective", "full")):
+                    for sp in k.get("sp", (False, True)):
+                        if (zero and mesh["dp"] * mesh["cp"] == 1) or (sp and mesh["tp"] == 1):
+                            continue
+                        yield Layout(**mesh, zero=zero, micro_batch=mb, micro_batches=m,
+                                     recompute=rc, precision="bf16", sp=sp, virtual_stages=v)
+
+
+def run_hardware(run, hw):
+    """The cluster as the run's software used it: without FlashAttention, attention's matrix
+    products run at the GEMM rate and its scores go through HBM; `ep_overlap` as the run claims."""
+    hw = dataclasses.replace(hw, ep_overlap=run.get("ep_overlap", hw.ep_overlap))
+    return hw if run["flash"] else dataclasses.replace(hw, attention=None, scores_in_hbm=True)
+
+
+def predict_run(run, hw):
+    """The fastest layout the model finds on the run's mesh that fits, its predicted seconds
+    per step and the error of the predicted throughput against the published one."""
+    hw = run_hardware(run, hw)
+    best = None
+    for lay in run_layouts(run):
+        if estimate_memory(run["model"], lay)["total"] > hw.memory:
+            continue
+        t = step_time(run["model"], lay, hw)
+        if best is None or t["total"] < best["time"]["total"]:
+            best = {"layout": lay, "time": t}
+    if best is not None:
+        best["error"] = run["seconds"] / best["time"]["total"] - 1
+        best["run"] = run
+    return best
+
+
+def fit_fraction(run, make_hw, lo=0.3, hi=1.0, steps=30):
+    """The sustained GEMM fraction of peak at which the model predicts `run`'s step time."""
+    def predicted(fraction):
+        got = predict_run(run, make_hw(**{GEMM: fraction}))
+        return None if got is None else run["seconds"] / got["time"]["total"]
+    return reach(predicted, 1.0, lo, hi, steps)
+
+
+# torchtitan's Llama 3 numbers (pytorch/torchtitan, docs/performance.md, "Llama 3 performance
+# numbers", commit 0413364): FSDP2 (ZeRO-3) on 64 A100 80 GB, local batch 1, sequence 8,192,
+# FlashAttention through SDPA; tokens per second per GPU. 8B with torchtitan's "selective op"
+# checkpointing (not the course's selective set: charged here as the course's), 70B with full.
+TORCHTITAN_SOURCE = "torchtitan, docs/performance.md (Llama 3 on 64 A100 80 GB, FSDP2), https://github.com/pytorch/torchtitan"
+TORCHTITAN_A100 = [(LLAMA3_8B, "selective", 2973), (LLAMA3_70B, "full", 331)]
+
+
+def torchtitan_run(model, recompute, tokens_per_gpu):
+    return {"name": f"{model.name} on 64 A100s (torchtitan)", "model": model, "gpus": 64,
+            "mesh": {"dp": 64, "pp": 1, "cp": 1, "tp": 1}, "batch": 64,
+            "seconds": 64 * model.seq / (tokens_per_gpu * 64), "source": TORCHTITAN_SOURCE, "gpu": "A100",
+            "knobs": dict(zero=(3,), sp=(False,), recompute=(recompute,)), "flash": True,
+            "measured": f"{tokens_per_gpu:,} tokens/s per GPU"}
+
+
+def a100_runs():
+    return [megatron_run(r) for r in MEGATRON_TABLE1] + [torchtitan_run(*r) for r in TORCHTITAN_A100]
+
+
+def a100_validation(make_hw=a100_cluster, fit_row=A100_FIT_ROW):
+    """(fitted fraction, [prediction of every A100 run]) with the GEMM fraction fitted on one
+    run (Table 1's middle row), every other run predicted with it."""
+    runs = a100_runs()
+    frac = fit_fraction(runs[fit_row], make_hw)
+    hw = make_hw(**{GEMM: frac})
+    return frac, [dict(predict_run(r, hw), fitted=i == fit_row) for i, r in enumerate(runs)]
+
+
+# DeepSeek-V3 (report §4.2, Table 1): 61 blocks of width 7,168 and 128 heads; the first 3 dense
+# (SwiGLU of 18,432, from the released config), the other 58 with 1 shared and 256 routed experts of
+# width 2,048, 8 per token; vocabulary 129,280, sequences of 4,096. Its attention (MLA: low-rank
+# Q and K/V projections, 192-dim query/key heads, 128-dim values) is modelled as plain multi-head
+# attention of 128 heads of 56: 4h² = 206M parameters a block against MLA's 187M. 671B in all
+# (the 14B multi-token-prediction module left out), 37B active per token.
+DEEPSEEK_V3 = ModelShape("DeepSeek-V3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432,
+                         vocab=129280, seq=4096, mlp_matrices=3, bias=False, norm_params=1,
+                         learned_positions=False, experts=256, top_k=8, shared_experts=1, expert_ffn=2048,
+                         dense_layers=3, route_nodes=4)
+DEEPSEEK_V3_PUBLISHED = {"params": 671e9, "active": 37e9}
+# The run (§3.1-3.2): 2,048 H800s, PP16, EP64 over 8 nodes, ZeRO-1 data parallelism, no TP;
+# "180K H800 GPU hours" per trillion tokens (§1) = 1e12 / (180e3 · 3600) ≈ 1,543 tokens/s per GPU;
+# batch 15,360 sequences for most of training (§4.2).
+DEEPSEEK_V3_RUN = {"name": "DeepSeek-V3 on 2,048 H800s", "model": DEEPSEEK_V3, "gpus": 2048,
+                   "mesh": {"dp": 128, "pp": 16, "cp": 1, "tp": 1, "ep": 64}, "batch": 15360,
+                   "seconds": 15360 * 4096 / (1e12 / (180e3 * 3600) * 2048),
+                   "source": "DeepSeek-AI 2024, DeepSeek-V3 Technical Report, §1 and §3, https://arxiv.org/abs/2412.19437",
+                   "gpu": "H800", "knobs": dict(zero=(1,), sp=(False,)), "flash": True,
+                   # DualPipe (§3.2.1): "both all-to-all and PP communication can be fully hidden"
+                   "ep_overlap": 1.0,
+                   "measured": "180K H800 GPU-hours per trillion tokens"}
