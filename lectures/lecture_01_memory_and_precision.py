@@ -37,7 +37,8 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
-from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
+from lectures.model.gpu_evidence import TORCHAO_FP8_SHAPES, TORCHTITAN_FP8
+from lectures.model.figures import (published_figure, show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
@@ -634,7 +635,21 @@ def master_weights():
         swaps each `nn.Linear` for a `Float8Linear` whose three matmuls cast their operands to
         fp8 with scales from the current values; its recipes `tensorwise`, `rowwise` and
         `rowwise_with_gw_hp` (weight gradient kept in bf16) are the scale granularities the
-        appendix compares. It needs fp8 tensor cores, so it is not run here.
+        appendix compares. It needs fp8 tensor cores, so it is not run here. What it buys on
+        GPUs, as published:
+    """)
+    pub = TORCHTITAN_FP8
+    gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
+    show(published_figure(pub), pub.caption(
+        f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 GPUs."))
+    shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
+    note(f"""
+        End to end the gain is {min(gain):.2f}–{max(gain):.2f}×, not the 2× of the tensor cores'
+        peak: only the linears run in fp8, and every cast to fp8 reads and writes its operand.
+        Per matmul it depends on the shape: torchao reports {shapes[0][1]:.2f}× (slower) at
+        M, K, N = {shapes[0][0]} and {shapes[1][1]:.2f}× at {shapes[1][0]}
+        ([torchao float8 README]({TORCHAO_FP8_SHAPES.url}), H100): a small GEMM cannot pay for
+        its casts and its scales' reductions.
     """)
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")

@@ -19,9 +19,13 @@ from lectures.data_parallel.demos import (Task, make_model, make_batches, shard_
                                           budget_probe, train_at_batch, lr_scaling, measure_stages,
                                           fsdp2_variant, timing_world, formula_bytes, max_diff,
                                           merge_in_flight, published_scale_numbers, published_scale,
-                                          best_rules, both_ratios, span_of, zero2_words)
+                                          best_rules, both_ratios, span_of, zero2_words, released_buckets,
+                                          released_prefetch)
+from lectures.data_parallel.overlap import gain_words
+from lectures.model.figures import published_figure
+from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 from lectures.data_parallel.deep_dives import bucket_sweep, further_reading, local_sgd_section, powersgd_section
-from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
+from lectures.data_parallel.figures import (overlap_bars, ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
                                             accumulation_traffic_figure, pytorch_versions_figure,
                                             fsdp2_knobs_figure, batch_scaling_figure, memory_per_rank_figure)
 
@@ -246,10 +250,24 @@ def overlap_and_buckets():
         the backward pass and the option to skip synchronization on accumulation steps.
     """, "https://arxiv.org/abs/2006.15704",
         "Li et al. 2020, \"PyTorch Distributed: Experiences on Accelerating Data Parallel Training\", PVLDB 13(12)")
-    note("""
+    freed = spawn(released_buckets, ranks, name=f"DDP buckets with a compute stand-in that releases the core, "
+                                                f"{ranks} ranks").returns[0]
+    figure(overlap_bars({"real compute (naive sync vs buckets)": {"sequential": times["naive"],
+                                                             "overlapped": times["bucketed"]},
+                         "compute stand-in (core released)": freed}),
+           caption="time per step without and with overlap, medians (bars: interquartile range); red: the "
+                   "model's overlapped step for the stand-in run")
+    note(f"""
         Why a CPU shows little of it: gloo moves the bytes with the same cores that run backward,
-        where a GPU's NCCL transfers run on their own hardware beside the compute kernels. How big
-        a bucket should be, swept on a model of many small tensors, is a deep dive:
+        where a GPU's NCCL transfers run on their own hardware beside the compute kernels. Give
+        the core back and the overlap shows. In a model of 6 layers of 1024×1024 (a 4 MB bucket
+        each) every layer's backward also waits, as long as one bucket's all-reduce takes, in a
+        stand-in that releases the core (`ComputeStandIn`, a timed wait, the idea of lecture 05's
+        sleep mode): {gain_words(freed)}. The model is a timeline of two resources: bucket $i$
+        starts when layer $i$'s backward is done and the previous bucket has gone, so the step is
+        about $\\max(\\text{{compute}}, \\text{{communication}})$ plus the last bucket, which
+        nothing is left to hide (`overlapped_step`). How big a bucket should be, swept on a model
+        of many small tensors, is a deep dive:
     """)
     see(OverlappedAllReduce)
     see(BucketedAllReduce)
@@ -477,6 +495,21 @@ def zero_stages():
         table checks that every parameter tensor changed. Modules it cannot shard (anything with
         parameters but `Linear`) are refused when the model is wrapped.
     """)
+    ranks = timing_world()
+    freed = spawn(released_prefetch, ranks, name=f"ZeRO-3 prefetch with a compute stand-in that releases the core, "
+                                                 f"{ranks} ranks").returns[0]
+    figure(overlap_bars({"ZeRO-3 forward, compute stand-in (core released)": freed}),
+           caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers, each followed by a stand-in that waits as long as "
+                   "one layer's all-gather: medians (bars: interquartile range); red: the model")
+    note(f"""
+        **What prefetch buys.** Each layer's forward needs its gathered weights; launched when the
+        previous layer starts, the gather travels while that layer computes. With the compute
+        replaced by a stand-in that releases the core (as long as one layer's gather):
+        {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
+        behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
+        share the cores, so less hides (the step times below); on a GPU the gathers run on
+        NCCL's own stream beside the kernels.
+    """)
     see(adamw_update)
     see(Zero1)
     see(Zero2)
@@ -666,6 +699,18 @@ def pytorch_versions():
         Our ZeRO-3 against FSDP2: {compare(t['zero3'], t['fsdp2'], 'ours', 'FSDP2')}. {fsdp}
         Our version is smaller because it handles one case (a `Sequential` of `Linear`s, fp32,
         no mixed precision, no checkpointing of its state).
+    """)
+    pub = TORCHTITAN_FSDP_SCALING
+    kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
+    figure(published_figure(pub), caption=pub.caption(
+        "FSDP in torchtitan from 8 to 128 GPUs, with a local batch of 2 sequences per GPU: "
+        "the throughput each GPU keeps."))
+    note(f"""
+        What this page cannot show is FSDP at scale, so here it is as published: torchtitan
+        trained Llama 3.1 8B with FSDP on 8 and on 128 H100s with the same 2 sequences per GPU,
+        and each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per
+        second (16× the GPUs, about 16× the throughput). Its all-gathers and reduce-scatters
+        cross 400 Gb/s RDMA links between the 16 nodes and hide behind the layers' compute.
     """)
     see(wrap_pytorch)
 
