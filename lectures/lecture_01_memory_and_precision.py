@@ -19,7 +19,7 @@ import torch
 
 from util import cheat, deep_dive, note, see, settings, spawn, table
 from util import try_it_yourself
-from util.measure import compare, machine, measure
+from util.measure import compare, machine, measure, measure_side_by_side
 
 from exercises import listing as notebook_exercises
 from lectures.model.activations import (Recomputed, _save_matmuls, accumulated_gradients, block_activations,
@@ -701,8 +701,11 @@ def attention_memory():
     rows, times = [], {}
     for s in seqs:
         xs = [torch.randn(b, heads, s, d, generator=g) for _ in range(3)]
+        # the three take turns, rotating, so the machine's drift hits them alike
+        timed = measure_side_by_side({name: (lambda fn=fn: fn(*xs)) for name, fn in variants.items()},
+                                     warmup=1, repeats=7 if settings.quick else 11)
         for name, fn in variants.items():
-            times[s, name] = t = measure(lambda: fn(*xs), warmup=1, repeats=5)
+            times[s, name] = t = timed[name]
             rows.append([s, name, attention_peak_bytes(fn, b, heads, s, d),
                          attention_peak_bytes(fn, b, heads, s, d, backward=True), t.ms()])
     names = list(variants)
@@ -728,7 +731,7 @@ def attention_memory():
            for name in names],
           header=["attention"] + [f"peak bytes forward, s = {x}" for x in seqs]
                  + [f"peak bytes fwd + bwd, s = {longest}", f"forward time, s = {longest}"],
-          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
+          caption=f"b = {b}, {heads} heads of {d}, causal; times with the three taking turns; bytes allocated beyond q, k, v (the "
                   f"backward's include their gradients), measured with LiveBytes; {machine()}")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")

@@ -682,3 +682,41 @@ def test_bandwidths_side_by_side_put_add_and_gelu_near_the_copy():
     rates = bandwidths(64 * 2 ** 20, repeats=3)
     assert set(rates) == {"copy", "add", "gelu"}
     assert rates["add"][0] > 0.5 * rates["copy"][0] and rates["gelu"][0] > 0.25 * rates["copy"][0]
+
+
+# --- issue 39: the review's N2, N3 and N6 ----------------------------------------------------
+
+def test_roofline_is_drawn_through_its_ridge():
+    """N6: the roof's corner lies at peak/bw, not cut by a straight line between powers of two."""
+    from lectures.model.figures import roof_points
+    peak, bw = 166.1e9, 32.0e9
+    xs = roof_points(peak, bw)
+    assert peak / bw in xs and xs == sorted(xs)
+    assert max(min(peak, x * bw) for x in xs) == peak
+
+
+def test_write_allocate_explains_add_above_the_copy():
+    """N2: counting 8 bytes for a copy and 12 for an add leaves out the read a store's
+    write-allocate makes; at one real bandwidth the add's counted rate is 1.125× the copy's."""
+    from lectures.model.roofline import write_allocate_rate
+    assert write_allocate_rate(32.0e9, "copy") == pytest.approx(32.0e9)
+    assert write_allocate_rate(32.0e9, "add") == pytest.approx(36.0e9)
+    import inspect
+    from lectures.model import deep_dives
+    source = inspect.getsource(deep_dives.roofline)
+    assert "write-allocate" in source and "load that changed" not in source
+
+
+def test_a_2x_median_gap_is_never_called_a_tie():
+    """N3: overlapping spreads with medians 2× apart are said as a gap the machine cannot rank."""
+    from util.measure import Timing, compare
+    blocked = Timing([31.9e-3, 32.5e-3, 33.1e-3, 33.2e-3, 33.3e-3])
+    naive = Timing([15.2e-3, 15.9e-3, 16.3e-3, 33.0e-3, 33.4e-3])      # a few slow repeats
+    said = compare(blocked, naive, "our blocked version", "the naive one")
+    assert "no measurable difference" not in said and "2.03× lower" in said and "cannot rank" in said
+
+
+def test_attention_variants_are_timed_taking_turns():
+    """N3: the three attention kernels are timed side by side, not one after the other."""
+    import inspect
+    assert "measure_side_by_side" in inspect.getsource(L.attention_memory)

@@ -20,7 +20,7 @@ from lectures.model.memory import SavedBytes
 from lectures.model.precision import (accumulate, accumulation_error, fp8_matmul_error, ordinary_channels,
                                       outlier_matrices, overflow_table, quantize_fp8, scaled_mm_error,
                                       scaling_over_steps)
-from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, largest_cache_bytes,
+from lectures.model.roofline import (bandwidths, write_allocate_rate, copy_bytes_beyond_cache, copy_rate, largest_cache_bytes,
                                      matmul_rate, threads)
 from lectures.model.training_memory import MEM_CATEGORIES, fake_training_step
 
@@ -383,8 +383,11 @@ def roofline():
     against_copy = ("the spreads overlap, so this machine cannot tell the three apart: all are bound by memory"
                     if not apart else
                     " and ".join(f"{k} {side[k]}" for k in apart) + " the copy's rate beyond the interquartile ranges"
-                    + ("; a memory-bound kernel cannot beat the copy by much, so on these shared cores that gap "
-                       "is load that changed between the runs" if "above" in side.values() else ""))
+                    + (f". Counted bytes leave out write-allocate: a store to a line not in cache first reads it, "
+                       f"so the copy really moves 12 bytes per element where we count 8, the add 16 where we count "
+                       f"12, and at the copy's real bandwidth the add's counted rate is 1.125× the copy's: "
+                       f"{write_allocate_rate(bw, 'add') / 1e9:.1f} GB/s expected, "
+                       f"{add[0] / add[2] / 1e9:.1f} GB/s measured" if side.get("add") == "above" else ""))
     in_cache = [n for n, (r, _) in mm.items() if n / 6 < peak / bw and r > n / 6 * bw]
     above_roof = (f" The matmuls with n = {', '.join(map(str, in_cache))} sit above the memory roof: "
                   "their operands fit in cache, which is faster than the memory the copy measured, "

@@ -301,11 +301,17 @@ def delayed_scaling_figure(amax, steps, jump, errs, history):
     return fig
 
 
+def roof_points(peak, bw):
+    """The intensities the roof is drawn through: powers of two, and the ridge peak/bw itself, so
+    that the straight segments meet at the corner instead of cutting it."""
+    return sorted({2 ** e for e in range(-5, 10)} | {peak / bw})
+
+
 def roofline_figure(sizes, mm, add, gelu, peak, bw):
     """This machine's roofline (measured peak and bandwidth) with matmuls, add and GELU placed on it."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
-    xs = [2 ** e for e in range(-5, 10)]
+    xs = roof_points(peak, bw)
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
     ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
     for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
