@@ -635,10 +635,12 @@ def expert_parallelism():
     see(AllToAll)
     see(ExpertParallelMoE)
     r4 = [row for row in rows if row[0] == 4 and row[1] == 0][0]
-    cheat("EP all-to-all bytes", "per rank, forward + backward: remote rows × $h$ × 4 bytes × 2 all-to-alls × 2 passes",
+    cheat("EP all-to-all bytes", "per rank, forward + backward: (rows dispatched to other ranks + rows returned to "
+          "them) × $d_{\\text{model}}$ × 4 bytes × 2 passes",
           round(r4[5], 1), "KiB", what=f"rank 0 of 4, {tokens} tokens, top-{k}, measured (model: {r4[6]:.1f} KiB)")
     table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
-                        "KiB sent fwd+bwd (measured)", "KiB model: remote rows × 2 passes × 2 all-to-alls"],
+                        "KiB sent fwd+bwd (measured)",
+                        "KiB model: (rows dispatched out + rows returned) × d_model × 4 B × 2 passes"],
           caption=f"{tokens} tokens per rank, d_model {d_model}, {E} experts, top-{k}, capacity factor 1.25, float32")
     table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
                              "busiest rank's rows / mean", "layer forward+backward"],
