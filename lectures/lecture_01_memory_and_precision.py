@@ -38,6 +38,7 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
 from lectures.model.gpu_evidence import TORCHAO_FP8_SHAPES, TORCHTITAN_FP8
+from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
 from lectures.model.figures import (published_figure, show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
@@ -783,6 +784,7 @@ def main():
     accumulation()             # trade steps for activation memory
     number_formats()           # range vs resolution; loss scaling; master weights
     flash_attention_idea()     # attention without the s × s matrix (lecture 06 builds on it)
+    on_a_gpu()                 # the one-device measurements' CUDA paths: run with a GPU, said without
     with deep_dive("FP8 with fine-grained scales",
                    "which scales e4m3 needs against which outliers, fp32 sums and the current amax"):
         tiles_win = fp8_scaling()
@@ -793,6 +795,27 @@ def main():
     with deep_dive("Papers", "the papers this lecture draws on, with links"):
         references()
     what_to_remember(tiles_win)  # the main story in six lines, and the notebook
+
+
+def on_a_gpu():
+    """This lecture's one-device measurements on a GPU (lectures/model/gpu_paths.py): run and shown
+    when the page is built with one, said what they would show when not."""
+    shows = "\n".join(f"- {what}" for what in WHAT_A_GPU_SHOWS.values())
+    if not torch.cuda.is_available():
+        note("**On a GPU.** This machine has none, so the measurements above ran on its CPU. Built with a GPU, "
+             "the page runs their CUDA paths (`lectures/model/gpu_paths.py`; the tests in `tests/test_gpu_paths.py` "
+             "run them and are skipped here):\n\n" + shows)
+        return
+    r, a = gpu_roofline(), gpu_attention()
+    rows = [["bf16 matmul peak", f"{r['peak'] / 1e12:.0f} TFLOP/s"], ["copy bandwidth", f"{r['bandwidth'] / 1e12:.2f} TB/s"],
+            ["ridge", f"{r['ridge']:.0f} FLOP/byte"],
+            ["causal attention, fused vs naive", f"{a['fused_ms']:.2f} vs {a['naive_ms']:.2f} ms, "
+                                                 f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        f = fp8_matmul()
+        rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])
+    note(f"**On this GPU** ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
+    table(rows, header=["measured on the GPU", "result"], caption="lectures/model/gpu_paths.py")
 
 
 def bench():

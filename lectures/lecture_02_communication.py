@@ -564,7 +564,7 @@ def overlap_async():
     r = freed.returns[0]
     figure(timeline(freed.spans, title=f"compute stand-in (core released): sequential, then overlapped"),
            caption="Measured spans of one traced repetition on every rank, with the compute replaced by a timed "
-                   "wait as long as the all-reduce: first one after the other, then with the all-reduce in flight "
+                   "wait at least as long as the all-reduce: first one after the other, then with the all-reduce in flight "
                    "during the wait.")
     note(f"""
         Communication that waits for computation, and computation that waits for
@@ -592,7 +592,7 @@ def overlap_async():
         need the same cores as the matmuls, so "at once" is partly "taking turns".
 
         **Release the core, and overlap shows.** Replace the matmuls by a stand-in that keeps the
-        rank busy for as long as the all-reduce takes but leaves its core free (a timed wait,
+        rank busy at least as long as the all-reduce takes but leaves its core free (a timed wait,
         `release_core`: lecture 05's sleep mode uses the same idea), as a GPU's kernels leave
         NCCL's transfers alone. Then {gain_words(r)}; perfect overlap takes the longer of the two,
         $\\max(\\text{{compute}}, \\text{{communication}})$ instead of their sum. The timeline
