@@ -509,8 +509,8 @@ def tp_timeline_and_step_times(cfg):
                    "range); red: the model")
     note(f"""
         Here each partial matmul of the async-TP ring (the appendix builds it) also waits in a
-        stand-in that releases the core (`ComputeStandIn`'s timed wait, lecture 05's sleep mode),
-        as long as one 4 MB chunk takes to travel: {gain_words(r)}. The model: the rank's own
+        stand-in that releases the core (`release_core`, a timed wait, lecture 05's sleep mode),
+        as long as one {r['chunk_bytes'] / 2 ** 20:.0f} MB chunk takes to travel: {gain_words(r)}. The model: the rank's own
         chunk needs no transfer, and each later chunk travels while the one before is multiplied,
         so the step is one piece plus $\\max(\\text{{piece}}, \\text{{transfer}})$ per later chunk.
         On a GPU the matmuls run on the SMs and NCCL (or symmetric memory) moves the chunks

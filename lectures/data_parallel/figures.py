@@ -622,8 +622,9 @@ def overlap_bars(results, title=""):
     ax.set_ylim(-0.8, step * len(modes) - 0.4)
     ax.set_xlim(0, max(r[k].q3 for r in results.values() for k in ("sequential", "overlapped")) * 1e3 * 1.3)
     ax.set_xlabel("time per step (ms), median and interquartile range")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))     # room for the legend below
     return fig

@@ -609,7 +609,7 @@ def released_async_tp(rank, world_size, b=4, s=512, h=1024, out=8, reps=7, min_w
     t = measure_side_by_side({"compute": lambda: [piece(r, x) for r in range(n)], "comm": send,
                                "sequential": sequential, "overlapped": lambda: ring(piece)},
                               warmup=1, repeats=reps)
-    return measured_against_model(t, n, "consume", first_held=True)
+    return {**measured_against_model(t, n, "consume", first_held=True), "chunk_bytes": x.numel() * x.element_size()}
 
 
 def hidden_share(spans, comm, compute):

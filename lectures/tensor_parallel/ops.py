@@ -104,7 +104,7 @@ def _check_agreed(facts, group, what):
     differently shaped inputs would otherwise abort inside gloo (unequal sizes), hang NCCL, or
     run silently when the sizes happen to match. One all-gather of a fixed-size vector, so the
     check cannot itself abort, and a host synchronisation: layers run it once when built and
-    once on their first call, not every step (`shard_checks(False)` skips it)."""
+    on every call (`shard_checks(False)` skips it)."""
     n, _ = _size_rank(group)
     if n == 1 or not _check_shards:
         return
@@ -128,18 +128,16 @@ def _check_agreed(facts, group, what):
 
 
 class _AgreedOnFirstCall:
-    """Mixin for a tensor-parallel module: `_agree_on_input(x)` checks once, on the first call,
-    that every rank's input has the same dtype and shape (and that the module's dtype is the
-    input's)."""
-    _agreed = False
+    """Mixin for a tensor-parallel module: `_agree_on_input(x)` checks, on every call, that every
+    rank's input has the same dtype and shape. A check on the first call only would let a later
+    call with another shape on one rank (a ragged last batch, an evaluation at another length)
+    abort the process inside gloo; the price is one small all-gather per call, a host sync under
+    NCCL, which `shard_checks(False)` skips where shapes are known to agree (timed steps)."""
 
     def _agree_on_input(self, x, what):
-        if self._agreed:
-            return
         facts = {"input dtype": x.dtype, "input dims": x.dim()}
         facts.update({f"input size {i}": size for i, size in enumerate(x.shape[:8])})
         _check_agreed(facts, self.group, what)
-        self._agreed = True
 
 
 def _check_divisible(x, dim, n, what):
