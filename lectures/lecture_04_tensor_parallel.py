@@ -220,7 +220,10 @@ def vocab_parallel():
         zeros for the tokens it does not own, and g sums the ranks' rows. The LM head is
         column-parallel and keeps its slice of the logits; the loss needs only three per-token
         all-reduces (the max, the sum of exponentials, the target's logit), so the $(b, s, v)$
-        logits never exist anywhere.
+        logits never exist anywhere. For backward it keeps one fp32 copy of its slice, the
+        softmax, computed in place, and writes the gradient softmax − one-hot by hand, as
+        Megatron-LM's `_VocabParallelCrossEntropy` does: composed from autograd operations the
+        loss would keep two (the shifted logits and their exponentials).
     """)
     table([[n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"])]
            for n, r in got.items()],

@@ -247,11 +247,13 @@ def ring_attention_section():
         {r['kv_bytes'] / 2 ** 20:.0f} MB are cheap to attend to ({r['block'][0]} positions per rank,
         {r['block'][1]} heads of {r['block'][2]}): {gain_words(r)}. The overlapped run waited
         {r['waiting'].median * 1e3:.2f} ms in all for a {r['comm'].median * 1e3:.2f} ms hop:
-        the transfer is hidden. The gain is small because the model's best is small: 2 ranks
-        have one hop to hide, behind 2 blocks whose real work (reading the megabytes of K and V)
-        is as long as the hop itself, and real work on this CPU competes with gloo's copies.
-        On GPUs, where a block's matmuls run on the SMs beside the transfer, this is the case
-        the stand-in imitates.
+        {"the transfer is hidden" if r['waiting'].median < 0.25 * r['comm'].median else "most of the transfer still waited for"}.
+        The model's best gain is small: 2 ranks have one hop to hide, behind 2 blocks whose real
+        work (reading the megabytes of K and V) is about as long as the hop itself{
+        ", and here hiding the hop did not even pay: gloo's copies ran on the core the next block's real work needed"
+        if r['gain'] < 1 else ", and that real work on this CPU competes with gloo's copies"}.
+        On GPUs, where a block's matmuls run on the SMs beside the transfer, the stand-in's case is
+        the real one.
     """)
 
 

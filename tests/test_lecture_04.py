@@ -521,3 +521,23 @@ def test_sp_replicated_gradients_are_all_reduced_one_by_one_and_counted():
     assert r["bytes"] == 4 * (cfg.n_layers * 6 * cfg.d_model + 2 * cfg.d_model + cfg.seq_len * cfg.d_model)
     assert r["backward all-reduces"] >= r["tensors"]
     assert set(r["times"]) == {"one by one", "once, flattened"}
+
+
+def _ce_saved(rank, world_size, dtype):
+    from lectures.model.memory import saved_bytes
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64, 4096, dtype=dtype, requires_grad=True)
+    targets = torch.randint(4096 * world_size, (4, 64))
+    _, ours = saved_bytes(lambda: vocab_parallel_cross_entropy(logits, targets, dist.group.WORLD))
+    _, torch_ce = saved_bytes(lambda: torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                                        targets.flatten() % 4096))
+    return ours, torch_ce
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_loss_saves_its_logits_once(dtype):
+    """Review N4: the loss keeps one fp32 copy of the local logits (the softmax, as Megatron's
+    _VocabParallelCrossEntropy), not two: about F.cross_entropy's bytes on the same slice."""
+    for ours, torch_ce in spawn(_ce_saved, 2, dtype=dtype).returns:
+        slice_fp32 = 4 * 64 * 4096 * 4
+        assert slice_fp32 <= ours <= 1.01 * torch_ce, (ours, torch_ce)
