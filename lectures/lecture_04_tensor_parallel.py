@@ -364,7 +364,9 @@ def sp_collectives(cfg):
         all-gather or reduce-scatter moves per rank; an all-reduce is 2): the block without SP
         moves {units[False]}, with SP {units[True]}, {units[True] / units[False]:.2f}× — the
         backward's re-gathers of the two column-parallel inputs, the price of the activations SP
-        does not keep. In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly
+        does not keep. Only the weight gradient needs a re-gathered input, so each re-gather is
+        posted first and travels while the input gradient $dY\\,W$ is computed (Megatron-LM's
+        order too). In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly
         the bytes of one all-reduce. gloo on CPU does not: its reduce-scatter wrote {r['reduce-scatter'] / r['all-reduce']:.2f}×
         the bytes of its all-reduce (it reduces everything, then keeps a slice), so here the block
         with SP wrote {r[True]['bytes'] / r[False]['bytes']:.2f}× the bytes of the block without,
@@ -710,7 +712,7 @@ def dtensor_parallelize_module():
         The two agree to rounding. Without SP a whole step's collectives are {"the same" if same
         else "different"}: {rows[0][5]} and {rows[0][6]} in the optimizer step (ours),
         {rows[0][7]} and {rows[0][8]} (DTensor). With SP ({rows[1][0]} ranks) they differ in where the work is done:
-        we all-gather the MLP input again in backward (keeping only a slice) and all-reduce the
+        we all-gather both column-parallel inputs (Q/K/V's and the MLP's) again in backward (keeping only a slice) and all-reduce the
         partial gradients of the replicated LayerNorm weights, row-parallel biases and positions
         during backward, through f, so our optimizer step communicates nothing ({rows[1][6]}). DTensor leaves
         the LayerNorm gradients as `Partial` placements ({partial}); the row-parallel bias gradient

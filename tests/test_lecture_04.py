@@ -541,3 +541,26 @@ def test_vocab_parallel_loss_saves_its_logits_once(dtype):
     for ours, torch_ce in spawn(_ce_saved, 2, dtype=dtype).returns:
         slice_fp32 = 4 * 64 * 4096 * 4
         assert slice_fp32 <= ours <= 1.01 * torch_ce, (ours, torch_ce)
+
+
+def _sp_backward_traced(rank, world_size):
+    from lectures.tensor_parallel.ops import traced
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(8, 8, dist.group.WORLD, sequence_parallel=True)
+    y = layer(torch.randn(2, 4, 8, requires_grad=True))
+    with traced():
+        y.sum().backward()
+
+
+def test_sp_backward_regathers_while_the_input_gradient_is_computed():
+    """Review (PARTLY/NOT): SP's backward re-gather of the column-parallel input is posted before
+    the input gradient's matmul and waited for only by the weight gradient, as Megatron-LM does."""
+    import inspect
+    from lectures.tensor_parallel.layers import ColumnParallelLinearFunction
+    src = inspect.getsource(ColumnParallelLinearFunction.backward)
+    assert src.index("_all_gather_async") < src.index("grad @ weight") < src.index("gathering.wait()") \
+        < src.index("grad_weight =")
+    spans = [sp for sp in spawn(_sp_backward_traced, 2).spans if sp["rank"] == 0]
+    first = {label: min(sp["start"] for sp in spans if sp["label"] == label)
+             for label in ("all-gather (async)", "input gradient (overlapped)", "weight gradient (overlapped)")}
+    assert first["all-gather (async)"] <= first["input gradient (overlapped)"] < first["weight gradient (overlapped)"]

@@ -200,9 +200,12 @@ class _Pending:
         self.work, self.label, self.start, self.result = work, label, start, result
 
     def wait(self):
+        done = []
         if _trace:
-            done = []
-            self.work.get_future().then(lambda _: done.append(time.perf_counter()))
+            try:
+                self.work.get_future().then(lambda _: done.append(time.perf_counter()))
+            except RuntimeError:      # gloo's all_gather_single has no future: its span ends at the wait
+                pass
         self.work.wait()
         if _trace:
             span_at(self.label, self.start, done[0] if done else time.perf_counter())
@@ -214,6 +217,16 @@ def _all_reduce_async_(x, group):
     start = time.perf_counter()
     work = dist.all_reduce(x, group=group, async_op=True)
     return _Pending(work, "all-reduce (async)", start, lambda: x)
+
+
+def _all_gather_async(x, dim, group):
+    """Start an all-gather of x along `dim`; returns a _Pending whose wait() gives the gathered tensor."""
+    n = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0], *x0.shape[1:]))
+    start = time.perf_counter()
+    work = dist.all_gather_single(out, x0, group=group, async_op=True)
+    return _Pending(work, "all-gather (async)", start, lambda: out.movedim(0, dim).contiguous())
 
 
 def _reduce_scatter_async(x, dim, group):
