@@ -564,3 +564,15 @@ def test_sp_backward_regathers_while_the_input_gradient_is_computed():
     first = {label: min(sp["start"] for sp in spans if sp["label"] == label)
              for label in ("all-gather (async)", "input gradient (overlapped)", "weight gradient (overlapped)")}
     assert first["all-gather (async)"] <= first["input gradient (overlapped)"] < first["weight gradient (overlapped)"]
+
+
+def test_dropout_under_sp_needs_the_split_stream():
+    """Review C5: the residual's sequence shards under SP get one mask on every rank from the
+    replicated stream, independent masks from the split one, and the one process's from its own."""
+    from lectures.tensor_parallel.deep_dives import sp_residual_dropout
+    for world_size in (2, 4):
+        r = spawn(sp_residual_dropout, world_size, p=0.3).returns[0]
+        a = r["agreement"]
+        assert a["replicated stream (TP without SP)"] == 1.0
+        assert abs(a["split stream (Megatron's fork under SP)"] - (0.3 ** 2 + 0.7 ** 2)) < 0.15
+        assert r["one process equal"]
