@@ -93,6 +93,7 @@ def saturation():
 
 
 FP8_SCALINGS = {"per-tensor": (None, None, False), "row-wise (per token)": ((1, None), (None, 1), False),
+                "per token, weight 128×128": ((1, None), (128, 128), False),
                 "tiles 1×128, 128×128": ((1, 128), (128, 128), False),
                 "MXFP8 1×32, exact scale": ((1, 32), (32, 1), False),
                 "MXFP8 1×32, e8m0 scale": ((1, 32), (32, 1), True)}
@@ -107,30 +108,44 @@ def fp8_scaling_errors(a, w, channels):
             for name, (at, wt, p2) in FP8_SCALINGS.items()}
 
 
+# The activations' two granularities, compared with the weight's scales held fixed (128×128
+# blocks in both): the row-wise column also changes the weight to one scale per column, which
+# favours a weight whose few large entries a column scale maps onto 448 exactly.
+PER_TOKEN, TILES = "per token, weight 128×128", "tiles 1×128, 128×128"
+
+
 def tiles_first_win(rows):
-    """The smallest outlier size at which the 1×128 tiles err at least 10% less than one scale
-    per token, read from the table's rows [(outlier, {scaling: error})]; None if they never do."""
-    return next((o for o, e in rows if e["tiles 1×128, 128×128"] < 0.9 * e["row-wise (per token)"]), None)
+    """The smallest outlier size at which 1×128 activation tiles err at least 10% less than one
+    activation scale per token, the weight's 128×128 scales the same in both, read from the
+    table's rows [(outlier, {scaling: error})]; None if they never do."""
+    return next((o for o, e in rows if e[TILES] < 0.9 * e[PER_TOKEN]), None)
 
 
 def fp8_verdict(rows):
-    """Sentences saying which scaling wins, generated from the table's numbers."""
-    tiles, rowwise, per_tensor = "tiles 1×128, 128×128", "row-wise (per token)", "per-tensor"
+    """Sentences saying which scaling wins, generated from the table's numbers: the activations'
+    granularity compared with the weight's scales held fixed, then what per-column weight
+    scales add."""
+    rowwise, per_tensor = "row-wise (per token)", "per-tensor"
     first = tiles_first_win(rows)
     small = [(o, e) for o, e in rows if first is None or o < first]
     words = []
     if small:
         o, e = small[-1]
-        words.append(f"Up to {o:g}× outliers one scale per token is enough: row-wise scales err "
-                     f"{e[rowwise]:.3g} against the tiles' {e[tiles]:.3g} (per-tensor {e[per_tensor]:.3g}).")
+        words.append(f"With the weight's scales held fixed (128×128 blocks), up to {o:g}× outliers one activation "
+                     f"scale per token is within 10% of 1×128 tiles: {e[PER_TOKEN]:.3g} against {e[TILES]:.3g} "
+                     f"(per-tensor {e[per_tensor]:.3g}).")
     if first is None:
-        words.append("At no outlier size here do the 1×128 tiles beat row-wise scales by 10% or more.")
+        words.append("At no outlier size here do 1×128 activation tiles beat one scale per token by 10% or more.")
     else:
         e = dict(rows)[first]
-        words.append(f"From {first:g}× on, the tiles win: {e[tiles]:.3g} against row-wise {e[rowwise]:.3g} "
+        words.append(f"From {first:g}× on, the tiles win: {e[TILES]:.3g} against {e[PER_TOKEN]:.3g} per token "
                      f"and per-tensor {e[per_tensor]:.3g}. A row's one scale is set by its outlier channels, "
                      f"which push that token's ordinary channels into e4m3's subnormals; a 1×128 tile "
                      f"pays only where an outlier channel falls inside it.")
+    o, e = rows[0]
+    words.append(f"The row-wise column changes the weight's scales too, one per output column: at {o:g}× it errs "
+                 f"{e[rowwise]:.3g} against {e[PER_TOKEN]:.3g} with 128×128 weight blocks, because this weight's few "
+                 f"large entries each get a scale that maps them onto 448, which a block shared by several cannot.")
     return " ".join(words)
 
 
