@@ -94,3 +94,28 @@ def test_overlap_demo_gains_what_its_model_says(name):
         if abs(r["off"]) <= 0.25 and hidden:
             return
     pytest.fail(f"{name}: " + "; ".join(tries))
+
+
+def test_gain_words_say_the_medians_and_the_model():
+    from lectures.data_parallel.overlap import gain_words
+    t = {"compute": Timing([0.010]), "comm": Timing([0.010]), "sequential": Timing([0.020]),
+         "overlapped": Timing([0.012])}
+    words = gain_words(measured_against_model(t, 1, "independent"))
+    assert words == ("without overlap 20 ms, with it 12 ms: 1.67× faster, where the model predicts 2.00× "
+                     "(17% below it)")
+
+
+def test_published_gpu_numbers_carry_their_source():
+    """Issue 39: every published figure names its source, a link and where in it the numbers are,
+    and draws with the course's style."""
+    from lectures.model import gpu_evidence as G
+    from lectures.model.figures import published_figure
+    pubs = [v for v in vars(G).values() if isinstance(v, G.Published)]
+    assert len(pubs) >= 6
+    for pub in pubs:
+        assert pub.url.startswith("https://") and pub.source and pub.where and pub.hardware
+        assert all(len(points) >= 2 or pub.kind == "bars" for points in pub.series.values())
+        assert pub.url in pub.caption() and pub.where in pub.caption()
+        published_figure(pub)
+    # torchtitan's Table 2, as published (FSDP 8, CP 1 at 32K; FSDP 1, CP 8 at 256K)
+    assert dict(G.TORCHTITAN_CP.series["tokens/s per GPU"]) == {32768: 3890, 65536: 2540, 131072: 1071, 262144: 548}
