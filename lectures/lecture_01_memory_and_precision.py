@@ -645,12 +645,9 @@ def master_weights():
         f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 GPUs."))
     shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
     note(f"""
-        End to end the gain is {min(gain):.2f}–{max(gain):.2f}×, not the 2× of the tensor cores'
-        peak: only the linears run in fp8, and every cast to fp8 reads and writes its operand.
-        Per matmul it depends on the shape: torchao reports {shapes[0][1]:.2f}× (slower) at
-        M, K, N = {shapes[0][0]} and {shapes[1][1]:.2f}× at {shapes[1][0]}
-        ([torchao float8 README]({TORCHAO_FP8_SHAPES.url}), H100): a small GEMM cannot pay for
-        its casts and its scales' reductions.
+        Not the tensor cores' 2×: only the linears run in fp8, every cast reads and writes its
+        operand, and a small GEMM cannot pay for it ([torchao]({TORCHAO_FP8_SHAPES.url}), H100:
+        {shapes[0][1]:.2f}× at M, K, N = {shapes[0][0]}, {shapes[1][1]:.2f}× at {shapes[1][0]}).
     """)
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
@@ -784,7 +781,6 @@ def main():
     accumulation()             # trade steps for activation memory
     number_formats()           # range vs resolution; loss scaling; master weights
     flash_attention_idea()     # attention without the s × s matrix (lecture 06 builds on it)
-    on_a_gpu()                 # the one-device measurements' CUDA paths: run with a GPU, said without
     with deep_dive("FP8 with fine-grained scales",
                    "which scales e4m3 needs against which outliers, fp32 sums and the current amax"):
         tiles_win = fp8_scaling()
@@ -792,6 +788,8 @@ def main():
         flash_attention_backward()
     with deep_dive("Kernels and the roofline", "what this machine does per second, and where a kernel is memory-bound"):
         roofline()
+    with deep_dive("On a GPU", "this lecture's one-device measurements on CUDA: run when there is one, said when not"):
+        on_a_gpu()
     with deep_dive("Papers", "the papers this lecture draws on, with links"):
         references()
     what_to_remember(tiles_win)  # the main story in six lines, and the notebook
@@ -802,9 +800,9 @@ def on_a_gpu():
     when the page is built with one, said what they would show when not."""
     shows = "\n".join(f"- {what}" for what in WHAT_A_GPU_SHOWS.values())
     if not torch.cuda.is_available():
-        note("**On a GPU.** This machine has none, so the measurements above ran on its CPU. Built with a GPU, "
-             "the page runs their CUDA paths (`lectures/model/gpu_paths.py`; the tests in `tests/test_gpu_paths.py` "
-             "run them and are skipped here):\n\n" + shows)
+        note("## Deep dive: on a GPU\nBuilt with a GPU, this page runs the CUDA paths of its one-device "
+             "measurements (`lectures/model/gpu_paths.py`, tested in `tests/test_gpu_paths.py`; skipped on this "
+             "CPU build, which has none). What each would show:\n\n" + shows)
         return
     r, a = gpu_roofline(), gpu_attention()
     rows = [["bf16 matmul peak", f"{r['peak'] / 1e12:.0f} TFLOP/s"], ["copy bandwidth", f"{r['bandwidth'] / 1e12:.2f} TB/s"],
@@ -814,7 +812,7 @@ def on_a_gpu():
     if torch.cuda.get_device_capability() >= (8, 9):
         f = fp8_matmul()
         rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])
-    note(f"**On this GPU** ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
+    note(f"## Deep dive: on a GPU\nOn this GPU ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
     table(rows, header=["measured on the GPU", "result"], caption="lectures/model/gpu_paths.py")
 
 

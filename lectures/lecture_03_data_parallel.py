@@ -260,14 +260,11 @@ def overlap_and_buckets():
     note(f"""
         Why a CPU shows little of it: gloo moves the bytes with the same cores that run backward,
         where a GPU's NCCL transfers run on their own hardware beside the compute kernels. Give
-        the core back and the overlap shows. In a model of 6 layers of 1024×1024 (a 4 MB bucket
-        each) every layer's backward also waits, as long as one bucket's all-reduce takes, in a
-        stand-in that releases the core (`ComputeStandIn`, a timed wait, the idea of lecture 05's
-        sleep mode): {gain_words(freed)}. The model is a timeline of two resources: bucket $i$
-        starts when layer $i$'s backward is done and the previous bucket has gone, so the step is
-        about $\\max(\\text{{compute}}, \\text{{communication}})$ plus the last bucket, which
-        nothing is left to hide (`overlapped_step`). How big a bucket should be, swept on a model
-        of many small tensors, is a deep dive:
+        the core back and the overlap shows: in 6 layers of 1024×1024 (a 4 MB bucket each), each
+        layer's backward also waits as long as one bucket's all-reduce in a stand-in that
+        releases the core (`ComputeStandIn`, lecture 05's sleep mode): {gain_words(freed)}. The
+        model (`overlapped_step`): $\\max(\\text{{compute}}, \\text{{communication}})$ plus the
+        last bucket, which nothing is left to hide. Bucket sizes, swept, are a deep dive:
     """)
     see(OverlappedAllReduce)
     see(BucketedAllReduce)
@@ -495,6 +492,15 @@ def zero_stages():
         table checks that every parameter tensor changed. Modules it cannot shard (anything with
         parameters but `Linear`) are refused when the model is wrapped.
     """)
+    see(adamw_update)
+    see(Zero1)
+    see(Zero2)
+    see(Zero3Layer)
+    see(Zero3LinearFunction)
+
+
+def zero3_prefetch_released():
+    note("## Deep dive: what ZeRO-3's prefetch buys, with the core released")
     ranks = timing_world()
     freed = spawn(released_prefetch, ranks, name=f"ZeRO-3 prefetch with a compute stand-in that releases the core, "
                                                  f"{ranks} ranks").returns[0]
@@ -502,19 +508,15 @@ def zero_stages():
            caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers, each followed by a stand-in that waits as long as "
                    "one layer's all-gather: medians (bars: interquartile range); red: the model")
     note(f"""
-        **What prefetch buys.** Each layer's forward needs its gathered weights; launched when the
+        Each layer's forward needs its gathered weights; launched when the
         previous layer starts, the gather travels while that layer computes. With the compute
         replaced by a stand-in that releases the core (as long as one layer's gather):
         {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
         behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
-        share the cores, so less hides (the step times below); on a GPU the gathers run on
+        share the cores, so less hides (the main page's step times); on a GPU the gathers run on
         NCCL's own stream beside the kernels.
     """)
-    see(adamw_update)
-    see(Zero1)
-    see(Zero2)
-    see(Zero3Layer)
-    see(Zero3LinearFunction)
+    see(released_prefetch)
 
 
 def memory_and_traffic():
@@ -837,6 +839,9 @@ def main():
     gradient_accumulation()     # gbs = mbs x accumulation x dp, one all-reduce per step
     batch_and_learning_rate()   # bigger batches need bigger steps: linear vs square-root
     zero_stages()               # shard optimizer state, gradients, parameters
+    with deep_dive("ZeRO-3's prefetch, with the core released",
+                   "the next layer's all-gather during this layer's compute, measured against its model"):
+        zero3_prefetch_released()
     memory_and_traffic()        # what each rank holds and sends: formula, counted, measured
     pytorch_versions()          # the same with PyTorch's DDP and FSDP2, and their speed
     fsdp2_knobs()               # reshard_after_forward, mixed precision, HSDP; activations stay
