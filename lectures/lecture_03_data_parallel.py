@@ -705,15 +705,9 @@ def pytorch_versions():
     pub = TORCHTITAN_FSDP_SCALING
     kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
     figure(published_figure(pub), caption=pub.caption(
-        "FSDP in torchtitan from 8 to 128 GPUs, with a local batch of 2 sequences per GPU: "
-        "the throughput each GPU keeps."))
-    note(f"""
-        What this page cannot show is FSDP at scale, so here it is as published: torchtitan
-        trained Llama 3.1 8B with FSDP on 8 and on 128 H100s with the same 2 sequences per GPU,
-        and each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per
-        second (16× the GPUs, about 16× the throughput). Its all-gathers and reduce-scatters
-        cross 400 Gb/s RDMA links between the 16 nodes and hide behind the layers' compute.
-    """)
+        f"What this page cannot show, FSDP at scale: from 8 to 128 GPUs (16 nodes, RDMA between them), 2 sequences "
+        f"per GPU, each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per second: 16× the "
+        f"GPUs, about 16× the throughput, the gathers and reduce-scatters hidden behind the layers' compute."))
     see(wrap_pytorch)
 
 

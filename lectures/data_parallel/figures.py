@@ -598,7 +598,7 @@ def overlap_bars(results, title=""):
     "sequential" and "overlapped"}), with the model's overlapped step marked where there is one."""
     import matplotlib.pyplot as plt
     modes = list(results)
-    fig, ax = plt.subplots(figsize=(6.4, 1.0 + 1.5 * len(modes)))
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 1.25 * len(modes)))
     step = 4.2                                                      # rows per mode: 2 bars and a 2-line label
     colours = {"sequential": "#8c8c8c", "overlapped": "#4c72b0"}
     names = {"sequential": "without overlap", "overlapped": "with overlap"}
