@@ -641,14 +641,12 @@ def master_weights():
     """)
     pub = TORCHTITAN_FP8
     gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
-    show(published_figure(pub), pub.caption(
-        f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 GPUs."))
     shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
-    note(f"""
-        Not the tensor cores' 2×: only the linears run in fp8, every cast reads and writes its
-        operand, and a small GEMM cannot pay for it ([torchao]({TORCHAO_FP8_SHAPES.url}), H100:
-        {shapes[0][1]:.2f}× at M, K, N = {shapes[0][0]}, {shapes[1][1]:.2f}× at {shapes[1][0]}).
-    """)
+    show(published_figure(pub), pub.caption(
+        f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 "
+        f"GPUs: not the tensor cores' 2×, since only the linears run in fp8 and every cast reads and writes its "
+        f"operand; a small GEMM cannot pay for it ([torchao]({TORCHAO_FP8_SHAPES.url}), H100: {shapes[0][1]:.2f}× at "
+        f"M, K, N = {shapes[0][0]}, {shapes[1][1]:.2f}× at {shapes[1][0]})."))
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
 

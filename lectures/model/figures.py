@@ -394,7 +394,7 @@ def published_figure(pub, mark=None, ratio=None, computed=None):
     ({name: points}) adds lines this course computed (dashed, named as computed)."""
     import matplotlib.pyplot as plt
     import numpy as np
-    fig, ax = plt.subplots(figsize=(6.4, 3.1))
+    fig, ax = plt.subplots(figsize=(6.4, 2.9))
     series, y_label = pub.series, pub.y_label
     if ratio:
         top, base = ratio
