@@ -636,13 +636,12 @@ def master_weights():
         swaps each `nn.Linear` for a `Float8Linear` whose three matmuls cast their operands to
         fp8 with scales from the current values; its recipes `tensorwise`, `rowwise` and
         `rowwise_with_gw_hp` (weight gradient kept in bf16) are the scale granularities the
-        appendix compares. It needs fp8 tensor cores, so it is not run here. What it buys on
-        GPUs, as published:
+        appendix compares. It needs fp8 tensor cores; what it buys there, as published:
     """)
     pub = TORCHTITAN_FP8
     gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
     shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
-    show(published_figure(pub), pub.caption(
+    show(published_figure(pub, height=2.8), pub.caption(
         f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 "
         f"GPUs: not the tensor cores' 2×, since only the linears run in fp8 and every cast reads and writes its "
         f"operand; a small GEMM cannot pay for it ([torchao]({TORCHAO_FP8_SHAPES.url}), H100: {shapes[0][1]:.2f}× at "

@@ -244,12 +244,23 @@ def overlap_and_buckets():
         compete with the compute for the cores, so overlap hides less than on a GPU, where
         NCCL's transfers run beside the compute kernels.
     """)
-    published("""
-        "when configured appropriately, the PyTorch distributed data parallel module attains
-        near-linear scalability using 256 GPUs", with bucketed gradients whose all-reduces overlap
-        the backward pass and the option to skip synchronization on accumulation steps.
-    """, "https://arxiv.org/abs/2006.15704",
-        "Li et al. 2020, \"PyTorch Distributed: Experiences on Accelerating Data Parallel Training\", PVLDB 13(12)")
+    pub = TORCHTITAN_FSDP_SCALING
+    kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
+    figure(published_figure(pub), caption=pub.caption(
+        f"What this page cannot show, data parallelism at scale (FSDP): from 8 to 128 GPUs (16 nodes, RDMA between them), 2 sequences "
+        f"per GPU, each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per second: 16× the "
+        f"GPUs, about 16× the throughput, the gathers and reduce-scatters hidden behind the layers' compute."))
+    see("https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed: Experiences on Accelerating Data "
+        "Parallel Training (DDP's buckets and overlap: \"near-linear scalability using 256 GPUs\")")
+    note("Bucket sizes, swept, and the same buckets with the compute's core released, are deep dives:")
+    see(OverlappedAllReduce)
+    see(BucketedAllReduce)
+
+
+def ddp_overlap_released():
+    note("## Deep dive: DDP's overlap, with the core released")
+    ranks = timing_world()
+    times = step_times()
     freed = spawn(released_buckets, ranks, name=f"DDP buckets with a compute stand-in that releases the core, "
                                                 f"{ranks} ranks").returns[0]
     figure(overlap_bars({"real compute (naive sync vs buckets)": {"sequential": times["naive"],
@@ -258,16 +269,14 @@ def overlap_and_buckets():
            caption="time per step without and with overlap, medians (bars: interquartile range); red: the "
                    "model's overlapped step for the stand-in run")
     note(f"""
-        Why a CPU shows little of it: gloo moves the bytes with the same cores that run backward,
-        where a GPU's NCCL transfers run on their own hardware beside the compute kernels. Give
-        the core back and the overlap shows: in 6 layers of 1024×1024 (a 4 MB bucket each), each
-        layer's backward also waits as long as one bucket's all-reduce in a stand-in that
+        The real-compute bars are the main page's table: on this CPU gloo's threads need the
+        cores backward runs on. Give the core back and the overlap shows: each of 6 layers of 1024×1024 (a 4 MB bucket
+        each) also waits in its backward, as long as one bucket's all-reduce, in a stand-in that
         releases the core (`ComputeStandIn`, lecture 05's sleep mode): {gain_words(freed)}. The
-        model (`overlapped_step`): $\\max(\\text{{compute}}, \\text{{communication}})$ plus the
-        last bucket, which nothing is left to hide. Bucket sizes, swept, are a deep dive:
+        model (`overlapped_step`) is $\\max(\\text{{compute}}, \\text{{communication}})$ plus
+        the last bucket, which nothing is left to hide.
     """)
-    see(OverlappedAllReduce)
-    see(BucketedAllReduce)
+    see(released_buckets)
 
 
 def step_times():
@@ -702,12 +711,6 @@ def pytorch_versions():
         Our version is smaller because it handles one case (a `Sequential` of `Linear`s, fp32,
         no mixed precision, no checkpointing of its state).
     """)
-    pub = TORCHTITAN_FSDP_SCALING
-    kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
-    figure(published_figure(pub), caption=pub.caption(
-        f"What this page cannot show, FSDP at scale: from 8 to 128 GPUs (16 nodes, RDMA between them), 2 sequences "
-        f"per GPU, each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per second: 16× the "
-        f"GPUs, about 16× the throughput, the gathers and reduce-scatters hidden behind the layers' compute."))
     see(wrap_pytorch)
 
 
@@ -829,6 +832,9 @@ def main():
     with deep_dive("Bucket size, swept",
                    "a sweep from one message per tensor to one bucket, on a model of many small tensors"):
         bucket_sweep()
+    with deep_dive("DDP's overlap, with the core released",
+                   "the bucketed all-reduce beside a backward whose compute leaves the core to gloo, against its model"):
+        ddp_overlap_released()
     hide_the_all_reduce()       # is there enough backward to hide the all-reduce behind?
     gradient_accumulation()     # gbs = mbs x accumulation x dp, one all-reduce per step
     batch_and_learning_rate()   # bigger batches need bigger steps: linear vs square-root

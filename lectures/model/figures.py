@@ -387,14 +387,14 @@ def attention_memory_figure(peaks, seqs):
     return fig
 
 
-def published_figure(pub, mark=None, ratio=None, computed=None):
+def published_figure(pub, mark=None, ratio=None, computed=None, height=3.2):
     """A published GPU measurement (a gpu_evidence.Published) as bars or a line, with its source
     written on the figure. `mark` ((y, text)) draws a level, e.g. what this machine measured;
     `ratio` ((series, baseline)) draws one series over another instead of both; `computed`
     ({name: points}) adds lines this course computed (dashed, named as computed)."""
     import matplotlib.pyplot as plt
     import numpy as np
-    fig, ax = plt.subplots(figsize=(6.4, 2.9))
+    fig, ax = plt.subplots(figsize=(6.4, height))
     series, y_label = pub.series, pub.y_label
     if ratio:
         top, base = ratio
@@ -435,8 +435,11 @@ def published_figure(pub, mark=None, ratio=None, computed=None):
     ax.set_xlabel(pub.x_label)
     ax.set_ylabel(y_label)
     ax.set_title(pub.title, fontsize=NOTE)
-    if len(names) > 1 or pub.kind == "line":
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(3, len(names)), frameon=False)
-    fig.text(0.01, 0.005, f"published, not measured here: {pub.source}", fontsize="small", color="#555555")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    legend = len(names) > 1 or pub.kind == "line"
+    if legend:
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.22 / height),
+                   ncol=min(3, len(labels)), frameon=False)
+    fig.text(0.01, 0.02 / height, f"published, not measured here: {pub.source}", fontsize="small", color="#555555")
+    fig.tight_layout(rect=(0, (0.62 if legend else 0.25) / height, 1, 1))   # inches kept for legend and source
     return fig
