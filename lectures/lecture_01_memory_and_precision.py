@@ -37,7 +37,7 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
-from lectures.model.gpu_evidence import TORCHAO_FP8_SHAPES, TORCHTITAN_FP8
+from lectures.model.gpu_evidence import TORCHTITAN_FP8
 from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
 from lectures.model.figures import (published_figure, show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
@@ -640,12 +640,9 @@ def master_weights():
     """)
     pub = TORCHTITAN_FP8
     gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
-    shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
-    show(published_figure(pub, height=2.8), pub.caption(
-        f"Float8 linears train {min(gain):.2f}–{max(gain):.2f}× more tokens per second than bf16, at 8 and at 128 "
-        f"GPUs: not the tensor cores' 2×, since only the linears run in fp8 and every cast reads and writes its "
-        f"operand; a small GEMM cannot pay for it ([torchao]({TORCHAO_FP8_SHAPES.url}), H100: {shapes[0][1]:.2f}× at "
-        f"M, K, N = {shapes[0][0]}, {shapes[1][1]:.2f}× at {shapes[1][0]})."))
+    show(published_figure(pub, height=2.1), pub.caption(
+        f"Float8 linears: {min(gain):.2f}–{max(gain):.2f}× bf16's tokens per second at 8 and 128 GPUs, not the "
+        f"tensor cores' 2×: only the linears run in fp8, and each cast reads and writes its operand."))
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
 
@@ -726,7 +723,7 @@ def attention_memory():
            for name in names],
           header=["attention"] + [f"peak bytes forward, s = {x}" for x in seqs]
                  + [f"peak bytes fwd + bwd, s = {longest}", f"forward time, s = {longest}"],
-          caption=f"b = {b}, {heads} heads of {d}, causal; times with the three taking turns; bytes allocated beyond q, k, v (the "
+          caption=f"b = {b}, {heads} heads of {d}, causal, timed taking turns; bytes allocated beyond q, k, v (the "
                   f"backward's include their gradients), measured with LiveBytes; {machine()}")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
@@ -783,9 +780,9 @@ def main():
         tiles_win = fp8_scaling()
     with deep_dive("FlashAttention's backward", "how the tiles are recomputed from the saved log-sum-exp"):
         flash_attention_backward()
-    with deep_dive("Kernels and the roofline", "what this machine does per second, and where a kernel is memory-bound"):
+    with deep_dive("Kernels and the roofline, and on a GPU",
+                   "what this machine does per second, where a kernel is memory-bound, and the CUDA paths"):
         roofline()
-    with deep_dive("On a GPU", "this lecture's one-device measurements on CUDA: run when there is one, said when not"):
         on_a_gpu()
     with deep_dive("Papers", "the papers this lecture draws on, with links"):
         references()

@@ -127,8 +127,8 @@ def compare(a, b, a_name="ours", b_name="theirs"):
     medians). One function, so no sentence can contradict the table beside it."""
     fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
     if spreads_overlap(a, b) and slow.median >= 1.5 * fast.median:    # a wide spread, not a tie
-        return (f"{fn}'s median is {slow.median / fast.median:.2f}× lower ({fast.ms()} vs {slow.ms()}), but "
-                "the interquartile ranges overlap, so this machine cannot rank them firmly")
+        return (f"{fn}'s median is {slow.median / fast.median:.2f}× lower ({fast.ms()} vs {slow.ms()}), "
+                "but the spreads overlap: no firm ranking")
     if spreads_overlap(a, b):
         return (f"no measurable difference here ({a_name} {a.ms()}, {b_name} {b.ms()}: the "
                 "interquartile ranges overlap)")

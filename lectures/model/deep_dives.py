@@ -20,6 +20,7 @@ from lectures.model.memory import SavedBytes
 from lectures.model.precision import (accumulate, accumulation_error, fp8_matmul_error, ordinary_channels,
                                       outlier_matrices, overflow_table, quantize_fp8, scaled_mm_error,
                                       scaling_over_steps)
+from lectures.model.gpu_evidence import TORCHAO_FP8_SHAPES
 from lectures.model.roofline import (bandwidths, write_allocate_rate, copy_bytes_beyond_cache, copy_rate, largest_cache_bytes,
                                      matmul_rate, threads)
 from lectures.model.training_memory import MEM_CATEGORIES, fake_training_step
@@ -70,6 +71,7 @@ def a_step_too_big_to_hold():
 def fp8_scaling():
     saturation()               # e4m3fn has no inf: a cast beyond its range saturates, silently
     tiles_win = tile_scaling()  # one scale per tensor, per token, per DeepSeek tile, per MXFP8 block
+    fp8_gemm_sizes()           # published: where a real fp8 GEMM pays, by shape
     fp8_accumulation()         # tensor cores sum fp8 products in ~14 bits: promote to fp32
     delayed_scaling()          # a scale from past steps' amax saturates when the amax jumps
     return tiles_win
@@ -147,6 +149,18 @@ def fp8_verdict(rows):
                  f"{e[rowwise]:.3g} against {e[PER_TOKEN]:.3g} with 128×128 weight blocks, because this weight's few "
                  f"large entries each get a scale that maps them onto 448, which a block shared by several cannot.")
     return " ".join(words)
+
+
+def fp8_gemm_sizes():
+    """What a real fp8 GEMM buys by shape, as published (the page's simulation cannot time it)."""
+    shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
+    note(f"""
+        Whether fp8 pays depends on the GEMM's shape: the casts and the scales' reductions are
+        memory-bound work the matmul must outweigh. torchao's microbenchmark on an H100 (forward
+        and backward of a linear, dynamic scales) gives {shapes[0][1]:.2f}× bf16's speed at
+        M, K, N = {shapes[0][0]} and {shapes[1][1]:.2f}× at {shapes[1][0]} (published, not
+        measured here: [torchao float8 README]({TORCHAO_FP8_SHAPES.url}), {TORCHAO_FP8_SHAPES.where}).
+    """)
 
 
 def tile_scaling():

@@ -29,9 +29,9 @@ TORCHTITAN_FP8 = Published(
     title="Llama 3.1 8B, FSDP: bf16 against float8 linears",
     source="torchtitan benchmarks, December 2024",
     url="https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
-    where="Tables 1 (8 GPUs) and 3 (128 GPUs), rows FSDP + torch.compile and FSDP + torch.compile + Float8",
-    hardware="Llama 3.1 8B on H100s (Grand Teton, 500 W), FSDP, selective activation checkpointing",
-    x_label="GPUs", y_label="tokens/s per GPU",
+    where="Tables 1 and 3, rows FSDP + torch.compile (+ Float8)",
+    hardware="Llama 3.1 8B on H100s, FSDP",
+    x_label="", y_label="tokens/s per GPU",
     series={"bf16 (FSDP + torch.compile)": [("8 H100s", 6667), ("128 H100s", 6514)],
             "float8 linears (+ Float8)": [("8 H100s", 8532), ("128 H100s", 8380)]})
 
