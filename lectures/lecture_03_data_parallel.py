@@ -246,7 +246,7 @@ def overlap_and_buckets():
     """)
     pub = TORCHTITAN_FSDP_SCALING
     kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
-    figure(published_figure(pub), caption=pub.caption(
+    figure(published_figure(pub, height=2.6), caption=pub.caption(
         f"What this page cannot show, data parallelism at scale (FSDP): from 8 to 128 GPUs (16 nodes, RDMA between them), 2 sequences "
         f"per GPU, each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per second: 16× the "
         f"GPUs, about 16× the throughput, the gathers and reduce-scatters hidden behind the layers' compute."))
