@@ -3,7 +3,11 @@ releases the core, and each lecture's overlap demo in release-the-core mode agai
 
 The demo tests time real ranks on a shared machine, so each gets up to three tries (a busy
 neighbour can stall gloo's threads for tens of milliseconds); a demo whose overlap does not work
-gains about 1× against models of 1.5–2×, more than 25% off on every try."""
+gains about 1× against models of 1.5–2×, more than 25% off on every try. Releasing the core
+helps only if a core is free: on a machine whose load stays above 4 runnable tasks per usable
+core for a minute, the test skips and says so (measured here: at a load of 19 on 2 cores the
+gains fall 13–49% short of the models; at 3 to 12 they were within 25%)."""
+import os
 import time
 
 import pytest
@@ -76,11 +80,23 @@ DEMOS = {
 }
 
 
+def wait_for_a_free_core(limit_s=60):
+    """Wait (up to `limit_s`) until the 1-minute load is at most 4 per usable core; skip if it never is."""
+    from util.measure import usable_cores
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] > 4 * usable_cores():
+        if time.monotonic() > deadline:
+            pytest.skip(f"the machine is too busy to time overlap: load {os.getloadavg()[0]:.1f} "
+                        f"on {usable_cores()} cores")
+        time.sleep(5)
+
+
 @pytest.mark.parametrize("name", list(DEMOS))
 def test_overlap_demo_gains_what_its_model_says(name):
     fn, kw = DEMOS[name]
     tries = []
     for _ in range(3):
+        wait_for_a_free_core()
         r = spawn(fn, 2, name=name, **kw).returns[0]
         if "waiting" in r:   # the ring: its blocks' real work is as long as a hop, so the gain is small;
             # what overlap must do is hide the hop: the time still spent waiting for it
