@@ -417,7 +417,8 @@ def published_figure(pub, mark=None, ratio=None, computed=None, height=3.2):
         ax.minorticks_off()
         if mark:
             ax.axhline(mark[0], color="#c44e52", lw=1.5, ls="--")
-            ax.text(ax.get_xlim()[0] * 1.1, mark[0], mark[1], va="bottom", color="#c44e52", fontsize=NOTE)
+            ax.text(ax.get_xlim()[1] / 1.1, mark[0], mark[1], ha="right", va="bottom", color="#c44e52",
+                    fontsize=NOTE)        # at the right, where the published curve is high above it
     else:
         cats = [x for x, _ in series[names[0]]]
         width = 0.8 / len(names)
