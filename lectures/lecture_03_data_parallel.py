@@ -4,7 +4,7 @@ Every rank holds the model (or, with ZeRO, a slice of it), reads its own slice o
 and the ranks agree on the update through collectives. Each implementation below is written out
 in a few lines, run on real ranks, and checked against single-process training.
 """
-from util import cheat, deep_dive, figure, note, plural, published, see, settings, spawn, table, timeline
+from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import compare, spreads_overlap, machine, timing_ranks
 
