@@ -67,3 +67,21 @@ def test_gpu_memory_meter_agrees_with_the_allocator():
 def test_streams_overlap_hides_the_copy():
     r = spawn(streams_overlap, 1, n=4096, copy_bytes=256 * 2 ** 20, reps=5, name="streams").returns[0]
     assert r["overlapped"].median < r["sequential"].median
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: ring attention on real NCCL")
+def test_ring_attention_on_real_nccl_equals_one_process(monkeypatch):
+    """Review 05/06 X1: the ring, posted as the NCCL stand-in was told NCCL behaves, on NCCL
+    itself (util.ranks picks nccl once every rank has a GPU), against one process."""
+    from util import launch
+    from lectures.context_parallel import unshard_sequence
+    from lectures.context_parallel.demos import attention_inputs, attention_shards, reference_attention
+    monkeypatch.setattr(launch.settings, "backend", "nccl")
+    cases = [("ring", "zigzag", True), ("ring", "contiguous", False)]
+    per_rank = spawn(attention_shards, 2, cases=cases, seq_len=16, heads=2).returns
+    q, k, v, dout = attention_inputs(16, 2)
+    for case in cases:
+        reference = reference_attention(q, k, v, dout, case[2])
+        for i, ref in enumerate(reference):
+            got = unshard_sequence([per_rank[r][case][i] for r in range(2)], 2, case[1])
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
