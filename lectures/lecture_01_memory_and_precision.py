@@ -19,7 +19,7 @@ import torch
 
 from util import cheat, deep_dive, note, see, settings, spawn, table
 from util import try_it_yourself
-from util.measure import compare, machine, measure
+from util.measure import compare, machine, measure, measure_side_by_side
 
 from exercises import listing as notebook_exercises
 from lectures.model.activations import (Recomputed, _save_matmuls, accumulated_gradients, block_activations,
@@ -37,7 +37,9 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
                                        references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
-from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
+from lectures.model.gpu_evidence import TORCHTITAN_FP8
+from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
+from lectures.model.figures import (published_figure, show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
@@ -634,8 +636,13 @@ def master_weights():
         swaps each `nn.Linear` for a `Float8Linear` whose three matmuls cast their operands to
         fp8 with scales from the current values; its recipes `tensorwise`, `rowwise` and
         `rowwise_with_gw_hp` (weight gradient kept in bf16) are the scale granularities the
-        appendix compares. It needs fp8 tensor cores, so it is not run here.
+        appendix compares. It needs fp8 tensor cores; what it buys there, as published:
     """)
+    pub = TORCHTITAN_FP8
+    gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
+    show(published_figure(pub, height=2.1), pub.caption(
+        f"Float8 linears: {min(gain):.2f}–{max(gain):.2f}× bf16's tokens per second at 8 and 128 GPUs, not the "
+        f"tensor cores' 2×: only the linears run in fp8, and each cast reads and writes its operand."))
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
 
@@ -686,8 +693,11 @@ def attention_memory():
     rows, times = [], {}
     for s in seqs:
         xs = [torch.randn(b, heads, s, d, generator=g) for _ in range(3)]
+        # the three take turns, rotating, so the machine's drift hits them alike
+        timed = measure_side_by_side({name: (lambda fn=fn: fn(*xs)) for name, fn in variants.items()},
+                                     warmup=1, repeats=7 if settings.quick else 11)
         for name, fn in variants.items():
-            times[s, name] = t = measure(lambda: fn(*xs), warmup=1, repeats=5)
+            times[s, name] = t = timed[name]
             rows.append([s, name, attention_peak_bytes(fn, b, heads, s, d),
                          attention_peak_bytes(fn, b, heads, s, d, backward=True), t.ms()])
     names = list(variants)
@@ -713,7 +723,7 @@ def attention_memory():
            for name in names],
           header=["attention"] + [f"peak bytes forward, s = {x}" for x in seqs]
                  + [f"peak bytes fwd + bwd, s = {longest}", f"forward time, s = {longest}"],
-          caption=f"b = {b}, {heads} heads of {d}, causal; bytes allocated beyond q, k, v (the "
+          caption=f"b = {b}, {heads} heads of {d}, causal, timed taking turns; bytes allocated beyond q, k, v (the "
                   f"backward's include their gradients), measured with LiveBytes; {machine()}")
     see("https://arxiv.org/abs/1805.02867", "Milakov & Gimelshein 2018, Online normalizer calculation for softmax")
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
@@ -770,11 +780,34 @@ def main():
         tiles_win = fp8_scaling()
     with deep_dive("FlashAttention's backward", "how the tiles are recomputed from the saved log-sum-exp"):
         flash_attention_backward()
-    with deep_dive("Kernels and the roofline", "what this machine does per second, and where a kernel is memory-bound"):
+    with deep_dive("Kernels and the roofline, and on a GPU",
+                   "what this machine does per second, where a kernel is memory-bound, and the CUDA paths"):
         roofline()
+        on_a_gpu()
     with deep_dive("Papers", "the papers this lecture draws on, with links"):
         references()
     what_to_remember(tiles_win)  # the main story in six lines, and the notebook
+
+
+def on_a_gpu():
+    """This lecture's one-device measurements on a GPU (lectures/model/gpu_paths.py): run and shown
+    when the page is built with one, said what they would show when not."""
+    shows = "\n".join(f"- {what}" for what in WHAT_A_GPU_SHOWS.values())
+    if not torch.cuda.is_available():
+        note("## Deep dive: on a GPU\nBuilt with a GPU, this page runs the CUDA paths of its one-device "
+             "measurements (`lectures/model/gpu_paths.py`, tested in `tests/test_gpu_paths.py`; skipped on this "
+             "CPU build, which has none). What each would show:\n\n" + shows)
+        return
+    r, a = gpu_roofline(), gpu_attention()
+    rows = [["bf16 matmul peak", f"{r['peak'] / 1e12:.0f} TFLOP/s"], ["copy bandwidth", f"{r['bandwidth'] / 1e12:.2f} TB/s"],
+            ["ridge", f"{r['ridge']:.0f} FLOP/byte"],
+            ["causal attention, fused vs naive", f"{a['fused_ms']:.2f} vs {a['naive_ms']:.2f} ms, "
+                                                 f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        f = fp8_matmul()
+        rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])
+    note(f"## Deep dive: on a GPU\nOn this GPU ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
+    table(rows, header=["measured on the GPU", "result"], caption="lectures/model/gpu_paths.py")
 
 
 def bench():

@@ -21,11 +21,14 @@ from lectures.data_parallel.collectives import (SWEPT, _exchange, _ring_buffer, 
                                                 bus_bandwidth_factor, crossover_bytes, fit_alpha_beta, optimal_bytes,
                                                 ring_all_reduce, sweep, wire_bytes)
 from lectures.data_parallel.communication_demos import (COLLECTIVES, MEASURED, RING_VARIANTS, all_reduce_in_two_halves,
-                                                        all_reduce_two_ways, async_overlap, copy_time, demo_all_to_all,
+                                                        all_reduce_two_ways, async_overlap, released_overlap, copy_time, demo_all_to_all,
                                                         demo_send_recv, race_ring, ring_trace, skip_a_collective, us)
 from lectures.data_parallel.communication_deep_dives import (
     alpha_beta_details, finding_the_culprit, overlap_streams, ring_checked, ring_raced, this_machine)
-from lectures.data_parallel.figures import (human_bytes, draw_hierarchy, draw_stages, draw_gallery, draw_ring_trace,
+from lectures.data_parallel.overlap import gain_words
+from lectures.model.figures import published_figure
+from lectures.model.gpu_evidence import H200_ALL_REDUCE
+from lectures.data_parallel.figures import (overlap_bars, human_bytes, draw_hierarchy, draw_stages, draw_gallery, draw_ring_trace,
                                             draw_ring_arrows, draw_busbw, draw_wire, draw_alpha_beta, draw_hang)
 
 KB, MB = 1024, 1024 ** 2
@@ -263,6 +266,11 @@ def wire_verdict(wire, nbytes, n):
     return " ".join(said)
 
 
+def pub_at(pub, x):
+    """A published line's value at `x` (one of its points)."""
+    return dict(next(iter(pub.series.values())))[x]
+
+
 def bandwidth():
     ranks = timing_ranks(settings.world_size)
     sizes = sweep_sizes()
@@ -336,6 +344,19 @@ def bandwidth():
         **{last[worst]:.2f} GB/s** ({worst.replace('_', '-')}) and **{last[best]:.2f} GB/s**
         ({best.replace('_', '-')}), a factor {last[best] / last[worst]:.1f} apart.
         {twice}
+        On a GPU node the same sweep climbs two orders of magnitude higher, and the shape is
+        the lesson: published below for 8 H200s on NVSwitch, all-reduce's busbw is
+        {pub_at(H200_ALL_REDUCE, 2 ** 20):.0f} GB/s at 1 MiB, {pub_at(H200_ALL_REDUCE, 2 ** 26):.0f} GB/s
+        at 64 MiB and {pub_at(H200_ALL_REDUCE, 2 ** 34):.0f} GB/s at 16 GiB, against this machine's
+        {last['all_reduce']:.2f} GB/s at {human_bytes(sizes[-1])}. Latency costs a GPU too: a
+        4 MiB gradient bucket reaches {pub_at(H200_ALL_REDUCE, 2 ** 22) / pub_at(H200_ALL_REDUCE, 2 ** 34):.0%}
+        of the bandwidth of the largest payload.
+    """)
+    figure(published_figure(H200_ALL_REDUCE, mark=(last["all_reduce"], f"this machine, all-reduce at "
+                                                                       f"{human_bytes(sizes[-1])}")),
+           caption=H200_ALL_REDUCE.caption("NCCL all-reduce bus bandwidth against payload on one 8× H200 node "
+                                           "(above 450 GB/s, the NVLink spec, NCCL reduces inside the NVSwitch)."))
+    note(f"""
         On a GPU cluster, busbw is built so that every collective's curve approaches one
         ceiling, the bandwidth of the slowest link, because NCCL implements each of them with a
         bandwidth-optimal algorithm whose only cost at large sizes is moving bytes — as long as
@@ -542,9 +563,13 @@ def overlap_async():
     run = spawn(async_overlap, ranks, numel=numel, matmul_n=matmul_n, matmuls=matmuls, reps=reps,
                 name=f"overlap: compute with an async all-reduce, {ranks} ranks")
     t = run.returns[0]
-    figure(timeline(run.spans, title=f"sequential, then overlapped ({ranks} ranks)"),
-           caption="Measured spans of the traced repetition on every rank: compute then "
-                   "all-reduce, then the same work with the all-reduce in flight during the compute.")
+    freed = spawn(released_overlap, ranks, numel=numel, reps=reps,
+                  name=f"overlap: a stand-in that releases the core, with an async all-reduce, {ranks} ranks")
+    r = freed.returns[0]
+    figure(timeline(freed.spans, title=f"compute stand-in (core released): sequential, then overlapped"),
+           caption="Measured spans of one traced repetition on every rank, with the compute replaced by a timed "
+                   "wait at least as long as the all-reduce: first one after the other, then with the all-reduce in flight "
+                   "during the wait.")
     note(f"""
         Communication that waits for computation, and computation that waits for
         communication, both waste the hardware. Every collective can return immediately with a work handle
@@ -554,16 +579,28 @@ def overlap_async():
         all-reduces a {human_bytes(numel * 4)} buffer and runs {matmuls} {matmul_n}×{matmul_n}
         matmuls, first one after the other, then with the all-reduce started before the
         matmuls. Each variant is timed {reps} times after a warm-up (barrier before each,
-        slowest rank); the figure is one extra repetition with every span recorded. The async
-        all-reduce's bar ends when its completion callback fired.
+        slowest rank). The timeline above is one extra repetition of the same experiment with the
+        matmuls replaced by a stand-in (below), every span recorded; the async all-reduce's bar
+        ends when its completion callback fired.
     """)
     table([[k, t[k].ms()] for k in ("compute", "all-reduce", "sequential", "overlapped")],
           header=["", "time, median (IQR)"],
-          caption=f"{reps} repetitions each, slowest rank, {machine(ranks)}.")
+          caption=f"real compute: {reps} repetitions each, slowest rank, {machine(ranks)}.")
+    figure(overlap_bars({"real compute (matmuls)": t, "compute stand-in (core released)": r}),
+           caption="Medians of the two runs (bars: interquartile range). Red: the model's overlapped step, "
+                   "the longer of compute and all-reduce (the stand-in run only; the matmul run's stretch "
+                   "under load is what the model leaves out).")
     note(f"""
         {overlap_verdict(t)} What limits it here: gloo moves the bytes with CPU threads (copies
         into and out of loopback sockets, and the additions of the reduction), and those threads
-        need the same cores as the matmuls, so "at once" is partly "taking turns". On a GPU,
+        need the same cores as the matmuls, so "at once" is partly "taking turns".
+
+        **Release the core, and overlap shows.** Replace the matmuls by a stand-in that keeps the
+        rank busy at least as long as the all-reduce takes but leaves its core free (a timed wait,
+        `release_core`: lecture 05's sleep mode uses the same idea), as a GPU's kernels leave
+        NCCL's transfers alone. Then {gain_words(r)}; perfect overlap takes the longer of the two,
+        $\\max(\\text{{compute}}, \\text{{communication}})$ instead of their sum. The timeline
+        above is that run: the all-reduce's bar lies under the wait. On a GPU,
         compute runs on the SMs while NCCL's transfers use NVLink/the network and a few SMs of
         their own, so overlap comes much closer to the ideal. Data-parallel training uses
         exactly this: it starts each gradient bucket's all-reduce as soon as backward has

@@ -4,7 +4,7 @@ Every rank holds the model (or, with ZeRO, a slice of it), reads its own slice o
 and the ranks agree on the update through collectives. Each implementation below is written out
 in a few lines, run on real ranks, and checked against single-process training.
 """
-from util import cheat, deep_dive, figure, note, plural, published, see, settings, spawn, table, timeline
+from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import compare, spreads_overlap, machine, timing_ranks
 
@@ -19,9 +19,13 @@ from lectures.data_parallel.demos import (Task, make_model, make_batches, shard_
                                           budget_probe, train_at_batch, lr_scaling, measure_stages,
                                           fsdp2_variant, timing_world, formula_bytes, max_diff,
                                           merge_in_flight, published_scale_numbers, published_scale,
-                                          best_rules, both_ratios, span_of, zero2_words)
+                                          best_rules, both_ratios, span_of, zero2_words, released_buckets,
+                                          released_prefetch)
+from lectures.data_parallel.overlap import gain_words
+from lectures.model.figures import published_figure
+from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 from lectures.data_parallel.deep_dives import bucket_sweep, further_reading, local_sgd_section, powersgd_section
-from lectures.data_parallel.figures import (ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
+from lectures.data_parallel.figures import (overlap_bars, ddp_figure, sampler_figure, draw_holdings, hidden_all_reduce_figure,
                                             accumulation_traffic_figure, pytorch_versions_figure,
                                             fsdp2_knobs_figure, batch_scaling_figure, memory_per_rank_figure)
 
@@ -244,19 +248,39 @@ def overlap_and_buckets():
         compete with the compute for the cores, so overlap hides less than on a GPU, where
         NCCL's transfers run beside the compute kernels.
     """)
-    published("""
-        "when configured appropriately, the PyTorch distributed data parallel module attains
-        near-linear scalability using 256 GPUs", with bucketed gradients whose all-reduces overlap
-        the backward pass and the option to skip synchronization on accumulation steps.
-    """, "https://arxiv.org/abs/2006.15704",
-        "Li et al. 2020, \"PyTorch Distributed: Experiences on Accelerating Data Parallel Training\", PVLDB 13(12)")
-    note("""
-        Why a CPU shows little of it: gloo moves the bytes with the same cores that run backward,
-        where a GPU's NCCL transfers run on their own hardware beside the compute kernels. How big
-        a bucket should be, swept on a model of many small tensors, is a deep dive:
-    """)
+    pub = TORCHTITAN_FSDP_SCALING
+    kept = {name: pts[1][1] / pts[0][1] for name, pts in pub.series.items()}
+    figure(published_figure(pub, height=2.6), caption=pub.caption(
+        f"What this page cannot show, data parallelism at scale (FSDP): from 8 to 128 GPUs (16 nodes, RDMA between them), 2 sequences "
+        f"per GPU, each GPU kept {min(kept.values()):.0%}–{max(kept.values()):.0%} of its tokens per second: 16× the "
+        f"GPUs, about 16× the throughput, the gathers and reduce-scatters hidden behind the layers' compute."))
+    see("https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed: Experiences on Accelerating Data "
+        "Parallel Training (DDP's buckets and overlap: \"near-linear scalability using 256 GPUs\")")
+    note("Bucket sizes, swept, and the same buckets with the compute's core released, are deep dives:")
     see(OverlappedAllReduce)
     see(BucketedAllReduce)
+
+
+def ddp_overlap_released():
+    note("## Deep dive: DDP's overlap, with the core released")
+    ranks = timing_world()
+    times = step_times()
+    freed = spawn(released_buckets, ranks, name=f"DDP buckets with a compute stand-in that releases the core, "
+                                                f"{ranks} ranks").returns[0]
+    figure(overlap_bars({"real compute (naive sync vs buckets)": {"sequential": times["naive"],
+                                                             "overlapped": times["bucketed"]},
+                         "compute stand-in (core released)": freed}),
+           caption="time per step without and with overlap, medians (bars: interquartile range); red: the "
+                   "model's overlapped step for the stand-in run")
+    note(f"""
+        The real-compute bars are the main page's table: on this CPU gloo's threads need the
+        cores backward runs on. Give the core back and the overlap shows: each of 6 layers of 1024×1024 (a 4 MB bucket
+        each) also waits in its backward, as long as one bucket's all-reduce, in a stand-in that
+        releases the core (`ComputeStandIn`, lecture 05's sleep mode): {gain_words(freed)}. The
+        model (`overlapped_step`) is $\\max(\\text{{compute}}, \\text{{communication}})$ plus
+        the last bucket, which nothing is left to hide.
+    """)
+    see(released_buckets)
 
 
 def step_times():
@@ -486,6 +510,26 @@ def zero_stages():
     see(Zero2)
     see(Zero3Layer)
     see(Zero3LinearFunction)
+
+
+def zero3_prefetch_released():
+    note("## Deep dive: what ZeRO-3's prefetch buys, with the core released")
+    ranks = timing_world()
+    freed = spawn(released_prefetch, ranks, name=f"ZeRO-3 prefetch with a compute stand-in that releases the core, "
+                                                 f"{ranks} ranks").returns[0]
+    figure(overlap_bars({"ZeRO-3 forward, compute stand-in (core released)": freed}),
+           caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers, each followed by a stand-in that waits as long as "
+                   "one layer's all-gather: medians (bars: interquartile range); red: the model")
+    note(f"""
+        Each layer's forward needs its gathered weights; launched when the
+        previous layer starts, the gather travels while that layer computes. With the compute
+        replaced by a stand-in that releases the core (as long as one layer's gather):
+        {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
+        behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
+        share the cores, so less hides (the main page's step times); on a GPU the gathers run on
+        NCCL's own stream beside the kernels.
+    """)
+    see(released_prefetch)
 
 
 def memory_and_traffic():
@@ -792,10 +836,16 @@ def main():
     with deep_dive("Bucket size, swept",
                    "a sweep from one message per tensor to one bucket, on a model of many small tensors"):
         bucket_sweep()
+    with deep_dive("DDP's overlap, with the core released",
+                   "the bucketed all-reduce beside a backward whose compute leaves the core to gloo, against its model"):
+        ddp_overlap_released()
     hide_the_all_reduce()       # is there enough backward to hide the all-reduce behind?
     gradient_accumulation()     # gbs = mbs x accumulation x dp, one all-reduce per step
     batch_and_learning_rate()   # bigger batches need bigger steps: linear vs square-root
     zero_stages()               # shard optimizer state, gradients, parameters
+    with deep_dive("ZeRO-3's prefetch, with the core released",
+                   "the next layer's all-gather during this layer's compute, measured against its model"):
+        zero3_prefetch_released()
     memory_and_traffic()        # what each rank holds and sends: formula, counted, measured
     pytorch_versions()          # the same with PyTorch's DDP and FSDP2, and their speed
     fsdp2_knobs()               # reshard_after_forward, mixed precision, HSDP; activations stay

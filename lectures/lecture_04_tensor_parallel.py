@@ -28,7 +28,11 @@ from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, acti
                                             max_diff, mlp_comms, redistribute_table, refuse_split,
                                             replicated_grad_reduction, sequence_units, sp_traffic, time_steps,
                                             traced_block, train_reference, train_tp, training_state_bytes,
-                                            vocab_demo)
+                                            vocab_demo, released_async_tp, hidden_share)
+from lectures.data_parallel.figures import overlap_bars
+from lectures.data_parallel.overlap import gain_words
+from lectures.model.figures import published_figure
+from lectures.model.gpu_evidence import TORCHTITAN_ASYNC_TP
 from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
 
@@ -216,7 +220,10 @@ def vocab_parallel():
         zeros for the tokens it does not own, and g sums the ranks' rows. The LM head is
         column-parallel and keeps its slice of the logits; the loss needs only three per-token
         all-reduces (the max, the sum of exponentials, the target's logit), so the $(b, s, v)$
-        logits never exist anywhere.
+        logits never exist anywhere. For backward it keeps one fp32 copy of its slice, the
+        softmax, computed in place, and writes the gradient softmax − one-hot by hand, as
+        Megatron-LM's `_VocabParallelCrossEntropy` does: composed from autograd operations the
+        loss would keep two (the shifted logits and their exponentials).
     """)
     table([[n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"])]
            for n, r in got.items()],
@@ -357,7 +364,9 @@ def sp_collectives(cfg):
         all-gather or reduce-scatter moves per rank; an all-reduce is 2): the block without SP
         moves {units[False]}, with SP {units[True]}, {units[True] / units[False]:.2f}× — the
         backward's re-gathers of the two column-parallel inputs, the price of the activations SP
-        does not keep. In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly
+        does not keep. Only the weight gradient needs a re-gathered input, so each re-gather is
+        posted first and travels while the input gradient $dY\\,W$ is computed (Megatron-LM's
+        order too). In the ring algorithm (NCCL's), reduce-scatter + all-gather moves exactly
         the bytes of one all-reduce. gloo on CPU does not: its reduce-scatter wrote {r['reduce-scatter'] / r['all-reduce']:.2f}×
         the bytes of its all-reduce (it reduces everything, then keeps a slice), so here the block
         with SP wrote {r[True]['bytes'] / r[False]['bytes']:.2f}× the bytes of the block without,
@@ -472,7 +481,8 @@ def tp_timeline_and_step_times(cfg):
     note("## Communication on the critical path")
     run = spawn(traced_block, 2, cfg=cfg, b=8, name="TP block timeline, 2 ranks")
     figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
-           caption="per-rank spans measured on the ranks; each async all-reduce overlaps a weight-gradient matmul")
+           caption="per-rank spans measured on the ranks; each async all-reduce runs beside a weight-gradient matmul, "
+                   "(the text below says how much of it the matmul covers)")
     note("""
         Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
         Tensor parallelism's mostly cannot: the next matmul needs the all-reduced activation. Only
@@ -484,21 +494,57 @@ def tp_timeline_and_step_times(cfg):
     back = [sp for sp in mine if sp["label"] == "backward"]
     in_back = [sp["label"] for sp in mine if any(b["start"] <= sp["start"] <= b["end"] for b in back)]
     asyncs, blocking = in_back.count("all-reduce (async)"), in_back.count("all-reduce")
+    hidden = hidden_share(mine, "all-reduce (async)", "weight gradient (overlapped)")
     note(f"""
         In {plural(len(back), 'backward pass', 'backward passes')} rank 0 ran
         {plural(asyncs, 'asynchronous all-reduce')} (each beside a weight-gradient matmul)
         {f"and {plural(blocking, 'blocking one')}" if blocking else "and no blocking one"}. The forward's two all-reduces (g after `o_proj` and after `fc_out`)
-        block: the residual add needs them.
+        block: the residual add needs them. How much the weight gradients hide here: they
+        overlap {100 * hidden['share']:.0f}% of the asynchronous all-reduces' time
+        ({hidden['hidden'] * 1e3:.2f} of {hidden['comm'] * 1e3:.2f} ms), so their marks in the
+        figure are that short beside the all-reduces' bars. This block is tiny, so its
+        matmuls are short beside gloo's per-message cost; and gloo's copies need the cores the
+        matmuls run on. Give the cores back and the overlap shows:
+    """)
+    freed = spawn(released_async_tp, 2, name="async TP ring with a compute stand-in that releases the core, 2 ranks")
+    r = freed.returns[0]
+    figure(overlap_bars({"async TP ring, compute stand-in (core released)": r}),
+           caption="async TP's all-gather + matmul ring (lecture 04's appendix) on 2 ranks, each partial matmul "
+                   "followed by a stand-in that waits as long as one transfer: medians (bars: interquartile "
+                   "range); red: the model")
+    note(f"""
+        Here each partial matmul of the async-TP ring (the appendix builds it) also waits in a
+        stand-in that releases the core (`release_core`, a timed wait, lecture 05's sleep mode),
+        as long as one {r['chunk_bytes'] / 2 ** 20:.0f} MB chunk takes to travel: {gain_words(r)}. The model: the rank's own
+        chunk needs no transfer, and each later chunk travels while the one before is multiplied,
+        so the step is one piece plus $\\max(\\text{{piece}}, \\text{{transfer}})$ per later chunk.
+        On a GPU the matmuls run on the SMs and NCCL (or symmetric memory) moves the chunks
+        beside them, which is the case this stand-in imitates.
+    """)
+    pub = TORCHTITAN_ASYNC_TP
+    gains = [a / v for (_, v), (_, a) in zip(pub.series["vanilla TP"], pub.series["async TP"])]
+    figure(published_figure(pub, ratio=("async TP", "vanilla TP")), caption=pub.caption(
+        "Async TP's speed-up over TP with blocking collectives, end to end, tp = 8 inside each node."))
+    note(f"""
+        On H100s, as published by torchtitan, PyTorch's async TP (the same decomposition, with
+        symmetric memory moving the chunks) trains {min(gains):.2f}–{max(gains):.2f}× faster
+        than TP with blocking collectives, at tp = 8 on NVLink: the collectives it hides are a
+        slice of the step, and only that slice shrinks.
     """)
     ranks = timing_ranks(4)
     tps = [t for t in (1, 2, 4, 8) if t <= ranks]
     rows, times = [], {}
-    for t in tps:
-        kind = "one process" if t == 1 else "ours"
-        times[t] = spawn(time_steps, t, cfg=cfg, batch_size=16, kinds=(kind,), repeats=3 if settings.quick else 9,
-                         name=f"TP step time, tp={t}").returns[0][kind]
-        rows.append([t, times[t].ms()])
-    table(rows, header=["tp", "training step, median (IQR)"], caption=f"lecture 01's GPT, batch 16, {machine(ranks)}")
+    # tp=1 and the largest tp in one run, taking turns: at tp=1 every rank runs the whole model on its own core
+    both = spawn(time_steps, tps[-1], cfg=cfg, batch_size=16, kinds=("one process", "ours"),
+                 repeats=3 if settings.quick else 9, name=f"TP step time, tp=1 and tp={tps[-1]} taking turns").returns[0]
+    times[1], times[tps[-1]] = both["one process"], both["ours"]
+    for t in tps[1:-1]:
+        times[t] = spawn(time_steps, t, cfg=cfg, batch_size=16, kinds=("ours",), repeats=3 if settings.quick else 9,
+                         name=f"TP step time, tp={t}").returns[0]["ours"]
+    rows = [[t, times[t].ms()] for t in tps]
+    table(rows, header=["tp", "training step, median (IQR)"],
+          caption=f"lecture 01's GPT, batch 16, {machine(ranks)}; tp=1 and tp={tps[-1]} timed in one run, taking "
+                  f"turns (at tp=1 each of the {tps[-1]} ranks trains its own copy on one core)")
     ratio = times[tps[-1]].median / times[1].median
     why = ("slower: the model is tiny, so the collectives' fixed cost over TCP outweighs what "
            "splitting the matmuls saves" if ratio > 1 else
@@ -666,7 +712,7 @@ def dtensor_parallelize_module():
         The two agree to rounding. Without SP a whole step's collectives are {"the same" if same
         else "different"}: {rows[0][5]} and {rows[0][6]} in the optimizer step (ours),
         {rows[0][7]} and {rows[0][8]} (DTensor). With SP ({rows[1][0]} ranks) they differ in where the work is done:
-        we all-gather the MLP input again in backward (keeping only a slice) and all-reduce the
+        we all-gather both column-parallel inputs (Q/K/V's and the MLP's) again in backward (keeping only a slice) and all-reduce the
         partial gradients of the replicated LayerNorm weights, row-parallel biases and positions
         during backward, through f, so our optimizer step communicates nothing ({rows[1][6]}). DTensor leaves
         the LayerNorm gradients as `Partial` placements ({partial}); the row-parallel bias gradient

@@ -29,7 +29,7 @@ from lectures.context_parallel.demos import (AUX_WEIGHT, BIAS_STEP, activation_m
                                              compare_variants, cp_gpt_gradients, ep_dp_groups, expert_data_parallel,
                                              expert_parallel_traffic, gqa_bytes, layout_steps, moe_inputs, moe_layer,
                                              moe_reference, rank_compute, reference_attention, reference_gpt_gradients,
-                                             ring_trace, ring_work, share_spread, train_moe_gpt, transfer_alone,
+                                             released_ring, ring_trace, ring_work, share_spread, train_moe_gpt, transfer_alone,
                                              ulysses_layouts, ulysses_refusal, whole_diagonal_ceiling, _TRAINING)
 from lectures.context_parallel.deep_dives import (balancing_deep_dive, node_limited_deep_dive,
                                                   pytorch_context_parallel, usp_deep_dive)
@@ -37,7 +37,11 @@ from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_pic
                                                dispatch_figure, activation_memory_figure, moe_figure,
                                                expert_groups_figure, attention_blocks_figure,
                                                work_imbalance_figure, share_bars_figure)
-from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, timeline
+from lectures.data_parallel.figures import overlap_bars
+from lectures.data_parallel.overlap import gain_words
+from lectures.model.figures import published_figure
+from lectures.model.gpu_evidence import TORCHTITAN_CP, flops_per_token
+from util import cheat, deep_dive, figure, note, see, settings, spawn, table, timeline
 from util import try_it_yourself
 from util.measure import value_range
 
@@ -111,14 +115,30 @@ def what_needs_other_ranks():
     ratio4 = one[top] / max(x[top] for x in per[4])
     cheat("CP activation memory", "activations per rank $\\propto s/n$", round(ratio4, 2), "×",
           what=f"one rank's saved activations over CP = 4's per rank, s = {top}, measured")
-    published("""
-        torchtitan's benchmark (Dec 2024, Table 2): Llama 3.1 8B on 8 H100s trains at sequence
-        lengths up to 262,144 with CP 8 (548 tokens/s per GPU), where 32K with CP 1 gave 3,890.
-        Fewer tokens per second is not CP's cost: attention's work per token grows with the
-        sequence (8× longer, 8× the work per token), and what CP buys is a length that one GPU's
+    pub = TORCHTITAN_CP
+    points = pub.series["tokens/s per GPU"]
+    (s0, tps0), (s1, tps1) = points[0], points[-1]
+    work = {s: sum(flops_per_token(s)) for s, _ in points}
+    figure(published_figure(pub, computed={"if only the work per token grew (computed)":
+                                           [(s, tps0 * work[s0] / work[s]) for s, _ in points]}),
+           caption=pub.caption("Throughput per GPU as the sequence grows 8× and CP with it; dashed: what the "
+                               "extra attention work per token alone would leave (computed here from Llama 3.1 "
+                               "8B's shapes)."))
+    linear, attn0 = flops_per_token(s0)
+    _, attn1 = flops_per_token(s1)
+    grew, fell = work[s1] / work[s0], tps0 / tps1
+    note(f"""
+        torchtitan trained Llama 3.1 8B on 8 H100s at sequence lengths up to {s1:,} with CP 8
+        ({tps1:,} tokens/s per GPU), where {s0:,} with CP 1 gave {tps0:,}: {fell:.1f}× fewer. Part
+        of it is work: causal attention's FLOPs per token grow with the sequence, the matmuls'
+        do not. Forward and backward, the matmuls cost {linear / 1e9:.0f} GFLOP per token and
+        attention {attn0 / 1e9:.0f} at {s0 // 1024}K, {attn1 / 1e9:.0f} at {s1 // 1024}K (computed
+        from the model's shapes, `flops_per_token`): {grew:.2f}× the work per token. The other
+        {fell / grew:.1f}× is what CP 8 costs there — the K/V passing that is not hidden,
+        imbalance, and kernels at these lengths — and what it buys is a length that one GPU's
         memory could not hold at all.
-    """, "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
-              "torchtitan, Llama 3 on H100s, December 2024")
+    """)
+    see(pub.url, title="torchtitan, Llama 3 on H100s, December 2024 (Table 2)")
     note("""
         Here the sequences are a few hundred tokens and the machine's memory is never the limit,
         so this page can show the 1/n but not what it buys: a sequence that would not fit on one
@@ -213,6 +233,27 @@ def ring_attention_section():
         {"holds" if ratio >= 1 else "fails"}; scaling both as above, compute and transfer would be
         equal at about {S / n / ratio:.0f} positions per rank, the break-even block here. With a GPU's much larger FLOP/s per byte of bandwidth the minimum is
         thousands of tokens per rank, which is why a ring needs long sequences per device.
+    """)
+    freed = spawn(released_ring, 2, name="ring attention forward with a compute stand-in that releases the core, 2 ranks")
+    r = freed.returns[0]
+    figure(overlap_bars({"ring forward, compute stand-in (core released)": r}),
+           caption="ring attention's forward on 2 ranks, each block followed by a stand-in that waits as long as one "
+                   "K/V hop; without overlap each hop is waited for as soon as it is posted: medians (bars: "
+                   "interquartile range); red: the model")
+    note(f"""
+        **Release the core, and the hop hides.** Give each block a stand-in that keeps the rank
+        busy as long as one K/V hop takes but leaves the core to gloo (`released`, a timed
+        wait, lecture 05's sleep mode), on a shape whose K/V blocks of
+        {r['kv_bytes'] / 2 ** 20:.0f} MB are cheap to attend to ({r['block'][0]} positions per rank,
+        {r['block'][1]} heads of {r['block'][2]}): {gain_words(r)}. The overlapped run waited
+        {r['waiting'].median * 1e3:.2f} ms in all for a {r['comm'].median * 1e3:.2f} ms hop:
+        {"the transfer is hidden" if r['waiting'].median < 0.25 * r['comm'].median else "most of the transfer still waited for"}.
+        The model's best gain is small: 2 ranks have one hop to hide, behind 2 blocks whose real
+        work (reading the megabytes of K and V) is about as long as the hop itself{
+        ", and here hiding the hop did not even pay: gloo's copies ran on the core the next block's real work needed"
+        if r['gain'] < 1 else ", and that real work on this CPU competes with gloo's copies"}.
+        On GPUs, where a block's matmuls run on the SMs beside the transfer, the stand-in's case is
+        the real one.
     """)
 
 
@@ -596,10 +637,12 @@ def expert_parallelism():
     see(AllToAll)
     see(ExpertParallelMoE)
     r4 = [row for row in rows if row[0] == 4 and row[1] == 0][0]
-    cheat("EP all-to-all bytes", "per rank, forward + backward: remote rows × $h$ × 4 bytes × 2 all-to-alls × 2 passes",
+    cheat("EP all-to-all bytes", "per rank, forward + backward: (rows dispatched to other ranks + rows returned to "
+          "them) × $d_{\\text{model}}$ × 4 bytes × 2 passes",
           round(r4[5], 1), "KiB", what=f"rank 0 of 4, {tokens} tokens, top-{k}, measured (model: {r4[6]:.1f} KiB)")
     table(rows, header=["ranks", "rank", "rows sent to each rank", "rows received from each", "expert rows on this rank",
-                        "KiB sent fwd+bwd (measured)", "KiB model: remote rows × 2 passes × 2 all-to-alls"],
+                        "KiB sent fwd+bwd (measured)",
+                        "KiB model: (rows dispatched out + rows returned) × d_model × 4 B × 2 passes"],
           caption=f"{tokens} tokens per rank, d_model {d_model}, {E} experts, top-{k}, capacity factor 1.25, float32")
     table(imbalance, header=["ranks", "max |Δ output| vs one process (float64)", "same tokens dropped",
                              "busiest rank's rows / mean", "layer forward+backward"],

@@ -521,3 +521,58 @@ def test_sp_replicated_gradients_are_all_reduced_one_by_one_and_counted():
     assert r["bytes"] == 4 * (cfg.n_layers * 6 * cfg.d_model + 2 * cfg.d_model + cfg.seq_len * cfg.d_model)
     assert r["backward all-reduces"] >= r["tensors"]
     assert set(r["times"]) == {"one by one", "once, flattened"}
+
+
+def _ce_saved(rank, world_size, dtype):
+    from lectures.model.memory import saved_bytes
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64, 4096, dtype=dtype, requires_grad=True)
+    targets = torch.randint(4096 * world_size, (4, 64))
+    _, ours = saved_bytes(lambda: vocab_parallel_cross_entropy(logits, targets, dist.group.WORLD))
+    _, torch_ce = saved_bytes(lambda: torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                                        targets.flatten() % 4096))
+    return ours, torch_ce
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_loss_saves_its_logits_once(dtype):
+    """Review N4: the loss keeps one fp32 copy of the local logits (the softmax, as Megatron's
+    _VocabParallelCrossEntropy), not two: about F.cross_entropy's bytes on the same slice."""
+    for ours, torch_ce in spawn(_ce_saved, 2, dtype=dtype).returns:
+        slice_fp32 = 4 * 64 * 4096 * 4
+        assert slice_fp32 <= ours <= 1.01 * torch_ce, (ours, torch_ce)
+
+
+def _sp_backward_traced(rank, world_size):
+    from lectures.tensor_parallel.ops import traced
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(8, 8, dist.group.WORLD, sequence_parallel=True)
+    y = layer(torch.randn(2, 4, 8, requires_grad=True))
+    with traced():
+        y.sum().backward()
+
+
+def test_sp_backward_regathers_while_the_input_gradient_is_computed():
+    """Review (PARTLY/NOT): SP's backward re-gather of the column-parallel input is posted before
+    the input gradient's matmul and waited for only by the weight gradient, as Megatron-LM does."""
+    import inspect
+    from lectures.tensor_parallel.layers import ColumnParallelLinearFunction
+    src = inspect.getsource(ColumnParallelLinearFunction.backward)
+    assert src.index("_all_gather_async") < src.index("grad @ weight") < src.index("gathering.wait()") \
+        < src.index("grad_weight =")
+    spans = [sp for sp in spawn(_sp_backward_traced, 2).spans if sp["rank"] == 0]
+    first = {label: min(sp["start"] for sp in spans if sp["label"] == label)
+             for label in ("all-gather (async)", "input gradient (overlapped)", "weight gradient (overlapped)")}
+    assert first["all-gather (async)"] <= first["input gradient (overlapped)"] < first["weight gradient (overlapped)"]
+
+
+def test_dropout_under_sp_needs_the_split_stream():
+    """Review C5: the residual's sequence shards under SP get one mask on every rank from the
+    replicated stream, independent masks from the split one, and the one process's from its own."""
+    from lectures.tensor_parallel.deep_dives import sp_residual_dropout
+    for world_size in (2, 4):
+        r = spawn(sp_residual_dropout, world_size, p=0.3).returns[0]
+        a = r["agreement"]
+        assert a["replicated stream (TP without SP)"] == 1.0
+        assert abs(a["split stream (Megatron's fork under SP)"] - (0.3 ** 2 + 0.7 ** 2)) < 0.15
+        assert r["one process equal"]

@@ -630,3 +630,24 @@ def test_wait_and_rotation_words_claim_only_what_the_numbers_show():
     assert "differ by timing only" in deep_dives.rotate_words(same, 2)
     other = dict(same, **{"PyTorch, all-gather (default)": 3.0 * 2**20})
     assert "timing only" not in deep_dives.rotate_words(other, 4)
+
+
+def test_cp_throughput_drop_is_split_into_work_and_cp_cost():
+    """Review W1: torchtitan's 7.1× drop from 32K (CP 1) to 256K (CP 8) is 3.5× more work per
+    token (attention grows, the matmuls do not) and about 2× CP's own cost."""
+    from lectures.model.gpu_evidence import TORCHTITAN_CP, flops_per_token
+    linear, attention = flops_per_token(32768)
+    assert linear / 1e9 == pytest.approx(45.0, abs=0.5) and attention / 1e9 == pytest.approx(25.8, abs=0.5)
+    points = dict(TORCHTITAN_CP.series["tokens/s per GPU"])
+    work = sum(flops_per_token(262144)) / sum(flops_per_token(32768))
+    assert work == pytest.approx(3.55, abs=0.01)
+    assert points[32768] / points[262144] / work == pytest.approx(2.0, abs=0.05)
+    import inspect
+    assert "8× the work per token" not in inspect.getsource(L)
+
+
+def test_ep_bytes_formula_names_both_directions():
+    """Review M3: the cheatsheet's formula is what the code computes, dispatched plus returned rows."""
+    import inspect
+    source = inspect.getsource(L)
+    assert "remote rows × $h$" not in source and "rows returned" in source

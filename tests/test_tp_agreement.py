@@ -1,8 +1,8 @@
 """Ranks that disagree (dtype, head count, width, input shape) are refused on every rank with an
 error naming what differs, before any collective could abort gloo or run on mismatched data
 (float32 against float64 kills gloo with SIGABRT; 4 against 8 heads runs silently). Ranks are seeded alike, as the launcher seeds them. The
-check is one all-gather when a layer is built and one on its first call, none after; the loss,
-a function, checks on every call."""
+check is one all-gather when a layer is built and one on every call (a later call with another
+shape on one rank is refused, never a SIGABRT: review N5); shard_checks(False) skips it."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,9 +46,8 @@ def mismatches(rank, world_size):
 
 
 def agreed_once(rank, world_size):
-    """A whole TP GPT on ranks that agree: the loss equals on every rank, and a second step makes
-    one agreement check only, the loss's (the layers' checks are a build-time and first-call
-    cost; the loss is a function and checks on every call)."""
+    """A whole TP GPT on ranks that agree: the loss equals on every rank, and a second step checks
+    every call again, as many checks as the first (the build's ran before counting)."""
     g, cfg = dist.group.WORLD, GPTConfig()
     model = parallelize_gpt(GPT(cfg), g)
     tokens, targets = batch(cfg, 4, 0)
@@ -63,6 +62,13 @@ def agreed_once(rank, world_size):
     finally:
         tp_ops._check_agreed = vocab_parallel._check_agreed = real
     return first.item(), n_first, len(calls) - n_first
+
+
+def second_call_other_shape(rank, world_size):
+    """Review N5: a matching first call, then rank 1 passes 4 positions where rank 0 passes 8."""
+    layer = ColumnParallelLinear(8, 8, dist.group.WORLD)
+    layer(torch.randn(2, 8, 8))
+    return _outcome(lambda: layer(torch.randn(2, 4 if rank == 1 else 8, 8)))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -81,7 +87,14 @@ def test_disagreeing_ranks_are_refused_on_every_rank(world_size):
     assert "n_heads=1" in words["GPT heads, one rank cannot split"]
 
 
-def test_agreeing_ranks_check_once_and_train():
-    losses, first, later = zip(*spawn(agreed_once, 2).returns)
+def test_agreeing_ranks_check_every_call_and_train():
+    losses, first, second = zip(*spawn(agreed_once, 2).returns)
     assert losses[0] == losses[1]
-    assert first[0] > 1 and later == (1, 1)
+    assert first == second and first[0] > 1
+
+
+def test_a_later_call_with_another_shape_is_refused_not_aborted():
+    """Review N5: the check runs on every call, so a ragged batch on one rank is a ValueError on
+    every rank, not gloo's SIGABRT."""
+    got = spawn(second_call_other_shape, 2).returns
+    assert all(m is not None and "input size 1=8" in m and "input size 1=4" in m for m in got), got

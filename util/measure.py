@@ -122,12 +122,16 @@ def spreads_overlap(a, b):
 
 def compare(a, b, a_name="ours", b_name="theirs"):
     """The words a page uses for two timings (`Timing`s): "no measurable difference here" when
-    their interquartile ranges overlap, otherwise which is faster and by how much (the ratio of
+    their interquartile ranges overlap and their medians are close (a median 1.5× lower with
+    overlapping spreads is said as such, never as a tie), otherwise which is faster and by how much (the ratio of
     medians). One function, so no sentence can contradict the table beside it."""
+    fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
+    if spreads_overlap(a, b) and slow.median >= 1.5 * fast.median:    # a wide spread, not a tie
+        return (f"{fn}'s median is {slow.median / fast.median:.2f}× lower ({fast.ms()} vs {slow.ms()}), "
+                "but the spreads overlap: no firm ranking")
     if spreads_overlap(a, b):
         return (f"no measurable difference here ({a_name} {a.ms()}, {b_name} {b.ms()}: the "
                 "interquartile ranges overlap)")
-    fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
     return f"{fn} {slow.median / fast.median:.2f}× faster than {sn} ({fast.ms()} vs {slow.ms()})"
 
 

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from lectures.context_parallel.blocks import SegmentAttention
 from lectures.context_parallel.moe import ExpertParallelMoE, MoE, RankCapacityMoE, expert_owners, moe_gpt
-from lectures.context_parallel.ring import RingTransfer, ring_attention, tracing
+from lectures.context_parallel.ring import RingTransfer, released, ring_attention, tracing
+from lectures.data_parallel.overlap import agreed_wait, measured_against_model, release_core
+from util.measure import Timing, measure, measure_side_by_side
 from lectures.context_parallel.sharding import (causal_work, group_info, layout_segments, sequence_positions,
                                                 shard_sequence, striped_positions)
 from lectures.context_parallel.variants import ATTENTION, SeqToHeads, context_parallel_gpt, ulysses_attention
@@ -165,6 +167,33 @@ def transfer_alone(rank, world_size, seq_len, heads, head_dim):
     kv = torch.randn(1, heads, seq_len // world_size, 2 * head_dim, device=device())
     t = measure(lambda: RingTransfer(kv, kv.shape, group, n, r, 0, "alone").wait(), warmup=2, repeats=9)
     return t
+
+
+def released_ring(rank, world_size, seq_len=16, heads=128, head_dim=512, reps=7, min_wait=0.004):
+    """Ring attention's forward in release-the-core mode (`ring.released`): each block's compute is
+    followed by a timed wait as long as one K/V hop; without overlap every hop is waited for as
+    soon as it is posted. Few positions and many wide heads: K/V blocks of megabytes, small real
+    matmuls. "compute" sums the traced blocks of the run without overlap, "comm" times the hops
+    alone, "waiting" what the overlapped run still waited for its hops. Returns the timings read against the model (pattern "consume": the rank's own block
+    needs no transfer)."""
+    group, n, r = group_info(None)
+    q, k, v, _ = _inputs(seq_len, heads, head_dim, rank, world_size, "contiguous")
+    kv = torch.cat([k, v], dim=-1)
+    send = lambda: [RingTransfer(kv, kv.shape, group, n, r, 0, "alone").wait() for _ in range(n - 1)]
+    wait = agreed_wait(measure(send, warmup=2, repeats=reps).median, max(1, n - 1), min_wait)
+    blocks, waiting = [], []
+
+    def run(overlap):
+        with torch.no_grad(), released(wait, overlap), tracing() as events:
+            ring_attention(q, k, v)
+        total = lambda name: sum(e - s for label, s, e, _ in events if label == name)
+        (waiting if overlap else blocks).append(total("waiting" if overlap else "block compute"))
+
+    t = measure_side_by_side({"comm": send, "sequential": lambda: run(False), "overlapped": lambda: run(True)},
+                             warmup=1, repeats=reps)
+    t["compute"], t["waiting"] = Timing(blocks[1:]), Timing(waiting[1:])   # "waiting": hops not hidden
+    return {**measured_against_model(t, n, "consume", first_held=True), "block": (seq_len // n, heads, head_dim),
+            "kv_bytes": kv.numel() * kv.element_size()}
 
 
 # =========================================================================================

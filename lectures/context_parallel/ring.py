@@ -18,11 +18,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from lectures.data_parallel.overlap import release_core
 from lectures.context_parallel.blocks import (SegmentAttention, acc_dtype, attention_signature, check_qkv, expand_kv,
                                               fold_kv, segments_backward, segments_forward, visible_entries)
 from lectures.context_parallel.sharding import agreed_lengths, group_info, layout_segments
 
 TRACE = None  # a list while `tracing()` is on: (label, start, end, work) of ring compute and transfers
+RELEASED = {"wait": 0.0, "overlap": True}   # set by `released()`: a measurement's stand-in and control
 
 
 @contextlib.contextmanager
@@ -34,6 +36,20 @@ def tracing():
         yield TRACE
     finally:
         TRACE = None
+
+
+@contextlib.contextmanager
+def released(block_wait=0.0, overlap=True):
+    """For measuring what the overlap buys (lecture 06): inside the block each block's compute in
+    the forward is followed by a timed wait of `block_wait` s that releases the core
+    (`lectures.data_parallel.release_core`), and with `overlap=False` each K/V transfer is waited
+    for as soon as it is posted (the same bytes, with nothing beside them)."""
+    previous = dict(RELEASED)
+    RELEASED.update(wait=block_wait, overlap=overlap)
+    try:
+        yield
+    finally:
+        RELEASED.update(previous)
 
 
 def _trace(label, start, end, work=0):
@@ -98,12 +114,14 @@ class RingAttention(torch.autograd.Function):
             src = ring_source(r, step, n)
             nxt = RingTransfer(kv, (b, hk, lengths[(r - step - 1) % n], 2 * d), group, n, r, 0,
                             "K/V transfer") if step < n - 1 else None
+            arrived = nxt.wait() if nxt is not None and not RELEASED["overlap"] else None
             start, before = time.perf_counter(), len(work)
             kv_h = expand_kv(kv, groups)                    # repeated after the transfer, not before
             segments_forward(q_, kv_h[..., :d], kv_h[..., d:], segs[r], segs[src], causal, scale, out, lse, work)
+            release_core(RELEASED["wait"])
             _trace("block compute", start, time.perf_counter(), sum(work[before:]))
             if nxt is not None:
-                kv = nxt.wait()
+                kv = nxt.wait() if arrived is None else arrived
         ctx.save_for_backward(q_, k_, v_, out, lse)
         ctx.meta = (causal, group, n, r, lengths, segs, scale, q.dtype, groups)
         return out.to(q.dtype)

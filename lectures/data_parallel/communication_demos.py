@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 
 from util import device, span, span_at
-from util.measure import Timing, measure, value_range
+from util.measure import Timing, measure, measure_side_by_side, value_range
 
 from lectures.data_parallel.collectives import pipelined_ring_all_reduce, ring_all_reduce
+from lectures.data_parallel.overlap import agreed_wait, measured_against_model, release_core
 
 
 # Timings this page takes once and reuses: the built-in all-reduce in the race against our rings,
@@ -262,8 +263,15 @@ def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
     comm = measure(lambda: (dist.all_reduce(grad), _sync()), warmup=2, repeats=reps)
     seq = measure(sequential, warmup=1, repeats=reps)
     ovl = measure(overlapped, warmup=1, repeats=reps)
-    dist.barrier()                                      # one traced repetition for the figure
-    with span("compute"):
+    traced_repetition(grad, compute, "compute")
+    return {"compute": alone, "all-reduce": comm, "sequential": seq, "overlapped": ovl}
+
+
+def traced_repetition(grad, compute, label):
+    """One repetition with every span recorded, for the figure: `compute` then the all-reduce,
+    then the two again with the all-reduce in flight (its bar ends at its completion callback)."""
+    dist.barrier()
+    with span(label):
         compute()
     with span("all-reduce"):
         dist.all_reduce(grad)
@@ -272,11 +280,37 @@ def async_overlap(rank, world_size, numel, matmul_n, matmuls, reps):
     t0, done = time.perf_counter(), []
     work = dist.all_reduce(grad, async_op=True)
     work.get_future().then(lambda _: done.append(time.perf_counter()))
-    with span("compute (all-reduce in flight)"):
+    with span(f"{label}, all-reduce in flight"):
         compute()
     work.wait()
     span_at("async all-reduce", t0, done[0] if done else time.perf_counter())
-    return {"compute": alone, "all-reduce": comm, "sequential": seq, "overlapped": ovl}
+
+
+def released_overlap(rank, world_size, numel, reps, min_wait=0.01):
+    """async_overlap's experiment with the compute replaced by a timed wait (`release_core`) as long
+    as the all-reduce alone takes (at least `min_wait`, long against the clock's overheads): the
+    core is free for gloo's threads while the rank 'computes', as a GPU's SMs leave NCCL alone.
+    Returns the timings read against the model max(compute, all-reduce), and records one traced
+    repetition."""
+    grad = torch.zeros(numel, device=device())
+    comm = lambda: (dist.all_reduce(grad), _sync())
+    wait = agreed_wait(measure(comm, warmup=2, repeats=reps).median, 1, min_wait)
+    compute = lambda: release_core(wait)
+
+    def sequential():
+        compute()
+        comm()
+
+    def overlapped():
+        work = dist.all_reduce(grad, async_op=True)
+        compute()
+        work.wait()
+        _sync()
+
+    t = measure_side_by_side({"compute": compute, "comm": comm, "sequential": sequential,
+                              "overlapped": overlapped}, warmup=1, repeats=reps)
+    traced_repetition(grad, compute, "compute stand-in (core released)")
+    return measured_against_model(t, 1, "independent")
 
 
 def streams_overlap(rank, world_size, n, copy_bytes, reps):

@@ -15,7 +15,8 @@ from torch import nn
 from util import device, quiet, settings, span
 from util.measure import Timing, bytes_sent, compare, measure, measure_side_by_side, timing_ranks
 
-from lectures.data_parallel.ddp import Collectives, broadcast_parameters, make_grad_sync
+from lectures.data_parallel.ddp import BucketedAllReduce, Collectives, broadcast_parameters, make_grad_sync
+from lectures.data_parallel.overlap import ComputeStandIn, agreed_wait, measured_against_model
 from lectures.data_parallel.zero import Zero1, Zero2, Zero3
 
 # =========================================================================================
@@ -415,6 +416,79 @@ def merge_in_flight(spans, label="all-reduce (async)"):
         merged += groups
     name = label.replace("all-reduce", "all-reduces in flight") if most else label
     return keep + [{k: v for k, v in g.items() if k != "count"} | {"label": name} for g in merged], most
+
+
+def stand_in_model(layers, width, forward_s=0.0, backward_s=0.0):
+    """`layers` Linear(width, width) layers, each followed by a compute stand-in that waits
+    (releases the core) in forward and/or backward: the release-the-core mode's model."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers)
+                           for m in (nn.Linear(width, width), ComputeStandIn(forward_s, backward_s))])
+
+
+def released_buckets(rank, world_size, layers=6, width=1024, reps=7, min_wait=0.004):
+    """DDP's overlap in release-the-core mode: each layer's backward compute is a stand-in that
+    waits as long as one layer's gradient all-reduce takes, and each layer is a bucket. Without
+    overlap the buckets are all-reduced after backward; with it each is launched by the hook the
+    moment its gradients are in (BucketedAllReduce). Returns the timings read against the model
+    (pattern "produce": the last bucket's all-reduce cannot hide)."""
+    comm = Collectives(world_size)
+    x = torch.randn(1, width, device=device())   # one row: the real matmuls stay small beside the waits
+    layer_mb = width * (width + 1) * 4 / 2 ** 20
+
+    def build(wait):
+        model = stand_in_model(layers, width, backward_s=wait).to(device())
+        return model, BucketedAllReduce(model, comm, bucket_mb=0.99 * layer_mb)   # one layer per bucket
+
+    model, sync = build(0.0)
+    send = lambda: [dist.all_reduce(f) for f in sync.flat]
+    wait = agreed_wait(measure(send, warmup=2, repeats=reps).median, layers, min_wait)
+    model, sync = build(wait)
+
+    def backward(synced):
+        sync.sync = synced
+        model(x).square().mean().backward()
+
+    def sequential():
+        backward(False)
+        send()
+        model.zero_grad(set_to_none=False)
+
+    def overlapped():
+        backward(True)
+        sync.finish()
+        model.zero_grad(set_to_none=False)
+
+    def compute():
+        backward(False)
+        model.zero_grad(set_to_none=False)
+
+    t = measure_side_by_side({"compute": compute, "comm": send, "sequential": sequential,
+                              "overlapped": overlapped}, warmup=1, repeats=reps)
+    return measured_against_model(t, layers, "produce")
+
+
+def released_prefetch(rank, world_size, layers=6, width=1024, reps=7, min_wait=0.004):
+    """ZeRO-3's prefetch in release-the-core mode: a forward of `layers` sharded layers, each
+    followed by a stand-in that waits as long as one layer's all-gather takes; with prefetch, the
+    next layer's weights travel during the wait, without it each layer gathers when it runs.
+    Returns the timings read against the model (pattern "consume": the first gather is exposed)."""
+    comm, task = Collectives(world_size), Task()
+    x = torch.randn(1, width, device=device())   # one row: the real matmuls stay small beside the waits
+    probe = Zero3(stand_in_model(layers, width).to(device()), comm, task, prefetch=False)
+
+    def send():
+        for layer in probe.layers:
+            layer.gather()
+            layer.free()
+    wait = agreed_wait(measure(send, warmup=2, repeats=reps).median, layers, min_wait)
+    full = stand_in_model(layers, width, forward_s=wait).to(device())
+    on, off = (Zero3(stand_in_model(layers, width, forward_s=wait).to(device()), comm, task, prefetch=p)
+               for p in (True, False))
+    with torch.no_grad():
+        t = measure_side_by_side({"compute": lambda: full(x), "comm": send, "sequential": lambda: off(x),
+                                  "overlapped": lambda: on(x)}, warmup=1, repeats=reps)
+    return measured_against_model(t, layers, "consume")
 
 
 def timing_world():

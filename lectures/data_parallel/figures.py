@@ -590,3 +590,41 @@ def memory_per_rank_figure(got, stages, psi, n):
     ax.set_title(f"bytes per rank, float32, Ψ = {psi:,}, N = {n}")
     fig.tight_layout()
     return fig
+
+
+def overlap_bars(results, title=""):
+    """Measured step without and with overlap (medians, interquartile bars) for each mode in
+    `results` ({mode: a result of overlap.measured_against_model, or a dict of Timings
+    "sequential" and "overlapped"}), with the model's overlapped step marked where there is one."""
+    import matplotlib.pyplot as plt
+    modes = list(results)
+    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 1.25 * len(modes)))
+    step = 4.2                                                      # rows per mode: 2 bars and a 2-line label
+    colours = {"sequential": "#8c8c8c", "overlapped": "#4c72b0"}
+    names = {"sequential": "without overlap", "overlapped": "with overlap"}
+    labelled = set()
+    for i, mode in enumerate(modes):
+        r, base = results[mode], (len(modes) - 1 - i) * step       # the first mode on top
+        for j, kind in enumerate(("sequential", "overlapped")):
+            y = base + (1 - j)
+            t = r[kind]
+            ax.barh(y, t.median * 1e3, xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]],
+                    color=colours[kind], capsize=3, label=names[kind] if i == 0 else None)
+            ax.text(t.q3 * 1e3 * 1.02, y, f"{t.median * 1e3:.3g} ms", va="center", fontsize=NOTE)
+        if "model" in r:
+            ax.plot([r["model"]["overlapped"] * 1e3] * 2, [base - 0.45, base + 0.45], color="#c44e52", lw=2.5,
+                    label=None if labelled else "model: overlapped step")
+            labelled.add("model")
+        gain = r["sequential"].median / r["overlapped"].median
+        ax.text(0, base + 1.55, f"{mode}\n{gain:.2f}× faster"
+                + (f" (model {r['model']['gain']:.2f}×)" if "model" in r else ""), fontsize=NOTE, va="bottom")
+    ax.set_yticks([])
+    ax.set_ylim(-0.8, step * len(modes) - 0.4)
+    ax.set_xlim(0, max(r[k].q3 for r in results.values() for k in ("sequential", "overlapped")) * 1e3 * 1.3)
+    ax.set_xlabel("time per step (ms), median and interquartile range")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))     # room for the legend below
+    return fig

@@ -260,7 +260,7 @@ class Zero3(nn.Module):
     synchronised nor stepped, and train wrongly in silence. Modules without parameters (tanh,
     GELU, dropout) run as they are."""
 
-    def __init__(self, model, comm, task, in_flight=2):
+    def __init__(self, model, comm, task, in_flight=2, prefetch=True):
         super().__init__()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"Zero3 runs an nn.Sequential layer by layer; got {type(model).__name__}")
@@ -273,7 +273,7 @@ class Zero3(nn.Module):
             raise ValueError(f"Zero3: comm.n = {comm.n} but its group has {dist.get_world_size(group)} ranks")
         if in_flight < 1:
             raise ValueError(f"Zero3: in_flight must be at least 1, got {in_flight}")
-        self.comm, self.in_flight = comm, in_flight
+        self.comm, self.in_flight, self.prefetching = comm, in_flight, prefetch
         self.steps = []                   # Zero3Layer or a parameter-free module, in order
         self.layers = []
         for name, m in model.named_children():
@@ -295,7 +295,9 @@ class Zero3(nn.Module):
         return layer.index == len(self.layers) - 1
 
     def prefetch(self, index):
-        if 0 <= index < len(self.layers):
+        """Start gathering layer `index` (the next one) now; off (`prefetch=False`), each layer
+        gathers only when it runs: a measurement's control."""
+        if self.prefetching and 0 <= index < len(self.layers):
             self.layers[index].prefetch()
 
     def track(self, nbytes):

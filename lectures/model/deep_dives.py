@@ -20,7 +20,8 @@ from lectures.model.memory import SavedBytes
 from lectures.model.precision import (accumulate, accumulation_error, fp8_matmul_error, ordinary_channels,
                                       outlier_matrices, overflow_table, quantize_fp8, scaled_mm_error,
                                       scaling_over_steps)
-from lectures.model.roofline import (bandwidths, copy_bytes_beyond_cache, copy_rate, largest_cache_bytes,
+from lectures.model.gpu_evidence import TORCHAO_FP8_SHAPES
+from lectures.model.roofline import (bandwidths, write_allocate_rate, copy_bytes_beyond_cache, copy_rate, largest_cache_bytes,
                                      matmul_rate, threads)
 from lectures.model.training_memory import MEM_CATEGORIES, fake_training_step
 
@@ -70,6 +71,7 @@ def a_step_too_big_to_hold():
 def fp8_scaling():
     saturation()               # e4m3fn has no inf: a cast beyond its range saturates, silently
     tiles_win = tile_scaling()  # one scale per tensor, per token, per DeepSeek tile, per MXFP8 block
+    fp8_gemm_sizes()           # published: where a real fp8 GEMM pays, by shape
     fp8_accumulation()         # tensor cores sum fp8 products in ~14 bits: promote to fp32
     delayed_scaling()          # a scale from past steps' amax saturates when the amax jumps
     return tiles_win
@@ -93,6 +95,7 @@ def saturation():
 
 
 FP8_SCALINGS = {"per-tensor": (None, None, False), "row-wise (per token)": ((1, None), (None, 1), False),
+                "per token, weight 128×128": ((1, None), (128, 128), False),
                 "tiles 1×128, 128×128": ((1, 128), (128, 128), False),
                 "MXFP8 1×32, exact scale": ((1, 32), (32, 1), False),
                 "MXFP8 1×32, e8m0 scale": ((1, 32), (32, 1), True)}
@@ -107,31 +110,57 @@ def fp8_scaling_errors(a, w, channels):
             for name, (at, wt, p2) in FP8_SCALINGS.items()}
 
 
+# The activations' two granularities, compared with the weight's scales held fixed (128×128
+# blocks in both): the row-wise column also changes the weight to one scale per column, which
+# favours a weight whose few large entries a column scale maps onto 448 exactly.
+PER_TOKEN, TILES = "per token, weight 128×128", "tiles 1×128, 128×128"
+
+
 def tiles_first_win(rows):
-    """The smallest outlier size at which the 1×128 tiles err at least 10% less than one scale
-    per token, read from the table's rows [(outlier, {scaling: error})]; None if they never do."""
-    return next((o for o, e in rows if e["tiles 1×128, 128×128"] < 0.9 * e["row-wise (per token)"]), None)
+    """The smallest outlier size at which 1×128 activation tiles err at least 10% less than one
+    activation scale per token, the weight's 128×128 scales the same in both, read from the
+    table's rows [(outlier, {scaling: error})]; None if they never do."""
+    return next((o for o, e in rows if e[TILES] < 0.9 * e[PER_TOKEN]), None)
 
 
 def fp8_verdict(rows):
-    """Sentences saying which scaling wins, generated from the table's numbers."""
-    tiles, rowwise, per_tensor = "tiles 1×128, 128×128", "row-wise (per token)", "per-tensor"
+    """Sentences saying which scaling wins, generated from the table's numbers: the activations'
+    granularity compared with the weight's scales held fixed, then what per-column weight
+    scales add."""
+    rowwise, per_tensor = "row-wise (per token)", "per-tensor"
     first = tiles_first_win(rows)
     small = [(o, e) for o, e in rows if first is None or o < first]
     words = []
     if small:
         o, e = small[-1]
-        words.append(f"Up to {o:g}× outliers one scale per token is enough: row-wise scales err "
-                     f"{e[rowwise]:.3g} against the tiles' {e[tiles]:.3g} (per-tensor {e[per_tensor]:.3g}).")
+        words.append(f"With the weight's scales held fixed (128×128 blocks), up to {o:g}× outliers one activation "
+                     f"scale per token is within 10% of 1×128 tiles: {e[PER_TOKEN]:.3g} against {e[TILES]:.3g} "
+                     f"(per-tensor {e[per_tensor]:.3g}).")
     if first is None:
-        words.append("At no outlier size here do the 1×128 tiles beat row-wise scales by 10% or more.")
+        words.append("At no outlier size here do 1×128 activation tiles beat one scale per token by 10% or more.")
     else:
         e = dict(rows)[first]
-        words.append(f"From {first:g}× on, the tiles win: {e[tiles]:.3g} against row-wise {e[rowwise]:.3g} "
+        words.append(f"From {first:g}× on, the tiles win: {e[TILES]:.3g} against {e[PER_TOKEN]:.3g} per token "
                      f"and per-tensor {e[per_tensor]:.3g}. A row's one scale is set by its outlier channels, "
                      f"which push that token's ordinary channels into e4m3's subnormals; a 1×128 tile "
                      f"pays only where an outlier channel falls inside it.")
+    o, e = rows[0]
+    words.append(f"The row-wise column changes the weight's scales too, one per output column: at {o:g}× it errs "
+                 f"{e[rowwise]:.3g} against {e[PER_TOKEN]:.3g} with 128×128 weight blocks, because this weight's few "
+                 f"large entries each get a scale that maps them onto 448, which a block shared by several cannot.")
     return " ".join(words)
+
+
+def fp8_gemm_sizes():
+    """What a real fp8 GEMM buys by shape, as published (the page's simulation cannot time it)."""
+    shapes = TORCHAO_FP8_SHAPES.series["float8 / bf16"]
+    note(f"""
+        Whether fp8 pays depends on the GEMM's shape: the casts and the scales' reductions are
+        memory-bound work the matmul must outweigh. torchao's microbenchmark on an H100 (forward
+        and backward of a linear, dynamic scales) gives {shapes[0][1]:.2f}× bf16's speed at
+        M, K, N = {shapes[0][0]} and {shapes[1][1]:.2f}× at {shapes[1][0]} (published, not
+        measured here: [torchao float8 README]({TORCHAO_FP8_SHAPES.url}), {TORCHAO_FP8_SHAPES.where}).
+    """)
 
 
 def tile_scaling():
@@ -383,8 +412,11 @@ def roofline():
     against_copy = ("the spreads overlap, so this machine cannot tell the three apart: all are bound by memory"
                     if not apart else
                     " and ".join(f"{k} {side[k]}" for k in apart) + " the copy's rate beyond the interquartile ranges"
-                    + ("; a memory-bound kernel cannot beat the copy by much, so on these shared cores that gap "
-                       "is load that changed between the runs" if "above" in side.values() else ""))
+                    + (f". Counted bytes leave out write-allocate: a store to a line not in cache first reads it, "
+                       f"so the copy really moves 12 bytes per element where we count 8, the add 16 where we count "
+                       f"12, and at the copy's real bandwidth the add's counted rate is 1.125× the copy's: "
+                       f"{write_allocate_rate(bw, 'add') / 1e9:.1f} GB/s expected, "
+                       f"{add[0] / add[2] / 1e9:.1f} GB/s measured" if side.get("add") == "above" else ""))
     in_cache = [n for n, (r, _) in mm.items() if n / 6 < peak / bw and r > n / 6 * bw]
     above_roof = (f" The matmuls with n = {', '.join(map(str, in_cache))} sit above the memory roof: "
                   "their operands fit in cache, which is faster than the memory the copy measured, "

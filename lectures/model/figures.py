@@ -302,11 +302,17 @@ def delayed_scaling_figure(amax, steps, jump, errs, history):
     return fig
 
 
+def roof_points(peak, bw):
+    """The intensities the roof is drawn through: powers of two, and the ridge peak/bw itself, so
+    that the straight segments meet at the corner instead of cutting it."""
+    return sorted({2 ** e for e in range(-5, 10)} | {peak / bw})
+
+
 def roofline_figure(sizes, mm, add, gelu, peak, bw):
     """This machine's roofline (measured peak and bandwidth) with matmuls, add and GELU placed on it."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
-    xs = [2 ** e for e in range(-5, 10)]
+    xs = roof_points(peak, bw)
     ax.plot(xs, [min(peak, x * bw) / 1e9 for x in xs], color="gray", label="roofline (measured peak, bandwidth)")
     ax.plot([n / 6 for n in sizes], [r / 1e9 for r, _ in mm.values()], "o", label="matmul n×n")
     for i, (n, (r, _)) in enumerate(mm.items()):     # each label centred on its point, above or below
@@ -379,4 +385,63 @@ def attention_memory_figure(peaks, seqs):
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("peak MB, forward")
     ax.legend(loc="upper left")
+    return fig
+
+
+def published_figure(pub, mark=None, ratio=None, computed=None, height=3.2):
+    """A published GPU measurement (a gpu_evidence.Published) as bars or a line, with its source
+    written on the figure. `mark` ((y, text)) draws a level, e.g. what this machine measured;
+    `ratio` ((series, baseline)) draws one series over another instead of both; `computed`
+    ({name: points}) adds lines this course computed (dashed, named as computed)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(6.4, height))
+    series, y_label = pub.series, pub.y_label
+    if ratio:
+        top, base = ratio
+        series = {f"{top} / {base}": [(x, y / b) for (x, y), (_, b) in zip(pub.series[top], pub.series[base])]}
+        y_label = f"speed-up ({pub.y_label})"
+    names = list(series)
+    colours = ["#4c72b0", "#dd8452", "#55a868", "#8172b2"]
+    if pub.kind == "line":
+        for name, colour in zip(names, colours):
+            xs, ys = zip(*series[name])
+            ax.plot(xs, ys, "o-", color=colour, label=name)
+        for name, points in (computed or {}).items():
+            ax.plot(*zip(*points), "s--", color="#777777", label=name)
+        ax.set_xscale("log", base=2)
+        xs = [x for x, _ in series[names[0]]]
+        ticks = xs if len(xs) <= 6 else xs[::max(1, len(xs) // 5)]
+        binary = lambda x: next(f"{x / k:g} {u}" for u, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10), ("B", 1))
+                                if x >= k or u == "B")
+        ax.set_xticks(ticks, [binary(x) if "bytes" in pub.x_label else f"{x // 1024:,}K" for x in ticks])
+        ax.minorticks_off()
+        if mark:
+            ax.axhline(mark[0], color="#c44e52", lw=1.5, ls="--")
+            ax.text(ax.get_xlim()[1] / 1.1, mark[0], mark[1], ha="right", va="bottom", color="#c44e52",
+                    fontsize=NOTE)        # at the right, where the published curve is high above it
+    else:
+        cats = [x for x, _ in series[names[0]]]
+        width = 0.8 / len(names)
+        for i, (name, colour) in enumerate(zip(names, colours)):
+            ys = [y for _, y in series[name]]
+            pos = np.arange(len(cats)) + (i - (len(names) - 1) / 2) * width
+            bars = ax.bar(pos, ys, width * 0.95, color=colour, label=name)
+            for b, y in zip(bars, ys):
+                ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}×" if ratio else f"{y:,.4g}", ha="center",
+                        va="bottom", fontsize="small")
+        ax.set_xticks(range(len(cats)), cats)
+        ax.set_ylim(0, max(y for s in series.values() for _, y in s) * 1.18)
+        if ratio:
+            ax.axhline(1, color="black", lw=0.8)
+    ax.set_xlabel(pub.x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(pub.title, fontsize=NOTE)
+    legend = len(names) > 1 or pub.kind == "line"
+    if legend:
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.22 / height),
+                   ncol=min(3, len(labels)), frameon=False)
+    fig.text(0.01, 0.02 / height, f"published, not measured here: {pub.source}", fontsize="small", color="#555555")
+    fig.tight_layout(rect=(0, (0.62 if legend else 0.25) / height, 1, 1))   # inches kept for legend and source
     return fig

@@ -78,6 +78,18 @@ def elementwise_rate(n, op="add", dev="cpu", repeats=7):
     return flops / t.median, t, flops / moved
 
 
+# Bytes per element each kernel is counted with, and what a CPU really moves: a store to a line
+# that is not in cache first reads it (write-allocate), so every written element costs 4 more.
+COUNTED_BYTES = {"copy": 8, "add": 12, "gelu": 8}
+MOVED_BYTES = {"copy": 12, "add": 16, "gelu": 12}
+
+
+def write_allocate_rate(copy_rate, kind):
+    """The counted rate `kind` reaches if it moves its real bytes (write-allocate included) as fast
+    as the copy moves its own: add's is (12/16)/(8/12) = 1.125× the copy's."""
+    return copy_rate * (COUNTED_BYTES[kind] / MOVED_BYTES[kind]) / (COUNTED_BYTES["copy"] / MOVED_BYTES["copy"])
+
+
 def bandwidths(nbytes, dev="cpu", repeats=7):
     """{"copy" | "add" | "gelu": (bytes moved per second, Timing)} on three buffers of `nbytes`
     each, every kernel writing into one preallocated output, timed side by side (the rounds

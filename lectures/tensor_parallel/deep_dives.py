@@ -120,6 +120,21 @@ def dropout_two_streams_measured():
     right = [setup for setup, r in runs.items() if r["spread"]["block output"] == 0
              and abs(mean(r["hidden agreement"]) - expected) < 0.1]
     note(f"Both right: {', '.join(right) or 'none of them'}." if len(right) != len(runs) else "All four got both right.")
+    sp = spawn(sp_residual_dropout, n, p=p, name=f"dropout of the residual's sequence shards under SP, {n} ranks").returns[0]
+    table([[k, a] for k, a in sp["agreement"].items()],
+          header=["residual-stream masks under SP, from", f"agree across the {n} ranks (independent {expected:.2f})"],
+          caption=f"{n} ranks, each holding a shard of the positions (4 × {8 // n} × 16), p = {p}")
+    rep = sp["agreement"]["replicated stream (TP without SP)"]
+    note(f"""
+        **Under sequence parallelism** the residual stream is split too, by positions, so its
+        dropout must move to the split stream, as Megatron's SP does by running the whole block
+        inside `fork()`. Kept on the replicated stream, as TP without SP keeps it, every rank's
+        shard gets the same mask ({rep:.0%} agreement): position $i$ of every shard dropped
+        alike, a pattern one process never draws. The split stream's masks agree on
+        {sp['agreement']["split stream (Megatron's fork under SP)"]:.0%} (independent: {expected:.0%}),
+        and the one-process stream's, gathered along the sequence,
+        {"equal" if sp["one process equal"] else "do NOT equal"} the single process's whole mask.
+    """)
     dt = spawn(dtensor_dropout_agreement, n, p=p, name=f"DTensor dropout of a sharded tensor, {n} ranks").returns[0]
     note(f"""
         **DTensor** (torch 2.13) keeps the two kinds apart with offsets into the default
@@ -338,6 +353,23 @@ def dropout_block(rank, world_size, setup, p=0.3, steps=4, b=4, s=8, h=16, lr=0.
             [(ours[name][k] - getattr(full[name], k)).abs().max().item() for name in ours for k in ("weight", "bias")] +
             [(getattr(m[n], k) - getattr(full[n], k)).abs().max().item() for n in ("ln", "ln_f") for k in ("weight", "bias")])
     return result
+
+
+def sp_residual_dropout(rank, world_size, p=0.3, b=4, s=8, h=16, seed=1234):
+    """Dropout of the residual stream under sequence parallelism, where each rank holds a shard of
+    the positions (b, s/t, h): the keep-masks drawn from the replicated stream (what TP without SP
+    uses for this activation), from the split stream, and from the one-process stream, against
+    the single process's whole mask. Returns how often each agrees across the ranks, and whether
+    the gathered one-process masks are the single process's mask."""
+    group = dist.group.WORLD
+    streams, shard = TPRandom(seed, group), (b, s // world_size, h)
+    masks = {"replicated stream (TP without SP)": keep_mask(streams.replicated("residual"), shard, p),
+             "split stream (Megatron's fork under SP)": keep_mask(streams.split("residual"), shard, p),
+             "one-process stream": keep_mask(streams.one_process(1, "residual"), shard, p)}
+    whole = keep_mask(TPRandom.single_process(seed).one_process(1, "residual"), (b, s, h), p)
+    gathered = torch.cat(_gather(masks["one-process stream"], group), dim=1)
+    return {"agreement": {k: _agreement(m, group) for k, m in masks.items()},
+            "one process equal": bool(torch.equal(gathered, whole))}
 
 
 def dtensor_dropout_agreement(rank, world_size, p=0.3, shape=(4, 8, 64)):

@@ -22,6 +22,9 @@ from lectures.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
 from lectures.tensor_parallel.ops import _all_gather, _all_reduce, _reduce_scatter, _split, shard_checks, traced
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from util import device, quiet, span
+from util.measure import measure, measure_side_by_side
+from lectures.data_parallel.overlap import agreed_wait, measured_against_model, release_core
+from lectures.tensor_parallel.async_tp import ring_all_gather, without_overlap
 
 # =========================================================================================
 # 1. Train the split GPT, and the single-process reference it must equal
@@ -574,3 +577,48 @@ def compare_with_dtensor(rank, world_size, cfg, batch_size=4, steps=3, sequence_
     out["ours counts"], out["ours optimizer counts"] = ours_fb, ours_opt
     out["DTensor counts"], out["DTensor optimizer counts"] = dt_fb, dt_opt
     return out
+
+
+def released_async_tp(rank, world_size, b=4, s=512, h=1024, out=8, reps=7, min_wait=0.004):
+    """Async TP's all-gather + matmul (the ring of `async_tp.ring_all_gather`) in release-the-core
+    mode: each partial matmul (kept narrow, `out` columns, so the real work stays small) is followed
+    by a stand-in that waits `agreed_wait`, as long as one transfer. Without overlap, every
+    transfer is waited for as soon as it is posted (`without_overlap`). Returns the timings read
+    against the model (pattern "consume": the rank's own chunk needs no transfer)."""
+    group, n = dist.group.WORLD, world_size
+    torch.manual_seed(rank)
+    x, w = torch.randn(b, s // n, h, device=device()), torch.randn(out, h, device=device())
+
+    def ring(each):
+        with torch.no_grad(), shard_checks(False):     # time the ring, not the safety check's collective
+            ring_all_gather(x, group, each)
+
+    def send():
+        with without_overlap():
+            ring(lambda owner, chunk: None)
+    wait = agreed_wait(measure(send, warmup=2, repeats=reps).median, max(1, n - 1), min_wait)
+
+    def piece(owner, chunk):
+        F.linear(chunk, w)
+        release_core(wait)
+
+    def sequential():
+        with without_overlap():
+            ring(piece)
+
+    t = measure_side_by_side({"compute": lambda: [piece(r, x) for r in range(n)], "comm": send,
+                               "sequential": sequential, "overlapped": lambda: ring(piece)},
+                              warmup=1, repeats=reps)
+    return {**measured_against_model(t, n, "consume", first_held=True), "chunk_bytes": x.numel() * x.element_size()}
+
+
+def hidden_share(spans, comm, compute):
+    """How much of the `comm` spans' time the `compute` spans overlap, on one rank's spans:
+    {"comm": seconds of comm, "hidden": seconds of it with compute running, "share": their ratio}."""
+    def total(label):
+        return [(sp["start"], sp["end"]) for sp in spans if sp["label"] == label]
+    busy = total(compute)
+    comm_spans = total(comm)
+    hidden = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in comm_spans for cs, ce in busy)
+    length = sum(e - s for s, e in comm_spans)
+    return {"comm": length, "hidden": hidden, "share": hidden / length if length else 0.0}

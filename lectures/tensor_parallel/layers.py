@@ -16,12 +16,14 @@ they are built from are in `lectures/tensor_parallel/ops.py`, the vocabulary-par
 """
 import math
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lectures.tensor_parallel.ops import (SEQ_DIM, _AgreedOnFirstCall, _all_gather, _check_agreed, _check_same_shard,
+from lectures.tensor_parallel.ops import (SEQ_DIM, _AgreedOnFirstCall, _all_gather, _all_gather_async, _check_agreed, _check_same_shard,
                                           _all_reduce_async_, _collective, _reduce_scatter_async, _size_rank, _split,
                                           copy_to_region, gather_from_region, reduce_from_region,
                                           reduce_scatter_sequence, scatter_to_region)
@@ -86,7 +88,11 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     The all-reduce (reduce-scatter under sequence parallelism) of the input gradient travels
     while the weight gradient is computed. Under sequence parallelism only this rank's slice of
     the input is saved, and backward all-gathers it again (Megatron-LM does the same): one more
-    all-gather instead of a full-sequence activation kept for the whole step."""
+    all-gather instead of a full-sequence activation kept for the whole step. That re-gather is
+    needed only by the weight gradient, so it travels while the input gradient is computed:
+
+        SP:      all-gather(X) starts  ->  dX = dY·W  ->  wait  ->  reduce-scatter(dX) starts
+                 ->  dW = dYᵀ·X  ->  wait"""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
@@ -100,9 +106,11 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = _all_gather(x, SEQ_DIM, ctx.group) if ctx.sp else x
+        gathering = _all_gather_async(x, SEQ_DIM, ctx.group) if ctx.sp and dist.get_world_size(ctx.group) > 1 else None
         grad = grad.contiguous()
-        grad_input = grad @ weight
+        with _collective("input gradient (overlapped)") if gathering else contextlib.nullcontext():
+            grad_input = grad @ weight
+        full = gathering.wait() if gathering else x
         # Start summing the input gradient over the ranks (f's all-reduce, or the reduce-scatter
         # of the sequence all-gather) ...
         pending = None

@@ -104,7 +104,7 @@ def _check_agreed(facts, group, what):
     differently shaped inputs would otherwise abort inside gloo (unequal sizes), hang NCCL, or
     run silently when the sizes happen to match. One all-gather of a fixed-size vector, so the
     check cannot itself abort, and a host synchronisation: layers run it once when built and
-    once on their first call, not every step (`shard_checks(False)` skips it)."""
+    on every call (`shard_checks(False)` skips it)."""
     n, _ = _size_rank(group)
     if n == 1 or not _check_shards:
         return
@@ -128,18 +128,16 @@ def _check_agreed(facts, group, what):
 
 
 class _AgreedOnFirstCall:
-    """Mixin for a tensor-parallel module: `_agree_on_input(x)` checks once, on the first call,
-    that every rank's input has the same dtype and shape (and that the module's dtype is the
-    input's)."""
-    _agreed = False
+    """Mixin for a tensor-parallel module: `_agree_on_input(x)` checks, on every call, that every
+    rank's input has the same dtype and shape. A check on the first call only would let a later
+    call with another shape on one rank (a ragged last batch, an evaluation at another length)
+    abort the process inside gloo; the price is one small all-gather per call, a host sync under
+    NCCL, which `shard_checks(False)` skips where shapes are known to agree (timed steps)."""
 
     def _agree_on_input(self, x, what):
-        if self._agreed:
-            return
         facts = {"input dtype": x.dtype, "input dims": x.dim()}
         facts.update({f"input size {i}": size for i, size in enumerate(x.shape[:8])})
         _check_agreed(facts, self.group, what)
-        self._agreed = True
 
 
 def _check_divisible(x, dim, n, what):
@@ -202,9 +200,12 @@ class _Pending:
         self.work, self.label, self.start, self.result = work, label, start, result
 
     def wait(self):
+        done = []
         if _trace:
-            done = []
-            self.work.get_future().then(lambda _: done.append(time.perf_counter()))
+            try:
+                self.work.get_future().then(lambda _: done.append(time.perf_counter()))
+            except RuntimeError:      # gloo's all_gather_single has no future: its span ends at the wait
+                pass
         self.work.wait()
         if _trace:
             span_at(self.label, self.start, done[0] if done else time.perf_counter())
@@ -216,6 +217,16 @@ def _all_reduce_async_(x, group):
     start = time.perf_counter()
     work = dist.all_reduce(x, group=group, async_op=True)
     return _Pending(work, "all-reduce (async)", start, lambda: x)
+
+
+def _all_gather_async(x, dim, group):
+    """Start an all-gather of x along `dim`; returns a _Pending whose wait() gives the gathered tensor."""
+    n = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((n * x0.shape[0], *x0.shape[1:]))
+    start = time.perf_counter()
+    work = dist.all_gather_single(out, x0, group=group, async_op=True)
+    return _Pending(work, "all-gather (async)", start, lambda: out.movedim(0, dim).contiguous())
 
 
 def _reduce_scatter_async(x, dim, group):

@@ -82,22 +82,46 @@ def vocab_parallel_cross_entropy(local_logits, targets, group):
 
     g (all-reduce forward, identity backward) is the right conjugate for the sums because every
     rank then holds the same loss and back-propagates into its own slice."""
-    n, r = _size_rank(group)
+    n, _ = _size_rank(group)
     _agree_on_loss(local_logits, targets, group)
     per = local_logits.shape[-1]
     if targets.shape != local_logits.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
     if targets.numel() and (targets.min() < 0 or targets.max() >= per * n):
         raise ValueError(f"targets must lie in [0, {per * n}) (no ignore_index here)")
-    z = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))  # at least fp32
-    m = _all_reduce(z.detach().amax(dim=-1), group, op=dist.ReduceOp.MAX)   # constant: no gradient
-    shifted = z - m.unsqueeze(-1)
-    sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)
-    mine = (targets >= r * per) & (targets < (r + 1) * per)
-    local_target = (targets - r * per).masked_fill(~mine, 0)
-    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
-    target_logit = reduce_from_region(picked, group)
-    return (sum_exp.log() - target_logit).mean()
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The loss's forward and backward written out, as Megatron-LM's _VocabParallelCrossEntropy:
+    the shifted logits become the local softmax in place and are saved once (at least fp32), with
+    which tokens' targets this rank holds; backward is (softmax − one-hot) × grad / tokens, each
+    rank for its own slice. Composed from autograd ops the loss kept two copies of the slice
+    (exp's output and the shifted logits, which gather keeps): twice F.cross_entropy's bytes."""
+
+    @staticmethod
+    def forward(ctx, local_logits, targets, group):
+        _, r = _size_rank(group)
+        per = local_logits.shape[-1]
+        z = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32), copy=True)  # ours to overwrite
+        m = _all_reduce(z.amax(dim=-1), group, op=dist.ReduceOp.MAX)
+        z.sub_(m.unsqueeze(-1))
+        mine = (targets >= r * per) & (targets < (r + 1) * per)
+        local_target = (targets - r * per).masked_fill(~mine, 0)
+        target_logit = _all_reduce(z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine, group)
+        sum_exp = _all_reduce(z.exp_().sum(dim=-1), group)
+        z.div_(sum_exp.unsqueeze(-1))                       # the local slice of the softmax
+        ctx.save_for_backward(z, mine, local_target)
+        ctx.dtype = local_logits.dtype
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_target = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, local_target.unsqueeze(-1), -mine.unsqueeze(-1).to(out.dtype))
+        out.mul_(grad / max(1, local_target.numel()))
+        return out.to(ctx.dtype), None, None
 
 
 def _agree_on_loss(local_logits, targets, group):
