@@ -34,8 +34,9 @@ def build(lecture, out, *flags, check=True):
 # --- the session's course build: made once, read by many tests ------------------------------
 
 BUILD_READERS = ("course_site", "executed_notebooks")
-# Tests that time something in a browser run after the builds, on a machine no build shares.
-AFTER_THE_BUILDS = ("test_widgets.py",)
+# Tests that time something (in a browser, or overlap against its model) run after both builds,
+# on a machine no build shares.
+AFTER_THE_BUILDS = ("test_widgets.py", "test_overlap.py")
 _BUILDS = []        # the session's builds, reported at the end of the run
 _background = None
 
@@ -60,7 +61,7 @@ def pytest_collection_modifyitems(session, config, items):
     # each build's own test first: --durations then names the build, not a test that waited for it
     first = ("test_the_course_build_ended_well", "test_cli_ran_every_notebook")
     items[:] = [i for i in items if i not in late] + \
-        sorted(late, key=lambda i: (reads(i, "executed_notebooks"), i.path.name in AFTER_THE_BUILDS,
+        sorted(late, key=lambda i: (i.path.name in AFTER_THE_BUILDS, reads(i, "executed_notebooks"),
                                     i.name not in first))
     plan = []
     if any(reads(i, "course_site") for i in items):
