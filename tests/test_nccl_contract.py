@@ -74,6 +74,97 @@ def test_no_schedule_lecture_05_allows_deadlocks_under_nccls_rules():
     assert checked > 600
 
 
+# The costs a plan can be timed with: unit, Qi et al.'s measured mixes (1.5B with its T_comm),
+# W free, a dear B, and the page's sleep mode (seconds, per chunk)
+PLAN_COSTS = [None, {"F": 1, "B": 1, "W": 0.5}, {"F": 1, "B": 0.976, "W": 0.504, "send": 0.032},
+              {"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 2, "W": 1}, {"F": 0.04, "B": 0.04, "W": 0.04}]
+
+
+def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
+    """The slots may come from any costs the run will have: every schedule, p <= 8, m <= 16, each
+    size under one of PLAN_COSTS in turn (p = 4, m = 8 under all), finishes under NCCL's rules,
+    each pair in the same order at both ends."""
+    checked = 0
+    for n, (name, p, m, v, sched) in enumerate(allowed()):
+        for cost in (PLAN_COSTS if (p, m) == (4, 8) else [PLAN_COSTS[n % len(PLAN_COSTS)]]):
+            plans = [pipeline.communication_plan(sched, r, cost=cost) for r in range(p)]
+            stuck = p2p_deadlock(plans)
+            assert stuck is None, f"{name} p={p} m={m} v={v} cost={cost}: {stuck[:2]}"
+            for (src, dst), keys in message_order(sched).items():
+                sends = [k for what, batch in plans[src] if what == "post" for op, peer, k in batch
+                         if op == "send" and peer == dst]
+                assert sends == keys, f"{name} p={p} m={m} v={v} cost={cost}: pair {src}->{dst}"
+            checked += 1
+    assert checked > 600
+
+
+def one_stream_makespan(schedule, cost, plans):
+    """The makespan of `plans` under NCCL's one stream per rank, timed (the review's model): a
+    batch starts once the rank's previous batch is done and the compute before its posting point
+    is; a message is there when both its batches have started; an action starts when the rank is
+    free and its input's batch is done."""
+    layout, split = schedule.layout, schedule.split_backward
+    dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
+    p = layout.ranks
+    pc, clock, stream_free = [0] * p, [0.0] * p, [0.0] * p
+    start_of, done_at, batch_of = {}, {}, {}
+    serial = 0
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(plans[r]):
+                what, arg = plans[r][pc[r]]
+                if what == "post":
+                    serial += 1
+                    start = max(clock[r], stream_free[r])
+                    keys = [(op, peer, key) for op, peer, key in arg]
+                    for _, _, key in keys:
+                        batch_of[r, key] = serial
+                    start_of[serial] = (r, start, keys)
+                elif what == "wait":
+                    b = batch_of[r, arg]
+                    if b not in done_at:
+                        if not _finish(b, start_of, batch_of, done_at, stream_free):
+                            break
+                    clock[r] = max(clock[r], done_at[b])
+                else:
+                    clock[r] += dur[schedule[r][arg].kind]
+                pc[r] += 1
+                progress = True
+    assert all(pc[r] == len(plans[r]) for r in range(p)), "stuck"
+    return max(clock)
+
+
+def _finish(b, start_of, batch_of, done_at, stream_free):
+    """Batch b is done when every message of it has both ends started (sends are free)."""
+    r, start, keys = start_of[b]
+    ends = []
+    for op, peer, key in keys:
+        other = batch_of.get((peer, key))
+        if other is None:
+            return False
+        ends.append(start_of[other][1])
+    done_at[b] = max([start] + ends)
+    stream_free[r] = done_at[b]
+    return True
+
+
+@pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
+def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
+    """Review B1: slots from unit costs made a message ready early wait behind a batch whose
+    partner still computes (one stream per rank): at F = B = 1, W = 0.5 ZB-H1 took 26.5 units
+    instead of 24.5 at p = 4. Timed at the run's costs, the plan keeps the simulator's makespan."""
+    sched = make_schedule(name, 4, 8, v)
+    cost = demos.chunk_cost(v, 1, 1, 0.5)
+    ideal = pipeline.simulate(sched, cost).makespan
+    timed = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(4)])
+    unit = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r) for r in range(4)])
+    assert timed == pytest.approx(ideal)
+    if name == "zb-h1":
+        assert unit == pytest.approx(26.5) and ideal == pytest.approx(24.5)
+
+
 # --- the executor on real tensors under the stand-in -------------------------------------------
 
 def run_under_nccl(name, p, m, v, monkeypatch, offset=0):

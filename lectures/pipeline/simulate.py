@@ -215,14 +215,34 @@ def dualpipev_readme_bubble(p, F, B, W, FB=None):
 UNIT_COSTS = {"F": 1, "B": 1, "W": 1}     # integers: every time on this clock is exact
 
 
-def message_slots(schedule, layout=None):
+def plan_clock(cost=None):
+    """The costs a communication plan is timed with, on an integer clock: `cost` ({"F", "B", "W"},
+    optionally "send": the times the run will have, given or measured) scaled so that the
+    dearest is 1000 and rounded, F and B at least 1 (a message leaves when its action ends, so
+    that action must take time). Integers keep every sum exact, so equal times on two ranks
+    are equal slots; None gives unit costs (F = B = W = 1)."""
+    if cost is None:
+        return dict(UNIT_COSTS)
+    check_costs(cost)
+    given = {k: cost.get(k, 0) for k in ("F", "B", "W", "send")}
+    top = max(given.values())
+    if top <= 0:
+        return dict(UNIT_COSTS)
+    clock = {k: round(1000 * v / top) for k, v in given.items()}
+    clock["F"], clock["B"] = max(1, clock["F"]), max(1, clock["B"])
+    return clock if clock["send"] else {k: v for k, v in clock.items() if k != "send"}
+
+
+def message_slots(schedule, layout=None, cost=None):
     """{(kind, stage, microbatch): slot} for every message between two ranks: the time its data
-    is ready when every action costs one unit (a whole backward two) and sends are free. Both
-    ends post the message in their batch of that slot, and every rank posts its batches in slot
-    order; so the batches of one slot meet across all ranks once every earlier slot is done,
-    which is what NCCL needs (see p2p_deadlock)."""
+    is ready when the actions take what `cost` says (`plan_clock`: the run's own costs; unit
+    costs if None). Both ends post the message in their batch of that slot, and every rank
+    posts its batches in slot order; so the batches of one slot meet across all ranks once
+    every earlier slot is done, which is what NCCL needs (see p2p_deadlock), and a message is
+    posted when its data is ready on the clock the run keeps, not behind a batch whose
+    partner is still computing."""
     layout = layout or schedule.layout
-    sim = simulate(schedule, UNIT_COSTS, layout)
+    sim = simulate(schedule, plan_clock(cost), layout)
     slots = {}
     for r, row in enumerate(sim.timeline):
         for a, _, end in row:
