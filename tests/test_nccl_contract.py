@@ -14,6 +14,7 @@ import torch
 from lectures.pipeline import executor as pipeline
 from lectures.model import GPTConfig
 from lectures.pipeline import PipelineExecutor, make_schedule, message_order, p2p_deadlock
+from lectures.pipeline.simulate import one_stream_makespan
 from lectures.pipeline.demos import reference_train
 from lectures.pipeline import demos, schedules
 from tests.support.nccl_standin import NcclLikeP2P, run_ranks
@@ -98,58 +99,6 @@ def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
     assert checked > 600
 
 
-def one_stream_makespan(schedule, cost, plans):
-    """The makespan of `plans` under NCCL's one stream per rank, timed (the review's model): a
-    batch starts once the rank's previous batch is done and the compute before its posting point
-    is; a message is there when both its batches have started; an action starts when the rank is
-    free and its input's batch is done."""
-    layout, split = schedule.layout, schedule.split_backward
-    dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
-    p = layout.ranks
-    pc, clock, stream_free = [0] * p, [0.0] * p, [0.0] * p
-    start_of, done_at, batch_of = {}, {}, {}
-    serial = 0
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(plans[r]):
-                what, arg = plans[r][pc[r]]
-                if what == "post":
-                    serial += 1
-                    start = max(clock[r], stream_free[r])
-                    keys = [(op, peer, key) for op, peer, key in arg]
-                    for _, _, key in keys:
-                        batch_of[r, key] = serial
-                    start_of[serial] = (r, start, keys)
-                elif what == "wait":
-                    b = batch_of[r, arg]
-                    if b not in done_at:
-                        if not _finish(b, start_of, batch_of, done_at, stream_free):
-                            break
-                    clock[r] = max(clock[r], done_at[b])
-                else:
-                    clock[r] += dur[schedule[r][arg].kind]
-                pc[r] += 1
-                progress = True
-    assert all(pc[r] == len(plans[r]) for r in range(p)), "stuck"
-    return max(clock)
-
-
-def _finish(b, start_of, batch_of, done_at, stream_free):
-    """Batch b is done when every message of it has both ends started (sends are free)."""
-    r, start, keys = start_of[b]
-    ends = []
-    for op, peer, key in keys:
-        other = batch_of.get((peer, key))
-        if other is None:
-            return False
-        ends.append(start_of[other][1])
-    done_at[b] = max([start] + ends)
-    stream_free[r] = done_at[b]
-    return True
-
-
 @pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
 def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
     """Review B1: slots from unit costs made a message ready early wait behind a batch whose
@@ -160,6 +109,8 @@ def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
     ideal = pipeline.simulate(sched, cost).makespan
     timed = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(4)])
     unit = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r) for r in range(4)])
+    assert one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(3)]
+                               + [[]]) is None            # a rank that posts nothing: stuck, said so
     assert timed == pytest.approx(ideal)
     if name == "zb-h1":
         assert unit == pytest.approx(26.5) and ideal == pytest.approx(24.5)

@@ -5,7 +5,8 @@ steps back to back; `theory_bubble` gives the textbook formulas, `qi_bubble` Qi 
 `dualpipev_readme_bubble` DeepSeek's; `held` counts the micro-batches a rank holds; `message_order`
 lists what each pair of ranks exchanges, in the order the sender produces it (NCCL matches a
 pair's messages in posting order); `message_slots` gives each message a time on one clock that
-both its ends post it at, and `p2p_deadlock` runs the ranks' posting programs under NCCL's rules.
+both its ends post it at, `p2p_deadlock` runs the ranks' posting programs under NCCL's rules and
+`one_stream_makespan` times them.
 """
 import collections
 import math
@@ -252,6 +253,62 @@ def message_slots(schedule, layout=None, cost=None):
             if key and layout.place(key[1])[0] != r:
                 slots[key] = end
     return slots
+
+
+def one_stream_makespan(schedule, cost, plans):
+    """The makespan of the ranks' posting programs `plans` (`executor.communication_plan`) under
+    NCCL's one stream per rank, timed; None if they do not finish. A batch starts once the
+    rank's compute before its posting point is done and its stream is free; it is done when
+    every message of it has both ends' batches started (messages are free); an action starts
+    when the rank is free and the batch holding its input is done. At unit costs with unit
+    plans it is `simulate`'s makespan; with plans timed at other costs than the run's, a
+    message ready early waits behind a batch whose partner is still computing."""
+    layout, split = schedule.layout, schedule.split_backward
+    dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
+    p = layout.ranks
+    pc, clock, stream_free = [0] * p, [0.0] * p, [0.0] * p
+    start_of, done_at, batch_of = {}, {}, {}
+    serial = 0
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(plans[r]):
+                what, arg = plans[r][pc[r]]
+                if what == "post":
+                    serial += 1
+                    start = max(clock[r], stream_free[r])
+                    keys = [(op, peer, key) for op, peer, key in arg]
+                    for _, _, key in keys:
+                        batch_of[r, key] = serial
+                    start_of[serial] = (r, start, keys)
+                elif what == "wait":
+                    b = batch_of[r, arg]
+                    if b not in done_at:
+                        if not _finish(b, start_of, batch_of, done_at, stream_free):
+                            break
+                    clock[r] = max(clock[r], done_at[b])
+                else:
+                    clock[r] += dur[schedule[r][arg].kind]
+                pc[r] += 1
+                progress = True
+    if any(pc[r] < len(plans[r]) for r in range(p)):
+        return None
+    return max(clock)
+
+
+def _finish(b, start_of, batch_of, done_at, stream_free):
+    """Batch b is done when every message of it has both ends started (sends are free)."""
+    r, start, keys = start_of[b]
+    ends = []
+    for op, peer, key in keys:
+        other = batch_of.get((peer, key))
+        if other is None:
+            return False
+        ends.append(start_of[other][1])
+    done_at[b] = max([start] + ends)
+    stream_free[r] = done_at[b]
+    return True
 
 
 def p2p_deadlock(programs):
