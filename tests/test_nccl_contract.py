@@ -101,9 +101,10 @@ def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
 
 @pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
 def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
-    """Review B1: slots from unit costs made a message ready early wait behind a batch whose
-    partner still computes (one stream per rank): at F = B = 1, W = 0.5 ZB-H1 took 26.5 units
-    instead of 24.5 at p = 4. Timed at the run's costs, the plan keeps the simulator's makespan."""
+    """Review B1: slots from unit costs, one batch per slot, made a message ready early wait
+    behind a batch whose partner still computes (one stream per rank): at F = B = 1, W = 0.5
+    ZB-H1 took 26.5 units instead of 24.5 at p = 4. Timed at the run's costs (and one batch per
+    neighbour and slot), the plan keeps the simulator's makespan."""
     sched = make_schedule(name, 4, 8, v)
     cost = demos.chunk_cost(v, 1, 1, 0.5)
     ideal = pipeline.simulate(sched, cost).makespan
@@ -111,9 +112,7 @@ def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
     unit = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r) for r in range(4)])
     assert one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(3)]
                                + [[]]) is None            # a rank that posts nothing: stuck, said so
-    assert timed == pytest.approx(ideal)
-    if name == "zb-h1":
-        assert unit == pytest.approx(26.5) and ideal == pytest.approx(24.5)
+    assert timed == pytest.approx(ideal) and unit >= ideal - 1e-9
 
 
 # --- the executor on real tensors under the stand-in -------------------------------------------

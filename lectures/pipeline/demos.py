@@ -7,8 +7,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from lectures.model.gpt import GPT, batch, loss_fn
-from lectures.pipeline.executor import build_rank, gradients_by_name, split_gpt, stage_parameters
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.pipeline.executor import build_rank, gradients_by_name, measured_cost, split_gpt, stage_parameters
 from lectures.pipeline.schedules import Action, Layout, make_schedule
 from lectures.pipeline.simulate import simulate, theory_bubble
 from util import device, quiet
@@ -135,13 +135,18 @@ def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=
     (`measure_side_by_side`: a noisy machine's drift hits them all alike); every timed step's
     spans are kept so the page can compute its bubble. Returns, per run label: the step
     Timing, the spans of every timed step, peak saved bytes (and the output gradients held at
-    that peak) and messages sent."""
-    steps, fns = {}, {}
+    that peak), messages sent and the costs the plan was timed with: the sleeps in sleep mode,
+    else the F, B, W measured in one step first (`measured_cost`)."""
+    steps, fns, plan_costs = {}, {}, {}
     for run in runs:
         executor, stages = build_rank(rank, world_size, cfg, run["name"], run["m"], mb_size, run.get("v", 1),
                                       delay=delay, checkpoint=run.get("checkpoint", False), track_memory=track_memory)
         inputs, targets = microbatches(cfg, run["m"], mb_size, 0)
         steps[run["label"]] = []
+        if not delay:                       # real compute: time the plan with this run's own costs
+            executor.plan_for(measured_cost(executor.step(inputs, targets)["events"]))
+            for mod in stages.values():
+                mod.zero_grad(set_to_none=True)
 
         def one_step(executor=executor, stages=stages, inputs=inputs, targets=targets, out=steps[run["label"]]):
             got = executor.step(inputs, targets)
@@ -149,6 +154,7 @@ def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=
                 mod.zero_grad(set_to_none=True)
             out.append(got)
         fns[run["label"]] = one_step
+        plan_costs[run["label"]] = executor.plan_cost
     timings = measure_side_by_side(fns, warmup=warmup, repeats=repeats)
     results = {}
     for label, timing in timings.items():
@@ -156,15 +162,22 @@ def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=
         results[label] = {
             "timing": timing, "events": [[(tuple(a), t0, t1) for a, t0, t1 in s["events"]] for s in timed],
             "peak_saved_bytes": timed[-1]["peak_saved_bytes"], "peak_held_grads": timed[-1]["peak_held_grads"],
-            "messages": timed[-1]["messages"], "loss": timed[-1]["loss"]}
+            "messages": timed[-1]["messages"], "loss": timed[-1]["loss"], "plan_cost": plan_costs[label]}
     return results
 
 
 # The step ratios: long sleeps, so that the fixed cost every action also pays here (Python, a
-# gloo message, waking a sleeping rank on cores shared by more processes: a few ms, measured on
+# gloo message, waking a sleeping rank on cores shared by more processes: 2 to 10 ms, measured on
 # the page) is small against an action. Interleaved, ZB-V and DualPipeV run twice the actions,
-# each half as long, so that cost weighs twice on them.
-RATIO_SLEEP = 0.12
+# each half as long, and ZB-V three times 1F1B's: at 7 ms per action and 120 ms sleeps ZB-V's
+# ratio came out 0.06 above the simulator's, at 200 ms about 0.035.
+RATIO_SLEEP = 0.2
+
+
+def ratio_cfg(p):
+    """The smallest GPT that gives every one of 2p chunks a layer: a cost per action as small as
+    the executor allows, so that the ratio measures the schedule (each micro-batch one sequence)."""
+    return GPTConfig(n_layers=2 * p, d_model=8, n_heads=1, seq_len=4, vocab_size=16)
 RATIO_RUNS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
 
 

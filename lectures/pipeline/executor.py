@@ -22,6 +22,7 @@ process (tests/test_lecture_05.py); lecture 07 runs it on the pipeline axis of a
 import collections
 import contextlib
 import hashlib
+import statistics
 import time
 
 import torch
@@ -108,9 +109,8 @@ class PipelineExecutor:
     B + W): sleep mode, for more ranks than cores. `cost` ({"F", "B", "W"} per action: the times
     the run will have, given or measured; default `delay`, else unit costs) times the plan's
     slots; `plan_for` re-times them, and every rank must use the same (the signature says them).
-    `checkpoint` keeps only each micro-batch's
-    stage input after F (the forward runs without a graph) and re-runs the forward inside B
-    (GPipe's re-materialisation). `track_memory` counts the bytes
+    `checkpoint` keeps only each micro-batch's stage input after F (the forward runs without a
+    graph) and re-runs the forward inside B (GPipe's re-materialisation). `track_memory` counts the bytes
     autograd saves for backward (`SavedBytes`, a Python hook per saved tensor: turn it off when
     timing against another implementation).
 
@@ -557,6 +557,18 @@ def weight_gradients(module, inputs, dy):
     return {id(p): g for p, g in zip(params, torch.autograd.grad(y, params, dy))}
 
 
+def measured_cost(events, group=None):
+    """The run's costs from one step's measured (action, start, end) spans: each kind's median
+    length on this rank, averaged over the pipeline's ranks (one all_reduce: every rank must
+    time its plan with the same costs). An unsplit list has no W; its B is the whole backward."""
+    lengths = [statistics.median([t1 - t0 for a, t0, t1 in events if a.kind == k] or [0.0]) for k in "FBW"]
+    total = torch.tensor(lengths, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+        total /= dist.get_world_size(group)
+    return dict(zip("FBW", total.tolist()))
+
+
 def tie_peer(layout, rank):
     """The rank holding the other end of the pipeline (first stage <-> last stage), with which a
     tied embedding's gradient is summed; None where this rank holds both ends (p = 1, or the V
@@ -596,7 +608,7 @@ def communication_plan(schedule, rank, layout=None, cost=None):
     plan, i = [], 0
     for n, (a, start) in enumerate(zip(schedule[rank], starts)):
         while i < len(order) and order[i] <= start:
-            plan.append(("post", sorted(batches[order[i]], key=lambda op: op[2])))
+            plan += _posts(batches[order[i]], rank)
             i += 1
         s = layout.stage(rank, a.chunk)
         need = (("act", s, a.microbatch) if a.kind == "F" and s > 0 else
@@ -604,8 +616,22 @@ def communication_plan(schedule, rank, layout=None, cost=None):
         if need in slots:
             plan.append(("wait", need))
         plan.append(("run", n))
-    plan += [("post", sorted(batches[slot], key=lambda op: op[2])) for slot in order[i:]]
+    for slot in order[i:]:
+        plan += _posts(batches[slot], rank)
     return plan
+
+
+def _posts(ops, rank):
+    """One slot's messages as one batch per peer, in the order of the pair (lower rank, higher
+    rank): every rank orders the pairs alike, so under NCCL's one stream the pair first in that
+    order always has its batch at the head of both ends' streams (no cycle), and a rank that
+    needs one neighbour's message does not wait for another neighbour's batch of the same
+    slot. Inside a batch, ops are sorted by key, the same order at both ends."""
+    by_peer = collections.defaultdict(list)
+    for op in ops:
+        by_peer[op[1]].append(op)
+    return [("post", sorted(by_peer[peer], key=lambda op: op[2]))
+            for peer in sorted(by_peer, key=lambda q: (min(q, rank), max(q, rank)))]
 
 
 def gradients_by_name(stage_modules):
