@@ -25,7 +25,7 @@ from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_fi
                                        schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
                                        zb_h2_two_steps, real_compute_figure, pytorch_figure,
                                        published_zero_bubble_figure, step_ratio_figure)
-from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_HARDWARE, QI_TABLE_4_SOURCE, speedups_over_1f1b
+from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_SOURCE, speedups_over_1f1b
 from util import cheat, deep_dive, figure, note, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import compare, machine, spreads_overlap, value_range
@@ -181,8 +181,8 @@ def measured_schedules():
     with deep_dive("DualPipeV's bubble formula against our list",
                    "the README's (S/2−1)(F&B+B−3W) against DualPipeV run pair by pair and as its reference runs it"):
         dualpipev_formula(p)
-    every_schedule_measured(R, p, mode)                 # all of them side by side, with the explorer
-    schedules_pay_off(p)                                # the step over 1F1B's, with long sleeps; on GPUs
+    short = every_schedule_measured(R, p, mode)         # all of them side by side, with the explorer
+    schedules_pay_off(p, short, mode, R)                # the step over 1F1B's, with long sleeps; on GPUs
     return R
 
 
@@ -379,7 +379,6 @@ def zero_bubble_measured(R, p):
         to $p$ micro-batches on every rank where 1F1B holds $p - r$, those waiting for W with less
         than their activations plus their output gradients. {zb_h1_memory_words(R, p)})
     """)
-    zb_h1_memory_table(R)
     zb_h2_two_steps(p, m)
     with deep_dive("Every schedule with W free and with W = B",
                    "the simulated bubbles of every list when the weight gradient costs nothing, and when it costs a B"):
@@ -422,15 +421,15 @@ def zb_h1_memory_words(R, p):
 
 
 def zb_h1_memory_table(R):
-    rows = [[f"rank {r}", kib(one), kib(zb), kib(dy), kib(zb - dy), f"{(zb - dy) / max(o for o, _, _ in zb_h1_peaks(R)):.2f}×"]
-            for r, (one, zb, dy) in enumerate(zb_h1_peaks(R))]
-    with deep_dive("ZB-H1's memory, rank by rank",
-                   "each rank's peak under 1F1B and ZB-H1, and how much of ZB-H1's is output gradients"):
-        note("## Deep dive: ZB-H1's memory, rank by rank")
-        table(rows, header=["rank", "1F1B peak", "ZB-H1 peak", "of which output gradients held for W",
-                            "ZB-H1 peak without them", "against 1F1B's peak (rank max)"],
-              caption="Sleep mode, m = 8: the most bytes each rank held for backward at once (saved by autograd, "
-                      "plus what W waits with), and how much of ZB-H1's peak is output gradients.")
+    """ZB-H1's and 1F1B's peaks, rank by rank (in the deep dive with the numbers)."""
+    peaks = zb_h1_peaks(R)
+    one_max = max(one for one, _, _ in peaks)
+    rows = [[f"rank {r}", kib(one), kib(zb), kib(dy), kib(zb - dy), f"{(zb - dy) / one_max:.2f}×"]
+            for r, (one, zb, dy) in enumerate(peaks)]
+    table(rows, header=["rank", "1F1B peak", "ZB-H1 peak", "of which output gradients held for W",
+                        "ZB-H1 peak without them", "against 1F1B's peak (rank max)"],
+          caption="Sleep mode, m = 8: the most bytes each rank held for backward at once (saved by autograd, "
+                  "plus what W waits with), and how much of ZB-H1's peak is output gradients.")
 
 
 def kib(nbytes):
@@ -498,33 +497,25 @@ def every_schedule_measured(R, p, mode):
         The simulator's timeline (left, the sleep durations as costs, no communication cost)
         beside the spans measured on the ranks (right) for the same action lists.
     """)
-    with deep_dive("Every schedule at the short sleeps, in numbers",
-                   "each list's bubble in theory, simulated and measured, and its measured and simulated step"):
-        note("## Deep dive: every schedule at the short sleeps, in numbers")
-        table(rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
-                            "measured step", "simulated step"],
-              caption=f"{mode}. Measured bubble: 1 − Σ compute spans / (ranks × step span), per timed "
-                      "step; median and interquartile range.")
     (e1, r1), (ei, ri) = extra["1f1b"], extra["interleaved-1f1b"]
     split = {n: extra[n][0] for n in ("zb-h1", "zb-h2", "zb-v", "dualpipev")}
     note(f"""
-        The measured steps also pay for Python, gloo, the real compute and {p} ranks sharing
-        the cores, which the simulator leaves out: {e1 * 1e3:.0f} ms per step beyond the
-        simulated one for 1F1B, {ei * 1e3:.0f} ms for interleaved 1F1B ($v$× the actions, each $1/v$
-        as long), {min(split.values()) * 1e3:.0f}–{max(split.values()) * 1e3:.0f} ms for the split lists
-        (W is one more action per micro-batch). In 1F1B and interleaving that time is bubble
-        (measured over theory {r1:.2f} and {ri:.2f}); in the split lists it is mostly compute
-        inside the spans, so their bubble shrinks while their step does not. The step is the
-        verdict, and at these sleeps it hides the gain: the section after the explorer uses
-        sleeps {RATIO_SLEEP / SLEEP["F"]:g}× longer.
+        Measured steps also pay for what the simulator leaves out (Python, gloo, compute, {p}
+        ranks on shared cores): {e1 * 1e3:.0f} ms per step for 1F1B, {ei * 1e3:.0f} ms for interleaved
+        ($v$× the actions), {min(split.values()) * 1e3:.0f}–{max(split.values()) * 1e3:.0f} ms for the
+        split lists (W: one more action per micro-batch). In 1F1B and interleaving it is bubble
+        (measured over theory {r1:.2f}, {ri:.2f}); in the split lists mostly compute inside the
+        spans, so their bubble shrinks but not their step. The step is the verdict; the section
+        after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:g}× longer.
 
         What each rank holds over the step, simulated from the same lists:
     """)
     memory_figure(4, 8)
     explorer(4, 8)
+    return rows
 
 
-def schedules_pay_off(p, m=8):
+def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
     """The verdict is the step: each schedule's step over 1F1B's, measured with sleeps long
     against the per-action cost, beside the simulator's; then Qi et al.'s GPU measurements."""
     runs = [{"label": name, "name": name, "m": m, "v": v} for name, v in RATIO_RUNS]
@@ -550,23 +541,28 @@ def schedules_pay_off(p, m=8):
                    f"half): simulated (hatched), measured (filled; median of the rounds' ratios, the lists taking turns).")
     short = SLEEP["F"] / 2
     note(f"""
-        A smaller bubble is a promise; the step is what a schedule delivers. With
-        {RATIO_SLEEP * 1e3:.0f} ms actions each measured step over 1F1B's follows the
-        simulator's within {gap:.3f} ({worst}). The simulator leaves out a cost per action (the
-        real compute, Python, a gloo message, waking a rank on {usable_cores_here()} shared cores) of
-        {min(excess.values()) * 1e3:.1f}–{max(excess.values()) * 1e3:.1f} ms here: a few percent of
-        these actions, but as long as the {SLEEP['F'] * 1e3:.0f} ms (a chunk's {short * 1e3:.0f} ms)
-        actions above, where the split and two-chunk lists, with more actions, were not faster.
-        The messages go out at slots timed with these costs (`communication_plan` at the sleep lengths).
+        The step is what a schedule delivers: with {RATIO_SLEEP * 1e3:.0f} ms actions each measured
+        step over 1F1B's is the simulator's within {gap:.3f} ({worst}). What the simulator leaves out,
+        {min(excess.values()) * 1e3:.1f}–{max(excess.values()) * 1e3:.1f} ms per action here (compute,
+        Python, gloo, waking a rank on {usable_cores_here()} shared cores), is at most
+        {100 * max(excess.values()) / RATIO_SLEEP:.0f}% of these actions but up to
+        {max(excess.values()) / short:.0f}× the {SLEEP['F'] * 1e3:.0f} ms (a chunk's {short * 1e3:.0f} ms)
+        actions above, where the lists with more actions were not faster.
     """)
-    with deep_dive("The steps with long sleeps, in numbers",
-                   "each schedule's simulated and measured step, their ratios to 1F1B's, and the cost per action"):
-        note("## Deep dive: the steps with long sleeps, in numbers")
+    with deep_dive("Every schedule's step, bubble and memory, in numbers",
+                   "each list's simulated and measured step and bubble at the short sleeps, its step over "
+                   "1F1B's with long ones, and ZB-H1's memory rank by rank"):
+        note("## Deep dive: every schedule's step, bubble and memory, in numbers")
+        table(short_rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
+                                  "measured step", "simulated step"],
+              caption=f"{mode}. Measured bubble: 1 − Σ compute spans / (ranks × step span), per timed "
+                      "step; median and interquartile range.")
         table(rows, header=["schedule", "v", "simulated step", "measured step (IQR)", "simulated / 1F1B",
                             "measured / 1F1B", "difference", "step's excess per action"],
               caption=f"Sleep mode with {RATIO_SLEEP * 1e3:.0f} ms per action; the excess per action is (measured "
                       "step − simulated step) over the actions of a rank's list: what each action costs here "
                       "beyond its sleep.")
+        zb_h1_memory_table(sleep_returns)
     cheat("ZB-H1 step", "step over 1F1B's $\\frac{3m+p-1}{3m+3(p-1)}$ at $F = B = W$", round(ratios["zb-h1"][0], 3), "×",
           what=f"ZB-H1's step over 1F1B's, p = {p}, m = {m}, sleep mode with {RATIO_SLEEP * 1e3:.0f} ms actions, "
                f"measured (simulated {ratios['zb-h1'][1]:.3f})")
@@ -577,9 +573,8 @@ def schedules_pay_off(p, m=8):
     extra = [mem["ZB-1p"] - mem["1F1B"] for _, _, _, mem in QI_TABLE_4.values()]
     models, gpus = list(QI_TABLE_4), [g for g, _, _, _ in QI_TABLE_4.values()]
     figure(published_zero_bubble_figure(),
-           caption=f"Published GPU measurements, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}), "
-                   f"{QI_TABLE_4_HARDWARE}. Left: samples per GPU per second over 1F1B's at each model's "
-                   "fewest micro-batches (m = 3p); right: the memory each schedule used.")
+           caption=f"Published on GPUs, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}). Left: "
+                   "throughput over 1F1B's at m = 3p; right: memory per GPU.")
     note(f"""
         On GPUs (Qi et al., Table 4: {models[0]} to {models[-1]} GPT models on {min(gpus)} to {max(gpus)} A100s,
         $m = 3p$) ZB-1p, scheduled within 1F1B's memory like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's
@@ -656,13 +651,12 @@ def real_compute():
     (zl, zo), (ol, oo) = (overhead_per_action(R, n, n, m, 1, p) for n in ("zb-h1", "1f1b"))
     note(f"""
         ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))}
-        ZB-H1's actions take (medians) F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f} and W {zl['W'] * 1e3:.1f} ms
-        (1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms); simulated at those lengths its step is
-        {zo * 1e3:.1f} ms per action shorter than measured (1F1B's {oo * 1e3:.1f} ms): time between actions
-        (messages, Python, {p} ranks on {usable_cores_here()} cores),
-        {zo / statistics.mean(zl.values()):.1f}× an average ZB-H1 action: the slots W fills are not clean
-        idle time as on a GPU. (Messages went out at slots timed with the F, B, W each list's first
-        step measured.)
+        Its actions take (medians) F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms
+        (1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms), and its step is {zo * 1e3:.1f} ms per action
+        longer than the list simulated at those lengths (1F1B's {oo * 1e3:.1f} ms): time between actions
+        (messages, Python, cores shared), {zo / statistics.mean(zl.values()):.1f}× an average action, so the
+        slots W fills are not clean idle time as on a GPU. (Its plan was timed with the F, B, W a
+        first step measured.)
     """)
 
 

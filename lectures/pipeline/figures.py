@@ -395,7 +395,7 @@ def published_zero_bubble_figure():
     colours = {"1F1B": "#9e9e9e", "1F1B-I": "#4c78a8", "ZB-1p": "#54a24b", "ZB-2p": "#e45756"}
     speed = speedups_over_1f1b()
     models = list(QI_TABLE_4)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3.6))
     width = 0.8 / len(QI_TABLE_4_SCHEDULES)
     for k, s in enumerate(QI_TABLE_4_SCHEDULES):
         xs = [i + (k - 1.5) * width for i in range(len(models))]
@@ -414,7 +414,7 @@ def published_zero_bubble_figure():
     fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize="medium", frameon=False)
     fig.text(0.01, 0.01, f"Published, not measured here: {QI_TABLE_4_SOURCE[1]},\n"
                          f"{QI_TABLE_4_HARDWARE}; {QI_TABLE_4_SOURCE[0]}", fontsize="small")
-    fig.tight_layout(rect=(0, 0.1, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.11, 1, 0.91))
     return fig
 
 
@@ -423,7 +423,7 @@ def step_ratio_figure(ratios):
     with long sleeps: {name: (measured, simulated)}."""
     import matplotlib.pyplot as plt
     names = list(ratios)
-    fig, ax = plt.subplots(figsize=(6, 0.8 + 0.42 * len(names)))
+    fig, ax = plt.subplots(figsize=(6, 0.7 + 0.36 * len(names)))
     ys = range(len(names))
     ax.barh([y + 0.2 for y in ys], [ratios[n][1] for n in names], 0.38, facecolor="white",
             edgecolor="#4c78a8", hatch="//", label="simulated")
