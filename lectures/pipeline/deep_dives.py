@@ -328,7 +328,7 @@ def deep_dive_posting_order():
         F, B, W), and each slot's messages go out as one batch per neighbour (pairs in one
         order on every rank, so still no cycle). Timed on one stream per rank
         (`one_stream_makespan`) at F = B = 1, W = 0.5, p = {p}, m = {m}, ZB-H1's plan takes
-        {timed:g} units, the simulator's {ideal:g} (slots from unit costs: {unit:g}).
+        {timed:g} units against the simulator's {ideal:g}{"" if unit == timed else f" (slots from unit costs: {unit:g})"}.
     """)
     figure(posting_order_figure(sent, needed, src, dst), caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
                         f"order rank {src} sends them (top) and the order rank {dst}'s actions need them "

@@ -95,9 +95,9 @@ class PipelineExecutor:
     `loss_fn(output, target)`), the `layout`, this rank's index in `group` and the shape and
     dtype of what crosses a stage boundary.
 
-    Messages follow `communication_plan`: each goes out in a `batch_isend_irecv` that both its
-    ends post at the same slot of one clock (`simulate.message_slots`), every rank posting
-    its batches in slot order, and a rank waits for a message only when an action needs it,
+    Messages follow `communication_plan`: each goes out in a `batch_isend_irecv` (one per
+    neighbour and slot) that both its ends post at the same slot of one clock timed with the
+    run's costs (`simulate.message_slots`), every rank posting its batches in slot order, and a rank waits for a message only when an action needs it,
     waiting for every Work of its batch. That holds under NCCL's rules as well as gloo's: NCCL
     returns one Work for a whole batch (a receive's data is there only once it is waited for),
     runs a rank's batches one after another on one stream, matches a pair's sends and receives
