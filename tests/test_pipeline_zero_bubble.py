@@ -159,3 +159,15 @@ def test_memory_words_compare_each_ranks_peak_without_output_gradients():
     words = L.zb_h1_memory_words(R, 3)
     assert "at most 4 KiB (rank 1) against 1F1B's 4 KiB: within it" in words
     assert "add 1 KiB–3 KiB per rank (most on rank 2, whose Ws run latest)" in words
+
+
+def test_the_lecture_no_longer_says_what_the_review_found_wrong():
+    """Review of lectures 05/06: W2 (an isend before a separate recv deadlocks on NCCL: the page
+    said it lets both complete), W3 (DualPipeV's year), M1 ("sleep mode isolates the schedule")."""
+    import inspect
+    from lectures import lecture_05_pipeline_parallel as L
+    src = inspect.getsource(L)
+    assert "(or any non-blocking send before the blocking receive)" not in src
+    assert "on\n        NCCL a rank's point-to-point calls run one after another on one stream" in inspect.getsource(L.deadlock)
+    assert "isolates the schedule" not in src
+    assert "DualPipeV** (DeepSeek-AI 2024)" not in src and "DualPipeV** (DeepSeek-AI 2025" in src
