@@ -13,20 +13,22 @@ from exercises import listing as notebook_exercises
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline.deep_dives import (deep_dive_posting_order, dualpipev_formula, notes, schedules_table,
                                           tied_embeddings, unequal_costs)
-from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, SLEEP, both_send_first, bubble_row, chunk_cost,
-                                     compare_with_pytorch, differences, measure_schedules, measured_bubbles,
-                                     measured_busy, measured_pct, median_step, pct, rank_spans, reference_train,
-                                     train_schedules, units_against)
+from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, RATIO_RUNS, RATIO_SLEEP, SLEEP, both_send_first,
+                                     bubble_row, chunk_cost, compare_with_pytorch, differences, excess_per_action,
+                                     measure_schedules, measured_bubbles, measured_busy, measured_pct, median_step,
+                                     overhead_per_action, pct, rank_spans, ratio_cfg, reference_train, step_ratios, train_schedules, units_against)
 from lectures.pipeline.explorer import explorer_data
 from lectures.pipeline.executor import PipelineExecutor
 from lectures.pipeline.simulate import held, simulate, theory_bubble
 from lectures.pipeline.schedules import Layout, make_schedule
 from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_figure, deadlock_figure, bubble_picture,
                                        schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
-                                       zb_h2_two_steps, real_compute_figure, pytorch_figure)
-from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
+                                       zb_h2_two_steps, real_compute_figure, pytorch_figure,
+                                       published_zero_bubble_figure, step_ratio_figure)
+from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_SOURCE, speedups_over_1f1b
+from util import cheat, deep_dive, figure, note, see, settings, spawn, table, widget
 from util import try_it_yourself
-from util.measure import compare, machine, spreads_overlap
+from util.measure import compare, machine, spreads_overlap, value_range
 
 
 def sleep_cfg(p):
@@ -179,7 +181,8 @@ def measured_schedules():
     with deep_dive("DualPipeV's bubble formula against our list",
                    "the README's (S/2−1)(F&B+B−3W) against DualPipeV run pair by pair and as its reference runs it"):
         dualpipev_formula(p)
-    every_schedule_measured(R, p, mode)                 # all of them side by side, with the explorer
+    short = every_schedule_measured(R, p, mode)         # all of them side by side, with the explorer
+    schedules_pay_off(p, short, mode, R)                # the step over 1F1B's, with long sleeps; on GPUs
     return R
 
 
@@ -369,12 +372,12 @@ def zero_bubble_measured(R, p):
         | bubble, measured | {pct(rows_['1f1b m=8']['measured'])} | {pct(rows_['zb-h1']['measured'])} | {pct(rows_['zb-h2']['measured'])} | {pct(rows_['zb-v']['measured'])} | {pct(rows_['dualpipev']['measured'])} |
         | peak activations held (rank max) | {peak['1f1b m=8'] / 2**10:.0f} KiB | {peak['zb-h1'] / 2**10:.0f} KiB | {peak['zb-h2'] / 2**10:.0f} KiB | {peak['zb-v'] / 2**10:.0f} KiB | {peak['dualpipev'] / 2**10:.0f} KiB |
 
-        (A postponed W keeps its micro-batch's saved tensors until it runs: that is why ZB-H1
-        holds $p$ micro-batches on every rank where 1F1B holds $p - r$; the memory figure under
-        “Every schedule” below draws it. It also keeps what B computed for it, the gradient of
-        every weight-owning module's output, which the meter counts too: measured, ZB-H1's peak
-        is {peak['zb-h1'] / peak['1f1b m=8']:.2f}× 1F1B's, not 1F1B's peak, and ZB-H2's
-        {peak['zb-h2'] / peak['1f1b m=8']:.2f}×.)
+        (A postponed W keeps only what it needs: the inputs of the parameter-owning modules and
+        their output gradients. B runs without `retain_graph`, so what autograd saved only for B
+        — attention's probabilities, GELU's inputs, LayerNorm's statistics — goes when B ends, as
+        in Qi et al.'s implementation and Megatron-LM's weight-gradient store. So ZB-H1 holds up
+        to $p$ micro-batches on every rank where 1F1B holds $p - r$, those waiting for W with less
+        than their activations plus their output gradients. {zb_h1_memory_words(R, p)})
     """)
     zb_h2_two_steps(p, m)
     with deep_dive("Every schedule with W free and with W = B",
@@ -385,7 +388,7 @@ def zero_bubble_measured(R, p):
                    "where ZB-V beats ZB-H1"):
         unequal_costs(p, m)
     note(f"""
-        **DualPipeV** (DeepSeek-AI 2024) is a V like ZB-V built for mixtures of experts: it
+        **DualPipeV** (DeepSeek-AI 2025, the DualPipe repository's "cut-in-half" variant of DeepSeek-V3's DualPipe) is a V like ZB-V built for mixtures of experts: it
         runs the forward of one micro-batch together with the backward of another (a pair the
         DualPipe README writes $F\\&B$), so that one's computation hides the other's
         expert-parallel all-to-all (lecture 06). A CPU rank cannot overlap them, so our list,
@@ -394,9 +397,43 @@ def zero_bubble_measured(R, p):
         {most['dualpipev'] * 2:g} chunks against ZB-V's {most['zb-v'] * 2:g}. How DeepSeek's
         own bubble formula compares with this list is a deep dive:
     """)
-    cheat("ZB-H1 bubble", "bubble $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$",
-          round(100 * rows_["zb-h1"]["measured"], 1), "%",
-          what=f"ZB-H1, p = {p}, m = {m}, sleep mode, measured (1F1B: {pct(rows_['1f1b m=8']['measured'])})")
+
+
+def zb_h1_peaks(R):
+    """Per rank: (1F1B's peak, ZB-H1's peak, the output gradients ZB-H1 held at its peak), bytes."""
+    return [(r["1f1b m=8"]["peak_saved_bytes"], r["zb-h1"]["peak_saved_bytes"], r["zb-h1"]["peak_held_grads"])
+            for r in R]
+
+
+def zb_h1_memory_words(R, p):
+    """ZB-H1's peak against 1F1B's, from the sleep-mode run's meters: Qi et al. give ZB-H1 1F1B's
+    peak (p micro-batches' activations); the output gradients W waits with come on top."""
+    peaks = zb_h1_peaks(R)
+    one_max = max(one for one, _, _ in peaks)
+    worst, rank = max((zb - dy, r) for r, (_, zb, dy) in enumerate(peaks))
+    dys = [dy for _, _, dy in peaks]
+    most = dys.index(max(dys))
+    return (f"Qi et al. give ZB-H1 1F1B's peak memory, $p$ micro-batches' activations. Measured, without the "
+            f"output gradients W waits with, ZB-H1's peak is at most {kib(worst)} (rank {rank}) against 1F1B's "
+            f"{kib(one_max)}: {'within it' if worst <= one_max else f'{kib(worst - one_max)} more'}. The output "
+            f"gradients add {kib(min(dys))}–{kib(max(dys))} per rank (most on rank {most}"
+            f"{', whose Ws run latest' if most == p - 1 else ''}), the price of postponing W.")
+
+
+def zb_h1_memory_table(R):
+    """ZB-H1's and 1F1B's peaks, rank by rank (in the deep dive with the numbers)."""
+    peaks = zb_h1_peaks(R)
+    one_max = max(one for one, _, _ in peaks)
+    rows = [[f"rank {r}", kib(one), kib(zb), kib(dy), kib(zb - dy), f"{(zb - dy) / one_max:.2f}×"]
+            for r, (one, zb, dy) in enumerate(peaks)]
+    table(rows, header=["rank", "1F1B peak", "ZB-H1 peak", "of which output gradients held for W",
+                        "ZB-H1 peak without them", "against 1F1B's peak (rank max)"],
+          caption="Sleep mode, m = 8: the most bytes each rank held for backward at once (saved by autograd, "
+                  "plus what W waits with), and how much of ZB-H1's peak is output gradients.")
+
+
+def kib(nbytes):
+    return f"{nbytes / 2**10:.0f} KiB"
 
 
 def _v_head_words(makespan, p, m):
@@ -460,26 +497,90 @@ def every_schedule_measured(R, p, mode):
         The simulator's timeline (left, the sleep durations as costs, no communication cost)
         beside the spans measured on the ranks (right) for the same action lists.
     """)
-    table(rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
-                        "measured step", "simulated step"],
-          caption=f"{mode}. Measured bubble: 1 − Σ compute spans / (ranks × step span), per timed "
-                  "step; median and interquartile range.")
     (e1, r1), (ei, ri) = extra["1f1b"], extra["interleaved-1f1b"]
+    split = {n: extra[n][0] for n in ("zb-h1", "zb-h2", "zb-v", "dualpipev")}
     note(f"""
-        The simulator charges nothing for Python, gloo's messages, or {p} ranks sharing the
-        cores; the measured steps pay for them: {e1 * 1e3:.0f} ms per step beyond the simulated
-        step for 1F1B, {ei * 1e3:.0f} ms for interleaved 1F1B (which has $v$× the actions and
-        messages, each action $1/v$ as long, so {"more" if ei > 1.2 * e1 else "about as much"} of
-        that cost). That time shows up as bubble, and against interleaving's smaller theoretical
-        bubble it is a larger multiple: measured over
-        theory is {ri:.2f} for interleaved, {r1:.2f} for 1F1B. The longer an action is against
-        that cost, the closer the measurement comes to the formula: `make bench` repeats these
-        runs with sleeps 10× longer and prints the ratios.
+        Measured steps also pay for what the simulator leaves out (Python, gloo, compute, {p}
+        ranks on shared cores): {e1 * 1e3:.0f} ms per step for 1F1B, {ei * 1e3:.0f} ms for interleaved
+        ($v$× the actions), {min(split.values()) * 1e3:.0f}–{max(split.values()) * 1e3:.0f} ms for the
+        split lists (W: one more action per micro-batch). In 1F1B and interleaving it is bubble
+        (measured over theory {r1:.2f}, {ri:.2f}); in the split lists mostly compute inside the
+        spans, so their bubble shrinks but not their step. The step is the verdict; the section
+        after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:g}× longer.
 
         What each rank holds over the step, simulated from the same lists:
     """)
     memory_figure(4, 8)
     explorer(4, 8)
+    return rows
+
+
+def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
+    """The verdict is the step: each schedule's step over 1F1B's, measured with sleeps long
+    against the per-action cost, beside the simulator's; then Qi et al.'s GPU measurements."""
+    runs = [{"label": name, "name": name, "m": m, "v": v} for name, v in RATIO_RUNS]
+    run = spawn(measure_schedules, p, cfg=ratio_cfg(p), runs=runs, mb_size=1, delay={k: RATIO_SLEEP for k in "FBW"},
+                repeats=3 if settings.quick else 5, warmup=1, track_memory=False,
+                name=f"every schedule's step with {RATIO_SLEEP * 1e3:.0f} ms sleeps, {p} ranks")
+    R = run.returns
+    ratios = step_ratios(R, p, m)
+    rows, excess = [], {}
+    for name, v in RATIO_RUNS:
+        sim = simulate(make_schedule(name, p, m, v), chunk_cost(v, RATIO_SLEEP, RATIO_SLEEP, RATIO_SLEEP)).makespan
+        excess[name] = excess_per_action(R, name, name, m, v, p, RATIO_SLEEP)
+        got, want = ratios[name]
+        t = R[0][name]["timing"]
+        rows.append([name, v, f"{sim * 1e3:.0f} ms", f"{t.median * 1e3:.0f} ms (IQR {value_range(t.q1 * 1e3, t.q3 * 1e3, 'ms', 0)})",
+                     f"{want:.3f}", f"{got:.3f}",
+                     f"{got - want:+.3f}", f"{excess[name] * 1e3:.1f} ms"])
+    worst = max((n for n in ratios if n != "1f1b"), key=lambda n: abs(ratios[n][0] - ratios[n][1]))
+    gap = abs(ratios[worst][0] - ratios[worst][1])
+    note("## Does the schedule pay? The step, measured against the simulator")
+    figure(step_ratio_figure({n: r for n, r in ratios.items() if n != "1f1b"}),
+           caption=f"Step over 1F1B's, p = {p}, m = {m}, each action sleeping {RATIO_SLEEP * 1e3:.0f} ms (a chunk's "
+                   f"half): simulated (hatched), measured (filled; median of the rounds' ratios, the lists taking turns).")
+    short = SLEEP["F"] / 2
+    note(f"""
+        The step is what a schedule delivers: with {RATIO_SLEEP * 1e3:.0f} ms actions each measured
+        step over 1F1B's is the simulator's within {gap:.3f} ({worst}). What the simulator leaves out,
+        {min(excess.values()) * 1e3:.1f}–{max(excess.values()) * 1e3:.1f} ms per action here (compute,
+        Python, gloo, waking a rank on {usable_cores_here()} shared cores), is at most
+        {100 * max(excess.values()) / RATIO_SLEEP:.0f}% of these actions but up to
+        {max(excess.values()) / short:.0f}× the {SLEEP['F'] * 1e3:.0f} ms (a chunk's {short * 1e3:.0f} ms)
+        actions above, where the lists with more actions were not faster.
+    """)
+    with deep_dive("Every schedule's step, bubble and memory, in numbers",
+                   "each list's simulated and measured step and bubble at the short sleeps, its step over "
+                   "1F1B's with long ones, and ZB-H1's memory rank by rank"):
+        note("## Deep dive: every schedule's step, bubble and memory, in numbers")
+        table(short_rows, header=["schedule", "m", "v", "theory", "simulated", "measured (IQR)",
+                                  "measured step", "simulated step"],
+              caption=f"{mode}. Measured bubble: 1 − Σ compute spans / (ranks × step span), per timed "
+                      "step; median and interquartile range.")
+        table(rows, header=["schedule", "v", "simulated step", "measured step (IQR)", "simulated / 1F1B",
+                            "measured / 1F1B", "difference", "step's excess per action"],
+              caption=f"Sleep mode with {RATIO_SLEEP * 1e3:.0f} ms per action; the excess per action is (measured "
+                      "step − simulated step) over the actions of a rank's list: what each action costs here "
+                      "beyond its sleep.")
+        zb_h1_memory_table(sleep_returns)
+    cheat("ZB-H1 step", "step over 1F1B's $\\frac{3m+p-1}{3m+3(p-1)}$ at $F = B = W$", round(ratios["zb-h1"][0], 3), "×",
+          what=f"ZB-H1's step over 1F1B's, p = {p}, m = {m}, sleep mode with {RATIO_SLEEP * 1e3:.0f} ms actions, "
+               f"measured (simulated {ratios['zb-h1'][1]:.3f})")
+    speed = speedups_over_1f1b()
+    zb1 = [s[2]["ZB-1p"] for s in speed.values()]
+    zb2 = [s[2]["ZB-2p"] for s in speed.values()]
+    inter = [s[2]["1F1B-I"] for s in speed.values()]
+    extra = [mem["ZB-1p"] - mem["1F1B"] for _, _, _, mem in QI_TABLE_4.values()]
+    models, gpus = list(QI_TABLE_4), [g for g, _, _, _ in QI_TABLE_4.values()]
+    figure(published_zero_bubble_figure(),
+           caption=f"Published on GPUs, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}). Left: "
+                   "throughput over 1F1B's at m = 3p; right: memory per GPU.")
+    note(f"""
+        On GPUs (Qi et al., Table 4: {models[0]} to {models[-1]} GPT models on {min(gpus)} to {max(gpus)} A100s,
+        $m = 3p$) ZB-1p, scheduled within 1F1B's memory like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's
+        samples per second with {min(extra)}–{max(extra)} GB more per GPU; ZB-2p, with twice the activation
+        memory like ZB-H2, {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×.
+    """)
 
 
 def explorer(p=4, m=8):
@@ -540,25 +641,23 @@ def real_compute():
         Measured over theory is {bub['1f1b'] / theory['1f1b']:.1f} for 1F1B and
         {bub['gpipe'] / theory['gpipe']:.1f} for GPipe: every action here also pays Python's and
         gloo's per-message cost, and {p} ranks compute at once on this machine's cores, none
-        of which the formula charges; sleep mode above isolates the schedule.
+        of which the formula charges.
     """)
     table(rows, header=["schedule", "theory", "measured bubble", "peak activations (rank max)", "step time (IQR)"],
           caption=f"Real compute, {machine(p)}. The bubble includes communication and Python "
                   "overhead between actions. Theory: (p−1)/(m+p−1) for GPipe and 1F1B; for ZB-H1 "
                   "the simulator's bubble with F = B = W, (p−1)(F+B−W) over its makespan.")
     z, o = R[0]["zb-h1"]["timing"], R[0]["1f1b"]["timing"]
+    (zl, zo), (ol, oo) = (overhead_per_action(R, n, n, m, 1, p) for n in ("zb-h1", "1f1b"))
     note(f"""
-        ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))} A split
-        backward pays only where the slots it fills were idle and its actions are long: here each
-        action of this small model costs about as much in Python and gloo as in compute, and the
-        {p} ranks share {usable_cores_here()} CPU cores with gloo's threads and the other processes
-        of this machine, so the slots W fills are not clean idle time as on a GPU.
+        ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))}
+        Its actions take (medians) F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms
+        (1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms), and its step is {zo * 1e3:.1f} ms per action
+        longer than the list simulated at those lengths (1F1B's {oo * 1e3:.1f} ms): time between actions
+        (messages, Python, cores shared), {zo / statistics.mean(zl.values()):.1f}× an average action, so the
+        slots W fills are not clean idle time as on a GPU. (Its plan was timed with the F, B, W a
+        first step measured.)
     """)
-    published("""
-        Qi et al. 2024 (Zero Bubble Pipeline Parallelism, ICLR 2024), on GPUs: "our method
-        outperforms the 1F1B schedule up to 23% in throughput under a similar memory limit. This
-        number can be further pushed to 31% when the memory constraint is relaxed."
-    """, "https://arxiv.org/abs/2401.10241", "Qi et al. 2024, Zero Bubble Pipeline Parallelism, abstract")
 
 
 def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
@@ -610,10 +709,15 @@ def deadlock():
         Two neighbours each hold something for the other (activations going forward,
         gradients coming back). If both first call a blocking `send`, each waits for the other
         to receive, and neither gets to its `recv` (the first demo, with a {timeout}-second
-        timeout: it is expected to fail). Posting the send and the receive together with
-        `batch_isend_irecv` (or any non-blocking send before the blocking receive) lets both
-        complete: rank 0 received {run.returns[0]:g}, rank 1 received {run.returns[1]:g}. The
-        executor above never blocks on a send for the same reason.
+        timeout: it is expected to fail). Posting the send and the receive together in one
+        `batch_isend_irecv` lets both complete: rank 0 received {run.returns[0]:g}, rank 1
+        received {run.returns[1]:g}. A non-blocking `isend` followed by a separate `recv` is
+        not enough in general: it works on gloo, which moves the send in the background, but on
+        NCCL a rank's point-to-point calls run one after another on one stream and a send
+        completes only when the peer's receive runs, so two neighbours that each `isend` and
+        then `recv` wait for each other exactly like two blocking sends (tests/test_nccl_contract.py
+        checks that case). Only a batch (one group of calls) lets the pair meet. The executor
+        above posts every exchange as such a batch, for the same reason.
     """)
 
 

@@ -508,10 +508,11 @@ def _disagreeing_step(r, case, cfg):
     name = "zb-h1" if case == "schedule" and r == 1 else "1f1b"
     dtype = torch.float32 if case == "boundary dtype" and r == 1 else torch.float64
     mb = 3 if case == "micro-batch shape" and r == 1 else 2
+    cost = {"F": 1, "B": 2, "W": 1} if case == "plan costs" and r == 1 else None
     sched = make_schedule(name, 2, 3)
     _, stages = executor.split_gpt(cfg, sched.layout)
     inputs, targets = demos.microbatches(cfg, 3, mb, 0)
-    ex = PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype)
+    ex = PipelineExecutor(sched, {0: stages[r]}, r, (2, cfg.seq_len, cfg.d_model), dtype=dtype, cost=cost)
     try:
         ex.step(inputs, targets)
     except ValueError as e:
@@ -519,10 +520,10 @@ def _disagreeing_step(r, case, cfg):
     return None
 
 
-@pytest.mark.parametrize("case", ["boundary dtype", "micro-batch shape", "schedule"])
+@pytest.mark.parametrize("case", ["boundary dtype", "micro-batch shape", "schedule", "plan costs"])
 def test_ranks_that_disagree_get_a_clear_error(case, monkeypatch):
     """A rank with another dtype, micro-batch shape or
-    schedule made gloo abort ('op.preamble.length <= op.nbytes'), wait for ever, or (NCCL) copy
+    schedule (or a plan timed at other costs: its batches would not meet) made gloo abort ('op.preamble.length <= op.nbytes'), wait for ever, or (NCCL) copy
     bytes into a buffer of another type. An all_gather of each rank's signature at entry now
     gives every rank the same ValueError naming what each has. Ranks as threads here; the gloo
     test below runs real processes."""

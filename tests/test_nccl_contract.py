@@ -14,6 +14,7 @@ import torch
 from lectures.pipeline import executor as pipeline
 from lectures.model import GPTConfig
 from lectures.pipeline import PipelineExecutor, make_schedule, message_order, p2p_deadlock
+from lectures.pipeline.simulate import one_stream_makespan
 from lectures.pipeline.demos import reference_train
 from lectures.pipeline import demos, schedules
 from tests.support.nccl_standin import NcclLikeP2P, run_ranks
@@ -72,6 +73,46 @@ def test_no_schedule_lecture_05_allows_deadlocks_under_nccls_rules():
             assert sends == recvs == keys, f"{name} p={p} m={m} v={v}: pair {src}->{dst}"
         checked += 1
     assert checked > 600
+
+
+# The costs a plan can be timed with: unit, Qi et al.'s measured mixes (1.5B with its T_comm),
+# W free, a dear B, and the page's sleep mode (seconds, per chunk)
+PLAN_COSTS = [None, {"F": 1, "B": 1, "W": 0.5}, {"F": 1, "B": 0.976, "W": 0.504, "send": 0.032},
+              {"F": 1, "B": 1, "W": 0}, {"F": 1, "B": 2, "W": 1}, {"F": 0.04, "B": 0.04, "W": 0.04}]
+
+
+def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
+    """The slots may come from any costs the run will have: every schedule, p <= 8, m <= 16, each
+    size under one of PLAN_COSTS in turn (p = 4, m = 8 under all), finishes under NCCL's rules,
+    each pair in the same order at both ends."""
+    checked = 0
+    for n, (name, p, m, v, sched) in enumerate(allowed()):
+        for cost in (PLAN_COSTS if (p, m) == (4, 8) else [PLAN_COSTS[n % len(PLAN_COSTS)]]):
+            plans = [pipeline.communication_plan(sched, r, cost=cost) for r in range(p)]
+            stuck = p2p_deadlock(plans)
+            assert stuck is None, f"{name} p={p} m={m} v={v} cost={cost}: {stuck[:2]}"
+            for (src, dst), keys in message_order(sched).items():
+                sends = [k for what, batch in plans[src] if what == "post" for op, peer, k in batch
+                         if op == "send" and peer == dst]
+                assert sends == keys, f"{name} p={p} m={m} v={v} cost={cost}: pair {src}->{dst}"
+            checked += 1
+    assert checked > 600
+
+
+@pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
+def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
+    """Review B1: slots from unit costs, one batch per slot, made a message ready early wait
+    behind a batch whose partner still computes (one stream per rank): at F = B = 1, W = 0.5
+    ZB-H1 took 26.5 units instead of 24.5 at p = 4. Timed at the run's costs (and one batch per
+    neighbour and slot), the plan keeps the simulator's makespan."""
+    sched = make_schedule(name, 4, 8, v)
+    cost = demos.chunk_cost(v, 1, 1, 0.5)
+    ideal = pipeline.simulate(sched, cost).makespan
+    timed = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(4)])
+    unit = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r) for r in range(4)])
+    assert one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(3)]
+                               + [[]]) is None            # a rank that posts nothing: stuck, said so
+    assert timed == pytest.approx(ideal) and unit >= ideal - 1e-9
 
 
 # --- the executor on real tensors under the stand-in -------------------------------------------

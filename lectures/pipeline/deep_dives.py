@@ -3,11 +3,11 @@ section main() calls) runs inside `with deep_dive(...)`, in the order the page r
 with the helpers and rank functions only they use."""
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline.demos import ALL, chunk_cost, differences, pct, reference_train, train_schedules, units_against
-from lectures.pipeline.executor import PipelineExecutor
+from lectures.pipeline.executor import PipelineExecutor, communication_plan
 from lectures.pipeline.figures import posting_order_figure
 from lectures.pipeline.schedules import make_schedule
 from lectures.pipeline.simulate import (check_schedule, dualpipev_readme_bubble, held, message_order, qi_bubble,
-                                        simulate, steady_step, theory_bubble)
+                                        one_stream_makespan, simulate, steady_step, theory_bubble)
 from util import figure, note, see, spawn, table
 from util.measure import value_range
 
@@ -292,6 +292,10 @@ def deep_dive_posting_order():
     sent = order[src, dst]
     needed = _needed_order(sched, dst, src)
     moved = sum(a != b for a, b in zip(sent, needed))
+    zb, cost = make_schedule("zb-h1", p, m), {"F": 1, "B": 1, "W": 0.5}
+    ideal = simulate(zb, cost).makespan
+    unit, timed = (one_stream_makespan(zb, cost, [communication_plan(zb, r, cost=c) for r in range(p)])
+                   for c in (None, cost))
     note(f"""
         ## Deep dive: NCCL matches messages in posting order
         This matters once the executor runs on GPUs. gloo matches a receive to a send by its tag; NCCL ignores tags and pairs the $k$-th
@@ -316,7 +320,15 @@ def deep_dive_posting_order():
         runs; two ranks whose batches wait on each other in opposite orders hang. Posting both
         ends of each message in the same slot of the shared clock rules that cycle out:
         `simulate.p2p_deadlock` replays every rank's posting program under these rules, and a
-        test finds no deadlock for any schedule the lecture accepts up to $p = 8$.
+        test finds no deadlock for any schedule the lecture accepts up to $p = 8$, with the
+        clock timed at unit costs or at any of the cost mixes the lecture uses. The same rule
+        has a price in time: a batch waits for its partner, so a message ready early can wait
+        behind a batch whose partner is still computing. So the clock is timed with the costs
+        the run will have (`communication_plan(..., cost=...)`: the sleep lengths, or measured
+        F, B, W), and each slot's messages go out as one batch per neighbour (pairs in one
+        order on every rank, so still no cycle). Timed on one stream per rank
+        (`one_stream_makespan`) at F = B = 1, W = 0.5, p = {p}, m = {m}, ZB-H1's plan takes
+        {timed:g} units against the simulator's {ideal:g}{"" if unit == timed else f" (slots from unit costs: {unit:g})"}.
     """)
     figure(posting_order_figure(sent, needed, src, dst), caption=f"DualPipeV, p = {p}, m = {m}: the messages from rank {src} to rank {dst} in the "
                         f"order rank {src} sends them (top) and the order rank {dst}'s actions need them "

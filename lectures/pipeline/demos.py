@@ -7,8 +7,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from lectures.model.gpt import GPT, batch, loss_fn
-from lectures.pipeline.executor import build_rank, gradients_by_name, split_gpt, stage_parameters
+from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
+from lectures.pipeline.executor import build_rank, gradients_by_name, measured_cost, split_gpt, stage_parameters
 from lectures.pipeline.schedules import Action, Layout, make_schedule
 from lectures.pipeline.simulate import simulate, theory_bubble
 from util import device, quiet
@@ -130,30 +130,100 @@ def measured_bubble(per_rank_events):
     return 1 - busy / (len(per_rank_events) * (end - start))
 
 
-def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=5, warmup=1):
-    """Each run ({"name", "m", "v", "checkpoint"}) timed as whole steps with `measure`; every
-    timed step's spans are kept so the page can compute its bubble. Returns, per run label:
-    the step Timing, the spans of every timed step, peak saved bytes and messages sent."""
-    results = {}
+def measure_schedules(rank, world_size, cfg, runs, mb_size, delay=None, repeats=5, warmup=1, track_memory=True):
+    """Each run ({"name", "m", "v", "checkpoint"}) timed as whole steps, the runs taking turns
+    (`measure_side_by_side`: a noisy machine's drift hits them all alike); every timed step's
+    spans are kept so the page can compute its bubble. Returns, per run label: the step
+    Timing, the spans of every timed step, peak saved bytes (and the output gradients held at
+    that peak), messages sent and the costs the plan was timed with: the sleeps in sleep mode,
+    else the F, B, W measured in one step first (`measured_cost`)."""
+    steps, fns, plan_costs = {}, {}, {}
     for run in runs:
         executor, stages = build_rank(rank, world_size, cfg, run["name"], run["m"], mb_size, run.get("v", 1),
-                                      delay=delay, checkpoint=run.get("checkpoint", False))
+                                      delay=delay, checkpoint=run.get("checkpoint", False), track_memory=track_memory)
         inputs, targets = microbatches(cfg, run["m"], mb_size, 0)
-        steps = []
-
-        def one_step():
-            out = executor.step(inputs, targets)
+        steps[run["label"]] = []
+        if not delay:                       # real compute: time the plan with this run's own costs
+            executor.plan_for(measured_cost(executor.step(inputs, targets)["events"]))
             for mod in stages.values():
                 mod.zero_grad(set_to_none=True)
-            steps.append(out)
 
-        timing = measure(one_step, warmup=warmup, repeats=repeats)
-        timed = steps[warmup:]
-        results[run["label"]] = {
+        def one_step(executor=executor, stages=stages, inputs=inputs, targets=targets, out=steps[run["label"]]):
+            got = executor.step(inputs, targets)
+            for mod in stages.values():
+                mod.zero_grad(set_to_none=True)
+            out.append(got)
+        fns[run["label"]] = one_step
+        plan_costs[run["label"]] = executor.plan_cost
+    timings = measure_side_by_side(fns, warmup=warmup, repeats=repeats)
+    results = {}
+    for label, timing in timings.items():
+        timed = steps[label][warmup:]
+        results[label] = {
             "timing": timing, "events": [[(tuple(a), t0, t1) for a, t0, t1 in s["events"]] for s in timed],
-            "peak_saved_bytes": timed[-1]["peak_saved_bytes"], "messages": timed[-1]["messages"],
-            "loss": timed[-1]["loss"]}
+            "peak_saved_bytes": timed[-1]["peak_saved_bytes"], "peak_held_grads": timed[-1]["peak_held_grads"],
+            "messages": timed[-1]["messages"], "loss": timed[-1]["loss"], "plan_cost": plan_costs[label]}
     return results
+
+
+# The step ratios: long sleeps, so that the fixed cost every action also pays here (Python, a
+# gloo message, waking a sleeping rank on cores shared by more processes: 2 to 10 ms, measured on
+# the page) is small against an action. Interleaved, ZB-V and DualPipeV run twice the actions,
+# each half as long, and ZB-V three times 1F1B's: at 7 ms per action and 120 ms sleeps ZB-V's
+# ratio came out 0.06 above the simulator's, at 200 ms about 0.035.
+RATIO_SLEEP = 0.2
+
+
+def ratio_cfg(p):
+    """The smallest GPT that gives every one of 2p chunks a layer: a cost per action as small as
+    the executor allows, so that the ratio measures the schedule (each micro-batch one sequence)."""
+    return GPTConfig(n_layers=2 * p, d_model=8, n_heads=1, seq_len=4, vocab_size=16)
+RATIO_RUNS = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)]
+
+
+def step_ratios(returns, p=4, m=8, delay=RATIO_SLEEP, base="1f1b"):
+    """{schedule: (measured, simulated)} step over `base`'s: measured as the median over rounds of
+    each round's ratio (the runs take turns, so a round's steps share the machine's state), and
+    simulated at the sleep costs (a chunk's action 1/v of it; no communication)."""
+    timings = {label: r["timing"] for label, r in returns[0].items()}
+    sims = {name: simulate(make_schedule(name, p, m, v), chunk_cost(v, delay, delay, delay)).makespan
+            for name, v in RATIO_RUNS if name in timings}
+    out = {}
+    for name in sims:
+        rounds = [a / b for a, b in zip(timings[name].samples, timings[base].samples)]
+        out[name] = (statistics.median(rounds), sims[name] / sims[base])
+    return out
+
+
+def excess_per_action(returns, label, name, m, v, p, delay):
+    """(measured step − simulated step at the sleep costs) over the actions a rank runs: what each
+    action costs beyond its sleep on this machine (compute, Python, gloo, waking up), spread
+    over a rank's list (s)."""
+    sim = simulate(make_schedule(name, p, m, v), chunk_cost(v, delay, delay, delay)).makespan
+    actions = max(len(acts) for acts in make_schedule(name, p, m, v))
+    return (returns[0][label]["timing"].median - sim) / actions
+
+
+def action_lengths(returns, label):
+    """{kind: median length (s)} of the actions every rank measured in run `label`'s timed steps."""
+    spans = {}
+    for rows in gather_runs(returns, label):
+        for row in rows:
+            for a, t0, t1 in row:
+                spans.setdefault(a.kind, []).append(t1 - t0)
+    return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def overhead_per_action(returns, label, name, m, v, p):
+    """(action lengths, the step's time per action beyond the simulator at those lengths): the
+    measured median step minus the makespan of the list simulated with the measured median
+    F, B (and W), over the actions of a rank's list: what each action costs between actions
+    (waiting for a message, Python, sharing cores) that the schedule does not explain."""
+    lengths = action_lengths(returns, label)
+    cost = {"F": lengths["F"], "B": lengths["B"], "W": lengths.get("W", 0)}
+    sched = make_schedule(name, p, m, v)
+    sim = simulate(sched, cost if "W" in lengths else dict(cost, W=0)).makespan
+    return lengths, (returns[0][label]["timing"].median - sim) / max(len(acts) for acts in sched)
 
 
 def gather_runs(returns, label):

@@ -22,6 +22,7 @@ process (tests/test_lecture_05.py); lecture 07 runs it on the pipeline axis of a
 import collections
 import contextlib
 import hashlib
+import statistics
 import time
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from lectures.model.gpt import GPT, loss_fn
 from lectures.model.memory import SavedBytes
-from lectures.pipeline.simulate import UNIT_COSTS, check_schedule, message_slots, simulate
+from lectures.pipeline.simulate import check_schedule, message_slots, plan_clock, simulate
 from lectures.pipeline.schedules import Schedule, make_schedule
 from util import device, span_at
 
@@ -94,9 +95,9 @@ class PipelineExecutor:
     `loss_fn(output, target)`), the `layout`, this rank's index in `group` and the shape and
     dtype of what crosses a stage boundary.
 
-    Messages follow `communication_plan`: each goes out in a `batch_isend_irecv` that both its
-    ends post at the same slot of one clock (`simulate.message_slots`), every rank posting
-    its batches in slot order, and a rank waits for a message only when an action needs it,
+    Messages follow `communication_plan`: each goes out in a `batch_isend_irecv` (one per
+    neighbour and slot) that both its ends post at the same slot of one clock timed with the
+    run's costs (`simulate.message_slots`), every rank posting its batches in slot order, and a rank waits for a message only when an action needs it,
     waiting for every Work of its batch. That holds under NCCL's rules as well as gloo's: NCCL
     returns one Work for a whole batch (a receive's data is there only once it is waited for),
     runs a rank's batches one after another on one stream, matches a pair's sends and receives
@@ -105,9 +106,11 @@ class PipelineExecutor:
     under a stand-in that has them.
 
     `delay` ({"F": s, "B": s, "W": s}) adds a fixed sleep to each action (an unsplit B sleeps
-    B + W): sleep mode, for more ranks than cores. `checkpoint` keeps only each micro-batch's
-    stage input after F (the forward runs without a graph) and re-runs the forward inside B
-    (GPipe's re-materialisation). `track_memory` counts the bytes
+    B + W): sleep mode, for more ranks than cores. `cost` ({"F", "B", "W"} per action: the times
+    the run will have, given or measured; default `delay`, else unit costs) times the plan's
+    slots; `plan_for` re-times them, and every rank must use the same (the signature says them).
+    `checkpoint` keeps only each micro-batch's stage input after F (the forward runs without a
+    graph) and re-runs the forward inside B (GPipe's re-materialisation). `track_memory` counts the bytes
     autograd saves for backward (`SavedBytes`, a Python hook per saved tensor: turn it off when
     timing against another implementation).
 
@@ -116,7 +119,7 @@ class PipelineExecutor:
     two ranks (`tie_peer`), so both copies take the same optimizer step."""
 
     def __init__(self, schedule, modules, rank, boundary_shape, *, group=None, loss_fn=loss_fn,
-                 dtype=torch.float32, delay=None, checkpoint=False, layout=None, track_memory=True):
+                 dtype=torch.float32, delay=None, checkpoint=False, layout=None, track_memory=True, cost=None):
         self.actions = schedule[rank]
         self.layout = layout or schedule.layout
         self.split = any(a.kind == "W" for acts in schedule for a in acts)
@@ -127,12 +130,19 @@ class PipelineExecutor:
             raise ValueError("checkpointing with a split backward is not supported here")
         self.leaves = {c: param_leaves(mod) for c, mod in modules.items()}
         self.microbatches, self.schedule_name = schedule.microbatches, schedule.name
-        self.plan = communication_plan(schedule, rank, self.layout)
+        self.schedule = schedule
+        self.plan_for(cost or self.delay or None)
         self.messages = 0
         self.tied = list({id(p): p for mod in modules.values() for p in getattr(mod, "tied", [])}.values())
         self.tie_peer = tie_peer(self.layout, rank) if self.tied else None
         self.ties_embedding = any(getattr(mod, "ties_embedding", False) for mod in modules.values())
         self.tie_synced = False      # the two copies are made equal at the first step (`_sync_tied`)
+
+    def plan_for(self, cost):
+        """Time the communication plan with `cost` (None: unit costs): the slots follow the run
+        only if the costs are the run's. Every rank of the pipeline must plan with the same."""
+        self.plan_cost = cost
+        self.plan = communication_plan(self.schedule, self.rank, self.layout, cost)
 
     # --- one step: for each action, receive its input, compute, send what it produced --------
 
@@ -161,6 +171,9 @@ class PipelineExecutor:
         self.meter = SavedBytes(exclude=[p for mod in self.modules.values() for p in mod.parameters()])
         self.loss_sum, self.messages, events = None, 0, []
         self.kept = self.peak_kept = 0      # checkpointing: bytes of kept inputs; the most held
+        # split backward: {(microbatch, chunk): {"inputs": bytes, "grads": bytes}} kept from B to W,
+        # the output gradients held now, and how many of the peak's bytes were output gradients
+        self.held_for_w, self.grads_live, self.peak_grads, seen_peak = {}, 0, 0, 0
         for what, arg in self.plan:
             if what == "post":
                 self._post(arg)
@@ -168,13 +181,15 @@ class PipelineExecutor:
                 self._wait(arg)
             else:
                 events.append(self._run(self.actions[arg], record))
+                if self.meter.peak > seen_peak:   # a new peak, set during this action: its output gradients
+                    seen_peak, self.peak_grads = self.meter.peak, self.grads_live
         for works in self.batches:          # the batches not waited for yet: sends in flight
             for work in works:
                 work.wait()
         self._sum_tied(before)
         return {"loss": None if self.loss_sum is None else self.loss_sum / self.m, "events": events,
                 "peak_saved_bytes": self.peak_kept if self.checkpoint else self.meter.peak,
-                "messages": self.messages}
+                "peak_held_grads": self.peak_grads, "messages": self.messages}
 
     def _take_tied_grads(self):
         """The tied copies' gradients from earlier steps (accumulation), set aside so that only
@@ -251,7 +266,7 @@ class PipelineExecutor:
                if self.ties_embedding else "embedding untied")
         return (f"schedule {self.schedule_name} on {lay.ranks} ranks × {lay.chunks} chunks ({lay.style}), "
                 f"{len(inputs)} micro-batches, inputs {kinds(inputs)}, targets {kinds(targets)}, "
-                f"boundary {self.shape} {self.dtype}, {tie}")
+                f"boundary {self.shape} {self.dtype}, {tie}, plan timed at {plan_clock(self.plan_cost)}")
 
     def _agree(self, inputs, targets):
         """Before any message moves, the ranks compare a 20-byte digest of their `signature`
@@ -345,31 +360,47 @@ class PipelineExecutor:
         return produced
 
     def _run_backward(self, a, g):
-        """B: the whole backward, or (split) only its input half. Unsplit, autograd has now
-        released the micro-batch's saved tensors, and we drop the graph's ends; split, they
-        stay until W, and so do the output gradients of the parameter-owning modules (the
-        meter counts both)."""
+        """B: the whole backward, or (split) only its input half. Either way autograd has now
+        released the micro-batch's saved tensors and its graph is dropped; split, what W needs
+        stays until W: each parameter-owning module's input and output gradient (the meter
+        counts them: `held_for_w`)."""
+        st = self.state.pop((a.microbatch, a.chunk))
         if self.checkpoint:
-            return self._recompute_backward(a, self.state.pop((a.microbatch, a.chunk)), g)
-        dx = self._backward(self.state[a.microbatch, a.chunk], g)
+            return self._recompute_backward(a, st, g)
         if not self.split:
-            del self.state[a.microbatch, a.chunk]
+            return self._backward(st, g)
+        dx, work = self._backward_input(st, g)
+        del st                                    # the graph goes: autograd frees what only B needed
+        held = {"inputs": 0, "grads": 0}
+        if self.track_memory:
+            held["inputs"] = self.meter.hold([t for _, inputs, _ in work for t in inputs if isinstance(t, torch.Tensor)])
+            held["grads"] = self.meter.hold([dy for _, _, dy in work])
+            self.grads_live += held["grads"]
+        self.state[a.microbatch, a.chunk] = {"weight_work": work, "held": held}
+        self.held_for_w[a.microbatch, a.chunk] = held
         return dx
 
     def _run_weight(self, a):
-        """W: the weight gradients B skipped, one parameter-owning module at a time; then the
-        micro-batch's graph is dropped and autograd releases what it saved for it."""
+        """W: the weight gradients B skipped, one parameter-owning module at a time, from the
+        module's input and output gradient alone (`weight_gradients`); then they are let go."""
         st = self.state.pop((a.microbatch, a.chunk))
-        for module, y, dy in st["weight_work"]:
-            torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)))
+        for module, inputs, dy in st["weight_work"]:
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            grads = weight_gradients(module, inputs, dy)
+            # backward from the parameters themselves: autograd accumulates into .grad and runs
+            # any gradient hook (an overlapped all-reduce), as it would in one backward
+            if params:
+                torch.autograd.backward(params, [grads[id(p)] for p in params])
         if self.track_memory:
-            self.meter.let_go(st["held_grads"])
+            self.meter.let_go(st["held"]["inputs"] + st["held"]["grads"])
+            self.grads_live -= st["held"]["grads"]
 
     # --- the computations -------------------------------------------------------------------
 
     def _forward(self, chunk, x):
-        """The stage's forward; in split mode the outputs of every parameter-owning module are
-        kept, so that W can later turn their gradients into weight gradients."""
+        """The stage's forward; in split mode the input and output of every parameter-owning
+        module are noted, so that B can ask for the outputs' gradients and W can turn them
+        into weight gradients."""
         module = self.modules[chunk]
         if self.checkpoint:                       # no graph now: B re-runs this forward
             with torch.no_grad():
@@ -378,12 +409,15 @@ class PipelineExecutor:
             return {"out": module(x)}
         seen = []
 
-        def keep(mod, inp, y):
+        def keep(mod, args, kwargs, y):
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"a split backward needs every module that owns parameters to return "
                                 f"one tensor; {type(mod).__name__} returned {type(y).__name__}")
-            seen.append((mod, y))
-        handles = [leaf.register_forward_hook(keep) for leaf in self.leaves[chunk]]
+            if kwargs:
+                raise TypeError(f"a split backward keeps each parameter-owning module's positional "
+                                f"inputs for W; {type(mod).__name__} was called with keywords {sorted(kwargs)}")
+            seen.append((mod, tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args), y))
+        handles = [leaf.register_forward_hook(keep, with_kwargs=True) for leaf in self.leaves[chunk]]
         try:
             out = module(x)
         finally:
@@ -411,24 +445,27 @@ class PipelineExecutor:
         return x.grad if x.requires_grad else None
 
     def _backward(self, st, g):
-        """B. Unsplit: the whole backward; the input's gradient is x.grad. Split (zero bubble):
-        ask autograd only for the gradients of the input and of every parameter-owning module's
-        output — the weight-gradient products are not computed — and keep the latter for W,
-        which multiplies them into weight gradients one module at a time."""
+        """B unsplit: the whole backward; the input's gradient is x.grad."""
         x, out = st["x"], st["out"]
-        if not self.split:
-            torch.autograd.backward(out, g)
-            return x.grad if x.requires_grad else None
+        torch.autograd.backward(out, g)
+        return x.grad if x.requires_grad else None
+
+    def _backward_input(self, st, g):
+        """B split (zero bubble): ask autograd only for the gradients of the input and of every
+        parameter-owning module's output — the weight-gradient products are not computed — and
+        free the graph (no retain_graph: softmax's, GELU's and the other saves only B needs go
+        now). Returns the input's gradient and W's work: (module, its inputs, its output's
+        gradient), all W needs (Qi et al.'s implementation and Megatron-LM's WeightGradStore
+        keep the same)."""
+        x, out = st["x"], st["out"]
         seen = st["leaves"]["seen"]
-        wrt = ([x] if x.requires_grad else []) + [y for _, y in seen]
-        grads = torch.autograd.grad(out, wrt, g, retain_graph=True, allow_unused=True)
+        wrt = ([x] if x.requires_grad else []) + [y for _, _, y in seen]
+        grads = torch.autograd.grad(out, wrt, g, allow_unused=True)
         dx = grads[0] if x.requires_grad else None
         dys = grads[1:] if x.requires_grad else grads
-        st["weight_work"] = [(mod, y, dy) for (mod, y), dy in zip(seen, dys) if dy is not None]
-        # the output gradients wait here until W: memory the split backward holds on top of what
-        # autograd saved in the forward
-        st["held_grads"] = self.meter.hold([dy for _, _, dy in st["weight_work"]]) if self.track_memory else 0
-        return dx
+        work = [(mod, inputs, dy) for (mod, inputs, _), dy in zip(seen, dys) if dy is not None]
+        st.clear()                                # drop the graph's ends (the outputs) here
+        return dx, work
 
     # --- messages: who, which tag, posting and taking -------------------------------------
 
@@ -487,6 +524,51 @@ class PipelineExecutor:
         return self.inbox.pop(key)
 
 
+def weight_gradients(module, inputs, dy):
+    """{id(parameter): gradient} of `module`'s own parameters from its inputs and its output's
+    gradient `dy`: W's work, without the graph of the forward. Linear: dy^T x (and the sum of
+    dy); LayerNorm: the sums of dy times the normalised input, and of dy; Embedding: dy's rows
+    added at the looked-up indices. Any other module runs its forward again on the kept inputs
+    and backpropagates dy into its parameters only (exact for any module whose forward is
+    deterministic; it costs one more forward)."""
+    x = inputs[0] if inputs else None
+    if type(module) is nn.Linear:
+        d2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        out = {id(module.weight): d2.t() @ x2}
+        if module.bias is not None:
+            out[id(module.bias)] = d2.sum(0)
+        return out
+    if type(module) is nn.LayerNorm and module.weight is not None:
+        shape = tuple(module.normalized_shape)
+        xhat = torch.nn.functional.layer_norm(x, shape, eps=module.eps)
+        out = {id(module.weight): (dy * xhat).reshape(-1, *shape).sum(0)}
+        if module.bias is not None:
+            out[id(module.bias)] = dy.reshape(-1, *shape).sum(0)
+        return out
+    if (type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq
+            and not module.sparse):
+        g = torch.zeros_like(module.weight).index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+        if module.padding_idx is not None:
+            g[module.padding_idx] = 0
+        return {id(module.weight): g}
+    params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    with torch.enable_grad():
+        y = module(*inputs)
+    return {id(p): g for p, g in zip(params, torch.autograd.grad(y, params, dy))}
+
+
+def measured_cost(events, group=None):
+    """The run's costs from one step's measured (action, start, end) spans: each kind's median
+    length on this rank, averaged over the pipeline's ranks (one all_reduce: every rank must
+    time its plan with the same costs). An unsplit list has no W; its B is the whole backward."""
+    lengths = [statistics.median([t1 - t0 for a, t0, t1 in events if a.kind == k] or [0.0]) for k in "FBW"]
+    total = torch.tensor(lengths, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+        total /= dist.get_world_size(group)
+    return dict(zip("FBW", total.tolist()))
+
+
 def tie_peer(layout, rank):
     """The rank holding the other end of the pipeline (first stage <-> last stage), with which a
     tied embedding's gradient is summed; None where this rank holds both ends (p = 1, or the V
@@ -495,20 +577,23 @@ def tie_peer(layout, rank):
     return (ends - {rank}).pop() if rank in ends and len(ends) == 2 else None
 
 
-def communication_plan(schedule, rank, layout=None):
+def communication_plan(schedule, rank, layout=None, cost=None):
     """What rank `rank` does, in order: ("post", batch) posts one batch_isend_irecv, a batch being
     [(op, peer, key)] with op "send" or "recv"; ("wait", key) waits for the batch that receives
     `key`; ("run", n) runs action n of the rank's list.
 
     Both ends of a message post it in their batch of the same slot (`message_slots`: the time
-    its data is ready under unit costs), a rank posts each slot's batch before it starts an
-    action at or after that slot, and waits for an input just before the action that needs it.
-    Batches of one slot therefore meet across all ranks once every earlier slot is done, so no
-    cycle of waits can form, even where batches run one after another and a send completes
-    only when its receive runs (NCCL); inside a batch, ops are sorted by key, so a pair posts
-    its messages in the same order at both ends."""
+    its data is ready when the actions take `cost`, the costs the run will have; unit costs if
+    None), a rank posts each slot's batch before it starts an action at or after that slot, and
+    waits for an input just before the action that needs it. Batches of one slot therefore
+    meet across all ranks once every earlier slot is done, so no cycle of waits can form, even
+    where batches run one after another and a send completes only when its receive runs
+    (NCCL), whatever the costs; inside a batch, ops are sorted by key, so a pair posts its
+    messages in the same order at both ends. The costs decide only how well the slots follow
+    the run: timed at costs the run does not have, a message ready early waits behind a batch
+    whose partner is still computing."""
     layout = layout or schedule.layout
-    slots = message_slots(schedule, layout)
+    slots = message_slots(schedule, layout, cost)
     batches = collections.defaultdict(list)
     for key, slot in slots.items():
         kind, stage, _ = key
@@ -519,11 +604,11 @@ def communication_plan(schedule, rank, layout=None):
         elif dst == rank:
             batches[slot].append(("recv", src, key))
     order = sorted(batches)
-    starts = [start for _, start, _ in simulate(schedule, UNIT_COSTS, layout).timeline[rank]]
+    starts = [start for _, start, _ in simulate(schedule, plan_clock(cost), layout).timeline[rank]]
     plan, i = [], 0
     for n, (a, start) in enumerate(zip(schedule[rank], starts)):
         while i < len(order) and order[i] <= start:
-            plan.append(("post", sorted(batches[order[i]], key=lambda op: op[2])))
+            plan += _posts(batches[order[i]], rank)
             i += 1
         s = layout.stage(rank, a.chunk)
         need = (("act", s, a.microbatch) if a.kind == "F" and s > 0 else
@@ -531,8 +616,22 @@ def communication_plan(schedule, rank, layout=None):
         if need in slots:
             plan.append(("wait", need))
         plan.append(("run", n))
-    plan += [("post", sorted(batches[slot], key=lambda op: op[2])) for slot in order[i:]]
+    for slot in order[i:]:
+        plan += _posts(batches[slot], rank)
     return plan
+
+
+def _posts(ops, rank):
+    """One slot's messages as one batch per peer, in the order of the pair (lower rank, higher
+    rank): every rank orders the pairs alike, so under NCCL's one stream the pair first in that
+    order always has its batch at the head of both ends' streams (no cycle), and a rank that
+    needs one neighbour's message does not wait for another neighbour's batch of the same
+    slot. Inside a batch, ops are sorted by key, the same order at both ends."""
+    by_peer = collections.defaultdict(list)
+    for op in ops:
+        by_peer[op[1]].append(op)
+    return [("post", sorted(by_peer[peer], key=lambda op: op[2]))
+            for peer in sorted(by_peer, key=lambda q: (min(q, rank), max(q, rank)))]
 
 
 def gradients_by_name(stage_modules):

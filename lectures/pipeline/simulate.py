@@ -5,7 +5,8 @@ steps back to back; `theory_bubble` gives the textbook formulas, `qi_bubble` Qi 
 `dualpipev_readme_bubble` DeepSeek's; `held` counts the micro-batches a rank holds; `message_order`
 lists what each pair of ranks exchanges, in the order the sender produces it (NCCL matches a
 pair's messages in posting order); `message_slots` gives each message a time on one clock that
-both its ends post it at, and `p2p_deadlock` runs the ranks' posting programs under NCCL's rules.
+both its ends post it at, `p2p_deadlock` runs the ranks' posting programs under NCCL's rules and
+`one_stream_makespan` times them.
 """
 import collections
 import math
@@ -215,14 +216,34 @@ def dualpipev_readme_bubble(p, F, B, W, FB=None):
 UNIT_COSTS = {"F": 1, "B": 1, "W": 1}     # integers: every time on this clock is exact
 
 
-def message_slots(schedule, layout=None):
+def plan_clock(cost=None):
+    """The costs a communication plan is timed with, on an integer clock: `cost` ({"F", "B", "W"},
+    optionally "send": the times the run will have, given or measured) scaled so that the
+    dearest is 1000 and rounded, F and B at least 1 (a message leaves when its action ends, so
+    that action must take time). Integers keep every sum exact, so equal times on two ranks
+    are equal slots; None gives unit costs (F = B = W = 1)."""
+    if cost is None:
+        return dict(UNIT_COSTS)
+    check_costs(cost)
+    given = {k: cost.get(k, 0) for k in ("F", "B", "W", "send")}
+    top = max(given.values())
+    if top <= 0:
+        return dict(UNIT_COSTS)
+    clock = {k: round(1000 * v / top) for k, v in given.items()}
+    clock["F"], clock["B"] = max(1, clock["F"]), max(1, clock["B"])
+    return clock if clock["send"] else {k: v for k, v in clock.items() if k != "send"}
+
+
+def message_slots(schedule, layout=None, cost=None):
     """{(kind, stage, microbatch): slot} for every message between two ranks: the time its data
-    is ready when every action costs one unit (a whole backward two) and sends are free. Both
-    ends post the message in their batch of that slot, and every rank posts its batches in slot
-    order; so the batches of one slot meet across all ranks once every earlier slot is done,
-    which is what NCCL needs (see p2p_deadlock)."""
+    is ready when the actions take what `cost` says (`plan_clock`: the run's own costs; unit
+    costs if None). Both ends post the message in their batch of that slot, and every rank
+    posts its batches in slot order; so the batches of one slot meet across all ranks once
+    every earlier slot is done, which is what NCCL needs (see p2p_deadlock), and a message is
+    posted when its data is ready on the clock the run keeps, not behind a batch whose
+    partner is still computing."""
     layout = layout or schedule.layout
-    sim = simulate(schedule, UNIT_COSTS, layout)
+    sim = simulate(schedule, plan_clock(cost), layout)
     slots = {}
     for r, row in enumerate(sim.timeline):
         for a, _, end in row:
@@ -232,6 +253,62 @@ def message_slots(schedule, layout=None):
             if key and layout.place(key[1])[0] != r:
                 slots[key] = end
     return slots
+
+
+def one_stream_makespan(schedule, cost, plans):
+    """The makespan of the ranks' posting programs `plans` (`executor.communication_plan`) under
+    NCCL's one stream per rank, timed; None if they do not finish. A batch starts once the
+    rank's compute before its posting point is done and its stream is free; it is done when
+    every message of it has both ends' batches started (messages are free); an action starts
+    when the rank is free and the batch holding its input is done. At unit costs with unit
+    plans it is `simulate`'s makespan; with plans timed at other costs than the run's, a
+    message ready early waits behind a batch whose partner is still computing."""
+    layout, split = schedule.layout, schedule.split_backward
+    dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
+    p = layout.ranks
+    pc, clock, stream_free = [0] * p, [0.0] * p, [0.0] * p
+    start_of, done_at, batch_of = {}, {}, {}
+    serial = 0
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(plans[r]):
+                what, arg = plans[r][pc[r]]
+                if what == "post":
+                    serial += 1
+                    start = max(clock[r], stream_free[r])
+                    keys = [(op, peer, key) for op, peer, key in arg]
+                    for _, _, key in keys:
+                        batch_of[r, key] = serial
+                    start_of[serial] = (r, start, keys)
+                elif what == "wait":
+                    b = batch_of[r, arg]
+                    if b not in done_at:
+                        if not _finish(b, start_of, batch_of, done_at, stream_free):
+                            break
+                    clock[r] = max(clock[r], done_at[b])
+                else:
+                    clock[r] += dur[schedule[r][arg].kind]
+                pc[r] += 1
+                progress = True
+    if any(pc[r] < len(plans[r]) for r in range(p)):
+        return None
+    return max(clock)
+
+
+def _finish(b, start_of, batch_of, done_at, stream_free):
+    """Batch b is done when every message of it has both ends started (sends are free)."""
+    r, start, keys = start_of[b]
+    ends = []
+    for op, peer, key in keys:
+        other = batch_of.get((peer, key))
+        if other is None:
+            return False
+        ends.append(start_of[other][1])
+    done_at[b] = max([start] + ends)
+    stream_free[r] = done_at[b]
+    return True
 
 
 def p2p_deadlock(programs):
