@@ -22,6 +22,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan, create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -312,33 +313,45 @@ def load(trainer, directory, step=None):
     for k in list(loaded):
         if k.startswith("rng/"):
             del loaded[k]           # a rank of another layout has no RNG state of its own here
-    loaded["run"] = None
     try:
+        described = {"run": None}       # first what the checkpoint is of: a clear refusal, before any tensor
+        dcp.load(described, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        expected = model_fingerprint(trainer.run)
+        if described["run"] != expected:
+            raise CheckpointError(f"{path} was written by another run: {_difference(described['run'], expected)}")
         dcp.load(loaded, checkpoint_id=path, planner=BoxLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:          # DCP raises on every rank (CheckpointException gathers them)
-        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)})") from e
-    expected = model_fingerprint(trainer.run)
-    if loaded["run"] != expected:
-        raise CheckpointError(f"{path} was written by another run: {_difference(loaded['run'], expected)}")
+    except (Exception, CheckpointException) as e:   # DCP raises it on every rank: a BaseException
+        inner = _inner(e)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(f"{path}: {inner}") from e
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(inner)})") from e
     _install(trainer, loaded)
     _restore_rng(path)
     return loaded["optim/step"]
 
 
 def _restore_rng(path):
-    """This rank's RNG state, when the checkpoint has one for this rank number."""
+    """This rank's RNG state, when the checkpoint has one for this rank number (collective: every
+    rank reads, a rank the saving layout did not have finds nothing and keeps its own)."""
     key = f"rng/{dist.get_rank()}"
-    if key in FileSystemReader(path).read_metadata().state_dict_metadata:
-        state = {key: torch.get_rng_state()}
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-        torch.set_rng_state(state[key])
+    state = {key: torch.get_rng_state()}
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    torch.set_rng_state(state[key])
+
+
+def _inner(e):
+    """What a rank raised inside DCP (CheckpointException holds {rank: (exception, traceback)})."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))
+        e = e[0] if isinstance(e, tuple) else e
+    return e
 
 
 def _first_line(e):
     text = str(e).strip().splitlines()
-    return text[-1][:300] if text else type(e).__name__
+    return f"{type(e).__name__}: {text[-1].split('. ')[0][:200]}" if text else type(e).__name__
 
 
 def _difference(saved, expected):
