@@ -18,6 +18,7 @@ import dataclasses
 import os
 import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -377,7 +378,9 @@ def export(directory, path, step=None):
     meta = FileSystemReader(source).read_metadata().state_dict_metadata
     state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in meta.items()
              if k.startswith("model/") and isinstance(md, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=source, no_dist=True)
+    with warnings.catch_warnings():      # "torch.distributed is disabled ...": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=source, no_dist=True)
     tmp = path + ".partial"
     torch.save({k[len("model/"):]: v for k, v in state.items()}, tmp)
     os.replace(tmp, path)
