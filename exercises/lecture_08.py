@@ -91,9 +91,13 @@ def box_cases():
     return {"cases": [cases[r::3] for r in range(3)]}
 
 
+def _lists(x):
+    return [_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
 def run_cases(rank, world_size, fn, cases):
-    return [(label, expected, [[list(o), list(s)] for o, s in fn(*args)])
-            for label, args, expected in cases[rank % len(cases)]]
+    """This rank's share of the cases: (label, expected, what the function returned, as lists)."""
+    return [(label, expected, _lists(fn(*args))) for label, args, expected in cases[rank % len(cases)]]
 
 
 def flat_range_boxes(offset, shape, start, stop):
@@ -153,10 +157,6 @@ def resume_cases():
     return {"cases": [cases[r::3] for r in range(3)]}
 
 
-def run_plain(rank, world_size, fn, cases):
-    return [(label, expected, list(fn(*args))) for label, args, expected in cases[rank % len(cases)]]
-
-
 def first_samples(step, global_batch, dp_rank, dp):
     """Reference: the data position is global (samples seen = step · global batch), and the new
     layout's dp rank takes its contiguous rows of the next global batch."""
@@ -180,7 +180,7 @@ exercise(
         "def first_samples(step, global_batch, dp_rank, dp):\n"
         "    \"\"\"The sample indices dp rank `dp_rank` of `dp` reads at the first step after resuming.\"\"\"\n"
         "    raise NotImplementedError(\"hint: step * global_batch samples are already seen\")\n"),
-    harness=run_plain, prepare=resume_cases, solution=first_samples,
+    harness=run_cases, prepare=resume_cases, solution=first_samples,
     wrong={"starts the data again": mutant(first_samples, ("first = step * global_batch + ", "first = ")),
            "each rank's own position, not the global one": mutant(first_samples, ("first = step * global_batch + dp_rank * rows",
                                                                                   "first = (step + dp_rank) * rows")),
