@@ -11,10 +11,11 @@ import os
 import tempfile
 
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, try_it_yourself
-from util.measure import machine, timing_ranks
+from util.measure import compare, machine, timing_ranks
 
 from exercises import listing as notebook_exercises
-from lectures.checkpoint.demos import (COST, SMALL, boxes_of, checkpoint_costs, clip_norms, lost_work, metadata_rows,
+from lectures.checkpoint.deep_dives import dcp_metadata
+from lectures.checkpoint.demos import (COST, ODD, SMALL, boxes_of, checkpoint_costs, clip_norms, lost_work,
                                        reference_norm, restart_job, timings)
 from lectures.checkpoint.figures import draw_boxes, draw_restart, draw_waste
 from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
@@ -67,24 +68,27 @@ def intro():
 
 def what_a_checkpoint_holds():
     note("## Every rank writes its boxes of the global tensors")
-    keys = ["model/blocks.0.mlp.fc_in.weight", "optim/exp_avg/blocks.0.mlp.fc_in.weight"]
-    dp_tp = spawn(boxes_of, 4, run=SMALL, layout=SAVED_UNDER[1], keys=keys, name="the boxes each rank of dp×tp writes")
-    zero = spawn(boxes_of, 4, run=SMALL, layout=LOADED_UNDER[1][1], keys=keys,
-                 name="the boxes each rank of dp×cp + ZeRO-2 writes")
-    shape = (4 * SMALL.cfg.d_model, SMALL.cfg.d_model)
+    fc_in, fc_out = "model/blocks.0.mlp.fc_in.weight", "model/blocks.0.mlp.fc_out.weight"
+    moment = "optim/exp_avg/blocks.0.mlp.fc_in.weight"
+    dp_tp = spawn(boxes_of, 4, run=SMALL, layout=SAVED_UNDER[1], keys=[fc_in, fc_out],
+                  name="the boxes each rank of dp×tp writes")
+    zero = spawn(boxes_of, 3, run=ODD, layout=Layout(cp=3, zero=2, micro_batch=8), keys=[moment],
+                 name="the boxes each rank of cp=3 + ZeRO-2 writes of Adam's first moment")
+    d, e = SMALL.cfg.d_model, ODD.cfg.d_model
     panels = []
-    for title, demo, key in (("dp×tp: weights", dp_tp, keys[0]), ("dp×cp ZeRO-2: weights", zero, keys[0]),
-                             ("dp×cp ZeRO-2: Adam's m", zero, keys[1])):
-        if demo.skipped:
-            continue
-        panels.append((title, shape, [(r, o, s) for r, got in enumerate(demo.returns) for o, s in got["boxes"][key]]))
+    for title, demo, key, shape in (("dp×tp: MLP input weight", dp_tp, fc_in, (4 * d, d)),
+                                    ("dp×tp: MLP output weight", dp_tp, fc_out, (d, 4 * d)),
+                                    ("cp=3 ZeRO-2: Adam's m of the input weight", zero, moment, (4 * e, e))):
+        if not demo.skipped:
+            panels.append((title, shape, [(r, o, s) for r, got in enumerate(demo.returns) for o, s in got["boxes"][key]]))
     if panels:
         figure(draw_boxes(panels),
-               caption=f"One matrix of the GPT, the first MLP's input weight ({shape[0]} × {shape[1]}), and the "
-                       "box of it each rank writes, in the rank's colour. Under dp×tp each tensor-parallel rank "
-                       "holds half the rows (its replica on the other dp rank holds the same). Under ZeRO-2 every "
-                       "rank holds the whole weight but only a quarter of Adam's moments: a flat range, which "
-                       "lands in the matrix as a partial row, whole rows and a partial row.")
+               caption="Matrices of the GPT's first MLP, and the box of each that every rank writes, in the rank's "
+                       "colour. Under dp×tp (4 ranks) the tensor-parallel ranks hold the input weight's rows "
+                       "(column-parallel) and the output weight's columns (row-parallel); ranks 2 and 3 hold the "
+                       "same boxes as 0 and 1 (drawn once). Under ZeRO-2 over three replicas (a model with "
+                       f"h = {e}), each rank holds a third of Adam's moments as a flat range, which lands in the "
+                       "matrix as a partial row, whole rows and a partial row.")
     note("""
         A checkpoint of a sharded run must not gather the model on one rank: at scale it does
         not fit there, and one rank's disk link would carry everything. Instead every rank
@@ -179,12 +183,14 @@ def what_it_costs():
             writes about half of it. The `.metadata` file lists every box (a few bytes per box;
             ZeRO's flat ranges make three boxes of a matrix, so more of them).
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
-            rank's tensors and plans: {blocked.ms()} here against {sync.ms()} for a synchronous
-            save; the files are written by a background thread while the next step runs
-            ({total.ms()} until they are on disk — slower than writing alone, because on
-            {machine(ranks)} the writer and the training step share the cores). On a GPU the
-            copy is device-to-host into pinned memory, which is why torchtitan keeps those
-            buffers between saves.
+            rank's tensors; a background thread plans and writes the files on a process group
+            of its own (on the training's group its collectives could interleave with the
+            step's) while the next step runs. Blocked by the asynchronous save against a
+            synchronous one: {compare(blocked, sync, "async", "sync")}. Until the files are on
+            disk the asynchronous save takes {total.ms()}, with a training step
+            ({step.ms()} alone) running beside it on {machine(ranks)}: the writer and the step
+            share the cores. On a GPU the copy is device-to-host into pinned memory, which is
+            why torchtitan keeps those buffers between saves.
         """)
         cheat("Checkpoint blocking", "async: copy + plan; sync: + write", round(blocked.median * 1e3, 1), "ms",
               what=f"{params / 1e6:.1f}M parameters, {name}, {machine(ranks)}")
@@ -364,25 +370,6 @@ def pytorch_side():
     RESULTS["pytorch"] = diff
 
 
-def dcp_metadata():
-    path = os.path.join(workdir("saved-under-dp-tp"), "step-000002")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        return
-    rows = []
-    for key in ("model/blocks.0.attn.q_proj.weight", "model/blocks.0.ln1.weight",
-                "model/blocks.0.mlp.fc_out.weight"):
-        for offset, size, where in metadata_rows(path, key):
-            rows.append([key, str(offset), str(size), where])
-    note("""
-        The `.metadata` file of the dp×tp checkpoint above, for three tensors: each box with
-        its offset, its size and the file that holds it. The fused Q, K, V weight of a
-        tensor-parallel rank became boxes of three tensors; the LayerNorm weight, held whole by
-        all four ranks, was written once; the row-parallel weight is split by columns.
-    """)
-    table(rows, header=["tensor", "offset", "size", "file"],
-          caption="Boxes recorded by DCP for three tensors of the checkpoint written under dp×tp (4 ranks).")
-
-
 def remember():
     note("""
         ## What to remember
@@ -409,11 +396,11 @@ def main():
     try_it_yourself(notebook_exercises("lecture_08_checkpoints_and_restarts"))
     intro()
     what_a_checkpoint_holds()   # the boxes, save/load, and a checkpoint loaded under 5 other layouts
+    with deep_dive("What DCP's metadata records", "the boxes of three tensors, and the file that holds each"):
+        dcp_metadata(os.path.join(workdir("saved-under-dp-tp"), "step-000002"))
     what_it_costs()             # bytes per rank, a synchronous save, an asynchronous one
     clipping_across_shards()    # the global norm counted once, and the classic bug
     failures_and_restarts()     # a torchrun job that loses a rank and resumes
     how_often()                 # Young/Daly at Llama 3's scale
     pytorch_side()              # FSDP2 / DTensor saved at one mesh, loaded at another
-    with deep_dive("What DCP's metadata records", "the boxes of three tensors, and the file that holds each"):
-        dcp_metadata()
     remember()

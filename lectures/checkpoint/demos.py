@@ -20,6 +20,8 @@ from util.measure import Timing, measure
 
 SMALL = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4, dtype="float64"),
             global_batch=8, steps=4)
+# h = 20 over 3 ZeRO replicas: a third of a matrix is not whole rows (the boxes figure)
+ODD = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=20, n_layers=2, n_heads=4), global_batch=8, steps=1)
 # Big enough that writing takes longer than DCP's planning: 4 layers, h = 256 (3.4M parameters)
 COST = Run(cfg=GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_layers=4, n_heads=8), global_batch=8, steps=1)
 

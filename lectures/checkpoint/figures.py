@@ -46,7 +46,8 @@ def draw_restart(events, lost):
         t, y = e["t"] - t0, 1 - e["attempt"]
         if e["event"] == "step":
             ax.plot(t, y, "o", color="#4e79a7", ms=7)
-            ax.annotate(f"{e['step']}", (t, y), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=NOTE)
+            ax.annotate(f"{e['step']}", (t, y), textcoords="offset points", xytext=(0, 8 if e["step"] % 2 else -18),
+                        ha="center", fontsize=NOTE)
         elif e["event"] == "saved":
             ax.plot(t, y, "s", color="#59a14f", ms=10)
         elif e["event"] == "died":
@@ -81,9 +82,9 @@ def draw_waste(cases, mtbf):
         ax.annotate(f"{best / 60:.1f} min", (best / 60, 100 * expected_waste(best, delta, mtbf)),
                     textcoords="offset points", xytext=(0, -16), ha="center", fontsize=NOTE, color=colour)
     ax.set_xscale("log")
-    ax.set_ylim(0, 12)
+    ax.set_ylim(0, 1.8 * max(100 * expected_waste(young_daly(d, mtbf), d, mtbf) for _, d in cases))
     ax.set_xlabel("minutes between checkpoints")
     ax.set_ylabel("% of time lost")
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper center", fontsize="small")
     fig.tight_layout()
     return fig

@@ -259,11 +259,40 @@ def save(trainer, directory, step, async_save=False):
     dist.barrier()
     state = trainer_state(trainer)
     if async_save:
-        staged = _stage(state)
-        future = dcp.async_save(staged, checkpoint_id=partial, planner=BoxSavePlanner())
+        staged = _stage(state)           # our copy: the only time the step waits for the tensors
+        future = dcp.async_save(staged, checkpoint_id=partial, planner=BoxSavePlanner(),
+                                process_group=_background_group(), async_stager=_AlreadyStaged())
         return {"future": future, "partial": partial, "final": final}
     dcp.save(state, checkpoint_id=partial, planner=BoxSavePlanner())
     return _commit(partial, final)
+
+
+class _AlreadyStaged:
+    """dcp.async_save's stager for a state dict `_stage` has already copied (its default stager
+    would copy it again)."""
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        pass
+
+
+_GROUPS = {}
+
+
+def _background_group():
+    """A process group of all ranks for the background writer's collectives (planning, the final
+    metadata): on the training's own group, they could interleave with the step's collectives.
+    Made once per default group (collective: every rank makes it at its first asynchronous save)."""
+    world = dist.distributed_c10d._get_default_group()
+    if _GROUPS.get("world") is not world:
+        _GROUPS.update(world=world, group=dist.new_group(backend="gloo"))
+    return _GROUPS["group"]
 
 
 def _stage(state):
