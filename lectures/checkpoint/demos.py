@@ -124,14 +124,14 @@ def restart_job(directory, ranks=2, steps=4, save_every=2, die_at=3, timeout=240
 
 def lost_work(events):
     """From the job's events: the step the rank died in, the checkpoint it resumed from, the
-    seconds of training lost (from that checkpoint to the death) and of restarting (from the
-    death to the resumed job's first step)."""
+    seconds attempt 1 spent redoing the steps after that checkpoint up to the one that died, and
+    the seconds from the death to the resumed job (restart)."""
     died = next(e for e in events if e["event"] == "died")
     resumed = next(e for e in events if e["event"] == "resumed" and e["attempt"] == 1)
-    saved = [e for e in events if e["event"] == "saved" and e["attempt"] == 0 and e["step"] <= resumed["step"]]
+    redone = [e for e in events if e["event"] == "step" and e["attempt"] == 1 and e["step"] <= died["step"]]
     first = next(e for e in events if e["event"] == "step" and e["attempt"] == 1)
-    since = saved[-1]["t"] if saved else min(e["t"] for e in events if e["attempt"] == 0)
-    return {"died_in": died["step"], "resumed_from": resumed["step"], "recompute": died["t"] - since,
+    return {"died_in": died["step"], "resumed_from": resumed["step"],
+            "recompute": redone[-1]["t"] - resumed["t"] if redone else 0.0,
             "restart": resumed["t"] - died["t"], "load": resumed["load_seconds"],
             "first_step_after": first["t"] - died["t"]}
 

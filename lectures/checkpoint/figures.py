@@ -12,7 +12,7 @@ def draw_boxes(panels):
     """One panel per (title, global shape, [(rank, offset, shape)]): the global matrix, and the
     box of it each rank writes, in the rank's colour (a box two ranks hold is drawn once, by the
     lower rank: the one DCP's planner keeps may be either)."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.5 * len(panels), 2.9), squeeze=False)
     for ax, (title, shape, boxes) in zip(axes[0], panels):
         rows, cols = shape if len(shape) == 2 else (shape[0], 1)
         ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, lw=1.5, ec="black"))
@@ -31,7 +31,7 @@ def draw_boxes(panels):
         ax.set_xlim(-0.5, cols + 0.5)
         ax.set_ylim(rows + 0.5, -0.5)
         ax.set_aspect("auto")
-        ax.set_title(title, fontsize=NOTE)
+        ax.set_title(title, fontsize=NOTE, wrap=True)
         ax.set_xticks([0, cols])
         ax.set_yticks([0, rows])
     fig.tight_layout()
@@ -41,7 +41,7 @@ def draw_boxes(panels):
 def draw_restart(events, lost):
     """The job's two attempts on one time axis: steps, checkpoints, the death, the restart."""
     t0 = min(e["t"] for e in events)
-    fig, ax = plt.subplots(figsize=(8, 2.6))
+    fig, ax = plt.subplots(figsize=(7, 3.2))
     for e in events:
         t, y = e["t"] - t0, 1 - e["attempt"]
         if e["event"] == "step":
@@ -55,16 +55,15 @@ def draw_restart(events, lost):
         elif e["event"] == "resumed":
             ax.plot(t, y, ">", color="#b07aa1", ms=10)
     died = next(e["t"] for e in events if e["event"] == "died") - t0
-    ax.axvspan(died - lost["recompute"], died, color="#e15759", alpha=0.15, lw=0)
     ax.axvspan(died, died + lost["restart"], color="#bab0ac", alpha=0.3, lw=0)
     ax.text(died + lost["restart"] / 2, 0.5, f"restart {lost['restart']:.1f} s", ha="center", va="center", fontsize=NOTE)
     ax.set_yticks([1, 0], ["attempt 0", "attempt 1"])
-    ax.set_ylim(-0.6, 1.6)
+    ax.set_ylim(-0.7, 2.4)
     ax.set_xlabel("seconds since the job started")
     handles = [plt.Line2D([], [], ls="", marker=m, color=c, ms=8, label=l) for m, c, l in
                (("o", "#4e79a7", "a step (its number)"), ("s", "#59a14f", "checkpoint written"),
                 ("X", "#e15759", "rank 1 dies"), (">", "#b07aa1", "resumed"))]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False)
+    ax.legend(handles=handles, loc="upper center", ncol=2, fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -73,16 +72,17 @@ def draw_waste(cases, mtbf):
     """Expected fraction of time lost against the checkpoint interval, one curve per write
     time (label, δ seconds), with Young/Daly's interval marked."""
     import numpy as np
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4))
     taus = np.logspace(0.5, 4.3, 300)
     for (label, delta), colour in zip(cases, RANK_COLOURS):
         ax.plot(taus / 60, [100 * expected_waste(t, delta, mtbf) for t in taus], color=colour, label=label)
         best = young_daly(delta, mtbf)
         ax.plot(best / 60, 100 * expected_waste(best, delta, mtbf), "o", color=colour)
         ax.annotate(f"{best / 60:.1f} min", (best / 60, 100 * expected_waste(best, delta, mtbf)),
-                    textcoords="offset points", xytext=(0, -16), ha="center", fontsize=NOTE, color=colour)
+                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=NOTE, color=colour)
     ax.set_xscale("log")
-    ax.set_ylim(0, 1.8 * max(100 * expected_waste(young_daly(d, mtbf), d, mtbf) for _, d in cases))
+    ax.set_xticks([0.1, 1, 10, 100], ["0.1", "1", "10", "100"])
+    ax.set_ylim(0, 2.6 * max(100 * expected_waste(young_daly(d, mtbf), d, mtbf) for _, d in cases))
     ax.set_xlabel("minutes between checkpoints")
     ax.set_ylabel("% of time lost")
     ax.legend(loc="upper center", fontsize="small")
