@@ -338,8 +338,10 @@ def how_often():
         step waits only for the copy out of GPU memory) and write each rank's shard in
         parallel. {here}
     """)
-    cheat("Young/Daly interval", "$\\tau^* = \\sqrt{2\\,\\delta\\,M}$", round(best / 60, 1), "min",
-          what=f"Llama 3 405B, M = {mtbf / 3600:.1f} h, δ = {delta:.1f} s (assumed: the published 2 TB/s)")
+    if costs:
+        here_best = young_daly(sync.median, mtbf)
+        cheat("Young/Daly interval", "$\\tau^* = \\sqrt{2\\,\\delta\\,M}$", round(here_best, 1), "s",
+              what=f"δ = this page's synchronous save ({sync.median * 1e3:.0f} ms), M = Llama 3 405B's {mtbf / 3600:.1f} h")
     for url, title in [("https://doi.org/10.1145/361147.361115", "Young 1974, A first order approximation to the optimum checkpoint interval"),
                        ("https://doi.org/10.1016/j.future.2004.11.016", "Daly 2006, A higher order estimate of the optimum checkpoint interval for restart dumps")]:
         see(url, title=title)

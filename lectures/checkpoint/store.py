@@ -258,6 +258,9 @@ def save(trainer, directory, step, async_save=False):
         shutil.rmtree(partial, ignore_errors=True)       # an earlier attempt that died mid-save
     dist.barrier()
     state = trainer_state(trainer)
+    # the data position: batch k of the run is a function of k (lecture 01's task), so the step
+    # is the position; a real loader saves its own state (its shard, its offset) here
+    state["data"] = {"step": step, "samples_seen": step * trainer.run.global_batch}
     if async_save:
         staged = _stage(state)           # our copy: the only time the step waits for the tensors
         future = dcp.async_save(staged, checkpoint_id=partial, planner=BoxSavePlanner(),
@@ -343,6 +346,7 @@ def load(trainer, directory, step=None):
     for k in list(loaded):
         if k.startswith("rng/"):
             del loaded[k]           # a rank of another layout has no RNG state of its own here
+    loaded["data"] = None
     try:
         described = {"run": None}       # first what the checkpoint is of: a clear refusal, before any tensor
         dcp.load(described, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -357,9 +361,11 @@ def load(trainer, directory, step=None):
         if isinstance(inner, CheckpointError):
             raise CheckpointError(f"{path}: {inner}") from e
         raise CheckpointError(f"{path}: cannot be read ({_first_line(inner)})") from e
+    if loaded["data"]["samples_seen"] != step * trainer.run.global_batch:
+        raise CheckpointError(f"{path}: its data position {loaded['data']} is not step {step}'s")
     _install(trainer, loaded)
     _restore_rng(path)
-    return loaded["optim/step"]
+    return loaded["data"]["step"]
 
 
 def _restore_rng(path):
