@@ -284,3 +284,28 @@ def test_fsdp2_checkpoint_at_dp4_loads_at_dp2_tp2_and_trains_on_equal(tmp_path, 
     assert resumed[0]["start"] == 2
     assert max((resumed[0]["loaded"][k] - saved[0]["params"][k]).abs().max().item() for k in two["params"]) == 0
     assert max_param_diff(resumed, reference["params"]) < 1e-6
+
+
+def _hangs(rank, world_size, run, layout, directory):
+    import time
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    for step in range(2):
+        trainer.train_step(step)
+    save(trainer, directory, 2)
+    if rank == 1:
+        time.sleep(8)           # hung: never joins step 3's gradient all-reduce
+        return None
+    trainer.train_step(2)       # waits in the all-reduce until the group's timeout
+    return "finished"
+
+
+def test_a_hung_rank_ends_in_the_groups_timeout_and_the_checkpoint_survives(tmp_path, reference):
+    got = spawn(_hangs, 2, run=RUN, layout=Layout(dp=2, micro_batch=4), directory=str(tmp_path), timeout=3,
+                expect_error=True)
+    # bounded and named: the group's timeout on the waiting rank, or the launcher's bound once the
+    # hung rank is gone ("did not finish ... skipped a collective")
+    assert got.error and ("timed out" in got.error.lower() or "skipped a collective" in got.error), got.error
+    assert saved_steps(str(tmp_path)) == [2]
+    resumed = spawn(train_resumable, 2, run=RUN, layout=Layout(tp=2, micro_batch=8), directory=str(tmp_path),
+                    until=4).returns
+    assert resumed[0]["start"] == 2 and max_param_diff(resumed, reference["params"]) < 1e-6
