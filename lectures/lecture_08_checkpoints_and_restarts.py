@@ -8,7 +8,8 @@ loses the least work is worked out from what a write costs and how often a job f
 """
 import dataclasses
 import os
-import tempfile
+
+import torch
 
 from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, try_it_yourself
 from util.measure import compare, machine, timing_ranks
@@ -16,12 +17,12 @@ from util.measure import compare, machine, timing_ranks
 from exercises import listing as notebook_exercises
 from lectures.checkpoint.deep_dives import dcp_metadata
 from lectures.checkpoint.demos import (COST, ODD, SMALL, boxes_of, checkpoint_costs, clip_norms, lost_work,
-                                       reference_norm, restart_job, timings)
+                                       reference_norm, restart_job, timings, workdir)
 from lectures.checkpoint.figures import draw_boxes, draw_restart, draw_waste
 from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
 from lectures.checkpoint.restart import (LLAMA3_405B_PARAMS, LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS,
                                          LLAMA3_UNEXPECTED, TECTONIC_SUSTAINED, expected_waste, init_group, young_daly)
-from lectures.checkpoint.store import load, save, train_resumable
+from lectures.checkpoint.store import export, load, save, train_resumable
 from lectures.layout.estimator import Layout
 from lectures.layout.shards import flat_boxes, global_grad_norm, local_pieces
 from lectures.layout.trainer import max_param_diff, reference_run
@@ -36,12 +37,6 @@ LOADED_UNDER = [
     ("pp, 3 stages", Layout(pp=3, micro_batch=2, micro_batches=4)),
 ]
 QUICK_LOADS = ("pp×tp", "dp×cp + ZeRO-2", "one rank")
-
-
-def workdir(name):
-    path = os.path.join(tempfile.gettempdir(), f"course-lecture-08-{os.getpid()}", name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return path
 
 
 def intro():
@@ -272,9 +267,7 @@ def failures_and_restarts():
                    f"group forms, the checkpoint loads in {lost['load']:.2f} s). Attempt 1 resumes at step "
                    f"{lost['resumed_from']}.")
     ref = reference_run(SMALL)
-    from lectures.checkpoint.store import export
-    import torch
-    weights = torch.load(export(workdir("restart-job"), workdir("restart-model.pt")))
+    weights = torch.load(export(workdir("restart-job", fresh=False), workdir("restart-model.pt")))
     diff = max((weights[k] - v).abs().max().item() for k, v in ref["params"].items())
     assert diff < 1e-6, diff
     note(f"""
@@ -405,7 +398,7 @@ def main():
     intro()
     what_a_checkpoint_holds()   # the boxes, save/load, and a checkpoint loaded under 5 other layouts
     with deep_dive("What DCP's metadata records", "the boxes of three tensors, and the file that holds each"):
-        dcp_metadata(os.path.join(workdir("saved-under-dp-tp"), "step-000002"))
+        dcp_metadata(os.path.join(workdir("saved-under-dp-tp", fresh=False), "step-000002"))
     what_it_costs()             # bytes per rank, a synchronous save, an asynchronous one
     clipping_across_shards()    # the global norm counted once, and the classic bug
     failures_and_restarts()     # a torchrun job that loses a rank and resumes

@@ -14,6 +14,11 @@ Global-norm clipping lives with the trainer (`Run(max_grad_norm=...)`, `lectures
 """
 from lectures.checkpoint.store import (Boxes, BoxLoadPlanner, BoxSavePlanner, CheckpointError, checkpoint_path, export,
                                        finish, load, save, saved_steps, train_resumable, trainer_state)
+from lectures.checkpoint.restart import (expected_waste, init_group, read_events, run_job, torchrun_command,
+                                         young_daly)
+from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
 
 __all__ = ["Boxes", "BoxLoadPlanner", "BoxSavePlanner", "CheckpointError", "checkpoint_path", "export", "finish",
-           "load", "save", "saved_steps", "train_resumable", "trainer_state"]
+           "load", "save", "saved_steps", "train_resumable", "trainer_state",
+           "expected_waste", "init_group", "read_events", "run_job", "torchrun_command", "young_daly",
+           "pytorch_resume", "pytorch_save"]

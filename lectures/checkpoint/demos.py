@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -24,6 +25,17 @@ SMALL = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_h
 ODD = Run(cfg=GPTConfig(vocab_size=32, seq_len=12, d_model=20, n_layers=2, n_heads=4), global_batch=8, steps=1)
 # Big enough that writing takes longer than DCP's planning: 4 layers, h = 256 (3.4M parameters)
 COST = Run(cfg=GPTConfig(vocab_size=512, seq_len=64, d_model=256, n_layers=4, n_heads=8), global_batch=8, steps=1)
+
+
+def workdir(name, fresh=True):
+    """A folder for one demo's checkpoints, emptied first (a checkpoint left by an earlier build
+    would be resumed from). Its path is the same in every build: the notebook and the torchrun
+    build must make the same calls as the page to be compared with it."""
+    path = os.path.join(tempfile.gettempdir(), f"course-lecture-08-{os.getuid()}", name)
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
 
 
 def _trainer(run, layout):

@@ -41,3 +41,8 @@ __all__ = [
     "GroupCollectives", "Run", "reference_run", "max_param_diff", "LayoutTrainer", "train_layout",
     "pytorch_tp_plan", "pytorch_layout",
 ]
+
+# Lecture 08: where each rank's tensors sit in the global model, and the global gradient norm
+from lectures.layout.shards import Piece, local_pieces, flat_boxes, global_grad_norm, clip_grads_
+
+__all__ += ["Piece", "local_pieces", "flat_boxes", "global_grad_norm", "clip_grads_"]
