@@ -18,7 +18,7 @@ from exercises import listing as notebook_exercises
 from lectures.checkpoint.deep_dives import dcp_metadata
 from lectures.checkpoint.demos import (COST, ODD, SMALL, boxes_of, checkpoint_costs, clip_norms, lost_work,
                                        reference_norm, restart_job, timings, workdir)
-from lectures.checkpoint.figures import draw_boxes, draw_restart, draw_waste
+from lectures.checkpoint.figures import draw_boxes, draw_costs, draw_norms, draw_restart, draw_waste
 from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
 from lectures.checkpoint.restart import (LLAMA3_405B_PARAMS, LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS,
                                          LLAMA3_UNEXPECTED, TECTONIC_SUSTAINED, expected_waste, init_group, young_daly)
@@ -26,6 +26,7 @@ from lectures.checkpoint.store import export, load, save, train_resumable
 from lectures.layout.estimator import Layout
 from lectures.layout.shards import flat_boxes, global_grad_norm, local_pieces
 from lectures.layout.trainer import max_param_diff, reference_run
+from lectures.model.gpt import param_count
 
 RESULTS = {}
 SAVED_UNDER = ("dp×tp", Layout(dp=2, tp=2, micro_batch=4))
@@ -151,7 +152,7 @@ def what_it_costs():
                ("dp + ZeRO-1", Layout(dp=ranks, zero=1, micro_batch=COST.global_batch // ranks))]
     if settings.quick:
         layouts = layouts[:1]
-    rows = []
+    rows, RESULTS["costs"] = [], []
     for name, lay in layouts:
         demo = spawn(checkpoint_costs, ranks, run=COST, layout=lay, directory=workdir(f"cost-{name}"),
                      repeats=3 if settings.quick else 5, name=f"checkpoint costs, {name} on {ranks} ranks")
@@ -162,8 +163,14 @@ def what_it_costs():
         rows.append([name, " / ".join(f"{r['mine'] / 2 ** 20:.1f}" for r in got),
                      " / ".join(f"{r['held'] / 2 ** 20:.1f}" for r in got), f"{got[0]['metadata'] / 1024:.0f}",
                      step.ms(), sync.ms(), blocked.ms(), total.ms()])
-        RESULTS.setdefault("costs", []).append((name, sync, blocked, total, step))
-    params = sum(p.numel() for p in __import__("lectures.model.gpt", fromlist=["GPT"]).GPT(COST.cfg).parameters())
+        RESULTS["costs"].append((name, sync, blocked, total, step))
+    params = param_count(COST.cfg)
+    if RESULTS.get("costs"):
+        figure(draw_costs([(c[0], (c[4], c[1], c[2], c[3])) for c in RESULTS["costs"]]),
+               caption=f"What saving a {params / 1e6:.1f}M-parameter model's weights and Adam moments cost here, "
+                       f"{machine(ranks)}: a synchronous save stops training for the whole write; an asynchronous "
+                       "one only for the copy (green), then writes in the background while the next step runs "
+                       "(blue: until the files are on disk).")
     table(rows, header=["layout", "MiB each rank wrote", "MiB each rank holds (weights + Adam)", "metadata KiB",
                         "training step", "synchronous save", "async: step blocked", "async: until on disk"],
           caption=f"A GPT of {params / 1e6:.1f}M float32 parameters (h = {COST.cfg.d_model}, "
@@ -196,6 +203,22 @@ def clipping_across_shards():
     run = dataclasses.replace(SMALL, steps=2, max_grad_norm=0.05)
     ref, plain = reference_run(run), reference_run(dataclasses.replace(run, max_grad_norm=None))
     norm = reference_norm(run)
+    rows, RESULTS["clip"] = [], []
+    for name, lay in (("dp×tp", Layout(dp=2, tp=2, micro_batch=4)),
+                      ("pp×tp", Layout(pp=2, tp=2, micro_batch=1, micro_batches=8)),
+                      ("dp×cp + ZeRO-2", Layout(dp=2, cp=2, zero=2, micro_batch=2, micro_batches=2))):
+        demo = spawn(clip_norms, lay.world, run=run, layout=lay, name=f"clipping under {name}")
+        if demo.skipped:
+            continue
+        got = demo.returns
+        rows.append([name, f"{got[0]['once']:.6f}", f"{got[0]['naive']:.6f}", f"{got[0]['naive'] / norm:.2f}×",
+                     f"{max_param_diff(got, ref['params']):.1e}", f"{max_param_diff(got, plain['params']):.1e}"])
+        RESULTS["clip"].append((name, got[0]["once"], got[0]["naive"]))
+    if RESULTS.get("clip"):
+        figure(draw_norms(RESULTS["clip"], norm),
+               caption="The first step's gradient norm on 4 ranks, counted once (green) and the naive way, each "
+                       "rank adding the squares of everything it holds (red), against clip_grad_norm_ in one "
+                       "process (dashed).")
     note(f"""
         `torch.nn.utils.clip_grad_norm_(params, c)` scales every gradient by
         $\\min(1, c / (\\lVert g \\rVert + 10^{{-6}}))$, where $\\lVert g \\rVert$ is the 2-norm of
@@ -211,17 +234,6 @@ def clipping_across_shards():
         {norm:.3f}, so a bound of {run.max_grad_norm} bites at every step.
     """)
     see(global_grad_norm)
-    rows = []
-    for name, lay in (("dp×tp", Layout(dp=2, tp=2, micro_batch=4)),
-                      ("pp×tp", Layout(pp=2, tp=2, micro_batch=1, micro_batches=8)),
-                      ("dp×cp + ZeRO-2", Layout(dp=2, cp=2, zero=2, micro_batch=2, micro_batches=2))):
-        demo = spawn(clip_norms, lay.world, run=run, layout=lay, name=f"clipping under {name}")
-        if demo.skipped:
-            continue
-        got = demo.returns
-        rows.append([name, f"{got[0]['once']:.6f}", f"{got[0]['naive']:.6f}", f"{got[0]['naive'] / norm:.2f}×",
-                     f"{max_param_diff(got, ref['params']):.1e}", f"{max_param_diff(got, plain['params']):.1e}"])
-        RESULTS.setdefault("clip", []).append((name, got[0]["once"], got[0]["naive"]))
     table(rows, header=["layout", "norm counted once", "norm, each rank counting all it holds", "naive / true",
                         "max |Δ| vs clip_grad_norm_ in one process", "max |Δ| vs no clipping"],
           caption=f"The first step's global gradient norm on 4 ranks (one process: {norm:.6f}), and every parameter "
@@ -229,6 +241,10 @@ def clipping_across_shards():
                   "(and, to show the bound bites, against one that does not clip).")
     if RESULTS.get("clip"):
         name, once, naive = max(RESULTS["clip"], key=lambda x: x[2] / x[1])
+        exact = [n for n, o, v in RESULTS["clip"] if abs(v / o - 1) < 1e-6]
+        exact_words = (f"Under {' and '.join(exact)} every element has exactly one holder (ZeRO-2's shards "
+                       "are disjoint and nothing is replicated across tensor-parallel ranks), so there the naive "
+                       "sum happens to be right: the bug shows in some layouts and hides in others." if exact else "")
         note(f"""
             The classic bug is the middle column: each rank computes the norm of what it holds
             and the ranks add their squares up, so a replica counts its whole model again and a
@@ -237,6 +253,7 @@ def clipping_across_shards():
             {naive / once:.2f}× too hard, and the run silently trains with a smaller learning
             rate than the one-process run it was tuned on. The opposite mistake, each rank
             clipping by the norm of its own shard, gives every rank a different factor.
+            {exact_words}
         """)
         cheat("Global gradient norm", "$\\lVert g \\rVert = \\sqrt{\\sum_r \\sum_{b \\in \\text{owned}(r)} \\lVert g_b \\rVert^2}$",
               round(naive / once, 2), "×", what=f"the naive sum's overcount under {name}")

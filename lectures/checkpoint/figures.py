@@ -88,3 +88,43 @@ def draw_waste(cases, mtbf):
     ax.legend(loc="upper center", fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def draw_costs(costs):
+    """Per layout: the median time of a training step, a synchronous save, the time an
+    asynchronous save blocks the step and until its files are on disk (ms, with the IQR)."""
+    import numpy as np
+    kinds = [("training step", "#bab0ac"), ("synchronous save", "#e15759"), ("async: step blocked", "#59a14f"),
+             ("async: until on disk", "#4e79a7")]
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.9 * len(costs)))
+    height = 0.8 / len(kinds)
+    for k, (label, colour) in enumerate(kinds):
+        ys = np.arange(len(costs)) + k * height
+        timings = [c[1][k] for c in costs]
+        ax.barh(ys, [t.median * 1e3 for t in timings], height=height, color=colour, label=label,
+                xerr=[[(t.median - t.q1) * 1e3 for t in timings], [(t.q3 - t.median) * 1e3 for t in timings]],
+                capsize=2)
+    ax.set_xlim(0, 1.75 * max(t.q3 * 1e3 for c in costs for t in c[1]))
+    ax.set_yticks(np.arange(len(costs)) + 0.4 - height / 2, [c[0] for c in costs])
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds (median of the slowest rank, IQR)")
+    ax.legend(loc="center right", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def draw_norms(rows, true_norm):
+    """The first step's gradient norm per layout: counted once, and each rank counting all it
+    holds, against clip_grad_norm_'s in one process."""
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r[1] for r in rows], width=0.4, color="#59a14f", label="counted once")
+    ax.bar(x + 0.2, [r[2] for r in rows], width=0.4, color="#e15759", label="each rank counts all it holds")
+    ax.axhline(true_norm, color="black", lw=1, ls="--", label="one process (clip_grad_norm_)")
+    ax.set_xticks(x, [r[0] for r in rows])
+    ax.set_ylabel("gradient norm, step 1")
+    ax.set_ylim(0, 1.45 * max(r[2] for r in rows))
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    return fig
