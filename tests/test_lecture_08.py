@@ -309,3 +309,16 @@ def test_a_hung_rank_ends_in_the_groups_timeout_and_the_checkpoint_survives(tmp_
     resumed = spawn(train_resumable, 2, run=RUN, layout=Layout(tp=2, micro_batch=8), directory=str(tmp_path),
                     until=4).returns
     assert resumed[0]["start"] == 2 and max_param_diff(resumed, reference["params"]) < 1e-6
+
+
+def test_a_tied_embedding_saved_by_a_pipeline_loads_into_one_tensor(tmp_path):
+    """The first and the last stage both hold the tied table (tok_emb / lm_head): the checkpoint
+    keeps one tok_emb.weight, and a layout without a pipeline resumes equal to one process."""
+    tied = Run(cfg=dataclasses.replace(CFG, tie_embeddings=True), global_batch=8, steps=4)
+    spawn(train_resumable, 4, run=tied, layout=L["pp×tp"], directory=str(tmp_path), until=2, save_every=2)
+    got = spawn(train_resumable, 4, run=tied, layout=L["dp×tp"], directory=str(tmp_path), until=4).returns
+    ref = reference_run(tied)
+    for r in got:
+        r["params"].pop("lm_head.weight", None)
+    assert max_param_diff(got, ref["params"]) < 1e-6
+    assert "lm_head.weight" not in torch.load(export(str(tmp_path), str(tmp_path / "m.pt")))

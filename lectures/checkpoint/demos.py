@@ -128,10 +128,18 @@ def restart_job(directory, ranks=2, steps=4, save_every=2, die_at=3, timeout=240
     t0 = time.time()
     proc = subprocess.run(torchrun_command(directory, ranks=ranks, max_restarts=1, steps=steps,
                                            save_every=save_every, die_at=die_at),
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=timeout, env=_own_job_env())
     return {"rc": proc.returncode, "seconds": time.time() - t0, "events": read_events(directory),
             "log": proc.stderr[-2000:]}
+
+
+def _own_job_env():
+    """This process's environment without the variables of a torchrun job it may itself be a
+    rank of (the lecture under torchrun): the job below is a job of its own."""
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in inherited and not k.startswith("TORCHELASTIC_")
+            and not k.startswith("TORCH_ELASTIC")} | {"OMP_NUM_THREADS": "1"}
 
 
 def lost_work(events):
