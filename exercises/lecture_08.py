@@ -54,14 +54,14 @@ exercise(
         "rank holds: its slices) and `replicated` (tensors every rank holds identically, like the "
         "LayerNorm weights under tensor parallelism). Write `global_norm(shards, replicated)` "
         "returning the 2-norm of all of them — every rank's shards, the replicated tensors once — "
-        "the same on every rank, with ONE `dist.all_reduce`. The check runs 3 cases on 3 and 2 ranks "
+        "the same on every rank, with ONE `dist.all_reduce`. The check runs 3 cases on 3 real ranks "
         "against the norm of every tensor in one place, and counts your all-reduces."),
     stub=(
         "def global_norm(shards, replicated):\n"
         "    \"\"\"The 2-norm of every rank's shards and of the replicated tensors (counted once).\"\"\"\n"
         "    raise NotImplementedError(\"hint: all-reduce the sum of squares of the shards only, then add \"\n"
         "                              \"the replicated squares, then sqrt\")\n"),
-    harness=check_norm, solution=global_norm, ranks=(3, 2),
+    harness=check_norm, solution=global_norm,
     watch={"torch.distributed.all_reduce": None},
     wrong={"replicated counted on every rank": mutant(
                global_norm, ("    local = sum((t.double().pow(2).sum() for t in shards), ",
