@@ -7,7 +7,6 @@ the middle of a step and comes back from its last checkpoint; and the checkpoint
 loses the least work is worked out from what a write costs and how often a job fails.
 """
 import dataclasses
-import os
 
 import torch
 
@@ -415,7 +414,7 @@ def main():
     intro()
     what_a_checkpoint_holds()   # the boxes, save/load, and a checkpoint loaded under 5 other layouts
     with deep_dive("What DCP's metadata records", "the boxes of three tensors, and the file that holds each"):
-        dcp_metadata(os.path.join(workdir("saved-under-dp-tp", fresh=False), "step-000002"))
+        dcp_metadata()
     what_it_costs()             # bytes per rank, a synchronous save, an asynchronous one
     clipping_across_shards()    # the global norm counted once, and the classic bug
     failures_and_restarts()     # a torchrun job that loses a rank and resumes
