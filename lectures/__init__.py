@@ -1,6 +1,6 @@
 """The course's lectures: one file per lecture (`lecture_NN_topic.py`, its page), and one topic
 package per lecture's building blocks (`model`, `data_parallel`, `tensor_parallel`, `pipeline`,
-`context_parallel`, `layout`).
+`context_parallel`, `layout`, `checkpoint`).
 
 LECTURES is the one list of the course's lectures, in order: the Makefile, the tests, the
 exercises and the notebooks' tools all take it from here.

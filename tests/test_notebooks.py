@@ -52,6 +52,9 @@ EXPECT = {
         c["ranks"] == RANKS and c["matches_single_process"] is True
         and c["estimator_exact_for_weights_grads_optimizer"] is True
         and c["search_found_a_fitting_layout"] is True),
+    "lecture_08_checkpoints_and_restarts": lambda c: (
+        c["ranks"] == RANKS and c["matches_single_process"] is True and c["resumed_at"] == 2
+        and c["max_abs_diff_vs_single_process"] <= 1e-6 and c["saved_under"] != c["loaded_under"]),
 }
 
 

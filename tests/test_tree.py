@@ -1,4 +1,4 @@
-"""The tree shows the course: seven lecture files beside one package of building blocks per
+"""The tree shows the course: eight lecture files beside one package of building blocks per
 topic; the blocks never import a lecture file, and the engine (util/) imports no course package.
 A lecture file imports only what its page uses; everyone else imports a building block from its
 topic package (`from lectures.pipeline import make_schedule`)."""
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LECTURES = ROOT / "lectures"
-PACKAGES = {"model", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layout"}
+PACKAGES = {"model", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layout", "checkpoint"}
 
 
 def imported_modules(path):
@@ -23,9 +23,9 @@ def imported_modules(path):
     return names
 
 
-def test_lectures_holds_seven_lecture_files_and_the_topic_packages():
+def test_lectures_holds_eight_lecture_files_and_the_topic_packages():
     files = sorted(p.name for p in LECTURES.glob("*.py") if p.name != "__init__.py")
-    assert len(files) == 7 and all(f.startswith("lecture_0") for f in files), files
+    assert len(files) == 8 and all(f.startswith("lecture_0") for f in files), files
     packages = {p.name for p in LECTURES.iterdir() if (p / "__init__.py").exists()}
     assert packages == PACKAGES
     for package in PACKAGES:

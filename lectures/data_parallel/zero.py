@@ -83,6 +83,8 @@ class Zero1:
     Step: reduce-scatter each gradient (each rank receives the averaged gradient of its shard),
     update its shard, all-gather the updated shards into the full parameters."""
 
+    clip = None    # clip(grad_shards): a hook before the update (lecture 08's global-norm clipping)
+
     def __init__(self, model, comm, task):
         self.model, self.comm = model, comm
         self.params = list(model.parameters())
@@ -104,6 +106,8 @@ class Zero1:
             self.comm.reduce_scatter(g, padded(p.grad, self.comm.n))
             grads.append(g.div_(self.comm.n))
         self.held = self.measure(grads)
+        if self.clip is not None:
+            self.clip(grads)
         self.opt.step(grads)
         for p, s in zip(self.params, self.shards):
             full = torch.empty(s.numel() * self.comm.n, dtype=s.dtype, device=s.device)
@@ -167,6 +171,8 @@ class Zero2(Zero1):
         self.held = {"params": sum(map(nbytes, self.params)), "grads": sum(map(nbytes, grads)),
                      "optimizer": self.opt.nbytes(), "transient": self.peak_full}
         self.peak_full = 0
+        if self.clip is not None:
+            self.clip(grads)
         self.opt.step(grads)
         for p, s in zip(self.params, self.shards):
             full = torch.empty(s.numel() * self.comm.n, dtype=s.dtype, device=s.device)

@@ -58,3 +58,8 @@ from lectures.layout.published import (MEGATRON_TABLE1, megatron_run, megatron_s
 
 __all__ += ["MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
             "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED"]
+
+# Lecture 08: where each rank's tensors sit in the global model, and the global gradient norm
+from lectures.layout.shards import Piece, local_pieces, flat_boxes, global_grad_norm, clip_grads_
+
+__all__ += ["Piece", "local_pieces", "flat_boxes", "global_grad_norm", "clip_grads_"]

@@ -93,4 +93,5 @@ def pytorch_layout(cfg, layout, lr):
         opt.step()
         opt.zero_grad()
         return loss
+    step.optimizer = opt      # for checkpoints (lecture 08: get_state_dict(module, step.optimizer))
     return module, step

@@ -23,6 +23,7 @@ from lectures.data_parallel.ddp import Collectives
 from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.model.memory import SavedBytes
 from lectures.layout.mesh import make_mesh
+from lectures.layout.shards import clip_grads_
 from lectures.pipeline.executor import GPTStage, PipelineExecutor
 from lectures.context_parallel.ring import ring_attention
 from lectures.context_parallel.moe import ExpertParallelMoE, expert_owners, moe_gpt
@@ -71,6 +72,7 @@ class Run:
     weight_decay: float = 0.01     # AdamW's default, spelled out: ZeRO's optimizer needs it
     experts: int = 0               # > 0: every MLP a dropless mixture of experts (lecture 06's MoE)
     top_k: int = 1
+    max_grad_norm: float = None    # clip the global gradient norm to this (lecture 08); None: no clipping
 
 
 def build_model(run):
@@ -91,6 +93,8 @@ def reference_run(run):
         tokens, targets = (t.to(device()) for t in batch(run.cfg, run.global_batch, step))
         loss = loss_fn(model(tokens), targets)
         loss.backward()
+        if run.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -158,11 +162,17 @@ class LayoutTrainer:
             # the expert layers are wired for data and expert parallelism only
             raise ValueError(f"layout {layout.label()}: this trainer runs experts under dp and ep only "
                              "(no tp, pp, cp or ZeRO with experts)")
+        if run.experts and run.max_grad_norm is not None:
+            raise ValueError("global-norm clipping (Run.max_grad_norm) does not count experts' shards yet: "
+                             "train a model with experts without it")
         self.tp_group = mesh.group["tp"]
         self.model = self._split_model(build_model(run).to(device()))   # the same seeded weights on every rank
         self.stage, self.executor, self.module = self._pipeline_stage()
         self.params = list(self.module.parameters())
         self.comm, self.zero, self.opt = self._optimizer()
+        self.grad_norm = None        # the global gradient norm of the last step, when clipping
+        if self.zero is not None and run.max_grad_norm is not None:
+            self.zero.clip = self._clip
         # What autograd saves for backward, weights left out (they are counted as weights).
         self.meter = SavedBytes(exclude=self.params) if track_memory else None
 
@@ -296,8 +306,15 @@ class LayoutTrainer:
                 else:
                     self.comm.all_reduce(p.grad)
                 p.grad.div_(self.comm.n)
+        if self.run.max_grad_norm is not None:
+            self._clip()
         self.opt.step()
         self.opt.zero_grad()
+
+    def _clip(self, zero_grads=None):
+        """Clip by the norm of the whole model's gradient, each element counted once over every
+        axis (lecture 08's `clip_grads_`): replicas and tensor-parallel copies are one tensor."""
+        self.grad_norm = clip_grads_(self, self.run.max_grad_norm, zero_grads)
 
     def held(self):
         """Bytes of weights, gradients and optimizer state this rank holds at the step."""

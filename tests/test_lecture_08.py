@@ -1,0 +1,324 @@
+"""Lecture 08: checkpoints that load under any layout, clipping counted once over every axis,
+a job that survives a rank's death, and bad checkpoints refused without harm.
+
+The model is float64 (lecture 01's loss computes in float32, so "equal" means ~1e-7), with 3
+layers and 4 heads: awkward pipeline cuts (3 stages of 1 layer, 2 stages of 1 and 2)."""
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from lectures.checkpoint import CheckpointError, export, load, save, saved_steps, train_resumable
+from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
+from lectures.checkpoint.restart import expected_waste, read_events, torchrun_command, young_daly
+from lectures.layout import Layout, LayoutTrainer, Run, make_mesh, max_param_diff, reference_run
+from lectures.layout.shards import Piece, flat_boxes, global_grad_norm
+from lectures.model import GPT, GPTConfig
+from util import spawn
+
+CFG = GPTConfig(vocab_size=32, seq_len=12, d_model=24, n_layers=3, n_heads=4, dtype="float64")
+RUN = Run(cfg=CFG, global_batch=8, steps=4)
+L = {
+    "1 rank": Layout(micro_batch=4, micro_batches=2),
+    "dp×tp": Layout(dp=2, tp=2, micro_batch=4),
+    "pp×tp": Layout(pp=2, tp=2, micro_batch=1, micro_batches=8),
+    "dp×cp ZeRO-2": Layout(dp=2, cp=2, zero=2, micro_batch=2, micro_batches=2),
+    "dp ZeRO-1": Layout(dp=2, zero=1, micro_batch=2, micro_batches=2),
+    "pp3": Layout(pp=3, micro_batch=2, micro_batches=4),
+    "tp2 SP": Layout(tp=2, sp=True, micro_batch=4, micro_batches=2),
+}
+PAIRS = [("dp×tp", "pp×tp"), ("dp×cp ZeRO-2", "dp×tp"), ("pp×tp", "dp ZeRO-1"), ("pp3", "1 rank"),
+         ("1 rank", "pp3"), ("dp ZeRO-1", "tp2 SP")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run(RUN)
+
+
+def moved(ref):
+    """The check can fail: training moved the parameters."""
+    init = {k: p.detach() for k, p in GPT(CFG).named_parameters()}
+    return max((ref["params"][k] - v).abs().max().item() for k, v in init.items())
+
+
+@pytest.mark.parametrize("before,after", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_save_under_one_layout_load_under_another_equals_one_process(tmp_path, reference, before, after):
+    a, b = L[before], L[after]
+    first = spawn(train_resumable, a.world, run=RUN, layout=a, directory=str(tmp_path), until=2, save_every=2).returns
+    assert first[0]["start"] == 0 and saved_steps(str(tmp_path)) == [2]
+    second = spawn(train_resumable, b.world, run=RUN, layout=b, directory=str(tmp_path), until=4).returns
+    assert all(r["start"] == 2 for r in second)
+    assert max_param_diff(second, reference["params"]) < 1e-6
+    torch.testing.assert_close(torch.tensor(second[0]["losses"]), torch.tensor(reference["losses"][2:]),
+                               rtol=1e-6, atol=1e-6)
+    assert moved(reference) > 1e-3
+
+
+def test_without_the_optimizer_state_the_resumed_run_differs(tmp_path, reference):
+    """What the comparison above would miss if load restored only the weights: AdamW restarted
+    from zero moments and step 0 ends elsewhere."""
+    lay = L["dp×tp"]
+    spawn(train_resumable, 4, run=RUN, layout=lay, directory=str(tmp_path), until=2, save_every=2)
+    got = spawn(_resume_weights_only, 4, run=RUN, layout=lay, directory=str(tmp_path)).returns
+    assert max_param_diff(got, reference["params"]) > 1e-4
+
+
+def _resume_weights_only(rank, world_size, run, layout, directory):
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    start = load(trainer, directory)
+    trainer.opt.state.clear()
+    for step in range(start, 4):
+        trainer.train_step(step)
+    return {"params": trainer.full_parameters()}
+
+
+def test_export_is_the_one_process_model(tmp_path, reference):
+    spawn(train_resumable, 4, run=RUN, layout=L["pp×tp"], directory=str(tmp_path), until=4, save_every=4)
+    out = export(str(tmp_path), str(tmp_path / "model.pt"))
+    weights = torch.load(out)
+    assert set(weights) == set(reference["params"])
+    assert max((weights[k] - v).abs().max().item() for k, v in reference["params"].items()) < 1e-6
+    model = GPT(CFG)
+    model.load_state_dict(weights)          # loads into the plain model: names and shapes are its own
+
+
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
+    got = spawn(_sync_and_async, 4, run=RUN, layout=L["dp×cp ZeRO-2"], directory=str(tmp_path)).returns
+    assert got[0]["steps"] == [1, 2]
+    a, b = (torch.load(export(str(tmp_path), str(tmp_path / f"{s}.pt"), step=s)) for s in (1, 2))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _sync_and_async(rank, world_size, run, layout, directory):
+    from lectures.checkpoint import finish
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    trainer.train_step(0)
+    save(trainer, directory, 1)
+    pending = save(trainer, os.path.join(directory), 2, async_save=True)
+    # what the background write holds is a copy: changing the weights now changes nothing there
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(1.0)
+    finish(pending)
+    return {"steps": saved_steps(directory)}
+
+
+# --- clipping over every axis -------------------------------------------------------------------
+
+CLIPPED = dataclasses.replace(RUN, steps=2, max_grad_norm=0.05)
+TIED = Run(cfg=dataclasses.replace(CFG, tie_embeddings=True), global_batch=8, steps=2, max_grad_norm=0.05)
+CLIP_LAYOUTS = {"dp×tp": L["dp×tp"], "pp×tp": L["pp×tp"], "dp×cp ZeRO-2": L["dp×cp ZeRO-2"],
+                "dp×tp ZeRO-1": Layout(dp=2, tp=2, zero=1, micro_batch=2, micro_batches=2)}
+
+
+def _clip_all(rank, world_size, run, layouts):
+    out = {}
+    for name, lay in layouts.items():
+        trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp), track_memory=False)
+        norms = []
+        for step in range(run.steps):
+            trainer.train_step(step)
+            norms.append(trainer.grad_norm)
+        out[name] = {"params": trainer.full_parameters(), "norms": norms}
+    return out
+
+
+def reference_norms(run):
+    """clip_grad_norm_'s total norms, step by step, in one process."""
+    from lectures.model import batch, loss_fn
+    model = GPT(run.cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+    norms = []
+    for step in range(run.steps):
+        tokens, targets = batch(run.cfg, run.global_batch, step)
+        loss_fn(model(tokens), targets).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    got = spawn(_clip_all, 4, run=CLIPPED, layouts=CLIP_LAYOUTS).returns
+    tied = spawn(_clip_all, 4, run=TIED, layouts={"pp×tp tied": L["pp×tp"]}).returns
+    return got, tied
+
+
+@pytest.mark.parametrize("name", list(CLIP_LAYOUTS))
+def test_clipping_by_the_global_norm_equals_clip_grad_norm_in_one_process(clipped, name):
+    got, _ = clipped
+    ref = reference_run(CLIPPED)
+    unclipped = reference_run(dataclasses.replace(CLIPPED, max_grad_norm=None))
+    norms = reference_norms(CLIPPED)
+    assert min(norms) > 4 * CLIPPED.max_grad_norm           # the bound bites at every step
+    per_rank = [g[name] for g in got]
+    assert max_param_diff(per_rank, ref["params"]) < 1e-6
+    assert max_param_diff(per_rank, unclipped["params"]) > 1e-4
+    for r in per_rank:
+        assert r["norms"] == pytest.approx(norms, rel=1e-6)
+
+
+def test_clipping_counts_a_tied_embedding_once_across_the_pipeline_ends(clipped):
+    _, tied = clipped
+    ref = reference_run(TIED)
+    per_rank = [g["pp×tp tied"] for g in tied]
+    heads = [r["params"].pop("lm_head.weight") for r in per_rank if "lm_head.weight" in r["params"]]
+    assert heads and all((h - ref["params"]["tok_emb.weight"]).abs().max() < 1e-6 for h in heads)  # the last stage's copy
+    assert max_param_diff(per_rank, ref["params"]) < 1e-6
+    assert per_rank[0]["norms"] == pytest.approx(reference_norms(TIED), rel=1e-6)
+
+
+def test_the_classic_bug_counts_replicas_and_copies_many_times():
+    got = spawn(_both_norms, 4, run=CLIPPED, layout=L["dp×tp"]).returns
+    once, every = got[0]
+    assert once == pytest.approx(reference_norms(CLIPPED)[0], rel=1e-6)
+    assert every > 1.5 * once       # dp=2 copies of everything, tp=2 copies of the norms and biases
+
+
+def _both_norms(rank, world_size, run, layout):
+    trainer = LayoutTrainer(dataclasses.replace(run, max_grad_norm=None), layout,
+                            make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    trainer.forward_backward(0)
+    for p in trainer.params:
+        trainer.comm.all_reduce(p.grad)
+        p.grad.div_(trainer.comm.n)
+    return global_grad_norm(trainer), global_grad_norm(trainer, count_once=False)
+
+
+def test_flat_boxes_cover_a_flat_range_exactly():
+    piece = Piece("w", (0, 5), (10, 7), (5, 6))
+    for start, stop in [(0, 30), (3, 4), (5, 19), (6, 18), (0, 1), (29, 30), (7, 7)]:
+        covered = []
+        for offset, shape, a, b in flat_boxes(piece, start, stop):
+            assert shape[0] * shape[1] == b - a
+            covered += [(offset[0] + i - 10) * 6 + offset[1] + j - 7 for i in range(shape[0]) for j in range(shape[1])]
+        assert covered == list(range(start, stop))
+    assert len(list(flat_boxes(piece, 5, 19))) == 3
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+TORCHRUN = os.path.join(os.path.dirname(__import__("sys").executable), "torchrun")
+
+
+@pytest.mark.torchrun
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
+@pytest.mark.timeout(240)
+def test_a_rank_that_dies_at_step_3_resumes_from_step_2_and_ends_equal_to_one_process(tmp_path, reference):
+    proc = subprocess.run(torchrun_command(str(tmp_path), ranks=2, max_restarts=1, steps=4, save_every=2, die_at=3),
+                          capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(str(tmp_path))
+    died = [e for e in events if e["event"] == "died"]
+    resumed = [(e["attempt"], e["step"]) for e in events if e["event"] == "resumed"]
+    assert [(d["attempt"], d["rank"], d["step"]) for d in died] == [(0, 1, 3)]
+    assert resumed == [(0, 0), (1, 2)]
+    weights = torch.load(export(str(tmp_path), str(tmp_path / "model.pt")))
+    assert max((weights[k] - v).abs().max().item() for k, v in reference["params"].items()) < 1e-6
+
+
+def test_bad_checkpoints_are_refused_and_lose_nothing(tmp_path):
+    spawn(train_resumable, 2, run=RUN, layout=L["dp ZeRO-1"], directory=str(tmp_path / "good"), until=2, save_every=1)
+    other = Run(cfg=dataclasses.replace(CFG, d_model=16), global_batch=8, steps=2)
+    spawn(train_resumable, 2, run=other, layout=L["dp ZeRO-1"], directory=str(tmp_path / "other"), until=1, save_every=1)
+    shutil.copytree(tmp_path / "good", tmp_path / "corrupt")
+    victim = tmp_path / "corrupt" / "step-000002" / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[:100])
+    (tmp_path / "half" / "step-000003.partial").mkdir(parents=True)     # a save that died
+    before = {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
+    got = spawn(_try_loads, 2, run=RUN, layout=Layout(tp=2, micro_batch=8),
+                root=str(tmp_path)).returns
+    for r in got:
+        assert r["empty"] == 0 and r["half"] == 0
+        assert "no complete checkpoint of step 7" in r["missing"]
+        assert "cannot be read" in r["corrupt"]
+        assert "another run: d_model=16 there, 24 here" in r["other"]
+        assert r["unchanged"]
+        assert r["good"] == 2
+    assert before == {p: p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()}
+
+
+def _try_loads(rank, world_size, run, layout, root):
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    initial = [p.detach().clone() for p in trainer.params]
+    out = {"empty": load(trainer, os.path.join(root, "nothing here")), "half": load(trainer, os.path.join(root, "half"))}
+    for name, directory, step in (("missing", "good", 7), ("corrupt", "corrupt", None), ("other", "other", None)):
+        try:
+            load(trainer, os.path.join(root, directory), step)
+            out[name] = "loaded"
+        except CheckpointError as e:
+            out[name] = str(e)
+    out["unchanged"] = all(torch.equal(p, q) for p, q in zip(trainer.params, initial))
+    out["good"] = load(trainer, os.path.join(root, "good"))
+    return out
+
+
+def test_young_daly_interval_minimises_the_expected_waste():
+    delta, mtbf = 30.0, 3 * 3600.0
+    best = young_daly(delta, mtbf)
+    assert best == pytest.approx(math.sqrt(2 * 30 * 10800))
+    around = [expected_waste(best * f, delta, mtbf) for f in (0.5, 0.9, 1.0, 1.1, 2.0)]
+    assert around[2] == min(around)
+    with pytest.raises(ValueError):
+        young_daly(1.0, 0.0)
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_checkpoint_at_dp4_loads_at_dp2_tp2_and_trains_on_equal(tmp_path, reference):
+    """PyTorch's own: FSDP2 at dp=4 saved with get_state_dict + DCP, loaded into FSDP2 × DTensor
+    tensor parallelism at dp=2 × tp=2 with set_state_dict: equal after loading and after 2 more steps."""
+    saved = spawn(pytorch_save, 4, run=RUN, layout=Layout(dp=4, micro_batch=2), directory=str(tmp_path),
+                  steps=2).returns
+    assert saved[0]["kinds"] == ["DTensor"]
+    two = reference_run(dataclasses.replace(RUN, steps=2))
+    assert max_param_diff(saved, two["params"]) < 1e-6
+    resumed = spawn(pytorch_resume, 4, run=RUN, layout=Layout(dp=2, tp=2, micro_batch=4), directory=str(tmp_path),
+                    until=4).returns
+    assert resumed[0]["start"] == 2
+    assert max((resumed[0]["loaded"][k] - saved[0]["params"][k]).abs().max().item() for k in two["params"]) == 0
+    assert max_param_diff(resumed, reference["params"]) < 1e-6
+
+
+def _hangs(rank, world_size, run, layout, directory):
+    import time
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    for step in range(2):
+        trainer.train_step(step)
+    save(trainer, directory, 2)
+    if rank == 1:
+        time.sleep(8)           # hung: never joins step 3's gradient all-reduce
+        return None
+    trainer.train_step(2)       # waits in the all-reduce until the group's timeout
+    return "finished"
+
+
+def test_a_hung_rank_ends_in_the_groups_timeout_and_the_checkpoint_survives(tmp_path, reference):
+    got = spawn(_hangs, 2, run=RUN, layout=Layout(dp=2, micro_batch=4), directory=str(tmp_path), timeout=3,
+                expect_error=True)
+    # bounded and named: the group's timeout on the waiting rank, or the launcher's bound once the
+    # hung rank is gone ("did not finish ... skipped a collective")
+    assert got.error and ("timed out" in got.error.lower() or "skipped a collective" in got.error), got.error
+    assert saved_steps(str(tmp_path)) == [2]
+    resumed = spawn(train_resumable, 2, run=RUN, layout=Layout(tp=2, micro_batch=8), directory=str(tmp_path),
+                    until=4).returns
+    assert resumed[0]["start"] == 2 and max_param_diff(resumed, reference["params"]) < 1e-6
+
+
+def test_a_tied_embedding_saved_by_a_pipeline_loads_into_one_tensor(tmp_path):
+    """The first and the last stage both hold the tied table (tok_emb / lm_head): the checkpoint
+    keeps one tok_emb.weight, and a layout without a pipeline resumes equal to one process."""
+    tied = Run(cfg=dataclasses.replace(CFG, tie_embeddings=True), global_batch=8, steps=4)
+    spawn(train_resumable, 4, run=tied, layout=L["pp×tp"], directory=str(tmp_path), until=2, save_every=2)
+    got = spawn(train_resumable, 4, run=tied, layout=L["dp×tp"], directory=str(tmp_path), until=4).returns
+    ref = reference_run(tied)
+    for r in got:
+        r["params"].pop("lm_head.weight", None)
+    assert max_param_diff(got, ref["params"]) < 1e-6
+    assert "lm_head.weight" not in torch.load(export(str(tmp_path), str(tmp_path / "m.pt")))
