@@ -729,6 +729,27 @@ def attention_memory():
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
 
 
+def on_a_gpu():
+    """This lecture's one-device measurements on a GPU (lectures/model/gpu_paths.py): run and shown
+    when the page is built with one, said what they would show when not."""
+    shows = "\n".join(f"- {what}" for what in WHAT_A_GPU_SHOWS.values())
+    if not torch.cuda.is_available():
+        note("## Deep dive: on a GPU\nBuilt with a GPU, this page runs the CUDA paths of its one-device "
+             "measurements (`lectures/model/gpu_paths.py`, tested in `tests/test_gpu_paths.py`; skipped on this "
+             "CPU build, which has none). What each would show:\n\n" + shows)
+        return
+    r, a = gpu_roofline(), gpu_attention()
+    rows = [["bf16 matmul peak", f"{r['peak'] / 1e12:.0f} TFLOP/s"], ["copy bandwidth", f"{r['bandwidth'] / 1e12:.2f} TB/s"],
+            ["ridge", f"{r['ridge']:.0f} FLOP/byte"],
+            ["causal attention, fused vs naive", f"{a['fused_ms']:.2f} vs {a['naive_ms']:.2f} ms, "
+                                                 f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        f = fp8_matmul()
+        rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])
+    note(f"## Deep dive: on a GPU\nOn this GPU ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
+    table(rows, header=["measured on the GPU", "result"], caption="lectures/model/gpu_paths.py")
+
+
 def what_to_remember(tiles_win=...):
     """`tiles_win`: the outlier size from which the fp8 appendix measured tiles beating
     row-wise scales (None: they never did; left out: not measured in this run)."""
@@ -787,27 +808,6 @@ def main():
     with deep_dive("Papers", "the papers this lecture draws on, with links"):
         references()
     what_to_remember(tiles_win)  # the main story in six lines, and the notebook
-
-
-def on_a_gpu():
-    """This lecture's one-device measurements on a GPU (lectures/model/gpu_paths.py): run and shown
-    when the page is built with one, said what they would show when not."""
-    shows = "\n".join(f"- {what}" for what in WHAT_A_GPU_SHOWS.values())
-    if not torch.cuda.is_available():
-        note("## Deep dive: on a GPU\nBuilt with a GPU, this page runs the CUDA paths of its one-device "
-             "measurements (`lectures/model/gpu_paths.py`, tested in `tests/test_gpu_paths.py`; skipped on this "
-             "CPU build, which has none). What each would show:\n\n" + shows)
-        return
-    r, a = gpu_roofline(), gpu_attention()
-    rows = [["bf16 matmul peak", f"{r['peak'] / 1e12:.0f} TFLOP/s"], ["copy bandwidth", f"{r['bandwidth'] / 1e12:.2f} TB/s"],
-            ["ridge", f"{r['ridge']:.0f} FLOP/byte"],
-            ["causal attention, fused vs naive", f"{a['fused_ms']:.2f} vs {a['naive_ms']:.2f} ms, "
-                                                 f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
-    if torch.cuda.get_device_capability() >= (8, 9):
-        f = fp8_matmul()
-        rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])
-    note(f"## Deep dive: on a GPU\nOn this GPU ({torch.cuda.get_device_name(0)}), the same measurements' CUDA paths:")
-    table(rows, header=["measured on the GPU", "result"], caption="lectures/model/gpu_paths.py")
 
 
 def bench():

@@ -82,7 +82,7 @@ def test_the_main_path_is_a_first_read_and_hides_nothing(browser, course_site, n
         for href in dives:
             file, _, anchor = href.partition("#")
             assert file == appendix.name and page.locator(f"section#{anchor}").count() == 1, href
-            back = page.locator(f"section#{anchor} p.dive-from a").get_attribute("href")
+            back = page.locator(f"section#{anchor} p.dive-from a:not(.term)").get_attribute("href")
             assert back.startswith(f"{name}.html")
         text = page.inner_text("body")
         assert not leaks(text), f"{name}'s appendix: template text on the page: {leaks(text)[:5]}"
@@ -123,13 +123,17 @@ def test_the_index_is_a_start(browser, course_site):
             assert maps.count() == 1
             links = maps.first.locator("a").evaluate_all("as => as.map(a => a.getAttribute('href'))")
             assert links == [f"{n}.html" for n in LECTURES]
-            # a reading time and a build time per lecture; notebooks and exercises named
+            # a reading time per lecture (what a reader spends, not what the build took), and a
+            # link to its notebook in the list that says what each lets you try and how to open it
             cards = page.locator(".lecture-card")
             assert cards.count() == len(LECTURES)
             for i in range(len(LECTURES)):
                 card = cards.nth(i).inner_text()
-                assert re.search(r"about \d+ min to read", card) and "builds in" in card, card
-                assert ".ipynb" in card
+                assert re.search(r"about \d+ min to read", card) and "builds in" not in card, card
+                assert "notebook" in card, card
+            notebooks = page.locator("#notebooks").inner_text()
+            assert "make jupyter" in notebooks and all(f"lectures/notebooks/{n}.ipynb" in notebooks for n in LECTURES)
+            assert page.locator("a[href='glossary.html']").count() >= 1
             assert page.locator("a[href='cheatsheet.html']").count() >= 1
             calc = page.locator("#rules-of-thumb a").first.get_attribute("href")
             assert calc.startswith("lecture_07_putting_it_together.html#")

@@ -518,9 +518,9 @@ class PooledJob:
     def __init__(self, ranks):
         self.ranks = ranks
 
-    def run(self, fn, world_size, kwargs, timeout):
+    def run(self, fn, world_size, kwargs, timeout, deadline=None):
         from util import pool
-        return pool.pooled("gloo", world_size).run(fn, kwargs, world_size, timeout)
+        return pool.pooled("gloo", world_size).run(fn, kwargs, world_size, timeout, deadline)
 
 
 def test_under_torchrun_with_fewer_ranks_the_sections_skip_what_did_not_run(monkeypatch):

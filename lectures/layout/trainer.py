@@ -30,6 +30,7 @@ from lectures.context_parallel.moe import ExpertParallelMoE, expert_owners, moe_
 from lectures.pipeline.schedules import make_schedule
 from lectures.context_parallel.sharding import sequence_positions, zigzag_shard
 from lectures.tensor_parallel.gpt import full_parameters, parallelize_gpt
+from lectures.tensor_parallel.ops import shard_checks
 from lectures.tensor_parallel.vocab import vocab_parallel_cross_entropy
 from lectures.data_parallel.zero import Zero1, Zero2
 from util import device
@@ -374,7 +375,10 @@ def train_layout(rank, world_size, run, layout):
     trainer = LayoutTrainer(run, layout, mesh)
     losses, act, held, sent = [], 0, None, None
     for step in range(run.steps):
-        with bytes_sent() as wire:      # what this rank wrote to its sockets during the step
+        # every step has the same shapes on every rank: the tensor-parallel layers' cross-rank
+        # shape check (a small all-gather per call) runs in the first step only, so the last
+        # step's bytes are the layout's own collectives
+        with bytes_sent() as wire, shard_checks(step == 0):
             loss, a, held = trainer.train_step(step)
         sent = wire.bytes                # the last step's (AdamW's state exists by then)
         act = max(act, a)
