@@ -193,7 +193,7 @@ def what_it_costs():
             share the cores. On a GPU the copy is device-to-host into pinned memory, which is
             why torchtitan keeps those buffers between saves.
         """)
-        cheat("Checkpoint blocking", "async: copy + plan; sync: + write", round(blocked.median * 1e3, 1), "ms",
+        cheat("Checkpoint blocking", "async: barrier + copy; sync: + plan + write", round(blocked.median * 1e3, 1), "ms",
               what=f"{params / 1e6:.1f}M parameters, {name}, {machine(ranks)}")
 
 
@@ -248,9 +248,11 @@ def clipping_across_shards():
             The classic bug is the middle column: each rank computes the norm of what it holds
             and the ranks add their squares up, so a replica counts its whole model again and a
             LayerNorm kept whole on every tp rank counts tp times. Under {name} it reports
-            {naive:.4f} instead of {once:.4f} ({naive / once:.2f}×): every step is clipped
-            {naive / once:.2f}× too hard, and the run silently trains with a smaller learning
-            rate than the one-process run it was tuned on. The opposite mistake, each rank
+            {naive:.4f} instead of {once:.4f} ({naive / once:.2f}×, at the first step): a step is
+            clipped that hard. Under SGD that is a smaller learning rate; AdamW cancels a factor
+            that stays the same from step to step, but the factor changes with the layout and the
+            step, and steps whose true norm is under the bound get clipped too, so the run no
+            longer trains as the one-process run it was tuned on. The opposite mistake, each rank
             clipping by the norm of its own shard, gives every rank a different factor.
             {exact_words}
         """)
@@ -263,8 +265,8 @@ def failures_and_restarts():
     note("""
         With `torchrun --max-restarts 1`, the agent on each node watches its workers. Here rank 1
         of a two-rank job dies in the middle of step 3 — after its backward, while rank 0 is
-        already waiting in the gradient all-reduce. Rank 0's all-reduce fails ("connection
-        closed by peer"), the agent stops the workers that remain and starts every worker
+        already waiting in the gradient all-reduce. The agent sees rank 1 exit and stops rank 0
+        (which may already have failed in its all-reduce, "connection reset by peer"), then starts every worker
         again; the new attempt builds its trainer, loads the latest complete checkpoint (step 2)
         and trains to the end. Had rank 1 hung instead of dying, rank 0 would wait in the
         collective until the process group's timeout (lecture 02) and then fail the same way.
@@ -302,7 +304,7 @@ def failures_and_restarts():
 def how_often():
     note("## How often to save")
     mtbf = LLAMA3_DAYS * 86400 / LLAMA3_UNEXPECTED
-    state_bytes = 16 * LLAMA3_405B_PARAMS          # bf16 weights, fp32 master weights and two Adam moments
+    state_bytes = 14 * LLAMA3_405B_PARAMS          # bf16 weights (2), fp32 master weights and two Adam moments (4 each)
     delta = state_bytes / TECTONIC_SUSTAINED
     best = young_daly(delta, mtbf)
     note(f"""
@@ -313,8 +315,8 @@ def how_often():
         $\\tau^* = \\sqrt{{2\\delta M}}$ (Young 1974; Daly 2006 adds higher-order terms that
         matter only when δ approaches M). For Llama 3 405B: {LLAMA3_UNEXPECTED} unexpected
         interruptions in {LLAMA3_DAYS} days is M = {mtbf / 3600:.1f} h for the whole job.
-        Its training state at 16 bytes per parameter (bf16 weights, fp32 master weights and two
-        Adam moments) is {state_bytes / 1e12:.1f} TB; at the storage's published 2 TB/s
+        Its training state at 14 bytes per parameter (bf16 weights, fp32 master weights and two
+        fp32 Adam moments; the gradients are not saved) is {state_bytes / 1e12:.1f} TB; at the storage's published 2 TB/s
         sustained, if the whole bandwidth went to the checkpoint, δ = {delta:.1f} s and
         τ* = {best / 60:.1f} min, losing {100 * expected_waste(best, delta, mtbf):.2f}% of the time.
     """)
@@ -348,9 +350,10 @@ def how_often():
         parallel. {here}
     """)
     if costs:
-        here_best = young_daly(sync.median, mtbf)
+        here_best = young_daly(blocked.median, mtbf)
         cheat("Young/Daly interval", "$\\tau^* = \\sqrt{2\\,\\delta\\,M}$", round(here_best, 1), "s",
-              what=f"δ = this page's synchronous save ({sync.median * 1e3:.0f} ms), M = Llama 3 405B's {mtbf / 3600:.1f} h")
+              what=f"computed: δ = the time this page's asynchronous save blocked the step ({blocked.median * 1e3:.0f} ms, "
+                   f"measured), M = Llama 3 405B's {mtbf / 3600:.1f} h (published)")
     for url, title in [("https://doi.org/10.1145/361147.361115", "Young 1974, A first order approximation to the optimum checkpoint interval"),
                        ("https://doi.org/10.1016/j.future.2004.11.016", "Daly 2006, A higher order estimate of the optimum checkpoint interval for restart dumps")]:
         see(url, title=title)
