@@ -251,8 +251,12 @@
           count += 1;
           // a label only where it fits inside its box (about 5.5 px a character at 9 px): the
           // whole name, else the micro-batch number alone (the colour says F, B or W), else none
-          var label = [ev[0].text, String(ev[0].text).replace(/^[A-Za-z]+/, "")].filter(function (t) {
-            return t && t.length * 5.5 + 3 <= w; })[0];
+          var label = null;
+          if (w >= 8.5) {       // room for one character: most boxes of the largest schedules have none
+            label = ev[0].text;
+            if (label.length * 5.5 + 3 > w) label = label.replace(/^[A-Za-z]+/, "");
+            if (label.length * 5.5 + 3 > w) label = null;
+          }
           if (label) parts.push(tag("text", { x: x + w / 2, y: top + lane * r + 15, "font-size": 9, fill: "#fff",
                                               "text-anchor": "middle" }, esc(label)));
         });
