@@ -422,7 +422,7 @@ def test_sabotage_then_correct_and_wrong_solutions_get_every_verdict_right():
     ] + [(name, fns[0], False) for name in ("bubble", "bus_bandwidth") for fns in exercises.get(name).wrong.values()]
     wrong = []
     # what this session ran before (a browser, a course build in the background) is not a check's
-    before = {pid for pid in _children() - _workers() if "multiprocessing" not in _cmdline(pid)}
+    before = {pid for pid in _children() - _workers() if "multiprocessing" not in (_cmdline(pid) or "")}
     try:
         for name, fn, right in sequence:
             got = verdict(name, fn)
@@ -457,8 +457,8 @@ def _cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    except OSError:             # gone meanwhile
+        return None
 
 
 def _children():
@@ -481,11 +481,7 @@ def _strays(apart=()):
     children in `apart` are left out."""
     out = {}
     for pid in _descendants(apart) - _workers():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                line = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "multiprocessing" not in line:
+        line = _cmdline(pid)
+        if line is not None and "multiprocessing" not in line:
             out[pid] = line
     return out

@@ -590,7 +590,7 @@ def lecture_page(rec, name):
     """The Page (sections of the main path and of the appendix) of one recording."""
     page = Page(rec, f"{name}_files", name)
     # the header is read first: the terms of its subtitle and its sentence on the numbers link there
-    title = page_title(rec)
+    page.full_title = title = page_title(rec)
     page.subtitle = (page._prose(html.escape(rec["title"]), page=page.page)
                      if rec.get("title") and _plain_text(rec["title"]) != _plain_text(title) else None)
     page.about_numbers = page._prose(about_numbers(rec.get("environment") or {}), page=page.page)
@@ -614,7 +614,7 @@ def page_title(rec):
 def lecture_html(rec, name, previous=None, next=None):
     """(page HTML, appendix HTML or None, {file name: bytes}) for a recording."""
     page = lecture_page(rec, name)
-    title = page.title or page_title(rec)
+    title = page.full_title
     status = rec.get("status", "ok")
     subtitle = page.subtitle
     common = dict(title_html=markdown_inline(title), title_text=_plain_text(title),
