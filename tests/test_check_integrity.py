@@ -485,3 +485,35 @@ def _strays(apart=()):
         if line is not None and "multiprocessing" not in line:
             out[pid] = line
     return out
+
+
+CONNECT_MARKER = os.path.join("/tmp", f"course-test-connect-{os.getuid()}")
+
+
+def tp_mlp_whose_first_group_cannot_connect(x, w1, b1, w2, b2, group):
+    import os
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    marker = os.path.join("/tmp", f"course-test-connect-{os.getuid()}")
+
+    def new_group():    # fails as gloo's does when a peer's socket closes during the connect
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:27300")
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        new_group()
+    partial = F.gelu(x @ w1.T + b1) @ w2.T
+    dist.all_reduce(partial, group=group)
+    return partial + b2
+
+
+def test_a_check_whose_ranks_could_not_connect_runs_once_more():
+    """The machine's failure (gloo's connect, in the check's own new_group) is not the verdict;
+    a function that fails that way every time still fails."""
+    if os.path.exists(CONNECT_MARKER):
+        os.remove(CONNECT_MARKER)
+    try:
+        passes("tp_mlp", tp_mlp_whose_first_group_cannot_connect)
+        assert os.path.exists(CONNECT_MARKER)           # the first run did fail
+    finally:
+        if os.path.exists(CONNECT_MARKER):
+            os.remove(CONNECT_MARKER)

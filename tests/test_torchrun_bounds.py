@@ -67,3 +67,31 @@ def test_an_endless_loop_interrupts_itself_at_the_deadline():
                 pass
     assert time.monotonic() - start < 2
     time.sleep(0.4)                                   # the alarm is off afterwards
+
+
+RANK_0_THAT_ENDS = """
+from util import torchrun_job
+torchrun_job.BEAT = 0.0005          # a beat almost always in flight in the store's C++ call
+job = torchrun_job.job()
+torchrun_job.end()
+print("alive" if job.heartbeat.is_alive() else "joined")
+"""
+
+
+def test_rank_0_stops_its_heartbeat_before_python_exits():
+    """A daemon thread inside the store's C++ call when Python shuts down aborts the process
+    ('terminate called without an active exception'): the build's end joins the heartbeat."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", RANK_0_THAT_ENDS], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == "joined", proc.stderr[-3000:]

@@ -18,6 +18,7 @@ import gc
 import os
 import pickle
 import sys
+import threading
 import time
 
 from util.ranks import (choose_backend, describe_failure, dumps, error_result, forget_meshes, run_task,
@@ -58,14 +59,18 @@ def wait_for_task(store, key, silence=SILENCE, poll=None):
                             "saying the build is over; this rank leaves")
 
 
-def _beat_forever():
+def _beat_until(stop):
     """Rank 0's heartbeat, over a store client of its own: the main thread's client may be
-    held for minutes by a wait (a demo's results)."""
+    held for minutes by a wait (a demo's results). It beats until `stop` is set, and the build's
+    end waits for it: a daemon thread still inside the store's C++ call when Python shuts down
+    is ended by the interpreter mid-call, and that aborts the process ('terminate called
+    without an active exception') after the page is written, so torchrun calls the job failed."""
     import torch.distributed as dist
     store = next(dist.rendezvous("env://"))[0]
     while True:
         store.add("course/heartbeat", 1)
-        time.sleep(BEAT)
+        if stop.wait(BEAT):
+            return
 
 
 class DeadlinePassed(BaseException):   # not caught by a demo's own `except Exception`
@@ -148,9 +153,12 @@ class Job:
         self.group_for = None   # (world size, timeout) of the demos it serves
         self.retired = []       # groups something still held when they were taken down
         self.ended = False
+        self.stop_beating = threading.Event()
+        self.heartbeat = None
         if self.rank == 0:
-            import threading
-            threading.Thread(target=_beat_forever, name="rank 0 heartbeat", daemon=True).start()
+            self.heartbeat = threading.Thread(target=_beat_until, args=(self.stop_beating,),
+                                              name="rank 0 heartbeat", daemon=True)
+            self.heartbeat.start()
 
     # --- rank 0: the lecture's side -----------------------------------------------------------
 
@@ -171,6 +179,8 @@ class Job:
             with contextlib.suppress(Exception):
                 self.store.set(f"course/task{self.demo + 1}", DONE)
                 self._before(None, None)
+            self.stop_beating.set()
+            self.heartbeat.join(timeout=30)     # a beat in flight ends with the store's reply
 
     # --- every other rank ---------------------------------------------------------------------
 
