@@ -195,16 +195,8 @@ def overlap_and_buckets():
     kinds = ["naive", "overlapped", "bucketed", "ddp"]
     names = {"naive": "all-reduce after backward", "overlapped": "per-parameter async all-reduce",
              "bucketed": f"bucketed ({bucket_mb} MB)", "ddp": "PyTorch DistributedDataParallel"}
-    for kind in ("naive", "bucketed", "overlapped"):
-        run = spawn(traced_steps, ranks, task=task, kind=kind, bucket_mb=bucket_mb,
-                    name=f"timeline of two steps: {names[kind]}, {ranks} ranks")
-        spans, merged = merge_in_flight(run.spans)
-        figure(timeline(spans, title=f"{names[kind]}: two steps"),
-               caption=f"{names[kind]}: measured spans per rank. Async collectives are drawn from "
-                       "launch to completion (a completion callback on the communication thread)"
-                       + (f"; the {merged} per-parameter all-reduces of each rank overlap one "
-                          "another, so they are drawn as one bar per stretch of time in which at "
-                          "least one was in flight." if merged else "."))
+    for kind in ("naive", "bucketed"):
+        step_timeline(task, ranks, kind, names[kind], bucket_mb)
         if kind == "bucketed":
             note("""
                 The naive version waits for the whole backward pass and only then talks. But the
@@ -259,6 +251,30 @@ def overlap_and_buckets():
     note("Bucket sizes, swept, and the same buckets with the compute's core released, are deep dives:")
     see(OverlappedAllReduce)
     see(BucketedAllReduce)
+
+
+def step_timeline(task, ranks, kind, label, bucket_mb=None):
+    """Two measured steps of one gradient sync, drawn rank by rank."""
+    run = spawn(traced_steps, ranks, task=task, kind=kind, bucket_mb=bucket_mb,
+                name=f"timeline of two steps: {label}, {ranks} ranks")
+    spans, merged = merge_in_flight(run.spans)
+    figure(timeline(spans, title=f"{label}: two steps"),
+           caption=f"{label}: measured spans per rank. Async collectives are drawn from "
+                   "launch to completion (a completion callback on the communication thread)"
+                   + (f"; the {merged} per-parameter all-reduces of each rank overlap one "
+                      "another, so they are drawn as one bar per stretch of time in which at "
+                      "least one was in flight." if merged else "."))
+
+
+def per_parameter_timeline():
+    """The hooked sync without buckets: one message per parameter, each in flight at once."""
+    note("## One all-reduce per parameter, on a timeline")
+    step_timeline(timing_task(), timing_world(), "overlapped", "per-parameter async all-reduce")
+    note("""
+        Without buckets, each parameter's hook starts its own all-reduce the moment its gradient is
+        complete: many small messages in flight together, each paying the per-message latency.
+        The sweep below trades their number against how early the first one can leave.
+    """)
 
 
 def ddp_overlap_released():
@@ -591,7 +607,35 @@ def memory_and_traffic():
         {sum(formula_bytes(7.5e9, 64, 'ZeRO-3', 2, 2, 12)) / 1e9:.2f} GB for ZeRO-3
         (formula evaluated here).
     """)
+    ratio = got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"]
+    note(f"""
+        On the wire, rank 0 wrote {got['DP']['wire_per_step']:,} bytes per step under DP and
+        {ratio:.2f}× that under ZeRO-3, for holding 1/{n} of the state. The deep dive on bytes
+        puts the formula, our calls counted as rings and as gloo runs them, and the socket writes
+        side by side, and says why gloo's reduce-scatter makes ZeRO-1 and ZeRO-2 write more than DP.
+    """)
+    cheat("DP gradient all-reduce per step",
+          "ring: $2\\,\\frac{N-1}{N}$ × the gradient bytes sent per rank",
+          got["DP"]["wire_per_step"], "bytes",
+          what=f"measured on rank 0's sockets, N = {n}, {4 * psi:,} bytes of float32 gradients (gloo's "
+               "headers included)")
+    cheat("ZeRO-3 traffic per step",
+          "ring: $3\\,\\frac{N-1}{N}\\,\\Psi$ values per rank (all-gather forward and backward, "
+          "reduce-scatter): 1.5× DP's",
+          round(ratio, 3), "× DP's bytes",
+          what=f"measured on rank 0's sockets, N = {n}; on gloo, whose reduce-scatter is an all-reduce, "
+               "the count is 4/3 of a ring's")
+    see(Collectives)
 
+
+def bytes_on_the_wire():
+    """Formula, counted and measured bytes per step for DP and ZeRO-1/2/3, from the same run."""
+    task = memory_task()
+    n = settings.world_size
+    psi = param_count(task)
+    stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    got = stage_measurements()[0]
+    note("## Deep dive: bytes on the wire, formula, counted and measured")
     last = task.sizes[-2] * task.sizes[-1] + task.sizes[-1]
     ring = (n - 1) / n
     theory = {"DP": 2 * ring * psi, "ZeRO-1": 2 * ring * psi, "ZeRO-2": 2 * ring * psi,
@@ -636,18 +680,6 @@ def memory_and_traffic():
         ZeRO-2 send what DP sends, and ZeRO-3 1.5× that, for holding only 1/N of the
         parameters.
     """)
-    cheat("DP gradient all-reduce per step",
-          "ring: $2\\,\\frac{N-1}{N}$ × the gradient bytes sent per rank",
-          got["DP"]["wire_per_step"], "bytes",
-          what=f"measured on rank 0's sockets, N = {n}, {4 * psi:,} bytes of float32 gradients (gloo's "
-               "headers included)")
-    cheat("ZeRO-3 traffic per step",
-          "ring: $3\\,\\frac{N-1}{N}\\,\\Psi$ values per rank (all-gather forward and backward, "
-          "reduce-scatter): 1.5× DP's",
-          round(got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"], 3), "× DP's bytes",
-          what=f"measured on rank 0's sockets, N = {n}; on gloo, whose reduce-scatter is an all-reduce, "
-               "the count is 4/3 of a ring's")
-    see(Collectives)
 
 
 def pytorch_versions():
@@ -835,6 +867,7 @@ def main():
     overlap_and_buckets()       # start all-reduces during backward, in buckets
     with deep_dive("Bucket size, swept",
                    "a sweep from one message per tensor to one bucket, on a model of many small tensors"):
+        per_parameter_timeline()
         bucket_sweep()
     with deep_dive("DDP's overlap, with the core released",
                    "the bucketed all-reduce beside a backward whose compute leaves the core to gloo, against its model"):
@@ -847,6 +880,9 @@ def main():
                    "the next layer's all-gather during this layer's compute, measured against its model"):
         zero3_prefetch_released()
     memory_and_traffic()        # what each rank holds and sends: formula, counted, measured
+    with deep_dive("Bytes on the wire", "ZeRO's bytes per step: the formula, our calls counted as "
+                   "rings and as gloo runs them, and the socket writes"):
+        bytes_on_the_wire()
     pytorch_versions()          # the same with PyTorch's DDP and FSDP2, and their speed
     fsdp2_knobs()               # reshard_after_forward, mixed precision, HSDP; activations stay
     scaling_notes()             # offload, and where data parallelism stops

@@ -3,6 +3,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +40,8 @@ BUILD_READERS = ("course_site", "executed_notebooks")
 AFTER_THE_BUILDS = ("test_widgets.py", "test_overlap.py")
 _BUILDS = []        # the session's builds, reported at the end of the run
 _background = None
+_START = time.monotonic()
+_PHASE, _SPANS, _WAITED = {}, {}, {}    # test -> phase; test -> [start, end]; build -> seconds waited
 
 
 def _lectures():
@@ -63,6 +66,9 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [i for i in items if i not in late] + \
         sorted(late, key=lambda i: (i.path.name in AFTER_THE_BUILDS, reads(i, "executed_notebooks"),
                                     i.name not in first))
+    for i in items:
+        _PHASE[i.nodeid] = ("timed, after the builds" if i.path.name in AFTER_THE_BUILDS else
+                            "reading the builds" if i in late else "unit tests, while the builds run")
     plan = []
     if any(reads(i, "course_site") for i in items):
         plan.append(("pages", course_build.pages, _lectures()))
@@ -76,7 +82,9 @@ def _session_build(kind):
     from tests.support import course_build
     from util import build_notebooks
     if _background and kind in _background.kinds:
+        start = time.monotonic()
         build = _background.get(kind)
+        _WAITED[kind] = _WAITED.get(kind, 0.0) + time.monotonic() - start
     elif kind == "pages":
         build = course_build.pages(_lectures())
     else:
@@ -101,12 +109,30 @@ def pytest_sessionfinish(session):
     course_build.stop_all()
 
 
+def pytest_runtest_logstart(nodeid, location):
+    _SPANS[nodeid] = [time.monotonic(), None]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if nodeid in _SPANS:
+        _SPANS[nodeid][1] = time.monotonic()
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Say what the builds cost, apart from the tests that waited for them."""
+    """Say what the builds cost, apart from the tests that waited for them, and where the run's
+    time went: each phase's span of wall-clock time (the builds run beside the unit tests)."""
     for b in _BUILDS:
         terminalreporter.write_line(
             f"course build '{b.kind}': " + (f"reused {os.path.relpath(b.folder, ROOT)} (sources unchanged)"
                                             if b.reused else f"built in {b.seconds:.0f} s, exit {b.returncode}"))
+    for kind, seconds in _WAITED.items():
+        terminalreporter.write_line(f"tests waited {seconds:.0f} s for the course build '{kind}'")
+    for phase in dict.fromkeys(_PHASE.values()):
+        spans = [_SPANS[n] for n, p in _PHASE.items() if p == phase and n in _SPANS and _SPANS[n][1]]
+        if spans:
+            terminalreporter.write_line(
+                f"{phase}: {len(spans)} tests from {min(a for a, _ in spans) - _START:.0f} s to "
+                f"{max(b for _, b in spans) - _START:.0f} s into the run")
 
 
 def walk(records):

@@ -6,10 +6,10 @@ import torch
 
 from lectures.model import GPTConfig
 from lectures.pipeline import PipelineExecutor, make_schedule
-from lectures.pipeline.demos import RATIO_RUNS, RATIO_SLEEP, measure_schedules, ratio_cfg, step_ratios
+from lectures.pipeline.demos import RATIO_RUNS, step_ratios
 from lectures.pipeline.executor import param_leaves, split_gpt, weight_gradients
 from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_SOURCE, speedups_over_1f1b
-from util import spawn
+from tests.conftest import built
 
 
 # --- W: weight gradients from a module's inputs and output gradient ------------------------------
@@ -72,13 +72,15 @@ def test_zb_h1_holds_for_w_only_ws_inputs_and_output_gradients():
 # --- sleep mode: every schedule's step over 1F1B's is the simulator's ---------------------------
 
 @pytest.fixture(scope="module")
-def ratios():
-    p, m = 4, 8
-    runs = [{"label": name, "name": name, "m": m, "v": v} for name, v in RATIO_RUNS]
-    R = spawn(measure_schedules, p, cfg=ratio_cfg(p), runs=runs, mb_size=1,
-              delay={k: RATIO_SLEEP for k in "FBW"}, repeats=4, warmup=1, track_memory=False,
-              name="step ratios in sleep mode").returns
-    return step_ratios(R, p, m)
+def ratios(course_site):
+    """The step ratios the session's page build measured (its demo with long sleeps, 4 ranks,
+    the schedules taking turns), read from that build's returns rather than measured again."""
+    import pickle
+    built(course_site, "lecture_05_pipeline_parallel")
+    with open(course_site[0].parent / "returns" / "lecture_05_pipeline_parallel.pkl", "rb") as f:
+        demos = [d for d in pickle.load(f) if d["name"].startswith("every schedule's step with")]
+    assert [(d["world_size"], d["status"]) for d in demos] == [(4, "ok")], demos
+    return step_ratios(demos[0]["returns"], 4, 8)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in RATIO_RUNS if n != "1f1b"])
