@@ -1,6 +1,7 @@
 """The appendix page of lecture 03: its deep dives, each a section function that main() calls
 inside `with deep_dive(...)` (the bucket-size sweep, further reading, local SGD with compressed
-updates and DiLoCo, PowerSGD), with the helpers and rank functions only they use."""
+updates and DiLoCo, PowerSGD, the bytes on the wire), with the helpers and rank functions only they
+use, and the one measurement of DP and ZeRO that the main path's sections share."""
 import torch
 import torch.nn.functional as F
 
@@ -10,7 +11,7 @@ from util.measure import bytes_sent, compare, machine
 from lectures.data_parallel.compression import NesterovOuter, PowerSGD, average_update
 from lectures.data_parallel.ddp import Collectives, plan_buckets
 from lectures.data_parallel.demos import (Task, checksum, make_batches, make_model, param_count, time_variants,
-                                          timing_world)
+                                          timing_world, memory_task, measure_stages, both_ratios, span_of)
 from lectures.data_parallel.figures import bucket_sweep_figure, local_sgd_figure, powersgd_figure
 
 
@@ -323,3 +324,73 @@ def powersgd_section():
     see("https://www.microsoft.com/en-us/research/publication/1-bit-stochastic-gradient-descent-and-application-to-data-parallel-distributed-training-of-speech-dnns/",
         title="Seide et al. 2014, 1-Bit Stochastic Gradient Descent and its Application to Data-Parallel Distributed Training of Speech DNNs")
     see("https://arxiv.org/abs/2311.08105", title="Douillard et al. 2023, DiLoCo: Distributed Low-Communication Training of Language Models")
+
+
+# --- DP and ZeRO's memory and bytes, measured once for the ZeRO, memory and bytes sections -----
+
+def stage_measurements():
+    """What each rank held and sent under DP and ZeRO-1/2/3 on the memory model: measured once,
+    shown by the ZeRO section's picture and the memory section's tables."""
+    n = settings.world_size
+    key = (n, settings.quick)
+    if key not in _STAGES:
+        _STAGES[key] = spawn(measure_stages, n, task=memory_task(),
+                             name=f"memory and traffic, {n} ranks").returns
+    return _STAGES[key]
+
+
+_STAGES = {}
+
+
+def bytes_on_the_wire():
+    """Formula, counted and measured bytes per step for DP and ZeRO-1/2/3, from the same run."""
+    task = memory_task()
+    n = settings.world_size
+    psi = param_count(task)
+    stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    got = stage_measurements()[0]
+    note("## Deep dive: bytes on the wire, formula, counted and measured")
+    last = task.sizes[-2] * task.sizes[-1] + task.sizes[-1]
+    ring = (n - 1) / n
+    theory = {"DP": 2 * ring * psi, "ZeRO-1": 2 * ring * psi, "ZeRO-2": 2 * ring * psi,
+              "ZeRO-3": ring * (3 * psi - last)}
+    what = {"DP": "all-reduce (= RS + AG)", "ZeRO-1": "reduce-scatter + all-gather",
+            "ZeRO-2": "reduce-scatter + all-gather",
+            "ZeRO-3": "all-gather fwd + all-gather bwd + reduce-scatter"}
+    table([[s, theory[s] * 4, got[s]["bytes_per_step"], got[s]["gloo_per_step"],
+            got[s]["wire_per_step"], got[s]["wire_per_step"] / got[s]["bytes_per_step"],
+            got[s]["wire_per_step"] / got[s]["gloo_per_step"], got[s]["calls_per_step"], what[s]]
+           for s in stages],
+          header=["stage", "formula (bytes)", "counted: our calls as rings (NCCL)",
+                  "counted: our calls as gloo runs them", "measured: written to sockets",
+                  "measured / rings", "measured / gloo count", "calls per step", "collectives"],
+          caption=f"bytes sent per rank per step, rank 0, N = {n}. Formula: a ring sends (N−1)/N "
+                  "of a tensor per pass; ≈ 2Ψ·4 bytes for DP/ZeRO-1/2, ≈ 3Ψ·4 for ZeRO-3 (ours "
+                  "keeps the last layer gathered from forward to backward: 2L−1 all-gathers, "
+                  "not 2L).")
+    ring_ratio = {s: got[s]["wire_per_step"] / got[s]["bytes_per_step"] for s in stages}
+    gloo_ratio = {s: got[s]["wire_per_step"] / got[s]["gloo_per_step"] for s in stages}
+    rs_share = {s: got[s]["gloo_per_step"] / got[s]["bytes_per_step"] for s in stages}
+    note(f"""
+        Four columns, four different things. The *formula* is the ZeRO paper's accounting;
+        *counted as rings* adds up what our `Collectives` wrapper's calls send when each runs
+        as a bandwidth-optimal ring (what NCCL does with large messages); *counted as gloo
+        runs them* uses gloo's real algorithms instead; *measured* is what this rank's process
+        handed to the kernel's socket writes during the training steps
+        (`util.measure.bytes_sent`, from Linux's `/proc/self/io`).
+
+        Against the rings, DP's measured bytes are {ring_ratio['DP']:.2f}× the count, but
+        ZeRO-1 and ZeRO-2 write {both_ratios(ring_ratio['ZeRO-1'], ring_ratio['ZeRO-2'])},
+        ZeRO-3 {ring_ratio['ZeRO-3']:.2f}×. These are not headers, and they do not shrink with
+        size: gloo's reduce-scatter is a full all-reduce plus a copy (lecture 02 measured it
+        writing an all-reduce's bytes), so reduce-scatter + all-gather costs
+        2 + 1 = 3 ring passes instead of 1 + 1 = 2 (gloo count / ring count
+        {rs_share['ZeRO-1']:.2f} for ZeRO-1), and ZeRO-3's two all-gathers and one
+        reduce-scatter cost 1 + 1 + 2 = 4 instead of 3 ({rs_share['ZeRO-3']:.2f}). Against
+        the gloo count, measured is {span_of(gloo_ratio.values())}
+        for every stage: what remains is gloo's message headers, the padding of each tensor to
+        a multiple of N, and the naive sync's one small all-reduce that agrees on which
+        parameters have gradients. With NCCL, whose reduce-scatter is a real ring, ZeRO-1 and
+        ZeRO-2 send what DP sends, and ZeRO-3 1.5× that, for holding only 1/N of the
+        parameters.
+    """)

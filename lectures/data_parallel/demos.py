@@ -610,6 +610,12 @@ def best_rules(got, batches, rules, base_batch):
     return "Lowest held-out loss per batch size here: " + "; ".join(said) + "."
 
 
+def memory_task():
+    """The deeper model whose memory and bytes per rank lecture 03 measures under DP and ZeRO."""
+    width, depth = (64, 8) if settings.quick else (192, 16)
+    return Task(sizes=(32,) + (width,) * depth + (10,), batch=16, steps=2)
+
+
 def measure_stages(rank, world_size, task):
     """Train a few steps under DP and each ZeRO stage; what each rank held and sent."""
     out = {}
