@@ -35,9 +35,9 @@ def build(lecture, out, *flags, check=True):
 # --- the session's course build: made once, read by many tests ------------------------------
 
 BUILD_READERS = ("course_site", "executed_notebooks")
-# Tests that time something (in a browser, or overlap against its model) run after both builds,
-# on a machine no build shares.
-AFTER_THE_BUILDS = ("test_widgets.py", "test_overlap.py")
+# Tests marked `timed` (a browser's redraw, overlap against its model, a bandwidth) run after
+# both builds, on a machine no build shares; `make test` runs them in a pytest of their own,
+# after the others have run side by side (pytest-xdist).
 _BUILDS = []        # the session's builds, reported at the end of the run
 _background = None
 _START = time.monotonic()
@@ -60,14 +60,16 @@ def pytest_collection_modifyitems(session, config, items):
 
     def reads(item, fixture):
         return fixture in getattr(item, "fixturenames", ())
-    late = [i for i in items if any(reads(i, f) for f in BUILD_READERS) or i.path.name in AFTER_THE_BUILDS]
+    def timed(item):
+        return item.get_closest_marker("timed") is not None
+    late = [i for i in items if any(reads(i, f) for f in BUILD_READERS) or timed(i)]
     # each build's own test first: --durations then names the build, not a test that waited for it
     first = ("test_the_course_build_ended_well", "test_cli_ran_every_notebook")
     items[:] = [i for i in items if i not in late] + \
-        sorted(late, key=lambda i: (i.path.name in AFTER_THE_BUILDS, reads(i, "executed_notebooks"),
+        sorted(late, key=lambda i: (timed(i), reads(i, "executed_notebooks"),
                                     i.name not in first))
     for i in items:
-        _PHASE[i.nodeid] = ("timed, after the builds" if i.path.name in AFTER_THE_BUILDS else
+        _PHASE[i.nodeid] = ("timed, after the builds" if timed(i) else
                             "reading the builds" if i in late else "unit tests, while the builds run")
     plan = []
     if any(reads(i, "course_site") for i in items):
@@ -104,8 +106,15 @@ def course_site():
     return pathlib.Path(build.path("content")), build
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
+    """No build outlives the session, except on a pytest-xdist worker whose run ended normally:
+    there a build this worker started may be what another worker's tests are waiting for (they
+    wait on its lock), so the worker lets it finish."""
     from tests.support import course_build
+    if _background and os.environ.get("PYTEST_XDIST_WORKER") and exitstatus in (0, 1) \
+            and not session.shouldstop:
+        for thread in _background.threads.values():
+            thread.join()
     course_build.stop_all()
 
 

@@ -647,6 +647,7 @@ def test_autocast_bytes_between_forward_and_backward_depend_on_zero_grad():
     assert "set_to_none=true" in text and "accumulation" in text
 
 
+@pytest.mark.timed
 def test_elementwise_kernels_reach_the_copy_bandwidth():
     """With preallocated outputs, add and GELU move bytes at the rate a copy does,
     not 6× slower (which is what timing a fresh 64 MB output per call measures)."""

@@ -21,6 +21,8 @@ from lectures.tensor_parallel.demos import released_async_tp
 from util import spawn
 from util.measure import Timing
 
+pytestmark = pytest.mark.timed    # runs after the other tests, alone on the machine (conftest.py)
+
 
 def test_model_independent_is_the_longer_of_the_two():
     assert overlapped_step([3.0], [5.0], "independent") == 5.0

@@ -11,6 +11,8 @@ from lectures.pipeline import explorer_data, make_schedule, simulate
 from tests.conftest import Watched
 from util import render
 
+pytestmark = pytest.mark.timed    # runs after the other tests, alone on the machine (conftest.py)
+
 
 @contextlib.contextmanager
 def opened(browser, path):
