@@ -36,8 +36,7 @@ def build(lecture, out, *flags, check=True):
 
 BUILD_READERS = ("course_site", "executed_notebooks")
 # Tests marked `timed` (a browser's redraw, overlap against its model, a bandwidth) run after
-# both builds, on a machine no build shares; `make test` runs them in a pytest of their own,
-# after the others have run side by side (pytest-xdist).
+# both builds, on a machine no build shares.
 _BUILDS = []        # the session's builds, reported at the end of the run
 _background = None
 _START = time.monotonic()
