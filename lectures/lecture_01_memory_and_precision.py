@@ -12,6 +12,7 @@ online softmax in `attention.py`, and the roofline's rates in `roofline.py`. Wha
 `demos.py`, the appendix page's deep dives in `deep_dives.py`, the page's drawings in `figures.py`.
 """
 import dataclasses
+import functools
 import math
 import time
 
@@ -33,13 +34,12 @@ from lectures.model.precision import (FORMATS, MasterWeights, format_properties,
                                       freeze_threshold, frozen_fraction, gradient_error, gradient_rms,
                                       per_tensor_error, train_curve)
 from lectures.model.training_memory import MEM_CATEGORIES, CastWeightCopies, held_by_training, memory_timeline
-from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_backward, fp8_scaling,
-                                       references, roofline, saved_tensor_by_tensor)
+from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_backward, float8_gain_words,
+                                       fp8_scaling, references, roofline, saved_tensor_by_tensor)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
-from lectures.model.gpu_evidence import TORCHTITAN_FP8
 from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
-from lectures.model.figures import (published_figure, show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
+from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
                                     loss_scaling_figure, master_weights_figure, attention_memory_figure)
@@ -114,9 +114,15 @@ def the_model_and_task():
     see(batch)
 
 
+@functools.cache
+def step_rows():
+    """Three AdamW steps of the GPT (batch 16), read after each phase: measured once per page."""
+    return memory_timeline(GPTConfig(), batch_size=16, steps=3)
+
+
 def anatomy_of_a_step():
     cfg = GPTConfig()
-    rows = memory_timeline(cfg, batch_size=16, steps=3)
+    rows = step_rows()
     note("## Anatomy of a step, measured")
     show(memory_phases_figure(rows),
            caption="memory after each phase (forward, backward, optimizer step, zero_grad) of the "
@@ -143,13 +149,34 @@ def anatomy_of_a_step():
     see("https://docs.pytorch.org/docs/stable/torch_cuda_memory.html",
         "PyTorch documentation, Understanding CUDA memory usage (memory snapshots)")
     first, later = rows[2]["tracker"]["Total"], rows[6]["tracker"]["Total"]
-    top = max(rows, key=lambda r: r["peak"])
     act_tracker, act_own = rows[0]["tracker"]["Activation"], rows[0]["own"]["Activation"]
     tokens, targets = batch(cfg, 16, 1)
     loss = loss_fn(GPT(cfg)(tokens), targets)
     gap = ("the same count" if act_tracker == act_own else
            f"{act_tracker - act_own:,} bytes more" + (" — the loss, a one-element fp32 tensor, which "
            "nothing saves for backward" if act_tracker - act_own == loss.nbytes else ""))
+    note(f"""
+        Step 1 grows: AdamW allocates its two moments (m and v, {fmt_bytes(rows[2]['own']['Optstate'])}
+        = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
+        `step()`. From then on the pattern repeats: after the optimizer step the total is
+        {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
+        autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
+        {act_tracker:,} bytes under activations, {gap}. The logits themselves are freed as
+        soon as cross-entropy has taken their log-softmax, which it keeps for its backward.
+        The activations are {act_own / rows[0]['own']['Parameter']:.1f}× the parameters here:
+        with a small model and a modest batch, activations already dominate. Every phase's
+        bytes, and what stays from one step to the next, are in the deep dive below.
+    """)
+    see(memory_timeline)
+
+
+def step_in_bytes():
+    """Every phase of the three steps in bytes: MemTracker's categories beside our own count,
+    what stays after a backward, and the peak of each phase."""
+    cfg = GPTConfig()
+    rows = step_rows()
+    note("## Deep dive: the step in bytes, phase by phase")
+    top = max(rows, key=lambda r: r["peak"])
     after_bwd = rows[1]["tracker"]["Activation"]
     residue = rows[1]["batch"] + rows[1]["loss"]
     leftover = (f"After each backward MemTracker still files {after_bwd:,} bytes under activations, "
@@ -161,19 +188,10 @@ def anatomy_of_a_step():
                 f"{after_bwd - residue:+,} bytes beside the batch ({rows[1]['batch']:,}) and the loss "
                 f"({rows[1]['loss']}) that the loop still holds.")
     note(f"""
-        Step 1 grows: AdamW allocates its two moments (m and v, {fmt_bytes(rows[2]['own']['Optstate'])}
-        = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
-        `step()`. From then on the pattern repeats: after the optimizer step the total is
-        {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
-        autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
-        {act_tracker:,} bytes under activations, {gap}. The logits themselves are freed as
-        soon as cross-entropy has taken their log-softmax, which it keeps for its backward.
-        {leftover} The activations are {act_own / rows[0]['own']['Parameter']:.1f}× the
-        parameters here: with a small model and a modest batch, activations already dominate.
-        The table's last column is `LiveBytes`' peak in each phase: the most bytes alive at once that
-        were allocated since training began, so everything but the parameters. It is highest
-        in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])}, {top['peak'] / rows[0]['own']['Parameter']:.1f}× the
-        parameters).
+        {leftover} The table's last column is `LiveBytes`' peak in each phase: the most bytes
+        alive at once that were allocated since training began, so everything but the
+        parameters. It is highest in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])},
+        {top['peak'] / rows[0]['own']['Parameter']:.1f}× the parameters).
     """)
     table([[r["step"], r["phase"]] + [r["tracker"].get(c, 0) for c in MEM_CATEGORIES] +
            [r["tracker"]["Total"], r["own"]["Parameter"], r["own"]["Gradient"], r["own"]["Optstate"],
@@ -182,20 +200,9 @@ def anatomy_of_a_step():
                   "MemTracker total", "own: params", "own: grads", "own: optimizer",
                   "own: saved for backward", "LiveBytes peak in phase"],
           caption=f"bytes, GPT {param_count(cfg):,} parameters, batch 16 × {cfg.seq_len}, fp32 AdamW")
-    see(memory_timeline)
 
 
 def parameters_and_bytes():
-    configs = [GPTConfig(), GPTConfig(n_kv_heads=2), GPTConfig(tie_embeddings=True),
-               GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, n_layers=3, d_ff=200, vocab_size=101, seq_len=17),
-               GPTConfig(d_model=768, n_heads=12, n_layers=12, vocab_size=50257, seq_len=1024, tie_embeddings=True)]
-    est_rows = []
-    for c in configs:
-        h, v, L = c.d_model, c.vocab_size, c.n_layers
-        numel = sum(p.numel() for p in GPT(c).parameters()) if h < 512 else None
-        est_rows.append([f"h={h} L={L} a={c.n_heads} kv={c.kv_heads} f={c.ff} v={v} s={c.seq_len}"
-                     + (" tied" if c.tie_embeddings else ""),
-                     h * v + L * (12 * h * h + 13 * h) + 2 * h, param_count(c), numel])
     cfg = GPTConfig()
     tokens, targets = batch(cfg, 8, 0)
     fp32 = GPT(cfg)
@@ -243,7 +250,8 @@ def parameters_and_bytes():
         ({copied:.0%} of the parameters) live until the backward has used them: between forward
         and backward {sum(auto_peak.values()) / psi:.1f} bytes per parameter after
         `opt.zero_grad(set_to_none=True)`, {sum(auto_kept.values()) / psi:.1f} while last step's
-        gradients are alive (gradient accumulation). This 16Ψ is what ZeRO (lecture 03) divides.
+        gradients are alive (gradient accumulation). This 16Ψ is what ZeRO (lecture 03) divides;
+        how Ψ itself is counted, the usual closed form against `param_count`, is a deep dive below.
     """)
     cheat("bytes per parameter, mixed-precision AdamW",
           "$2 + 2 + 4 + 4 + 4 = 16$ bytes: bf16 weights and gradients, fp32 master, Adam's $m$ and $v$",
@@ -263,7 +271,22 @@ def parameters_and_bytes():
           caption=f"bytes per parameter, measured; Ψ = {psi:,}")
     see(CastWeightCopies)
     see(MasterWeights)
+
+
+def counting_parameters():
+    """The usual closed form for Ψ against `param_count` and the built model's numel."""
+    configs = [GPTConfig(), GPTConfig(n_kv_heads=2), GPTConfig(tie_embeddings=True),
+               GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, n_layers=3, d_ff=200, vocab_size=101, seq_len=17),
+               GPTConfig(d_model=768, n_heads=12, n_layers=12, vocab_size=50257, seq_len=1024, tie_embeddings=True)]
+    est_rows = []
+    for c in configs:
+        h, v, L = c.d_model, c.vocab_size, c.n_layers
+        numel = sum(p.numel() for p in GPT(c).parameters()) if h < 512 else None
+        est_rows.append([f"h={h} L={L} a={c.n_heads} kv={c.kv_heads} f={c.ff} v={v} s={c.seq_len}"
+                     + (" tied" if c.tie_embeddings else ""),
+                     h * v + L * (12 * h * h + 13 * h) + 2 * h, param_count(c), numel])
     note("""
+        ## Deep dive: counting the parameters
         The usual estimate Ψ ≈ h·v + L·(12h² + 13h) + 2h counts an embedding, per layer 4h² + 4h
         for attention (Q, K, V, O with biases), 8h² + 5h for a 4h MLP, 4h for two LayerNorms,
         and a final LayerNorm. `param_count` is the exact count for this architecture — learned
@@ -631,18 +654,16 @@ def master_weights():
           header=["variant", f"loss after {steps} steps", "minus fp32's",
                   "weights the optimizer updates left unchanged by the last step"])
     see(freeze_threshold)
-    note("""
+    note(f"""
         PyTorch's own fp8 path is torchao: `torchao.float8.convert_to_float8_training(model)`
         swaps each `nn.Linear` for a `Float8Linear` whose three matmuls cast their operands to
         fp8 with scales from the current values; its recipes `tensorwise`, `rowwise` and
         `rowwise_with_gw_hp` (weight gradient kept in bf16) are the scale granularities the
-        appendix compares. It needs fp8 tensor cores; what it buys there, as published:
+        appendix compares. It needs fp8 tensor cores; there, as published, torchtitan's
+        Llama 3.1 8B trained at {float8_gain_words()} bf16's tokens per second on 8 and 128
+        H100s with float8 linears (drawn in the fp8 deep dive), not the tensor cores' 2×: only
+        the linears run in fp8, and each cast reads and writes its operand.
     """)
-    pub = TORCHTITAN_FP8
-    gain = [f / b for (_, b), (_, f) in zip(*pub.series.values())]
-    show(published_figure(pub, height=2.1), pub.caption(
-        f"Float8 linears: {min(gain):.2f}–{max(gain):.2f}× bf16's tokens per second at 8 and 128 GPUs, not the "
-        f"tensor cores' 2×: only the linears run in fp8, and each cast reads and writes its operand."))
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
 
@@ -785,7 +806,12 @@ def main():
     intro()                    # what this lecture teaches, and what it needs
     the_model_and_task()       # the GPT and data every later lecture trains
     anatomy_of_a_step()        # what a training step holds, phase by phase
-    parameters_and_bytes()     # Ψ in closed form; 16 bytes per parameter
+    with deep_dive("The step in bytes, phase by phase",
+                   "MemTracker's categories beside our own count for every phase, and what stays between steps"):
+        step_in_bytes()
+    parameters_and_bytes()     # 16 bytes per parameter, and mixed precision's
+    with deep_dive("Counting the parameters", "the usual closed form for Ψ against param_count and the built model"):
+        counting_parameters()
     saved_against_formula()    # the paper's formula against what autograd saves
     with deep_dive("What one block saves, tensor by tensor", "the shapes behind the reconciliation's terms"):
         saved_tensor_by_tensor()

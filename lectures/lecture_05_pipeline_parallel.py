@@ -372,12 +372,8 @@ def zero_bubble_measured(R, p):
         | bubble, measured | {pct(rows_['1f1b m=8']['measured'])} | {pct(rows_['zb-h1']['measured'])} | {pct(rows_['zb-h2']['measured'])} | {pct(rows_['zb-v']['measured'])} | {pct(rows_['dualpipev']['measured'])} |
         | peak activations held (rank max) | {peak['1f1b m=8'] / 2**10:.0f} KiB | {peak['zb-h1'] / 2**10:.0f} KiB | {peak['zb-h2'] / 2**10:.0f} KiB | {peak['zb-v'] / 2**10:.0f} KiB | {peak['dualpipev'] / 2**10:.0f} KiB |
 
-        (A postponed W keeps only what it needs: the inputs of the parameter-owning modules and
-        their output gradients. B runs without `retain_graph`, so what autograd saved only for B
-        — attention's probabilities, GELU's inputs, LayerNorm's statistics — goes when B ends, as
-        in Qi et al.'s implementation and Megatron-LM's weight-gradient store. So ZB-H1 holds up
-        to $p$ micro-batches on every rank where 1F1B holds $p - r$, those waiting for W with less
-        than their activations plus their output gradients. {zb_h1_memory_words(R, p)})
+        What a postponed W keeps, and ZB-H1's peak against 1F1B's rank by rank, are in the deep
+        dive on every schedule's numbers below.
     """)
     zb_h2_two_steps(p, m)
     with deep_dive("Every schedule with W free and with W = B",
@@ -507,10 +503,11 @@ def every_schedule_measured(R, p, mode):
         (measured over theory {r1:.2f}, {ri:.2f}); in the split lists mostly compute inside the
         spans, so their bubble shrinks but not their step. The step is the verdict; the section
         after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:g}× longer.
-
-        What each rank holds over the step, simulated from the same lists:
     """)
-    memory_figure(4, 8)
+    with deep_dive("What each rank holds over the step, every schedule",
+                   "the micro-batches each rank holds, simulated from the same lists, side by side"):
+        note("## Deep dive: what each rank holds over the step, every schedule")
+        memory_figure(4, 8)
     explorer(4, 8)
     return rows
 
@@ -562,6 +559,14 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
               caption=f"Sleep mode with {RATIO_SLEEP * 1e3:.0f} ms per action; the excess per action is (measured "
                       "step − simulated step) over the actions of a rank's list: what each action costs here "
                       "beyond its sleep.")
+        note(f"""
+            A postponed W keeps only what it needs: the inputs of the parameter-owning modules and
+            their output gradients. B runs without `retain_graph`, so what autograd saved only for B
+            — attention's probabilities, GELU's inputs, LayerNorm's statistics — goes when B ends, as
+            in Qi et al.'s implementation and Megatron-LM's weight-gradient store. So ZB-H1 holds up
+            to $p$ micro-batches on every rank where 1F1B holds $p - r$, those waiting for W with less
+            than their activations plus their output gradients. {zb_h1_memory_words(sleep_returns, p)}
+        """)
         zb_h1_memory_table(sleep_returns)
     cheat("ZB-H1 step", "step over 1F1B's $\\frac{3m+p-1}{3m+3(p-1)}$ at $F = B = W$", round(ratios["zb-h1"][0], 3), "×",
           what=f"ZB-H1's step over 1F1B's, p = {p}, m = {m}, sleep mode with {RATIO_SLEEP * 1e3:.0f} ms actions, "
@@ -572,15 +577,19 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
     inter = [s[2]["1F1B-I"] for s in speed.values()]
     extra = [mem["ZB-1p"] - mem["1F1B"] for _, _, _, mem in QI_TABLE_4.values()]
     models, gpus = list(QI_TABLE_4), [g for g, _, _, _ in QI_TABLE_4.values()]
-    figure(published_zero_bubble_figure(),
-           caption=f"Published on GPUs, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}). Left: "
-                   "throughput over 1F1B's at m = 3p; right: memory per GPU.")
     note(f"""
         On GPUs (Qi et al., Table 4: {models[0]} to {models[-1]} GPT models on {min(gpus)} to {max(gpus)} A100s,
         $m = 3p$) ZB-1p, scheduled within 1F1B's memory like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's
         samples per second with {min(extra)}–{max(extra)} GB more per GPU; ZB-2p, with twice the activation
-        memory like ZB-H2, {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×.
+        memory like ZB-H2, {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×
+        (drawn model by model in the deep dive below).
     """)
+    with deep_dive("Zero bubble on GPUs, as published",
+                   "Qi et al.'s Table 4: throughput over 1F1B's and memory per GPU, model by model"):
+        note("## Deep dive: zero bubble on GPUs, as published")
+        figure(published_zero_bubble_figure(),
+               caption=f"Published on GPUs, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}). Left: "
+                       "throughput over 1F1B's at m = 3p; right: memory per GPU.")
 
 
 def explorer(p=4, m=8):

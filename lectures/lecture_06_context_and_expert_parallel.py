@@ -115,6 +115,31 @@ def what_needs_other_ranks():
     ratio4 = one[top] / max(x[top] for x in per[4])
     cheat("CP activation memory", "activations per rank $\\propto s/n$", round(ratio4, 2), "×",
           what=f"one rank's saved activations over CP = 4's per rank, s = {top}, measured")
+    (s0, tps0), (s1, tps1), grew = torchtitan_cp_drop()
+    note(f"""
+        At published scale, torchtitan trained Llama 3.1 8B on 8 H100s at {s1:,} tokens with CP 8
+        at {tps0 / tps1:.1f}× fewer tokens/s per GPU than {s0:,} with CP 1: {grew:.2f}× from
+        attention's extra work per token, {tps0 / tps1 / grew:.1f}× CP's own cost (the deep dive
+        below), for a length one GPU's memory could not hold at all. Here the sequences are a
+        few hundred tokens and the machine's memory is never the limit, so this page can show
+        the 1/n but not what it buys.
+    """)
+    see(context_parallel_gpt)
+    see(sequence_positions)
+
+
+def torchtitan_cp_drop():
+    """torchtitan's shortest and longest points ((seq, tokens/s per GPU) each) and the work per
+    token's growth between them."""
+    points = TORCHTITAN_CP.series["tokens/s per GPU"]
+    first, last = points[0], points[-1]
+    return first, last, sum(flops_per_token(last[0])) / sum(flops_per_token(first[0]))
+
+
+def cp_at_published_scale():
+    """torchtitan's Llama 3.1 8B at 32K–256K tokens with CP 1–8: the throughput drop split into
+    attention's extra work and what CP costs."""
+    note("## Deep dive: context parallelism at published scale")
     pub = TORCHTITAN_CP
     points = pub.series["tokens/s per GPU"]
     (s0, tps0), (s1, tps1) = points[0], points[-1]
@@ -139,13 +164,6 @@ def what_needs_other_ranks():
         memory could not hold at all.
     """)
     see(pub.url, title="torchtitan, Llama 3 on H100s, December 2024 (Table 2)")
-    note("""
-        Here the sequences are a few hundred tokens and the machine's memory is never the limit,
-        so this page can show the 1/n but not what it buys: a sequence that would not fit on one
-        device at all.
-    """)
-    see(context_parallel_gpt)
-    see(sequence_positions)
 
 
 def ring_attention_section():
@@ -233,7 +251,14 @@ def ring_attention_section():
         {"holds" if ratio >= 1 else "fails"}; scaling both as above, compute and transfer would be
         equal at about {S / n / ratio:.0f} positions per rank, the break-even block here. With a GPU's much larger FLOP/s per byte of bandwidth the minimum is
         thousands of tokens per rank, which is why a ring needs long sequences per device.
+        On this CPU the compute and gloo's copies share the cores; the deep dive below gives each
+        block a stand-in that leaves its core to gloo, and measures how much of a hop then hides.
     """)
+
+
+def ring_released():
+    """Ring attention's forward with a compute stand-in that leaves the core to gloo."""
+    note("## Deep dive: ring attention with the core released")
     freed = spawn(released_ring, 2, name="ring attention forward with a compute stand-in that releases the core, 2 ranks")
     r = freed.returns[0]
     figure(overlap_bars({"ring forward, compute stand-in (core released)": r}),
@@ -241,7 +266,7 @@ def ring_attention_section():
                    "K/V hop; without overlap each hop is waited for as soon as it is posted: medians (bars: "
                    "interquartile range); red: the model")
     note(f"""
-        **Release the core, and the hop hides.** Give each block a stand-in that keeps the rank
+        Give each block a stand-in that keeps the rank
         busy as long as one K/V hop takes but leaves the core to gloo (`released`, a timed
         wait, lecture 05's sleep mode), on a shape whose K/V blocks of
         {r['kv_bytes'] / 2 ** 20:.0f} MB are cheap to attend to ({r['block'][0]} positions per rank,
@@ -779,7 +804,13 @@ def main():
     try_it_yourself(notebook_exercises("lecture_06_context_and_expert_parallel"))   # its notebook's exercises, for the page
     intro()                      # what the two splits are
     what_needs_other_ranks()     # CP touches only attention; memory per rank ~ s/n
+    with deep_dive("Context parallelism at published scale",
+                   "torchtitan's Llama 3.1 8B from 32K to 256K tokens: attention's extra work, and what CP costs"):
+        cp_at_published_scale()
     ring_attention_section()     # the ring, its merge, its backward, the overlap measured
+    with deep_dive("Ring attention with the core released",
+                   "each block followed by a stand-in that leaves the core to gloo: how much of a hop hides"):
+        ring_released()
     load_balance_section()       # causal masking unbalances contiguous chunks; zig-zag
     allgather_section()          # the simpler variant and what it costs in memory
     ulysses_section()            # all-to-all to head shards: bytes compared, its limit

@@ -479,7 +479,8 @@ def test_parameters_and_bytes_page_counts_autocast_copies_until_backward():
     text = _page_of(L.parameters_and_bytes)
     assert "live only during the forward" not in text
     assert "bf16 weight copies saved by the forward, freed by the backward" in text
-    assert "assumes f = 4h" in text and "h=96 l=3 a=6 kv=3 f=200" in text   # the miss named
+    counted = _page_of(L.counting_parameters)                               # its deep dive
+    assert "assumes f = 4h" in counted and "h=96 l=3 a=6 kv=3 f=200" in counted   # the miss named
 
 
 def test_delayed_scaling_names_transformer_engines_window():

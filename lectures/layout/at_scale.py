@@ -30,14 +30,9 @@ def across_scale():
         {100 * frac:.1f}% of peak), the model predicts the other eleven within
         {100 * abs(worst['error']):.0f}%, with a trend: from
         {100 * held[0]['error']:+.1f}% (too fast) at 1.7B to {100 * largest['error']:+.1f}% (too slow)
-        at 1T; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%.
+        at 1T; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%. The runs one by
+        one, with their layouts and step times, are in the deep dive below.
     """)
-    table([[r["run"]["model"].name, r["run"]["gpus"], r["run"]["measured"].replace(" per GPU", ""),
-            "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],
-          header=["model", "A100s", "published, per GPU", "predicted throughput error"],
-          caption="Published A100 runs through the model (Narayanan et al. 2021, Table 1; torchtitan "
-                  "docs/performance.md): the GEMM fraction fitted on one run, every other run predicted; "
-                  "the layouts and step times are in the deep dive below.")
     _RESULTS["a100_detail"] = (frac, rows, held, worst)
     _RESULTS["validation"] = {r["run"]["name"]: r["error"] for r in held}
     _RESULTS["a100_fraction"] = frac
@@ -75,11 +70,13 @@ def a100_detail(frac, rows, held, worst):
         without it, the same one-run fit predicts {no_hbm_small['run']['name']} at
         {100 * no_hbm_small['error']:+.1f}% and the worst run at {100 * no_hbm_worst:+.1f}%.
     """)
-    table([[r["run"]["name"], r["run"]["model"].params() / 1e9, r["layout"].label(), r["run"]["seconds"],
-            r["time"]["total"], "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],
-          header=["published run", "parameters (B)", "the search's open knobs", "s per step, published",
-                  "s per step, predicted", "throughput error"],
-          caption="Each A100 run's layout as the search completes it on the published mesh, and its step time.")
+    table([[r["run"]["name"], r["run"]["model"].params() / 1e9, r["run"]["measured"].replace(" per GPU", ""),
+            r["layout"].label(), r["run"]["seconds"], r["time"]["total"], "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],
+          header=["published run", "parameters (B)", "published, per GPU", "the search's open knobs",
+                  "s per step, published", "s per step, predicted", "throughput error"],
+          caption="Published A100 runs through the model (Narayanan et al. 2021, Table 1; torchtitan "
+                  "docs/performance.md): each run's layout as the search completes it on the published mesh, "
+                  "and its step time; the GEMM fraction fitted on one run, every other run predicted.")
 
 
 def experts_at_scale(h100):

@@ -9,11 +9,11 @@ import statistics
 from util import cheat, figure, note, see, settings, spawn, table
 from util.measure import machine, usable_cores
 
-from lectures.layout.demos import _RESULTS, small_run, time_ours_vs_pytorch, train_pytorch_layout
+from lectures.layout.demos import _RESULTS, long_context_words, small_run, time_ours_vs_pytorch, train_pytorch_layout
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.figures import draw_decision_flow, draw_wire_ratios
 from lectures.layout.pytorch import pytorch_layout
-from lectures.layout.search import decision_procedure, reproduce_table4
+from lectures.layout.search import GEMM, decision_procedure, reproduce_table4
 from lectures.layout.step_time import (ATTENTION, FA2_H100, IB, IB_ACHIEVED, IB_BW, LLAMA3_405B, NVLINK,
                                        NVLINK_ACHIEVED, NVLINK_BW, h100_cluster, step_bytes)
 from lectures.layout.trainer import Run, max_param_diff, reference_run
@@ -160,6 +160,10 @@ def table4_sensitivity(frac, out):
         with faster GEMMs to reach the measured 43% — and the errors of the predicted rows run:
         {'; '.join(ranges)}.
     """)
+    hw = h100_cluster(**{GEMM: frac})
+    long_words = " ".join(long_context_words(row, best, err, hw) for row, best, err in out[1:] if row["cp"] > 1)
+    if long_words:
+        note(long_words)
 
 
 def decision_flow(outcomes, space):
