@@ -502,7 +502,7 @@ def every_schedule_measured(R, p, mode):
         split lists (W: one more action per micro-batch). In 1F1B and interleaving it is bubble
         (measured over theory {r1:.2f}, {ri:.2f}); in the split lists mostly compute inside the
         spans, so their bubble shrinks but not their step. The step is the verdict; the section
-        after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:g}× longer.
+        after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:.0f}× longer.
     """)
     with deep_dive("What each rank holds over the step, every schedule",
                    "the micro-batches each rank holds, simulated from the same lists, side by side"):
