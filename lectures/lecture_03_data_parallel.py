@@ -594,7 +594,7 @@ def memory_and_traffic():
     """)
     ratio = got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"]
     note(f"""
-        On the wire, rank 0 wrote {got['DP']['wire_per_step']:,} bytes per step under DP and
+        On the wire, rank 0 wrote {got['DP']['wire_per_step']:,.0f} bytes per step under DP and
         {ratio:.2f}× that under ZeRO-3, for holding 1/{n} of the state. The deep dive on bytes
         puts the formula, our calls counted as rings and as gloo runs them, and the socket writes
         side by side, and says why gloo's reduce-scatter makes ZeRO-1 and ZeRO-2 write more than DP.
