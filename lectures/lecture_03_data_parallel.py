@@ -268,11 +268,14 @@ def step_timeline(task, ranks, kind, label, bucket_mb=None):
 def per_parameter_timeline():
     """The hooked sync without buckets: one message per parameter, each in flight at once."""
     note("## One all-reduce per parameter, on a timeline")
-    step_timeline(timing_task(), timing_world(), "overlapped", "per-parameter async all-reduce")
-    note("""
-        Without buckets, each parameter's hook starts its own all-reduce the moment its gradient is
-        complete: many small messages in flight together, each paying the per-message latency.
-        The sweep below trades their number against how early the first one can leave.
+    task, ranks = timing_task(), timing_world()
+    step_timeline(task, ranks, "overlapped", "per-parameter async all-reduce")
+    note(f"""
+        The companion of the main page's naive and bucketed timelines, on the same model (widths
+        {task.sizes}) and {ranks} ranks. Without buckets, each parameter's hook starts its own
+        all-reduce the moment its gradient is complete: many small messages in flight together,
+        each paying the per-message latency. The sweep below, on a deeper model of many small
+        tensors, trades their number against how early the first one can leave.
     """)
 
 
@@ -595,9 +598,10 @@ def memory_and_traffic():
     ratio = got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"]
     note(f"""
         On the wire, rank 0 wrote {got['DP']['wire_per_step']:,.0f} bytes per step under DP and
-        {ratio:.2f}× that under ZeRO-3, for holding 1/{n} of the state. The deep dive on bytes
-        puts the formula, our calls counted as rings and as gloo runs them, and the socket writes
-        side by side, and says why gloo's reduce-scatter makes ZeRO-1 and ZeRO-2 write more than DP.
+        {ratio:.2f}× that under ZeRO-3, for holding 1/{n} of the state: rings would make it 1.5×,
+        and gloo's reduce-scatter, a full all-reduce, adds the rest. The deep dive on bytes puts
+        the formula, our calls counted as rings and as gloo runs them, and the socket writes side
+        by side.
     """)
     cheat("DP gradient all-reduce per step",
           "ring: $2\\,\\frac{N-1}{N}$ × the gradient bytes sent per rank",
@@ -800,7 +804,8 @@ def main():
     data_sharding()             # a sampler per rank, and the uneven last batch that hangs
     overlap_and_buckets()       # start all-reduces during backward, in buckets
     with deep_dive("Bucket size, swept",
-                   "a sweep from one message per tensor to one bucket, on a model of many small tensors"):
+                   "the per-parameter timeline, then a sweep from one message per tensor to one bucket, "
+                   "on a model of many small tensors"):
         per_parameter_timeline()
         bucket_sweep()
     with deep_dive("DDP's overlap, with the core released",

@@ -372,8 +372,8 @@ def zero_bubble_measured(R, p):
         | bubble, measured | {pct(rows_['1f1b m=8']['measured'])} | {pct(rows_['zb-h1']['measured'])} | {pct(rows_['zb-h2']['measured'])} | {pct(rows_['zb-v']['measured'])} | {pct(rows_['dualpipev']['measured'])} |
         | peak activations held (rank max) | {peak['1f1b m=8'] / 2**10:.0f} KiB | {peak['zb-h1'] / 2**10:.0f} KiB | {peak['zb-h2'] / 2**10:.0f} KiB | {peak['zb-v'] / 2**10:.0f} KiB | {peak['dualpipev'] / 2**10:.0f} KiB |
 
-        What a postponed W keeps, and ZB-H1's peak against 1F1B's rank by rank, are in the deep
-        dive on every schedule's numbers below.
+        {zb_h1_gap_words(R)} Rank by rank, and what a postponed W keeps, in the deep dive on every
+        schedule's numbers below.
     """)
     zb_h2_two_steps(p, m)
     with deep_dive("Every schedule with W free and with W = B",
@@ -399,6 +399,18 @@ def zb_h1_peaks(R):
     """Per rank: (1F1B's peak, ZB-H1's peak, the output gradients ZB-H1 held at its peak), bytes."""
     return [(r["1f1b m=8"]["peak_saved_bytes"], r["zb-h1"]["peak_saved_bytes"], r["zb-h1"]["peak_held_grads"])
             for r in R]
+
+
+def zb_h1_gap_words(R):
+    """Why ZB-H1's peak row exceeds 1F1B's: the output gradients its postponed Ws wait with
+    (the same numbers as zb_h1_memory_words, on the appendix)."""
+    peaks = zb_h1_peaks(R)
+    one = max(o for o, _, _ in peaks)
+    zb = max(z for _, z, _ in peaks)
+    without = max(z - dy for _, z, dy in peaks)
+    return (f"ZB-H1's {kib(zb)} against 1F1B's {kib(one)} is the output gradients its postponed Ws "
+            f"wait with: without them, at most {kib(without)} on any rank, "
+            f"{'within' if without <= one else 'still above'} 1F1B's.")
 
 
 def zb_h1_memory_words(R, p):

@@ -119,8 +119,8 @@ def what_needs_other_ranks():
     note(f"""
         At published scale, torchtitan trained Llama 3.1 8B on 8 H100s at {s1:,} tokens with CP 8
         at {tps0 / tps1:.1f}× fewer tokens/s per GPU than {s0:,} with CP 1: {grew:.2f}× from
-        attention's extra work per token, {tps0 / tps1 / grew:.1f}× CP's own cost (the deep dive
-        below), for a length one GPU's memory could not hold at all. Here the sequences are a
+        attention's extra work per token, and the remaining {tps0 / tps1 / grew:.1f}× what CP 8 and
+        the kernels at these lengths cost (the deep dive below), for a length one GPU's memory could not hold at all. Here the sequences are a
         few hundred tokens and the machine's memory is never the limit, so this page can show
         the 1/n but not what it buys.
     """)

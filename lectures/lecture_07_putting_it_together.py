@@ -10,7 +10,7 @@ import dataclasses
 import math
 import statistics
 
-from util import cheat, deep_dive, figure, note, published, see, settings, spawn, table, widget
+from util import cheat, deep_dive, figure, note, plural, published, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import machine, timing_ranks, value_range
 
@@ -421,7 +421,8 @@ def step_time_model():
         {len(layouts)} layouts a ρ is uncertain ({rho_uncertainty(rho, lo_rho, hi_rho)}),
         which is why the absolute errors sit beside it: every layout measured
         **{value_range(lo_ratio, hi_ratio, decimals=2)}×** its prediction, {direction}, furthest for
-        **{worst_axis}** (median measured / predicted {ratios[worst_axis]:.2f}; the deep dive
+        **{worst_axis}** (its {plural(len(by_axis[worst_axis]), 'layout')} measured
+        {', '.join(f'{r:.2f}' for r in sorted(by_axis[worst_axis]))}× the prediction; the deep dive
         below gives every axis, and what the model leaves out of ZeRO on gloo). The constants are
         calibrated under the same load as the runs they predict, but on shared cores that load
         changes between the calibration and the runs and from build to build, so the constants
@@ -484,9 +485,12 @@ def zero_note(layouts, pred, meas):
         **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
         runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
         ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
-        predicted: ZeRO layouts {rng(by["ZeRO"])}, plain data parallelism {rng(by["plain"])}.
+        predicted: ZeRO layouts {rng(by["ZeRO"])}, the layouts with dp·cp > 1 and no ZeRO
+        {rng(by["plain"])}.
         {"ZeRO still costs more than the model charges, and this build does not measure why: "
-         if min(by["ZeRO"]) > max(by["plain"]) else "What the model leaves out for ZeRO is not measured here: "}the
+         if min(by["ZeRO"]) > max(by["plain"]) else
+         "The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model charges; "
+         "what would have to be timed to find one: "}the
         copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
         copied into and out of its shard) are memory copies of a model this small, and the
         extra collective calls per tensor wait on each other; which of them costs what, the

@@ -267,7 +267,11 @@ def test_failing_notebook_is_loud(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("util.build_notebooks: error: broken failed"), last
     assert ": AssertionError: check failed: sum_is_one" in last and " cell " in last, last
-    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    # jupyter_client interrupts a kernel that is slow to shut down (its pool stopping on a loaded
+    # machine) and the kernel logs one line about it; a worker dying noisily prints a traceback
+    workers = "\n".join(line for line in proc.stderr.splitlines()
+                        if "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel" not in line)
+    assert "KeyboardInterrupt" not in workers and "Traceback" not in workers, proc.stderr[-3000:]
     ran = nbformat.read(out / "broken.ipynb", as_version=4)  # kept, showing the error
     assert any(o.output_type == "error" for _, o in outputs(ran))
     assert os.path.isfile(out / "broken.html")
