@@ -48,9 +48,6 @@ def timing_task():
     return Task(sizes=(64, 1024, 1024, 1024, 1024, 10), batch=128)
 
 
-
-
-
 def intro():
     note("""
         # Data parallelism and ZeRO
@@ -615,9 +612,6 @@ def memory_and_traffic():
           what=f"measured on rank 0's sockets, N = {n}; on gloo, whose reduce-scatter is an all-reduce, "
                "the count is 4/3 of a ring's")
     see(Collectives)
-
-
-
 
 
 def pytorch_versions():

@@ -105,15 +105,8 @@ def course_site():
     return pathlib.Path(build.path("content")), build
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """No build outlives the session, except on a pytest-xdist worker whose run ended normally:
-    there a build this worker started may be what another worker's tests are waiting for (they
-    wait on its lock), so the worker lets it finish."""
+def pytest_sessionfinish(session):
     from tests.support import course_build
-    if _background and os.environ.get("PYTEST_XDIST_WORKER") and exitstatus in (0, 1) \
-            and not session.shouldstop:
-        for thread in _background.threads.values():
-            thread.join()
     course_build.stop_all()
 
 
