@@ -17,7 +17,7 @@ import torch
 from lectures.checkpoint import CheckpointError, export, load, save, saved_steps, train_resumable
 from lectures.checkpoint.pytorch import pytorch_resume, pytorch_save
 from lectures.checkpoint.restart import expected_waste, read_events, torchrun_command, young_daly
-from lectures.layout import Layout, LayoutTrainer, Run, make_mesh, max_param_diff, reference_run
+from lectures.layout import Layout, LayoutTrainer, Run, build_model, make_mesh, max_param_diff, reference_run
 from lectures.layout.shards import Piece, flat_boxes, global_grad_norm
 from lectures.model import GPT, GPTConfig
 from util import spawn
@@ -110,6 +110,67 @@ def _sync_and_async(rank, world_size, run, layout, directory):
     return {"steps": saved_steps(directory)}
 
 
+# --- experts under expert parallelism (ep inside dp) --------------------------------------------
+
+MOE_RUN = Run(cfg=CFG, global_batch=8, steps=4, experts=4, top_k=2)
+EP = {"dp4 ep4": Layout(dp=4, ep=4, micro_batch=1, micro_batches=2),     # one expert per rank
+      "dp4 ep2": Layout(dp=4, ep=2, micro_batch=2),                       # two per rank, two replicas
+      "dp2 ep2": Layout(dp=2, ep=2, micro_batch=4),
+      "dp4 replicated": Layout(dp=4, micro_batch=2),                      # every expert on every rank
+      "1 rank": Layout(micro_batch=4, micro_batches=2)}
+EP_PAIRS = [("dp4 ep4", "dp2 ep2"), ("dp4 ep2", "1 rank"), ("1 rank", "dp4 ep4"), ("dp2 ep2", "dp4 replicated")]
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return reference_run(MOE_RUN)
+
+
+@pytest.mark.parametrize("before,after", EP_PAIRS, ids=[f"{a}->{b}" for a, b in EP_PAIRS])
+def test_experts_saved_under_one_ep_layout_load_under_another_equals_one_process(tmp_path, moe_reference,
+                                                                                before, after):
+    a, b = EP[before], EP[after]
+    spawn(train_resumable, a.world, run=MOE_RUN, layout=a, directory=str(tmp_path), until=2, save_every=2)
+    second = spawn(train_resumable, b.world, run=MOE_RUN, layout=b, directory=str(tmp_path), until=4).returns
+    assert all(r["start"] == 2 for r in second)
+    assert max_param_diff(second, moe_reference["params"]) < 1e-6
+    torch.testing.assert_close(torch.tensor(second[0]["losses"]), torch.tensor(moe_reference["losses"][2:]),
+                               rtol=1e-6, atol=1e-6)
+    init = dict(build_model(MOE_RUN).named_parameters())
+    assert max((moe_reference["params"][k] - v.detach()).abs().max().item() for k, v in init.items()) > 1e-3
+
+
+def test_each_expert_is_written_once_under_the_models_name(tmp_path, moe_reference):
+    """dp4 ep2: experts 0-1 on ranks 0 and 2, experts 2-3 on ranks 1 and 3; DCP keeps one copy of
+    each, as one whole tensor named as in the one-process model, and the export is that model."""
+    from torch.distributed.checkpoint import FileSystemReader
+    spawn(train_resumable, 4, run=MOE_RUN, layout=EP["dp4 ep2"], directory=str(tmp_path), until=4, save_every=4)
+    meta = FileSystemReader(str(tmp_path / "step-000004")).read_metadata()
+    written = [i.fqn for i in meta.storage_data if i.fqn.startswith("model/")]
+    assert sorted(written) == sorted(f"model/{k}" for k in moe_reference["params"])     # each once
+    weights = torch.load(export(str(tmp_path), str(tmp_path / "moe.pt")))
+    assert max((weights[k] - v).abs().max().item() for k, v in moe_reference["params"].items()) < 1e-6
+    model = build_model(MOE_RUN)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) == {k for k, _ in model.named_buffers()}   # the parameters, all of them
+
+
+def test_a_dense_checkpoint_is_refused_by_a_run_with_experts(tmp_path):
+    spawn(train_resumable, 2, run=RUN, layout=L["dp ZeRO-1"], directory=str(tmp_path), until=1, save_every=1)
+    got = spawn(_load_error, 2, run=dataclasses.replace(MOE_RUN, steps=1), layout=EP["dp2 ep2"],
+                directory=str(tmp_path)).returns
+    assert all("another run: experts=None there" in e for e in got), got
+
+
+def _load_error(rank, world_size, run, layout, directory):
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, ep=layout.ep), track_memory=False)
+    try:
+        load(trainer, directory)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
 # --- clipping over every axis -------------------------------------------------------------------
 
 CLIPPED = dataclasses.replace(RUN, steps=2, max_grad_norm=0.05)
@@ -121,7 +182,7 @@ CLIP_LAYOUTS = {"dp×tp": L["dp×tp"], "pp×tp": L["pp×tp"], "dp×cp ZeRO-2": L
 def _clip_all(rank, world_size, run, layouts):
     out = {}
     for name, lay in layouts.items():
-        trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp), track_memory=False)
+        trainer = LayoutTrainer(run, lay, make_mesh(lay.dp, lay.pp, lay.cp, lay.tp, ep=lay.ep), track_memory=False)
         norms = []
         for step in range(run.steps):
             trainer.train_step(step)
@@ -133,7 +194,7 @@ def _clip_all(rank, world_size, run, layouts):
 def reference_norms(run):
     """clip_grad_norm_'s total norms, step by step, in one process."""
     from lectures.model import batch, loss_fn
-    model = GPT(run.cfg)
+    model = build_model(run)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
     norms = []
     for step in range(run.steps):
@@ -191,6 +252,29 @@ def _both_norms(rank, world_size, run, layout):
         trainer.comm.all_reduce(p.grad)
         p.grad.div_(trainer.comm.n)
     return global_grad_norm(trainer), global_grad_norm(trainer, count_once=False)
+
+
+MOE_CLIPPED = dataclasses.replace(MOE_RUN, steps=2, max_grad_norm=0.05)
+EP_CLIP_LAYOUTS = {k: EP[k] for k in ("dp4 ep4", "dp4 ep2")}
+
+
+@pytest.mark.parametrize("name", list(EP_CLIP_LAYOUTS))
+def test_clipping_counts_each_expert_once_under_ep(moe_clipped, name):
+    """The router and attention are on every rank, each expert on dp/ep of them: the global norm
+    counts each once, and the run equals clip_grad_norm_ in one process."""
+    ref = reference_run(MOE_CLIPPED)
+    norms = reference_norms(MOE_CLIPPED)
+    assert min(norms) > 4 * MOE_CLIPPED.max_grad_norm          # the bound bites at every step
+    per_rank = [g[name] for g in moe_clipped]
+    assert max_param_diff(per_rank, ref["params"]) < 1e-6
+    assert max_param_diff(per_rank, reference_run(dataclasses.replace(MOE_CLIPPED, max_grad_norm=None))["params"]) > 1e-4
+    for r in per_rank:
+        assert r["norms"] == pytest.approx(norms, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def moe_clipped():
+    return spawn(_clip_all, 4, run=MOE_CLIPPED, layouts=EP_CLIP_LAYOUTS).returns
 
 
 def test_flat_boxes_cover_a_flat_range_exactly():

@@ -39,7 +39,8 @@ def workdir(name, fresh=True):
 
 
 def _trainer(run, layout):
-    return LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    return LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp, ep=layout.ep),
+                         track_memory=False)
 
 
 def boxes_of(rank, world_size, run, layout, keys, steps=1):

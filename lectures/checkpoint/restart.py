@@ -104,7 +104,8 @@ def job_layout(dp=1, pp=1, cp=1, tp=1, zero=0, global_batch=8):
 def run_job(directory, steps, save_every, die_at, victim, layout, run=RESTART_RUN):
     """One attempt: resume from the latest checkpoint, train to `steps`, saving every
     `save_every`; on attempt 0, rank `victim` dies mid-step `die_at` (counted from 1)."""
-    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp, ep=layout.ep),
+                        track_memory=False)
     t0 = time.time()
     start = load(trainer, directory)
     if dist.get_rank() == 0:

@@ -166,15 +166,19 @@ def _merge(state, prefix, boxes):
 
 
 def model_fingerprint(run):
-    """What must agree for a checkpoint to continue this run: the model and the data it reads."""
-    return {"config": dataclasses.asdict(run.cfg), "global_batch": run.global_batch}
+    """What must agree for a checkpoint to continue this run: the model and the data it reads.
+    With experts, their number and top-k (the same tensors with another top-k are another model)."""
+    out = {"config": dataclasses.asdict(run.cfg), "global_batch": run.global_batch}
+    if run.experts:
+        out["experts"] = {"experts": run.experts, "top_k": run.top_k}
+    return out
 
 
 def trainer_state(trainer, fresh=False):
     """The state dict of one rank: "model/<name>", "optim/exp_avg/<name>", "optim/exp_avg_sq/<name>"
     as Boxes (views of the trainer's tensors, or zero buffers of the same boxes with `fresh`),
     and "optim/step", "run" and "rng/<rank>" as plain objects."""
-    cfg_shapes = global_shapes(trainer.run.cfg)
+    cfg_shapes = global_shapes(trainer.run.cfg, trainer.run.experts, trainer.run.top_k)
     pieces = local_pieces(trainer)
     state = {}
     zero = trainer.zero
@@ -394,8 +398,8 @@ def _difference(saved, expected):
     if not isinstance(saved, dict):
         return f"its description is {saved!r}"
     diffs = []
-    for part in ("config", "global_batch"):
-        a, b = saved.get(part), expected[part]
+    for part in sorted(set(saved) | set(expected)):
+        a, b = saved.get(part), expected.get(part)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += [f"{k}={a.get(k)!r} there, {b[k]!r} here" for k in b if a.get(k) != b[k]]
         elif a != b:
@@ -432,7 +436,8 @@ def train_resumable(rank, world_size, run, layout, directory, until, save_every=
     losses of the steps it ran and this rank's full parameters (by name)."""
     from lectures.layout.mesh import make_mesh
     from lectures.layout.trainer import LayoutTrainer, global_loss
-    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp), track_memory=False)
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp, layout.pp, layout.cp, layout.tp, ep=layout.ep),
+                            track_memory=False)
     start = load(trainer, directory)
     losses = []
     for step in range(start, until):

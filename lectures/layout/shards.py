@@ -4,7 +4,9 @@ every element once (lecture 08's building blocks; the trainer clips with it).
 A rank of `LayoutTrainer` holds tensor-parallel slices of some pipeline stage's parameters:
 rows of a column-parallel weight, columns of a row-parallel one, a vocabulary range of the
 embedding, the fused [W_q; W_k; W_v] of its heads, whole copies of the norms and of the
-row-parallel bias. `local_pieces` names, for every local tensor, the boxes of the global
+row-parallel bias; under expert parallelism (ep), the experts of its ep group's share, which
+keep the unsplit model's names (local expert j of a rank whose first expert is f is expert f + j,
+one whole tensor each). `local_pieces` names, for every local tensor, the boxes of the global
 tensors it holds: `Piece(name, rows, offset, shape)` says that the local rows [rows) are the box
 of global tensor `name` that starts at `offset` and has `shape`. The same boxes are what a
 distributed checkpoint writes (lectures/checkpoint) and what a global norm must count once.
@@ -12,7 +14,8 @@ distributed checkpoint writes (lectures/checkpoint) and what a global norm must 
 - `Piece`, `local_pieces`: the boxes of every local parameter.
 - `flat_boxes`: the boxes of a flat range of a local tensor (a ZeRO shard's elements).
 - `Owners`, `global_grad_norm`, `clip_grads_`: the norm over every rank, each element counted by
-  one rank only (replicas: the lowest rank that holds it), and clipping by it.
+  one rank only (replicas, dense or expert: the lowest rank that holds it), and clipping by it.
+- `first_expert`, `global_expert_name`: the model's name of a rank's local expert.
 """
 import dataclasses
 import math
@@ -20,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from lectures.context_parallel.moe import expert_owners, moe_gpt
 from lectures.model.gpt import GPT
 
 
@@ -33,15 +37,35 @@ class Piece:
     shape: tuple
 
 
-def global_shapes(cfg):
-    """{name: shape} of the unsplit GPT's parameters (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return {k: tuple(p.shape) for k, p in GPT(cfg).named_parameters()}
+def global_shapes(cfg, experts=0, top_k=1):
+    """{name: shape} of the unsplit GPT's parameters, or with `experts` of lecture 06's MoE GPT
+    (the trainer's `build_model`), built on the meta device: no memory. moe_gpt reseeds the
+    global RNG, so it is built inside fork_rng: a checkpoint's RNG state is the trainer's."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = moe_gpt(cfg, experts, top_k, capacity_factor=None) if experts else GPT(cfg)
+        return {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
+def first_expert(trainer):
+    """The model's index of this rank's first local expert (0 without expert parallelism)."""
+    if trainer.layout.ep == 1:
+        return 0
+    return expert_owners(trainer.run.experts, trainer.layout.ep)[1][trainer.mesh.group_index("ep")]
+
+
+def global_expert_name(name, first):
+    """'blocks.0.mlp.experts.1.fc_in.weight' on a rank whose first expert is `first` → the model's
+    name (expert first + 1); any other name unchanged."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[2:4] == ["mlp", "experts"]:
+        parts[4] = str(first + int(parts[4]))
+    return ".".join(parts)
 
 
 def _global_name(trainer, local):
     """The unsplit GPT's name of a parameter of the module this rank trains."""
     name = trainer.stage.global_name(local) if trainer.stage is not None else local
+    name = global_expert_name(name, first_expert(trainer))    # an expert held under ep: its own tensor
     if name == "lm_head.weight" and trainer.run.cfg.tie_embeddings:
         name = "tok_emb.weight"    # one tensor in the unsplit model: its two copies are one entry
     return name
@@ -78,10 +102,7 @@ def _module_pieces(module, leaf, p, name):
 def local_pieces(trainer):
     """[(local parameter, [Piece, ...])] for every parameter this rank trains, in the order of
     `trainer.params`. Refuses a piece that does not fit inside its global tensor."""
-    if getattr(trainer.run, "experts", 0):
-        raise ValueError("a model with experts (Run.experts): where an expert's tensors sit in the global "
-                         "model under ep is not mapped yet, so global-norm clipping and checkpoints refuse it")
-    shapes = global_shapes(trainer.run.cfg)
+    shapes = global_shapes(trainer.run.cfg, trainer.run.experts, trainer.run.top_k)
     by_id = {}
     for mname, module in trainer.module.named_modules():
         for leaf, p in module.named_parameters(recurse=False):
@@ -132,8 +153,8 @@ def flat_boxes(piece, start, stop):
 
 class Owners:
     """Which rank counts which box: every rank lists the keys of the boxes it holds, and a box
-    held by several ranks (data-parallel replicas, tensor-parallel copies of a norm) is counted by
-    the lowest of them. One all_gather_object, at the first use."""
+    held by several ranks (data-parallel replicas, tensor-parallel copies of a norm, the replicas
+    of an expert in the other ep groups) is counted by the lowest of them. One all_gather_object, at the first use."""
 
     def __init__(self, keys):
         lists = [None] * dist.get_world_size()

@@ -23,10 +23,10 @@ from lectures.data_parallel.ddp import Collectives
 from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.model.memory import SavedBytes
 from lectures.layout.mesh import make_mesh
-from lectures.layout.shards import clip_grads_
+from lectures.layout.shards import clip_grads_, first_expert, global_expert_name
 from lectures.pipeline.executor import GPTStage, PipelineExecutor
 from lectures.context_parallel.ring import ring_attention
-from lectures.context_parallel.moe import ExpertParallelMoE, expert_owners, moe_gpt
+from lectures.context_parallel.moe import ExpertParallelMoE, moe_gpt
 from lectures.pipeline.schedules import make_schedule
 from lectures.context_parallel.sharding import sequence_positions, zigzag_shard
 from lectures.tensor_parallel.gpt import full_parameters, parallelize_gpt
@@ -163,9 +163,6 @@ class LayoutTrainer:
             # the expert layers are wired for data and expert parallelism only
             raise ValueError(f"layout {layout.label()}: this trainer runs experts under dp and ep only "
                              "(no tp, pp, cp or ZeRO with experts)")
-        if run.experts and run.max_grad_norm is not None:
-            raise ValueError("global-norm clipping (Run.max_grad_norm) does not count experts' shards yet: "
-                             "train a model with experts without it")
         self.tp_group = mesh.group["tp"]
         self.model = self._split_model(build_model(run).to(device()))   # the same seeded weights on every rank
         self.stage, self.executor, self.module = self._pipeline_stage()
@@ -344,17 +341,9 @@ class LayoutTrainer:
         if self.stage is not None:
             named = {self.stage.global_name(k): v for k, v in named.items()}
         if self.layout.ep > 1:   # local expert j of this rank is expert first + j of the model
-            first = expert_owners(self.run.experts, self.layout.ep)[1][self.mesh.group_index("ep")]
-            named = {_global_expert(k, first): v for k, v in named.items()}
+            first = first_expert(self)
+            named = {global_expert_name(k, first): v for k, v in named.items()}
         return {k: v.cpu() for k, v in named.items()}
-
-
-def _global_expert(name, first):
-    """'blocks.0.mlp.experts.1.fc_in.weight' on a rank whose first expert is `first` → the model's name."""
-    parts = name.split(".")
-    if len(parts) > 4 and parts[2:4] == ["mlp", "experts"]:
-        parts[4] = str(first + int(parts[4]))
-    return ".".join(parts)
 
 
 def global_loss(trainer, loss):
