@@ -110,6 +110,36 @@ def _sync_and_async(rank, world_size, run, layout, directory):
     return {"steps": saved_steps(directory)}
 
 
+def test_a_resume_restores_each_ranks_rng_and_seeds_new_ranks_deterministically(tmp_path):
+    """Saved on 2 ranks, loaded on 4, twice, after drawing different amounts: ranks 0 and 1 draw
+    what they would have drawn after the save; ranks 2 and 3, absent from the checkpoint, draw
+    the same in both loads, each its own stream."""
+    before = spawn(_rng_after_save, 2, run=RUN, layout=Layout(dp=2, micro_batch=4), directory=str(tmp_path)).returns
+    assert not torch.equal(before[0], before[1])
+    loads = [spawn(_rng_after_load, 4, run=RUN, layout=Layout(dp=4, micro_batch=2), directory=str(tmp_path),
+                   draws=draws).returns for draws in (0, 5)]
+    for after in loads:
+        assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert torch.equal(loads[0][2], loads[1][2]) and torch.equal(loads[0][3], loads[1][3])
+    streams = [before[0], before[1], loads[0][2], loads[0][3]]
+    assert all(not torch.equal(a, b) for i, a in enumerate(streams) for b in streams[i + 1:])
+
+
+def _rng_after_save(rank, world_size, run, layout, directory):
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp), track_memory=False)
+    trainer.train_step(0)
+    torch.rand(rank + 1)            # each rank somewhere of its own in its stream
+    save(trainer, directory, 1)
+    return torch.rand(4)
+
+
+def _rng_after_load(rank, world_size, run, layout, directory, draws):
+    trainer = LayoutTrainer(run, layout, make_mesh(layout.dp), track_memory=False)
+    torch.rand(draws + rank)        # what a process drew before loading must not matter
+    assert load(trainer, directory) == 1
+    return torch.rand(4)
+
+
 # --- experts under expert parallelism (ep inside dp) --------------------------------------------
 
 MOE_RUN = Run(cfg=CFG, global_batch=8, steps=4, experts=4, top_k=2)

@@ -15,6 +15,7 @@ copies into the trainer only when everything was read and checked: a bad checkpo
 nothing.
 """
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -368,17 +369,32 @@ def load(trainer, directory, step=None):
     if loaded["data"]["samples_seen"] != step * trainer.run.global_batch:
         raise CheckpointError(f"{path}: its data position {loaded['data']} is not step {step}'s")
     _install(trainer, loaded)
-    _restore_rng(path)
+    _restore_rng(path, step)
     return loaded["data"]["step"]
 
 
-def _restore_rng(path):
-    """This rank's RNG state, when the checkpoint has one for this rank number (collective: every
-    rank reads, a rank the saving layout did not have finds nothing and keeps its own)."""
-    key = f"rng/{dist.get_rank()}"
+def _restore_rng(path, step):
+    """Restore this rank's RNG state from the checkpoint, when the saving layout had a rank of this
+    number (collective: every rank reads). A rank it did not have (a run resumed on more ranks)
+    is seeded from (step, rank) alone (`new_rank_seed`): the same whatever the process did before
+    loading, and not a copy of another rank's stream (ranks that draw the same numbers would drop
+    out the same units, say)."""
+    rank = dist.get_rank()
+    key = f"rng/{rank}"
+    saved = key in FileSystemReader(path).read_metadata().state_dict_metadata
     state = {key: torch.get_rng_state()}
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-    torch.set_rng_state(state[key])
+    if saved:
+        torch.set_rng_state(state[key])
+    else:
+        torch.manual_seed(new_rank_seed(step, rank))
+
+
+def new_rank_seed(step, rank):
+    """The seed of a rank that resumes at `step` without a saved RNG state: 64 bits of a hash of
+    (step, rank), so distinct ranks and steps get unrelated streams."""
+    digest = hashlib.sha256(f"rng/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def _inner(e):
