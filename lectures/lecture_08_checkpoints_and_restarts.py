@@ -91,6 +91,7 @@ def what_a_checkpoint_holds():
         trainer that is a list of **boxes**: a column-parallel weight's rows, a row-parallel
         weight's columns, the vocabulary range of the embedding, the fused Q, K and V rows of
         this rank's heads (three boxes in three global tensors), whole copies of the norms;
+        under expert parallelism, each expert it holds, whole, under the model's own name;
         under ZeRO, Adam's moments are a flat range of each tensor, cut into at most three
         boxes. `local_pieces` finds them from the modules of lectures 04–05 (a module it does
         not know fails loudly, if its shape does not fit); `flat_boxes` cuts a flat range.
@@ -104,7 +105,8 @@ def what_a_checkpoint_holds():
         file with its boxes, plus one `.metadata` file that maps every box to its file and
         offset. `load` asks, on each rank, for the boxes of the *new* layout; DCP reads from
         each saved box the part that overlaps. The step, the data position (the data of step
-        k is a function of k here) and each rank's RNG state are saved beside them. A
+        k is a function of k here) and each rank's RNG state are saved beside them (a rank
+        the saving layout lacked is seeded from the step and its rank). A
         checkpoint is written to `step-N.partial/` and renamed when every rank is done, so a
         crash mid-save leaves the previous one as the latest.
     """)
