@@ -132,6 +132,46 @@ def test_a_thread_left_running_fails_the_check_and_ends_with_it():
     passes("bubble", exercises.solution("bubble"))
 
 
+def bytes_writing_the_table(recipe):
+    """A wrong bf16 count (no fp32 master copy) written into the table the check compares with."""
+    from lectures.layout import PRECISION_BYTES
+    PRECISION_BYTES["bf16"]["optimizer"] = 8
+    return {"fp32": {"weights": 4, "grads": 4, "optimizer": 8}, "bf16": {"weights": 2, "grads": 4, "optimizer": 8},
+            "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
+
+
+def test_a_table_changed_in_place_fails_its_check_and_not_the_next():
+    """Identity sees no change when a nested dict of the course is written into: the first run
+    of the wrong count failed and the second passed, and then the right count failed."""
+    for _ in range(2):
+        fails("bytes_per_parameter", bytes_writing_the_table,
+              says="lectures.layout.estimator.PRECISION_BYTES (its contents)")
+    passes("bytes_per_parameter", exercises.solution("bytes_per_parameter"))
+
+
+def bubble_in_the_given_order(events):
+    """Wrong: takes the first event's start and the last's end, as if the events were sorted."""
+    t = torch.tensor([events[0][1], -events[-1][2], sum(e - s for _, s, e in events)], dtype=torch.float64)
+    first = t[:2].clone()
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    busy = t[2:].clone()
+    dist.all_reduce(busy)
+    return 1 - busy.item() / (dist.get_world_size() * (-first[1] - first[0]).item())
+
+
+def bubble_unshuffling(events):
+    import random
+    random.Random.shuffle = lambda self, x: None
+    return 0.5
+
+
+def test_a_patched_standard_module_fails_its_check_and_not_the_next():
+    """A patched random.Random.shuffle left the next check's events sorted, where an answer that
+    assumes their order passed."""
+    fails("bubble", bubble_unshuffling, says="Random.shuffle")
+    fails("bubble", bubble_in_the_given_order)
+
+
 # --- the rule a check states is the rule it enforces ---------------------------------------
 
 def ring_by_the_process_group(x):
