@@ -311,6 +311,103 @@ def test_a_check_enforces_its_rule_on_what_the_function_does(name, fn, says):
         shutil.rmtree(f"/tmp/course-ring-through-files-{os.getuid()}", ignore_errors=True)
 
 
+def bytes_reading_the_traceback(recipe):
+    try:
+        raise ValueError("a frame of my own")
+    except ValueError as e:
+        frame = e.__traceback__.tb_frame
+    while "expected" not in frame.f_locals:      # up to the harness's frame
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+def bytes_by_a_profiler(recipe):
+    import sys
+    found = []
+
+    def profile(frame, event, arg):
+        while frame is not None and "expected" not in frame.f_locals:
+            frame = frame.f_back
+        if frame is not None and not found:
+            found.append(dict(frame.f_locals["expected"]))
+    sys.setprofile(profile)
+    len(found)                                    # a call: the profiler sees this frame
+    sys.setprofile(None)
+    return found[0]
+
+
+def bytes_by_a_tracer(recipe):
+    import sys
+    found = []
+
+    def trace(frame, event, arg):
+        while frame is not None and "expected" not in frame.f_locals:
+            frame = frame.f_back
+        if frame is not None and not found:
+            found.append(dict(frame.f_locals["expected"]))
+    sys.settrace(trace)
+    (lambda: None)()
+    sys.settrace(None)
+    return found[0]
+
+
+def bytes_by_a_generator(recipe):
+    holder = []
+
+    def walk():
+        yield holder[0].gi_frame.f_back           # while it runs, a generator's caller is this frame
+    holder.append(walk())
+    frame = next(holder[0])
+    while "expected" not in frame.f_locals:
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+def bytes_by_gc_referents(recipe):
+    import gc
+    try:
+        raise ValueError("a frame of my own")
+    except ValueError as e:
+        frame = next(o for o in gc.get_referents(e.__traceback__) if hasattr(o, "f_locals"))
+    while "expected" not in frame.f_locals:
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+FRAMES = [(bytes_reading_the_traceback, "your function read traceback.tb_frame"),
+          (bytes_by_a_profiler, "your function called sys.setprofile"),
+          (bytes_by_a_tracer, "your function called sys.settrace"),
+          (bytes_by_a_generator, "your function read generator.gi_frame"),
+          (bytes_by_gc_referents, "your function called gc.get_referents")]
+
+
+@pytest.mark.parametrize("fn,says", FRAMES, ids=[f.__name__ for f, _ in FRAMES])
+def test_the_checkers_frames_are_out_of_reach(fn, says):
+    """A frame of the function's own (a caught exception's, a generator's, one a profiler or
+    tracer is handed) leads up to the harness's, where `expected` is."""
+    fails("bytes_per_parameter", fn, says=says)
+
+
+def gradients_forging_the_count(params, bucket_mb):
+    """One all-reduce per parameter, and the call record rewritten to the planned buckets'."""
+    from lectures.data_parallel import plan_buckets
+    from util import exercise
+    n = dist.get_world_size()
+    for p in params:
+        dist.all_reduce(p.grad)
+        p.grad /= n
+    forged = [("dist.all_reduce", sum(p.numel() for p in b)) for b in plan_buckets(params, bucket_mb)]
+    records = [getattr(exercise, "calls", None)] + [c.cell_contents for c in dist.all_reduce.__closure__ or ()]
+    for record in records:          # the engine's record, wherever the counting wrapper keeps it
+        if isinstance(record, list):
+            record[:] = forged
+
+
+def test_the_call_record_cannot_be_forged():
+    fails("all_reduce_gradients", gradients_forging_the_count, says="elements per dist.all_reduce call")
+    passes("all_reduce_gradients", exercises.solution("all_reduce_gradients"))
+
+
 # --- bounded: results, processes, printed output, time ---------------------------------------
 
 def zigzag_meta(x, rank, world_size, dim):
