@@ -28,12 +28,11 @@ def check_buckets(rank, world_size, fn):
             p.grad = _tensor(rank, p.shape, 50 + k)
         expected = [sum(_tensor(r, p.shape, 50 + k) for r in range(world_size)) / world_size
                     for k, p in enumerate(params)]
-        engine.calls.clear()              # dist.all_reduce is counted however the function spells it
-        fn(params, bucket_mb)
+        fn(params, bucket_mb)             # dist.all_reduce is counted however the function spells it
         planned = [sum(p.numel() for p in bucket) for bucket in plan_buckets(params, bucket_mb)]
         label = f"bucket_mb = {bucket_mb:.3g} ({bucket_mb * 2 ** 20:.0f} bytes)"
         out.append((f"{label}: elements per dist.all_reduce call, in order", planned,
-                    [numel for name, numel in engine.calls if name == "dist.all_reduce"]))
+                    [numel for name, numel in engine.calls_of(fn) if name == "dist.all_reduce"]))
         out.append((f"{label}: averaged gradients (definition order)", expected, [p.grad for p in params]))
     return out
 

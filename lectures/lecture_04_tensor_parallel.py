@@ -26,7 +26,7 @@ from lectures.tensor_parallel.deep_dives import async_tensor_parallelism, dropou
 from lectures.tensor_parallel.demos import (RING_UNITS, activation_formula, activation_memory,
                                             attention_cases, compare_with_dtensor, gemm_rates, linear_demo,
                                             max_diff, mlp_comms, redistribute_table, refuse_split,
-                                            replicated_grad_reduction, sequence_units, sp_traffic, time_steps,
+                                            rank0, replicated_grad_reduction, sequence_units, sp_traffic, time_steps,
                                             traced_block, train_reference, train_tp, training_state_bytes,
                                             vocab_demo, released_async_tp, hidden_share)
 from lectures.data_parallel.figures import overlap_bars
@@ -87,9 +87,10 @@ def intro():
 def column_and_row():
     note("## Column- and row-parallel linear")
     n = tp_sizes()[-1]
-    r = spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks").returns[0]
-    figure(cut_figure(n, r["shapes"]), caption=f"the two cuts of a weight matrix over {n} ranks, with the shapes "
-           "rank 0 held in this run (math orientation: Y = XA)")
+    r = rank0(spawn(linear_demo, n, name=f"column then row-parallel linear, {n} ranks"))
+    if r is not None:       # None: skipped under torchrun with fewer ranks (the page says so), here and below
+        figure(cut_figure(n, r["shapes"]), caption=f"the two cuts of a weight matrix over {n} ranks, with the shapes "
+               "rank 0 held in this run (math orientation: Y = XA)")
     note("""
         Write a linear layer as $Y = XA$. Cut $A$ by **columns**, $A = [A_1, \\dots, A_t]$: rank $r$
         computes $Y_r = XA_r$, its slice of the output features, and nothing needs adding. Cut the
@@ -98,10 +99,11 @@ def column_and_row():
         followed by a row-parallel one needs no communication in between: the split output of the
         first is exactly the split input of the second.
     """)
-    table([[k, v] for k, v in r["diffs"].items()],
-          header=["max |ours − nn.Linear in one process|", f"{n} ranks (rank 0)"],
-          caption="the column → row pair above against the unsplit pair: float32 rounding (the same "
-                  "sums, added in another order)")
+    if r is not None:
+        table([[k, v] for k, v in r["diffs"].items()],
+              header=["max |ours − nn.Linear in one process|", f"{n} ranks (rank 0)"],
+              caption="the column → row pair above against the unsplit pair: float32 rounding (the same "
+                      "sums, added in another order)")
     see(ColumnParallelLinear)
     see(RowParallelLinear)
 
@@ -109,9 +111,10 @@ def column_and_row():
 def megatron_mlp():
     note("## f and g: the Megatron MLP, one all-reduce each way")
     n = 2 if settings.quick or settings.world_size not in (2, 4) else settings.world_size
-    r = spawn(mlp_comms, n, name=f"Megatron MLP collectives, {n} ranks").returns[0]
-    figure(fg_figure(n, r["ours"]), caption=f"the Megatron MLP on {n} ranks: f where the whole input "
-           "enters, g where the partial sums leave; the counts are the ones this run measured (table below)")
+    r = rank0(spawn(mlp_comms, n, name=f"Megatron MLP collectives, {n} ranks"))
+    if r is not None:
+        figure(fg_figure(n, r["ours"]), caption=f"the Megatron MLP on {n} ranks: f where the whole input "
+               "enters, g where the partial sums leave; the counts are the ones this run measured (table below)")
     note("""
         $\\mathrm{MLP}(X) = \\mathrm{GELU}(XA)B$ with $A$ cut by columns and $B$ by rows: GELU is
         elementwise, so it runs on each rank's slice, and the only collectives sit at the borders.
@@ -121,20 +124,8 @@ def megatron_mlp():
         Each is the other's transpose. Counted with PyTorch's `CommDebugMode`, for ours and for the
         same MLP split by DTensor's `ColwiseParallel`/`RowwiseParallel`:
     """)
-    rows = [[who, fmt_counts(r[who]["forward"]), fmt_counts(r[who]["backward"]), r[who]["bytes"]]
-            for who in ("ours", "DTensor")]
-    table(rows, header=["", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
-          caption=f"collectives in one MLP forward and backward, {n} ranks, b = 4, s = 8, h = 16, float32 "
-                  f"(CommDebugMode; bytes from /proc/self/io); the outputs differ by "
-                  f"{r['max |ours - DTensor|']:.1e}")
-    act = 4 * 8 * 16 * 4
-    if r["ours"]["bytes"] is not None:
-        cheat("TP traffic of one MLP (f and g)",
-              "one all-reduce of the $(b, s, h)$ activation forward (g) and one backward (f): "
-              "$2 \\cdot \\frac{2(t-1)}{t}\\,bsh$ values sent per rank",
-              r["ours"]["bytes"], "bytes",
-              what=f"measured on the sockets, t = {n}, b·s·h = 512 float32 values ({act:,} bytes; the "
-                   f"ring formula gives {int(2 * 2 * (n - 1) / n * act):,}, plus gloo's headers)")
+    if r is not None:
+        mlp_counts(n, r)
     note("""
         One all-reduce forward, one backward, for both. The two operators are a few lines each:
     """)
@@ -151,6 +142,24 @@ def megatron_mlp():
     see(ScatterToRegion)
 
 
+def mlp_counts(n, r):
+    """The collectives of one MLP forward and backward, ours and DTensor's (`mlp_comms`' rank 0)."""
+    rows = [[who, fmt_counts(r[who]["forward"]), fmt_counts(r[who]["backward"]), r[who]["bytes"]]
+            for who in ("ours", "DTensor")]
+    table(rows, header=["", "forward", "backward", "bytes this rank wrote (fwd + bwd)"],
+          caption=f"collectives in one MLP forward and backward, {n} ranks, b = 4, s = 8, h = 16, float32 "
+                  f"(CommDebugMode; bytes from /proc/self/io); the outputs differ by "
+                  f"{r['max |ours - DTensor|']:.1e}")
+    act = 4 * 8 * 16 * 4
+    if r["ours"]["bytes"] is not None:
+        cheat("TP traffic of one MLP (f and g)",
+              "one all-reduce of the $(b, s, h)$ activation forward (g) and one backward (f): "
+              "$2 \\cdot \\frac{2(t-1)}{t}\\,bsh$ values sent per rank",
+              r["ours"]["bytes"], "bytes",
+              what=f"measured on the sockets, t = {n}, b·s·h = 512 float32 values ({act:,} bytes; the "
+                   f"ring formula gives {int(2 * 2 * (n - 1) / n * act):,}, plus gloo's headers)")
+
+
 def attention_heads():
     note("## Attention: whole heads per rank")
     base = GPTConfig(n_layers=1, seq_len=8, d_model=32)
@@ -159,6 +168,8 @@ def attention_heads():
     for n in tp_sizes():
         cfgs = [dataclasses_replace(base, **o) for o in overrides]
         run = spawn(attention_cases, n, cases=cfgs, name=f"attention heads split, {n} ranks")
+        if run.skipped:
+            continue
         for i, cfg in enumerate(cfgs):
             ref = train_reference(cfg, steps=1, batch_size=3)
             g = run.returns[0][i]
@@ -169,8 +180,9 @@ def attention_heads():
             rows.append([n, cfg.n_heads, k, len(g["q heads"]), len(g["kv heads"]), g["kv kind"],
                          str(g["qkv weight"]), f"{held} of {2 * k * d * h}", traffic,
                          (g["logits"] - ref["logits"]).abs().max().item(), max_diff(g["grads"], ref["grads"])])
-    figure(gqa_figure(layouts), caption="what each rank holds in this run: its query heads (blue) and the K/V "
-           "heads they read (orange); an orange head on several ranks is replicated")
+    if layouts:
+        figure(gqa_figure(layouts), caption="what each rank holds in this run: its query heads (blue) and the K/V "
+               "heads they read (orange); an orange head on several ranks is replicated")
     note("""
         Heads are independent until the output projection, so Q, K and V are column-parallel (each
         rank keeps $a/t$ whole heads, which needs $t \\mid a$), attention runs locally, and the output
@@ -184,16 +196,16 @@ def attention_heads():
         them: $2dh$ K/V elements per rank instead of $2kdh/t$, and one more all-reduce per layer in
         backward. Other combinations are refused. One step of a one-layer GPT against one process:
     """)
-    table(rows, header=["tp", "heads", "K/V heads", "Q heads per rank", "K/V heads per rank", "K/V layout",
-                        "fused Q/K/V weight per rank", "K/V weight elements per rank (of the whole)",
-                        "extra all-reduce in backward (buffer bytes)", "max |Δ logits|", "max |Δ gradient|"],
-          caption="float32; the extra all-reduce sums a replicated K/V head's gradient over its readers")
+    if rows:
+        table(rows, header=["tp", "heads", "K/V heads", "Q heads per rank", "K/V heads per rank", "K/V layout",
+                            "fused Q/K/V weight per rank", "K/V weight elements per rank (of the whole)",
+                            "extra all-reduce in backward (buffer bytes)", "max |Δ logits|", "max |Δ gradient|"],
+              caption="float32; the extra all-reduce sums a replicated K/V head's gradient over its readers")
     n = tp_sizes()[-1]
     bad = dataclasses_replace(base, n_heads=n - 1, d_model=8 * (n - 1))
-    msg = spawn(refuse_split, n, cfg=bad,
-                name=f"attention heads: tp={n} does not divide {plural(n - 1, 'head')}").returns[0]
+    msg = rank0(spawn(refuse_split, n, cfg=bad, name=f"attention heads: tp={n} does not divide {plural(n - 1, 'head')}"))
     note(f"With {plural(n - 1, 'head')} and {n} ranks there is no way to give each rank whole heads, and "
-         f"`parallelize_gpt` says so: *{msg}*")
+         f"`parallelize_gpt` says so" + ("." if msg is None else f": *{msg}*"))
     see(TensorParallelAttention)
     see(ShareKVHeads)
 
@@ -206,14 +218,16 @@ def dataclasses_replace(cfg, **changes):
 def vocab_parallel():
     note("## Vocabulary-parallel embedding and cross-entropy")
     vocab = 1024 if settings.quick else 8192
-    got = {n: spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks").returns[0]
+    got = {n: rank0(spawn(vocab_demo, n, vocab=vocab, name=f"vocab-parallel embedding and loss, {n} ranks"))
            for n in tp_sizes()}
-    full = next(iter(got.values()))["full logits"]
-    labels = ["one process: the full logits"] + [f"tp={n}: largest tensor a rank holds" for n in got]
-    values = [full] + [r["largest"] for r in got.values()]
-    fig = vocab_parallel_figure(labels, values, full, got)
-    figure(fig, caption=f"vocabulary {vocab}, batch 4 × 32 tokens: with the vocabulary split, the largest "
-           "tensor a rank holds is its slice of the logits")
+    got = {n: r for n, r in got.items() if r is not None}
+    if got:
+        full = next(iter(got.values()))["full logits"]
+        labels = ["one process: the full logits"] + [f"tp={n}: largest tensor a rank holds" for n in got]
+        values = [full] + [r["largest"] for r in got.values()]
+        fig = vocab_parallel_figure(labels, values, full, got)
+        figure(fig, caption=f"vocabulary {vocab}, batch 4 × 32 tokens: with the vocabulary split, the largest "
+               "tensor a rank holds is its slice of the logits")
     note("""
         The embedding table and the LM head are $v \\times h$, the largest matrices of a small
         model. Split the vocabulary: rank $r$ owns token ids $[rv/t, (r+1)v/t)$; its embedding writes
@@ -225,10 +239,11 @@ def vocab_parallel():
         Megatron-LM's `_VocabParallelCrossEntropy` does: composed from autograd operations the
         loss would keep two (the shifted logits and their exponentials).
     """)
-    table([[n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"])]
-           for n, r in got.items()],
-          header=["tp", "loss", "one process", "|Δ loss|", "max |Δ embedding grad|", "local logits"],
-          caption=f"vocabulary {vocab}, batch 4 × 32 tokens, h = 32")
+    if got:
+        table([[n, r["loss"], r["ref"], abs(r["loss"] - r["ref"]), r["grad diff"], str(r["local logits"])]
+               for n, r in got.items()],
+              header=["tp", "loss", "one process", "|Δ loss|", "max |Δ embedding grad|", "local logits"],
+              caption=f"vocabulary {vocab}, batch 4 × 32 tokens, h = 32")
     see(VocabParallelEmbedding)
     see(vocab_parallel_cross_entropy)
 
@@ -236,11 +251,13 @@ def vocab_parallel():
 def training():
     cfg, steps = demo_cfg(), (10 if settings.quick else 60)
     note("## A tensor-parallel GPT trains on lecture 01's task")
-    ref = train_reference(cfg, steps=steps, batch_size=16)
-    runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}").returns
+    runs = {n: spawn(train_tp, n, cfg=cfg, steps=steps, batch_size=16, name=f"TP GPT trains, tp={n}")
             for n in tp_sizes()}
-    figure(training_loss_figure(steps, ref, runs, tp_sizes()),
-           caption="training loss, tensor-parallel on top of one process")
+    runs = {n: run.returns for n, run in runs.items() if not run.skipped}
+    if runs:        # the one-process reference is shown beside them (seeded: the order does not matter)
+        ref = train_reference(cfg, steps=steps, batch_size=16)
+        figure(training_loss_figure(steps, ref, runs, list(runs)),
+               caption="training loss, tensor-parallel on top of one process")
     note(f"""
         `parallelize_gpt` applies a plan, in the spirit of torchtitan: the model file stays plain
         PyTorch, and a dict from module names to how each is split is applied afterwards (every
@@ -259,9 +276,10 @@ def training():
     for n, r in runs.items():
         spread = max(max_diff(x["params"], r[0]["params"]) for x in r)
         rows.append([n, r[0]["losses"][-1], ref["losses"][-1], max_diff(r[0]["params"], ref["params"]), spread])
-    table(rows, header=["tp", "final loss", "one process", "max |Δ parameter| vs one process",
-                        "max |Δ| between ranks' gathered parameters"],
-          caption=f"after {steps} steps (float32: the differences are rounding, amplified a little by Adam)")
+    if rows:
+        table(rows, header=["tp", "final loss", "one process", "max |Δ parameter| vs one process",
+                            "max |Δ| between ranks' gathered parameters"],
+              caption=f"after {steps} steps (float32: the differences are rounding, amplified a little by Adam)")
     see(gpt_plan)
     see(parallelize_gpt)
 
@@ -282,7 +300,10 @@ def memory_per_rank():
             check_splittable(cfg, t)
         except ValueError:
             continue
-        m = spawn(training_state_bytes, t, cfg=cfg, name=f"weights, gradients, Adam per rank, tp={t}").returns
+        run = spawn(training_state_bytes, t, cfg=cfg, name=f"weights, gradients, Adam per rank, tp={t}")
+        if run.skipped:
+            continue
+        m = run.returns
         if any(r != m[0] for r in m):
             raise RuntimeError(f"tp={t}: ranks hold different amounts: {m}")
         m = parts[t] = m[0]
@@ -290,11 +311,11 @@ def memory_per_rank():
         predicted = 16 * ((n_full - n_whole) / t + n_whole)
         rows.append([t, m["sharded parameters"], m["replicated parameters"], m["gradients"], m["Adam moments"],
                      total, predicted, total / (16 * n_full)])
-    ts = list(parts)
-    fig = memory_per_rank_figure(ts, parts, n_full)
-    figure(fig, caption="what a rank holds between steps, measured: everything shrinks with tp except the "
-           "replicated parameters and their gradients and moments (the bars stand above the dashed "
-           "ideal by 16R(1 − 1/t))")
+    if parts:
+        figure(memory_per_rank_figure(list(parts), parts, n_full),
+               caption="what a rank holds between steps, measured: everything shrinks with tp except the "
+                       "replicated parameters and their gradients and moments (the bars stand above the dashed "
+                       "ideal by 16R(1 − 1/t))")
     note("""
         With AdamW in float32 a rank holds 16 bytes per parameter it owns: the weight, its gradient
         and two moments (lecture 01). A parameter the plan splits is owned by one rank in $t$; one
@@ -303,6 +324,13 @@ def memory_per_rank():
         (K/V heads replicated under grouped-query attention add their share back). Measured from
         the tensors each rank holds after one AdamW step:
     """)
+    if rows:
+        memory_measured(rows, parts, n_full)
+    see(training_state_bytes)
+
+
+def memory_measured(rows, parts, n_full):
+    """`memory_per_rank`'s measurements (one row per tp that ran) against 16(S/t + R)."""
     table(rows, header=["tp", "split parameters", "replicated parameters", "gradients", "Adam moments",
                         "total per rank (bytes, measured)", "16·(S/t + R)", "share of one process"],
           caption=f"lecture 01's GPT ({n_full:,} parameters), float32, AdamW; per rank, every rank alike")
@@ -310,18 +338,17 @@ def memory_per_rank():
     cheat("TP training state per rank", "$16\\,(S/t + R)$ bytes: $S$ split, $R$ replicated parameters, "
           "float32 AdamW", last[5], "bytes",
           what=f"measured per rank at tp = {last[0]}, {n_full:,} parameters ({last[7]:.1%} of one process)")
-    names = ", ".join(f"`{n}`" for n in parts[ts[-1]]["replicated names"])
+    names = ", ".join(f"`{n}`" for n in parts[last[0]]["replicated names"])
     note(f"""
         At tp = {last[0]} a rank holds {last[7]:.1%} of one process's {16 * n_full / 1e3:.0f} kB, not
         {1 / last[0]:.1%}: the replicated parameters ({names}) stay whole, and so do their
         gradients and moments. In this small model they are
-        {parts[ts[-1]]['replicated parameters'] / 4 / n_full:.1%} of the parameters. A block's
+        {parts[last[0]]['replicated parameters'] / 4 / n_full:.1%} of the parameters. A block's
         replicated ones are two LayerNorms and two biases, $6h$ values, against about $12h^2$
         split ones: at GPT-3's $h$ = 12288 that is {6 / (12 * 12288):.3%}, so in a large model tensor
         parallelism divides the state by almost exactly $t$. What it leaves is replicated across
         the data-parallel ranks; ZeRO (lecture 03) splits it there.
     """)
-    see(training_state_bytes)
 
 
 def sequence_parallelism():
@@ -346,7 +373,15 @@ def sp_collectives(cfg):
         (Megatron-LM does the same), instead of keeping the gathered input for the whole step.
     """)
     n = 2
-    r = spawn(sp_traffic, n, cfg=cfg, name=f"sequence parallelism: one block's collectives, {n} ranks").returns[0]
+    r = rank0(spawn(sp_traffic, n, cfg=cfg, name=f"sequence parallelism: one block's collectives, {n} ranks"))
+    if r is not None:
+        sp_bytes(n, cfg, r)
+    see(AllGatherSequence)
+    see(ReduceScatterSequence)
+
+
+def sp_bytes(n, cfg, r):
+    """One block's collectives and bytes with SP off and on (`sp_traffic`'s rank 0), and what they say."""
     table([["off" if not sp else "on", fmt_counts(r[sp]["forward"]), fmt_counts(r[sp]["backward"]), r[sp]["bytes"]]
            for sp in (False, True)],
           header=["SP", "forward", "backward", "bytes this rank wrote, fwd + bwd (median of 5)"],
@@ -374,8 +409,6 @@ def sp_collectives(cfg):
         of the LayerNorm and row-parallel bias gradients, which under SP each rank computes from
         its positions only.
     """)
-    see(AllGatherSequence)
-    see(ReduceScatterSequence)
 
 
 def sp_activation_memory(cfg):
@@ -386,7 +419,9 @@ def sp_activation_memory(cfg):
     formula = activation_formula(cfg, b, 1, False)
     rows.append([1, "—", one, formula, one / formula])
     for t in tp_sizes():
-        m = spawn(activation_memory, t, cfg=cfg, b=b, name=f"sequence parallelism: activation bytes, {t} ranks").returns[0]
+        m = rank0(spawn(activation_memory, t, cfg=cfg, b=b, name=f"sequence parallelism: activation bytes, {t} ranks"))
+        if m is None:
+            continue
         for sp in (False, True):
             formula = activation_formula(cfg, b, t, sp)
             rows.append([t, "on" if sp else "off", m[sp], formula, m[sp] / formula])
@@ -407,14 +442,15 @@ def sp_activation_memory(cfg):
     """)
     table(rows, header=["tp", "SP", "saved for backward, bytes per rank (measured)", "formula", "measured / formula"],
           caption=f"one block's activations, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}, float32")
-    exact = all(r[2] == r[3] for r in rows)
-    note("The measured bytes equal the formula exactly in every row: this code reaches the paper's $16/t$."
-         if exact else "Where measured and formula differ, the table's last column says by how much.")
-    sp_row = next(r for r in rows if r[1] == "on")
-    cheat("Activation memory of a block under TP and SP",
-          "$bsh\\,(4 + 12/t)$ values without SP, $16\\,bsh/t$ with SP (float32 here, no dropout)",
-          sp_row[2], "bytes",
-          what=f"measured per rank at tp = {sp_row[0]} with SP, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}")
+    sp_row = next((r for r in rows if r[1] == "on"), None)
+    if sp_row is not None:      # None: every tp demo was skipped, and the table has one process's row only
+        exact = all(r[2] == r[3] for r in rows)
+        note("The measured bytes equal the formula exactly in every row: this code reaches the paper's $16/t$."
+             if exact else "Where measured and formula differ, the table's last column says by how much.")
+        cheat("Activation memory of a block under TP and SP",
+              "$bsh\\,(4 + 12/t)$ values without SP, $16\\,bsh/t$ with SP (float32 here, no dropout)",
+              sp_row[2], "bytes",
+              what=f"measured per rank at tp = {sp_row[0]} with SP, b = {b}, s = {cfg.seq_len}, h = {cfg.d_model}")
     see(saved_bytes)
 
 
@@ -429,14 +465,18 @@ def sp_layernorm_gradients(cfg):
     ref = train_reference(cfg, steps=steps, batch_size=8)
     rows = []
     for sync in (True, False):
-        rr = spawn(train_tp, 2, cfg=cfg, steps=steps, batch_size=8, sequence_parallel=True, sync_layernorm_grads=sync,
-                   name=f"SP LayerNorm gradients {'all-reduced' if sync else 'not all-reduced'}").returns
+        run = spawn(train_tp, 2, cfg=cfg, steps=steps, batch_size=8, sequence_parallel=True, sync_layernorm_grads=sync,
+                    name=f"SP LayerNorm gradients {'all-reduced' if sync else 'not all-reduced'}")
+        if run.skipped:
+            continue
+        rr = run.returns
         ln = [k for k in ref["params"] if ".ln" in k or k.startswith("ln_f")]
         rows.append(["all-reduced (f)" if sync else "left out", max_diff(rr[0]["params"], ref["params"]),
                      max((rr[0]["params"][k] - rr[1]["params"][k]).abs().max().item() for k in ln)])
-    table(rows, header=["LayerNorm gradients", f"max |Δ parameter| vs one process after {steps} steps",
-                        "max |rank 0 − rank 1| of the LayerNorm weights"],
-          caption="sequence parallelism, 2 ranks")
+    if rows:
+        table(rows, header=["LayerNorm gradients", f"max |Δ parameter| vs one process after {steps} steps",
+                            "max |rank 0 − rank 1| of the LayerNorm weights"],
+              caption="sequence parallelism, 2 ranks")
     see(SequenceParallelLayerNorm)
     sp_replicated_grad_cost(cfg)
     note("""
@@ -449,8 +489,10 @@ def sp_layernorm_gradients(cfg):
 def sp_replicated_grad_cost(cfg):
     from util.measure import compare, machine, timing_ranks
     ranks = timing_ranks(2)
-    r = spawn(replicated_grad_reduction, ranks, cfg=cfg, repeats=7 if settings.quick else 21,
-              name=f"SP: the replicated parameters' gradients, one by one or once, {ranks} ranks").returns[0]
+    r = rank0(spawn(replicated_grad_reduction, ranks, cfg=cfg, repeats=7 if settings.quick else 21,
+                    name=f"SP: the replicated parameters' gradients, one by one or once, {ranks} ranks"))
+    if r is None:
+        return
     others = r["backward all-reduces"] - r["tensors"]
     note(f"""
         Passing each replicated parameter through f costs one small all-reduce per tensor in
@@ -477,12 +519,12 @@ def critical_path():
 
 
 def tp_timeline_and_step_times(cfg):
-    from util.measure import machine, timing_ranks
     note("## Communication on the critical path")
     run = spawn(traced_block, 2, cfg=cfg, b=8, name="TP block timeline, 2 ranks")
-    figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
-           caption="per-rank spans measured on the ranks; each async all-reduce runs beside a weight-gradient matmul, "
-                   "(the text below says how much of it the matmul covers)")
+    if not run.skipped:     # skipped under torchrun with fewer ranks: the page says so, here and below
+        figure(timeline(run.spans, title="one TP block: forward, backward and their collectives (2 steps)"),
+               caption="per-rank spans measured on the ranks; each async all-reduce runs beside a weight-gradient "
+                       "matmul, (the text below says how much of it the matmul covers)")
     note("""
         Data parallelism's all-reduce can hide behind the backward of earlier layers (lecture 03).
         Tensor parallelism's mostly cannot: the next matmul needs the all-reduced activation. Only
@@ -490,7 +532,25 @@ def tp_timeline_and_step_times(cfg):
         gradient), and a block has two column-parallel matmuls, the MLP's `fc_in` and the
         attention's fused Q/K/V.
     """)
-    mine = [sp for sp in run.spans if sp["rank"] == 0]
+    if not run.skipped:
+        tp_block_overlap(run.spans)
+    released_core_overlap()
+    pub = TORCHTITAN_ASYNC_TP
+    gains = [a / v for (_, v), (_, a) in zip(pub.series["vanilla TP"], pub.series["async TP"])]
+    figure(published_figure(pub, ratio=("async TP", "vanilla TP")), caption=pub.caption(
+        "Async TP's speed-up over TP with blocking collectives, end to end, tp = 8 inside each node."))
+    note(f"""
+        On H100s, as published by torchtitan, PyTorch's async TP (the same decomposition, with
+        symmetric memory moving the chunks) trains {min(gains):.2f}–{max(gains):.2f}× faster
+        than TP with blocking collectives, at tp = 8 on NVLink: the collectives it hides are a
+        slice of the step, and only that slice shrinks.
+    """)
+    tp_step_times(cfg)
+
+
+def tp_block_overlap(spans):
+    """What the traced TP block's spans say: which all-reduces ran beside a weight gradient, and how much it hid."""
+    mine = [sp for sp in spans if sp["rank"] == 0]
     back = [sp for sp in mine if sp["label"] == "backward"]
     in_back = [sp["label"] for sp in mine if any(b["start"] <= sp["start"] <= b["end"] for b in back)]
     asyncs, blocking = in_back.count("all-reduce (async)"), in_back.count("all-reduce")
@@ -506,8 +566,13 @@ def tp_timeline_and_step_times(cfg):
         matmuls are short beside gloo's per-message cost; and gloo's copies need the cores the
         matmuls run on. Give the cores back and the overlap shows:
     """)
-    freed = spawn(released_async_tp, 2, name="async TP ring with a compute stand-in that releases the core, 2 ranks")
-    r = freed.returns[0]
+
+
+def released_core_overlap():
+    """The async TP ring whose compute stand-in releases the core: the overlap gloo's copies hid above."""
+    r = rank0(spawn(released_async_tp, 2, name="async TP ring with a compute stand-in that releases the core, 2 ranks"))
+    if r is None:
+        return
     figure(overlap_bars({"async TP ring, compute stand-in (core released)": r}),
            caption="async TP's all-gather + matmul ring (lecture 04's appendix) on 2 ranks, each partial matmul "
                    "followed by a stand-in that waits as long as one transfer: medians (bars: interquartile "
@@ -521,27 +586,25 @@ def tp_timeline_and_step_times(cfg):
         On a GPU the matmuls run on the SMs and NCCL (or symmetric memory) moves the chunks
         beside them, which is the case this stand-in imitates.
     """)
-    pub = TORCHTITAN_ASYNC_TP
-    gains = [a / v for (_, v), (_, a) in zip(pub.series["vanilla TP"], pub.series["async TP"])]
-    figure(published_figure(pub, ratio=("async TP", "vanilla TP")), caption=pub.caption(
-        "Async TP's speed-up over TP with blocking collectives, end to end, tp = 8 inside each node."))
-    note(f"""
-        On H100s, as published by torchtitan, PyTorch's async TP (the same decomposition, with
-        symmetric memory moving the chunks) trains {min(gains):.2f}–{max(gains):.2f}× faster
-        than TP with blocking collectives, at tp = 8 on NVLink: the collectives it hides are a
-        slice of the step, and only that slice shrinks.
-    """)
+
+
+def tp_step_times(cfg):
+    """A training step at tp = 1, 2, 4 on this machine; nothing where the tp=1 and largest-tp run was skipped."""
+    from util.measure import machine, timing_ranks
     ranks = timing_ranks(4)
     tps = [t for t in (1, 2, 4, 8) if t <= ranks]
-    rows, times = [], {}
     # tp=1 and the largest tp in one run, taking turns: at tp=1 every rank runs the whole model on its own core
-    both = spawn(time_steps, tps[-1], cfg=cfg, batch_size=16, kinds=("one process", "ours"),
-                 repeats=3 if settings.quick else 9, name=f"TP step time, tp=1 and tp={tps[-1]} taking turns").returns[0]
-    times[1], times[tps[-1]] = both["one process"], both["ours"]
+    both = rank0(spawn(time_steps, tps[-1], cfg=cfg, batch_size=16, kinds=("one process", "ours"),
+                       repeats=3 if settings.quick else 9, name=f"TP step time, tp=1 and tp={tps[-1]} taking turns"))
+    if both is None:
+        return
+    times = {1: both["one process"], tps[-1]: both["ours"]}
     for t in tps[1:-1]:
-        times[t] = spawn(time_steps, t, cfg=cfg, batch_size=16, kinds=("ours",), repeats=3 if settings.quick else 9,
-                         name=f"TP step time, tp={t}").returns[0]["ours"]
-    rows = [[t, times[t].ms()] for t in tps]
+        r = rank0(spawn(time_steps, t, cfg=cfg, batch_size=16, kinds=("ours",), repeats=3 if settings.quick else 9,
+                        name=f"TP step time, tp={t}"))
+        if r is not None:
+            times[t] = r["ours"]
+    rows = [[t, times[t].ms()] for t in tps if t in times]
     table(rows, header=["tp", "training step, median (IQR)"],
           caption=f"lecture 01's GPT, batch 16, {machine(ranks)}; tp=1 and tp={tps[-1]} timed in one run, taking "
                   f"turns (at tp=1 each of the {tps[-1]} ranks trains its own copy on one core)")
@@ -610,8 +673,10 @@ def gemm_efficiency():
         against the unsplit ($t$ = 1) matmul of the same width:
     """)
     see(gemm_rates)
-    rates = spawn(gemm_rates, 1, tokens=tokens, widths=widths, tps=tps, repeats=3 if settings.quick else 7,
-                  name="matmul rate of a rank's share").returns[0]
+    rates = rank0(spawn(gemm_rates, 1, tokens=tokens, widths=widths, tps=tps, repeats=3 if settings.quick else 7,
+                        name="matmul rate of a rank's share"))
+    if rates is None:
+        return
     fig = gemm_efficiency_figure(widths, tps, rates)
     figure(fig, caption=f"measured: time of the whole matmul on one rank over the time of a 1/t share "
            f"({tokens} tokens, {'bf16 on the GPU' if on_gpu else 'float32, one CPU thread'}); below the dashed line, splitting wastes compute")
@@ -653,8 +718,9 @@ def dtensor_section():
 def dtensor_redistribute():
     note("## Sharding annotations: DTensor")
     n = 2
-    rows = spawn(redistribute_table, n, name=f"DTensor redistribute table, {n} ranks").returns[0]
-    placements_picture(rows, n)
+    rows = rank0(spawn(redistribute_table, n, name=f"DTensor redistribute table, {n} ranks"))
+    if rows is not None:
+        placements_picture(rows, n)
     note("""
         Mesh-TensorFlow (Shazeer et al. 2018) first wrote model parallelism as layouts: name the
         tensor dimensions, say which ones are split over which axis of a mesh of devices, and let
@@ -669,8 +735,10 @@ def dtensor_redistribute():
     see("https://arxiv.org/abs/2006.16668", "Lepikhin et al. 2020, GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding")
     see("https://arxiv.org/abs/2105.04663", "Xu et al. 2021, GSPMD: General and Scalable Parallelization for ML Computation Graphs")
     see("https://pytorch.org/docs/stable/distributed.tensor.html", "PyTorch DTensor documentation")
-    table(rows, header=["from", "to", "collective (CommDebugMode)", "local shape before", "after", "values equal the full tensor"],
-          caption=f"a {4 * n}×{2 * n} tensor on a mesh of {n} ranks")
+    if rows is not None:
+        table(rows, header=["from", "to", "collective (CommDebugMode)", "local shape before", "after",
+                            "values equal the full tensor"],
+              caption=f"a {4 * n}×{2 * n} tensor on a mesh of {n} ranks")
     note("""
         Shard → Replicate is an all-gather, Partial → Replicate an all-reduce, Partial → Shard a
         reduce-scatter, Replicate → Shard a local slice with no communication. Shard(0) → Shard(1)
@@ -693,18 +761,28 @@ def dtensor_parallelize_module():
     cfg = GPTConfig(seq_len=8, d_model=32, n_heads=4, dtype="float64")
     rows = []
     for n, sp in ((2, False), (2 if settings.quick else 4, True)):
-        r = spawn(compare_with_dtensor, n, cfg=cfg, sequence_parallel=sp,
-                  name=f"ours vs DTensor parallelize_module, {n} ranks, {'SP' if sp else 'no SP'}").returns[0]
+        r = rank0(spawn(compare_with_dtensor, n, cfg=cfg, sequence_parallel=sp,
+                        name=f"ours vs DTensor parallelize_module, {n} ranks, {'SP' if sp else 'no SP'}"))
+        if r is None:
+            continue
         rows.append([n, "on" if sp else "off", (r["ours"]["logits"] - r["DTensor"]["logits"]).abs().max().item(),
                      max_diff(r["ours"]["grads"], r["DTensor"]["grads"]),
                      max_diff(r["ours"]["params"], r["DTensor"]["params"]),
                      fmt_counts(r["ours counts"]), fmt_counts(r["ours optimizer counts"]),
                      fmt_counts(r["DTensor counts"]), fmt_counts(r["DTensor optimizer counts"])])
         last = r
-    table(rows, header=["tp", "SP", "max |Δ logits|", "max |Δ gradient|", "max |Δ parameter| after 3 AdamW steps",
-                        "ours: forward + backward", "ours: AdamW step", "DTensor: forward + backward",
-                        "DTensor: AdamW step"],
-          caption="float64, the same GPT split both ways; collectives of one whole training step (CommDebugMode)")
+    if rows:
+        table(rows, header=["tp", "SP", "max |Δ logits|", "max |Δ gradient|", "max |Δ parameter| after 3 AdamW steps",
+                            "ours: forward + backward", "ours: AdamW step", "DTensor: forward + backward",
+                            "DTensor: AdamW step"],
+              caption="float64, the same GPT split both ways; collectives of one whole training step (CommDebugMode)")
+    if len(rows) == 2:      # both ran (neither skipped under torchrun with fewer ranks)
+        dtensor_against_ours(rows, last)
+
+
+def dtensor_against_ours(rows, last):
+    """What the table of ours against DTensor says: rows[0] without SP, rows[1] and `last` (its
+    rank 0's returns) with SP."""
     same = rows[0][5] == rows[0][7] and rows[0][6] == rows[0][8]
     partial = ", ".join(f"`{k}`" for k in last["DTensor partial grads"]) or "none"
     bias = last["DTensor grad placements"].get("blocks.0.attn.o_proj.bias", "?")

@@ -428,21 +428,23 @@ _VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page
 
 
 def variant_run():
-    """Ring, all-gather and Ulysses, forward+backward at `attention_sizes()`: measured once per page."""
+    """Ring, all-gather and Ulysses, forward+backward at `attention_sizes()`: measured once per page;
+    None where torchrun started fewer ranks (the page says the demo was skipped)."""
     from util.measure import timing_ranks
     key = (timing_ranks(4), attention_sizes())
     if key not in _VARIANT_RUN:
         n, (S, h, d) = key
-        _VARIANT_RUN[key] = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d,
-                                  variants=["ring", "all-gather", "ulysses"],
-                                  name=f"ring vs all-gather vs Ulysses, {n} ranks").returns
+        run = spawn(compare_variants, n, seq_len=S, heads=h, head_dim=d, variants=["ring", "all-gather", "ulysses"],
+                    name=f"ring vs all-gather vs Ulysses, {n} ranks")
+        _VARIANT_RUN[key] = None if run.skipped else run.returns
     return _VARIANT_RUN[key]
 
 
 def allgather_section():
     from util.measure import machine, timing_ranks
     note("## The all-gather variant: simpler, more memory")
-    held_bytes_picture(variant_run(), timing_ranks(4))
+    if variant_run() is not None:
+        held_bytes_picture(variant_run(), timing_ranks(4))
     note("""
         Instead of a ring, every rank can all-gather all keys and values first and then attend
         locally (backward: reduce-scatter dK, dV to their owners). Two collectives, no ring
@@ -455,11 +457,12 @@ def allgather_section():
     n = timing_ranks(4)
     S, h, d = attention_sizes()
     r = variant_run()
-    table([[name, r[0][name]["time"].ms(), max(x[name]["held"] for x in r) / 2**20,
-            r[0][name]["shard_bytes"] / 2**20] for name in ("ring", "all-gather")],
-          header=["variant", "forward+backward", "held for backward per rank (MiB)", "one q shard (MiB)"],
-          caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}. "
-                  "Held bytes measured with a saved-tensors hook")
+    if r is not None:
+        table([[name, r[0][name]["time"].ms(), max(x[name]["held"] for x in r) / 2**20,
+                r[0][name]["shard_bytes"] / 2**20] for name in ("ring", "all-gather")],
+              header=["variant", "forward+backward", "held for backward per rank (MiB)", "one q shard (MiB)"],
+              caption=f"causal attention, s = {S}, {h} heads, head dim {d}, float32, zig-zag; {machine(n)}. "
+                      "Held bytes measured with a saved-tensors hook")
     note("""
         **Grouped-query attention makes K/V small.** With GQA, h query heads share $h_{kv}$ K/V
         heads, so the K/V a rank must send are $h_{kv}/h$ of its queries' size — *if* they travel
@@ -482,11 +485,12 @@ def allgather_section():
 def ulysses_section():
     from util.measure import machine, timing_ranks
     note("## Ulysses: trade the sequence split for a head split")
-    layouts = spawn(ulysses_layouts, 4, name="Ulysses' all-to-all on labelled data, 4 ranks").returns
-    figure(ulysses_picture(layouts),
-           caption="Ulysses' first all-to-all on 4 ranks, run on data labelled with the rank that held it: "
-                   "each rank gives every other rank its positions of that rank's heads, so afterwards a "
-                   "rank holds whole sequences of its own heads, every colour in its row (4 heads, 8 positions).")
+    layouts = spawn(ulysses_layouts, 4, name="Ulysses' all-to-all on labelled data, 4 ranks")
+    if not layouts.skipped:    # torchrun with fewer ranks: the page says why, the section goes on without it
+        figure(ulysses_picture(layouts.returns),
+               caption="Ulysses' first all-to-all on 4 ranks, run on data labelled with the rank that held it: "
+                       "each rank gives every other rank its positions of that rank's heads, so afterwards a "
+                       "rank holds whole sequences of its own heads, every colour in its row (4 heads, 8 positions).")
     note("""
         DeepSpeed-Ulysses (Jacobs et al. 2023) notices that attention heads are independent. One
         all-to-all turns each rank's (all heads, s/n positions) into (h/n heads, all s positions);
@@ -503,8 +507,11 @@ def ulysses_section():
     S, h, d = attention_sizes()
     rows, shards = [], {}
     for ranks in (2, 4):
-        r = spawn(compare_variants, ranks, seq_len=S, heads=h, head_dim=d, variants=["ring", "ulysses", "all-gather"],
-                  repeats=1, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks").returns
+        run = spawn(compare_variants, ranks, seq_len=S, heads=h, head_dim=d, variants=["ring", "ulysses", "all-gather"],
+                    repeats=1, name=f"bytes: ring vs Ulysses vs all-gather, {ranks} ranks")
+        if run.skipped:
+            continue
+        r = run.returns
         shard = shards[ranks] = r[0]["ring"]["shard_bytes"]
         for name in ("ring", "ulysses", "all-gather"):
             model = {"ring": (2 * (ranks - 1) + 2 * (ranks - 1) + 2 * ranks) * shard,
@@ -517,10 +524,11 @@ def ulysses_section():
                   f"model: ring 2(n−1) K/V forward + 2(n−1) K/V and 2n dK/dV backward shards; Ulysses 4 all-to-alls "
                   f"each way of (n−1)/n shard; all-gather and reduce-scatter as rings")
     got = {(row[0], row[1]): row[3] * 2**20 / shards[row[0]] for row in rows}   # fwd+bwd bytes in q shards
-    cheat("ring attention bytes", "per rank, forward + backward: $(6n-4)$ K/V-sized shards (K, V around the ring twice, dK/dV once)",
-          round(got[4, "ring"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 20)")
-    cheat("Ulysses bytes", "per rank, forward + backward: $8\\,\\frac{n-1}{n}$ shards (4 all-to-alls each way)",
-          round(got[4, "ulysses"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 6)")
+    if (4, "ring") in got:     # not when torchrun started fewer than 4 ranks
+        cheat("ring attention bytes", "per rank, forward + backward: $(6n-4)$ K/V-sized shards (K, V around the ring twice, dK/dV once)",
+              round(got[4, "ring"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 20)")
+        cheat("Ulysses bytes", "per rank, forward + backward: $8\\,\\frac{n-1}{n}$ shards (4 all-to-alls each way)",
+              round(got[4, "ulysses"], 2), "shards", what="rank 0 at n = 4, measured from /proc/self/io (model: 6)")
     extra = [(row[0], (row[3] - row[2]) / (2 * (row[0] - 1) * shards[row[0]] / 2**20)) for row in rows if row[1] == "all-gather"]
     note(f"""
         The ring and Ulysses send what the model says, plus small headers. The all-gather
@@ -529,7 +537,20 @@ def ulysses_section():
         (NCCL's is a ring). Ulysses' volume per rank falls as n grows, the ring's grows: at large
         n that is Ulysses' advantage, and its head limit is the price.
     """)
-    from util.measure import compare
+    ulysses_against_the_ring(S, h, d, n, got)
+    refusal = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks")
+    said = "." if refusal.skipped else f': *{refusal.returns[0].rstrip(".")}.*'
+    note(f"""
+        With 2 heads on 4 ranks Ulysses refuses{said} USP combines Ulysses with a ring to go
+        past that limit:
+    """)
+
+
+def ulysses_against_the_ring(S, h, d, n, got):
+    """The variants' times (variant_run) and what they say; nothing where that demo was skipped."""
+    from util.measure import compare, machine
+    if variant_run() is None:
+        return
     t = {name: x["time"] for name, x in variant_run()[0].items()}
     table([[name, t[name].ms()] for name in ("ring", "all-gather", "ulysses")],
           header=["variant", "forward+backward"],
@@ -545,11 +566,6 @@ def ulysses_section():
         processes on these cores holds all of them up, and every all-to-all also copies whole
         tensors between sequence order and head order. On GPUs with NVLink the all-to-alls are
         short and Ulysses' smaller, n-independent volume is what counts.
-    """)
-    msg = spawn(ulysses_refusal, 4, heads=2, name="Ulysses with 2 heads on 4 ranks").returns[0]
-    note(f"""
-        With 2 heads on 4 ranks Ulysses refuses: *{msg.rstrip(".")}.* USP combines Ulysses with a ring to go
-        past that limit:
     """)
 
 

@@ -132,6 +132,46 @@ def test_a_thread_left_running_fails_the_check_and_ends_with_it():
     passes("bubble", exercises.solution("bubble"))
 
 
+def bytes_writing_the_table(recipe):
+    """A wrong bf16 count (no fp32 master copy) written into the table the check compares with."""
+    from lectures.layout import PRECISION_BYTES
+    PRECISION_BYTES["bf16"]["optimizer"] = 8
+    return {"fp32": {"weights": 4, "grads": 4, "optimizer": 8}, "bf16": {"weights": 2, "grads": 4, "optimizer": 8},
+            "fp64": {"weights": 8, "grads": 8, "optimizer": 16}}[recipe]
+
+
+def test_a_table_changed_in_place_fails_its_check_and_not_the_next():
+    """Identity sees no change when a nested dict of the course is written into: the first run
+    of the wrong count failed and the second passed, and then the right count failed."""
+    for _ in range(2):
+        fails("bytes_per_parameter", bytes_writing_the_table,
+              says="lectures.layout.estimator.PRECISION_BYTES (its contents)")
+    passes("bytes_per_parameter", exercises.solution("bytes_per_parameter"))
+
+
+def bubble_in_the_given_order(events):
+    """Wrong: takes the first event's start and the last's end, as if the events were sorted."""
+    t = torch.tensor([events[0][1], -events[-1][2], sum(e - s for _, s, e in events)], dtype=torch.float64)
+    first = t[:2].clone()
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    busy = t[2:].clone()
+    dist.all_reduce(busy)
+    return 1 - busy.item() / (dist.get_world_size() * (-first[1] - first[0]).item())
+
+
+def bubble_unshuffling(events):
+    import random
+    random.Random.shuffle = lambda self, x: None
+    return 0.5
+
+
+def test_a_patched_standard_module_fails_its_check_and_not_the_next():
+    """A patched random.Random.shuffle left the next check's events sorted, where an answer that
+    assumes their order passed."""
+    fails("bubble", bubble_unshuffling, says="Random.shuffle")
+    fails("bubble", bubble_in_the_given_order)
+
+
 # --- the rule a check states is the rule it enforces ---------------------------------------
 
 def ring_by_the_process_group(x):
@@ -269,6 +309,103 @@ def test_a_check_enforces_its_rule_on_what_the_function_does(name, fn, says):
     finally:
         import shutil
         shutil.rmtree(f"/tmp/course-ring-through-files-{os.getuid()}", ignore_errors=True)
+
+
+def bytes_reading_the_traceback(recipe):
+    try:
+        raise ValueError("a frame of my own")
+    except ValueError as e:
+        frame = e.__traceback__.tb_frame
+    while "expected" not in frame.f_locals:      # up to the harness's frame
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+def bytes_by_a_profiler(recipe):
+    import sys
+    found = []
+
+    def profile(frame, event, arg):
+        while frame is not None and "expected" not in frame.f_locals:
+            frame = frame.f_back
+        if frame is not None and not found:
+            found.append(dict(frame.f_locals["expected"]))
+    sys.setprofile(profile)
+    len(found)                                    # a call: the profiler sees this frame
+    sys.setprofile(None)
+    return found[0]
+
+
+def bytes_by_a_tracer(recipe):
+    import sys
+    found = []
+
+    def trace(frame, event, arg):
+        while frame is not None and "expected" not in frame.f_locals:
+            frame = frame.f_back
+        if frame is not None and not found:
+            found.append(dict(frame.f_locals["expected"]))
+    sys.settrace(trace)
+    (lambda: None)()
+    sys.settrace(None)
+    return found[0]
+
+
+def bytes_by_a_generator(recipe):
+    holder = []
+
+    def walk():
+        yield holder[0].gi_frame.f_back           # while it runs, a generator's caller is this frame
+    holder.append(walk())
+    frame = next(holder[0])
+    while "expected" not in frame.f_locals:
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+def bytes_by_gc_referents(recipe):
+    import gc
+    try:
+        raise ValueError("a frame of my own")
+    except ValueError as e:
+        frame = next(o for o in gc.get_referents(e.__traceback__) if hasattr(o, "f_locals"))
+    while "expected" not in frame.f_locals:
+        frame = frame.f_back
+    return dict(frame.f_locals["expected"])
+
+
+FRAMES = [(bytes_reading_the_traceback, "your function read traceback.tb_frame"),
+          (bytes_by_a_profiler, "your function called sys.setprofile"),
+          (bytes_by_a_tracer, "your function called sys.settrace"),
+          (bytes_by_a_generator, "your function read generator.gi_frame"),
+          (bytes_by_gc_referents, "your function called gc.get_referents")]
+
+
+@pytest.mark.parametrize("fn,says", FRAMES, ids=[f.__name__ for f, _ in FRAMES])
+def test_the_checkers_frames_are_out_of_reach(fn, says):
+    """A frame of the function's own (a caught exception's, a generator's, one a profiler or
+    tracer is handed) leads up to the harness's, where `expected` is."""
+    fails("bytes_per_parameter", fn, says=says)
+
+
+def gradients_forging_the_count(params, bucket_mb):
+    """One all-reduce per parameter, and the call record rewritten to the planned buckets'."""
+    from lectures.data_parallel import plan_buckets
+    from util import exercise
+    n = dist.get_world_size()
+    for p in params:
+        dist.all_reduce(p.grad)
+        p.grad /= n
+    forged = [("dist.all_reduce", sum(p.numel() for p in b)) for b in plan_buckets(params, bucket_mb)]
+    records = [getattr(exercise, "calls", None)] + [c.cell_contents for c in dist.all_reduce.__closure__ or ()]
+    for record in records:          # the engine's record, wherever the counting wrapper keeps it
+        if isinstance(record, list):
+            record[:] = forged
+
+
+def test_the_call_record_cannot_be_forged():
+    fails("all_reduce_gradients", gradients_forging_the_count, says="elements per dist.all_reduce call")
+    passes("all_reduce_gradients", exercises.solution("all_reduce_gradients"))
 
 
 # --- bounded: results, processes, printed output, time ---------------------------------------

@@ -18,12 +18,12 @@ A check grades what the statement asks, not only the numbers: it runs at every w
 rank: a function that ignores its `group` fails there). While the student's function runs, each
 dotted name in `watch` (a module's function or a class's method) is replaced: mapped to a
 reason, calling it fails with that reason (the built-in collective an exercise asks you to
-write, the course's own solution); mapped to None, it works and is recorded in `calls` for the
-harness. With `keeps_inputs`, changing a tensor argument in place is an error too. With `ring`
+write, the course's own solution); mapped to None, it works and is recorded for the harness
+(`calls_of(fn)`), where the function cannot write. With `keeps_inputs`, changing a tensor argument in place is an error too. With `ring`
 (n -> how many times its input a rank sends), the function may pass point-to-point messages to
 its ring neighbours only, that many bytes of them, and write nothing else: a collective, the
-rendezvous store or a file fails the check. Reading the checker's frames, where the expected
-answer is, is refused.
+rendezvous store or a file fails the check. Reaching a frame of the checker, where the expected
+answer is (sys._getframe, a traceback's tb_frame, gc, a tracer: FRAME_EVENTS), is refused.
 
 Every check starts from a clean rank and leaves one: what the function changes in the course's
 modules, the engine or PyTorch (util.rank_state), a thread it leaves running or a process group
@@ -45,7 +45,9 @@ import numbers
 import re
 import sys
 import textwrap
+import threading
 import time
+import types
 
 from util import launch, measure, rank_state, ranks, record
 
@@ -60,9 +62,6 @@ class NoSource(ValueError):
 
 class StudentError(Exception):
     """The student's function did something the statement rules out (the verdict is its message)."""
-
-
-calls = []   # (short name, elements of its first tensor) of each watched call, on this rank
 
 
 def source_of(fn):
@@ -165,7 +164,7 @@ def _get(owner, attr):
     return vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
 
 
-def _replacement(dotted, original, reason, refused):
+def _replacement(dotted, reason, refused):
     name = short(dotted)
 
     def forbidden(*args, **kwargs):
@@ -173,9 +172,21 @@ def _replacement(dotted, original, reason, refused):
         raise StudentError(refused[-1])
 
     def counted(*args, **kwargs):
+        # The record and the real function are locals of the outermost guarded call on the stack
+        # (the harness's), which the student's function cannot reach (frames are refused to it):
+        # an entry is written only here, by a real call, and nothing in this closure can be
+        # swapped to make a call that is not one.
+        frame, private = sys._getframe(1), None
+        while frame is not None:
+            if frame.f_code is _CALL_CODE:
+                private = frame.f_locals["private"]
+            frame = frame.f_back
+        if private is None:
+            raise StudentError(f"your function called {name} from a thread it started: the check "
+                               "counts the calls your function makes itself")
         first = next((a for a in args if hasattr(a, "numel")), None)
-        calls.append((name, first.numel() if first is not None else None))
-        return original(*args, **kwargs)
+        private["record"].append((name, first.numel() if first is not None else None))
+        return private["originals"][dotted](*args, **kwargs)
     return forbidden if reason else counted
 
 
@@ -200,19 +211,22 @@ def _spellings(owner, attr, original):
 
 
 @contextlib.contextmanager
-def watching(watch, refused):
+def watching(watch, refused, private=None):
     """Replace each dotted name of `watch` for the duration (restored even on error), wherever
-    it can be reached (_spellings); each refusal is appended to `refused`. Two spellings of one
+    it can be reached (_spellings); each refusal is appended to `refused`, each counted call to
+    `private["record"]` (the real functions go in `private["originals"]`, see `_replacement`). Two spellings of one
     function each refuse with their own name. A module the student imports during the call
     takes a replacement from its source, so every replacement left in a course module
     afterwards is put back to the real function."""
     saved, real = [], {}    # id(replacement) -> (replacement, the function it stands for)
+    private = {"record": [], "originals": {}} if private is None else private
     try:
         for dotted, reason in watch.items():
             owner, attr = resolve(dotted)
             found = _get(owner, attr)
             original = real.get(id(found), (None, found))[1]   # a second spelling of one replaced
-            new = _replacement(dotted, original, reason, refused)
+            new = _replacement(dotted, reason, refused)
+            private["originals"][dotted] = original
             real[id(new)] = (new, original)
             for m, a in _spellings(owner, attr, original):
                 before = _get(m, a)
@@ -232,7 +246,15 @@ def watching(watch, refused):
 
 # --- what the function may not look at, and what it sends --------------------------------
 
-LOOKING = {"sys": ("_getframe", "_current_frames"), "gc": ("get_objects", "get_referrers")}
+# How code reaches a frame, where the expected answer is (a local of the harness, a few frames up):
+# each is an audit event of CPython, raised however it is spelled. Patching sys._getframe missed a
+# caught exception's traceback (tb_frame), a generator's frame, gc.get_referents of a traceback,
+# a tracer (sys.settrace, sys.setprofile) and Python's own C functions through ctypes.
+FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
+                          "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+TRACING_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "sys.monitoring.register_callback", "ctypes.dlsym"})
+_peeking = {"hooked": False, "refused": None, "busy": threading.local()}
 
 
 def _students(frame):
@@ -245,31 +267,66 @@ def _students(frame):
     return frame is not None and frame.f_code.co_filename.startswith("<your ")
 
 
+def _under_students(frame):
+    """Whether a shipped function's frame is anywhere on the stack from `frame` up."""
+    while frame is not None and not frame.f_code.co_filename.startswith("<your "):
+        frame = frame.f_back
+    return frame is not None
+
+
+def _peeks(event, args):
+    """What a watched audit event hands out, in words, or None for an event that hands out no
+    frame. A tracer sees every frame, so setting one is refused wherever the student's code is
+    on the stack; the frame-giving events only when the student's code asked (PyTorch's and
+    Python's own uses go through)."""
+    if event == "object.__getattr__":
+        return f"read {type(args[0]).__name__}.{args[1]}" if len(args) > 1 and args[1] in FRAME_ATTRIBUTES else None
+    if event == "ctypes.dlsym":
+        symbol = str(args[-1]) if args else ""
+        return f"looked up {symbol} through ctypes" if symbol.lstrip("_").startswith("Py") else None
+    return f"called {event}" if event in FRAME_EVENTS or event in TRACING_EVENTS else None
+
+
+def _audit(event, args):
+    """The audit hook (see FRAME_EVENTS): raise StudentError when the student's code asks for a
+    frame, and note it for `guarded`, which fails the check even if the function caught it."""
+    if event not in FRAME_EVENTS and event not in TRACING_EVENTS and event != "object.__getattr__":
+        return
+    busy = _peeking["busy"]
+    if getattr(busy, "on", False):       # this hook's own sys._getframe raises the event too
+        return
+    busy.on = True
+    try:
+        what = _peeks(event, args)
+        if what is None:
+            return
+        asker = sys._getframe(1)
+        if not (_under_students(asker) if event in TRACING_EVENTS else _students(asker)):
+            return
+    finally:
+        busy.on = False
+    message = (f"your function {what}: a check gives your function its inputs and nothing else "
+               "(the expected answer is the checker's)" + (
+                   "; printing a traceback inside your function reads its frames too: let the error "
+                   "propagate" if "tb_frame" in what else ""))
+    if _peeking["refused"] is not None:
+        _peeking["refused"].append(message)
+    raise StudentError(message)
+
+
 @contextlib.contextmanager
 def no_peeking(refused):
-    """Refuse the student's code the frames and objects of the checker (the expected answer is
-    a local of the harness); PyTorch's and Python's own calls to these go through."""
-    real_getframe = sys._getframe
-    saved = [(importlib.import_module(m), a) for m, attrs in LOOKING.items() for a in attrs]
-    originals = [getattr(m, a) for m, a in saved]
-
-    def guard(name, fn):
-        def checked(*args, **kwargs):
-            if _students(real_getframe(1)):
-                refused.append(f"your function called {name}: a check gives your function its "
-                               "inputs and nothing else (the expected answer is the checker's)")
-                raise StudentError(refused[-1])
-            if fn is real_getframe:          # depth counts from the caller, not from here
-                return real_getframe((args[0] if args else kwargs.get("depth", 0)) + 1)
-            return fn(*args, **kwargs)
-        return checked
+    """Refuse the student's code the frames and objects of the checker while it runs, and note
+    each refusal in `refused`. An audit hook cannot be removed, so it is added once per process
+    and refuses only code from a shipped function ("<your ...>"): only checks run that."""
+    if not _peeking["hooked"]:
+        sys.addaudithook(_audit)
+        _peeking["hooked"] = True
+    previous, _peeking["refused"] = _peeking["refused"], refused
     try:
-        for (m, a), fn in zip(saved, originals):
-            setattr(m, a, guard(f"{m.__name__}.{a}", fn))
         yield
     finally:
-        for (m, a), fn in zip(saved, originals):
-            setattr(m, a, fn)
+        _peeking["refused"] = previous
 
 
 PEER = {"isend": "dst", "send": "dst", "irecv": "src", "recv": "src"}
@@ -364,13 +421,15 @@ def guarded(fn, watch, keeps_inputs, ring, untouched):
     def call(*args, **kwargs):
         before = _tensors(args, names) if keeps_inputs else []
         refused, messages = [], []
+        private = {"record": [], "originals": {}}     # the watched calls: see _replacement
         counting = point_to_point(messages) if ring else contextlib.nullcontext({"written": None})
         untouched.before_call()
         try:
-            with watching(watch, refused), no_peeking(refused), counting as wire:
+            with watching(watch, refused, private), no_peeking(refused), counting as wire:
                 result = fn(*args, **kwargs)
         finally:
             untouched.after_call()
+            call.calls = tuple(private["record"])
         if refused:     # a try/except in the student's code swallowed the refusal
             raise StudentError(f"{refused[0]} (the error was caught inside your function, which then "
                                "went on; the exercise asks for a solution without that call)")
@@ -380,8 +439,19 @@ def guarded(fn, watch, keeps_inputs, ring, untouched):
         if inspect.isgenerator(result):
             raise StudentError(f"{fn.__name__} returned a generator; return a list (wrap it in list(...))")
         return result
-    call.__name__ = fn.__name__
+    call.__name__, call.calls = fn.__name__, ()
     return call
+
+
+# the code of guarded's `call`, by which a counted call finds the harness's record (_replacement)
+_CALL_CODE = next(c for c in guarded.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "call")
+
+
+def calls_of(fn):
+    """[(short name, elements of its first tensor)] of each watched call (mapped to None) that the
+    last call of `fn`, a function the harness was given, made. The list is the harness's own: a
+    student's function can neither reach nor write it."""
+    return list(getattr(fn, "calls", ()))
 
 
 def _left_as_found(untouched):

@@ -4,10 +4,14 @@ leaves behind there.
 A check runs the student's function in a worker that later checks and demos reuse, beside the
 course's own code (the reference the answer is compared with) and PyTorch. `Untouched` notes, by
 identity, every attribute of the course's modules, the functions and classes of the engine, of
-`torch.distributed` and of `torch` itself, the code, defaults and closures of those functions
-and the methods of those classes (and of `torch.Tensor`, `ProcessGroup`, ...), and names what
+`torch.distributed`, of `torch` itself and of the standard modules the checks use (random,
+math, operator, ...), the code, defaults and closures of those functions and the methods of
+those classes (and of `torch.Tensor`, `ProcessGroup`, `random.Random`, ...), and names what
 differs afterwards (a rebound case list, a reference whose code was replaced, a patched
-`dist.all_reduce`). It also finds the threads and processes the function left running.
+`dist.all_reduce` or `random.Random.shuffle`). Identity does not see a container changed in
+place (a value written into a course's nested table), so around each call of the student's
+function it also compares the contents of the course modules' containers (`_contents`). It
+also finds the threads and processes the function left running.
 """
 import contextlib
 import ctypes
@@ -21,9 +25,13 @@ import warnings
 
 COURSE = ("lectures", "exercises")               # every attribute: the cases and the references
 CODE = ("util", "torch.distributed")             # functions and classes (their data moves as they run)
-CODE_OF = ("torch", "torch.nn.functional", "builtins", "math")
+# the standard modules a harness computes with: a patched random.Random.shuffle stops a check's
+# shuffling, a patched math.isclose or operator.add its comparison or its sums
+STDLIB = ("builtins", "math", "random", "operator", "itertools", "functools", "copy")
+CODE_OF = ("torch", "torch.nn.functional", *STDLIB)
 CLASSES = (("torch", "Tensor"), ("torch.nn", "Module"), ("torch._C._distributed_c10d", "ProcessGroup"),
-           ("torch._C._distributed_c10d", "Work"), ("torch._C._distributed_c10d", "Store"))
+           ("torch._C._distributed_c10d", "Work"), ("torch._C._distributed_c10d", "Store"),
+           ("random", "Random"))
 
 
 def _scope(name):
@@ -80,6 +88,59 @@ def _entries(names):
     return out
 
 
+# --- what a course module's containers hold ---------------------------------------------------
+
+CONTENT_BUDGET = 20_000   # items a fingerprint looks at, all containers together: a check calls it often
+
+
+SCALARS = (int, float, str, bytes, bool, type(None), complex)
+
+
+def _fingerprint(value, budget, seen, depth=0):
+    """What `value` holds, as a tuple to compare with ==: builtin containers and the instances of
+    the course's classes item by item (nested ones too), a tensor by its version counter (every
+    in-place change bumps it), anything else by identity. Past `budget[0]` items or 6 levels a
+    container counts by identity and length only, so a huge table costs no more than that;
+    `seen` keeps each container's fingerprint, since modules re-export one table by many names."""
+    if isinstance(value, SCALARS):
+        return value
+    key = id(value)
+    if key in seen:
+        return seen[key]
+    budget[0] -= 1
+    if type(value).__name__ in ("Tensor", "Parameter") and hasattr(value, "_version"):
+        out = ("tensor", key, value._version)
+    elif budget[0] <= 0 or depth > 6:
+        out = ("object", key, len(value) if hasattr(value, "__len__") else None)
+    elif isinstance(value, (dict, types.MappingProxyType)):
+        out = ("dict", key, tuple((_fingerprint(k, budget, seen, depth + 1), _fingerprint(v, budget, seen, depth + 1))
+                                  for k, v in list(value.items())))
+    elif isinstance(value, (list, tuple, set, frozenset, bytearray)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else list(value)
+        out = (type(value).__name__, key, tuple(_fingerprint(v, budget, seen, depth + 1) for v in items))
+    elif hasattr(value, "__dict__") and not isinstance(value, type) and \
+            (getattr(type(value), "__module__", "") or "").split(".")[0] in COURSE:
+        out = ("object", key, _fingerprint(vars(value), budget, seen, depth + 1))
+    else:
+        out = ("object", key)
+    seen[key] = out
+    return out
+
+
+def _contents(names):
+    """{where (its contents): fingerprint} of every container a course module among `names`
+    holds (the cases, the references' tables)."""
+    out, budget, seen = {}, [CONTENT_BUDGET], {}
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is None or _scope(name) != "all":
+            continue
+        for attr, value in list(vars(module).items()):
+            if not attr.startswith("__") and not _is_code(value):     # functions and classes: _entries
+                out[f"{name}.{attr} (its contents)"] = _fingerprint(value, budget, seen)
+    return out
+
+
 def _watched_modules():
     return {name for name, m in list(sys.modules.items()) if m is not None and _scope(name)}
 
@@ -99,7 +160,7 @@ class Untouched:
     so `after_call` lists it in `unvouched` (the worker is then not reused)."""
 
     def __init__(self):
-        self.modules, self.seen, self.unvouched = set(), {}, []
+        self.modules, self.seen, self.unvouched, self.touched, self.contents = set(), {}, [], [], {}
         self.threads, self.children = set(threading.enumerate()), descendants()
         self.before_call()
 
@@ -107,8 +168,15 @@ class Untouched:
         new = _watched_modules() - self.modules
         self.modules |= new
         self.seen.update(_entries(new))
+        self.contents = _contents(self.modules)
 
     def after_call(self):
+        """Note what the call changed in place in the course's containers: only the student's
+        function runs between before_call and here (the harness may fill a cache of the course's
+        between calls, which is not a change)."""
+        now = _contents(self.modules)
+        self.touched += [where for where, held in self.contents.items()
+                         if now.get(where) != held and where not in self.touched]
         new = _watched_modules() - self.modules
         self.unvouched += sorted(new)
         self.modules |= new
@@ -117,7 +185,8 @@ class Untouched:
         """What differs from what was noted: [where]. New names (a module imported since) are not
         changes."""
         now = _entries({w.split("'")[1] for w in self.seen if w.startswith("sys.modules[")})
-        return [where for where, value in self.seen.items() if where not in now or not _same(value, now[where])]
+        return self.touched + [where for where, value in self.seen.items()
+                               if where not in now or not _same(value, now[where])]
 
     def started_threads(self):
         return [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]

@@ -13,7 +13,7 @@ from torch import nn
 from lectures.model.roofline import threads
 from lectures.tensor_parallel.async_tp import (SequenceParallelMLP, all_gather_matmul, counting, matmul_reduce_scatter,
                                                without_overlap)
-from lectures.tensor_parallel.demos import _seeded
+from lectures.tensor_parallel.demos import _seeded, rank0
 from lectures.tensor_parallel.figures import async_tp_figure, dropout_mask_figure
 from lectures.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lectures.tensor_parallel.ops import _all_gather, _reduce_scatter, _split, shard_checks, traced
@@ -90,9 +90,9 @@ def dropout_two_streams_measured():
     expected = p ** 2 + (1 - p) ** 2
     every = {}
     for setup in DROPOUT_SETUPS:
-        every[setup] = spawn(dropout_block, n, setup=setup, p=p, steps=steps,
-                             name=f"dropout masks under TP: {setup}, {n} ranks").returns
-    runs = {setup: returns[0] for setup, returns in every.items()}
+        run = spawn(dropout_block, n, setup=setup, p=p, steps=steps, name=f"dropout masks under TP: {setup}, {n} ranks")
+        if not run.skipped:     # skipped under torchrun with fewer ranks: the page says so, here and below
+            every[setup] = run.returns
     note(f"""
         The demo: an MLP block split over {n} ranks (LayerNorm, column-parallel `fc_in`, GELU,
         dropout of the hidden, which is **split**; row-parallel `fc_out`, dropout of its output
@@ -103,6 +103,15 @@ def dropout_two_streams_measured():
         `seed + rank` on each rank, or with the same seed everywhere; `TPRandom`'s two streams;
         its one-process masks.
     """)
+    if every:
+        dropout_masks_four_ways(every, p, steps, n, expected)
+    dropout_under_sp(p, n, expected)
+    dropout_under_dtensor(p, n, expected)
+
+
+def dropout_masks_four_ways(every, p, steps, n, expected):
+    """The four ways of drawing masks (`dropout_block`'s returns per setup): agreement, drift, verdicts."""
+    runs = {setup: returns[0] for setup, returns in every.items()}
     rows = []
     for setup, r in runs.items():
         vs = r.get("vs one process")
@@ -120,7 +129,12 @@ def dropout_two_streams_measured():
     right = [setup for setup, r in runs.items() if r["spread"]["block output"] == 0
              and abs(mean(r["hidden agreement"]) - expected) < 0.1]
     note(f"Both right: {', '.join(right) or 'none of them'}." if len(right) != len(runs) else "All four got both right.")
-    sp = spawn(sp_residual_dropout, n, p=p, name=f"dropout of the residual's sequence shards under SP, {n} ranks").returns[0]
+
+
+def dropout_under_sp(p, n, expected):
+    sp = rank0(spawn(sp_residual_dropout, n, p=p, name=f"dropout of the residual's sequence shards under SP, {n} ranks"))
+    if sp is None:
+        return
     table([[k, a] for k, a in sp["agreement"].items()],
           header=["residual-stream masks under SP, from", f"agree across the {n} ranks (independent {expected:.2f})"],
           caption=f"{n} ranks, each holding a shard of the positions (4 × {8 // n} × 16), p = {p}")
@@ -135,7 +149,12 @@ def dropout_two_streams_measured():
         and the one-process stream's, gathered along the sequence,
         {"equal" if sp["one process equal"] else "do NOT equal"} the single process's whole mask.
     """)
-    dt = spawn(dtensor_dropout_agreement, n, p=p, name=f"DTensor dropout of a sharded tensor, {n} ranks").returns[0]
+
+
+def dropout_under_dtensor(p, n, expected):
+    dt = rank0(spawn(dtensor_dropout_agreement, n, p=p, name=f"DTensor dropout of a sharded tensor, {n} ranks"))
+    if dt is None:
+        return
     note(f"""
         **DTensor** (torch 2.13) keeps the two kinds apart with offsets into the default
         generator's Philox stream, which every rank must seed alike: for a random op on a
@@ -228,14 +247,17 @@ def dropout_exact_one_process():
     from util.measure import compare, machine, timing_ranks
     n = timing_ranks(2)
     shape = (4, 128, 512) if settings.quick else (8, 256, 1024)
-    t = spawn(mask_draw_times, n, shape=shape, repeats=5 if settings.quick else 9,
-              name=f"dropout mask draw times, {n} ranks").returns[0]
-    split, whole = t["split stream: this shard"], t["one-process mask: whole tensor, sliced"]
-    numel = shape[0] * shape[1] * shape[2]
-    table([["split stream: this shard", numel, split.ms()],
-           ["one-process mask: whole tensor, sliced", numel * n, whole.ms()]],
-          header=["this rank's mask", "random numbers drawn per rank", "time, median (IQR)"],
-          caption=f"a shard of {shape} per rank, {machine(n)}, one thread each")
+    t = rank0(spawn(mask_draw_times, n, shape=shape, repeats=5 if settings.quick else 9,
+                    name=f"dropout mask draw times, {n} ranks"))
+    measured = ""       # the demo was skipped under torchrun with fewer ranks: the page says so
+    if t is not None:
+        split, whole = t["split stream: this shard"], t["one-process mask: whole tensor, sliced"]
+        numel = shape[0] * shape[1] * shape[2]
+        table([["split stream: this shard", numel, split.ms()],
+               ["one-process mask: whole tensor, sliced", numel * n, whole.ms()]],
+              header=["this rank's mask", "random numbers drawn per rank", "time, median (IQR)"],
+              caption=f"a shard of {shape} per rank, {machine(n)}, one thread each")
+        measured = f"; measured: {compare(whole, split, 'whole-and-slice', 'drawing the shard alone')}"
     note(f"""
         **Exactly one process?** The split stream's masks are as random as one process's but
         not the same numbers, so a tensor-parallel run with dropout no longer equals one process
@@ -244,8 +266,7 @@ def dropout_exact_one_process():
         restore the equality (the tests use them to check TP and SP with dropout against one
         process) at the price of drawing the whole tensor on every rank: {n}× the random numbers
         of its shard, a price that grows with tp. Drawing costs time in proportion to the
-        count, so the two should differ by about {n}×; measured: {compare(whole, split,
-        "whole-and-slice", "drawing the shard alone")}.
+        count, so the two should differ by about {n}×{measured}.
     """)
 
 
@@ -407,8 +428,9 @@ def async_tensor_parallelism():
     b, s, h = (4, 256, 64) if settings.quick else (8, 512, 64)   # matmuls and collectives take similar times
     async_tp_idea()                         # why the SP collectives block, and the ring that hides them
     r = async_tp_timeline(b, s, h)          # measured: partial matmuls beside transfers, and the bytes
-    async_tp_timing(b, s, h, r["bytes"], r["overlap"])   # measured: plain vs decomposed, fwd + bwd
-    async_tp_pytorch(r["pytorch on CPU"])   # PyTorch's version, and where it runs
+    if r is not None:                       # None: skipped under torchrun with fewer ranks, as the timing would be
+        async_tp_timing(b, s, h, r["bytes"], r["overlap"])   # measured: plain vs decomposed, fwd + bwd
+    async_tp_pytorch(r)                     # PyTorch's version, and where it runs
 
 
 def async_tp_idea():
@@ -456,6 +478,8 @@ def async_tp_idea():
 
 def async_tp_timeline(b, s, h):
     run = spawn(async_tp_trace, 2, b=b, s=s, h=h, name="async TP: one SP MLP forward traced, 2 ranks")
+    if run.skipped:
+        return None
     r = run.returns[0]
     figure(async_tp_figure(run.spans), caption=f"one SP MLP forward (b = {b}, s = {s}, h = {h}), measured on 2 "
            "ranks. A transfer's bar ends when wait() returned (gloo's send/receive reports no earlier "
@@ -567,9 +591,12 @@ def async_tp_verdict(times, more_bytes, traced, ranks):
     """)
 
 
-def async_tp_pytorch(cpu_error):
+def async_tp_pytorch(traced):
+    """PyTorch's async TP; `traced` is the traced forward's rank 0, which also tried PyTorch's op on
+    CPU (None where that demo was skipped)."""
     import torch.distributed as torch_dist
-    ran = "runs" if cpu_error is None else f"raises `{cpu_error}`"
+    tried = "" if traced is None else ": called on CPU tensors here, the op " + (
+        "runs" if traced["pytorch on CPU"] is None else f"raises `{traced['pytorch on CPU']}`")
     note(f"""
         **PyTorch's async TP** is the same decomposition: `torch.ops.symm_mem.fused_all_gather_matmul`
         and `fused_matmul_reduce_scatter` (in `torch.distributed._symmetric_memory`). Each rank
@@ -585,8 +612,7 @@ def async_tp_pytorch(cpu_error):
         for it (its section of the config has moved between versions), and refuses it without
         compiling the model. Ours is the simplest form of the decomposition: one direction
         around the ring, one send and one receive per step.
-        In torch {torch.__version__} the ops have CUDA kernels only:
-        called on CPU tensors here, the op {ran}. The compiler pass also returns early when NCCL
+        In torch {torch.__version__} the ops have CUDA kernels only{tried}. The compiler pass also returns early when NCCL
         is not available ({"it is" if torch_dist.is_nccl_available() else "it is not, in this build"}).
     """)
     published("""

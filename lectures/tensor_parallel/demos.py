@@ -26,6 +26,12 @@ from util.measure import measure, measure_side_by_side
 from lectures.data_parallel.overlap import agreed_wait, measured_against_model, release_core
 from lectures.tensor_parallel.async_tp import ring_all_gather, without_overlap
 
+def rank0(run):
+    """What rank 0 of a demo returned, or None where the demo was skipped (torchrun started fewer
+    ranks than it needs): the page then says why, and the section goes on without its numbers."""
+    return None if run.skipped else run.returns[0]
+
+
 # =========================================================================================
 # 1. Train the split GPT, and the single-process reference it must equal
 # =========================================================================================
