@@ -14,10 +14,11 @@ from lectures.layout.step_time import A100_HBM, A100_PEAK_BF16, a100_cluster, h8
 from lectures.layout.trainer import max_param_diff, reference_run
 
 
-def across_scale():
+def across_scale(validation=None):
     """Published A100 runs from 1.7B to 1T parameters: the GEMM fraction fitted on one, the
-    others predicted; returns the largest error of the predicted runs."""
-    frac, rows = a100_validation()
+    others predicted (`validation`: a100_validation's result, if made already); returns the
+    largest error of the predicted runs."""
+    frac, rows = validation or a100_validation()
     fit = rows[A100_FIT_ROW]["run"]
     held = [r for r in rows if not r["fitted"]]
     worst = max(held, key=lambda r: abs(r["error"]))
