@@ -188,6 +188,10 @@ def step_in_bytes():
                 f"{after_bwd - residue:+,} bytes beside the batch ({rows[1]['batch']:,}) and the loss "
                 f"({rows[1]['loss']}) that the loop still holds.")
     note(f"""
+        What ran: three AdamW steps of the page's GPT ({fmt_bytes(rows[0]['own']['Parameter'])} of fp32
+        parameters, batch 16), read after every phase by MemTracker and by our own count; each
+        row of the table is one phase of one step.
+
         {leftover} The table's last column is `LiveBytes`' peak in each phase: the most bytes
         alive at once that were allocated since training began, so everything but the
         parameters. It is highest in step {top['step']}'s {top['phase']} ({fmt_bytes(top['peak'])},

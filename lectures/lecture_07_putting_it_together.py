@@ -32,6 +32,7 @@ from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    rho_uncertainty, ties_words, trivial_prediction, verdict_of)
 from lectures.layout.at_scale import across_scale, experts_at_scale
+from lectures.layout.published import a100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
 from lectures.layout.deep_dives import (decision_flow, memory_with_recomputation, notes, pytorch_pieces,
                                         table4_sensitivity, wire_bytes)
@@ -219,7 +220,9 @@ def memory_estimator():
           once (all $m$ under GPipe, $\\text{pp} - \\text{stage}$ under 1F1B); full
           recomputation keeps only each block's input, plus one block while it is recomputed;
           the last stage's loss briefly holds two fp32 copies of its logits in backward.
-
+    """)
+    memory_at_scale()      # the picture first: the formulas at published scale
+    note("""
         Measured on every rank of every run above: the bytes of the parameters, gradients and
         optimizer-state tensors the rank holds, and the peak bytes autograd kept for backward
         (a saved-tensors hook, counting each storage once and releasing it when autograd does;
@@ -228,7 +231,6 @@ def memory_estimator():
     see(ModelShape.act_elements_per_token)
     see(estimate_memory)
     memory_of_the_layouts(runs, shape)
-    memory_at_scale()
     with deep_dive("Sequence parallelism and full recomputation in the estimator",
                    "where the estimator follows Megatron-LM rather than lecture 04, and full recomputation measured"):
         memory_with_recomputation(cfg, shape, sp_shown=any(lay.sp for _, lay, _ in runs))
@@ -298,7 +300,7 @@ def memory_at_scale():
         logits — about 4 GB each for Llama 3 at one sequence of 8192 tokens without tensor
         parallelism.
 
-        A calculator at the end of the published-scale section runs this estimator in the page
+        A calculator at the start of the published-scale section runs this estimator in the page
         for any model and layout you type.
     """)
 
@@ -370,10 +372,7 @@ def step_time_model():
         rows.append(["ring-attention step beyond its FLOPs and bytes (forward, backward)",
                      f"{hw.ring_step[0] * 1e3:.3f} ms, {hw.ring_step[1] * 1e3:.3f} ms",
                      f"ring {cal['ring']['ring forward+backward'].ms()}; alone {cal['ring']['alone forward+backward'].ms()}"])
-    table(rows, header=["constant", "value", "measured (median, IQR)"],
-          caption="The cost model's constants, all measured by this build's calibration runs."
-                  + (" The all-reduce fit found no growth with size (β = ∞, a latency-bound fit), which "
-                     "would make every byte free: ring steps use the send/recv β instead." if fell_back else ""))
+    constants = rows      # shown after the picture and the layouts it predicts
     layouts = timing_layouts(run, ranks)
     # The full build times every valid layout, the quick one at least 6; one warm-up step is
     # enough here (the first step builds AdamW's state, later ones are alike).
@@ -390,14 +389,18 @@ def step_time_model():
         parts = step_time(shape, l, hw)
         rows.append([i, l.label(), p * 1e3, t.ms(), t.median / p,
                      ", ".join(f"{k} {parts[k] * 1e3:.1f}" for k in ("compute", "tp", "cp", "pp", "bubble", "dp") if parts[k] > 0)])
+    figure(draw_predicted_vs_measured(layouts, pred, times, rho, ranks),
+           caption=f"Predicted vs measured, {len(layouts)} layouts (median and IQR), {machine(ranks)}. "
+                   "Each number is the table's #; points above the dashed line took longer than predicted.")
     table(rows, header=["#", "layout", "predicted (ms)", "measured (median, IQR)", "measured / predicted",
                         "predicted parts (ms)"],
           caption=f"Every valid layout{' (quick build: a subset)' if quick else ''} of the "
                   f"{ranks}-rank search, predicted and measured (5 repeats, no meter); Spearman "
                   f"rank correlation ρ = {rho:.2f}.")
-    figure(draw_predicted_vs_measured(layouts, pred, times, rho, ranks),
-           caption=f"Predicted vs measured, {len(layouts)} layouts (median and IQR), {machine(ranks)}. "
-                   "Each number is the table's #; points above the dashed line took longer than predicted.")
+    table(constants, header=["constant", "value", "measured (median, IQR)"],
+          caption="The cost model's constants, all measured by this build's calibration runs."
+                  + (" The all-reduce fit found no growth with size (β = ∞, a latency-bound fit), which "
+                     "would make every byte free: ring steps use the send/recv β instead." if fell_back else ""))
     by_axis = ratios_by_axis(layouts, pred, meas)
     best_pred, best_meas = layouts[pred.index(min(pred))], layouts[meas.index(min(meas))]
     ratios = {k: statistics.median(v) for k, v in by_axis.items()}
@@ -470,8 +473,10 @@ def error_by_axis():
     table([[k, len(v), statistics.median(v), min(v), max(v)]
            for k, v in sorted(ratios_by_axis(layouts, pred, meas).items())],
           header=["what the layout splits", "layouts", "median measured / predicted", "lowest", "highest"],
-          caption="The absolute error, axis by axis: a ratio of 1 is exact; a ratio above 1 means "
-                  "the model under-predicts, and so favours, that axis.")
+          caption=f"The absolute error, axis by axis: each of the {len(layouts)} layouts timed on this machine "
+                  "above (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
+                  "by what it splits. A ratio of 1 is exact; a ratio above 1 means the model under-predicts, "
+                  "and so favours, that axis.")
     zero_note(layouts, pred, meas)
 
 
@@ -559,8 +564,11 @@ def published_scale():
             near-linear scalability using 256 GPUs".
         """, "https://arxiv.org/abs/2006.15704", "Li et al. 2020, PyTorch Distributed, abstract")
 
-    hw, band = llama3_table4()
-    band = max(band, across_scale())
+    # the calculator opens the section, so the two fits it offers are made first and shown below
+    table4, a100 = reproduce_table4(LLAMA3_405B, h100_cluster), a100_validation()
+    calculator(h100_cluster(**{GEMM: table4[0]}), a100[0])
+    hw, band = llama3_table4(table4)
+    band = max(band, across_scale(a100))
     experts_at_scale(hw)
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
     for model in (LLAMA3_8B, LLAMA3_70B):
@@ -627,14 +635,13 @@ def published_scale():
     """)
     _RESULTS["published"] = rows
     nvidia_and_ties(searched, hw, band)
-    calculator(hw)
 
 
-def calculator(hw):
+def calculator(hw, a100_fraction=None):
     machines = [_RESULTS["this_machine"]] if "this_machine" in _RESULTS else []
-    fitted = dataclasses.replace(hw, name=f"DGX H100 cluster, GEMMs at {100 * hw.flops / hw.peak:.0f}% of peak (fitted above)")
-    if "a100_fraction" in _RESULTS:
-        a100 = a100_cluster(**{GEMM: _RESULTS["a100_fraction"]})
+    fitted = dataclasses.replace(hw, name=f"DGX H100 cluster, GEMMs at {100 * hw.flops / hw.peak:.0f}% of peak (fitted below)")
+    if a100_fraction is not None:
+        a100 = a100_cluster(**{GEMM: a100_fraction})
         machines.append(dataclasses.replace(a100, name=f"DGX A100 cluster, GEMMs at {100 * a100.flops / a100.peak:.0f}% "
                                                         "of peak (fitted on Megatron-LM's 76.1B)"))
     machines.append(dataclasses.replace(h800_cluster(**{GEMM: hw.flops / hw.peak}),
@@ -645,15 +652,16 @@ def calculator(hw):
                    f"Per-rank memory of the most loaded pipeline stage (the black line is the device's "
                    f"memory, starting at the search's cap: {hw.memory / 2 ** 30:.1f} GiB, "
                    f"{ASSUMED['usable fraction of HBM']} of 80 GiB) and the predicted step time with its parts, "
-                   f"on the H100 cluster's constants with the GEMM fraction fitted on Table 4, the A100 "
+                   f"on the H100 cluster's constants with the GEMM fraction fitted on Table 4 below, the A100 "
                    f"cluster's fitted on Megatron-LM's 76.1B, the H800's, or this machine's as measured above. "
                    f"Experts: set experts > 0 (the DeepSeek-V3 preset) and ep, a divisor of dp and of the experts.")
 
 
-def llama3_table4():
+def llama3_table4(fitted=None):
     """Table 4 of the Llama 3 report through the model: the GEMM fraction fitted on one row,
-    the other rows predicted; returns the calibrated hardware and the model's error band."""
-    frac, out = reproduce_table4(LLAMA3_405B, h100_cluster)
+    the other rows predicted (`fitted`: reproduce_table4's result, if made already); returns the
+    calibrated hardware and the model's error band."""
+    frac, out = fitted or reproduce_table4(LLAMA3_405B, h100_cluster)
     hw = h100_cluster(**{GEMM: frac})
     note(f"""
         ### Llama 3 405B: Table 4 through the model
@@ -706,7 +714,8 @@ def llama3_table4():
     """)
     _RESULTS["table4"] = {"fraction": frac, "rows": out, "band": band}
     with deep_dive("How the Table 4 fit moves with the constants it does not fit",
-                   "attention's rate, the link bandwidths and data-parallel overlap changed, the fit redone"):
+                   "attention's rate, the link bandwidths and data-parallel overlap changed, the fit redone; "
+                   "the 128K row's context-parallel account"):
         table4_sensitivity(frac, out)
     return hw, band
 

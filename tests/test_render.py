@@ -448,3 +448,24 @@ def test_the_page_serves_the_phone_drawing_below_600_px(tmp_path):
     assert '<source media="(max-width: 600px)" srcset="lecture_demo_files/fig-01-phone.svg">' in html
     assert (files / "fig-01-phone.svg").read_text() == SVG.replace("10", "5")
     assert 'src="lecture_demo_files/fig-01.svg"' in html
+
+
+def test_a_timeline_with_its_legend_under_the_axes_has_a_phone_drawing(monkeypatch):
+    """A legend centred under its axes narrows with them (lecture 02's overlap timeline was a
+    few pixels tall on a phone); one beside the axes would be cut, so that figure keeps one width."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from util import record
+    from util.figures import timeline
+    added = []
+    monkeypatch.setattr(record._current, "add", lambda kind, **kw: added.append(kw))
+    spans = [{"rank": r, "label": label, "start": a, "end": b} for r in (0, 1)
+             for label, a, b in (("wait", 0, 0.01), ("all-reduce", 0.012, 0.02), ("wait", 0.02, 0.03))]
+    record.figure(timeline(spans, title="two ranks"))
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.plot([0, 1], [0, 1], label="a line")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    record.figure(fig)
+    below, beside = added
+    assert "phone_svg" in below and "phone_svg" not in beside

@@ -309,13 +309,66 @@ def test_javascript_step_time_equals_python_for_random_layouts(browser, calculat
         from lectures.layout import a100_cluster, h800_cluster
         hbm = dataclasses.replace(small, hbm=5e10, scores_in_hbm=True, ep_overlap=0.5, tp_overlap=0.3, ranks_per_node=4)
         for hw in (h100_cluster(), small, a100_cluster(), dataclasses.replace(h800_cluster(), ep_overlap=1.0), hbm):
-            got = w.page.evaluate("a => a[0].map(c => window.course.stepTime(c[0], c[1], a[1]))",
+            got = w.page.evaluate("a => a[0].map(c => { const st = window.course.stepTime(c[0], c[1], a[1]);"
+                                  " return [st, window.course.stepParts(st, a[1])]; })",
                                   [[[m, l] for m, l, _, _ in cases], dataclasses.asdict(hw)])
-            for (_, _, m, l), js in zip(cases, got):
+            for (_, _, m, l), (js, parts) in zip(cases, got):
                 py = step_time(m, l, hw)
                 for k, v in py.items():
                     assert js[k] == pytest.approx(v, rel=1e-9, abs=1e-15), (hw.name, m.name, l, k)
+                # the time bar: Python's parts, the fixed cost per step beside the optimizer, adding up to the total
+                seconds = {key: value for key, _, value, _ in parts}
+                python = {k: py[k] for k in ("compute", "bubble", "tp", "cp", "pp", "ep", "dp")}
+                python["fixed"] = py["optimizer"] + hw.step_overhead
+                assert seconds == pytest.approx(python, rel=1e-9, abs=1e-15), (hw.name, m.name, l)
+                assert sum(seconds.values()) == pytest.approx(py["total"], rel=1e-9, abs=1e-15), (hw.name, m.name, l)
         assert "Predicted step on" in w.page.locator(".widget-readout >> nth=1").text_content()
+        w.check_clean()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("width,height", [(1280, 800), (390, 844)])
+def test_the_time_bar_adds_up_to_the_step_the_widget_shows(browser, calculator_page, width, height):
+    """Beside the memory bar, a bar of where the step's time goes: its parts are step_time's and
+    add up to the step the readout shows; every legend entry reads as one phrase."""
+    import re
+    from lectures.layout import Layout, ModelShape, calculator_data, h100_cluster, step_time
+    data = calculator_data()
+    w = Watched(browser, viewport={"width": width, "height": height})
+    try:
+        pg = w.page
+        pg.goto("file://" + calculator_page)
+        tp = pg.locator(".widget-controls label", has_text="tp").locator("input")
+        pp = pg.locator(".widget-controls label", has_text="pp").locator("input")
+        for tp_value, pp_value, micro_batches in (("8", "1", "1"), ("2", "4", "8")):   # the first layout; then a pipeline
+            tp.fill(tp_value)
+            pg.locator(".widget-controls label", has_text="micro-batches").locator("input").fill(micro_batches)
+            pp.fill(pp_value)
+            layout = Layout(**dict(data["initial"]["layout"], tp=int(tp_value), pp=int(pp_value),
+                                   micro_batches=int(micro_batches)))
+            py = step_time(ModelShape(**data["presets"][data["initial"]["model"]]), layout, h100_cluster())
+            bar = pg.locator(".calc-bars .widget-svg >> nth=1").locator("svg")
+            shown = float(bar.get_attribute("data-total"))
+            parts = {r.get_attribute("data-part"): float(r.get_attribute("data-seconds"))
+                     for r in bar.locator("rect").all()}
+            assert sum(parts.values()) == pytest.approx(shown, rel=1e-9)
+            assert shown == pytest.approx(py["total"], rel=1e-9)
+            for key, seconds in parts.items():
+                assert seconds == pytest.approx(py["optimizer"] + h100_cluster().step_overhead if key == "fixed" else py[key],
+                                                rel=1e-9), key
+            assert (pp_value == "4") == ("bubble" in parts)
+            readout = pg.locator(".widget-readout >> nth=1").text_content()
+            total = re.search(r": ([\d.]+) (s|ms) \(", readout)
+            assert float(total[1]) * (1e-3 if total[2] == "ms" else 1) == pytest.approx(shown, rel=0.01, abs=1e-4)
+            entries = pg.locator(".calc-bars .legend-item").all_text_contents()
+            assert len(entries) == 5 + len(parts)      # five parts of memory, then the step's
+            for entry in entries:
+                assert re.fullmatch(r"■ [A-Za-z][A-Za-z -]* \d+\.\d+ (GiB|MiB|KiB|s|ms)( \(\d+%\))?", entry), entry
+        assert pg.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+        boxes = pg.evaluate("[...document.querySelectorAll('.calc-bars > .widget-svg')].map(b => b.getBoundingClientRect().top)")
+        assert (boxes[0] == boxes[1]) == (width > 600)  # side by side, one above the other on a phone
+        pg.locator("figure.widget.live").screenshot(path=f"tests/artifacts/calculator_time_{width}.png")
         w.check_clean()
     finally:
         w.close()

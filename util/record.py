@@ -158,17 +158,38 @@ def _phone_svg(fig):
     # Only plain charts: one column of panels with their axes drawn and legends inside them.
     # Side-by-side panels, diagrams (text placed in data coordinates) and legends outside the
     # axes keep their width, and would run into each other or be cut when narrowed.
+    # A legend centred under its axes (a timeline's) narrows with them and stays whole.
     legend_outside = fig.legends or any(ax.get_legend() is not None and ax.get_legend()._bbox_to_anchor is not None
-                                        for ax in axes)
+                                        and not _centred_below(ax.get_legend()) for ax in axes)
     if w <= PHONE_INCHES * 1.05 or columns > 1 or not all(ax.axison for ax in axes) or legend_outside:
         return None
+    extra, hanging = 0.0, []    # inches of height for legends that become one column; those legends
+    for ax in axes:     # a legend under the axes: one entry per line, so it is no wider than the phone
+        legend = ax.get_legend()
+        if legend is not None and legend._bbox_to_anchor is not None and legend._ncols > 1:
+            box = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+            texts = [t.get_text() for t in legend.get_texts()]
+            hanging.append(ax.legend(handles=legend.legend_handles, labels=texts, loc="upper center",
+                                     bbox_to_anchor=(box.x0, box.y0, box.width, box.height), ncol=1,
+                                     frameon=False))
+            hanging[-1].set_in_layout(False)    # re-fitting the labels must not squeeze the axes
+            extra += 0.22 * (len(texts) - -(-len(texts) // legend._ncols))
     f = max(PHONE_INCHES / w, 0.5)
-    fig.set_size_inches(w * f, h * max(f, 0.75))
+    # axes keep their height when a legend hangs under them (its anchor is a fraction of it)
+    fig.set_size_inches(w * f, h + extra if extra else h * max(f, 0.75))
     if fig.get_layout_engine() is None:     # re-fit labels to the smaller canvas
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fig.tight_layout()
+    for legend in hanging:      # ... but the saved drawing holds it whole
+        legend.set_in_layout(True)
     return _svg(fig)
+
+
+def _centred_below(legend):
+    """Whether a legend hangs centred under its axes (loc 'upper center', anchored at y < 0)."""
+    box = legend.get_bbox_to_anchor().transformed(legend.axes.transAxes.inverted())
+    return legend._loc in (9,) and box.y1 < 0 and abs((box.x0 + box.x1) / 2 - 0.5) < 0.01
 
 
 def figure(fig, caption=""):

@@ -364,7 +364,8 @@ def bytes_on_the_wire():
           header=["stage", "formula (bytes)", "counted: our calls as rings (NCCL)",
                   "counted: our calls as gloo runs them", "measured: written to sockets",
                   "measured / rings", "measured / gloo count", "calls per step", "collectives"],
-          caption=f"bytes sent per rank per step, rank 0, N = {n}. Formula: a ring sends (N−1)/N "
+          caption=f"bytes sent per rank per step, rank 0, N = {n}, the MLP of the memory section "
+                  f"({len(task.sizes) - 1} linear layers, Ψ = {psi:,} fp32 parameters). Formula: a ring sends (N−1)/N "
                   "of a tensor per pass; ≈ 2Ψ·4 bytes for DP/ZeRO-1/2, ≈ 3Ψ·4 for ZeRO-3 (ours "
                   "keeps the last layer gathered from forward to backward: 2L−1 all-gathers, "
                   "not 2L).")

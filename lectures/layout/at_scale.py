@@ -14,10 +14,11 @@ from lectures.layout.step_time import A100_HBM, A100_PEAK_BF16, a100_cluster, h8
 from lectures.layout.trainer import max_param_diff, reference_run
 
 
-def across_scale():
+def across_scale(validation=None):
     """Published A100 runs from 1.7B to 1T parameters: the GEMM fraction fitted on one, the
-    others predicted; returns the largest error of the predicted runs."""
-    frac, rows = a100_validation()
+    others predicted (`validation`: a100_validation's result, if made already); returns the
+    largest error of the predicted runs."""
+    frac, rows = validation or a100_validation()
     fit = rows[A100_FIT_ROW]["run"]
     held = [r for r in rows if not r["fitted"]]
     worst = max(held, key=lambda r: abs(r["error"]))
@@ -30,13 +31,20 @@ def across_scale():
         {100 * frac:.1f}% of peak), the model predicts the other eleven within
         {100 * abs(worst['error']):.0f}%, with a trend: from
         {100 * held[0]['error']:+.1f}% (too fast) at 1.7B to {100 * largest['error']:+.1f}% (too slow)
-        at 1T; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%. The runs one by
-        one, with their layouts and step times, are in the deep dive below.
+        at 1T{worst_words(worst, largest)}. The runs one by one, with their layouts and step times,
+        are in the deep dive below.
     """)
     _RESULTS["a100_detail"] = (frac, rows, held, worst)
     _RESULTS["validation"] = {r["run"]["name"]: r["error"] for r in held}
     _RESULTS["a100_fraction"] = frac
     return abs(worst["error"])
+
+
+def worst_words(worst, largest):
+    """'; the worst is X, e%' — or ', the worst' when the worst run is the largest (named once)."""
+    if worst is largest:
+        return ", the worst"
+    return f"; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%"
 
 
 def a100_detail(frac, rows, held, worst):
@@ -60,8 +68,9 @@ def a100_detail(frac, rows, held, worst):
 
         Every predicted run lands within {100 * abs(worst['error']):.0f}% (the worst:
         {worst['run']['name']}, {100 * worst['error']:+.1f}%). The error still drifts with
-        size — {small['run']['name']} {100 * small['error']:+.1f}% (predicted too fast), the
-        largest {', '.join(f"{100 * r['error']:+.1f}%" for r in large)} (predicted too slow) —
+        size — {small['run']['name']} {100 * small['error']:+.1f}% (predicted too fast), the runs
+        above 500B parameters {', '.join(f"{r['run']['name']} {100 * r['error']:+.1f}%" for r in large)}
+        (predicted too slow) —
         so something the model leaves out weighs more at one end. Likely candidates, not
         checked here: attention's small batched products (head dimension 96–160) run slower than
         the GEMM rate the model gives them, a bigger share of a small model's work; at 1T the

@@ -92,11 +92,11 @@ def wire_bytes():
     if not rows:
         note("This machine does not count the bytes a process writes (not Linux): nothing to check.")
         return
+    figure(draw_wire_ratios(ratios), caption="Measured over predicted bytes per rank and step, every layout and stage.")
     table(rows, header=["layout", "rank", "measured bytes", "predicted (gloo)", "measured / predicted",
                         "predicted by axis", "NCCL would send"],
           caption="One training step, each rank's bytes on the wire, measured and predicted. Ranks "
                   "that sent the same bytes are shown once.")
-    figure(draw_wire_ratios(ratios), caption="Measured over predicted bytes per rank and step, every layout and stage.")
     low, high = min(r for _, _, r in ratios), max(r for _, _, r in ratios)
     pp_only = [r for n, l, r in ratios if l.pp > 1 and l.dp == l.tp == l.cp == 1]
     note(f"""

@@ -668,6 +668,26 @@
     return (x / 1024).toFixed(1) + " KiB";
   }
 
+  // The time bar's parts, in the order they are stacked; they add up to stepTime's total. The
+  // port returns every part of step_time.py but its fixed cost per step (hw.step_overhead, which
+  // step_time.py adds to the total as it is): that is charged the same way here, with the
+  // optimizer step (zero unless the hardware has an HBM rate) as one part.
+  var TIME_PARTS = [["compute", "compute", "#4c78a8"], ["bubble", "pipeline bubble", "#bab0ac"],
+                    ["tp", "TP", "#f58518"], ["cp", "CP", "#72b7b2"], ["pp", "PP sends", "#54a24b"],
+                    ["ep", "EP all-to-all", "#eeca3b"], ["dp", "exposed DP", "#e45756"],
+                    ["fixed", "optimizer and fixed cost", "#b279a2"]];
+  course.stepParts = function (st, hw) {   // [[key, label, seconds, colour]] of a stepTime result
+    var fixed = st.optimizer + ((hw && hw.step_overhead) || 0.0);
+    return TIME_PARTS.map(function (p) { return [p[0], p[1], p[0] === "fixed" ? fixed : st[p[0]], p[2]]; });
+  };
+  // one legend entry: a swatch, its name and its value, kept on one line and apart from the next
+  function legendItem(legend, swatchClass, text) {
+    var item = el("span", { "class": "legend-item" }, legend);
+    el("span", { "class": "swatch " + swatchClass }, item).textContent = "■";
+    item.appendChild(document.createTextNode(" " + text));
+    legend.appendChild(document.createTextNode(" "));
+  }
+
   function drawCalculator(root, data) {
     PRECISION_BYTES = data.precision_bytes;
     var body = root.querySelector(".widget-body");
@@ -723,7 +743,9 @@
       hardware: select("step time on", Object.keys(data.hardware), Object.keys(data.hardware)[0])
     };
     var out = el("p", { "class": "widget-readout", "aria-live": "polite" }, body);
-    var barBox = el("div", { "class": "widget-svg" }, body);
+    // the memory bar and, beside it (below it on a phone), where the step's time goes
+    var bars = el("div", { "class": "calc-bars" }, body);
+    var barBox = el("div", { "class": "widget-svg" }, bars), timeBox = el("div", { "class": "widget-svg" }, bars);
     var stepOut = el("p", { "class": "widget-readout" }, body);
     var base = {};
     function loadPreset() {
@@ -792,6 +814,7 @@
         else if (m.experts ? m.experts % l.ep : l.ep > 1) problems.push("ep must divide the routed experts");
       }
       barBox.innerHTML = "";
+      timeBox.innerHTML = "";
       if (problems.length) {
         out.textContent = "Not a valid model or layout: " + problems.join("; ") + ".";
         stepOut.textContent = "";
@@ -799,6 +822,7 @@
       }
       var e = course.estimateMemory(m, l), cap = gib * GiB;
       var W = Math.max(300, Math.min(960, barBox.clientWidth || 720)), H = 68, left = 8;
+      el("p", { "class": "widget-bar-title" }, barBox).textContent = "Memory per rank";
       var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "bytes per rank" }, barBox, true);
       var top = Math.max(e.total, cap) || 1, scale = (W - 2 * left) / top, x = left;
       PARTS.forEach(function (p) {
@@ -814,16 +838,14 @@
           "device " + fmtBytes(cap);
       }
       var legend = el("p", { "class": "widget-legend" }, barBox);
-      PARTS.forEach(function (p) {
-        el("span", { "class": "swatch swatch-" + p[0] }, legend).textContent = "■";
-        legend.appendChild(document.createTextNode(" " + p[0] + " " + fmtBytes(e[p[0]]) + "  "));
-      });
+      PARTS.forEach(function (p) { legendItem(legend, "swatch-" + p[0], p[0] + " " + fmtBytes(e[p[0]])); });
       var fits = cap ? (e.total <= cap ? "fits" : "does NOT fit") : "";
       out.textContent = "Per rank (pipeline stage " + e.stage + ", the most loaded): " + fmtBytes(e.total) +
         (cap ? ", " + fits + " in " + fmtBytes(cap) : "") + "; " +
         (l.dp * l.tp * l.pp * l.cp) + " ranks, global batch " + (l.dp * l.micro_batch * l.micro_batches) + " sequences.";
       var hw = data.hardware[inp.hardware.value], st = course.stepTime(m, l, hw);
       var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
+      drawTimeBar(st, hw, fmt);
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
         (st.attention > 0 ? ", of it attention " + fmt(st.attention) : "") + ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
         fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + (st.ep > 0 ? ", expert all-to-all " + fmt(st.ep) : "") +
@@ -831,6 +853,23 @@
         (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) + " of the compute" : "") + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
+    }
+    function drawTimeBar(st, hw, fmt) {   // the step's seconds, stacked part by part (stepParts)
+      var W = Math.max(300, Math.min(960, timeBox.clientWidth || 720)), left = 8, x = left;
+      el("p", { "class": "widget-bar-title" }, timeBox).textContent = "Where the step's time goes";
+      var parts = course.stepParts(st, hw).filter(function (p) { return p[2] > 0; });
+      var share = function (x) { return (100 * x / st.total).toFixed(0) + "%"; };
+      var svg = el("svg", { viewBox: "0 0 " + W + " 50", role: "img", "aria-label": "seconds per step, by part",
+                            "data-total": String(st.total) }, timeBox, true);
+      var scale = (W - 2 * left) / (st.total || 1);
+      parts.forEach(function (p) {
+        var r = el("rect", { x: x, y: 10, width: p[2] * scale, height: 34, fill: p[3], "data-part": p[0],
+                             "data-seconds": String(p[2]) }, svg, true);
+        el("title", {}, r, true).textContent = p[1] + ": " + fmt(p[2]) + ", " + share(p[2]) + " of the step";
+        x += p[2] * scale;
+      });
+      var legend = el("p", { "class": "widget-legend" }, timeBox);
+      parts.forEach(function (p) { legendItem(legend, "swatch-time-" + p[0], p[1] + " " + fmt(p[2]) + " (" + share(p[2]) + ")"); });
     }
     preset.addEventListener("change", function () { loadPreset(); redraw(); });
     allShapeKeys.forEach(function (k) {
