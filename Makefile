@@ -51,14 +51,9 @@ lecture: $(STAMP)
 	@test -n "$(L)" || { echo "usage: make lecture L=lecture_02_communication"; exit 2; }
 	@$(PY) -m util.run $(L) $(RUNFLAGS)
 
-# Two pytest runs: every test not marked `timed` on two pytest-xdist workers side by side (a
-# test that waits for ranks, a timeout or a subprocess leaves a core idle, which the other worker
-# fills; the course builds run once, under a lock, for both), then the `timed` ones alone on the
-# machine, after the builds.
+# The tests marked `timed` run last, after both course builds, on a machine no build shares.
 test: $(STAMP)
-	@$(PY) -m pytest tests -n 2 -m "not timed" --durations=25; untimed=$$?; \
-	$(PY) -m pytest tests -m timed --durations=10; timed=$$?; \
-	if [ $$untimed -ne 0 ] || [ $$timed -ne 0 ]; then exit 1; fi
+	@$(PY) -m pytest tests --durations=25
 
 test-torchrun: $(STAMP)
 	@$(PY) -m pytest tests -m torchrun

@@ -1,5 +1,4 @@
 """Shared test fixtures. Tests run on CPU with gloo, whatever the machine has."""
-import json
 import os
 import pathlib
 import subprocess
@@ -37,13 +36,11 @@ def build(lecture, out, *flags, check=True):
 
 BUILD_READERS = ("course_site", "executed_notebooks")
 # Tests marked `timed` (a browser's redraw, overlap against its model, a bandwidth) run after
-# both builds, on a machine no build shares: `make test` runs them in a pytest of their own,
-# after the others have run on two pytest-xdist workers.
+# both builds, on a machine no build shares.
 _BUILDS = []        # the session's builds, reported at the end of the run
 _background = None
-_START = time.time()    # wall-clock, so that xdist workers' spans line up with the controller's
+_START = time.monotonic()
 _PHASE, _SPANS, _WAITED = {}, {}, {}    # test -> phase; test -> [start, end]; build -> seconds waited
-_FROM_WORKERS = []      # on the xdist controller: what each worker measured (pytest_testnodedown)
 
 
 def _lectures():
@@ -86,9 +83,9 @@ def _session_build(kind):
     from tests.support import course_build
     from util import build_notebooks
     if _background and kind in _background.kinds:
-        start = time.time()
+        start = time.monotonic()
         build = _background.get(kind)
-        _WAITED[kind] = _WAITED.get(kind, 0.0) + time.time() - start
+        _WAITED[kind] = _WAITED.get(kind, 0.0) + time.monotonic() - start
     elif kind == "pages":
         build = course_build.pages(_lectures())
     else:
@@ -108,66 +105,35 @@ def course_site():
     return pathlib.Path(build.path("content")), build
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """No build outlives the session, except on a pytest-xdist worker whose run ended normally:
-    a build this worker started may be what the other worker's tests wait for (on its lock), so
-    the worker lets it finish. A worker hands what it measured to the controller's report."""
+def pytest_sessionfinish(session):
     from tests.support import course_build
-    if _background and hasattr(session.config, "workeroutput") and exitstatus in (0, 1) \
-            and not session.shouldstop:
-        for thread in _background.threads.values():
-            thread.join()
     course_build.stop_all()
-    if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["course"] = json.dumps(_measured())
-
-
-def _measured():
-    """This process's builds, waits and test spans, as plain data."""
-    return {"builds": [{"kind": b.kind, "folder": b.folder, "reused": b.reused, "seconds": b.seconds,
-                        "returncode": b.returncode} for b in _BUILDS],
-            "waited": _WAITED, "spans": [(_PHASE[n], *s) for n, s in _SPANS.items() if n in _PHASE and s[1]]}
-
-
-@pytest.hookimpl(optionalhook=True)     # an xdist hook: pytest without xdist never calls it
-def pytest_testnodedown(node, error):
-    """On the xdist controller: keep what a worker measured for the run's report."""
-    if "course" in getattr(node, "workeroutput", {}):
-        _FROM_WORKERS.append(json.loads(node.workeroutput["course"]))
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _SPANS[nodeid] = [time.time(), None]
+    _SPANS[nodeid] = [time.monotonic(), None]
 
 
 def pytest_runtest_logfinish(nodeid, location):
     if nodeid in _SPANS:
-        _SPANS[nodeid][1] = time.time()
+        _SPANS[nodeid][1] = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter):
     """Say what the builds cost, apart from the tests that waited for them, and where the run's
-    time went: each phase's span of wall-clock time (the builds run beside the unit tests). Under
-    pytest-xdist the workers' measurements are joined."""
-    parts = _FROM_WORKERS or [_measured()]
-    builds = {(b["kind"], b["folder"]): b for part in parts for b in part["builds"] if not b["reused"]}
-    for part in parts:       # a build another worker made is "reused" here only if nobody built it
-        for b in part["builds"]:
-            builds.setdefault((b["kind"], b["folder"]), b)
-    for b in builds.values():
+    time went: each phase's span of wall-clock time (the builds run beside the unit tests)."""
+    for b in _BUILDS:
         terminalreporter.write_line(
-            f"course build '{b['kind']}': " + (f"reused {os.path.relpath(b['folder'], ROOT)} (sources unchanged)"
-                                               if b["reused"] else f"built in {b['seconds']:.0f} s, exit {b['returncode']}"))
-    for kind in dict.fromkeys(k for part in parts for k in part["waited"]):
-        waits = [round(part["waited"][kind]) for part in parts if kind in part["waited"]]
-        terminalreporter.write_line(f"tests waited {' and '.join(f'{w} s' for w in waits)} for the course "
-                                    f"build '{kind}'" + (" (one figure per xdist worker)" if len(waits) > 1 else ""))
-    spans = [s for part in parts for s in part["spans"]]
-    for phase in dict.fromkeys(p for p, _, _ in spans):
-        mine = [(a, b) for p, a, b in spans if p == phase]
-        terminalreporter.write_line(
-            f"{phase}: {len(mine)} tests from {min(a for a, _ in mine) - _START:.0f} s to "
-            f"{max(b for _, b in mine) - _START:.0f} s into the run")
+            f"course build '{b.kind}': " + (f"reused {os.path.relpath(b.folder, ROOT)} (sources unchanged)"
+                                            if b.reused else f"built in {b.seconds:.0f} s, exit {b.returncode}"))
+    for kind, seconds in _WAITED.items():
+        terminalreporter.write_line(f"tests waited {seconds:.0f} s for the course build '{kind}'")
+    for phase in dict.fromkeys(_PHASE.values()):
+        spans = [_SPANS[n] for n, p in _PHASE.items() if p == phase and n in _SPANS and _SPANS[n][1]]
+        if spans:
+            terminalreporter.write_line(
+                f"{phase}: {len(spans)} tests from {min(a for a, _ in spans) - _START:.0f} s to "
+                f"{max(b for _, b in spans) - _START:.0f} s into the run")
 
 
 def walk(records):
