@@ -300,8 +300,12 @@ def exit_cleanly(rank, world_size):
 def test_a_rank_that_exits_with_code_0_is_said_to_exit_not_to_die():
     with pytest.raises(DemoFailed) as e:
         spawn(exit_cleanly, 2)
-    assert "ranks 0 and 1 exited (exit code 0) before finishing" in e.value.run.error
-    assert "died" not in e.value.run.error, e.value.run.error
+    # both ranks exit; under load the launcher may stop rank 0 after rank 1's exit, before its own
+    error = e.value.run.error
+    assert ("ranks 0 and 1 exited (exit code 0) before finishing" in error or
+            "rank 1 exited (exit code 0) before finishing; rank 0 was stopped after rank 1 exited" in error
+            or "rank 0 exited (exit code 0) before finishing; rank 1 was stopped after rank 0 exited" in error), error
+    assert "died" not in error, error
 
 
 def test_a_signal_while_workers_start_ends_with_its_own_exit_and_no_worker_left(monkeypatch):

@@ -42,6 +42,7 @@ import inspect
 import linecache
 import math
 import numbers
+import os
 import re
 import sys
 import textwrap
@@ -259,12 +260,22 @@ _peeking = {"hooked": False, "refused": None, "busy": threading.local()}
 
 def _students(frame):
     """Whether `frame`, or the code that called into inspect or traceback to reach it, is a
-    shipped function's ("<your ...>")."""
+    shipped function's ("<your ...>"), or code compiled from a string (no module file behind it)
+    while a shipped function runs: a function could compile its peeking under another name."""
     import traceback
     helpers = {inspect.__file__, traceback.__file__}
     while frame is not None and frame.f_code.co_filename in helpers:
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith("<your ")
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    return name.startswith("<your ") or (not _from_a_module_file(name) and _under_students(frame))
+
+
+def _from_a_module_file(name):
+    """Whether code named `name` was loaded from a file (PyTorch's, Python's, frozen or not, the
+    course's), not compiled from a string by whoever called compile()."""
+    return name.startswith("<frozen ") or (not name.startswith("<") and os.path.isfile(name))
 
 
 def _under_students(frame):
