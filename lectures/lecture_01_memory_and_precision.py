@@ -189,7 +189,7 @@ def step_in_bytes():
                 f"({rows[1]['loss']}) that the loop still holds.")
     note(f"""
         What ran: three AdamW steps of the page's GPT ({fmt_bytes(rows[0]['own']['Parameter'])} of fp32
-        parameters, batch 16), read after every phase by MemTracker and by our own count; each
+        parameters, 16 sequences of {cfg.seq_len} tokens), read after every phase by MemTracker and by our own count; each
         row of the table is one phase of one step.
 
         {leftover} The table's last column is `LiveBytes`' peak in each phase: the most bytes

@@ -603,9 +603,9 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
                caption=f"Published on GPUs, not measured here: [{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}). Left: "
                        "throughput over 1F1B's at m = 3p; right: memory per GPU.")
         note("""
-            The paper's ZB-1p and ZB-2p are its automatically scheduled lists under the memory
-            limits of ZB-H1 and ZB-H2 (1F1B's activations, and twice them); 1F1B-I is
-            interleaved 1F1B. Table 4 measures each at m = 3p, 4p and 8p micro-batches; the
+            The paper's ZB-1p and ZB-2p are its automatically scheduled lists under a memory
+            limit of p and 2p micro-batches' activations (1F1B's peak, and twice it; the
+            handcrafted ZB-H1 and ZB-H2 hold p and 2p − 1); 1F1B-I is interleaved 1F1B. Table 4 measures each at m = 3p, 4p and 8p micro-batches; the
             figure draws m = 3p, where the bubble weighs most.
         """)
 

@@ -223,7 +223,7 @@ def memory_estimator():
     """)
     memory_at_scale()      # the picture first: the formulas at published scale
     note("""
-        Measured on every rank of every run above: the bytes of the parameters, gradients and
+        Measured on every rank of every run of "One model, many layouts": the bytes of the parameters, gradients and
         optimizer-state tensors the rank holds, and the peak bytes autograd kept for backward
         (a saved-tensors hook, counting each storage once and releasing it when autograd does;
         the pipeline executor of lecture 05 counts its stages' own).
@@ -447,7 +447,8 @@ def step_time_model():
         on this machine: an H100's sustained FLOP rate, NVLink and InfiniBand bandwidth and
         which groups cross nodes, the overlap of data-parallel traffic (assumed complete),
         deep and interleaved pipelines, and all four axes at once. Their *byte* counts are
-        checked exactly (the next section); their *times* are checked only against the
+        checked exactly (the deep dive "The communication model, checked exactly on the
+        wire"); their *times* are checked only against the
         published runs below. So ρ here supports the counting, not the picks at scale.
     """)
     _RESULTS.update(hw=hw, cal=cal, rho=rho, rho_trivial=rho_trivial, rho_compute=rho_compute, timed=list(zip(layouts, pred, times)))
@@ -474,7 +475,7 @@ def error_by_axis():
            for k, v in sorted(ratios_by_axis(layouts, pred, meas).items())],
           header=["what the layout splits", "layouts", "median measured / predicted", "lowest", "highest"],
           caption=f"The absolute error, axis by axis: each of the {len(layouts)} layouts timed on this machine "
-                  "above (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
+                  "in \"Predicting the step time\" (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
                   "by what it splits. A ratio of 1 is exact; a ratio above 1 means the model under-predicts, "
                   "and so favours, that axis.")
     zero_note(layouts, pred, meas)

@@ -91,7 +91,7 @@ def what_a_checkpoint_holds():
         trainer that is a list of **boxes**: a column-parallel weight's rows, a row-parallel
         weight's columns, the vocabulary range of the embedding, the fused Q, K and V rows of
         this rank's heads (three boxes in three global tensors), whole copies of the norms;
-        under expert parallelism, each expert it holds, whole, under the model's own name;
+        under expert parallelism, each expert it holds, whole, under its index in the whole model, whatever ep;
         under ZeRO, Adam's moments are a flat range of each tensor, cut into at most three
         boxes. `local_pieces` finds them from the modules of lectures 04–05 (a module it does
         not know fails loudly, if its shape does not fit); `flat_boxes` cuts a flat range.
@@ -402,7 +402,7 @@ def remember():
           ranks are done; refuse a checkpoint that is missing, corrupt or of another model
           before changing anything.
         * Clip by the norm of the whole model: every element counted once — replicas, copies of
-          the norms under tp, tied ends of a pipeline, ZeRO's shards.
+          the norms under tp, tied ends of a pipeline, ZeRO's shards, a routed expert's replicas.
         * torchrun restarts every worker of a failed job; the job must find its last complete
           checkpoint by itself. The work lost per failure is the time since that checkpoint plus
           the restart.

@@ -451,8 +451,9 @@ def test_the_page_serves_the_phone_drawing_below_600_px(tmp_path):
 
 
 def test_a_timeline_with_its_legend_under_the_axes_has_a_phone_drawing(monkeypatch):
-    """A legend centred under its axes narrows with them (lecture 02's overlap timeline was a
-    few pixels tall on a phone); one beside the axes would be cut, so that figure keeps one width."""
+    """A timeline's legend, marked to hang under its axes, narrows with them (lecture 02's overlap
+    timeline was a few pixels tall on a phone); an unmarked legend outside the axes (beside them,
+    or under a bar chart whose tick labels would run together) keeps the figure's width."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -467,5 +468,9 @@ def test_a_timeline_with_its_legend_under_the_axes_has_a_phone_drawing(monkeypat
     ax.plot([0, 1], [0, 1], label="a line")
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))
     record.figure(fig)
-    below, beside = added
-    assert "phone_svg" in below and "phone_svg" not in beside
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.bar(["formula", "measured"], [1, 2], label="bytes")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    record.figure(fig)
+    below, beside, under_bars = added
+    assert "phone_svg" in below and "phone_svg" not in beside and "phone_svg" not in under_bars

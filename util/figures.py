@@ -35,6 +35,7 @@ def timeline(spans, title="", ax=None):
     Spans are in seconds from the demo's start, measured on each rank, so what overlapped on
     the machine overlaps in the picture."""
     import matplotlib.pyplot as plt
+    from util.record import HANGING
     if not spans:  # e.g. a demo skipped under torchrun: say so rather than fail
         fig, ax = plt.subplots(figsize=(6, 1))
         ax.text(0.5, 0.5, "no spans were recorded", ha="center", va="center")
@@ -72,7 +73,8 @@ def timeline(spans, title="", ax=None):
     ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks])
     ax.set_xlabel(f"time since the demo started ({unit})")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[l]) for l in labels], labels=labels,
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(5, len(labels)), frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(5, len(labels)),
+              frameon=False).set_gid(HANGING)      # on a phone: one entry per line, under full-height bars
     if title:
         ax.set_title(title)
     return fig

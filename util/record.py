@@ -158,7 +158,7 @@ def _phone_svg(fig):
     # Only plain charts: one column of panels with their axes drawn and legends inside them.
     # Side-by-side panels, diagrams (text placed in data coordinates) and legends outside the
     # axes keep their width, and would run into each other or be cut when narrowed.
-    # A legend centred under its axes (a timeline's) narrows with them and stays whole.
+    # A legend marked to hang under its axes (a timeline's) narrows with them and stays whole.
     legend_outside = fig.legends or any(ax.get_legend() is not None and ax.get_legend()._bbox_to_anchor is not None
                                         and not _centred_below(ax.get_legend()) for ax in axes)
     if w <= PHONE_INCHES * 1.05 or columns > 1 or not all(ax.axison for ax in axes) or legend_outside:
@@ -186,10 +186,14 @@ def _phone_svg(fig):
     return _svg(fig)
 
 
+HANGING = "legend-under-the-axes"    # the gid of a legend drawn to be narrowed with its axes
+
+
 def _centred_below(legend):
-    """Whether a legend hangs centred under its axes (loc 'upper center', anchored at y < 0)."""
-    box = legend.get_bbox_to_anchor().transformed(legend.axes.transAxes.inverted())
-    return legend._loc in (9,) and box.y1 < 0 and abs((box.x0 + box.x1) / 2 - 0.5) < 0.01
+    """Whether a legend was drawn to hang under its axes and narrow with them (`util.figures.
+    timeline` marks its legend so); other legends under their axes keep the figure's width,
+    where narrowing would run their tick labels together."""
+    return legend.get_gid() == HANGING
 
 
 def figure(fig, caption=""):

@@ -47,6 +47,13 @@ def worst_words(worst, largest):
     return f"; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%"
 
 
+def named_apart(worst, named):
+    """' (the worst: X, e%)' — unless the next sentence names the worst run already."""
+    if any(worst is r for r in named):
+        return ""
+    return f" (the worst: {worst['run']['name']}, {100 * worst['error']:+.1f}%)"
+
+
 def a100_detail(frac, rows, held, worst):
     _, bare = a100_validation(lambda **c: dataclasses.replace(a100_cluster(**c), hbm=None))
     bare = [r for r in bare if not r["fitted"]]
@@ -66,18 +73,18 @@ def a100_detail(frac, rows, held, worst):
         with FlashAttention; its 8B used an op-level checkpointing policy, charged here as the
         course's selective set.
 
-        Every predicted run lands within {100 * abs(worst['error']):.0f}% (the worst:
-        {worst['run']['name']}, {100 * worst['error']:+.1f}%). The error still drifts with
-        size — {small['run']['name']} {100 * small['error']:+.1f}% (predicted too fast), the runs
-        above 500B parameters {', '.join(f"{r['run']['name']} {100 * r['error']:+.1f}%" for r in large)}
-        (predicted too slow) —
+        Every predicted run lands within {100 * abs(worst['error']):.0f}%{named_apart(worst, [small, *large])}.
+        The error still drifts with size — {small['run']['name']} {100 * small['error']:+.1f}% (predicted
+        too fast); the runs above 500B parameters:
+        {', '.join(f"{r['run']['name']} {100 * r['error']:+.1f}%" for r in large)} (predicted too slow) —
         so something the model leaves out weighs more at one end. Likely candidates, not
         checked here: attention's small batched products (head dimension 96–160) run slower than
         the GEMM rate the model gives them, a bigger share of a small model's work; at 1T the
         64-stage pipeline's sends and bubble are charged in full where Megatron-LM overlaps some.
         Charging memory-bound work at HBM bandwidth is what keeps the small models in the band:
         without it, the same one-run fit predicts {no_hbm_small['run']['name']} at
-        {100 * no_hbm_small['error']:+.1f}% and the worst run at {100 * no_hbm_worst:+.1f}%.
+        {100 * no_hbm_small['error']:+.1f}%{" (its worst run)" if no_hbm_worst == no_hbm_small["error"]
+        else f" and its worst run at {100 * no_hbm_worst:+.1f}%"}.
     """)
     table([[r["run"]["name"], r["run"]["model"].params() / 1e9, r["run"]["measured"].replace(" per GPU", ""),
             r["layout"].label(), r["run"]["seconds"], r["time"]["total"], "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],

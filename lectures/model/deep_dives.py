@@ -246,7 +246,7 @@ def tile_scaling():
     published("torchao's float8 training (`convert_to_float8_training`, tensorwise or rowwise scales) "
               "reports end-to-end pretraining speed-ups with torch.compile of up to 1.5× at 512 GPUs and "
               "405B parameters, and up to 1.25× at 8 GPUs and 8B parameters, against bf16 — a summary "
-              f"on the docs page, not the torchtitan benchmark tables drawn above ({float8_gain_words()} "
+              f"on the docs page, not the torchtitan benchmark tables drawn below ({float8_gain_words()} "
               "at 8 and 128 H100s): two published sources, neither measured here.",
               "https://docs.pytorch.org/ao/stable/workflows/training.html",
               "PyTorch torchao documentation, Quantized Training: float8")

@@ -844,7 +844,9 @@
         (cap ? ", " + fits + " in " + fmtBytes(cap) : "") + "; " +
         (l.dp * l.tp * l.pp * l.cp) + " ranks, global batch " + (l.dp * l.micro_batch * l.micro_batches) + " sequences.";
       var hw = data.hardware[inp.hardware.value], st = course.stepTime(m, l, hw);
-      var fmt = function (x) { return x >= 1 ? x.toFixed(2) + " s" : (1e3 * x).toFixed(1) + " ms"; };
+      var fmt = function (x) {   // below 0.1 ms in µs, so a small part never reads "0.0 ms"
+        return x >= 1 ? x.toFixed(2) + " s" : x >= 1e-4 ? (1e3 * x).toFixed(1) + " ms" : (1e6 * x).toFixed(1) + " µs";
+      };
       drawTimeBar(st, hw, fmt);
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
         (st.attention > 0 ? ", of it attention " + fmt(st.attention) : "") + ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
@@ -856,7 +858,7 @@
     }
     function drawTimeBar(st, hw, fmt) {   // the step's seconds, stacked part by part (stepParts)
       var W = Math.max(300, Math.min(960, timeBox.clientWidth || 720)), left = 8, x = left;
-      el("p", { "class": "widget-bar-title" }, timeBox).textContent = "Where the step's time goes";
+      el("p", { "class": "widget-bar-title" }, timeBox).textContent = "Predicted step " + fmt(st.total) + ": where it goes";
       var parts = course.stepParts(st, hw).filter(function (p) { return p[2] > 0; });
       var share = function (x) { return (100 * x / st.total).toFixed(0) + "%"; };
       var svg = el("svg", { viewBox: "0 0 " + W + " 50", role: "img", "aria-label": "seconds per step, by part",
