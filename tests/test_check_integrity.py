@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import exercises
+from tests.test_exercises import bubble_first_and_last
 from util import exercise as engine, launch
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,16 +150,6 @@ def test_a_table_changed_in_place_fails_its_check_and_not_the_next():
     passes("bytes_per_parameter", exercises.solution("bytes_per_parameter"))
 
 
-def bubble_in_the_given_order(events):
-    """Wrong: takes the first event's start and the last's end, as if the events were sorted."""
-    t = torch.tensor([events[0][1], -events[-1][2], sum(e - s for _, s, e in events)], dtype=torch.float64)
-    first = t[:2].clone()
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    busy = t[2:].clone()
-    dist.all_reduce(busy)
-    return 1 - busy.item() / (dist.get_world_size() * (-first[1] - first[0]).item())
-
-
 def bubble_unshuffling(events):
     import random
     random.Random.shuffle = lambda self, x: None
@@ -169,7 +160,7 @@ def test_a_patched_standard_module_fails_its_check_and_not_the_next():
     """A patched random.Random.shuffle left the next check's events sorted, where an answer that
     assumes their order passed."""
     fails("bubble", bubble_unshuffling, says="Random.shuffle")
-    fails("bubble", bubble_in_the_given_order)
+    fails("bubble", bubble_first_and_last)      # assumes the events sorted
 
 
 # --- the rule a check states is the rule it enforces ---------------------------------------

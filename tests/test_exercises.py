@@ -257,6 +257,7 @@ def mesh_cp_outside_pp(rank, shape):
 
 
 def bubble_first_and_last(events):
+    """Wrong: takes the first event's start and the last's end, as if the events were sorted."""
     t = torch.tensor([events[0][1], -events[-1][2], sum(e - s for _, s, e in events)], dtype=torch.float64)
     first = t[:2].clone()
     dist.all_reduce(first, op=dist.ReduceOp.MIN)

@@ -14,6 +14,7 @@ The file that wraps these records (the recording) is documented in `util/recordi
 import contextlib
 import inspect
 import io
+import math
 import os
 import sys
 import textwrap
@@ -160,22 +161,22 @@ def _phone_svg(fig):
     # axes keep their width, and would run into each other or be cut when narrowed.
     # A legend marked to hang under its axes (a timeline's) narrows with them and stays whole.
     legend_outside = fig.legends or any(ax.get_legend() is not None and ax.get_legend()._bbox_to_anchor is not None
-                                        and not _centred_below(ax.get_legend()) for ax in axes)
+                                        and not _hangs(ax.get_legend()) for ax in axes)
     if w <= PHONE_INCHES * 1.05 or columns > 1 or not all(ax.axison for ax in axes) or legend_outside:
         return None
-    extra, hanging = 0.0, []    # inches of height for legends that become one column; those legends
-    for ax in axes:     # a legend under the axes: one entry per line, so it is no wider than the phone
+    extra, hanging = 0.0, []    # inches of height for the legends' new lines; those legends
+    for ax in axes:     # a hanging legend: one entry per line, so it is no wider than the phone
         legend = ax.get_legend()
-        if legend is not None and legend._bbox_to_anchor is not None and legend._ncols > 1:
+        if legend is not None and _hangs(legend) and legend._ncols > 1:
             box = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
             texts = [t.get_text() for t in legend.get_texts()]
             hanging.append(ax.legend(handles=legend.legend_handles, labels=texts, loc="upper center",
                                      bbox_to_anchor=(box.x0, box.y0, box.width, box.height), ncol=1,
                                      frameon=False))
             hanging[-1].set_in_layout(False)    # re-fitting the labels must not squeeze the axes
-            extra += 0.22 * (len(texts) - -(-len(texts) // legend._ncols))
+            extra += 0.22 * (len(texts) - math.ceil(len(texts) / legend._ncols))
     f = max(PHONE_INCHES / w, 0.5)
-    # axes keep their height when a legend hangs under them (its anchor is a fraction of it)
+    # axes keep their height when a legend got new lines under them (its anchor is a fraction of it)
     fig.set_size_inches(w * f, h + extra if extra else h * max(f, 0.75))
     if fig.get_layout_engine() is None:     # re-fit labels to the smaller canvas
         with warnings.catch_warnings():
@@ -189,10 +190,10 @@ def _phone_svg(fig):
 HANGING = "legend-under-the-axes"    # the gid of a legend drawn to be narrowed with its axes
 
 
-def _centred_below(legend):
+def _hangs(legend):
     """Whether a legend was drawn to hang under its axes and narrow with them (`util.figures.
-    timeline` marks its legend so); other legends under their axes keep the figure's width,
-    where narrowing would run their tick labels together."""
+    timeline` marks its legend so); other legends outside their axes keep the figure's width,
+    where narrowing would cut them or run tick labels together."""
     return legend.get_gid() == HANGING
 
 
