@@ -719,9 +719,10 @@ def test_write_allocate_explains_add_above_the_copy():
 def test_a_2x_median_gap_is_never_called_a_tie():
     """N3: overlapping spreads with medians 2× apart are said as a gap the machine cannot rank."""
     from util.measure import Timing, compare
+    from util.render import visible_text
     blocked = Timing([31.9e-3, 32.5e-3, 33.1e-3, 33.2e-3, 33.3e-3])
     naive = Timing([15.2e-3, 15.9e-3, 16.3e-3, 33.0e-3, 33.4e-3])      # a few slow repeats
-    said = compare(blocked, naive, "our blocked version", "the naive one")
+    said = visible_text(compare(blocked, naive, "our blocked version", "the naive one"))
     assert "no measurable difference" not in said and "2.03× lower" in said and "no firm ranking" in said
 
 

@@ -23,6 +23,7 @@ from tests.conftest import built, walk
 from util import settings, spawn
 from util.measure import timing_ranks
 from util.recording import trim_build_paths
+from util.render import visible_text
 
 SECTIONS = [
     "## The hardware hierarchy",
@@ -509,11 +510,11 @@ def test_overlap_verdict_says_slower_when_it_was():
     from util.measure import Timing
     t = {"compute": Timing([1.3e-3, 1.4e-3, 1.5e-3]), "all-reduce": Timing([1.2e-3, 1.3e-3, 1.4e-3]),
          "sequential": Timing([2.74e-3, 2.74e-3, 2.87e-3]), "overlapped": Timing([3.24e-3, 5.41e-3, 6.85e-3])}
-    text = L.overlap_verdict(t)
-    assert "sequential 1.97× faster than overlapped" in text, text
+    text = visible_text(L.overlap_verdict(t))
+    assert "sequential is 1.97× faster than overlapped" in text, text
     assert "gained nothing" in text
     t["overlapped"] = Timing([1.5e-3, 1.6e-3, 1.7e-3])
-    assert "overlapped 1.71× faster" in L.overlap_verdict(t)
+    assert "overlapped is 1.71× faster" in visible_text(L.overlap_verdict(t))
 
 
 def test_hang_errors_lose_the_build_path():
@@ -533,8 +534,8 @@ def test_pipelining_verdict_from_the_numbers():
     """The race had no verdict on pipelining (0.41× vs 0.55× of the built-in at 4 MB)."""
     from util.measure import Timing
     ring, piped = Timing([10e-3, 10.2e-3, 10.4e-3]), Timing([13e-3, 13.6e-3, 14e-3])
-    text = DD.pipelining_verdict("4 MB", ring, piped)
-    assert "simple 1.33× faster than pipelined" in text and "same cores" in text
+    text = visible_text(DD.pipelining_verdict("4 MB", ring, piped))
+    assert "simple is 1.33× faster than pipelined" in text and "same cores" in text
     assert "hid some" in DD.pipelining_verdict("4 MB", piped, ring)
 
 

@@ -13,13 +13,36 @@ def test_measure_side_by_side_takes_turns():
     assert all(s >= 0 for t in times.values() for s in t.samples)
 
 
+def _on_the_page(markdown):
+    """What a reader sees of a sentence, and the hovers' details."""
+    import re
+    from util.render import markdown_inline
+    html = str(markdown_inline(markdown))
+    return re.sub(r"<[^>]+>", "", html), re.findall(r'title="([^"]*)"', html)
+
+
 def test_compare_says_no_difference_when_spreads_overlap():
     from util.measure import Timing, compare
-    a, b = Timing([1.0, 1.1, 1.2, 1.3, 1.4]), Timing([1.25, 1.3, 1.35, 1.4, 1.5])
-    assert compare(a, b).startswith("no measurable difference here")
+    a, b = Timing([0.010, 0.011, 0.012, 0.013, 0.014]), Timing([0.0125, 0.013, 0.0135, 0.014, 0.015])
+    text, hovers = _on_the_page(compare(a, b))
+    assert text == "no measurable difference here (the interquartile ranges overlap)"
+    assert hovers == ["ours 12 ms (IQR 11–13), theirs 13.5 ms (IQR 13–14)"]
     fast, slow = Timing([1.0, 1.01, 1.02]), Timing([2.0, 2.02, 2.04])
-    assert compare(fast, slow, "ring", "gloo").startswith("ring 2.00× faster than gloo")
-    assert compare(slow, fast, "ring", "gloo").startswith("gloo 2.00× faster than ring")
+    assert _on_the_page(compare(fast, slow, "ring", "gloo"))[0] == "ring is 2.00× faster than gloo"
+    assert _on_the_page(compare(slow, fast, "ring", "gloo"))[0] == "gloo is 2.00× faster than ring"
+    wide = Timing([1.0, 1.0, 3.0, 3.5, 3.6])
+    assert _on_the_page(compare(wide, fast, "ring", "gloo"))[0] == \
+        "gloo's median is 2.97× lower, but the spreads overlap: no firm ranking"
+
+
+def test_a_sentence_gets_the_median_and_a_hover_the_spread():
+    """`Timing.brief()`: one number in the text; the spread, never lost, on hover."""
+    from util.measure import Timing, with_spread
+    import pytest
+    text, hovers = _on_the_page(f"a step takes {Timing([0.010, 0.011, 0.012, 0.013, 0.015]).brief()}.")
+    assert text == "a step takes 12 ms." and hovers == ["median of 5; interquartile range 11–13 ms"]
+    with pytest.raises(ValueError, match="no"):
+        with_spread("a]b", "detail")
 
 
 def test_machine_says_only_the_ranks_and_oversubscription(monkeypatch):

@@ -118,9 +118,11 @@ def test_gain_words_say_the_medians_and_the_model():
     from lectures.data_parallel.overlap import gain_words
     t = {"compute": Timing([0.010]), "comm": Timing([0.010]), "sequential": Timing([0.020]),
          "overlapped": Timing([0.012])}
+    from util.render import markdown_inline, visible_text
     words = gain_words(measured_against_model(t, 1, "independent"))
-    assert words == ("without overlap 20 ms, with it 12 ms: 1.67× faster, where the model predicts 2.00× "
-                     "(17% below it)")
+    assert visible_text(words) == "Overlapped, the step is 1.67× faster, where the model predicts 2.00×"
+    assert "without overlap 20 ms (IQR 0), with it 12 ms (IQR 0)" in markdown_inline(words)
+    assert "the measured 1.67× is 17% below it" in markdown_inline(words)
 
 
 def test_published_gpu_numbers_carry_their_source():

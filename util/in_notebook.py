@@ -20,6 +20,7 @@ import html
 import json
 import mimetypes
 import os
+import re
 import textwrap
 
 from util import launch, record, render
@@ -144,8 +145,8 @@ def record_html(rec, functions=None):
 def record_text(rec):
     """The plain-text form of a record (headless runs, logs, tests)."""
     kind = rec["kind"]
-    if kind == "note":
-        return rec["text"]
+    if kind == "note":     # a measured number's hover ([1.2 ms]{.spread title="..."}) in brackets
+        return re.sub(r'\[([^\]]*)\]\{\.spread[^}]*title="([^"]*)"\}', r"\1 (\2)", rec["text"])
     if kind == "table":
         return table_text(rec)
     if kind == "figure":

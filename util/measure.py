@@ -6,6 +6,7 @@ fit the cores, and bytes actually written to the network.
     ranks = timing_ranks(4)                 # at most the cores this process may run on
     t = measure(lambda: dist.all_reduce(x), warmup=2, repeats=9)
     t.median, t.q1, t.q3                    # seconds; t.ms() -> "1.23 ms (IQR 1.10–1.41)"
+    t.brief()                               # "1.23 ms" for a sentence, the spread on hover
     with bytes_sent() as sent:              # bytes this process handed to write()/writev()
         dist.all_reduce(x)
     sent.bytes
@@ -92,14 +93,25 @@ class Timing:
         return statistics.quantiles(self.samples, n=4, method="inclusive")
 
     def ms(self, digits=3):
-        """"1.23 ms (IQR 1.10–1.41)", for tables and sentences: more digits where the quartiles
-        would print alike, and "IQR 0" where they are equal, never "279–279"."""
+        """"1.23 ms (IQR 1.10–1.41)", for tables: more digits where the quartiles would print
+        alike, and "IQR 0" where they are equal, never "279–279"."""
+        median, q1, q3 = self._ms_parts(digits)
+        return f"{median} ms (IQR {q1}–{q3})" if q1 != q3 else f"{median} ms (IQR 0)"
+
+    def brief(self, digits=3):
+        """The median alone, for a sentence: "1.23 ms", with the spread on hover (`with_spread`).
+        A sentence on a page's main path carries at most two measured numbers."""
+        median, q1, q3 = self._ms_parts(digits)
+        spread = f"{q1}–{q3} ms" if q1 != q3 else "0"
+        return with_spread(f"{median} ms", f"median of {len(self.samples)}; interquartile range {spread}")
+
+    def _ms_parts(self, digits):
         for d in range(digits, digits + 4):
             f = lambda s: f"{s * 1e3:.{d}g}"
             if f(self.q1) != f(self.q3):
-                return f"{f(self.median)} ms (IQR {f(self.q1)}–{f(self.q3)})"
+                return f(self.median), f(self.q1), f(self.q3)
         f = lambda s: f"{s * 1e3:.{digits}g}"
-        return f"{f(self.median)} ms (IQR 0)"
+        return f(self.median), f(self.q1), f(self.q1)
 
     def __str__(self):
         return self.ms()
@@ -120,19 +132,31 @@ def spreads_overlap(a, b):
     return a.q1 <= b.q3 and b.q1 <= a.q3
 
 
+def with_spread(text, detail):
+    """Markdown for `text` with `detail` shown on hover, or on a tap on a phone (the renderer's
+    `[text]{.spread title=...}` span): how a sentence keeps to its one or two numbers and still
+    lets a reader check the spread."""
+    if "]" in text or '"' in detail:
+        raise ValueError(f"with_spread: no ']' in the text or '\"' in the detail ({text!r}, {detail!r})")
+    return f'[{text}]{{.spread tabindex=0 title="{detail}"}}'
+
+
 def compare(a, b, a_name="ours", b_name="theirs"):
     """The words a page uses for two timings (`Timing`s): "no measurable difference here" when
     their interquartile ranges overlap and their medians are close (a median 1.5× lower with
-    overlapping spreads is said as such, never as a tie), otherwise which is faster and by how much (the ratio of
-    medians). One function, so no sentence can contradict the table beside it."""
+    overlapping spreads is said as such, never as a tie), otherwise which is faster and by how
+    much (the ratio of medians). One number in the sentence; both timings, with their spreads,
+    on hover. One function, so no sentence can contradict the table beside it."""
     fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
+    both = f"{fn} {fast.ms()}, {sn} {slow.ms()}"      # in the sentence's order
     if spreads_overlap(a, b) and slow.median >= 1.5 * fast.median:    # a wide spread, not a tie
-        return (f"{fn}'s median is {slow.median / fast.median:.2f}× lower ({fast.ms()} vs {slow.ms()}), "
+        return (f"{fn}'s median is {with_spread(f'{slow.median / fast.median:.2f}× lower', both)}, "
                 "but the spreads overlap: no firm ranking")
+    both = f"{a_name} {a.ms()}, {b_name} {b.ms()}"
     if spreads_overlap(a, b):
-        return (f"no measurable difference here ({a_name} {a.ms()}, {b_name} {b.ms()}: the "
-                "interquartile ranges overlap)")
-    return f"{fn} {slow.median / fast.median:.2f}× faster than {sn} ({fast.ms()} vs {slow.ms()})"
+        return (f"no {with_spread('measurable difference', both)} here (the interquartile ranges "
+                "overlap)")
+    return f"{fn} is {with_spread(f'{slow.median / fast.median:.2f}× faster', f'{fn} {fast.ms()}, {sn} {slow.ms()}')} than {sn}"
 
 
 def _in_a_demo_group():

@@ -183,10 +183,12 @@ _md = None
 
 
 def markdown(text):
-    """Markdown (CommonMark + tables, raw HTML off) with $math$ as MathML, to safe HTML."""
+    """Markdown (CommonMark + tables, raw HTML off) with $math$ as MathML and `[text]{.spread
+    title="..."}` spans, to safe HTML."""
     global _md
     if _md is None:
         from markdown_it import MarkdownIt
+        from mdit_py_plugins.attrs import attrs_plugin
         from mdit_py_plugins.dollarmath import dollarmath_plugin
 
         def fence(self, tokens, idx, options, env):
@@ -198,6 +200,9 @@ def markdown(text):
         md = MarkdownIt("commonmark", {"html": False}).enable("table")
         md.add_render_rule("fence", fence)
         md.add_render_rule("code_block", fence)
+        # `[1.23 ms]{.spread title="..."}`: a measured number with its spread on hover
+        # (util.measure.with_spread); only spans, only these attributes
+        md.use(attrs_plugin, after=("span_close",), spans=True, allowed=("class", "title", "tabindex"))
         md.use(dollarmath_plugin, double_inline=True,
                renderer=lambda content, opts: latex_to_mathml(content, opts["display_mode"]))
         _md = md
@@ -209,6 +214,11 @@ def markdown(text):
 def markdown_inline(text):
     markdown("")  # builds the parser
     return Markup(_md.renderInline(text))
+
+
+def visible_text(text):
+    """What a reader sees of a Markdown sentence: no markup, no hover details."""
+    return html.unescape(re.sub(r"<[^>]+>", "", str(markdown_inline(text))))
 
 
 # --- the page ----------------------------------------------------------------------------
@@ -529,7 +539,11 @@ def about_numbers(env):
                    "gloo moves bytes with CPU threads that compete with the compute, and where a "
                    "demo runs more ranks than there are cores the ranks take turns.")
     return Markup("Every number on this page was measured while building it, on <b>{}</b> "
-                  "({} backend). {}").format(device, env.get("backend", "?"), meaning)
+                  "({} backend). {} A <span class=\"spread\" tabindex=\"0\" title=\"the spread: the middle "
+                  "half of the repeats (the interquartile range), or the timings behind a ratio\">"
+                  "dashed underline</span> holds a "
+                  "measurement's spread and the times behind it: hover over it, or tap it on a "
+                  "phone.").format(device, env.get("backend", "?"), meaning)
 
 
 _env = None

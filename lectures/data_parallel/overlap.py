@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from util.measure import with_spread
+
 
 def release_core(seconds):
     """Stand in for `seconds` of compute without using the core: the communication thread gets it."""
@@ -119,8 +121,12 @@ def measured_against_model(t, pieces, pattern, first_held=False):
 
 
 def gain_words(r):
-    """'without overlap 24.1 ms, with it 13.2 ms: 1.83× faster, where the model predicts 1.89× (3% below it)'."""
+    """'Overlapped, the step is 1.83× faster, where the model predicts 1.89×', a sentence's start
+    with two numbers: the two steps' times and how far the model is off on hover."""
     off = r["off"]
-    where = "exactly what" if abs(off) < 0.005 else f"{abs(off):.0%} {'below' if off < 0 else 'above'}"
-    return (f"without overlap {r['sequential'].median * 1e3:.3g} ms, with it {r['overlapped'].median * 1e3:.3g} ms: "
-            f"{r['gain']:.2f}× faster, where the model predicts {r['model']['gain']:.2f}× ({where} it)")
+    where = ("matches it" if abs(off) < 0.005 else
+             f"is {abs(off):.0%} {'below' if off < 0 else 'above'} it")
+    steps = f"without overlap {r['sequential'].ms()}, with it {r['overlapped'].ms()}"
+    gain = with_spread(f"{r['gain']:.2f}× faster", steps)
+    model = with_spread(f"{r['model']['gain']:.2f}×", f"the measured {r['gain']:.2f}× {where}")
+    return f"Overlapped, the step is {gain}, where the model predicts {model}"
