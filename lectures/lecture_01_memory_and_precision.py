@@ -160,7 +160,7 @@ def anatomy_of_a_step():
         = 2 × the parameters' {fmt_bytes(rows[2]['own']['Parameter'])}) at its first
         `step()`. From then on the pattern repeats: after the optimizer step the total is
         {fmt_bytes(first)} at step 1 and {fmt_bytes(later)} at step 2. After the forward,
-        autograd has saved {act_own:,} bytes for backward by our count; MemTracker files
+        autograd has saved {act_own:,} bytes for backward by our count. MemTracker files
         {act_tracker:,} bytes under activations, {gap}. The logits themselves are freed as
         soon as cross-entropy has taken their log-softmax, which it keeps for its backward.
         The activations are {act_own / rows[0]['own']['Parameter']:.1f}× the parameters here:
@@ -250,9 +250,9 @@ def parameters_and_bytes():
         07 counts 18 for the same idea as Megatron-LM and Llama 3 do it (2 + 4 + 12), where
         the backward adds straight into the fp32 gradient and no bf16 gradient is kept.
         `torch.autocast` keeps fp32 parameters (they are the master) and casts them to bf16
-        inside each forward: 16 after the step, and the bf16 copies of the matmul weights
-        ({copied:.0%} of the parameters) live until the backward has used them: between forward
-        and backward {sum(auto_peak.values()) / psi:.1f} bytes per parameter after
+        inside each forward: 16 after the step. The bf16 copies of the matmul weights
+        ({copied:.0%} of the parameters) live until the backward has used them. Between forward
+        and backward that makes {sum(auto_peak.values()) / psi:.1f} bytes per parameter after
         `opt.zero_grad(set_to_none=True)`, {sum(auto_kept.values()) / psi:.1f} while last step's
         gradients are alive (gradient accumulation). This 16Ψ is what ZeRO (lecture 03) divides;
         how Ψ itself is counted, the usual closed form against `param_count`, is a deep dive below.
@@ -453,11 +453,12 @@ def logits_memory():
     """)
     v = vocabs[-1]
     note(f"""
-        At v = {v} the log-softmax is {rows[-1][3]:.0%} of what the forward holds for backward;
-        chunked, the forward holds {fmt_bytes(rows[-1][4])} instead of {fmt_bytes(rows[-1][1])}
-        and the peak of the whole step falls from {fmt_bytes(rows[-1][5])} to
-        {fmt_bytes(rows[-1][6])} (what remains at large v is mostly the head's and the
-        embedding's gradients, v·h each). The gradients agree to rounding.
+        At a large vocabulary the log-softmax is {"most" if rows[-1][3] > 0.5 else "a large part"} of
+        what the forward keeps: {rows[-1][3]:.0%} at v = {v}. Chunked, the forward holds {fmt_bytes(rows[-1][4])} instead of
+        {fmt_bytes(rows[-1][1])}. The peak of the whole step falls too, to
+        {fmt_bytes(rows[-1][6])} from {fmt_bytes(rows[-1][5])}; what remains at large v is
+        mostly the head's and the embedding's gradients, v·h each. The gradients agree to
+        rounding.
     """)
     cheat("the loss's fp32 log-softmax",
           "$4\\, b s v$ bytes held for backward; chunked cross-entropy holds one chunk's",
@@ -578,10 +579,10 @@ def loss_scaling():
     note(f"""
         The error over all parameters together hardly moves
         ({rows[0][3]:.2g} unscaled, {rows[2][3]:.2g} with 2^16), because it is dominated by
-        the largest gradients, which fp16 stores well. The damage is in the smallest: `{worst}`
-        (gradient RMS {rms[worst]:.2g}) comes back {per_tensor[None][worst]:.1%} wrong without
-        scaling and {per_tensor[s16][worst]:.2%} wrong with 2^16, a
-        {per_tensor[None][worst] / per_tensor[s16][worst]:.0f}× difference. Those are whole
+        the largest gradients, which fp16 stores well. The damage is in the smallest gradients,
+        such as `{worst}`'s (RMS {rms[worst]:.2g}). That tensor comes back
+        {per_tensor[None][worst]:.1%} wrong without scaling and {per_tensor[s16][worst]:.2%}
+        wrong with 2^16. Those are whole
         tensors (here {", ".join(f"`{k}`" for k in smallest)}) learning from gradients
         that kept a few bits each; in a deeper
         model or later in training, when gradients shrink, they flush to zero entirely and the
@@ -621,10 +622,9 @@ def master_weights():
         bf16 keeps fp32's range (no loss scaling) with 8 bits of precision: a weight w in
         [2^e, 2^(e+1)) moves only in steps of ulp(w) = 2^e·eps (eps = {eps}), and an update
         smaller than half a step rounds away. AdamW's update, lr·m̂/(√v̂ + ε), is at most about
-        lr, and an update of size lr rounds away exactly when lr < ulp(w)/2: with
-        lr = {lr}, every bf16 weight with |w| ≥ {frozen_at:g}
-        (`freeze_threshold`) cannot move at all — here {frozen:.1%} of the initial weights,
-        all LayerNorm gains among them. Smaller weights freeze whenever their own update is
+        lr, and an update of size lr rounds away exactly when lr < ulp(w)/2. With
+        lr = {lr}, every bf16 weight with |w| ≥ {frozen_at:g} (`freeze_threshold`) cannot move
+        at all. Here that is {frozen:.1%} of the initial weights, all LayerNorm gains among them. Smaller weights freeze whenever their own update is
         below half their step, and Adam's update is often far below lr once noisy gradients
         average out in m̂. Training the same GPT four ways: fp32; bf16 weights
         updated in place; bf16 weights with an fp32 master copy that the optimizer updates
@@ -639,9 +639,9 @@ def master_weights():
         else "here the bf16 weights do not fall clearly behind"
     note(f"""
         With an fp32 copy to update, both mixed-precision versions end within
-        {max(gap['bf16 + fp32 master'], gap['autocast bf16']):.2g} of fp32's loss; {behind}
-        ({final['bf16 weights'] - final['fp32']:+.3f}), with
-        {curves['bf16 weights'][1]:.0%} of its weights left unchanged by the last step. The
+        {max(gap['bf16 + fp32 master'], gap['autocast bf16']):.2g} of fp32's loss. Without one,
+        {behind} ({final['bf16 weights'] - final['fp32']:+.3f}). The last step left
+        {curves['bf16 weights'][1]:.0%} of the bf16 weights unchanged. The
         two master-weight versions differ in what they keep: `MasterWeights` holds bf16
         parameters and gradients beside the fp32 copy (the 2 + 2 + 4 + 8 bytes above), while
         autocast holds fp32 parameters and gradients and makes bf16 copies of the weights
@@ -734,13 +734,14 @@ def attention_memory():
     show(fig, caption=f"forward peak beyond q, k, v (LiveBytes), {heads} heads of {d}: the s × s "
                         "scores grow 4× per doubling of s, the blocked and fused versions 2×")
     note(f"""
-        The naive version's bytes grow as s², the blocked one's as s·block (from s = {seqs[0]}
-        to {seqs[-1]}, the forward peaks grow {naive[-1] / naive[0]:.0f}× and
-        {online[-1] / online[0]:.0f}×, against {4 ** growth}× and {2 ** growth}× for s² and s): at
-        the longest sequence the blocked version holds {online[-1] / naive[-1]:.0%} of the naive
-        peak, in plain PyTorch. In time, at s = {longest}:
-        {compare(times[longest, names[1]], times[longest, names[2]], "our blocked version", "PyTorch's fused kernel")}
-        (the fused kernel does the same in C++ with the tiles in cache), and
+        The naive version's bytes grow as s², the blocked one's as s·block. From s = {seqs[0]}
+        to {seqs[-1]} the naive forward peak grows {naive[-1] / naive[0]:.0f}×, against
+        {4 ** growth}× for s². The blocked one grows {online[-1] / online[0]:.0f}×, against
+        {2 ** growth}× for s. At the longest sequence the blocked version holds
+        {online[-1] / naive[-1]:.0%} of the naive peak, in plain PyTorch. In time, at s =
+        {longest}:
+        {compare(times[longest, names[1]], times[longest, names[2]], "our blocked version", "PyTorch's fused kernel")};
+        the fused kernel does the same in C++ with the tiles in cache. Against the naive one:
         {compare(times[longest, names[1]], times[longest, names[0]], "our blocked version", "the naive one")}.
     """)
     table([[name] + [r[2] for r in rows if r[1] == name]

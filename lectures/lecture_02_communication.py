@@ -14,7 +14,7 @@ from util import (cheat, deep_dive, figure, note, plural, published, see, settin
                   timeline)
 from util import try_it_yourself
 from util.launch import choose_backend
-from util.measure import compare, machine, measure, spreads_overlap, timing_ranks, value_range
+from util.measure import compare, machine, measure, spreads_overlap, timing_ranks, value_range, with_spread
 
 from exercises import listing as notebook_exercises
 from lectures.data_parallel.collectives import (SWEPT, _exchange, _ring_buffer, bandwidths, binomial_broadcast_sends,
@@ -62,8 +62,7 @@ def hardware_hierarchy():
         talks once per step and that traffic can hide behind backward (lecture 03).
 
         Measured now, in the lecture process: copying a {human_bytes(nbytes)} buffer in main
-        memory runs at **{bw / 1e9:.1f} GB/s** (median of {len(t.samples)} copies after a
-        warm-up, IQR {value_range(nbytes / t.q3 / 1e9, nbytes / t.q1 / 1e9, 'GB/s')}). On a CPU-only
+        memory runs at **{with_spread(f"{bw / 1e9:.1f} GB/s", f"median of {len(t.samples)} copies after a warm-up, interquartile range {value_range(nbytes / t.q3 / 1e9, nbytes / t.q1 / 1e9, 'GB/s')}")}**. On a CPU-only
         machine every "link" between ranks is this memory: gloo moves data between processes
         through the kernel's loopback TCP, so the bandwidths measured below are a fraction of it.
     """)
@@ -340,15 +339,15 @@ def bandwidth():
         """
     note(f"""
         Small messages reach only a sliver of the peak: their time is fixed per-call cost
-        (latency). At the largest size, {human_bytes(sizes[-1])}, the curves end between
-        **{last[worst]:.2f} GB/s** ({worst.replace('_', '-')}) and **{last[best]:.2f} GB/s**
-        ({best.replace('_', '-')}), a factor {last[best] / last[worst]:.1f} apart.
+        (latency). Even at the largest size, {human_bytes(sizes[-1])}, the collectives end
+        {with_spread(f"{last[best] / last[worst]:.1f}× apart", f"{worst.replace('_', '-')} {last[worst]:.3g} GB/s, {best.replace('_', '-')} {last[best]:.3g} GB/s")}:
+        {worst.replace('_', '-')} slowest, {best.replace('_', '-')} fastest.
         {twice}
         On a GPU node the same sweep climbs two orders of magnitude higher, and the shape is
-        the lesson: published below for 8 H200s on NVSwitch, all-reduce's busbw is
-        {pub_at(H200_ALL_REDUCE, 2 ** 20):.0f} GB/s at 1 MiB, {pub_at(H200_ALL_REDUCE, 2 ** 26):.0f} GB/s
-        at 64 MiB and {pub_at(H200_ALL_REDUCE, 2 ** 34):.0f} GB/s at 16 GiB, against this machine's
-        {last['all_reduce']:.2f} GB/s at {human_bytes(sizes[-1])}. Latency costs a GPU too: a
+        the lesson. Published below for 8 H200s on NVSwitch, all-reduce's busbw rises from
+        {pub_at(H200_ALL_REDUCE, 2 ** 20):.0f} GB/s at 1 MiB to {pub_at(H200_ALL_REDUCE, 2 ** 34):.0f} GB/s
+        at 16 GiB. This machine's all-reduce reached {last['all_reduce']:.2f} GB/s at
+        {human_bytes(sizes[-1])}. Latency costs a GPU too: a
         4 MiB gradient bucket reaches {pub_at(H200_ALL_REDUCE, 2 ** 22) / pub_at(H200_ALL_REDUCE, 2 ** 34):.0%}
         of the bandwidth of the largest payload.
     """)
@@ -417,7 +416,7 @@ def alpha_beta_verdict(sizes, times, alpha, beta):
     algbw = sizes / times
     top = int(algbw.argmax())
     reached = (f"The highest algorithm bandwidth measured is {algbw[top] / 1e9:.3f} GB/s "
-               f"(at {human_bytes(sizes[top])}; β ≈ {beta / 1e9:.3f} GB/s)")
+               f"at {human_bytes(sizes[top])}")
     if not math.isfinite(beta):
         return ("The times did not grow with size over this range, so the fit found no bandwidth "
                 "term: every size measured here is in the latency regime.")
@@ -433,9 +432,9 @@ def alpha_beta_verdict(sizes, times, alpha, beta):
                 f"every size here is in the bandwidth regime. {reached}.")
     below = [s for s in sizes if s < cross]
     return (f"The two terms are equal at $S^* = \\alpha\\beta$ ≈ **{human_bytes(cross)}**, inside "
-            f"the measured range: below it (here {human_bytes(below[0])} to {human_bytes(below[-1])}) "
-            "the fixed cost is more than half of the modelled time, above it the bytes are. "
-            f"{reached}, {'below' if algbw[top] < beta else 'above'} β.")
+            "the measured range. Below it the fixed cost is more than half of the modelled time "
+            f"(here {human_bytes(below[0])} to {human_bytes(below[-1])}), above it the bytes are. "
+            f"{reached}, {'below' if algbw[top] < beta else 'above'} β ({beta / 1e9:.3f} GB/s).")
 
 
 def alpha_beta_fit():
@@ -598,7 +597,7 @@ def overlap_async():
         **Release the core, and overlap shows.** Replace the matmuls by a stand-in that keeps the
         rank busy at least as long as the all-reduce takes but leaves its core free (a timed wait,
         `release_core`: lecture 05's sleep mode uses the same idea), as a GPU's kernels leave
-        NCCL's transfers alone. Then {gain_words(r)}; perfect overlap takes the longer of the two,
+        NCCL's transfers alone. {gain_words(r)}; perfect overlap takes the longer of the two,
         $\\max(\\text{{compute}}, \\text{{communication}})$ instead of their sum. The timeline
         above is that run: the all-reduce's bar lies under the wait. On a GPU,
         compute runs on the SMs while NCCL's transfers use NVLink/the network and a few SMs of

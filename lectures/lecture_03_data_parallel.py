@@ -230,9 +230,8 @@ def overlap_and_buckets():
     note(f"""
         Both hooked syncs still train the one-process model (replicas bit-identical, at most
         {worst:.1e} from one process on {' and '.join(map(str, sorted(checked)))} ranks). Lowest median
-        here: {names[best]}; against
-        the naive sync, {compare(times[best], times['naive'], names[best], 'the naive sync')
-                         if best != 'naive' else 'the naive sync itself'}. gloo's communication threads
+        here: {names[best]}. {f"Against the naive sync: {compare(times[best], times['naive'], names[best], 'the naive sync')}."
+                              if best != 'naive' else ''} gloo's communication threads
         compete with the compute for the cores, so overlap hides less than on a GPU, where
         NCCL's transfers run beside the compute kernels.
     """)
@@ -291,7 +290,7 @@ def ddp_overlap_released():
         The real-compute bars are the main page's table: on this CPU gloo's threads need the
         cores backward runs on. Give the core back and the overlap shows: each of 6 layers of 1024×1024 (a 4 MB bucket
         each) also waits in its backward, as long as one bucket's all-reduce, in a stand-in that
-        releases the core (`ComputeStandIn`, lecture 05's sleep mode): {gain_words(freed)}. The
+        releases the core (`ComputeStandIn`, lecture 05's sleep mode). {gain_words(freed)}. The
         model (`overlapped_step`) is $\\max(\\text{{compute}}, \\text{{communication}})$ plus
         the last bucket, which nothing is left to hide.
     """)
@@ -524,7 +523,7 @@ def zero3_prefetch_released():
     note(f"""
         Each layer's forward needs its gathered weights; launched when the
         previous layer starts, the gather travels while that layer computes. With the compute
-        replaced by a stand-in that releases the core (as long as one layer's gather):
+        replaced by a stand-in that releases the core (as long as one layer's gather).
         {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
         behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
         share the cores, so less hides (the main page's step times); on a GPU the gathers run on
@@ -585,18 +584,18 @@ def memory_and_traffic():
         backward, as FSDP2 does; left pending until the step, every layer's full gradient would
         stay alive, since a gloo Work keeps a full-size copy of its input until it is dropped),
         ZeRO-2 a couple of full gradients in flight. For scale, the paper's example — Ψ = 7.5 B parameters on N = 64
-        GPUs with mixed-precision Adam — gives
-        {sum(formula_bytes(7.5e9, 64, 'DP', 2, 2, 12)) / 1e9:.0f} GB per GPU
-        for DP, {sum(formula_bytes(7.5e9, 64, 'ZeRO-1', 2, 2, 12)) / 1e9:.1f} GB for ZeRO-1,
-        {sum(formula_bytes(7.5e9, 64, 'ZeRO-2', 2, 2, 12)) / 1e9:.1f} GB for ZeRO-2 and
-        {sum(formula_bytes(7.5e9, 64, 'ZeRO-3', 2, 2, 12)) / 1e9:.2f} GB for ZeRO-3
-        (formula evaluated here).
+        GPUs with mixed-precision Adam — needs
+        {sum(formula_bytes(7.5e9, 64, 'DP', 2, 2, 12)) / 1e9:.0f} GB per GPU for DP (formulas
+        evaluated here). ZeRO-1 brings it to
+        {sum(formula_bytes(7.5e9, 64, 'ZeRO-1', 2, 2, 12)) / 1e9:.1f} GB, ZeRO-2 to
+        {sum(formula_bytes(7.5e9, 64, 'ZeRO-2', 2, 2, 12)) / 1e9:.1f} GB. ZeRO-3, which shards
+        the parameters too, needs {sum(formula_bytes(7.5e9, 64, 'ZeRO-3', 2, 2, 12)) / 1e9:.2f} GB.
     """)
     ratio = got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"]
     note(f"""
-        On the wire, rank 0 wrote {got['DP']['wire_per_step']:,.0f} bytes per step under DP and
-        {ratio:.2f}× that under ZeRO-3, for holding 1/{n} of the state: rings would make it 1.5×,
-        and gloo's reduce-scatter, a full all-reduce, adds the rest. The deep dive on bytes puts
+        ZeRO-3 pays for holding 1/{n} of the state on the wire: rank 0 wrote {ratio:.2f}× DP's
+        {got['DP']['wire_per_step']:,.0f} bytes per step. Rings would make it 1.5×; gloo's
+        reduce-scatter, a full all-reduce, adds the rest. The deep dive on bytes puts
         the formula, our calls counted as rings and as gloo runs them, and the socket writes side
         by side.
     """)
@@ -735,12 +734,12 @@ def fsdp2_knobs():
                  "still trains the single-process model.")
     note(f"""
         Keeping the weights gathered from forward to backward cut the bytes written per step
-        from {default:,.0f} to {keep:,.0f} ({keep / default:.2f}×). A ring would give the bullet's
-        2Ψ/3Ψ = 0.67×, but on gloo the reduce-scatter is an all-reduce, which writes two
+        to {keep / default:.2f}× ({keep:,.0f} bytes). A ring would give the bullet's
+        2Ψ/3Ψ = 0.67×. On gloo the reduce-scatter is an all-reduce, which writes two
         all-gathers' worth: all-gather + reduce-scatter against all-gather + all-gather +
-        reduce-scatter is (1 + 2)/(1 + 1 + 2) = 0.75× here. bf16 parameters, to
-        {bf16:,.0f} ({bf16 / default:.2f}×; the fp32 gradient reduce-scatter is unchanged, and
-        the parameters drift from the fp32 reference by bf16 rounding).{hsdp_note}
+        reduce-scatter is (1 + 2)/(1 + 1 + 2) = 0.75× here. With bf16 parameters the bytes fall
+        to {bf16 / default:.2f}× ({bf16:,.0f} bytes): the fp32 gradient reduce-scatter is unchanged,
+        and the parameters drift from the fp32 reference by bf16 rounding.{hsdp_note}
         **What ZeRO does not shard:** the activations. In float32 every rank saved
         {'exactly the same' if same else 'about the same'} {plain:,} bytes of activations for
         backward with or without FSDP, however the parameters were sharded: they belong to the

@@ -35,6 +35,7 @@ from lectures.model.figures import published_figure
 from lectures.model.gpu_evidence import TORCHTITAN_ASYNC_TP
 from util import cheat, deep_dive, figure, note, plural, see, settings, spawn, table, timeline
 from util import try_it_yourself
+from util.measure import with_spread
 
 
 # =========================================================================================
@@ -340,8 +341,8 @@ def memory_measured(rows, parts, n_full):
           what=f"measured per rank at tp = {last[0]}, {n_full:,} parameters ({last[7]:.1%} of one process)")
     names = ", ".join(f"`{n}`" for n in parts[last[0]]["replicated names"])
     note(f"""
-        At tp = {last[0]} a rank holds {last[7]:.1%} of one process's {16 * n_full / 1e3:.0f} kB, not
-        {1 / last[0]:.1%}: the replicated parameters ({names}) stay whole, and so do their
+        At tp = {last[0]} a rank holds {last[7]:.1%} of
+        {with_spread("one process's bytes", f"{16 * n_full / 1e3:.0f} kB")}, not {1 / last[0]:.1%}: the replicated parameters ({names}) stay whole, and so do their
         gradients and moments. In this small model they are
         {parts[last[0]]['replicated parameters'] / 4 / n_full:.1%} of the parameters. A block's
         replicated ones are two LayerNorms and two biases, $6h$ values, against about $12h^2$
@@ -560,8 +561,8 @@ def tp_block_overlap(spans):
         {plural(asyncs, 'asynchronous all-reduce')} (each beside a weight-gradient matmul)
         {f"and {plural(blocking, 'blocking one')}" if blocking else "and no blocking one"}. The forward's two all-reduces (g after `o_proj` and after `fc_out`)
         block: the residual add needs them. How much the weight gradients hide here: they
-        overlap {100 * hidden['share']:.0f}% of the asynchronous all-reduces' time
-        ({hidden['hidden'] * 1e3:.2f} of {hidden['comm'] * 1e3:.2f} ms), so their marks in the
+        overlap {with_spread(f"{100 * hidden['share']:.0f}%", f"{hidden['hidden'] * 1e3:.2f} of {hidden['comm'] * 1e3:.2f} ms")}
+        of the asynchronous all-reduces' time, so their marks in the
         figure are that short beside the all-reduces' bars. This block is tiny, so its
         matmuls are short beside gloo's per-message cost; and gloo's copies need the cores the
         matmuls run on. Give the cores back and the overlap shows:
@@ -580,7 +581,7 @@ def released_core_overlap():
     note(f"""
         Here each partial matmul of the async-TP ring (the appendix builds it) also waits in a
         stand-in that releases the core (`release_core`, a timed wait, lecture 05's sleep mode),
-        as long as one {r['chunk_bytes'] / 2 ** 20:.0f} MB chunk takes to travel: {gain_words(r)}. The model: the rank's own
+        as long as one {r['chunk_bytes'] / 2 ** 20:.0f} MB chunk takes to travel. {gain_words(r)}. The model: the rank's own
         chunk needs no transfer, and each later chunk travels while the one before is multiplied,
         so the step is one piece plus $\\max(\\text{{piece}}, \\text{{transfer}})$ per later chunk.
         On a GPU the matmuls run on the SMs and NCCL (or symmetric memory) moves the chunks
@@ -639,10 +640,10 @@ def tp_at_scale():
     table(rows, header=["", "shape", "MB per rank per layer (fwd + bwd)", "compute ms at peak",
                         "NVLink 450 GB/s: ms", "InfiniBand NDR 50 GB/s: ms"],
           caption="computed, not measured: H100 peak 989 TFLOP/s bf16; link speeds per direction as in lecture 02")
-    nv = ", ".join(f"{r[0]}: {r[4] / r[3]:.2f}×" for r in rows)
-    ib = ", ".join(f"{r[0]}: {r[5] / r[3]:.1f}×" for r in rows)
+    (a, *_, nv_a, ib_a), (b, *_, nv_b, ib_b) = [[r[0], r[4] / r[3], r[5] / r[3]] for r in rows]
     note(f"""
-        Communication over compute, over NVLink: {nv}; over InfiniBand: {ib}. Both columns are
+        Over NVLink, communication takes {nv_a:.2f}× the compute of a {a} and {nv_b:.2f}× of a
+        {b}. Over InfiniBand it takes {ib_a:.1f}× and {ib_b:.1f}×. Both columns are
         ideal: the compute assumes the GPU at its peak (a real layer runs below it, which shrinks
         these ratios by the same factor), the links their full speed (a real all-reduce falls
         short of it, which grows them). Over InfiniBand the all-reduces

@@ -28,7 +28,7 @@ from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_fi
 from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_SOURCE, speedups_over_1f1b
 from util import cheat, deep_dive, figure, note, see, settings, spawn, table, widget
 from util import try_it_yourself
-from util.measure import compare, machine, spreads_overlap, value_range
+from util.measure import compare, machine, spreads_overlap, value_range, with_spread
 
 
 def sleep_cfg(p):
@@ -251,10 +251,11 @@ def one_f_one_b_memory(mem, ms, p):
         1F1B (PipeDream-Flush, from Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel
         DNN Training", the paper of PipeDream-2BW) starts the backward of micro-batch 0 as
         soon as it can and then alternates one forward with one backward. Rank $r$ holds at
-        most $p - r$ micro-batches, whatever $m$: at m = {top} the measured peak is
-        **{mem['1f1b', top] / 2**10:.0f} KiB** against GPipe's **{mem['gpipe', top] / 2**10:.0f} KiB**
-        (ratio {mem['gpipe', top] / mem['1f1b', top]:.1f}; $m/p$ = {top / p:g}), and the same
-        bubble in theory (the table above has both measured). So $m$ can grow to shrink the
+        most $p - r$ micro-batches, whatever $m$. At m = {top} 1F1B's measured peak is
+        **{mem['1f1b', top] / 2**10:.0f} KiB**,
+        {with_spread(f"{mem['gpipe', top] / mem['1f1b', top]:.1f}× less", f"GPipe's {mem['gpipe', top] / 2**10:.0f} KiB")}
+        than GPipe's ($m/p$ = {top / p:g}), for the same bubble in theory (the table above has
+        both measured). So $m$ can grow to shrink the
         bubble without running out of memory.
     """)
     cheat("1F1B activation memory", "rank $r$ holds $p-r$ micro-batches (GPipe: $m$); GPipe / 1F1B peak $= m/p$",
@@ -274,7 +275,8 @@ def interleaved_measured(R, p):
         (Narayanan et al. 2021). A micro-batch passes through every rank $v$ times, each visit
         $1/v$ as long, so the fill and drain shrink $v$-fold: bubble/ideal $= \\frac{{p-1}}{{v\\,m}}$,
         a bubble fraction of $\\frac{{p-1}}{{v m + p - 1}}$ = {pct(inter['theory'])} here
-        (m = 8, v = {v}), measured **{pct(inter['measured'])}** against 1F1B's {pct(one['measured'])}.
+        (m = 8, v = {v}). Measured, it is **{pct(inter['measured'])}**, against 1F1B's
+        {pct(one['measured'])}.
         The cost is messages: a micro-batch crosses $vp - 1$ stage boundaries instead of
         $p - 1$, each way. Counted in this step: **{msgs['interleaved-1f1b']}** messages against
         **{msgs['1f1b m=8']}** ({msgs['interleaved-1f1b'] / msgs['1f1b m=8']:.2f}×; $(vp-1)/(p-1)$ =
@@ -408,8 +410,8 @@ def zb_h1_gap_words(R):
     one = max(o for o, _, _ in peaks)
     zb = max(z for _, z, _ in peaks)
     without = max(z - dy for _, z, dy in peaks)
-    return (f"ZB-H1's {kib(zb)} against 1F1B's {kib(one)} is the output gradients its postponed Ws "
-            f"wait with: without them, at most {kib(without)} on any rank, "
+    return (f"ZB-H1's peak exceeds 1F1B's ({kib(zb)} against {kib(one)}) by the output gradients "
+            f"its postponed Ws wait with. Without them it holds at most {kib(without)} on any rank, "
             f"{'within' if without <= one else 'still above'} 1F1B's.")
 
 
@@ -462,20 +464,22 @@ def verdict(a, b, a_name, b_name, least=3):
     if n >= least:
         return compare(a, b, a_name, b_name)
     count = "one sample" if n == 1 else f"{n} samples"
-    return f"{a_name} {a.ms()}, {b_name} {b.ms()} ({count}, no verdict)"
+    return f"{a_name} {a.brief()}, {b_name} {b.brief()} ({count}, no verdict)"
 
 
 def slower_or_faster(a, b, a_name, b_name, least=3):
-    """'b_name X, a_name Y: r× slower': a against b in that order, the ratio only where the
-    interquartile ranges do not overlap and both have `least` samples."""
-    times = f"{b_name} {b.ms()}, {a_name} {a.ms()}"
+    """'a_name, r× slower than b_name': a against b in that order, the ratio only where the
+    interquartile ranges do not overlap and both have `least` samples; both times on hover."""
+    times = f"{a_name} {a.ms()}, {b_name} {b.ms()}"
     n = min(len(a.samples), len(b.samples))
     if n < least:
-        return f"{times} ({'one sample' if n == 1 else f'{n} samples'}, no verdict)"
+        return (f"{a_name} {a.brief()}, {b_name} {b.brief()} "
+                f"({'one sample' if n == 1 else f'{n} samples'}, no verdict)")
     if spreads_overlap(a, b):
-        return f"{times}: no measurable difference (the interquartile ranges overlap)"
+        return f"{a_name} and {b_name} show no {with_spread('measurable difference', times)} (the interquartile ranges overlap)"
     r = a.median / b.median
-    return f"{times}: {r:.2f}× slower" if r > 1 else f"{times}: {1 / r:.2f}× faster"
+    ratio = f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster"
+    return f"{a_name} is {with_spread(ratio, times)} than {b_name}"
 
 
 def _fewer(a, b):
@@ -509,9 +513,9 @@ def every_schedule_measured(R, p, mode):
     split = {n: extra[n][0] for n in ("zb-h1", "zb-h2", "zb-v", "dualpipev")}
     note(f"""
         Measured steps also pay for what the simulator leaves out (Python, gloo, compute, {p}
-        ranks on shared cores): {e1 * 1e3:.0f} ms per step for 1F1B, {ei * 1e3:.0f} ms for interleaved
-        ($v$× the actions), {min(split.values()) * 1e3:.0f}–{max(split.values()) * 1e3:.0f} ms for the
-        split lists (W: one more action per micro-batch). In 1F1B and interleaving it is bubble
+        ranks on shared cores): {e1 * 1e3:.0f} ms per step for 1F1B. Interleaving ($v$× the
+        actions) pays {ei * 1e3:.0f} ms, the split lists (W: one more action per micro-batch)
+        {min(split.values()) * 1e3:.0f}–{max(split.values()) * 1e3:.0f} ms. In 1F1B and interleaving it is bubble
         (measured over theory {r1:.2f}, {ri:.2f}); in the split lists mostly compute inside the
         spans, so their bubble shrinks but not their step. The step is the verdict; the section
         after the explorer measures it with sleeps {RATIO_SLEEP / SLEEP["F"]:.0f}× longer.
@@ -551,12 +555,13 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
     short = SLEEP["F"] / 2
     note(f"""
         The step is what a schedule delivers: with {RATIO_SLEEP * 1e3:.0f} ms actions each measured
-        step over 1F1B's is the simulator's within {gap:.3f} ({worst}). What the simulator leaves out,
-        {min(excess.values()) * 1e3:.1f}–{max(excess.values()) * 1e3:.1f} ms per action here (compute,
-        Python, gloo, waking a rank on {usable_cores_here()} shared cores), is at most
-        {100 * max(excess.values()) / RATIO_SLEEP:.0f}% of these actions but up to
-        {max(excess.values()) / short:.0f}× the {SLEEP['F'] * 1e3:.0f} ms (a chunk's {short * 1e3:.0f} ms)
-        actions above, where the lists with more actions were not faster.
+        step over 1F1B's is the simulator's within {gap:.3f} ({worst}). What the simulator leaves
+        out costs {min(excess.values()) * 1e3:.1f}–{max(excess.values()) * 1e3:.1f} ms per action
+        here (compute, Python, gloo, waking a rank on {usable_cores_here()} shared cores): at most
+        {100 * max(excess.values()) / RATIO_SLEEP:.0f}% of these actions. The short actions above
+        last {SLEEP['F'] * 1e3:.0f} ms, {short * 1e3:.0f} ms per chunk. Against those it is up to
+        {max(excess.values()) / short:.0f}× a chunk's action, and there the lists with more
+        actions were not faster.
     """)
     with deep_dive("Every schedule's step, bubble and memory, in numbers",
                    "each list's simulated and measured step and bubble at the short sleeps, its step over "
@@ -590,10 +595,11 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
     extra = [mem["ZB-1p"] - mem["1F1B"] for _, _, _, mem in QI_TABLE_4.values()]
     models, gpus = list(QI_TABLE_4), [g for g, _, _, _ in QI_TABLE_4.values()]
     note(f"""
-        On GPUs (Qi et al., Table 4: {models[0]} to {models[-1]} GPT models on {min(gpus)} to {max(gpus)} A100s,
-        $m = 3p$) ZB-1p, scheduled within 1F1B's memory like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's
-        samples per second with {min(extra)}–{max(extra)} GB more per GPU; ZB-2p, with twice the activation
-        memory like ZB-H2, {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×
+        On GPUs, Qi et al. measured {models[0]} to {models[-1]} GPT models on {min(gpus)} to
+        {max(gpus)} A100s with $m = 3p$ (their Table 4). ZB-1p, scheduled within 1F1B's memory
+        like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's samples per second with
+        {min(extra)}–{max(extra)} GB more per GPU. ZB-2p, with twice the activation memory like
+        ZB-H2, ran {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×
         (drawn model by model in the deep dive below).
     """)
     with deep_dive("Zero bubble on GPUs, as published",
@@ -657,8 +663,8 @@ def real_compute():
         micro-batch, and its backward first re-runs the stage's forward, which saves one
         micro-batch's activations again. The peak is therefore every kept input plus one
         micro-batch's activations, and the meter counts both (saves during F and during the
-        re-run): **{gm / 2**20:.2f} MiB → {cm / 2**20:.2f} MiB** held at most, {gm / max(cm, 1):.1f}×
-        less. Time: {slower_or_faster(c, g, "with checkpointing", "plain GPipe")}.
+        re-run). With checkpointing a stage holds at most **{cm / 2**20:.2f} MiB** instead of
+        {gm / 2**20:.2f} MiB. Time: {slower_or_faster(c, g, "the checkpointed step", "plain GPipe's")}.
         Every forward runs twice, and the re-run counts as busy time in the measured bubble
         ({pct(bub['gpipe + checkpointing'])} with checkpointing, {pct(bub['gpipe'])} without):
         extra compute fills idle slots, so for a checkpointed schedule the step time, not the
@@ -678,11 +684,11 @@ def real_compute():
     (zl, zo), (ol, oo) = (overhead_per_action(R, n, n, m, 1, p) for n in ("zb-h1", "1f1b"))
     note(f"""
         ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))}
-        Its actions take (medians) F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms
-        (1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms), and its step is {zo * 1e3:.1f} ms per action
-        longer than the list simulated at those lengths (1F1B's {oo * 1e3:.1f} ms): time between actions
-        (messages, Python, cores shared), {zo / statistics.mean(zl.values()):.1f}× an average action, so the
-        slots W fills are not clean idle time as on a GPU. (Its plan was timed with the F, B, W a
+        Time is lost between its actions (messages, Python, cores shared): its step is
+        {zo * 1e3:.1f} ms per action longer than the list simulated at its measured
+        {with_spread("action lengths", f"medians: F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms; 1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms")}
+        (1F1B's excess: {oo * 1e3:.1f} ms per action). That is {zo / statistics.mean(zl.values()):.1f}× an average
+        action, so the slots W fills are not clean idle time as on a GPU. (Its plan was timed with the F, B, W a
         first step measured.)
     """)
 
@@ -691,19 +697,24 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
     """ZB-H1 against 1F1B from their measured bubbles and step Timings (and the compute summed
     over ranks, busy_*): the bubble alone does not say which step is faster, so the verdict is
     the step's, and says when the two disagree."""
-    step = slower_or_faster(z, o, "ZB-H1", "1F1B")
     smaller = bubble_z < bubble_o
     bubble = f"its measured bubble is {'smaller' if smaller else 'not smaller'} ({pct(bubble_z)} against {pct(bubble_o)})"
-    if step.endswith("slower") and smaller:
+    if min(len(z.samples), len(o.samples)) < 3 or spreads_overlap(z, o):
+        steps = slower_or_faster(z, o, "its step", "1F1B's")
+        return f"{bubble}; {steps}."
+    times = f"ZB-H1 {z.ms()}, 1F1B {o.ms()}"
+    r = z.median / o.median
+    step = with_spread(f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster", times)
+    if r > 1 and smaller:
         why = ""
         if busy_z is not None and busy_z > busy_o:
             why = (f" Its actions add up to {busy_z * 1e3:.0f} ms of compute per step over the ranks "
                    f"against 1F1B's {busy_o * 1e3:.0f} ms: the split backward's own cost (autograd.grad "
                    "keeping the graph, then one backward per module for W) outweighs the idle time its Ws fill.")
-        return f"{bubble}, yet its step is slower ({step}). The step time is the verdict.{why}"
-    if step.endswith("faster"):
-        return f"{bubble}, and its step is faster ({step})."
-    return f"{bubble}; the steps: {step}."
+        return f"{bubble}. Yet its step is {step}: the step time is the verdict.{why}"
+    if r < 1:
+        return f"{bubble}, and its step is faster: {step}."
+    return f"{bubble}; its step is {step}."
 
 
 def usable_cores_here():

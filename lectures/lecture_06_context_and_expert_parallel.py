@@ -43,7 +43,7 @@ from lectures.model.figures import published_figure
 from lectures.model.gpu_evidence import TORCHTITAN_CP, flops_per_token
 from util import cheat, deep_dive, figure, note, see, settings, spawn, table, timeline
 from util import try_it_yourself
-from util.measure import value_range
+from util.measure import value_range, with_spread
 
 
 def intro():
@@ -117,10 +117,11 @@ def what_needs_other_ranks():
           what=f"one rank's saved activations over CP = 4's per rank, s = {top}, measured")
     (s0, tps0), (s1, tps1), grew = torchtitan_cp_drop()
     note(f"""
-        At published scale, torchtitan trained Llama 3.1 8B on 8 H100s at {s1:,} tokens with CP 8
-        at {tps0 / tps1:.1f}× fewer tokens/s per GPU than {s0:,} with CP 1: {grew:.2f}× from
-        attention's extra work per token, and the remaining {tps0 / tps1 / grew:.1f}× what CP 8 and
-        the kernels at these lengths cost (the deep dive below), for a length one GPU's memory could not hold at all. Here the sequences are a
+        At published scale, torchtitan trained Llama 3.1 8B on 8 H100s with CP 8 at {s1:,}
+        tokens, a length one GPU's memory could not hold at all. Per GPU it processed
+        {tps0 / tps1:.1f}× fewer tokens/s than with CP 1 at {s0:,} tokens. Attention's extra work
+        per token explains {grew:.2f}×; the remaining {tps0 / tps1 / grew:.1f}× is what CP 8 and the
+        kernels at these lengths cost (the deep dive below). Here the sequences are a
         few hundred tokens and the machine's memory is never the limit, so this page can show
         the 1/n but not what it buys.
     """)
@@ -228,11 +229,11 @@ def ring_attention_section():
     ratio = block / alone.median
     untraced = max(0.0, wall - comp - wait)
     note(f"""
-        Medians of the repetitions, {machine(n)}: one forward+backward takes {wall * 1e3:.1f} ms, of
-        which {comp * 1e3:.1f} ms is block compute and {wait * 1e3:.2f} ms is waiting in `wait()`;
-        the other {untraced * 1e3:.1f} ms or so is not traced (Python and autograd between the blocks,
-        allocating and merging the partial results, the switch from forward to backward: the gaps
-        between spans in the figure). One hop of a K/V block *alone* takes {alone.ms()}, so the {transfers} hops
+        Medians of the repetitions, {machine(n)}: one forward+backward takes {wall * 1e3:.1f} ms.
+        Of that, {comp * 1e3:.1f} ms is block compute and {wait * 1e3:.2f} ms is waiting in
+        `wait()`. The other {untraced * 1e3:.1f} ms or so is not traced (Python and autograd between
+        the blocks, allocating and merging the partial results, the switch from forward to backward:
+        the gaps between spans in the figure). One hop of a K/V block *alone* takes {alone.brief()}, so the {transfers} hops
         of a step cost about {alone_total * 1e3:.1f} ms of wire time. The waits add up to
         {wait / alone_total:.1f}× that. {wait_words(wait, alone_total)} What a wait is follows from how the ring
         runs: a rank waits for its neighbour, which posts the next block only when it reaches
@@ -246,8 +247,8 @@ def ring_attention_section():
         and sends s/n positions of K/V: compute grows with the square of the block, the transfer
         linearly. The transfer hides when block compute ≥ transfer time, which sets a minimum
         block size; Liu et al. derive it from the device's FLOP/s and bandwidth. Here one forward
-        block took {block * 1e3:.2f} ms against {alone.median * 1e3:.2f} ms for its transfer alone
-        ({ratio:.1f}×), so at s/n = {S // n} positions the condition
+        block took {with_spread(f"{ratio:.1f}×", f"{block * 1e3:.2f} ms against {alone.median * 1e3:.2f} ms")}
+        as long as its transfer alone, so at s/n = {S // n} positions the condition
         {"holds" if ratio >= 1 else "fails"}; scaling both as above, compute and transfer would be
         equal at about {S / n / ratio:.0f} positions per rank, the break-even block here. With a GPU's much larger FLOP/s per byte of bandwidth the minimum is
         thousands of tokens per rank, which is why a ring needs long sequences per device.
@@ -270,7 +271,7 @@ def ring_released():
         busy as long as one K/V hop takes but leaves the core to gloo (`released`, a timed
         wait, lecture 05's sleep mode), on a shape whose K/V blocks of
         {r['kv_bytes'] / 2 ** 20:.0f} MB are cheap to attend to ({r['block'][0]} positions per rank,
-        {r['block'][1]} heads of {r['block'][2]}): {gain_words(r)}. The overlapped run waited
+        {r['block'][1]} heads of {r['block'][2]}). {gain_words(r)}. The overlapped run waited
         {r['waiting'].median * 1e3:.2f} ms in all for a {r['comm'].median * 1e3:.2f} ms hop:
         {"the transfer is hidden" if r['waiting'].median < 0.25 * r['comm'].median else "most of the transfer still waited for"}.
         The model's best gain is small: 2 ranks have one hop to hide, behind 2 blocks whose real
@@ -379,8 +380,8 @@ def load_balance_section():
     note(f"""
         **What balance can buy.** The busiest/idlest ratio of contiguous chunks grows as 2n − 1,
         but a step waits only for the busiest rank: {N_HALF} So zig-zag's gain by balance is at
-        most (2n − 1)/n, {", ".join(f"{balance_ceiling(S0, m):.2f}× at {m} ranks" for m in (2, 4, 8))}:
-        it approaches 2× and never reaches it. Whatever a measurement shows above that is not
+        most (2n − 1)/n, which grows from {balance_ceiling(S0, 2):.2f}× at 2 ranks to
+        {balance_ceiling(S0, 8):.2f}× at 8. It approaches 2× and never reaches it. Whatever a measurement shows above that is not
         balance: fixed costs per kernel call only narrow the ratio (zig-zag makes more, smaller
         calls), so an excess comes from a kernel that pays for the masked half of a diagonal
         block (which moves the ceiling to 4n/(2n + 1), {whole_diagonal_ceiling(nb):.2f}× at {nb} ranks)
@@ -412,16 +413,16 @@ def speedup_words(zigzag, contiguous, n, ceiling):
     if ratio <= ceiling:
         return f"{words}; balance allows at most {ceiling:.2f}× at {n} ranks ((2n − 1)/n)"
     if low <= ceiling:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the repetitions' "
-                f"spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved these timings by "
-                "more than balance can, so this ratio is not read as zig-zag's gain")
+        return (f"{words}. That is above the {ceiling:.2f}× that balance allows at {n} ranks, but inside the "
+                f"repetitions' spread (contiguous q1 over zig-zag q3: {low:.2f}×): the machine's load moved "
+                "these timings by more than balance can, so this ratio is not read as zig-zag's gain")
     if ratio <= whole:
-        return (f"{words}: above the {ceiling:.2f}× that balance allows with masked entries skipped, within "
-                f"the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so part "
-                "of each diagonal block's masked half was paid for")
-    return (f"{words}: more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× even with "
-            "diagonal blocks computed whole), even between the quartiles; the rest is the machine (the "
-            "layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
+        return (f"{words}. That is above the {ceiling:.2f}× that balance allows with masked entries skipped, "
+                f"within the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so "
+                "part of each diagonal block's masked half was paid for")
+    return (f"{words}. That is more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× "
+            "even with diagonal blocks computed whole), even between the quartiles; the rest is the machine "
+            "(the layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
 
 
 _VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page's sizes, shared by two sections
@@ -632,8 +633,8 @@ def mixture_of_experts():
     _TRAINING.update(logs=r, labels=labels, configs=configs, steps=steps)
     load = {label: mean(log["max_load"]) for label, log in zip(labels, r)}
     note(f"""
-        Without balancing the busiest expert ended at {load[labels[0]]:.2f}× the mean load; with
-        the balance loss at α = {AUX_WEIGHT} at {load[labels[2]]:.2f}×. How the weight α was chosen,
+        Without balancing the busiest expert ended at {load[labels[0]]:.2f}× the mean load. With
+        the balance loss (α = {AUX_WEIGHT}) it ended at {load[labels[2]]:.2f}×. How the weight α was chosen,
         what balancing does to the loss, and balancing without a loss are a deep dive:
     """)
 

@@ -12,7 +12,7 @@ import statistics
 
 from util import cheat, deep_dive, figure, note, plural, published, see, settings, spawn, table, widget
 from util import try_it_yourself
-from util.measure import machine, timing_ranks, value_range
+from util.measure import machine, timing_ranks, value_range, with_spread
 
 from exercises import listing as notebook_exercises
 from lectures.layout.calculator import calculator_data
@@ -30,7 +30,7 @@ from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_ag
                                      mfu_picture)
 from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
-                                   rho_uncertainty, ties_words, trivial_prediction, verdict_of)
+                                   rho_uncertainty, ties_words, trivial_prediction, verdict_of, worst_ratios)
 from lectures.layout.at_scale import across_scale, experts_at_scale
 from lectures.layout.published import a100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
@@ -288,7 +288,8 @@ def memory_at_scale():
             ("tp8 pp4 + SP + recompute", Layout(dp=2, tp=8, pp=4, sp=True, zero=1, micro_batch=1, micro_batches=8,
                                                 recompute="full", precision="bf16"))]
     figure(draw_memory_bars(LLAMA3_70B, lays),
-           caption="The same estimator at published scale: each split removes part of a bar. The "
+           caption=f"The same estimator at published scale ({LLAMA3_70B.name}, bf16 weights + fp32 gradients "
+                   f"and AdamW, sequences of {LLAMA3_70B.seq}): each split removes part of a bar. The "
                    "axis stops at 2.5 × an H100's memory; a bar that runs past it says its total.")
     note("""
         At this scale three terms the small runs cannot show decide what fits: gradients are
@@ -418,19 +419,20 @@ def step_time_model():
     lo_rho, hi_rho = rho_interval(rho, len(layouts))
     verdict = verdict_of(rho_trivial, lo_rho, hi_rho)
     note(f"""
-        The model ranks the layouts with Spearman ρ = **{rho:.2f}**; a predictor with no
+        The model ranks the layouts with Spearman ρ = **{rho:.2f}**. A predictor with no
         constants at all — micro-batches × blocks on the busiest rank — reaches
-        ρ = {rho_trivial:.2f}, so the cost model {verdict} counting work; the same model with
-        every transfer free (compute and bubble only) reaches ρ = {rho_compute:.2f}, so it
-        {verdict_of(rho_compute, lo_rho, hi_rho)} the model without its communication
+        ρ = {rho_trivial:.2f}, so the cost model {verdict} counting work. The same model with
+        every transfer free (compute and bubble only) reaches ρ = {rho_compute:.2f}, so the full
+        model {verdict_of(rho_compute, lo_rho, hi_rho)} the model without its communication
         terms{ties_words(free)}. Both baselines follow the number of micro-batches, which differs
         between layouts, so they are the bar to clear, not a measure of the terms alone. With
         {len(layouts)} layouts a ρ is uncertain ({rho_uncertainty(rho, lo_rho, hi_rho)}),
-        which is why the absolute errors sit beside it: every layout measured
-        **{value_range(lo_ratio, hi_ratio, decimals=2)}×** its prediction, {direction}, furthest for
-        **{worst_axis}** (its {plural(len(by_axis[worst_axis]), 'layout')} measured
-        {', '.join(f'{r:.2f}' for r in sorted(by_axis[worst_axis]))}× the prediction; the deep dive
-        below gives every axis, and what the model leaves out of ZeRO on gloo). The constants are
+        which is why the absolute errors sit beside it. Every layout measured
+        **{value_range(lo_ratio, hi_ratio, decimals=2)}×** its prediction, {direction}. It is
+        furthest off for **{worst_axis}**: its {plural(len(by_axis[worst_axis]), 'layout')} measured
+        {worst_ratios(by_axis[worst_axis])}
+        the prediction (the deep dive below gives every axis, and what the model leaves out of
+        ZeRO on gloo). The constants are
         calibrated under the same load as the runs they predict, but on shared cores that load
         changes between the calibration and the runs and from build to build, so the constants
         (and this range) swing between builds; the ranking carries over better than the
@@ -513,13 +515,8 @@ def published_scale():
     note(f"""
         ## At published scale: Llama 3's runs, then an 8B and a 70B model on 64–512 H100s
         The same estimator and cost model, with published hardware numbers instead of
-        measured ones: an H100 SXM does {H100_PEAK_BF16 / 1e12:.0f} TFLOP/s of dense BF16 and
-        holds {H100_MEMORY / 2 ** 30:.0f} GiB ({H100_MEMORY / 1e9:.1f} GB); NVLink 4 gives each GPU 900 GB/s counting both
-        directions ({NVLINK_BW / 1e9:.0f} GB/s each way), of which NCCL's ring achieves
-        {NVLINK_ACHIEVED / 1e9:.0f} GB/s, the rest being protocol overhead (NVIDIA's NCCL team,
-        nccl-tests issue 212); a DGX H100 node has 8 GPUs and one 400 Gb/s InfiniBand NDR port
-        per GPU ({IB_BW / 1e9:.0f} GB/s), of which NCCL achieves 46–48 GB/s (the same team,
-        issue 290; the model takes {IB_ACHIEVED / 1e9:.0f}). Models: Llama 3 8B and
+        measured ones (the table: what a DGX H100 node of 8 GPUs offers, and what NCCL
+        achieves of it; the rest is protocol overhead). Models: Llama 3 8B and
         70B (grouped-query attention with 8 K/V heads, SwiGLU, vocabulary 128,256), sequences of
         8192, a global batch of 512 sequences (4M tokens, Llama 3's first batch size; Llama 3
         report, §3.4.1), bf16 weights with fp32 gradients and AdamW. The search covers tp ≤ 8 (one node), any pp dividing the
@@ -530,6 +527,14 @@ def published_scale():
         Every constant below is published or fitted; the model's assumptions are listed, one by
         one, in the deep dive that follows.
     """)
+    table([["dense BF16 compute", f"{H100_PEAK_BF16 / 1e12:.0f} TFLOP/s", "", "NVIDIA H100 datasheet"],
+           ["memory", f"{H100_MEMORY / 2 ** 30:.0f} GiB ({H100_MEMORY / 1e9:.1f} GB)", "", "NVIDIA H100 datasheet"],
+           ["NVLink 4, each way", f"{NVLINK_BW / 1e9:.0f} GB/s (900 GB/s both ways)",
+            f"{NVLINK_ACHIEVED / 1e9:.0f} GB/s", "NVIDIA's NCCL team, nccl-tests issue 212"],
+           ["InfiniBand NDR, one 400 Gb/s port", f"{IB_BW / 1e9:.0f} GB/s",
+            f"46–48 GB/s (the model takes {IB_ACHIEVED / 1e9:.0f})", "the same team, nccl-tests issue 290"]],
+          header=["per H100 SXM", "published", "NCCL achieves", "source"],
+          caption="the published hardware numbers the model uses at scale")
     with deep_dive("Every assumption of the model at scale, stated",
                    "what is assumed rather than cited, and what the model leaves out"):
         note(f"""
@@ -623,9 +628,10 @@ def published_scale():
     if worst and worst[3]["dp"] > 0.2 * worst[3]["total"]:
         how = {2: "ZeRO-2 reduce-scatters the fp32 gradients every micro-batch",
                3: "ZeRO-3 gathers the weights twice and reduce-scatters the fp32 gradients every micro-batch"}
+        share = with_spread(f"{100 * worst[3]['dp'] / worst[3]['total']:.0f}%",
+                            f"{worst[3]['dp']:.2f} of {worst[3]['total']:.2f} s")
         why_differ = f"""The largest gap is {worst[0]} on {worst[1]} GPUs: the rule stops at
-        {worst[2].label()}, and {100 * worst[3]['dp'] / worst[3]['total']:.0f}% of its step is
-        *exposed* data-parallel traffic ({worst[3]['dp']:.2f} of {worst[3]['total']:.2f} s) —
+        {worst[2].label()}, and {share} of its step is *exposed* data-parallel traffic —
         {how.get(worst[2].zero, "its gradient sync")}, more than a micro-batch's backward can
         hide — while the search fits the model with tensor parallelism and a larger micro-batch,
         which the rule never tries before sharding more."""
@@ -700,9 +706,8 @@ def llama3_table4(fitted=None):
                   f"Meta does not define; the deep dive below puts both in numbers."
                   if long_rows else "")
     note(f"""
-        {len(good)} of the {len(held_out)} predicted rows {"lands" if len(good) == 1 else "land"} within ±10% of what Meta measured
-        ({', '.join(f"{row['gpus']:,} GPUs at {row['seq'] // 1024}K: {100 * err:+.1f}%" for row, _, err in held_out)}),
-        and every row fits. {long_words} Meta says it trained at 8K tokens without activation
+        {len(good)} of the {len(held_out)} predicted rows {with_spread(f"{'lands' if len(good) == 1 else 'land'} within ±10%", '; '.join(f"{row['gpus']:,} GPUs at {row['seq'] // 1024}K: {100 * err:+.1f}%" for row, _, err in held_out))}
+        of what Meta measured (the table has each row's error), and every row fits. {long_words} Meta says it trained at 8K tokens without activation
         checkpointing; the estimator counts what eager PyTorch saves (every norm output, SwiGLU's
         four tensors), and with that count the first row's pick needs
         {bare / 2 ** 30:.0f} GiB per GPU without recomputation, so the search keeps only what no
@@ -785,11 +790,11 @@ def mfu_section():
         best = min(timed, key=lambda x: x[2].median)
         u = mfu(shape, tokens / best[2].median, ranks * hw.peak)
         note(f"""
-            Here: {int(flops_per_token(shape)[0]):,} FLOPs per token; the fastest layout measured
-            ({best[0].label()}) trains {tokens / best[2].median:,.0f} tokens/s, against
-            a peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul) —
-            **MFU {100 * u:.2f}%**, {machine(ranks)}. A model this small spends its time in
-            fixed per-operation costs, not in matmuls.
+            Here the fastest layout measured ({best[0].label()}) reaches **MFU {100 * u:.2f}%** on
+            {machine(ranks)}: a model this small spends its time in fixed per-operation costs,
+            not in matmuls. Each token costs {int(flops_per_token(shape)[0]):,} FLOPs. The layout
+            trains {tokens / best[2].median:,.0f} tokens/s, against a peak of {ranks} ×
+            {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul).
         """)
         _RESULTS["mfu_here"] = u
         cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
@@ -798,7 +803,7 @@ def mfu_section():
     val = _RESULTS.get("validation")
     where = (f"""At published scale the model was fitted to Llama 3's measured 43% on one row
         and predicts the others to within {100 * t4['band']:.0f}% (the long-context row resting on
-        attention's published rate and on Meta's MFU count); on A100s, fitted on one run, it
+        attention's published rate and on Meta's MFU count). On A100s, fitted on one run, it
         predicts eleven others from 1.7B to 1T parameters within
         {100 * max(abs(e) for e in val.values()) if val else 10:.0f}%, with an error that drifts
         from too fast at 1.7B to too slow at 1T. It knows nothing of stragglers or failures, so
@@ -806,15 +811,15 @@ def mfu_section():
         bound.""" if t4 else "")
     note(f"""
         {where}
-        Public reference points: PaLM 540B trained at 46.2% MFU on 6144 TPU v4 chips
-        (Chowdhery et al. 2022); Megatron-LM with selective recomputation and sequence
-        parallelism reached 56.3% MFU for a 1T-parameter model on A100s (Korthikanti et al.
-        2022; Narayanan et al. 2021's 52% of peak counts the recomputed FLOPs, about 39% MFU);
-        Llama 3 405B ran at 38–43% BF16 MFU on 8K–16K H100s (Llama 3 report, Table 4); picotron,
-        a small open 4D framework, reports 38–50% MFU for 1–7B models on 8–64 H100s (its README),
-        and the Ultra-Scale Playbook swept more than 4,000 configurations up to 512 GPUs to
-        find theirs.
+        Published runs reach 38–56% MFU (the table). The Ultra-Scale Playbook swept more than
+        4,000 configurations up to 512 GPUs to find the best layouts for its models.
     """)
+    table([["PaLM 540B", "6144 TPU v4 chips", "46.2%", "Chowdhery et al. 2022"],
+           ["GPT 1T, selective recomputation and sequence parallelism", "A100s", "56.3%", "Korthikanti et al. 2022"],
+           ["GPT 1T (52% of peak, counting the recomputed FLOPs)", "A100s", "about 39%", "Narayanan et al. 2021"],
+           ["Llama 3 405B, BF16", "8K–16K H100s", "38–43%", "Llama 3 report, Table 4"],
+           ["picotron (a small open 4D framework), 1–7B", "8–64 H100s", "38–50%", "its README"]],
+          header=["run", "hardware", "MFU", "source"], caption="public reference points, as published")
     for url, title in [
         ("https://arxiv.org/abs/2204.02311", "Chowdhery et al. 2022, PaLM: Scaling Language Modeling with Pathways (MFU)"),
         ("https://arxiv.org/abs/2104.04473", "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"),

@@ -190,8 +190,8 @@ def what_it_costs():
             of its own (on the training's group its collectives could interleave with the
             step's) while the next step runs. Blocked by the asynchronous save against a
             synchronous one: {compare(blocked, sync, "async", "sync")}. Until the files are on
-            disk the asynchronous save takes {total.ms()}, with a training step
-            ({step.ms()} alone) running beside it on {machine(ranks)}: the writer and the step
+            disk the asynchronous save takes {total.brief()}, with a training step
+            ({step.brief()} alone) running beside it on {machine(ranks)}: the writer and the step
             share the cores. On a GPU the copy is device-to-host into pinned memory, which is
             why torchtitan keeps those buffers between saves.
         """)
@@ -250,8 +250,8 @@ def clipping_across_shards():
             The classic bug is the middle column: each rank computes the norm of what it holds
             and the ranks add their squares up, so a replica counts its whole model again and a
             LayerNorm kept whole on every tp rank counts tp times. Under {name} it reports
-            {naive:.4f} instead of {once:.4f} ({naive / once:.2f}×, at the first step): a step is
-            clipped that hard. Under SGD that is a smaller learning rate; AdamW cancels a factor
+            {naive:.4f} instead of {once:.4f} at the first step. A step is clipped
+            {naive / once:.2f}× too hard. Under SGD that is a smaller learning rate; AdamW cancels a factor
             that stays the same from step to step, but the factor changes with the layout and the
             step, and steps whose true norm is under the bound get clipped too, so the run no
             longer trains as the one-process run it was tuned on. The opposite mistake, each rank
@@ -317,10 +317,11 @@ def how_often():
         $\\tau^* = \\sqrt{{2\\delta M}}$ (Young 1974; Daly 2006 adds higher-order terms that
         matter only when δ approaches M). For Llama 3 405B: {LLAMA3_UNEXPECTED} unexpected
         interruptions in {LLAMA3_DAYS} days is M = {mtbf / 3600:.1f} h for the whole job.
-        Its training state at 14 bytes per parameter (bf16 weights, fp32 master weights and two
-        fp32 Adam moments; the gradients are not saved) is {state_bytes / 1e12:.1f} TB; at the storage's published 2 TB/s
-        sustained, if the whole bandwidth went to the checkpoint, δ = {delta:.1f} s and
-        τ* = {best / 60:.1f} min, losing {100 * expected_waste(best, delta, mtbf):.2f}% of the time.
+        Its training state is {state_bytes / 1e12:.1f} TB, at 14 bytes per parameter (bf16
+        weights, fp32 master weights and two fp32 Adam moments; the gradients are not saved). The
+        storage's published sustained bandwidth is 2 TB/s. If all of it went to the checkpoint, a
+        save would block δ = {delta:.1f} s and the best interval would be τ* = {best / 60:.1f} min.
+        That loses {100 * expected_waste(best, delta, mtbf):.2f}% of the time.
     """)
     published(f"{LLAMA3_INTERRUPTIONS} job interruptions in {LLAMA3_DAYS} days of Llama 3 405B pre-training on "
               f"{LLAMA3_GPUS:,} H100s: 47 planned, {LLAMA3_UNEXPECTED} unexpected (about 78% confirmed or suspected "
@@ -337,8 +338,8 @@ def how_often():
     if costs:
         name, sync, blocked, total, step = costs[0]
         if blocked.q3 < sync.q1:
-            here = (f"Here an asynchronous save blocked the step {blocked.median * 1e3:.0f} ms where a synchronous "
-                    f"one took {sync.median * 1e3:.0f} ms: with δ the blocking time, √(2δM) shrinks by "
+            here = (f"Here an asynchronous save blocked the step {blocked.brief()} where a synchronous "
+                    f"one took {sync.brief()}. With δ the blocking time, √(2δM) shrinks by "
                     f"√({sync.median / blocked.median:.1f}) and every interval loses less.")
         else:
             here = (f"Here, {machine(timing_ranks(2))}, this small model's asynchronous save blocked about as "

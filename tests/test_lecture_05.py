@@ -659,21 +659,23 @@ def test_one_sample_gives_no_verdict_and_checkpointing_sentence_reads():
     from util.measure import Timing
     one = L.verdict(Timing([0.0609]), Timing([0.0550]), "ours", "PyTorch's")
     assert "one sample, no verdict" in one and "faster" not in one
+    from util.render import markdown_inline, visible_text
     words = L.slower_or_faster(Timing([0.103, 0.104, 0.102]), Timing([0.0836, 0.0840, 0.0830]),
                                "with checkpointing", "plain GPipe")
-    assert words.startswith("plain GPipe 83.6") and "with checkpointing 103" in words
-    assert words.endswith(": 1.23× slower")                          # 0.103 / 0.0836
+    assert visible_text(words) == "with checkpointing is 1.23× slower than plain GPipe"   # 0.103 / 0.0836
+    assert "with checkpointing 103 ms (IQR 102–104), plain GPipe 83.6 ms (IQR 83.3–83.8)" in markdown_inline(words)
     overlap = L.slower_or_faster(Timing([1.0, 2.0, 3.0]), Timing([1.5, 2.5, 3.5]), "a", "b")
-    assert "no measurable difference" in overlap
+    assert "no measurable difference" in visible_text(overlap)
 
 
 def test_zb_h1_verdict_is_the_step_not_the_bubble():
     """A smaller measured bubble with a slower step reads as a slower step, said so."""
     from util.measure import Timing
     slow, fast = Timing([0.0976, 0.0926, 0.101]), Timing([0.0731, 0.070, 0.0788])
-    words = L.zb_h1_verdict(0.212, 0.285, slow, fast)
-    assert words.startswith("its measured bubble is smaller (21.2% against 28.5%), yet its step is slower")
-    assert "1.34× slower" in words and "outweighs" not in words      # no cause claimed without the busy times
+    from util.render import visible_text
+    words = visible_text(L.zb_h1_verdict(0.212, 0.285, slow, fast))
+    assert words.startswith("its measured bubble is smaller (21.2% against 28.5%). Yet its step is 1.34× slower")
+    assert "outweighs" not in words                                  # no cause claimed without the busy times
     words = L.zb_h1_verdict(0.212, 0.285, slow, fast, 0.30, 0.21)
     assert "300 ms of compute per step over the ranks against 1F1B's 210 ms" in words and "outweighs" in words
     assert "its step is faster" in L.zb_h1_verdict(0.212, 0.285, fast, slow)

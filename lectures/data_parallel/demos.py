@@ -535,19 +535,20 @@ def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
     comm, backward = seconds["comm"], seconds["backward"]
     ratio = backward / comm
     verdict = (f"Backward is {ratio:.1f}× the all-reduce: with overlap it hides {ratio:.1f} times "
-               "over, so this configuration is far from communication-bound, and would stay "
+               "over, so this configuration is far from communication-bound. The all-reduce would stay "
                f"hidden down to about {tokens / ratio:,.0f} tokens per GPU" if ratio > 1.2 else
                f"The all-reduce is {1 / ratio:.1f}× backward: even perfect overlap leaves it exposed"
                if ratio < 0.8 else "The two are about equal: this configuration is on the edge")
     return (f"A {psi / 1e9:.0f}-billion-parameter model in bf16 has 2Ψ = {2 * psi / 1e9:.0f} GB of "
             f"gradients. Across nodes each H100 typically has one 400 Gb/s InfiniBand NDR port "
-            f"(ConnectX-7), {nic / 1e9:.0f} GB/s per direction at line rate (NCCL achieves a little "
-            f"less, about 47: lecture 07); a ring all-reduce over many nodes "
+            f"(ConnectX-7): {nic / 1e9:.0f} GB/s per direction at line rate, of which NCCL achieves "
+            f"about 47 (lecture 07). A ring all-reduce over many nodes "
             f"sends about 2 × 2Ψ = {4 * psi / 1e9:.0f} GB per GPU (the factor $\\frac{{2(n-1)}}{{n}}$ → 2), "
             f"which takes about {comm:.2f} s. Backward costs about twice the forward's 2Ψ FLOPs "
-            f"per token, 4Ψ·tokens; with 8 sequences of 4,096 tokens per GPU that is "
-            f"4 × {psi / 1e9:.0f}·10⁹ × {tokens:,} ≈ {4 * psi * tokens / 1e15:.2f}·10¹⁵ FLOPs, and at {mfu:.0%} of the "
-            f"H100's {peak / 1e12:.0f} TFLOP/s dense bf16 peak ≈ {backward:.2f} s. {verdict}. "
+            f"per token, 4Ψ·tokens: with 8 sequences of 4,096 tokens per GPU, $4 \\times "
+            f"{psi / 1e9:.0f} \\cdot 10^9 \\times {tokens} \\approx {4 * psi * tokens / 1e15:.2f} \\cdot 10^{{15}}$ FLOPs. "
+            f"The H100's dense bf16 peak is {peak / 1e12:.0f} TFLOP/s. At {mfu:.0%} of it, "
+            f"backward takes about {backward:.2f} s. {verdict}. "
             f"{fp32_words(psi, nic, tokens, peak, mfu)} "
             "The budget tightens as the batch per GPU shrinks (more GPUs for the same global "
             "batch), or when sharding adds traffic (ZeRO-3 sends 1.5× DP's bytes); then large "
@@ -559,10 +560,10 @@ def fp32_words(psi, nic, tokens, peak, mfu):
     """The same budget with the gradients reduced in fp32, as Llama 3 does and lecture 07's
     model charges: twice the bytes."""
     fp32 = published_scale_numbers(psi, nic, tokens, peak, mfu, grad_bytes=4)
-    return (f"Reduced in fp32 instead — Llama 3 reduce-scatters its gradients in fp32 for "
-            f"numerical stability (Llama 3 report, §3.3.2), and lecture 07's model charges that "
-            f"— the all-reduce doubles to "
-            f"{fp32['comm']:.2f} s and backward is {fp32['backward'] / fp32['comm']:.1f}× it.")
+    return (f"Llama 3 reduce-scatters its gradients in fp32 for numerical stability (Llama 3 "
+            f"report, §3.3.2), and lecture 07's model charges that. Reduced in fp32, the "
+            f"all-reduce doubles to {fp32['comm']:.2f} s and backward is "
+            f"{fp32['backward'] / fp32['comm']:.1f}× it.")
 
 
 def train_at_batch(batch, rule, base_batch, base_lr, samples, warmup_frac=0.1, seed=0):

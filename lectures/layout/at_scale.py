@@ -27,9 +27,9 @@ def across_scale(validation=None):
         ### Across scale: published A100 runs from 1.7B to 1T
         Megatron-LM published ten GPT runs
         from 1.7B to 1T parameters on 32 to 3,072 A100s (Narayanan et al. 2021, Table 1),
-        torchtitan two Llama 3 runs on 64. Fitted on {fit['name']} alone (GEMMs at
-        {100 * frac:.1f}% of peak), the model predicts the other eleven within
-        {100 * abs(worst['error']):.0f}%, with a trend: from
+        torchtitan two Llama 3 runs on 64. Fitted on {fit['name']} alone, which puts its GEMMs
+        at {100 * frac:.1f}% of peak, the model predicts the other eleven within
+        {100 * abs(worst['error']):.0f}%. The error has a trend: from
         {100 * held[0]['error']:+.1f}% (too fast) at 1.7B to {100 * largest['error']:+.1f}% (too slow)
         at 1T{worst_words(worst, largest)}. The runs one by one, with their layouts and step times,
         are in the deep dive below.
@@ -44,7 +44,7 @@ def worst_words(worst, largest):
     """'; the worst is X, e%' — or ', the worst' when the worst run is the largest (named once)."""
     if worst is largest:
         return ", the worst"
-    return f"; the worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%"
+    return f". The worst is {worst['run']['name']}, {100 * worst['error']:+.1f}%"
 
 
 def named_apart(worst, named):
@@ -113,9 +113,10 @@ def experts_at_scale(h100):
         ### A fifth axis: experts
         Expert parallelism (lecture 06) lives *inside* data parallelism, as Megatron-LM and
         DeepSeek place it: ep consecutive dp ranks share out the routed experts and exchange
-        tokens by all-to-all.{trained} DeepSeek-V3's published run (2,048 H800s, PP16, EP64) is predicted
-        {100 * with_overlap['error']:+.0f}% off its {published_rate:,.0f} tokens/s per GPU if
-        its all-to-alls hide as DualPipe claims, {100 * without['error']:+.0f}% if not.
+        tokens by all-to-all.{trained} DeepSeek-V3's published run on 2,048 H800s (PP16, EP64)
+        trained {published_rate:,.0f} tokens/s per GPU. The model predicts it
+        {100 * with_overlap['error']:+.0f}% off if its all-to-alls hide as DualPipe claims,
+        {100 * without['error']:+.0f}% if not.
     """)
     with deep_dive("Published runs in detail: the A100 validation, experts, DeepSeek-V3",
                    "the A100's constants and an error that still moves with size; lecture 06's MoE GPT "

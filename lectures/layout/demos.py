@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from util import device, settings
-from util.measure import measure, measure_side_by_side, value_range
+from util.measure import measure, measure_side_by_side, value_range, with_spread
 
 from lectures.data_parallel.collectives import fit_alpha_beta
 from lectures.layout.estimator import Layout, ModelShape, stage_layers
@@ -300,6 +300,15 @@ def ties_words(predictions):
     """' (4 of its 8 predictions tie, …)' where predictions print alike (ties make a ρ fragile)."""
     tied = sum(c for c in collections.Counter(f"{p:.6g}" for p in predictions).values() if c > 1)
     return f" ({tied} of its {len(predictions)} predictions tie, which makes its ρ fragile)" if tied else ""
+
+
+def worst_ratios(ratios):
+    """An axis's measured-over-predicted ratios for a sentence: two at most in the text ("1.91×
+    and 2.40×"), more as their range with each on hover."""
+    each = [f"{r:.2f}×" for r in sorted(ratios)]
+    if len(each) <= 2:
+        return " and ".join(each)
+    return with_spread(value_range(min(ratios), max(ratios), decimals=2) + "×", ", ".join(each))
 
 
 # =========================================================================================
