@@ -102,6 +102,19 @@ def test_the_main_path_is_a_first_read_and_hides_nothing(browser, course_site, n
         phone.close()
 
 
+
+@pytest.mark.parametrize("name", LECTURES)
+def test_the_main_path_gives_at_most_two_measured_numbers_a_sentence(course_site, name):
+    """Issue 43: idea first, numbers behind it. A sentence of the main path's prose carries at
+    most two measured numbers; spreads and the rest go to tables, figures and hovers
+    (tests/support/density.py says what counts as a measured number)."""
+    from tests.support.density import MAX_PER_SENTENCE, dense_sentences
+    folder = built(course_site, name)
+    dense = dense_sentences((folder / f"{name}.html").read_text())
+    assert not dense, (f"{name}: {len(dense)} sentences with more than {MAX_PER_SENTENCE} measured numbers: "
+                       + " | ".join(f"{nums}: {s[:160]}" for nums, s in dense[:6]))
+
+
 def _all_built(course_site):
     for name in LECTURES:
         built(course_site, name)     # skips under COURSE_ONLY, fails with a build's error
