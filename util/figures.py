@@ -35,6 +35,7 @@ def timeline(spans, title="", ax=None):
     Spans are in seconds from the demo's start, measured on each rank, so what overlapped on
     the machine overlaps in the picture."""
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import ScaledTranslation
     from util.record import HANGING
     if not spans:  # e.g. a demo skipped under torchrun: say so rather than fail
         fig, ax = plt.subplots(figsize=(6, 1))
@@ -72,9 +73,12 @@ def timeline(spans, title="", ax=None):
                 height=0.8, color=colours[s["label"]], edgecolor="black", linewidth=0.3)
     ax.set_yticks([t for t, _ in ticks], [name for _, name in ticks])
     ax.set_xlabel(f"time since the demo started ({unit})")
+    # under the x label at a fixed distance in inches, whatever the axes' height (a fraction of
+    # it left a wide gap on a phone's taller drawing); on a phone: one entry per line
+    under = ax.transAxes + ScaledTranslation(0, -0.62, fig.dpi_scale_trans)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[l]) for l in labels], labels=labels,
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(5, len(labels)),
-              frameon=False).set_gid(HANGING)      # on a phone: one entry per line, under full-height bars
+              loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=under, ncol=min(5, len(labels)),
+              frameon=False).set_gid(HANGING)
     if title:
         ax.set_title(title)
     return fig

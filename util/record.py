@@ -153,6 +153,7 @@ def _phone_svg(fig):
     (the page shows it below 600 px; "full size" still opens the wide one). Fonts keep their
     point sizes, so they grow relative to the plot."""
     import warnings
+    from matplotlib.transforms import IdentityTransform
     w, h = fig.get_size_inches()
     axes = [ax for ax in fig.axes if ax.get_visible()]
     columns = len({round(ax.get_position().x0, 2) for ax in axes})
@@ -168,15 +169,15 @@ def _phone_svg(fig):
     for ax in axes:     # a hanging legend: one entry per line, so it is no wider than the phone
         legend = ax.get_legend()
         if legend is not None and _hangs(legend) and legend._ncols > 1:
-            box = legend.get_bbox_to_anchor().transformed(ax.transAxes.inverted())
             texts = [t.get_text() for t in legend.get_texts()]
+            # the same anchor, live (in display units: it follows the axes when the figure is resized)
             hanging.append(ax.legend(handles=legend.legend_handles, labels=texts, loc="upper center",
-                                     bbox_to_anchor=(box.x0, box.y0, box.width, box.height), ncol=1,
-                                     frameon=False))
+                                     bbox_to_anchor=legend.get_bbox_to_anchor(), bbox_transform=IdentityTransform(),
+                                     ncol=1, frameon=False))
             hanging[-1].set_in_layout(False)    # re-fitting the labels must not squeeze the axes
             extra += 0.22 * (len(texts) - math.ceil(len(texts) / legend._ncols))
     f = max(PHONE_INCHES / w, 0.5)
-    # axes keep their height when a legend got new lines under them (its anchor is a fraction of it)
+    # axes keep their height when a legend got new lines under them
     fig.set_size_inches(w * f, h + extra if extra else h * max(f, 0.75))
     if fig.get_layout_engine() is None:     # re-fit labels to the smaller canvas
         with warnings.catch_warnings():
