@@ -848,11 +848,11 @@
         return x >= 1 ? x.toFixed(2) + " s" : x >= 1e-4 ? (1e3 * x).toFixed(1) + " ms" : (1e6 * x).toFixed(1) + " µs";
       };
       drawTimeBar(st, hw, fmt);
-      stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (compute " + fmt(st.compute) +
-        (st.attention > 0 ? ", of it attention " + fmt(st.attention) : "") + ", tensor-parallel " + fmt(st.tp) + ", context-parallel " + fmt(st.cp) + ", pipeline bubble " +
-        fmt(st.bubble) + ", pipeline sends " + fmt(st.pp) + (st.ep > 0 ? ", expert all-to-all " + fmt(st.ep) : "") +
-        ", exposed data-parallel " + fmt(st.dp) + " of " + fmt(st["dp before hiding"]) + " before hiding" +
-        (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) + " of the compute" : "") + ").";
+      // the bar's legend gives every part; the readout says only what the bar cannot show
+      stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (data-parallel traffic " +
+        fmt(st["dp before hiding"]) + ", of which " + fmt(st.dp) + " not hidden behind backward" +
+        (st.attention > 0 ? "; of the compute, attention " + fmt(st.attention) : "") +
+        (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) : "") + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
     }
