@@ -493,7 +493,7 @@ def _harness_runs(rank, world_size, harness, fns, kwargs, subgroup):
     out = harness(rank, world_size, *fns, **kwargs)
     if subgroup:
         members = list(range(1, world_size))
-        group = dist.new_group(members)          # every rank joins the call, members or not
+        group = ranks.new_group(members)    # every rank joins the call, members or not
         if rank in members:
             try:
                 sub = harness(rank - 1, len(members), *fns, group=group, **kwargs)

@@ -56,6 +56,27 @@ def device():
     return _device or torch.device("cpu")
 
 
+def group_timeout(world=None):
+    """The timeout of the default process group (what the launcher set from the run's
+    `--timeout`, and lecture 02's hang lesson sets). None where the backend does not say."""
+    import torch.distributed as dist
+    world = world or dist.distributed_c10d._get_default_group()
+    try:
+        return world._get_backend(device()).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def new_group(ranks=None, **kwargs):
+    """`dist.new_group` with the default group's timeout. `new_group` does not inherit it: a
+    group waits PyTorch's default (30 minutes on gloo), so without this a collective that one
+    member of a subgroup never joins is not an error within the run's timeout. Collective:
+    every rank of the default group calls it, in the same order."""
+    import torch.distributed as dist
+    kwargs.setdefault("timeout", group_timeout())
+    return dist.new_group(ranks, **kwargs)
+
+
 def _reset(seed, threads):
     """Make a reused worker indistinguishable from a fresh one, as far as a demo can see."""
     import numpy as np

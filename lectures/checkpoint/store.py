@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from lectures.data_parallel.zero import take_shard
 from lectures.layout.shards import flat_boxes, global_shapes, local_pieces
+from util import new_group
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -299,7 +300,7 @@ def _background_group():
     Made once per default group (collective: every rank makes it at its first asynchronous save)."""
     world = dist.distributed_c10d._get_default_group()
     if _GROUPS.get("world") is not world:
-        _GROUPS.update(world=world, group=dist.new_group(backend="gloo"))
+        _GROUPS.update(world=world, group=new_group(backend="gloo"))
     return _GROUPS["group"]
 
 

@@ -18,7 +18,7 @@ from lectures.context_parallel.variants import ATTENTION, SeqToHeads, context_pa
 from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
 from lectures.model.memory import saved_bytes
 from lectures.model.roofline import threads
-from util import device, settings, span_at
+from util import device, new_group, settings, span_at
 
 
 # =========================================================================================
@@ -111,7 +111,7 @@ def attention_in_subgroups(rank, world_size, seq_len, heads, layout="zigzag"):
     """Ring attention on two independent rings at once (ranks split in halves), as a context-
     parallel group inside a larger job would run; returns the local output and gradients."""
     half = world_size // 2
-    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world_size)))]
+    groups = [new_group(list(range(half))), new_group(list(range(half, world_size)))]
     group, cp_rank = groups[rank // half], rank % half
     q, k, v, dout = attention_inputs(seq_len, heads, seed=rank // half)
     ql, kl, vl = (shard_sequence(t, cp_rank, half, 2, layout).requires_grad_() for t in (q, k, v))
@@ -508,7 +508,7 @@ def expert_data_parallel(rank, world_size, ep, layer_kw, tokens):
     right reduction sent."""
     from util.measure import bytes_sent
     ep_groups, edp_groups = ep_dp_groups(world_size, ep)
-    pgs = {tuple(g): dist.new_group(g) for g in ep_groups + edp_groups}
+    pgs = {tuple(g): new_group(g) for g in ep_groups + edp_groups}
     my_ep = next(g for g in ep_groups if rank in g)
     my_edp = next(g for g in edp_groups if rank in g)
     moe = moe_layer(**layer_kw)

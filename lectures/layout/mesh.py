@@ -16,7 +16,7 @@ import numbers
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from util import device
+from util import device, new_group
 
 # =========================================================================================
 # The device mesh: one process group per axis, tp innermost, dp outermost
@@ -101,26 +101,13 @@ _GROUPS = {}   # (mesh shape, ranks) -> process group, per default group: new_gr
 
 
 def _new_group(ranks):
-    """dist.new_group, cached for the life of the current default process group, with the
-    default group's timeout (`group_timeout`)."""
+    """util's new_group (the default group's timeout, so a hung collective on a mesh axis is an
+    error within the run's timeout), cached for the life of the current default process group."""
     world = dist.distributed_c10d._get_default_group()
     key = (id(world), tuple(ranks))
     if key not in _GROUPS or _GROUPS[key][0] is not world:
-        _GROUPS[key] = (world, dist.new_group(list(ranks), timeout=group_timeout(world)))
+        _GROUPS[key] = (world, new_group(list(ranks)))
     return _GROUPS[key][1]
-
-
-def group_timeout(world=None):
-    """The timeout of the default process group (what `init_process_group` and lecture 02's
-    hang lesson set). `dist.new_group` does not inherit it: without it a group of the mesh waits
-    PyTorch's default (30 minutes on gloo), and a hung collective on a mesh axis is not turned
-    into an error within the run's timeout. None where the backend does not say (new_group's
-    default then)."""
-    world = world or dist.distributed_c10d._get_default_group()
-    try:
-        return world._get_backend(device()).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def expert_groups(shape, ep):

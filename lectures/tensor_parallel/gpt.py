@@ -20,6 +20,7 @@ from lectures.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
 from lectures.tensor_parallel.attention import TensorParallelAttention
 from lectures.tensor_parallel.ops import _check_agreed, _size_rank
 from lectures.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from util import new_group
 
 
 def tp_group(world_size, tp):
@@ -29,7 +30,7 @@ def tp_group(world_size, tp):
         return dist.group.WORLD
     mine = None
     for start in range(0, world_size, tp):
-        g = dist.new_group(list(range(start, start + tp)))
+        g = new_group(list(range(start, start + tp)))
         if dist.get_rank() in range(start, start + tp):
             mine = g
     return mine
