@@ -468,7 +468,7 @@ def verdict(a, b, a_name, b_name, least=3):
 
 
 def slower_or_faster(a, b, a_name, b_name, least=3):
-    """'a_name, r× slower than b_name': a against b in that order, the ratio only where the
+    """'a_name is r× slower than b_name': a against b in that order, the ratio only where the
     interquartile ranges do not overlap and both have `least` samples; both times on hover."""
     times = f"{a_name} {a.ms()}, {b_name} {b.ms()}"
     n = min(len(a.samples), len(b.samples))
