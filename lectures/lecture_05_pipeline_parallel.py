@@ -699,9 +699,10 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
     the step's, and says when the two disagree."""
     smaller = bubble_z < bubble_o
     bubble = f"its measured bubble is {'smaller' if smaller else 'not smaller'} ({pct(bubble_z)} against {pct(bubble_o)})"
+    # the bubble's two numbers, then the step's in a sentence of its own (two numbers each at most)
     if min(len(z.samples), len(o.samples)) < 3 or spreads_overlap(z, o):
         steps = slower_or_faster(z, o, "its step", "1F1B's")
-        return f"{bubble}; {steps}."
+        return f"{bubble}. {steps[0].upper()}{steps[1:]}."
     times = f"ZB-H1 {z.ms()}, 1F1B {o.ms()}"
     r = z.median / o.median
     step = with_spread(f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster", times)
@@ -713,8 +714,8 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
                    "keeping the graph, then one backward per module for W) outweighs the idle time its Ws fill.")
         return f"{bubble}. Yet its step is {step}: the step time is the verdict.{why}"
     if r < 1:
-        return f"{bubble}, and its step is faster: {step}."
-    return f"{bubble}; its step is {step}."
+        return f"{bubble}. {'Its step is' if smaller else 'Yet its step is'} {step}{' too' if smaller else ''}."
+    return f"{bubble}. Its step is {step}."
 
 
 def usable_cores_here():
