@@ -849,8 +849,10 @@
       };
       drawTimeBar(st, hw, fmt);
       // the bar's legend gives every part; the readout says only what the bar cannot show
-      stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (data-parallel traffic " +
-        fmt(st["dp before hiding"]) + ", of which " + fmt(st.dp) + " not hidden behind backward" +
+      var dpWords = !(st["dp before hiding"] > 0) ? "no data-parallel traffic" :
+        "data-parallel traffic " + fmt(st["dp before hiding"]) +
+        (st.dp > 0 ? ", of which " + fmt(st.dp) + " not hidden behind backward" : ", all hidden behind backward");
+      stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (" + dpWords +
         (st.attention > 0 ? "; of the compute, attention " + fmt(st.attention) : "") +
         (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) : "") + ").";
       var ms = performance.now() - t0;
