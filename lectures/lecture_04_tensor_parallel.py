@@ -650,8 +650,8 @@ def tp_at_scale():
         (the next matmul needs their result). Hence tensor parallelism stays inside the NVLink
         domain — a node of 8 GPUs on most machines, 72 GPUs on a GB200 NVL72 rack — and data/pipeline parallelism span nodes. Inside the node, asynchronous tensor
         parallelism cuts each matmul into ring steps so that sequence parallelism's collectives
-        travel beside it: the deep dive below traces and times it here, beside what PyTorch
-        reports on H100s.
+        travel beside it: the deep dive "Asynchronous tensor parallelism" below traces and times
+        it here, beside what PyTorch reports on H100s.
     """)
 
 
@@ -826,7 +826,7 @@ def summary():
           are a function of a key survive recomputation with no generator state to save.
         - Most of TP's communication blocks the next matmul: keep tp inside the NVLink domain (a node, or an NVL72 rack). Cutting the
           matmul into per-rank pieces on a ring (async TP) lets the sequence-parallel collectives
-          travel beside it; each rank's matmul also gets thinner as $t$ grows.
+          travel beside it; each rank's matmul also gets thinner as $t$ grows (a deep dive).
 
         The companion notebook, `lectures/notebooks/lecture_04_tensor_parallel.ipynb`, runs every
         section above and lets you split the GPT your way (`make jupyter` opens it).

@@ -330,14 +330,17 @@ def test_a_signal_while_workers_start_ends_with_its_own_exit_and_no_worker_left(
 
 def subgroup_timeouts(rank, world_size):
     """The timeouts (seconds) of the subgroups the course makes: util's new_group, lecture 04's
-    tensor-parallel groups, lecture 07's mesh groups, lecture 08's background writer's group."""
+    tensor-parallel groups, lecture 07's mesh groups, lecture 08's background writer's group, and
+    a DeviceMesh's (lecture 07's torch_mesh; lecture 03's HSDP mesh is made the same way)."""
     from lectures.checkpoint.store import _background_group
-    from lectures.layout.mesh import _new_group
+    from lectures.layout.mesh import _new_group, torch_mesh
     from lectures.tensor_parallel.gpt import tp_group
     from util import device, new_group
     seconds = lambda g: g._get_backend(device()).options._timeout.total_seconds()
     pairs = [new_group([0, 1]), new_group([2, 3])], [_new_group([0, 2]), _new_group([1, 3])]   # made by every rank
-    return [seconds(g) for g in (pairs[0][rank // 2], tp_group(world_size, 2), pairs[1][rank % 2], _background_group())]
+    mesh = torch_mesh(dp=2, tp=2)      # PyTorch's DeviceMesh makes its own groups
+    return [seconds(g) for g in (pairs[0][rank // 2], tp_group(world_size, 2), pairs[1][rank % 2], _background_group(),
+                                 mesh.get_group("dp"), mesh.get_group("tp"))]
 
 
 def skip_a_subgroup_collective(rank, world_size):
@@ -350,7 +353,7 @@ def skip_a_subgroup_collective(rank, world_size):
 def test_subgroups_wait_the_runs_timeout_not_pytorchs_30_minutes():
     """dist.new_group does not inherit the default group's timeout (30 minutes on gloo): every
     group the course makes takes the run's, so a collective a member skips is an error in time."""
-    assert spawn(subgroup_timeouts, 4, timeout=7).returns == [[7.0] * 4] * 4
+    assert spawn(subgroup_timeouts, 4, timeout=7).returns == [[7.0] * 6] * 4
     start = time.monotonic()
     with pytest.raises(DemoFailed, match="rank 0 raised"):
         spawn(skip_a_subgroup_collective, 2, timeout=3)

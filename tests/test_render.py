@@ -474,3 +474,31 @@ def test_a_timeline_with_its_legend_under_the_axes_has_a_phone_drawing(monkeypat
     record.figure(fig)
     below, beside, under_bars = added
     assert "phone_svg" in below and "phone_svg" not in beside and "phone_svg" not in under_bars
+
+
+def test_a_timelines_legend_hangs_just_under_its_x_label_in_both_drawings():
+    """The legend sits a fixed distance under the axes, not a share of their height (which left
+    a wide gap on the taller phone drawing): just below the x label, never on it, in the wide
+    drawing and in the phone one, for a short timeline and a tall one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from util import record
+    from util.figures import timeline
+
+    def gap_inches(fig):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        label, legend = ax.xaxis.label.get_window_extent(r), ax.get_legend().get_window_extent(r)
+        return (label.y0 - legend.y1) / fig.dpi       # display y grows upwards
+
+    for ranks in (2, 8):
+        spans = [{"rank": r, "label": label, "start": a, "end": b} for r in range(ranks)
+                 for label, a, b in (("forward", 0, 0.01), ("all-reduce", 0.012, 0.02), ("wait", 0.02, 0.03),
+                                     ("backward", 0.03, 0.04), ("step", 0.04, 0.05))]
+        fig = timeline(spans, title="a timeline")
+        fig.tight_layout()
+        assert 0 < gap_inches(fig) < 0.35, (ranks, gap_inches(fig))
+        assert record._phone_svg(fig)                   # narrows the figure in place
+        assert fig.axes[0].get_legend()._ncols == 1
+        assert 0 < gap_inches(fig) < 0.35, (ranks, "phone", gap_inches(fig))

@@ -6,9 +6,9 @@ Lectures import everything they need from here:
 """
 from util.record import (note, image, figure, table, widget, see, span, span_at, quiet, deep_dive,
                          cheat, published, plural, try_it_yourself)
-from util.launch import spawn, settings, device, new_group, Run, DemoFailed
+from util.launch import spawn, settings, device, mesh_options, new_group, Run, DemoFailed
 from util.figures import timeline, progress
 
 __all__ = ["note", "image", "figure", "table", "widget", "see", "span", "span_at", "quiet", "deep_dive",
            "cheat", "published", "plural", "try_it_yourself", "spawn",
-           "settings", "device", "new_group", "Run", "DemoFailed", "timeline", "progress"]
+           "settings", "device", "mesh_options", "new_group", "Run", "DemoFailed", "timeline", "progress"]

@@ -28,7 +28,7 @@ import time
 
 from util import pool as pools, record, torchrun_job
 from util.pool import startups
-from util.ranks import Settings, choose_backend, device, in_torchrun, new_group, settings
+from util.ranks import Settings, choose_backend, device, in_torchrun, mesh_options, new_group, settings
 from util.report import STATUS_WORDS, status_line, summarize
 
 __all__ = ["spawn", "Run", "DemoFailed", "settings", "Settings", "device", "in_torchrun",

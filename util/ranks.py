@@ -67,6 +67,17 @@ def group_timeout(world=None):
         return None
 
 
+def mesh_options(ndim):
+    """`init_device_mesh(..., backend_override=mesh_options(len(shape)))`: the mesh's groups with
+    the default group's timeout. A DeviceMesh makes its groups with the timeout its options carry,
+    30 minutes on gloo without them, as `dist.new_group` does."""
+    import torch.distributed as dist
+    backend = dist.get_backend()
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = group_timeout()
+    return {dim: (backend, options) for dim in range(ndim)}
+
+
 def new_group(ranks=None, **kwargs):
     """`dist.new_group` with the default group's timeout. `new_group` does not inherit it: a
     group waits PyTorch's default (30 minutes on gloo), so without this a collective that one

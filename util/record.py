@@ -14,7 +14,6 @@ The file that wraps these records (the recording) is documented in `util/recordi
 import contextlib
 import inspect
 import io
-import math
 import os
 import sys
 import textwrap
@@ -165,7 +164,7 @@ def _phone_svg(fig):
                                         and not _hangs(ax.get_legend()) for ax in axes)
     if w <= PHONE_INCHES * 1.05 or columns > 1 or not all(ax.axison for ax in axes) or legend_outside:
         return None
-    extra, hanging = 0.0, []    # inches of height for the legends' new lines; those legends
+    hanging = []
     for ax in axes:     # a hanging legend: one entry per line, so it is no wider than the phone
         legend = ax.get_legend()
         if legend is not None and _hangs(legend) and legend._ncols > 1:
@@ -175,10 +174,10 @@ def _phone_svg(fig):
                                      bbox_to_anchor=legend.get_bbox_to_anchor(), bbox_transform=IdentityTransform(),
                                      ncol=1, frameon=False))
             hanging[-1].set_in_layout(False)    # re-fitting the labels must not squeeze the axes
-            extra += 0.22 * (len(texts) - math.ceil(len(texts) / legend._ncols))
     f = max(PHONE_INCHES / w, 0.5)
-    # axes keep their height when a legend got new lines under them
-    fig.set_size_inches(w * f, h + extra if extra else h * max(f, 0.75))
+    # under a hanging legend the bars keep their full height; the legend hangs below them, a
+    # fixed distance under the axes, and the saved drawing grows to hold it (bbox "tight")
+    fig.set_size_inches(w * f, h if hanging else h * max(f, 0.75))
     if fig.get_layout_engine() is None:     # re-fit labels to the smaller canvas
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from util import device, quiet, settings, span
+from util import device, mesh_options, quiet, settings, span
 from util.measure import Timing, bytes_sent, compare, measure, measure_side_by_side, timing_ranks
 
 from lectures.data_parallel.ddp import BucketedAllReduce, Collectives, broadcast_parameters, make_grad_sync
@@ -666,9 +666,9 @@ def fsdp2_variant(rank, world_size, task, reshard=True, mixed=False, hsdp=False,
     if wrap:
         if hsdp:
             mesh = init_device_mesh(device().type, (2, world_size // 2),
-                                    mesh_dim_names=("replicate", "shard"))
+                                    mesh_dim_names=("replicate", "shard"), backend_override=mesh_options(2))
         else:
-            mesh = init_device_mesh(device().type, (world_size,))
+            mesh = init_device_mesh(device().type, (world_size,))      # the default group itself
         kw = {"mesh": mesh, "reshard_after_forward": reshard}
         if mixed:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

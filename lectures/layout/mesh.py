@@ -16,7 +16,7 @@ import numbers
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from util import device, new_group
+from util import device, mesh_options, new_group
 
 # =========================================================================================
 # The device mesh: one process group per axis, tp innermost, dp outermost
@@ -161,4 +161,5 @@ def make_mesh(dp=1, pp=1, cp=1, tp=1, ep=1):
 
 def torch_mesh(dp=1, pp=1, cp=1, tp=1):
     """PyTorch's DeviceMesh of the same shape and axis names."""
-    return init_device_mesh(device().type, (dp, pp, cp, tp), mesh_dim_names=MESH_AXES)
+    return init_device_mesh(device().type, (dp, pp, cp, tp), mesh_dim_names=MESH_AXES,
+                            backend_override=mesh_options(len(MESH_AXES)))

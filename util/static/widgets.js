@@ -849,12 +849,16 @@
       };
       drawTimeBar(st, hw, fmt);
       // the bar's legend gives every part; the readout says only what the bar cannot show
-      var dpWords = !(st["dp before hiding"] > 0) ? "no data-parallel traffic" :
-        "data-parallel traffic " + fmt(st["dp before hiding"]) +
-        (st.dp > 0 ? ", of which " + fmt(st.dp) + " not hidden behind backward" : ", all hidden behind backward");
+      // the gradient sync runs over the dp·cp ranks that hold the same weights; ZeRO's gathers
+      // hide behind forward, the reductions behind backward: "behind the compute"
+      var exposed = st.dp >= 1e-4 * st.total ? st.dp : 0;    // a few ns is "all hidden", not "0.0 µs"
+      var dpWords = !(st["dp before hiding"] > 0) ? "no gradient sync (dp·cp = 1)" :
+        "gradient sync over dp·cp ranks " + fmt(st["dp before hiding"]) +
+        (exposed > 0 ? ", of which " + fmt(exposed) + " not hidden behind the compute" : ", all hidden behind the compute");
+      var inCompute = [st.attention > 0 ? "attention " + fmt(st.attention) : "",
+                       st.memory > 0 ? "memory-bound work " + fmt(st.memory) : ""].filter(Boolean);
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (" + dpWords +
-        (st.attention > 0 ? "; of the compute, attention " + fmt(st.attention) : "") +
-        (st.memory > 0 ? "; memory-bound work " + fmt(st.memory) : "") + ").";
+        (inCompute.length ? "; of the compute: " + inCompute.join(", ") : "") + ").";
       var ms = performance.now() - t0;
       root.setAttribute("data-redraw-ms", ms.toFixed(3));
     }
