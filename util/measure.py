@@ -148,15 +148,14 @@ def compare(a, b, a_name="ours", b_name="theirs"):
     much (the ratio of medians). One number in the sentence; both timings, with their spreads,
     on hover. One function, so no sentence can contradict the table beside it."""
     fast, slow, fn, sn = (a, b, a_name, b_name) if a.median < b.median else (b, a, b_name, a_name)
-    both = f"{fn} {fast.ms()}, {sn} {slow.ms()}"      # in the sentence's order
-    if spreads_overlap(a, b) and slow.median >= 1.5 * fast.median:    # a wide spread, not a tie
-        return (f"{fn}'s median is {with_spread(f'{slow.median / fast.median:.2f}× lower', both)}, "
-                "but the spreads overlap: no firm ranking")
-    both = f"{a_name} {a.ms()}, {b_name} {b.ms()}"
+    ranked = f"{fn} {fast.ms()}, {sn} {slow.ms()}"      # in the sentence's order
+    ratio = slow.median / fast.median
+    if spreads_overlap(a, b) and ratio >= 1.5:          # a wide spread, not a tie
+        return f"{fn}'s median is {with_spread(f'{ratio:.2f}× lower', ranked)}, but the spreads overlap: no firm ranking"
     if spreads_overlap(a, b):
-        return (f"no {with_spread('measurable difference', both)} here (the interquartile ranges "
-                "overlap)")
-    return f"{fn} is {with_spread(f'{slow.median / fast.median:.2f}× faster', f'{fn} {fast.ms()}, {sn} {slow.ms()}')} than {sn}"
+        both = f"{a_name} {a.ms()}, {b_name} {b.ms()}"
+        return f"no {with_spread('measurable difference', both)} here (the interquartile ranges overlap)"
+    return f"{fn} is {with_spread(f'{ratio:.2f}× faster', ranked)} than {sn}"
 
 
 def _in_a_demo_group():
