@@ -105,11 +105,14 @@ def test_overlap_demo_gains_what_its_model_says(name):
             hidden = r["waiting"].median <= 0.25 * r["comm"].median
         else:
             hidden = True
-            assert r["model"]["gain"] > 1.3, "the demo must be sized so that overlap can show"
+        # the demo must be sized so that overlap can show; a try whose timings (a stalled transfer,
+        # a late wake-up) left the model too little to gain does not count, like any other bad try
+        sized = "waiting" in r or r["model"]["gain"] > 1.3
         tries.append(f"measured {r['gain']:.2f}× against the model's {r['model']['gain']:.2f}×"
                      + (f", waited {r['waiting'].median * 1e3:.2f} ms of a {r['comm'].median * 1e3:.2f} ms hop"
-                        if "waiting" in r else ""))
-        if abs(r["off"]) <= 0.25 and hidden:
+                        if "waiting" in r else "")
+                     + ("" if sized else " (a model gain of 1.3× or less: too small to show overlap)"))
+        if abs(r["off"]) <= 0.25 and hidden and sized:
             return
     pytest.fail(f"{name}: " + "; ".join(tries))
 
