@@ -24,7 +24,7 @@ from lectures.layout.trainer import GroupCollectives, LayoutTrainer, max_param_d
 from lectures.layout.mesh import MESH_AXES, axis_groups, make_mesh, mesh_coords
 from lectures.layout.step_time import (ASSUMED, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB_ACHIEVED, IB_BW,
                                        NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, NVLINK_BW, dp_traffic,
-                                       flops_per_token, h100_cluster, mfu, step_time)
+                                       after_the_pipeline, flops_per_token, h100_cluster, mfu, step_time)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
                                      draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
@@ -343,7 +343,9 @@ def step_time_model():
         cost per step), the pipeline's $m + \\text{{pp}} - 1$ slots (the bubble is
         $\\text{{pp}}-1$ of them), and the gradient sync over the weight replicas — once per step
         in the last micro-batch's backward for plain data parallelism and ZeRO-1, every
-        micro-batch for ZeRO-2 and ZeRO-3 (`dp_traffic`). Collectives use lecture 02's α–β
+        micro-batch for ZeRO-2 and ZeRO-3 (`dp_traffic`). A later pipeline stage ends its last
+        backward before the first stage does, and spends that cool-down on its once-a-step sync
+        and its optimizer step (`after_the_pipeline`). Collectives use lecture 02's α–β
         model per ring step. Every constant is measured in this build, {machine(ranks)}: one
         rank per core, every rank busy at once, as in the runs being predicted — but in
         calibration runs of their own (matmuls, one-process steps, collectives, one block's
@@ -351,6 +353,7 @@ def step_time_model():
     """)
     see(step_time)
     see(dp_traffic)
+    see(after_the_pipeline)
     # 4 KB to 4 MB (quick: 4-256 KB and 4 MB): the small sizes are latency-bound and fix α; β
     # needs a size whose time grows with its bytes
     sizes = [4096 * 4 ** k for k in range(4)] + [4 * 2 ** 20] if quick else [4096 * 4 ** k for k in range(6)]
@@ -554,7 +557,8 @@ def published_scale():
             it tiles the nodes (tp = 6 on 8-GPU nodes straddles two, and is charged the network);
             tensor-parallel, context-parallel and pipeline transfers are fully exposed; the
             data-parallel traffic hides under the compute beside it as `dp_traffic` says (fully,
-            with the overlap assumed above); an all-gather, reduce-scatter or all-reduce takes the
+            with the overlap assumed above), and a later stage's once-a-step sync also in its
+            pipeline cool-down; an all-gather, reduce-scatter or all-reduce takes the
             ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
             reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
         """)

@@ -13,7 +13,7 @@ import torch
 
 from lectures.data_parallel import Collectives, Zero3
 from lectures.data_parallel.demos import Task, make_batches, make_model, shard_rows
-from lectures.layout import (ATTENTION, FA2_H100, GEMM, H100_MEMORY, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS,
+from lectures.layout import (ATTENTION, optimizer_time, FA2_H100, GEMM, H100_MEMORY, LLAMA3_405B, LLAMA3_405B_PUBLISHED_PARAMS,
                              LLAMA3_70B, LLAMA3_8B, MESH_AXES, PRECISION_BYTES, Hardware, Layout, LayoutTrainer,
                              ModelShape, Run, activation_bytes, all_reduce_time, attention_rate_needed, axis_groups,
                              axis_link, causal_discounted, collective_bytes, decision_procedure, dp_traffic,
@@ -292,8 +292,38 @@ def test_plain_dp_hides_only_under_the_last_backward():
     lay = Layout(dp=2, micro_batches=4)
     t = all_reduce_time(2, grad_bytes(lay), LINK)
     compute = 0.6 * t                 # one micro-batch: its backward (2/3) hides 0.4 t, not 4 × that
-    exposed, _ = dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
+    exposed, _, _ = dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
     assert exposed == pytest.approx(t - 2 / 3 * compute)
+
+
+def test_dp_sync_waits_in_the_pipelines_cool_down_stage_by_stage():
+    """1F1B ends stage s's pipeline s chunk backwards before stage 0's: its once-a-step DP sync
+    (then its optimizer) spends that slack first, and the step waits for the stage that ends last."""
+    from lectures.layout.step_time import after_the_pipeline
+    hw = toy_hw(hbm=1e9)
+    for v in (1, 2):
+        lay = Layout(dp=2, pp=2, micro_batches=4, virtual_stages=v)
+        t = step_time(TOY, lay, hw)
+        sync = [all_reduce_time(2, stage_params(TOY, lay, s) * 4, LINK) for s in (0, 1)]
+        optimizer = [optimizer_time(TOY, lay, hw, s) for s in (0, 1)]
+        slots = t["total"] - t["dp"] - t["optimizer"] - t["bubble"]             # the m = 4 slots
+        back = (2 * (slots - t["pp"]) / 3 + t["pp"] / 2) / 4 / v                # one chunk's backward
+        ends = [sync[0] + optimizer[0],
+                max(0.0, sync[1] - back) + max(0.0, optimizer[1] - max(0.0, back - sync[1]))]
+        assert t["dp"] + t["optimizer"] == pytest.approx(max(ends)) and t["dp before hiding"] > 0
+        assert ends[1] < sync[1] + optimizer[1]                                 # the last stage's: partly hidden
+    # with no cool-down to spend (one stage) the whole sync and optimizer come after the pipeline
+    one = Layout(dp=2, micro_batches=4)
+    t = step_time(TOY, one, hw)
+    assert t["dp"] == pytest.approx(all_reduce_time(2, grad_bytes(one), LINK))
+    assert t["optimizer"] == pytest.approx(optimizer_time(TOY, one, hw, 0))
+    # ZeRO-3 syncs inside every micro-batch: the cool-down hides none of it
+    z3 = Layout(dp=2, pp=2, micro_batches=4, zero=3)
+    assert after_the_pipeline(TOY, z3, hw, 1.0, 1e9)[0] == pytest.approx(
+        max(dp_traffic(TOY, z3, hw, s, 1.0)[0] for s in (0, 1)))
+    # a slack longer than everything leaves stage 0's, which has none
+    assert after_the_pipeline(TOY, lay, hw, 1.0, 1e9)[:2] == pytest.approx(
+        (dp_traffic(TOY, lay, hw, 0, 1.0)[0], optimizer_time(TOY, lay, hw, 0)))
 
 
 def test_recomputation_repeats_the_forward_collectives():
@@ -502,7 +532,7 @@ def test_step_bytes_counts_bf16_gathers_and_zero3():
     # the step-time model charges the same bytes: with α = 0 and β = 1 its seconds are bytes
     hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for z in (0, 1, 2, 3):
-        _, moved = dp_traffic(LLAMA3_8B, lay(z), hw, 0, 0.0)
+        _, moved, _ = dp_traffic(LLAMA3_8B, lay(z), hw, 0, 0.0)
         assert moved == pytest.approx(step_bytes(LLAMA3_8B, lay(z), 0, "nccl", tensor_sizes=[psi])["dp"], rel=1e-6)
 
 

@@ -158,11 +158,12 @@ def dp_traffic(model, layout, hw, stage, compute):
                 next forward gathers).
     On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as `collective_bytes`
     counts it. A fraction `hw.overlap` of the compute they run beside can hide them. Returns
-    (exposed seconds, collective seconds before hiding)."""
+    (exposed seconds, collective seconds before hiding, of the exposed seconds those that come
+    once a step, after the last micro-batch's backward: what a pipeline's cool-down can hide)."""
     B = PRECISION_BYTES[layout.precision]
     n = layout.dp * layout.cp
     if n == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
     # One message for all gradients (bucketed), or one per parameter tensor.
@@ -191,11 +192,13 @@ def dp_traffic(model, layout, hw, stage, compute):
         else:   # backward gathers all but the embedding and head, kept gathered since forward
             again = weight_bytes - kept_here * B["weights"]
             parts += [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
-    return (sum(k * max(0.0, t - hide * under) for t, under, k in parts), sum(k * t for t, _, k in parts))
+    exposed = [(k, max(0.0, t - hide * under)) for t, under, k in parts]
+    return (sum(k * t for k, t in exposed), sum(k * t for t, _, k in parts), sum(t for k, t in exposed if k == 1))
 
 
 def step_time(model, layout, hw):
-    """Predicted seconds per optimizer step and its parts, for the slowest pipeline stage.
+    """Predicted seconds per optimizer step and its parts: the pipeline's slots timed on the
+    slowest stage, then what the stage that ends last still has to do (`after_the_pipeline`).
 
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
               cost per block (Python and kernel launches: what dominates tiny models);
@@ -218,8 +221,8 @@ def step_time(model, layout, hw):
               each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
               every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
-              under the compute it runs beside (`hw.overlap`); what is left is charged after
-              the pipeline (not placed in the cool-down, where a later stage already waits);
+              under the compute it runs beside (`hw.overlap`); what is left of the once-a-step
+              part waits, with the optimizer, in the stage's cool-down (`after_the_pipeline`);
     ep        the experts' dispatch and combine all-to-alls (`hw.ep_overlap` hides them);
     memory    memory-bound work at `hw.hbm` (part of compute), and the optimizer step."""
     check_split(model, layout)
@@ -284,13 +287,35 @@ def step_time(model, layout, hw):
     slot = compute + tp + cp + sends + ep
     m = layout.micro_batches
     bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
-    exposed_dp, dp_all = dp_traffic(model, layout, hw, worst, compute)
-    optimizer = optimizer_time(model, layout, hw, worst) if hw.hbm else 0.0
+    # one chunk's backward (2/3 of its compute and collectives) and the send of its gradient
+    chunk_backward = (2 * (slot - sends) / 3 + sends / 2) / v
+    exposed_dp, optimizer, dp_all = after_the_pipeline(model, layout, hw, compute, chunk_backward)
     total = m * slot + bubble + exposed_dp + optimizer + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
             "attention": m * attention, "memory": m * memory, "ep": m * ep, "optimizer": optimizer,
             "dp before hiding": dp_all}
+
+
+def after_the_pipeline(model, layout, hw, compute, chunk_backward):
+    """What a step adds after its pipeline: (exposed DP seconds, optimizer seconds, DP seconds
+    before hiding), for the stage that ends last.
+
+    In 1F1B the last micro-batch's backward runs from the last stage down to the first, so
+    stage s ends its pipeline s chunk backwards (`chunk_backward`, each as long as the slowest
+    stage's, as the bubble assumes) before stage 0 does. It spends that cool-down on its
+    once-a-step DP traffic and then its optimizer step; what does not fit delays the step. The
+    per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the pipeline: the cool-down
+    cannot hide it. The slack absorbs the DP traffic first, then the optimizer."""
+    ends = []
+    for s in range(layout.pp):
+        exposed, before, once = dp_traffic(model, layout, hw, s, compute)
+        optimizer = optimizer_time(model, layout, hw, s) if hw.hbm else 0.0
+        slack = s * chunk_backward
+        dp = exposed - once + max(0.0, once - slack)
+        ends.append((dp + max(0.0, optimizer - max(0.0, slack - once)), dp, before, s))
+    _, dp, before, s = max(ends, key=lambda e: (e[0], -e[3]))    # the latest; on a tie the earliest stage
+    return dp, ends[s][0] - dp, before
 
 
 def all_to_all_time(n, nbytes, link):

@@ -539,7 +539,7 @@
   function p2pTime(nbytes, link) { return link[0] + nbytes / link[1]; }
   function dpTraffic(m, l, hw, stage, compute) {
     var B = PRECISION_BYTES[l.precision], n = l.dp * l.cp;
-    if (n === 1) return [0.0, 0.0];
+    if (n === 1) return [0.0, 0.0, 0.0];
     var link = l.dp > 1 ? axisLink(hw, l, "dp") : axisLink(hw, l, "cp");
     var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
     var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
@@ -560,10 +560,27 @@
       else if (z === 2) parts.push([rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]);
       else parts.push([ag(weightBytes), fwd, mb], [ag(weightBytes - keptHere * B.weights) + rs(gradBytes), bwd, mb]);
     });
-    var exposed = 0, all = 0;
-    parts.forEach(function (p) { exposed += p[2] * Math.max(0.0, p[0] - hide * p[1]); });
-    parts.forEach(function (p) { all += p[2] * p[0]; });
-    return [exposed, all];
+    var exposed = 0, all = 0, once = 0;
+    parts.forEach(function (p) {
+      var left = Math.max(0.0, p[0] - hide * p[1]);
+      exposed += p[2] * left;
+      all += p[2] * p[0];
+      if (p[2] === 1) once += left;
+    });
+    return [exposed, all, once];
+  }
+  // step_time.after_the_pipeline: stage s ends its pipeline s chunk backwards before stage 0 and
+  // spends them on its once-a-step DP traffic, then its optimizer; the stage that ends last counts
+  function afterThePipeline(m, l, hw, compute, chunkBackward) {
+    var best = null;
+    for (var s = 0; s < l.pp; s++) {
+      var d = dpTraffic(m, l, hw, s, compute), once = d[2];
+      var optimizer = hw.hbm ? optimizerTime(m, l, hw, s) : 0.0, slack = s * chunkBackward;
+      var dp = d[0] - once + Math.max(0.0, once - slack);
+      var end = dp + Math.max(0.0, optimizer - Math.max(0.0, slack - once));
+      if (best === null || end > best[0]) best = [end, dp, d[1]];
+    }
+    return [best[1], best[0] - best[1], best[2]];
   }
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
@@ -622,11 +639,12 @@
     }
     var slot = compute + tp + cp + sends + ep, mb = l.micro_batches;
     var bubble = (l.pp - 1) / v * slot;
-    var dpt = dpTraffic(m, l, hw, worst, compute), exposedDp = dpt[0];
-    var optimizer = hw.hbm ? optimizerTime(m, l, hw, worst) : 0.0;
+    // one chunk's backward (2/3 of its compute and collectives) and the send of its gradient
+    var after = afterThePipeline(m, l, hw, compute, (2 * (slot - sends) / 3 + sends / 2) / v);
+    var exposedDp = after[0], optimizer = after[1];
     return { total: mb * slot + bubble + exposedDp + optimizer + hw.step_overhead, compute: mb * compute, tp: mb * tp,
              cp: mb * cp, bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb, attention: mb * attention,
-             memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": dpt[1] };
+             memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": after[2] };
   };
   function memoryBoundTime(m, l, hw, dense, moe) {   // step_time.memory_bound_time
     var B = PRECISION_BYTES[l.precision].act, tokens = l.micro_batch * m.seq / l.cp;
@@ -850,11 +868,13 @@
       drawTimeBar(st, hw, fmt);
       // the bar's legend gives every part; the readout says only what the bar cannot show
       // the gradient sync runs over the dp·cp ranks that hold the same weights; ZeRO's gathers
-      // hide behind forward, the reductions behind backward: "behind the compute"
+      // hide behind forward, the reductions behind backward: "behind the compute"; with stages,
+      // a later stage's once-a-step sync also waits in its cool-down (after_the_pipeline)
       var exposed = st.dp >= 1e-4 * st.total ? st.dp : 0;    // a few ns is "all hidden", not "0.0 µs"
+      var behind = l.pp > 1 ? " behind the compute and the pipeline's cool-down" : " behind the compute";
       var dpWords = !(st["dp before hiding"] > 0) ? "no gradient sync (dp·cp = 1)" :
         "gradient sync over dp·cp ranks " + fmt(st["dp before hiding"]) +
-        (exposed > 0 ? ", of which " + fmt(exposed) + " not hidden behind the compute" : ", all hidden behind the compute");
+        (exposed > 0 ? ", of which " + fmt(exposed) + " not hidden" + behind : ", all hidden" + behind);
       var inCompute = [st.attention > 0 ? "attention " + fmt(st.attention) : "",
                        st.memory > 0 ? "memory-bound work " + fmt(st.memory) : ""].filter(Boolean);
       stepOut.textContent = "Predicted step on " + hw.name + ": " + fmt(st.total) + " (" + dpWords +
