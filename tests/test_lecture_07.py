@@ -691,6 +691,20 @@ def test_two_rank_sequence_parallel_bytes_and_what_the_trainer_refuses():
             assert ratio >= 1.0 and ratio <= 1.4, (name, r["bytes_sent"], pred)
 
 
+def test_korthikantis_selective_set_is_none_beside_flash_attention():
+    """Korthikanti et al. 2022, Table 2: sequence parallelism with their selective recomputation
+    keeps 34·s·b·h/t bytes a block at 16 bits, 2 of them in two one-byte dropout masks. Flash
+    attention keeps none of the attention core their set recomputes, so the estimator's "none"
+    is that count without the masks, plus the log-sum-exp (a) and the norm statistics (4)."""
+    from lectures.layout import KORTHIKANTI_175B as m, KORTHIKANTI_TP as t, selective_per_token_bytes
+    paper, masks = selective_per_token_bytes(t, m.hidden)
+    assert (m.hidden, m.heads, m.layers, t) == (12288, 96, 96, 8) and m.mlp_matrices == 2
+    assert 2 * m.act_elements_per_token(t, sp=True) == pytest.approx(paper - masks + 2 * (m.heads + 4) / t)
+    # nothing grows with the sequence: no s×s matrix is kept
+    longer = dataclasses.replace(m, seq=4 * m.seq)
+    assert longer.act_elements_per_token(t, sp=True) == m.act_elements_per_token(t, sp=True)
+
+
 def test_selective_recomputation_keeps_the_matrix_outputs_only():
     """Selective recomputation (Korthikanti et al. 2022): per token and block Q, K, V, the
     attention output and log-sum-exp, SwiGLU's gate and up (the matrices' outputs), the two

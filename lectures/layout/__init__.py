@@ -54,10 +54,12 @@ __all__ = [
 ]
 from lectures.layout.published import (MEGATRON_TABLE1, megatron_run, megatron_shape, predict_run, fit_fraction,
                                        a100_validation, a100_runs, torchtitan_run, TORCHTITAN_A100, DEEPSEEK_V3,
-                                       DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED)
+                                       DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED, KORTHIKANTI_175B, KORTHIKANTI_TP,
+                                       selective_per_token_bytes)
 
 __all__ += ["MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
-            "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED"]
+            "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED",
+            "KORTHIKANTI_175B", "KORTHIKANTI_TP", "selective_per_token_bytes"]
 
 # Lecture 08: where each rank's tensors sit in the global model, and the global gradient norm
 from lectures.layout.shards import Piece, local_pieces, flat_boxes, global_grad_norm, clip_grads_

@@ -12,6 +12,7 @@ from util.measure import machine, usable_cores
 from lectures.layout.demos import _RESULTS, long_context_words, small_run, time_ours_vs_pytorch, train_pytorch_layout
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.figures import draw_decision_flow, draw_wire_ratios
+from lectures.layout.published import KORTHIKANTI_175B, KORTHIKANTI_TP, selective_per_token_bytes
 from lectures.layout.pytorch import pytorch_layout
 from lectures.layout.search import GEMM, decision_procedure, reproduce_table4
 from lectures.layout.step_time import (ATTENTION, FA2_H100, IB, IB_ACHIEVED, IB_BW, LLAMA3_405B, NVLINK,
@@ -49,6 +50,26 @@ def memory_with_recomputation(cfg, shape, sp_shown):
     table(rows, header=["recomputation", "saved (measured)", "saved (predicted)",
                         "transient: recomputed block or loss backward (predicted)", "error"],
           caption="One process, micro-batch of 4 sequences, float32.")
+    korthikanti_beside_flash_attention()
+
+
+def korthikanti_beside_flash_attention():
+    """Korthikanti et al.'s selective set (§5) against the estimator's "none": flash attention
+    already leaves out what their set recomputes."""
+    m, t = KORTHIKANTI_175B, KORTHIKANTI_TP
+    ours = 2 * m.act_elements_per_token(t, sp=True)            # bytes per token and block at 16 bits
+    paper, masks = selective_per_token_bytes(t, m.hidden)
+    note(f"""
+        **Korthikanti et al.'s selective recomputation** (2022, §5) is not the course's. It
+        re-runs the attention core (QKᵀ, softmax, its dropout, the product with V) so as not to
+        keep 5·a·s bytes per token and block. A FlashAttention kernel never keeps that core and
+        rebuilds it in its own backward. So beside flash attention their set costs what the
+        estimator's "none" costs. For their GPT-3 175B at tp = {t} with sequence parallelism, "none" keeps
+        {ours:,.1f} bytes per token and block at 16 bits. Their Table 2 gives 34·h/t = {paper:,.0f}, less
+        {masks:,.0f} for two dropout masks (this GPT has none): {paper - masks:,.0f}. The
+        difference is the log-sum-exp and the norm statistics, which the paper leaves out. The course's "selective" goes further: it also
+        re-runs the norms and the MLP's activation.
+    """)
 
 
 def wire_bytes():

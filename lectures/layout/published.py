@@ -37,6 +37,19 @@ def megatron_shape(row):
                       ffn=4 * hidden, vocab=51200, seq=2048, tied=True)
 
 
+# Korthikanti et al. 2022 (https://arxiv.org/abs/2205.05198), Table 3: GPT-3 175B, 96 heads,
+# h = 12,288, 96 layers, s = 2,048, run at tp = 8 — the model of its activation-memory counts.
+KORTHIKANTI_175B = dataclasses.replace(megatron_shape((175, 96, 12288, 96)), name="GPT-3 175B")
+KORTHIKANTI_TP = 8
+
+
+def selective_per_token_bytes(tp, hidden):
+    """Korthikanti et al. 2022, Table 2: with sequence parallelism and their selective
+    recomputation a block keeps 34·s·b·h/t bytes at 16 bits, of which 2·s·b·h/t are the two
+    dropout masks (a byte per element): bytes per token, and those of the masks."""
+    return 34 * hidden / tp, 2 * hidden / tp
+
+
 def megatron_flops_per_token(model):
     """The paper's count per token, with activation recomputation (its Appendix):
     96·l·h²·(1 + s/(6h) + V/(16·l·h))."""
