@@ -65,7 +65,7 @@ def korthikanti_beside_flash_attention():
         keep 5·a·s bytes per token and block. A FlashAttention kernel never keeps that core and
         rebuilds it in its own backward. So beside flash attention their set costs what the
         estimator's "none" costs. For their GPT-3 175B at tp = {t} with sequence parallelism, "none" keeps
-        {ours:,.1f} bytes per token and block at 16 bits. Their Table 2 gives 34·h/t = {paper:,.0f}, less
+        {ours:,.0f} bytes per token and block at 16 bits. Their Table 2 gives 34·h/t = {paper:,.0f}, less
         {masks:,.0f} for two dropout masks (this GPT has none): {paper - masks:,.0f}. The
         difference is the log-sum-exp and the norm statistics, which the paper leaves out. The course's "selective" goes further: it also
         re-runs the norms and the MLP's activation.
