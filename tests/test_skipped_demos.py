@@ -7,6 +7,7 @@ import lectures.lecture_04_tensor_parallel as L04
 import lectures.lecture_06_context_and_expert_parallel as L06
 import lectures.lecture_07_putting_it_together as L07
 import lectures.tensor_parallel.deep_dives as L04_deep_dives
+import lectures.layout.deep_dives as L07_deep_dives
 from util import launch, record, settings
 
 
@@ -46,3 +47,12 @@ def test_lecture_04_goes_on_without_its_skipped_demos(monkeypatch, quick):
     each demo marked skipped and none of its numbers."""
     monkeypatch.setattr(settings, "quick", quick)
     run_skipping(monkeypatch, [L04, L04_deep_dives], L04.main)
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_lecture_07s_pytorch_pieces_go_on_without_their_skipped_demos(monkeypatch, quick):
+    """The full build's 8-rank dp×tp×pp run of PyTorch's pieces: a 4-rank torchrun job skips it,
+    and the deep dive lists it as skipped (it read the missing returns, and the build stopped)."""
+    monkeypatch.setattr(settings, "quick", quick)
+    demos = run_skipping(monkeypatch, [L07_deep_dives], L07_deep_dives.pytorch_pieces)
+    assert len(demos) == (3 if quick else 5)
