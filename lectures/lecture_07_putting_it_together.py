@@ -23,19 +23,19 @@ from lectures.layout.search import (GEMM, decision_procedure, near_ties, reprodu
 from lectures.layout.trainer import GroupCollectives, LayoutTrainer, max_param_diff, reference_run, train_layout
 from lectures.layout.mesh import MESH_AXES, axis_groups, make_mesh, mesh_coords
 from lectures.layout.step_time import (ASSUMED, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB_ACHIEVED, IB_BW,
-                                       NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, NVLINK_BW, dp_traffic,
+                                       NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, NVLINK_BW, dp_parts,
                                        after_the_pipeline, flops_per_token, h100_cluster, mfu, step_time)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
                                      draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
-from lectures.layout.demos import (_RESULTS, axes_of, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
+from lectures.layout.demos import (_RESULTS, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    rho_uncertainty, ties_words, trivial_prediction, verdict_of, worst_ratios)
 from lectures.layout.at_scale import across_scale, experts_at_scale
 from lectures.layout.published import a100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
-from lectures.layout.deep_dives import (decision_flow, memory_with_recomputation, notes, pytorch_pieces,
-                                        table4_sensitivity, wire_bytes)
+from lectures.layout.deep_dives import (decision_flow, error_by_axis, memory_with_recomputation, notes,
+                                        pytorch_pieces, ratios_by_axis, table4_sensitivity, wire_bytes)
 
 
 # =========================================================================================
@@ -343,16 +343,17 @@ def step_time_model():
         cost per step), the pipeline's $m + \\text{{pp}} - 1$ slots (the bubble is
         $\\text{{pp}}-1$ of them), and the gradient sync over the weight replicas — once per step
         in the last micro-batch's backward for plain data parallelism and ZeRO-1, every
-        micro-batch for ZeRO-2 and ZeRO-3 (`dp_traffic`). A later pipeline stage ends its last
-        backward before the first stage does, and spends that cool-down on its once-a-step sync
-        and its optimizer step (`after_the_pipeline`). Collectives use lecture 02's α–β
+        micro-batch for ZeRO-2 and ZeRO-3 (`dp_parts`). A later pipeline stage ends its last
+        backward before the first stage does, and spends that cool-down on its once-a-step sync;
+        the optimizer step waits for every stage, as clipping by the global norm does
+        (`after_the_pipeline`). Collectives use lecture 02's α–β
         model per ring step. Every constant is measured in this build, {machine(ranks)}: one
         rank per core, every rank busy at once, as in the runs being predicted — but in
         calibration runs of their own (matmuls, one-process steps, collectives, one block's
         ring attention), never in the layouts' training steps, which are the validation.
     """)
     see(step_time)
-    see(dp_traffic)
+    see(dp_parts)
     see(after_the_pipeline)
     # 4 KB to 4 MB (quick: 4-256 KB and 4 MB): the small sizes are latency-bound and fix α; β
     # needs a size whose time grows with its bytes
@@ -460,59 +461,6 @@ def step_time_model():
     return rho
 
 
-def ratios_by_axis(layouts, pred, meas):
-    """{what a layout splits: [measured / predicted of each such layout]}."""
-    by_axis = {}
-    for l, p, t in zip(layouts, pred, meas):
-        by_axis.setdefault(axes_of(l), []).append(t / p)
-    return by_axis
-
-
-def error_by_axis():
-    """The step-time model's absolute error, axis by axis, and ZeRO's layouts on gloo."""
-    timed = _RESULTS.get("timed")
-    if not timed:
-        return
-    layouts, pred, times = zip(*timed)
-    meas = [t.median for t in times]
-    note("## Deep dive: the step time's error axis by axis, and ZeRO on gloo")
-    table([[k, len(v), statistics.median(v), min(v), max(v)]
-           for k, v in sorted(ratios_by_axis(layouts, pred, meas).items())],
-          header=["what the layout splits", "layouts", "median measured / predicted", "lowest", "highest"],
-          caption=f"The absolute error, axis by axis: each of the {len(layouts)} layouts timed on this machine "
-                  "in \"Predicting the step time\" (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
-                  "by what it splits. A ratio of 1 is exact; a ratio above 1 means the model under-predicts, "
-                  "and so favours, that axis.")
-    zero_note(layouts, pred, meas)
-
-
-def zero_note(layouts, pred, meas):
-    """ZeRO's layouts against plain data parallelism's, measured / predicted: what the model
-    charges ZeRO on gloo, and what it leaves out."""
-    by = {}
-    for l, p, t in zip(layouts, pred, meas):
-        if l.dp * l.cp > 1:
-            by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
-    if len(by) < 2:
-        return
-    rng = lambda v: value_range(min(v), max(v), decimals=2) + "×"
-    note(f"""
-        **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
-        runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
-        ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
-        predicted: ZeRO layouts {rng(by["ZeRO"])}, the layouts with dp·cp > 1 and no ZeRO
-        {rng(by["plain"])}.
-        {"ZeRO still costs more than the model charges, and this build does not measure why: "
-         if min(by["ZeRO"]) > max(by["plain"]) else
-         "The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model charges; "
-         "what would have to be timed to find one: "}the
-        copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
-        copied into and out of its shard) are memory copies of a model this small, and the
-        extra collective calls per tensor wait on each other; which of them costs what, the
-        build does not time.
-    """)
-
-
 def published_scale():
     a = {k: v for k, v in ASSUMED.items() if k != GEMM}
     note(f"""
@@ -556,10 +504,11 @@ def published_scale():
             slows compute (on GPUs NCCL's kernels share the SMs); a group is inside a node only when
             it tiles the nodes (tp = 6 on 8-GPU nodes straddles two, and is charged the network);
             tensor-parallel, context-parallel and pipeline transfers are fully exposed; the
-            data-parallel traffic hides under the compute beside it as `dp_traffic` says (fully,
+            data-parallel traffic hides under the compute beside it as `dp_parts` says (fully,
             with the overlap assumed above), and a later stage's once-a-step sync also in its
-            pipeline cool-down; an all-gather, reduce-scatter or all-reduce takes the
-            ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
+            pipeline cool-down (1F1B's, for DeepSeek-V3's DualPipe too); every stage then waits for
+            the others before its optimizer step, as clipping by the global gradient norm requires;
+            an all-gather, reduce-scatter or all-reduce takes the ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
             reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
         """)
         note("""
@@ -616,9 +565,10 @@ def published_scale():
                   f"them: on A100s the model predicts torchtitan's Llama 3 8B and 70B to "
                   f"{' and '.join(f'{100 * e:+.1f}%' for e in near.values())}; no H100 run at these sizes is "
                   f"checked, so these MFUs carry at least that error and the 405B rows' band. 'DP seconds before "
-                  f"hiding': the data-parallel collectives on the worst stage before the assumed overlap hides "
-                  f"them; where they are a large share of the step, the pick rests on that assumption (with less "
-                  f"overlap, ZeRO-2/3 picks lose first).")
+                  f"hiding': the data-parallel collectives of one step, on the stage that moves the most, "
+                  f"before the assumed overlap and the pipeline's cool-down hide them; where they are a large "
+                  f"share of the step, the pick rests on that assumption (with less overlap, ZeRO-2/3 picks "
+                  f"lose first).")
 
     with deep_dive("The search's space and the decision procedure, step by step",
                    "every configuration at 512 GPUs, and the rule of thumb as code and as a flowchart"):

@@ -292,38 +292,58 @@ def test_plain_dp_hides_only_under_the_last_backward():
     lay = Layout(dp=2, micro_batches=4)
     t = all_reduce_time(2, grad_bytes(lay), LINK)
     compute = 0.6 * t                 # one micro-batch: its backward (2/3) hides 0.4 t, not 4 × that
-    exposed, _, _ = dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
+    exposed, _ = dp_traffic(TOY, lay, toy_hw(overlap=1.0), 0, compute)
     assert exposed == pytest.approx(t - 2 / 3 * compute)
 
 
-def test_dp_sync_waits_in_the_pipelines_cool_down_stage_by_stage():
-    """1F1B ends stage s's pipeline s chunk backwards before stage 0's: its once-a-step DP sync
-    (then its optimizer) spends that slack first, and the step waits for the stage that ends last."""
-    from lectures.layout.step_time import after_the_pipeline
+@pytest.mark.parametrize("p,m,v", [(2, 4, 1), (4, 8, 1), (3, 5, 1), (4, 8, 2), (4, 6, 2), (3, 6, 3)])
+def test_a_stage_ends_its_pipeline_a_chunk_backward_per_stage_before_the_first(p, m, v):
+    """Lecture 05's simulator of (interleaved) 1F1B: stage s's last action ends s chunk backwards
+    (`chunk_backward`, with the send of its gradient) before stage 0's does."""
+    from lectures.layout.step_time import chunk_backward
+    from lectures.pipeline import make_schedule, simulate
+    forward, backward, send = 1.0 / v, 2.0 / v, 0.25          # a micro-batch's compute: 3
+    sim = simulate(make_schedule("1f1b", p, m, v), {"F": forward, "B": backward, "send": send})
+    ends = [row[-1][2] for row in sim.timeline]
+    sends = 2 * v * send
+    for s in range(p):
+        assert ends[0] - ends[s] == pytest.approx(s * chunk_backward(3.0 + sends, sends, v))
+
+
+def test_dp_sync_waits_in_the_cool_down_and_the_optimizer_after_every_stage():
+    """Stage s spends its cool-down on its once-a-step gradient reduction; then every stage
+    waits for the others (global-norm clipping), then the slowest optimizer step and ZeRO's
+    all-gather of the updated weights."""
+    from lectures.layout.step_time import after_the_pipeline, chunk_backward
     hw = toy_hw(hbm=1e9)
     for v in (1, 2):
         lay = Layout(dp=2, pp=2, micro_batches=4, virtual_stages=v)
         t = step_time(TOY, lay, hw)
         sync = [all_reduce_time(2, stage_params(TOY, lay, s) * 4, LINK) for s in (0, 1)]
-        optimizer = [optimizer_time(TOY, lay, hw, s) for s in (0, 1)]
-        slots = t["total"] - t["dp"] - t["optimizer"] - t["bubble"]             # the m = 4 slots
-        back = (2 * (slots - t["pp"]) / 3 + t["pp"] / 2) / 4 / v                # one chunk's backward
-        ends = [sync[0] + optimizer[0],
-                max(0.0, sync[1] - back) + max(0.0, optimizer[1] - max(0.0, back - sync[1]))]
-        assert t["dp"] + t["optimizer"] == pytest.approx(max(ends)) and t["dp before hiding"] > 0
-        assert ends[1] < sync[1] + optimizer[1]                                 # the last stage's: partly hidden
-    # with no cool-down to spend (one stage) the whole sync and optimizer come after the pipeline
+        optimizer = max(optimizer_time(TOY, lay, hw, s) for s in (0, 1))
+        slots = t["total"] - t["dp"] - t["optimizer"] - t["bubble"]              # the m = 4 slots
+        back = chunk_backward(slots / 4, t["pp"] / 4, v)
+        assert back > 0 and t["optimizer"] == pytest.approx(optimizer)
+        assert t["dp"] == pytest.approx(max(sync[0], sync[1] - back))          # stage 1: partly hidden
+        assert t["dp before hiding"] == pytest.approx(max(sync))
+    # one stage: no cool-down to spend
     one = Layout(dp=2, micro_batches=4)
     t = step_time(TOY, one, hw)
     assert t["dp"] == pytest.approx(all_reduce_time(2, grad_bytes(one), LINK))
     assert t["optimizer"] == pytest.approx(optimizer_time(TOY, one, hw, 0))
-    # ZeRO-3 syncs inside every micro-batch: the cool-down hides none of it
-    z3 = Layout(dp=2, pp=2, micro_batches=4, zero=3)
-    assert after_the_pipeline(TOY, z3, hw, 1.0, 1e9)[0] == pytest.approx(
-        max(dp_traffic(TOY, z3, hw, s, 1.0)[0] for s in (0, 1)))
-    # a slack longer than everything leaves stage 0's, which has none
-    assert after_the_pipeline(TOY, lay, hw, 1.0, 1e9)[:2] == pytest.approx(
-        (dp_traffic(TOY, lay, hw, 0, 1.0)[0], optimizer_time(TOY, lay, hw, 0)))
+    # ZeRO-1: the reduction hides in the cool-down, the all-gather after the optimizer does not
+    z1 = Layout(dp=2, pp=2, micro_batches=4, zero=1)
+    gathers = [dp_traffic(TOY, z1, hw, s, 0.0, "after the optimizer")[0] for s in (0, 1)]
+    reductions = [dp_traffic(TOY, z1, hw, s, 0.0, "after the last backward")[0] for s in (0, 1)]
+    updates = [optimizer_time(TOY, z1, hw, s) + gathers[s] for s in (0, 1)]
+    slowest = updates.index(max(updates))
+    dp, opt, _ = after_the_pipeline(TOY, z1, hw, 0.0, 1e9)
+    assert dp == pytest.approx(reductions[0] + gathers[slowest]) and opt == pytest.approx(max(updates) - gathers[slowest])
+    # ZeRO-3 gathers and reduces inside every micro-batch, even with one: the cool-down hides none of it
+    for m in (1, 4):
+        z3 = Layout(dp=2, pp=2, micro_batches=m, zero=3)
+        assert after_the_pipeline(TOY, z3, hw, 1.0, 1e9)[0] == pytest.approx(
+            max(dp_traffic(TOY, z3, hw, s, 1.0)[0] for s in (0, 1)))
 
 
 def test_recomputation_repeats_the_forward_collectives():
@@ -532,7 +552,7 @@ def test_step_bytes_counts_bf16_gathers_and_zero3():
     # the step-time model charges the same bytes: with α = 0 and β = 1 its seconds are bytes
     hw = Hardware("bytes", flops=1e30, memory=1e30, ranks_per_node=8, intra=(0.0, 1.0), inter=(0.0, 1.0))
     for z in (0, 1, 2, 3):
-        _, moved, _ = dp_traffic(LLAMA3_8B, lay(z), hw, 0, 0.0)
+        _, moved = dp_traffic(LLAMA3_8B, lay(z), hw, 0, 0.0)
         assert moved == pytest.approx(step_bytes(LLAMA3_8B, lay(z), 0, "nccl", tensor_sizes=[psi])["dp"], rel=1e-6)
 
 

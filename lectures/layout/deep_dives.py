@@ -1,15 +1,16 @@
 """The appendix page of lecture 07: its deep dives, each a section function that main() (or the
 main-path section it belongs to) calls inside `with deep_dive(...)`, in the order they run —
-sequence parallelism and full recomputation in the estimator, the communication model checked
-on the wire, how the Table 4 fit moves with the constants it does not fit, the search's space
+sequence parallelism and full recomputation in the estimator (Korthikanti's selective set beside
+it), the step time's error axis by axis and ZeRO on gloo, the communication model checked on the
+wire, how the Table 4 fit moves with the constants it does not fit, the search's space
 and the decision procedure, the same layouts from PyTorch's own pieces, and launching across
 nodes."""
 import statistics
 
 from util import cheat, figure, note, see, settings, spawn, table
-from util.measure import machine, usable_cores
+from util.measure import machine, usable_cores, value_range
 
-from lectures.layout.demos import _RESULTS, long_context_words, small_run, time_ours_vs_pytorch, train_pytorch_layout
+from lectures.layout.demos import _RESULTS, axes_of, long_context_words, small_run, time_ours_vs_pytorch, train_pytorch_layout
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.figures import draw_decision_flow, draw_wire_ratios
 from lectures.layout.published import KORTHIKANTI_175B, KORTHIKANTI_TP, selective_per_token_bytes
@@ -62,13 +63,67 @@ def korthikanti_beside_flash_attention():
     note(f"""
         **Korthikanti et al.'s selective recomputation** (2022, §5) is not the course's. It
         re-runs the attention core (QKᵀ, softmax, its dropout, the product with V) so as not to
-        keep 5·a·s bytes per token and block. A FlashAttention kernel never keeps that core and
+        keep 5·a·s/t bytes per token and block on each of t tensor-parallel ranks. A FlashAttention kernel never keeps that core and
         rebuilds it in its own backward. So beside flash attention their set costs what the
         estimator's "none" costs. For their GPT-3 175B at tp = {t} with sequence parallelism, "none" keeps
         {ours:,.0f} bytes per token and block at 16 bits. Their Table 2 gives 34·h/t = {paper:,.0f}, less
-        {masks:,.0f} for two dropout masks (this GPT has none): {paper - masks:,.0f}. The
-        difference is the log-sum-exp and the norm statistics, which the paper leaves out. The course's "selective" goes further: it also
+        {masks:,.0f} for two dropout masks (the course's models have no dropout): {paper - masks:,.0f}. The
+        difference is the log-sum-exp and the norm statistics, which the paper leaves out (kernels
+        keep them in fp32, twice what the estimator counts at the activations' width). The course's "selective" goes further: it also
         re-runs the norms and the MLP's activation.
+    """)
+
+
+def ratios_by_axis(layouts, pred, meas):
+    """{what a layout splits: [measured / predicted of each such layout]}."""
+    by_axis = {}
+    for l, p, t in zip(layouts, pred, meas):
+        by_axis.setdefault(axes_of(l), []).append(t / p)
+    return by_axis
+
+
+def error_by_axis():
+    """The step-time model's absolute error, axis by axis, and ZeRO's layouts on gloo."""
+    timed = _RESULTS.get("timed")
+    if not timed:
+        return
+    layouts, pred, times = zip(*timed)
+    meas = [t.median for t in times]
+    note("## Deep dive: the step time's error axis by axis, and ZeRO on gloo")
+    table([[k, len(v), statistics.median(v), min(v), max(v)]
+           for k, v in sorted(ratios_by_axis(layouts, pred, meas).items())],
+          header=["what the layout splits", "layouts", "median measured / predicted", "lowest", "highest"],
+          caption=f"The absolute error, axis by axis: each of the {len(layouts)} layouts timed on this machine "
+                  "in \"Predicting the step time\" (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
+                  "by what it splits. A ratio of 1 is exact; a ratio above 1 means the model under-predicts, "
+                  "and so favours, that axis.")
+    zero_note(layouts, pred, meas)
+
+
+def zero_note(layouts, pred, meas):
+    """ZeRO's layouts against plain data parallelism's, measured / predicted: what the model
+    charges ZeRO on gloo, and what it leaves out."""
+    by = {}
+    for l, p, t in zip(layouts, pred, meas):
+        if l.dp * l.cp > 1:
+            by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
+    if len(by) < 2:
+        return
+    rng = lambda v: value_range(min(v), max(v), decimals=2) + "×"
+    note(f"""
+        **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
+        runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
+        ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
+        predicted: ZeRO layouts {rng(by["ZeRO"])}, the layouts with dp·cp > 1 and no ZeRO
+        {rng(by["plain"])}.
+        {"ZeRO still costs more than the model charges, and this build does not measure why: "
+         if min(by["ZeRO"]) > max(by["plain"]) else
+         "The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model charges; "
+         "what would have to be timed to find one: "}the
+        copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
+        copied into and out of its shard) are memory copies of a model this small, and the
+        extra collective calls per tensor wait on each other; which of them costs what, the
+        build does not time.
     """)
 
 

@@ -139,11 +139,11 @@ def flops_per_token(model, recompute="none"):
     return useful, useful
 
 
-def dp_traffic(model, layout, hw, stage, compute):
-    """Exposed seconds of the data-parallel traffic of one step on `stage`, and what it moves.
-
-    Over the dp·cp ranks that hold the same weights (`compute` is one micro-batch's forward +
-    backward on this stage; backward ≈ 2/3 of it, forward ≈ 1/3, the FLOP ratio):
+def dp_parts(model, layout, hw, stage, compute):
+    """The data-parallel collectives of one step on `stage`: (seconds, compute that can hide
+    them, times per step, when they end), over the dp·cp ranks that hold the same weights
+    (`compute` is one micro-batch's forward + backward on this stage; backward ≈ 2/3 of it,
+    forward ≈ 1/3, the FLOP ratio):
       ZeRO-0    one all-reduce of the gradients per step, started in the *last* micro-batch's
                 backward (the earlier ones only accumulate): only that backward can hide it;
       ZeRO-1    the same, as a reduce-scatter, then an all-gather of the updated weights after
@@ -156,25 +156,26 @@ def dp_traffic(model, layout, hw, stage, compute):
                 backward (all but the embedding and head, `kept_gathered`) and reduce-scatters
                 its gradients; nothing after the optimizer (the updated shards are what the
                 next forward gathers).
-    On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as `collective_bytes`
-    counts it. A fraction `hw.overlap` of the compute they run beside can hide them. Returns
-    (exposed seconds, collective seconds before hiding, of the exposed seconds those that come
-    once a step, after the last micro-batch's backward: what a pipeline's cool-down can hide)."""
+    When: "after the last backward" (the once-a-step reduction: a pipeline's cool-down can
+    hide it, `after_the_pipeline`), "after the optimizer", or "in the pipeline" (every
+    micro-batch's). On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as
+    `collective_bytes` counts it."""
     B = PRECISION_BYTES[layout.precision]
     n = layout.dp * layout.cp
     if n == 1:
-        return 0.0, 0.0, 0.0
+        return []
     link = axis_link(hw, layout, "dp") if layout.dp > 1 else axis_link(hw, layout, "cp")
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
     # One message for all gradients (bucketed), or one per parameter tensor.
     k = 1 if hw.bucketed else (n_layers * model.tensors_per_layer() + 2 * (stage == 0)
                                + 3 * (stage == layout.pp - 1))
-    fwd, bwd, hide = compute / 3, 2 * compute / 3, hw.overlap
+    fwd, bwd = compute / 3, 2 * compute / 3
     m, z = layout.micro_batches, layout.zero
     # the routed experts are replicated over dp·cp/ep ranks only (expert data parallelism)
     experts = block_params(model, layout, stage)[1]
     params = stage_params(model, layout, stage)
     kept = kept_gathered(model, layout, stage)
+    last, later, inside = "after the last backward", "after the optimizer", "in the pipeline"
     parts = []
     for count, ranks, kept_here in ((params - experts, n, kept), (experts, n // layout.ep, 0)):
         if ranks == 1 or count == 0:
@@ -183,17 +184,25 @@ def dp_traffic(model, layout, hw, stage, compute):
         ar = lambda nbytes: k * all_reduce_time(ranks, nbytes / k, link)
         ag = lambda nbytes: k * gather_time(ranks, nbytes / k, link)
         rs = ar if hw.backend == "gloo" else ag
-        if z == 0:   # (seconds, compute it can hide under, how many times per step)
-            parts += [(ar(grad_bytes), bwd, 1)]
+        if z == 0:
+            parts += [(ar(grad_bytes), bwd, 1, last)]
         elif z == 1:
-            parts += [(rs(grad_bytes), bwd, 1), (ag(weight_bytes), fwd, 1)]
+            parts += [(rs(grad_bytes), bwd, 1, last), (ag(weight_bytes), fwd, 1, later)]
         elif z == 2:
-            parts += [(rs(grad_bytes), bwd, m), (ag(weight_bytes), fwd, 1)]
+            parts += [(rs(grad_bytes), bwd, m, inside), (ag(weight_bytes), fwd, 1, later)]
         else:   # backward gathers all but the embedding and head, kept gathered since forward
             again = weight_bytes - kept_here * B["weights"]
-            parts += [(ag(weight_bytes), fwd, m), (ag(again) + rs(grad_bytes), bwd, m)]
-    exposed = [(k, max(0.0, t - hide * under)) for t, under, k in parts]
-    return (sum(k * t for k, t in exposed), sum(k * t for t, _, k in parts), sum(t for k, t in exposed if k == 1))
+            parts += [(ag(weight_bytes), fwd, m, inside), (ag(again) + rs(grad_bytes), bwd, m, inside)]
+    return parts
+
+
+def dp_traffic(model, layout, hw, stage, compute, when=None):
+    """(exposed seconds, seconds before hiding) of `stage`'s data-parallel collectives in one
+    step (`dp_parts`; only those that end `when`, if given): a fraction `hw.overlap` of the
+    compute each runs beside can hide it."""
+    parts = [p for p in dp_parts(model, layout, hw, stage, compute) if when in (None, p[3])]
+    return (sum(k * max(0.0, t - hw.overlap * under) for t, under, k, _ in parts),
+            sum(k * t for t, _, k, _ in parts))
 
 
 def step_time(model, layout, hw):
@@ -220,9 +229,9 @@ def step_time(model, layout, hw):
               activations forward and v of gradients backward (with sequence parallelism
               each tp rank sends its 1/tp of the sequence, as Megatron-LM does);
     dp        the gradient sync over the dp·cp ranks that hold the same weights, once or
-              every micro-batch according to the ZeRO stage (`dp_traffic`), partly hidden
-              under the compute it runs beside (`hw.overlap`); what is left of the once-a-step
-              part waits, with the optimizer, in the stage's cool-down (`after_the_pipeline`);
+              every micro-batch according to the ZeRO stage (`dp_parts`), partly hidden
+              under the compute it runs beside (`hw.overlap`); the once-a-step reduction also
+              in the stage's pipeline cool-down (`after_the_pipeline`);
     ep        the experts' dispatch and combine all-to-alls (`hw.ep_overlap` hides them);
     memory    memory-bound work at `hw.hbm` (part of compute), and the optimizer step."""
     check_split(model, layout)
@@ -287,9 +296,7 @@ def step_time(model, layout, hw):
     slot = compute + tp + cp + sends + ep
     m = layout.micro_batches
     bubble = (layout.pp - 1) / v * slot          # (p − 1)/(v·m) of the m slots (lecture 05)
-    # one chunk's backward (2/3 of its compute and collectives) and the send of its gradient
-    chunk_backward = (2 * (slot - sends) / 3 + sends / 2) / v
-    exposed_dp, optimizer, dp_all = after_the_pipeline(model, layout, hw, compute, chunk_backward)
+    exposed_dp, optimizer, dp_all = after_the_pipeline(model, layout, hw, compute, chunk_backward(slot, sends, v))
     total = m * slot + bubble + exposed_dp + optimizer + hw.step_overhead
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
@@ -297,25 +304,37 @@ def step_time(model, layout, hw):
             "dp before hiding": dp_all}
 
 
-def after_the_pipeline(model, layout, hw, compute, chunk_backward):
+def chunk_backward(slot, sends, v):
+    """One model chunk's backward and the send of its gradient, from a micro-batch's slot on a
+    rank (its v chunks' forward and backward with their collectives, and its 2·v sends):
+    backward is 2/3 of the work, its FLOPs twice the forward's (3/4 under full recomputation,
+    which runs the forward again in backward: a slack a little short)."""
+    return (2 * (slot - sends) / 3 + sends / 2) / v
+
+
+def after_the_pipeline(model, layout, hw, compute, backward):
     """What a step adds after its pipeline: (exposed DP seconds, optimizer seconds, DP seconds
-    before hiding), for the stage that ends last.
+    before hiding).
 
     In 1F1B the last micro-batch's backward runs from the last stage down to the first, so
-    stage s ends its pipeline s chunk backwards (`chunk_backward`, each as long as the slowest
-    stage's, as the bubble assumes) before stage 0 does. It spends that cool-down on its
-    once-a-step DP traffic and then its optimizer step; what does not fit delays the step. The
-    per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the pipeline: the cool-down
-    cannot hide it. The slack absorbs the DP traffic first, then the optimizer."""
-    ends = []
+    stage s ends its pipeline s chunk backwards (`backward`, each as long as the slowest
+    stage's, as the bubble assumes) before stage 0 does, and spends that cool-down on its
+    gradient reduction (hidden, like every stage's, under the slowest stage's compute). The per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the
+    pipeline: the cool-down cannot hide it. Then every stage waits for the others: clipping by
+    the global gradient norm (lecture 08; every published run here clips) needs every stage's
+    reduced gradients before any optimizer step. Then each stage's optimizer step and ZeRO's
+    all-gather of the updated weights; the step ends with the slowest."""
+    reductions, updates, before = [], [], []
     for s in range(layout.pp):
-        exposed, before, once = dp_traffic(model, layout, hw, s, compute)
+        inside, _ = dp_traffic(model, layout, hw, s, compute, "in the pipeline")
+        last, _ = dp_traffic(model, layout, hw, s, compute, "after the last backward")
+        gather, _ = dp_traffic(model, layout, hw, s, compute, "after the optimizer")
         optimizer = optimizer_time(model, layout, hw, s) if hw.hbm else 0.0
-        slack = s * chunk_backward
-        dp = exposed - once + max(0.0, once - slack)
-        ends.append((dp + max(0.0, optimizer - max(0.0, slack - once)), dp, before, s))
-    _, dp, before, s = max(ends, key=lambda e: (e[0], -e[3]))    # the latest; on a tie the earliest stage
-    return dp, ends[s][0] - dp, before
+        reductions.append(inside + max(0.0, last - s * backward))
+        updates.append((optimizer + gather, gather))
+        before.append(dp_traffic(model, layout, hw, s, compute)[1])
+    update, gather = max(updates)
+    return max(reductions) + gather, update - gather, max(before)
 
 
 def all_to_all_time(n, nbytes, link):

@@ -537,15 +537,17 @@
     return n === 1 ? 0.0 : (n - 1) * link[0] + (n - 1) / n * nbytes / link[1];
   }
   function p2pTime(nbytes, link) { return link[0] + nbytes / link[1]; }
-  function dpTraffic(m, l, hw, stage, compute) {
+  // step_time.dp_parts: [seconds, compute it can hide under, times per step, when it ends]
+  function dpParts(m, l, hw, stage, compute) {
     var B = PRECISION_BYTES[l.precision], n = l.dp * l.cp;
-    if (n === 1) return [0.0, 0.0, 0.0];
+    if (n === 1) return [];
     var link = l.dp > 1 ? axisLink(hw, l, "dp") : axisLink(hw, l, "cp");
     var nLayers = rankLayers(m.layers, l.pp, l.virtual_stages)[stage];
     var k = hw.bucketed ? 1 : (nLayers * tensorsPerLayer(m) + 2 * (stage === 0 ? 1 : 0) + 3 * (stage === l.pp - 1 ? 1 : 0));
-    var fwd = compute / 3, bwd = 2 * compute / 3, hide = hw.overlap, mb = l.micro_batches, z = l.zero, parts = [];
+    var fwd = compute / 3, bwd = 2 * compute / 3, mb = l.micro_batches, z = l.zero, parts = [];
     var params = stageParams(m, l, stage), bp = blockParams(m, l, stage), experts = bp[1];
     var kept = params - sum2(bp);
+    var last = "after the last backward", later = "after the optimizer", inside = "in the pipeline";
     // the routed experts are replicated over dp·cp/ep ranks only
     [[params - experts, n, kept], [experts, floorDiv(n, l.ep), 0]].forEach(function (g) {
       var count = g[0], ranks = g[1], keptHere = g[2];
@@ -554,33 +556,37 @@
       var ar = function (b) { return k * allReduceTime(ranks, b / k, link); };
       var ag = function (b) { return k * gatherTime(ranks, b / k, link); };
       var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
-      // [seconds, compute it can hide under, times per step]: no loop per micro-batch
-      if (z === 0) parts.push([ar(gradBytes), bwd, 1]);
-      else if (z === 1) parts.push([rs(gradBytes), bwd, 1], [ag(weightBytes), fwd, 1]);
-      else if (z === 2) parts.push([rs(gradBytes), bwd, mb], [ag(weightBytes), fwd, 1]);
-      else parts.push([ag(weightBytes), fwd, mb], [ag(weightBytes - keptHere * B.weights) + rs(gradBytes), bwd, mb]);
+      if (z === 0) parts.push([ar(gradBytes), bwd, 1, last]);
+      else if (z === 1) parts.push([rs(gradBytes), bwd, 1, last], [ag(weightBytes), fwd, 1, later]);
+      else if (z === 2) parts.push([rs(gradBytes), bwd, mb, inside], [ag(weightBytes), fwd, 1, later]);
+      else parts.push([ag(weightBytes), fwd, mb, inside], [ag(weightBytes - keptHere * B.weights) + rs(gradBytes), bwd, mb, inside]);
     });
-    var exposed = 0, all = 0, once = 0;
-    parts.forEach(function (p) {
-      var left = Math.max(0.0, p[0] - hide * p[1]);
-      exposed += p[2] * left;
-      all += p[2] * p[0];
-      if (p[2] === 1) once += left;
-    });
-    return [exposed, all, once];
+    return parts;
   }
-  // step_time.after_the_pipeline: stage s ends its pipeline s chunk backwards before stage 0 and
-  // spends them on its once-a-step DP traffic, then its optimizer; the stage that ends last counts
-  function afterThePipeline(m, l, hw, compute, chunkBackward) {
-    var best = null;
+  // step_time.dp_traffic: [exposed, before hiding] of the parts that end `when` (all if undefined)
+  function dpTraffic(m, l, hw, stage, compute, when) {
+    var exposed = 0, all = 0;
+    dpParts(m, l, hw, stage, compute).forEach(function (p) {
+      if (when !== undefined && p[3] !== when) return;
+      exposed += p[2] * Math.max(0.0, p[0] - hw.overlap * p[1]);
+      all += p[2] * p[0];
+    });
+    return [exposed, all];
+  }
+  // step_time.after_the_pipeline: each stage's reduction in its cool-down, then every stage waits
+  // for the others (global-norm clipping), then the slowest optimizer step and ZeRO's all-gather
+  function afterThePipeline(m, l, hw, compute, backward) {
+    var reductions = 0, update = -1, gather = 0, before = 0;
     for (var s = 0; s < l.pp; s++) {
-      var d = dpTraffic(m, l, hw, s, compute), once = d[2];
-      var optimizer = hw.hbm ? optimizerTime(m, l, hw, s) : 0.0, slack = s * chunkBackward;
-      var dp = d[0] - once + Math.max(0.0, once - slack);
-      var end = dp + Math.max(0.0, optimizer - Math.max(0.0, slack - once));
-      if (best === null || end > best[0]) best = [end, dp, d[1]];
+      var inside = dpTraffic(m, l, hw, s, compute, "in the pipeline")[0];
+      var last = dpTraffic(m, l, hw, s, compute, "after the last backward")[0];
+      var g = dpTraffic(m, l, hw, s, compute, "after the optimizer")[0];
+      var u = (hw.hbm ? optimizerTime(m, l, hw, s) : 0.0) + g;
+      reductions = Math.max(reductions, inside + Math.max(0.0, last - s * backward));
+      if (u > update || (u === update && g > gather)) { update = u; gather = g; }
+      before = Math.max(before, dpTraffic(m, l, hw, s, compute)[1]);
     }
-    return [best[1], best[0] - best[1], best[2]];
+    return [reductions + gather, update - gather, before];
   }
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
@@ -639,7 +645,7 @@
     }
     var slot = compute + tp + cp + sends + ep, mb = l.micro_batches;
     var bubble = (l.pp - 1) / v * slot;
-    // one chunk's backward (2/3 of its compute and collectives) and the send of its gradient
+    // step_time.chunk_backward: one chunk's backward (2/3 of the work) and the send of its gradient
     var after = afterThePipeline(m, l, hw, compute, (2 * (slot - sends) / 3 + sends / 2) / v);
     var exposedDp = after[0], optimizer = after[1];
     return { total: mb * slot + bubble + exposedDp + optimizer + hw.step_overhead, compute: mb * compute, tp: mb * tp,
