@@ -319,20 +319,30 @@ def after_the_pipeline(model, layout, hw, compute, backward):
     In 1F1B the last micro-batch's backward runs from the last stage down to the first, so
     stage s ends its pipeline s chunk backwards (`backward`, each as long as the slowest
     stage's, as the bubble assumes) before stage 0 does, and spends that cool-down on its
-    gradient reduction (hidden, like every stage's, under the slowest stage's compute). The per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the
-    pipeline: the cool-down cannot hide it. Then every stage waits for the others: clipping by
+    gradient reduction (hidden, like every stage's, under the slowest stage's compute). The
+    per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the pipeline: the cool-down
+    cannot hide it. Then every stage waits for the others: clipping by
     the global gradient norm (lecture 08; every published run here clips) needs every stage's
     reduced gradients before any optimizer step. Then each stage's optimizer step and ZeRO's
     all-gather of the updated weights; the step ends with the slowest."""
-    reductions, updates, before = [], [], []
+    reductions, updates, before, seen = [], [], [], set()
+    v = layout.virtual_stages
+    sizes, blocks = rank_layers(model.layers, layout.pp, v), rank_blocks(model, layout.pp, v)
     for s in range(layout.pp):
-        inside, _ = dp_traffic(model, layout, hw, s, compute, "in the pipeline")
-        last, _ = dp_traffic(model, layout, hw, s, compute, "after the last backward")
-        gather, _ = dp_traffic(model, layout, hw, s, compute, "after the optimizer")
+        kind = (sizes[s], blocks[s], s == 0, s == layout.pp - 1)
+        if kind in seen:      # a stage like an earlier one: the same collectives, more cool-down
+            continue
+        seen.add(kind)
+        exposed = {"in the pipeline": 0.0, "after the last backward": 0.0, "after the optimizer": 0.0}
+        total = 0.0
+        for t, under, k, when in dp_parts(model, layout, hw, s, compute):
+            exposed[when] += k * max(0.0, t - hw.overlap * under)      # as dp_traffic counts it
+            total += k * t
+        gather = exposed["after the optimizer"]
         optimizer = optimizer_time(model, layout, hw, s) if hw.hbm else 0.0
-        reductions.append(inside + max(0.0, last - s * backward))
+        reductions.append(exposed["in the pipeline"] + max(0.0, exposed["after the last backward"] - s * backward))
         updates.append((optimizer + gather, gather))
-        before.append(dp_traffic(model, layout, hw, s, compute)[1])
+        before.append(total)
     update, gather = max(updates)
     return max(reductions) + gather, update - gather, max(before)
 
