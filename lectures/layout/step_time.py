@@ -321,10 +321,10 @@ def after_the_pipeline(model, layout, hw, compute, backward):
     stage's, as the bubble assumes) before stage 0 does, and spends that cool-down on its
     gradient reduction (hidden, like every stage's, under the slowest stage's compute). The
     per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the pipeline: the cool-down
-    cannot hide it. Then every stage waits for the others: clipping by
-    the global gradient norm (lecture 08; every published run here clips) needs every stage's
-    reduced gradients before any optimizer step. Then each stage's optimizer step and ZeRO's
-    all-gather of the updated weights; the step ends with the slowest."""
+    cannot hide it. Then every stage waits for the others: clipping by the global gradient norm
+    (lecture 08; every published run here clips) needs every stage's reduced gradients before
+    any optimizer step. Then each stage's optimizer step and ZeRO's all-gather of the updated
+    weights; the step ends with the slowest."""
     reductions, updates, before, seen = [], [], [], set()
     v = layout.virtual_stages
     sizes, blocks = rank_layers(model.layers, layout.pp, v), rank_blocks(model, layout.pp, v)
