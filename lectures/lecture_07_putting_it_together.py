@@ -504,7 +504,7 @@ def published_scale():
             slows compute (on GPUs NCCL's kernels share the SMs); a group is inside a node only when
             it tiles the nodes (tp = 6 on 8-GPU nodes straddles two, and is charged the network);
             tensor-parallel, context-parallel and pipeline transfers are fully exposed; the
-            data-parallel traffic hides under the compute beside it as `dp_parts` says (fully,
+            data-parallel traffic hides under the compute beside it as `dp_traffic` says (fully,
             with the overlap assumed above), and a later stage's once-a-step sync also in its
             pipeline cool-down (1F1B's, for DeepSeek-V3's DualPipe too); every stage then waits for
             the others before its optimizer step, as clipping by the global gradient norm requires;

@@ -311,34 +311,43 @@ def test_a_stage_ends_its_pipeline_a_chunk_backward_per_stage_before_the_first(p
 
 
 def test_dp_sync_waits_in_the_cool_down_and_the_optimizer_after_every_stage():
-    """Stage s spends its cool-down on its once-a-step gradient reduction; then every stage
-    waits for the others (global-norm clipping), then the slowest optimizer step and ZeRO's
-    all-gather of the updated weights."""
+    """Stage s spends its cool-down on its last gradient reduction; then every stage waits for
+    the others (global-norm clipping), then the slowest optimizer step and ZeRO's all-gather of
+    the updated weights. Five blocks on two stages: the later stage holds three, so its sync and
+    its optimizer step are the larger ones."""
     from lectures.layout.step_time import after_the_pipeline, chunk_backward
-    hw = toy_hw(hbm=1e9)
+    five, hw = ModelShape.from_gpt(GPTConfig(n_layers=5)), toy_hw(hbm=1e9)
+    lay = Layout(dp=2, pp=2, micro_batches=4)
+    sync = [all_reduce_time(2, stage_params(five, lay, s) * 4, LINK) for s in (0, 1)]
+    optimizer = [optimizer_time(five, lay, hw, s) for s in (0, 1)]
+    assert sync[1] > sync[0] and optimizer[1] > optimizer[0]
+    back = (sync[1] - sync[0]) / 2                 # a cool-down that hides part of stage 1's sync
+    dp, opt, before = after_the_pipeline(five, lay, hw, 0.0, back)
+    assert dp == pytest.approx(sync[1] - back) and opt == pytest.approx(optimizer[1]) and before == pytest.approx(sync[1])
+    # a cool-down that hides all of it: stage 0's sync is left, and still stage 1's optimizer step
+    assert after_the_pipeline(five, lay, hw, 0.0, sync[1])[:2] == pytest.approx((sync[0], optimizer[1]))
+    # step_time wires it so: the slack is one chunk backward of its own slot
     for v in (1, 2):
-        lay = Layout(dp=2, pp=2, micro_batches=4, virtual_stages=v)
-        t = step_time(TOY, lay, hw)
-        sync = [all_reduce_time(2, stage_params(TOY, lay, s) * 4, LINK) for s in (0, 1)]
-        optimizer = max(optimizer_time(TOY, lay, hw, s) for s in (0, 1))
-        slots = t["total"] - t["dp"] - t["optimizer"] - t["bubble"]              # the m = 4 slots
-        back = chunk_backward(slots / 4, t["pp"] / 4, v)
-        assert back > 0 and t["optimizer"] == pytest.approx(optimizer)
-        assert t["dp"] == pytest.approx(max(sync[0], sync[1] - back))          # stage 1: partly hidden
-        assert t["dp before hiding"] == pytest.approx(max(sync))
+        lay_v = Layout(dp=2, pp=2, micro_batches=4, virtual_stages=v)
+        t = step_time(five, lay_v, hw)
+        slots = t["total"] - t["dp"] - t["optimizer"] - t["bubble"]          # the m = 4 slots
+        got = after_the_pipeline(five, lay_v, hw, t["compute"] / 4, chunk_backward(slots / 4, t["pp"] / 4, v))
+        assert (t["dp"], t["optimizer"], t["dp before hiding"]) == pytest.approx(got)
     # one stage: no cool-down to spend
     one = Layout(dp=2, micro_batches=4)
     t = step_time(TOY, one, hw)
     assert t["dp"] == pytest.approx(all_reduce_time(2, grad_bytes(one), LINK))
     assert t["optimizer"] == pytest.approx(optimizer_time(TOY, one, hw, 0))
-    # ZeRO-1: the reduction hides in the cool-down, the all-gather after the optimizer does not
-    z1 = Layout(dp=2, pp=2, micro_batches=4, zero=1)
-    gathers = [dp_traffic(TOY, z1, hw, s, 0.0, "after the optimizer")[0] for s in (0, 1)]
-    reductions = [dp_traffic(TOY, z1, hw, s, 0.0, "after the last backward")[0] for s in (0, 1)]
-    updates = [optimizer_time(TOY, z1, hw, s) + gathers[s] for s in (0, 1)]
-    slowest = updates.index(max(updates))
-    dp, opt, _ = after_the_pipeline(TOY, z1, hw, 0.0, 1e9)
-    assert dp == pytest.approx(reductions[0] + gathers[slowest]) and opt == pytest.approx(max(updates) - gathers[slowest])
+    # ZeRO-1 and ZeRO-2: the last reduction hides in the cool-down, ZeRO-2's earlier ones and the
+    # all-gather after the optimizer do not
+    for z in (1, 2):
+        lz = Layout(dp=2, pp=2, micro_batches=4, zero=z)
+        rs = [dp_traffic(five, lz, hw, s, 0.0, "after the last backward")[0] for s in (0, 1)]
+        gathers = [dp_traffic(five, lz, hw, s, 0.0, "after the optimizer")[0] for s in (0, 1)]
+        dp, opt, _ = after_the_pipeline(five, lz, hw, 0.0, 1e9)
+        earlier = [(z == 2) * 3 * r for r in rs]
+        assert dp == pytest.approx(max(earlier[0] + rs[0], earlier[1]) + gathers[1])
+        assert opt == pytest.approx(optimizer_time(five, lz, hw, 1))
     # ZeRO-3 gathers and reduces inside every micro-batch, even with one: the cool-down hides none of it
     for m in (1, 4):
         z3 = Layout(dp=2, pp=2, micro_batches=m, zero=3)

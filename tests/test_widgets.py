@@ -296,6 +296,18 @@ def test_calculator_controls(browser, calculator_page, width, height):
         w.close()
 
 
+def test_exposed_dp_is_never_more_than_the_dp_before_hiding():
+    """The readout says "gradient sync X, of which Y not hidden": Y ≤ X on every layout, with no
+    overlap (the most left exposed) and with some, the stages of a pipeline each ending apart."""
+    import dataclasses
+    from lectures.layout import h100_cluster, step_time
+    cases = [(dataclasses.replace(h100_cluster(), overlap=0.0), seed) for seed in range(2, 7)] + [(h100_cluster(), 2)]
+    for hw, seed in cases:
+        for _, _, m, l in random_layouts(2000, seed=seed):
+            t = step_time(m, l, hw)
+            assert t["dp"] <= t["dp before hiding"] * (1 + 1e-12), (hw.overlap, m.name, l)
+
+
 def test_javascript_step_time_equals_python_for_random_layouts(browser, calculator_page):
     import dataclasses
     from lectures.layout import Hardware, h100_cluster, step_time

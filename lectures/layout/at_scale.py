@@ -178,8 +178,9 @@ def experts_detail(run, got, ref, with_overlap, without):
         its recomputation set (RMSNorm and the latent-attention up-projections only) and FP8
         activation storage — without them the estimator fits this layout only with full
         recomputation, which re-runs every forward ({100 * (t['compute'] - t['memory'] - t['attention']) / t['total']:.0f}% of the predicted step is
-        matrix work) — and the dispatch in FP8. Its pipeline is timed as interleaved 1F1B's (bubble
-        and cool-down), not DualPipe's own schedule.
+        matrix work) — and the dispatch in FP8. Its pipeline is timed as
+        {"interleaved " if with_overlap['layout'].virtual_stages > 1 else ""}1F1B's (bubble and
+        cool-down), not DualPipe's own schedule.
     """)
     _RESULTS["deepseek"] = {"with": with_overlap["error"], "without": without["error"]}
     see("https://arxiv.org/abs/2412.19437", title="DeepSeek-AI 2024, DeepSeek-V3 Technical Report (§2.1.2, §3.1–3.2, §4.2)")

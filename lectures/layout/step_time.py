@@ -156,9 +156,10 @@ def dp_parts(model, layout, hw, stage, compute):
                 backward (all but the embedding and head, `kept_gathered`) and reduce-scatters
                 its gradients; nothing after the optimizer (the updated shards are what the
                 next forward gathers).
-    When: "after the last backward" (the once-a-step reduction: a pipeline's cool-down can
-    hide it, `after_the_pipeline`), "after the optimizer", or "in the pipeline" (every
-    micro-batch's). On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as
+    When: "after the last backward" (the last reduction: a pipeline's cool-down can hide it,
+    `after_the_pipeline`), "after the optimizer", or "in the pipeline" (the earlier micro-batches';
+    for ZeRO-3 the last one's too, whose gathers share its backward: a simplification that
+    charges ZeRO-3 a little more under a pipeline). On gloo (`hw.backend`) a reduce-scatter costs a full all-reduce, as
     `collective_bytes` counts it."""
     B = PRECISION_BYTES[layout.precision]
     n = layout.dp * layout.cp
@@ -188,8 +189,9 @@ def dp_parts(model, layout, hw, stage, compute):
             parts += [(ar(grad_bytes), bwd, 1, last)]
         elif z == 1:
             parts += [(rs(grad_bytes), bwd, 1, last), (ag(weight_bytes), fwd, 1, later)]
-        elif z == 2:
-            parts += [(rs(grad_bytes), bwd, m, inside), (ag(weight_bytes), fwd, 1, later)]
+        elif z == 2:   # the last micro-batch's reduce-scatter ends after the last backward
+            parts += [(rs(grad_bytes), bwd, m - 1, inside), (rs(grad_bytes), bwd, 1, last),
+                      (ag(weight_bytes), fwd, 1, later)]
         else:   # backward gathers all but the embedding and head, kept gathered since forward
             again = weight_bytes - kept_here * B["weights"]
             parts += [(ag(weight_bytes), fwd, m, inside), (ag(again) + rs(grad_bytes), bwd, m, inside)]
@@ -207,7 +209,8 @@ def dp_traffic(model, layout, hw, stage, compute, when=None):
 
 def step_time(model, layout, hw):
     """Predicted seconds per optimizer step and its parts: the pipeline's slots timed on the
-    slowest stage, then what the stage that ends last still has to do (`after_the_pipeline`).
+    slowest stage, then each stage's gradient reduction in its cool-down, the wait for every
+    stage, and the slowest optimizer step (`after_the_pipeline`).
 
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
               cost per block (Python and kernel launches: what dominates tiny models);
@@ -320,7 +323,7 @@ def after_the_pipeline(model, layout, hw, compute, backward):
     stage s ends its pipeline s chunk backwards (`backward`, each as long as the slowest
     stage's, as the bubble assumes) before stage 0 does, and spends that cool-down on its
     gradient reduction (hidden, like every stage's, under the slowest stage's compute). The
-    per-micro-batch traffic of ZeRO-2 and ZeRO-3 runs inside the pipeline: the cool-down
+    traffic of the earlier micro-batches (ZeRO-2, ZeRO-3) runs inside the pipeline: the cool-down
     cannot hide it. Then every stage waits for the others: clipping by the global gradient norm
     (lecture 08; every published run here clips) needs every stage's reduced gradients before
     any optimizer step. Then each stage's optimizer step and ZeRO's all-gather of the updated
@@ -334,17 +337,18 @@ def after_the_pipeline(model, layout, hw, compute, backward):
             continue
         seen.add(kind)
         exposed = {"in the pipeline": 0.0, "after the last backward": 0.0, "after the optimizer": 0.0}
-        total = 0.0
+        total = dict.fromkeys(exposed, 0.0)
         for t, under, k, when in dp_parts(model, layout, hw, s, compute):
             exposed[when] += k * max(0.0, t - hw.overlap * under)      # as dp_traffic counts it
-            total += k * t
+            total[when] += k * t
         gather = exposed["after the optimizer"]
         optimizer = optimizer_time(model, layout, hw, s) if hw.hbm else 0.0
         reductions.append(exposed["in the pipeline"] + max(0.0, exposed["after the last backward"] - s * backward))
-        updates.append((optimizer + gather, gather))
-        before.append(total)
-    update, gather = max(updates)
-    return max(reductions) + gather, update - gather, max(before)
+        updates.append((optimizer + gather, gather, total["after the optimizer"]))
+        before.append(total["in the pipeline"] + total["after the last backward"])
+    update, gather, gathered = max(updates)
+    # before hiding, counted as the exposed seconds are: the largest reduction, the slowest update's gather
+    return max(reductions) + gather, update - gather, max(before) + gathered
 
 
 def all_to_all_time(n, nbytes, link):

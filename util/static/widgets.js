@@ -558,7 +558,8 @@
       var rs = hw.backend === "gloo" ? ar : ag;   // gloo's reduce-scatter is a whole all-reduce
       if (z === 0) parts.push([ar(gradBytes), bwd, 1, last]);
       else if (z === 1) parts.push([rs(gradBytes), bwd, 1, last], [ag(weightBytes), fwd, 1, later]);
-      else if (z === 2) parts.push([rs(gradBytes), bwd, mb, inside], [ag(weightBytes), fwd, 1, later]);
+      else if (z === 2) parts.push([rs(gradBytes), bwd, mb - 1, inside], [rs(gradBytes), bwd, 1, last],
+                                   [ag(weightBytes), fwd, 1, later]);
       else parts.push([ag(weightBytes), fwd, mb, inside], [ag(weightBytes - keptHere * B.weights) + rs(gradBytes), bwd, mb, inside]);
     });
     return parts;
@@ -576,17 +577,19 @@
   // step_time.after_the_pipeline: each stage's reduction in its cool-down, then every stage waits
   // for the others (global-norm clipping), then the slowest optimizer step and ZeRO's all-gather
   function afterThePipeline(m, l, hw, compute, backward) {
-    var reductions = 0, update = -1, gather = 0, before = 0;
+    var reductions = 0, update = -1, gather = 0, gathered = 0, before = 0;
     for (var s = 0; s < l.pp; s++) {
-      var inside = dpTraffic(m, l, hw, s, compute, "in the pipeline")[0];
-      var last = dpTraffic(m, l, hw, s, compute, "after the last backward")[0];
-      var g = dpTraffic(m, l, hw, s, compute, "after the optimizer")[0];
-      var u = (hw.hbm ? optimizerTime(m, l, hw, s) : 0.0) + g;
-      reductions = Math.max(reductions, inside + Math.max(0.0, last - s * backward));
-      if (u > update || (u === update && g > gather)) { update = u; gather = g; }
-      before = Math.max(before, dpTraffic(m, l, hw, s, compute)[1]);
+      var inside = dpTraffic(m, l, hw, s, compute, "in the pipeline");
+      var last = dpTraffic(m, l, hw, s, compute, "after the last backward");
+      var g = dpTraffic(m, l, hw, s, compute, "after the optimizer");
+      var u = (hw.hbm ? optimizerTime(m, l, hw, s) : 0.0) + g[0];
+      reductions = Math.max(reductions, inside[0] + Math.max(0.0, last[0] - s * backward));
+      if (u > update || (u === update && (g[0] > gather || (g[0] === gather && g[1] > gathered)))) {
+        update = u; gather = g[0]; gathered = g[1];
+      }
+      before = Math.max(before, inside[1] + last[1]);
     }
-    return [reductions + gather, update - gather, before];
+    return [reductions + gather, update - gather, before + gathered];
   }
   course.stepTime = function (model, layout, hw) {
     var m = shapeDefaults(model), l = layoutDefaults(layout);
