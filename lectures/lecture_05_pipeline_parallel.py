@@ -477,9 +477,14 @@ def slower_or_faster(a, b, a_name, b_name, least=3):
                 f"({'one sample' if n == 1 else f'{n} samples'}, no verdict)")
     if spreads_overlap(a, b):
         return f"{a_name} and {b_name} show no {with_spread('measurable difference', times)} (the interquartile ranges overlap)"
+    return f"{a_name} is {ratio_words(a, b, a_name, b_name)[1]} than {b_name}"
+
+
+def ratio_words(a, b, a_name, b_name):
+    """(a's median over b's, "r× slower" or "r× faster" with both timings on hover)."""
     r = a.median / b.median
-    ratio = f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster"
-    return f"{a_name} is {with_spread(ratio, times)} than {b_name}"
+    words = f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster"
+    return r, with_spread(words, f"{a_name} {a.ms()}, {b_name} {b.ms()}")
 
 
 def _fewer(a, b):
@@ -703,9 +708,7 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
     if min(len(z.samples), len(o.samples)) < 3 or spreads_overlap(z, o):
         steps = slower_or_faster(z, o, "its step", "1F1B's")
         return f"{bubble}. {steps[0].upper()}{steps[1:]}."
-    times = f"ZB-H1 {z.ms()}, 1F1B {o.ms()}"
-    r = z.median / o.median
-    step = with_spread(f"{r:.2f}× slower" if r > 1 else f"{1 / r:.2f}× faster", times)
+    r, step = ratio_words(z, o, "ZB-H1", "1F1B")
     if r > 1 and smaller:
         why = ""
         if busy_z is not None and busy_z > busy_o:

@@ -508,8 +508,8 @@ def published_scale():
             with the overlap assumed above), and a later stage's once-a-step sync also in its
             pipeline cool-down (1F1B's, for DeepSeek-V3's DualPipe too); every stage then waits for
             the others before its optimizer step, as clipping by the global gradient norm requires;
-            an all-gather, reduce-scatter or all-reduce takes the ring's time on NCCL (this machine's gloo sends an all-reduce's bytes for a
-            reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
+            an all-gather, reduce-scatter or all-reduce takes the ring's time on NCCL (this
+            machine's gloo sends an all-reduce's bytes for a reduce-scatter); each pipeline stage gets equal blocks and the last one the LM head.
         """)
         note("""
             The assumption that data-parallel traffic hides under the backward rests on GPU

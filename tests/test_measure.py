@@ -16,9 +16,8 @@ def test_measure_side_by_side_takes_turns():
 def _on_the_page(markdown):
     """What a reader sees of a sentence, and the hovers' details."""
     import re
-    from util.render import markdown_inline
-    html = str(markdown_inline(markdown))
-    return re.sub(r"<[^>]+>", "", html), re.findall(r'title="([^"]*)"', html)
+    from util.render import markdown_inline, visible_text
+    return visible_text(markdown), re.findall(r'title="([^"]*)"', str(markdown_inline(markdown)))
 
 
 def test_compare_says_no_difference_when_spreads_overlap():

@@ -56,13 +56,12 @@ def device():
     return _device or torch.device("cpu")
 
 
-def group_timeout(world=None):
+def group_timeout():
     """The timeout of the default process group (what the launcher set from the run's
     `--timeout`, and lecture 02's hang lesson sets). None where the backend does not say."""
     import torch.distributed as dist
-    world = world or dist.distributed_c10d._get_default_group()
     try:
-        return world._get_backend(device()).options._timeout
+        return dist.distributed_c10d._get_default_group()._get_backend(device()).options._timeout
     except (AttributeError, RuntimeError):
         return None
 

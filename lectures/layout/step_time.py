@@ -202,7 +202,12 @@ def dp_traffic(model, layout, hw, stage, compute, when=None):
     """(exposed seconds, seconds before hiding) of `stage`'s data-parallel collectives in one
     step (`dp_parts`; only those that end `when`, if given): a fraction `hw.overlap` of the
     compute each runs beside can hide it."""
-    parts = [p for p in dp_parts(model, layout, hw, stage, compute) if when in (None, p[3])]
+    return exposure(dp_parts(model, layout, hw, stage, compute), hw, when)
+
+
+def exposure(parts, hw, when=None):
+    """(exposed seconds, seconds before hiding) of `dp_parts`' `parts` that end `when` (all if None)."""
+    parts = [p for p in parts if when in (None, p[3])]
     return (sum(k * max(0.0, t - hw.overlap * under) for t, under, k, _ in parts),
             sum(k * t for t, _, k, _ in parts))
 
@@ -336,16 +341,13 @@ def after_the_pipeline(model, layout, hw, compute, backward):
         if kind in seen:      # a stage like an earlier one: the same collectives, more cool-down
             continue
         seen.add(kind)
-        exposed = {"in the pipeline": 0.0, "after the last backward": 0.0, "after the optimizer": 0.0}
-        total = dict.fromkeys(exposed, 0.0)
-        for t, under, k, when in dp_parts(model, layout, hw, s, compute):
-            exposed[when] += k * max(0.0, t - hw.overlap * under)      # as dp_traffic counts it
-            total[when] += k * t
-        gather = exposed["after the optimizer"]
+        parts = dp_parts(model, layout, hw, s, compute)
+        inside, last, (gather, gathered) = (exposure(parts, hw, when) for when in
+                                            ("in the pipeline", "after the last backward", "after the optimizer"))
         optimizer = optimizer_time(model, layout, hw, s) if hw.hbm else 0.0
-        reductions.append(exposed["in the pipeline"] + max(0.0, exposed["after the last backward"] - s * backward))
-        updates.append((optimizer + gather, gather, total["after the optimizer"]))
-        before.append(total["in the pipeline"] + total["after the last backward"])
+        reductions.append(inside[0] + max(0.0, last[0] - s * backward))
+        updates.append((optimizer + gather, gather, gathered))
+        before.append(inside[1] + last[1])
     update, gather, gathered = max(updates)
     # before hiding, counted as the exposed seconds are: the largest reduction, the slowest update's gather
     return max(reductions) + gather, update - gather, max(before) + gathered
