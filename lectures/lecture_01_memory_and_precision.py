@@ -577,7 +577,7 @@ def loss_scaling():
         (then halves S). Micikevicius et al. (2018) introduced exactly this.
     """)
     note(f"""
-        The error over all parameters together hardly moves
+        The error over all parameters together moves far less than the smallest tensors'
         ({rows[0][3]:.2g} unscaled, {rows[2][3]:.2g} with 2^16), because it is dominated by
         the largest gradients, which fp16 stores well. The damage is in the smallest gradients,
         such as `{worst}`'s (RMS {rms[worst]:.2g}). That tensor comes back

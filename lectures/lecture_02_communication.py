@@ -549,7 +549,7 @@ def overlap_verdict(t):
                  f"the overlap hid about {100 * min(hidden, 1):.0f}% of the shorter one.")
     else:
         said += (f" Perfect overlap would take {ideal * 1e3:.3g} ms (the longer of the two alone): "
-                 "starting the all-reduce early gained nothing here.")
+                 "starting the all-reduce early gained no measurable time here.")
     return said
 
 
@@ -575,7 +575,7 @@ def overlap_async():
         instead of blocking; `handle.wait()` blocks until it is done (on GPUs: makes the current
         stream wait). Between the two, the rank is free to compute — as long as that
         computation does not touch the buffer being reduced. Here each of {ranks} ranks
-        all-reduces a {human_bytes(numel * 4)} buffer and runs {matmuls} {matmul_n}×{matmul_n}
+        all-reduces a buffer of {human_bytes(numel * 4)} and runs {matmuls} {matmul_n}×{matmul_n}
         matmuls, first one after the other, then with the all-reduce started before the
         matmuls. Each variant is timed {reps} times after a warm-up (barrier before each,
         slowest rank). The timeline above is one extra repetition of the same experiment with the

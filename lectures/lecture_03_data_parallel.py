@@ -522,8 +522,8 @@ def zero3_prefetch_released():
                    "one layer's all-gather: medians (bars: interquartile range); red: the model")
     note(f"""
         Each layer's forward needs its gathered weights; launched when the
-        previous layer starts, the gather travels while that layer computes. With the compute
-        replaced by a stand-in that releases the core (as long as one layer's gather).
+        previous layer starts, the gather travels while that layer computes. Here the compute is
+        replaced by a stand-in that releases the core, as long as one layer's gather.
         {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
         behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
         share the cores, so less hides (the main page's step times); on a GPU the gathers run on
@@ -593,7 +593,7 @@ def memory_and_traffic():
     """)
     ratio = got["ZeRO-3"]["wire_per_step"] / got["DP"]["wire_per_step"]
     note(f"""
-        ZeRO-3 pays for holding 1/{n} of the state on the wire: rank 0 wrote {ratio:.2f}× DP's
+        ZeRO-3 pays on the wire for holding 1/{n} of the state: rank 0 wrote {ratio:.2f}× DP's
         {got['DP']['wire_per_step']:,.0f} bytes per step. Rings would make it 1.5×; gloo's
         reduce-scatter, a full all-reduce, adds the rest. The deep dive on bytes puts
         the formula, our calls counted as rings and as gloo runs them, and the socket writes side
@@ -653,7 +653,7 @@ def pytorch_versions():
               "backward and prefetches the next layer's all-gather while the current one computes. "
               "Exposed latency, not volume, dominates small models on a few ranks.")
     else:
-        z3 = ("Its extra all-gathers (every layer's weights gathered twice per step) cost more "
+        z3 = ("ZeRO-3's extra all-gathers (every layer's weights gathered twice per step) cost more "
               "here than its overlap saves.")
     if t["zero3"].median < t["fsdp2"].median and not overlaps("zero3", "fsdp2"):
         fsdp = ("Per step FSDP2 does work ours skips. It keeps every parameter as a `DTensor`, so "
@@ -669,8 +669,9 @@ def pytorch_versions():
                 "communication on its own streams; ours issues one collective per tensor.")
     note(f"""
         **Reading the figure.** Our ZeRO-3 against our ZeRO-1:
-        {compare(t['zero3'], t['zero1'], 'ZeRO-3', 'ZeRO-1')}, although ZeRO-3 sends 1.5× the
-        bytes of a ring (4/3 of ZeRO-1's on gloo, whose reduce-scatter is an all-reduce). {z3}
+        {compare(t['zero3'], t['zero1'], 'ZeRO-3', 'ZeRO-1')}. With rings ZeRO-3 sends 1.5×
+        plain data parallelism's bytes (4/3 of ZeRO-1's on gloo, whose reduce-scatter is an
+        all-reduce). {z3}
         {zero2_words(t)}
 
         Our bucketed DDP against PyTorch's: {compare(t['bucketed'], t['ddp'], 'ours', 'PyTorch DDP')}.
@@ -708,7 +709,8 @@ def fsdp2_knobs():
         knob changed, and reports what a rank holds, what it wrote to its sockets per step
         (measured), and the activations it saved for backward.
 
-        * `reshard_after_forward=True` (the default) frees each unit's gathered weights after
+        * `reshard_after_forward=True` (the default for every unit but the root, which stays
+          gathered; the runs here pass it explicitly) frees each unit's gathered weights after
           its forward and all-gathers them again for backward: ZeRO-3's ≈ 3Ψ of traffic.
           `False` keeps them gathered from forward to backward: ≈ 2Ψ, ZeRO-2's traffic with
           ZeRO-3's memory between steps, but a whole model's weights alive during the step.
@@ -734,11 +736,12 @@ def fsdp2_knobs():
                  "still trains the single-process model.")
     note(f"""
         Keeping the weights gathered from forward to backward cut the bytes written per step
-        to {keep / default:.2f}× ({keep:,.0f} bytes). A ring would give the bullet's
+        to {keep / default:.2f}× the default run's ({keep:,.0f} bytes). A ring would give the bullet's
         2Ψ/3Ψ = 0.67×. On gloo the reduce-scatter is an all-reduce, which writes two
         all-gathers' worth: all-gather + reduce-scatter against all-gather + all-gather +
         reduce-scatter is (1 + 2)/(1 + 1 + 2) = 0.75× here. With bf16 parameters the bytes fall
-        to {bf16 / default:.2f}× ({bf16:,.0f} bytes): the fp32 gradient reduce-scatter is unchanged,
+        to {bf16 / default:.2f}× the default run's ({bf16:,.0f} bytes): the two bf16 all-gathers
+        halve, the fp32 gradient reduce-scatter is unchanged ((0.5 + 0.5 + 2)/4 on gloo),
         and the parameters drift from the fp32 reference by bf16 rounding.{hsdp_note}
         **What ZeRO does not shard:** the activations. In float32 every rank saved
         {'exactly the same' if same else 'about the same'} {plain:,} bytes of activations for

@@ -505,7 +505,7 @@ def sp_replicated_grad_cost(cfg):
         (`finalize_model_grads` → `_allreduce_layernorm_grads`): off the backward's critical
         path, and once instead of once per micro-batch. The same {r['tensors']} gradients here
         ({machine(ranks)}), all-reduced once flattened against one by one:
-        {compare(r['times']['once, flattened'], r['times']['one by one'], 'once', 'one by one')}.
+        {compare(r['times']['once, flattened'], r['times']['one by one'], 'the flattened all-reduce', "all-reducing them one by one")}.
         With $m$ micro-batches per step ours pays the one-by-one cost $m$ times, Megatron the
         flattened one once. DTensor (below) is the
         other extreme: it leaves these gradients `Partial` and reduces them on every read by

@@ -286,7 +286,7 @@ def ring_released():
 def wait_words(wait, wire):
     """What the total wait, against the wire time of the same hops alone, can and cannot say."""
     if wait > wire:
-        return "More than the wire could take, so at least the excess is not the transfers themselves."
+        return "That is more than the wire could take, so at least the excess is not the transfers themselves."
     return ("The number alone cannot say what they are: a wait shorter than the wire is also what a "
             "partly hidden transfer looks like.")
 
@@ -361,8 +361,8 @@ def load_balance_section():
             {"The clock shows less imbalance than the count: a share also pays what does not "
              "scale with its unmasked entries (kernel calls, allocating and merging partial "
              "results)." if mc < summary["contiguous"][0] else ""} A ring step lasts as long as its
-            busiest rank, so the busiest share is what counts (the total work is the same):
-            zig-zag's against contiguous chunks',
+            busiest rank, so the busiest share is what counts (the unmasked work in all is the
+            same). Busiest share against busiest share,
             {speedup_words(busiest["zigzag"], busiest["contiguous"], nb, balance_ceiling(S, nb))}.
         """)
     fig = share_bars_figure(shares, S, nb)
@@ -406,7 +406,8 @@ def speedup_words(zigzag, contiguous, n, ceiling):
     """zig-zag against contiguous (`Timing`s) in words, beside the ceiling balance allows. A ratio
     of medians above it is never read as zig-zag's gain: it is put down to the repetitions'
     spread when the quartiles' least favourable reading (contiguous q1 over zig-zag q3) is within
-    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to the machine."""
+    the ceiling, to the masked half of diagonal blocks when within 4n/(2n + 1), else to a cost
+    the build does not separate."""
     from util.measure import compare
     words = compare(zigzag, contiguous, "zig-zag", "contiguous")
     ratio, low, whole = contiguous.median / zigzag.median, contiguous.q1 / zigzag.q3, whole_diagonal_ceiling(n)
@@ -421,8 +422,9 @@ def speedup_words(zigzag, contiguous, n, ceiling):
                 f"within the {whole:.2f}× of a kernel that computes each diagonal block whole (4n/(2n + 1)), so "
                 "part of each diagonal block's masked half was paid for")
     return (f"{words}. That is more than balance can give at {n} ranks (at most {ceiling:.2f}×, {whole:.2f}× "
-            "even with diagonal blocks computed whole), even between the quartiles; the rest is the machine "
-            "(the layouts' repetitions met different load), so this ratio is not read as zig-zag's gain")
+            "even with diagonal blocks computed whole), even between the quartiles. The rest is a cost this build does not "
+            "separate (the two layouts differ in more than balance: their blocks' shapes and kernel calls), "
+            "so this ratio is not read as zig-zag's gain")
 
 
 _VARIANT_RUN = {}   # the one timing of ring, all-gather and Ulysses at the page's sizes, shared by two sections
@@ -734,9 +736,9 @@ def capacity_per_rank():
     note(f"""
         At the same factor, capacity per rank dropped {b[2]:.1%} of the choices against {a[2]:.1%} when
         counted over all ranks' tokens. Dropless kept every choice, and its busiest rank computed
-        {c[3]} expert rows, {c[4]:.2f}× the mean, where the capacity over all ranks bounds a rank's
-        rows at E/n · C = {bound} (its busiest: {a[3]}): without a capacity the buffers, and the
-        time, follow the router.
+        {c[3]} expert rows, {c[4]:.2f}× the mean. The capacity over all ranks bounds a rank's
+        rows at E/n · C = {bound}, and its busiest computed {a[3]}. Without a capacity the
+        buffers, and the time, follow the router.
     """)
 
 

@@ -584,7 +584,7 @@ def published_scale():
                3: "ZeRO-3 gathers the weights twice and reduce-scatters the fp32 gradients every micro-batch"}
         share = with_spread(f"{100 * worst[3]['dp'] / worst[3]['total']:.0f}%",
                             f"{worst[3]['dp']:.2f} of {worst[3]['total']:.2f} s")
-        why_differ = f"""The largest gap is {worst[0]} on {worst[1]} GPUs: the rule stops at
+        why_differ = f"""The case with the most exposed data-parallel traffic is {worst[0]} on {worst[1]} GPUs: the rule stops at
         {worst[2].label()}, and {share} of its step is *exposed* data-parallel traffic —
         {how.get(worst[2].zero, "its gradient sync")}, more than a micro-batch's backward can
         hide — while the search fits the model with tensor parallelism and a larger micro-batch,

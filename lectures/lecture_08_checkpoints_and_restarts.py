@@ -43,7 +43,7 @@ def intro():
     note("""
         # A run that survives: checkpoints, clipping across shards, restarts
 
-        Lecture 07 trained one model under any layout for four steps. A real run takes weeks,
+        Lecture 07 trained one model under any layout for a few steps. A real run takes weeks,
         and in weeks something fails: Llama 3 405B's pre-training on 16,384 H100s saw 466 job
         interruptions in 54 days, 419 of them unexpected — about one every three hours. Each time
         the job restarts from its last checkpoint, often on a different number of GPUs and so in
@@ -188,8 +188,8 @@ def what_it_costs():
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
             rank's tensors; a background thread plans and writes the files on a process group
             of its own (on the training's group its collectives could interleave with the
-            step's) while the next step runs. Blocked by the asynchronous save against a
-            synchronous one: {compare(blocked, sync, "async", "sync")}. Until the files are on
+            step's) while the next step runs. In the time it blocks the step,
+            {compare(blocked, sync, "the asynchronous save", "a synchronous one")}. Until the files are on
             disk the asynchronous save takes {total.brief()}, with a training step
             ({step.brief()} alone) running beside it on {machine(ranks)}: the writer and the step
             share the cores. On a GPU the copy is device-to-host into pinned memory, which is
@@ -243,8 +243,7 @@ def clipping_across_shards():
     if RESULTS.get("clip"):
         name, once, naive = max(RESULTS["clip"], key=lambda x: x[2] / x[1])
         exact = [n for n, o, v in RESULTS["clip"] if abs(v / o - 1) < 1e-6]
-        exact_words = (f"Under {' and '.join(exact)} every element has exactly one holder (ZeRO-2's shards "
-                       "are disjoint and nothing is replicated across tensor-parallel ranks), so there the naive "
+        exact_words = (f"Under {' and '.join(exact)} every element has exactly one holder, so there the naive "
                        "sum happens to be right: the bug shows in some layouts and hides in others." if exact else "")
         note(f"""
             The classic bug is the middle column: each rank computes the norm of what it holds
@@ -294,8 +293,8 @@ def failures_and_restarts():
         The job ends with the parameters of one process trained 4 steps (max |Δ| = {diff:.1e},
         read back from its last checkpoint with `export`, which writes one file of full tensors
         for inference). The failure cost {lost['restart']:.1f} s of restarting and the steps
-        after the last checkpoint, done again: step {lost['died_in']}, which was in progress
-        ({lost['recompute']:.2f} s in attempt 1), {machine(2)}. At scale the
+        after the last checkpoint, done again: step {lost['died_in']}, in progress when the rank
+        died, which attempt 1 redid in {lost['recompute']:.2f} s ({machine(2)}). At scale the
         restart is minutes — every node's agent restarts, tens of thousands of processes
         import and form their groups, and the checkpoint is read from a distributed file
         system — and the lost work is on average half a checkpoint interval.

@@ -157,7 +157,7 @@ def alpha_beta_details(fit):
                 "algorithms), which the model's single β cannot express. Use α from small "
                 "messages and β from the sizes you will really send.")
     else:
-        fits = (f"The line fits the whole range within {rel.max() * 100:.0f}% "
+        fits = (f"The line misses by at most {rel.max() * 100:.0f}% over the whole range "
                 f"(at {human_bytes(sizes[int(rel.argmax())])}).")
     note(f"""
         {fits} The fit itself is exact: a two-unknown non-negative least-squares problem

@@ -64,11 +64,11 @@ def bucket_sweep():
             f"every extra message costs its latency α and a pass of copies: with {len(params)} "
             "small tensors, fewer messages win, even if they wait.")
     elif t[one].median > t[best].median * 1.05:
-        verdict.append(f"A single bucket ({t[one].ms()}) is slower than the best: its all-reduce "
+        verdict.append(f"A single bucket ({t[one].brief()}) is slower than the best: its all-reduce "
                        "cannot start until backward has produced the last gradient, so none of it "
                        "overlaps.")
     if per_param > t[best].median * 1.05:
-        verdict.append(f"The per-parameter all-reduces ({t['overlapped'].ms()}) pay the per-call "
+        verdict.append(f"The per-parameter all-reduces ({t['overlapped'].brief()}) pay the per-call "
                        f"latency α (lecture 02) {len(params)} times per step.")
     else:
         verdict.append("Per-parameter all-reduces are not slower than buckets on this machine: "

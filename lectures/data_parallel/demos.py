@@ -544,7 +544,7 @@ def published_scale(psi=7e9, nic=50e9, tokens=8 * 4096, peak=989e12, mfu=0.4):
             f"(ConnectX-7): {nic / 1e9:.0f} GB/s per direction at line rate, of which NCCL achieves "
             f"about 47 (lecture 07). A ring all-reduce over many nodes "
             f"sends about 2 × 2Ψ = {4 * psi / 1e9:.0f} GB per GPU (the factor $\\frac{{2(n-1)}}{{n}}$ → 2), "
-            f"which takes about {comm:.2f} s. Backward costs about twice the forward's 2Ψ FLOPs "
+            f"which takes about {comm:.2f} s at line rate. Backward costs about twice the forward's 2Ψ FLOPs "
             f"per token, 4Ψ·tokens: with 8 sequences of 4,096 tokens per GPU, $4 \\times "
             f"{psi / 1e9:.0f} \\cdot 10^9 \\times {tokens} \\approx {4 * psi * tokens / 1e15:.2f} \\cdot 10^{{15}}$ FLOPs. "
             f"The H100's dense bf16 peak is {peak / 1e12:.0f} TFLOP/s. At {mfu:.0%} of it, "

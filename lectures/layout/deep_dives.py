@@ -229,7 +229,7 @@ def table4_sensitivity(frac, out):
         mover = labels[max(range(len(e)), key=lambda i: abs(e[i] - e[0]))]
         ranges.append(f"{row['seq'] // 1024}K on {row['gpus']:,} GPUs from {100 * min(e):+.0f}% to "
                       f"{100 * max(e):+.0f}% ({'inside ±10% on every line' if inside else 'leaving ±10% on some'}; "
-                      f"most with {mover})")
+                      f"moved most by {mover})")
     note(f"""
         Across these lines the fitted GEMM fraction runs from {100 * min(f for f, _ in fits):.0f}% to
         {100 * max(f for f, _ in fits):.0f}% of peak — whatever is made slower must be paid for
@@ -330,7 +330,7 @@ def notes():
         `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` and a process-group timeout turn a hang into an
         error.
 
-        **A big run is slow: check, in order,** (1) the MFU against the 35–50% that published
+        **A big run is slow: check, in order,** (1) the MFU against the 38–56% that published
         runs reach; (2) one node alone at the same per-GPU batch — if it is fast, the network
         or the layout across nodes is the problem (run nccl-tests across nodes and compare
         bus bandwidth with the link's); (3) the profile of one step: exposed communication

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from util import cheat, note, plural, published, see, settings, table
-from util.measure import machine, usable_cores
+from util.measure import machine, usable_cores, with_spread
 
 from lectures.model.activations import block_activations
 from lectures.model.attention import OnlineSoftmaxAttention, online_softmax_attention
@@ -445,7 +445,7 @@ def roofline():
         FLOP/s against arithmetic intensity (FLOP per byte moved):
         min(peak FLOP/s, intensity × bandwidth). With {plural(cores, 'thread')}, in one process: the best fp32
         matmul reaches {peak / 1e9:.1f} GFLOP/s and copying {fmt_bytes(nbytes)} moves
-        {bw / 1e9:.1f} GB/s ({bw_t.ms()}; {cache_words}), so the ridge is at
+        {with_spread(f"{bw / 1e9:.1f} GB/s", f"a copy takes {bw_t.ms()}")} ({cache_words}), so the ridge is at
         {peak / bw:.1f} FLOP/byte. An n×n matmul does 2n³ FLOP on 12n² bytes (intensity n/6):
         here those with n/6 above the ridge (n ≥ {math.ceil(6 * peak / bw)}) can be compute
         bound; an element-wise add does 1 FLOP per 12 bytes and is bound by memory at any size:
