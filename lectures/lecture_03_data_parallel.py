@@ -740,8 +740,8 @@ def fsdp2_knobs():
         2Ψ/3Ψ = 0.67×. On gloo the reduce-scatter is an all-reduce, which writes two
         all-gathers' worth: all-gather + reduce-scatter against all-gather + all-gather +
         reduce-scatter is (1 + 2)/(1 + 1 + 2) = 0.75× here. With bf16 parameters the bytes fall
-        to {bf16 / default:.2f}× the default run's ({bf16:,.0f} bytes): the two bf16 all-gathers
-        halve, the fp32 gradient reduce-scatter is unchanged ((0.5 + 0.5 + 2)/4 on gloo),
+        to {bf16 / default:.2f}× the default run's ({bf16:,.0f} bytes): the two all-gathers,
+        now in bf16, halve, and the fp32 gradient reduce-scatter (an all-reduce on gloo) is unchanged,
         and the parameters drift from the fp32 reference by bf16 rounding.{hsdp_note}
         **What ZeRO does not shard:** the activations. In float32 every rank saved
         {'exactly the same' if same else 'about the same'} {plain:,} bytes of activations for
