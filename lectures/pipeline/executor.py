@@ -593,7 +593,8 @@ def communication_plan(schedule, rank, layout=None, cost=None):
     the run: timed at costs the run does not have, a message ready early waits behind a batch
     whose partner is still computing."""
     layout = layout or schedule.layout
-    slots = message_slots(schedule, layout, cost)
+    clocked = simulate(schedule, plan_clock(cost), layout)    # slots and starts from one simulation
+    slots = message_slots(schedule, layout, sim=clocked)
     batches = collections.defaultdict(list)
     for key, slot in slots.items():
         kind, stage, _ = key
@@ -604,7 +605,7 @@ def communication_plan(schedule, rank, layout=None, cost=None):
         elif dst == rank:
             batches[slot].append(("recv", src, key))
     order = sorted(batches)
-    starts = [start for _, start, _ in simulate(schedule, plan_clock(cost), layout).timeline[rank]]
+    starts = [start for _, start, _ in clocked.timeline[rank]]
     plan, i = [], 0
     for n, (a, start) in enumerate(zip(schedule[rank], starts)):
         while i < len(order) and order[i] <= start:

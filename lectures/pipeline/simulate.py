@@ -119,16 +119,15 @@ def simulate(schedule, cost, layout=None, pair=None):
     dur = {"F": cost["F"], "B": cost["B"] + (0 if split else cost.get("W", 0)), "W": cost.get("W", 0)}
     send = cost.get("send", 0)
     units = getattr(schedule, "pairs", None) if pair is not None else None
+    steps = [_units(acts, r, layout, units[r] if units else None) for r, acts in enumerate(schedule)]
     pos, clock = [0] * layout.ranks, [0.0] * layout.ranks
     finish, timeline = {}, [[] for _ in range(layout.ranks)]
     progress = True
     while progress:
         progress = False
-        for r, acts in enumerate(schedule):
-            while pos[r] < len(acts):
-                group = acts[pos[r]:pos[r] + (units[r].get(pos[r], 1) if units else 1)]
-                keys = [(a.kind, layout.stage(r, a.chunk), a.microbatch) for a in group]
-                deps = [d for a, k in zip(group, keys) for d in dependencies(a, k[1], layout) if d not in keys]
+        for r, row in enumerate(steps):
+            while pos[r] < len(row):
+                group, keys, deps = row[pos[r]]
                 if any(d not in finish for d in deps):
                     break
                 ready = [finish[d] + (send if layout.place(d[1])[0] != r else 0) for d in deps]
@@ -143,14 +142,28 @@ def simulate(schedule, cost, layout=None, pair=None):
                 clock[r] = start + length
                 for k in keys:
                     finish[k] = clock[r]
-                pos[r] += len(group)
+                pos[r] += 1
                 progress = True
-    stuck = [(r, str(acts[pos[r]])) for r, acts in enumerate(schedule) if pos[r] < len(acts)]
+    stuck = [(r, str(row[pos[r]][0][0])) for r, row in enumerate(steps) if pos[r] < len(row)]
     if stuck:
         raise ValueError(f"deadlock: every rank waits, next actions {stuck}")
     makespan = max(clock)
     busy = [sum(e - s for _, s, e in row) for row in timeline]
     return Simulation(timeline, makespan, busy, 1 - sum(busy) / (layout.ranks * makespan) if makespan else 0.0)
+
+
+def _units(acts, rank, layout, pairs=None):
+    """A rank's list as the units it runs, in order: (actions, their keys, what they wait for),
+    worked out once rather than each time the simulation tries the unit. `pairs` ({position:
+    length}) joins an overlapped forward-and-backward into one unit."""
+    out, n = [], 0
+    while n < len(acts):
+        group = acts[n:n + (pairs.get(n, 1) if pairs else 1)]
+        keys = [(a.kind, layout.stage(rank, a.chunk), a.microbatch) for a in group]
+        deps = [d for a, k in zip(group, keys) for d in dependencies(a, k[1], layout) if d not in keys]
+        out.append((group, keys, deps))
+        n += len(group)
+    return out
 
 
 def consecutive_steps(schedule, steps=2):
@@ -234,16 +247,16 @@ def plan_clock(cost=None):
     return clock if clock["send"] else {k: v for k, v in clock.items() if k != "send"}
 
 
-def message_slots(schedule, layout=None, cost=None):
+def message_slots(schedule, layout=None, cost=None, sim=None):
     """{(kind, stage, microbatch): slot} for every message between two ranks: the time its data
     is ready when the actions take what `cost` says (`plan_clock`: the run's own costs; unit
     costs if None). Both ends post the message in their batch of that slot, and every rank
     posts its batches in slot order; so the batches of one slot meet across all ranks once
     every earlier slot is done, which is what NCCL needs (see p2p_deadlock), and a message is
     posted when its data is ready on the clock the run keeps, not behind a batch whose
-    partner is still computing."""
+    partner is still computing. `sim`: that simulation, when the caller has it already."""
     layout = layout or schedule.layout
-    sim = simulate(schedule, plan_clock(cost), layout)
+    sim = sim or simulate(schedule, plan_clock(cost), layout)
     slots = {}
     for r, row in enumerate(sim.timeline):
         for a, _, end in row:
