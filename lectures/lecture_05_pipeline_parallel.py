@@ -717,10 +717,10 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
             why = (f" Its actions add up to {busy_z * 1e3:.0f} ms of compute per step over the ranks "
                    f"against 1F1B's {busy_o * 1e3:.0f} ms: the split backward's own cost (autograd.grad "
                    "keeping the graph, then one backward per module for W) outweighs the idle time its Ws fill.")
-        return f"{bubble}. Yet its step is {step}: the step time is the verdict.{why}"
+        return f"{bubble}. Yet its step is {step} than 1F1B's: the step time is the verdict.{why}"
     if r < 1:
-        return f"{bubble}. {'Its step is' if smaller else 'Yet its step is'} {step}{' too' if smaller else ''}."
-    return f"{bubble}. Its step is {step}."
+        return f"{bubble}. {'Its step is' if smaller else 'Yet its step is'} {step} than 1F1B's{' too' if smaller else ''}."
+    return f"{bubble}. Its step is {step} than 1F1B's."
 
 
 def usable_cores_here():

@@ -734,8 +734,9 @@ def mfu_section():
     note("""
         MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
         per token for forward and backward, plus $12 L h s$ for attention — by what the
-        hardware could do in that time. Recomputation does not count: it is work the model
-        did not need.
+        hardware could do in that time. $\\Psi$ counts the weights a token is multiplied by (the
+        blocks' matrices and the LM head): an embedding lookup and a norm's scale do almost no
+        FLOPs. Recomputation does not count: it is work the model did not need.
     """)
     see(flops_per_token)
     if hw is not None and timed:

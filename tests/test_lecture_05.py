@@ -674,14 +674,14 @@ def test_zb_h1_verdict_is_the_step_not_the_bubble():
     slow, fast = Timing([0.0976, 0.0926, 0.101]), Timing([0.0731, 0.070, 0.0788])
     from util.render import visible_text
     words = visible_text(L.zb_h1_verdict(0.212, 0.285, slow, fast))
-    assert words.startswith("its measured bubble is smaller (21.2% against 28.5%). Yet its step is 1.34× slower")
+    assert words.startswith("its measured bubble is smaller (21.2% against 28.5%). Yet its step is 1.34× slower than 1F1B's: the step")
     assert "outweighs" not in words                                  # no cause claimed without the busy times
     words = L.zb_h1_verdict(0.212, 0.285, slow, fast, 0.30, 0.21)
     assert "300 ms of compute per step over the ranks against 1F1B's 210 ms" in words and "outweighs" in words
-    assert "). Its step is 1.34× faster too." in visible_text(L.zb_h1_verdict(0.212, 0.285, fast, slow))
+    assert "). Its step is 1.34× faster than 1F1B's too." in visible_text(L.zb_h1_verdict(0.212, 0.285, fast, slow))
     assert "not smaller" in L.zb_h1_verdict(0.3, 0.285, fast, fast)
-    assert "(30.0% against 28.5%). Yet its step is 1.34× faster." in visible_text(L.zb_h1_verdict(0.3, 0.285, fast, slow))
-    assert "(30.0% against 28.5%). Its step is 1.34× slower." in visible_text(L.zb_h1_verdict(0.3, 0.285, slow, fast))
+    assert "(30.0% against 28.5%). Yet its step is 1.34× faster than 1F1B's." in visible_text(L.zb_h1_verdict(0.3, 0.285, fast, slow))
+    assert "(30.0% against 28.5%). Its step is 1.34× slower than 1F1B's." in visible_text(L.zb_h1_verdict(0.3, 0.285, slow, fast))
     assert ". Its step and 1F1B's show no measurable" in visible_text(L.zb_h1_verdict(0.3, 0.285, fast, fast))
     # whichever branch a build takes, each sentence keeps to two measured numbers (issue 43)
     from tests.support.density import MAX_PER_SENTENCE, measured_numbers, sentences

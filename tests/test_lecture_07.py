@@ -223,6 +223,13 @@ def test_published_search_respects_memory():
     assert not any(r["fits"] for r in rows if r["layout"].dp == 64 and r["layout"].zero == 0)
     rule, why = decision_procedure(LLAMA3_70B, 64, 512, hw)
     assert rule is not None and rule.tp > 1 and estimate_memory(LLAMA3_70B, rule)["total"] <= hw.memory
+    # the reasons name every split tried before the pick, with the memory that ruled it out
+    zero3 = estimate_memory(LLAMA3_70B, Layout(dp=64, zero=3, micro_batches=8, precision="bf16"))["total"]
+    tp8 = estimate_memory(LLAMA3_70B, Layout(dp=8, tp=8, zero=1, sp=True, micro_batches=64, precision="bf16"))["total"]
+    assert zero3 > hw.memory and tp8 > hw.memory
+    too_large = [r for r in why if r.startswith("too large for")]
+    assert len(too_large) == 2 and "ZeRO-2" in too_large[0], why
+    assert f"ZeRO-3 {zero3 / 2**30:.0f} GiB" in too_large[1] and f"tp=8 {tp8 / 2**30:.0f} GiB" in too_large[1], why
 
 
 def test_the_page_has_the_calculator_and_table_4(course_site):

@@ -5,6 +5,7 @@ it), the step time's error axis by axis and ZeRO on gloo, the communication mode
 wire, how the Table 4 fit moves with the constants it does not fit, the search's space
 and the decision procedure, the same layouts from PyTorch's own pieces, and launching across
 nodes."""
+import dataclasses
 import statistics
 
 from util import cheat, figure, note, see, settings, spawn, table
@@ -102,24 +103,39 @@ def error_by_axis():
 
 def zero_note(layouts, pred, meas):
     """ZeRO's layouts against plain data parallelism's, measured / predicted: what the model
-    charges ZeRO on gloo, and what it leaves out."""
-    by = {}
+    charges ZeRO on gloo, and what it leaves out. Each ZeRO layout is also set beside its twin
+    (the same layout without ZeRO), so a cost the model misses is not confused with the axes."""
+    by, ratio = {}, {}
     for l, p, t in zip(layouts, pred, meas):
+        ratio[l] = t / p
         if l.dp * l.cp > 1:
             by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
     if len(by) < 2:
         return
+    pairs = [ratio[l] / ratio[twin] for l in ratio if l.zero and l.dp * l.cp > 1
+             for twin in [dataclasses.replace(l, zero=0)] if twin in ratio]
+    above = sum(r > 1 for r in pairs)
     rng = lambda v: value_range(min(v), max(v), decimals=2) + "×"
+    if pairs and above == len(pairs):
+        verdict = "So ZeRO costs more than the model charges, and this build does not measure why: "
+    elif pairs:
+        verdict = ("So this build shows no cost of ZeRO's that every pair agrees on; what would have to be "
+                   "timed to find one: ")
+    elif min(by["ZeRO"]) > max(by["plain"]):
+        verdict = "ZeRO still costs more than the model charges, and this build does not measure why: "
+    else:
+        verdict = ("The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model "
+                   "charges; what would have to be timed to find one: ")
+    twins = (f"""Set beside its twin (the same layout without ZeRO), a ZeRO layout's measured /
+        predicted is {rng(pairs)} the twin's. It is above the twin's in {above} of
+        {len(pairs)} pairs.""" if pairs else "")
     note(f"""
         **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
         runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
         ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
         predicted: ZeRO layouts {rng(by["ZeRO"])}, the layouts with dp·cp > 1 and no ZeRO
-        {rng(by["plain"])}.
-        {"ZeRO still costs more than the model charges, and this build does not measure why: "
-         if min(by["ZeRO"]) > max(by["plain"]) else
-         "The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model charges; "
-         "what would have to be timed to find one: "}the
+        {rng(by["plain"])}. {twins}
+        {verdict}the
         copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
         copied into and out of its shard) are memory copies of a model this small, and the
         extra collective calls per tensor wait on each other; which of them costs what, the

@@ -85,13 +85,24 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
        the largest such TP with PP across nodes; the whole chain first without, then with
        full recomputation;
     4. micro-batch 1, and as many micro-batches as the global batch leaves per dp rank.
-    Returns (None, reasons) when nothing fits."""
-    reasons = []
+    Returns (None, reasons) when nothing fits. The reasons name each split tried that did not
+    fit, with the memory it needed, so the chosen one reads as the first that fits."""
+    reasons, too_large = [], []
     base = dict(precision="bf16", recompute="none")
 
     def fits(**kw):
         lay = Layout(**{**base, **kw})
-        return estimate_memory(model, lay)["total"] <= hw.memory, lay
+        need = estimate_memory(model, lay)["total"]
+        if need > hw.memory:
+            split = [f"tp={lay.tp}"] * (lay.tp > 1) + [f"pp={lay.pp}"] * (lay.pp > 1) or [f"ZeRO-{lay.zero}"]
+            too_large.append(" ".join(split) + " + full recomputation" * (lay.recompute == "full")
+                             + f" {need / 2**30:.0f} GiB")
+        return need <= hw.memory, lay
+
+    def tried():
+        if too_large:
+            reasons.append(f"too large for {hw.memory / 2**30:.0f} GiB: " + ", ".join(too_large))
+            too_large.clear()
 
     dp = world
     if global_batch % dp == 0:
@@ -100,6 +111,7 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
             if ok:
                 reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
                 return lay, reasons
+    tried()
     reasons.append("does not fit with DP + ZeRO-1/2: split the model")
     cp = 1
     if model.seq >= seq_threshold:
@@ -121,6 +133,7 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
             ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=3 if kind == "zero3" else 1, sp=tp > 1,
                            micro_batch=1, micro_batches=m, recompute=rc)
             if ok:
+                tried()
                 if kind == "zero3":
                     reasons.append(f"ZeRO-3 (FSDP) shards weights, gradients and optimizer over all {dp * cp} ranks")
                 else:
@@ -133,6 +146,7 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
                 reasons.append(f"the rest is data parallelism (ZeRO-{lay.zero}): dp={dp}; "
                                f"micro-batch 1, m={m} micro-batches per step")
                 return lay, reasons
+    tried()
     reasons.append("nothing fits")
     return None, reasons
 
