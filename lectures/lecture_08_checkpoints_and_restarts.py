@@ -153,7 +153,7 @@ def what_it_costs():
                ("dp + ZeRO-1", Layout(dp=ranks, zero=1, micro_batch=COST.global_batch // ranks))]
     if settings.quick:
         layouts = layouts[:1]
-    rows, RESULTS["costs"] = [], []
+    rows, RESULTS["costs"], wrote = [], [], {}
     for name, lay in layouts:
         demo = spawn(checkpoint_costs, ranks, run=COST, layout=lay, directory=workdir(f"cost-{name}"),
                      repeats=3 if settings.quick else 5, name=f"checkpoint costs, {name} on {ranks} ranks")
@@ -165,6 +165,7 @@ def what_it_costs():
                      " / ".join(f"{r['held'] / 2 ** 20:.1f}" for r in got), f"{got[0]['metadata'] / 1024:.0f}",
                      step.ms(), sync.ms(), blocked.ms(), total.ms()])
         RESULTS["costs"].append((name, sync, blocked, total, step))
+        wrote[name] = [(r["mine"] / 2 ** 20, r["held"] / 2 ** 20) for r in got]
     params = param_count(COST.cfg)
     if RESULTS.get("costs"):
         figure(draw_costs([(c[0], (c[4], c[1], c[2], c[3])) for c in RESULTS["costs"]]),
@@ -184,7 +185,7 @@ def what_it_costs():
             Replicas hold the same boxes, and DCP's planner gives each replicated box to the rank
             that has the least to write so far: {name} ranks hold the whole model each, but each
             writes about half of it. The `.metadata` file lists every box (a few bytes per box;
-            ZeRO's flat ranges make three boxes of a matrix, so more of them).
+            ZeRO's flat ranges make three boxes of a matrix, so more of them). {uneven_writes(wrote)}
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
             rank's tensors; a background thread plans and writes the files on a process group
             of its own (on the training's group its collectives could interleave with the
@@ -197,6 +198,24 @@ def what_it_costs():
         """)
         cheat("Checkpoint blocking", "async: barrier + copy; sync: + plan + write", round(blocked.median * 1e3, 1), "ms",
               what=f"{params / 1e6:.1f}M parameters, {name}, {machine(ranks)}")
+
+
+def uneven_writes(wrote):
+    """What the rows of the layouts other than dp show (the full build times them), from
+    {layout: [(MiB written, MiB held) per rank]}; nothing where the numbers do not show it."""
+    said = []
+    zero = wrote.get("dp + ZeRO-1")
+    if zero and zero[1][0] > 1.3 * zero[0][0]:
+        said.append(f"""Under ZeRO-1 rank 0 writes {zero[0][0]:.1f} MiB and rank 1 {zero[1][0]:.1f}. "Least so
+            far" is greedy and goes through rank 0's boxes first: rank 0 lists its own Adam shard
+            as it goes, so rank 1, with nothing yet, takes most of the replicated weights, and
+            its own shard comes after. The planner balances the boxes it has seen, not those to come.""")
+    tp = wrote.get("tp")
+    if tp and tp[0][0] < tp[0][1] < tp[1][0]:
+        said.append("""Under tp the replicas are the few parameters tp does not split (the norms among
+            them), and rank 1 takes nearly all of them for the same reason: it writes a little more than it
+            holds (with a header per tensor and its RNG state), rank 0 a little less.""")
+    return " ".join(said)
 
 
 def clipping_across_shards():

@@ -110,6 +110,22 @@ def _sync_and_async(rank, world_size, run, layout, directory):
     return {"steps": saved_steps(directory)}
 
 
+def test_dcps_greedy_planner_makes_zero1s_rank_1_write_most_and_the_page_says_why_only_then(tmp_path):
+    """DCP gives each replicated box to the rank with the least to write so far, going through
+    rank 0's boxes first: under ZeRO-1 rank 0's own Adam shard comes in between, so rank 1 takes
+    most of the replicated weights, then writes its own shard too. The page explains the split
+    only when the run's bytes show it."""
+    from lectures.checkpoint.demos import checkpoint_costs
+    from lectures.lecture_08_checkpoints_and_restarts import uneven_writes
+    got = spawn(checkpoint_costs, 2, run=RUN, layout=Layout(dp=2, zero=1, micro_batch=4), directory=str(tmp_path),
+                repeats=1).returns
+    mine, held = [r["mine"] for r in got], [r["held"] for r in got]
+    assert held[0] == held[1] and mine[1] > 1.5 * mine[0], (mine, held)
+    said = uneven_writes({"dp + ZeRO-1": [(m / 2 ** 20, h / 2 ** 20) for m, h in zip(mine, held)]})
+    assert "Under ZeRO-1 rank 0 writes" in said and "tp" not in said
+    assert uneven_writes({"dp + ZeRO-1": [(20.0, 26.2), (20.1, 26.2)], "tp": [(20.1, 19.8), (20.1, 19.8)]}) == ""
+
+
 def test_a_resume_restores_each_ranks_rng_and_seeds_new_ranks_deterministically(tmp_path):
     """Saved on 2 ranks, loaded on 4, twice, after drawing different amounts: ranks 0 and 1 draw
     what they would have drawn after the save; ranks 2 and 3, absent from the checkpoint, draw
