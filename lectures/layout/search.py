@@ -76,6 +76,10 @@ def search(model, world, global_batch, hw, **space):
     return rows
 
 
+def _gib(n):
+    return f"{n / 2**30:.0f} GiB" if n >= 10 * 2**30 else f"{n / 2**30:.2g} GiB"
+
+
 def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
     """The syllabus' rule of thumb, step by step, returning (layout, reasons):
     1. fits with plain data parallelism (+ ZeRO-1/2) on every rank? → DP.
@@ -96,12 +100,12 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
         if need > hw.memory:
             split = [f"tp={lay.tp}"] * (lay.tp > 1) + [f"pp={lay.pp}"] * (lay.pp > 1) or [f"ZeRO-{lay.zero}"]
             too_large.append(" ".join(split) + " + full recomputation" * (lay.recompute == "full")
-                             + f" {need / 2**30:.0f} GiB")
+                             + f" {_gib(need)}")
         return need <= hw.memory, lay
 
     def tried():
         if too_large:
-            reasons.append(f"too large for {hw.memory / 2**30:.0f} GiB: " + ", ".join(too_large))
+            reasons.append(f"too large for {_gib(hw.memory)}: " + ", ".join(too_large))
             too_large.clear()
 
     dp = world
@@ -111,8 +115,9 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
             if ok:
                 reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
                 return lay, reasons
-    tried()
-    reasons.append("does not fit with DP + ZeRO-1/2: split the model")
+    reasons.append(f"does not fit with DP ({', '.join(too_large)} per GPU, over {_gib(hw.memory)}): split the model"
+                   if too_large else f"a global batch of {global_batch} does not split over {world} ranks: split the model")
+    too_large.clear()
     cp = 1
     if model.seq >= seq_threshold:
         cp = 2
