@@ -776,7 +776,7 @@ def pytorch_schedules():
     note("## PyTorch's own: torch.distributed.pipelining")
     figure(pytorch_figure(R[0]["times"], classes),
            caption=f"One training step with each of PyTorch's schedules (red) and our closest list (blue), "
-                   f"taking turns in the same processes: {machine(p)}, {m} micro-batches of a small GPT.")
+                   f"alternating step by step in the same processes: {machine(p)}, {m} micro-batches of a small GPT.")
     note(f"""
         The same `GPTStage` pieces wrapped in `PipelineStage` and run by each of PyTorch's
         schedules (V-shaped ones with the V layout), on {p} ranks with {m} micro-batches, beside
@@ -800,7 +800,7 @@ def pytorch_schedules():
         rows.append([label, f"{loss:.6f}", f"{abs(loss - ref['losses'][0]):.1e}", f"{gd:.1e}",
                      R[0]["times"][label].ms()])
     table(rows, header=["schedule", "loss", "|Δ loss| vs one process", "max |Δ gradient|", "step time (IQR)"],
-          caption=f"Real compute, ours and PyTorch's taking turns, {machine(p)}; one process's loss {ref['losses'][0]:.6f}.")
+          caption=f"Real compute, ours and PyTorch's alternating step by step, {machine(p)}; one process's loss {ref['losses'][0]:.6f}.")
     t = R[0]["times"]
     span = {n: simulate(make_schedule(n, p, m, 2), chunk_cost(2)).makespan for n in ("zb-v", "dualpipev")}
     note(f"""
