@@ -24,7 +24,8 @@ from lectures.layout.trainer import GroupCollectives, LayoutTrainer, max_param_d
 from lectures.layout.mesh import MESH_AXES, axis_groups, make_mesh, mesh_coords
 from lectures.layout.step_time import (ASSUMED, FA2_H100, H100_MEMORY, H100_PEAK_BF16, IB_ACHIEVED, IB_BW,
                                        NVLINK_ACHIEVED, LLAMA3_70B, LLAMA3_8B, LLAMA3_405B, NVLINK_BW, dp_parts,
-                                       after_the_pipeline, flops_per_token, h100_cluster, mfu, step_time)
+                                       after_the_pipeline, flops_per_token, h100_cluster, matmul_params, mfu,
+                                       step_time)
 from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_agreement, draw_memory_bars,
                                      draw_predicted_vs_measured, search_space_picture, draw_search_at_scale,
                                      mfu_picture)
@@ -731,13 +732,16 @@ def mfu_section():
         here = mfu(shape, run.global_batch * shape.seq / best[2].median, timing_ranks(4) * hw.peak)
     note("## Model FLOPs utilisation")
     mfu_picture(here, _RESULTS.get("table4"))
-    note("""
+    note(f"""
         MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
         per token for forward and backward, plus $12 L h s$ for attention — by what the
-        hardware could do in that time. $\\Psi$ counts the weights a token is multiplied by (the
-        blocks' matrices and the LM head): an embedding lookup and a norm's scale do almost no
-        FLOPs. Recomputation does not count: it is work the model did not need.
+        hardware could do in that time. Recomputation does not count: it is work the model did
+        not need. The course counts $6\\Psi_\\text{{mat}}$, where $\\Psi_\\text{{mat}}$ is the
+        weights a token is multiplied by (the blocks' matrices and the LM head): an embedding
+        lookup and a norm's scale do almost no FLOPs. For this model $\\Psi_\\text{{mat}}$ is
+        {int(matmul_params(shape)[0]):,}, against Ψ = {param_count(run.cfg):,}.
     """)
+    see(matmul_params)
     see(flops_per_token)
     if hw is not None and timed:
         ranks = timing_ranks(4)
@@ -752,7 +756,7 @@ def mfu_section():
             {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul).
         """)
         _RESULTS["mfu_here"] = u
-        cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
+        cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi_\\text{mat} + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
               round(100 * u, 2), "%", what=f"fastest measured layout, {best[0].label()}, peak = the measured matmul rate")
     t4 = _RESULTS.get("table4")
     val = _RESULTS.get("validation")

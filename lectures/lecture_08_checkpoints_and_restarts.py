@@ -208,13 +208,14 @@ def uneven_writes(wrote):
     if zero and zero[1][0] > 1.3 * zero[0][0]:
         said.append(f"""Under ZeRO-1 rank 0 writes {zero[0][0]:.1f} MiB and rank 1 {zero[1][0]:.1f}. "Least so
             far" is greedy and goes through rank 0's boxes first: rank 0 lists its own Adam shard
-            as it goes, so rank 1, with nothing yet, takes most of the replicated weights, and
+            as it goes, so rank 1, with nothing yet, takes the replicated weights, and
             its own shard comes after. The planner balances the boxes it has seen, not those to come.""")
     tp = wrote.get("tp")
     if tp and tp[0][0] < tp[0][1] < tp[1][0]:
-        said.append("""Under tp the replicas are the few parameters tp does not split (the norms among
-            them), and rank 1 takes nearly all of them for the same reason: it writes a little more than it
-            holds (with a header per tensor and its RNG state), rank 0 a little less.""")
+        said.append("""Under tp the replicas are what tp does not split (the position table, the
+            LayerNorms and the row-parallel layers' biases), and rank 1 takes them for the same
+            reason: it writes a little more than it holds (with a header per tensor and its RNG
+            state), rank 0 a little less.""")
     return " ".join(said)
 
 

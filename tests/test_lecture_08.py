@@ -124,6 +124,7 @@ def test_dcps_greedy_planner_makes_zero1s_rank_1_write_most_and_the_page_says_wh
     said = uneven_writes({"dp + ZeRO-1": [(m / 2 ** 20, h / 2 ** 20) for m, h in zip(mine, held)]})
     assert "Under ZeRO-1 rank 0 writes" in said and "tp" not in said
     assert uneven_writes({"dp + ZeRO-1": [(20.0, 26.2), (20.1, 26.2)], "tp": [(20.1, 19.8), (20.1, 19.8)]}) == ""
+    assert uneven_writes({"tp": [(19.74, 19.80), (20.12, 19.80)]}).startswith("Under tp the replicas are")
 
 
 def test_a_resume_restores_each_ranks_rng_and_seeds_new_ranks_deterministically(tmp_path):

@@ -21,7 +21,7 @@ from lectures.layout.estimator import (ModelShape, Layout, PRECISION_BYTES, stag
                                        in_flight, stage_params, activation_bytes, estimate_memory, rank_blocks,
                                        block_params, check_split)
 from lectures.layout.step_time import (Hardware, axis_link, p2p_link, all_reduce_time, gather_time, p2p_time,
-                                       flops_per_token, dp_parts, dp_traffic, chunk_backward,
+                                       flops_per_token, matmul_params, dp_parts, dp_traffic, chunk_backward,
                                        after_the_pipeline, step_time, mfu, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B,
                                        LLAMA3_405B_PUBLISHED_PARAMS, H100_PEAK_BF16, H100_MEMORY, NVLINK_BW, IB_BW,
                                        FA2_H100, NVLINK_ACHIEVED, IB_ACHIEVED, ATTENTION, NVLINK, IB, ASSUMED,
@@ -40,7 +40,7 @@ __all__ = [
     "torch_mesh",
     "ModelShape", "Layout", "PRECISION_BYTES", "stage_layers", "rank_layers", "held_chunks", "in_flight",
     "stage_params", "activation_bytes", "estimate_memory", "rank_blocks", "block_params", "check_split",
-    "Hardware", "axis_link", "p2p_link", "all_reduce_time", "gather_time", "p2p_time", "flops_per_token",
+    "Hardware", "axis_link", "p2p_link", "all_reduce_time", "gather_time", "p2p_time", "flops_per_token", "matmul_params",
     "dp_parts", "dp_traffic", "chunk_backward", "after_the_pipeline", "step_time", "mfu", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "LLAMA3_405B_PUBLISHED_PARAMS",
     "H100_PEAK_BF16", "H100_MEMORY", "NVLINK_BW", "IB_BW", "FA2_H100", "NVLINK_ACHIEVED", "IB_ACHIEVED",
     "ATTENTION", "NVLINK", "IB", "ASSUMED", "h100_cluster", "a100_cluster", "h800_cluster", "H100_HBM",

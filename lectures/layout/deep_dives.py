@@ -98,48 +98,57 @@ def error_by_axis():
                   "in \"Predicting the step time\" (gloo), its measured step (median of its repeats) over the model's prediction, grouped "
                   "by what it splits. A ratio of 1 is exact; a ratio above 1 means the model under-predicts, "
                   "and so favours, that axis.")
-    zero_note(layouts, pred, meas)
+    zero_note(layouts, pred, times)
 
 
-def zero_note(layouts, pred, meas):
+def zero_note(layouts, pred, times):
     """ZeRO's layouts against plain data parallelism's, measured / predicted: what the model
     charges ZeRO on gloo, and what it leaves out. Each ZeRO layout is also set beside its twin
-    (the same layout without ZeRO), so a cost the model misses is not confused with the axes."""
-    by, ratio = {}, {}
-    for l, p, t in zip(layouts, pred, meas):
-        ratio[l] = t / p
+    (the same layout without ZeRO), so a cost the model misses is not confused with the axes;
+    a pair counts as above or below only where the two interquartile ranges, each over its
+    prediction, do not overlap."""
+    by, timing = {}, {}
+    for l, p, t in zip(layouts, pred, times):
+        timing[l] = (t, p)
         if l.dp * l.cp > 1:
-            by.setdefault("ZeRO" if l.zero else "plain", []).append(t / p)
+            by.setdefault("ZeRO" if l.zero else "plain", []).append(t.median / p)
     if len(by) < 2:
         return
-    pairs = [ratio[l] / ratio[twin] for l in ratio if l.zero and l.dp * l.cp > 1
-             for twin in [dataclasses.replace(l, zero=0)] if twin in ratio]
-    above = sum(r > 1 for r in pairs)
+    pairs, above, below = [], 0, 0
+    for l, (t, p) in timing.items():
+        twin = dataclasses.replace(l, zero=0)
+        if l.zero and l.dp * l.cp > 1 and twin in timing:
+            u, q = timing[twin]
+            pairs.append((t.median / p) / (u.median / q))
+            above += t.q1 / p > u.q3 / q
+            below += t.q3 / p < u.q1 / q
     rng = lambda v: value_range(min(v), max(v), decimals=2) + "×"
+    copies = """the copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded
+        and copied into and out of its shard) are memory copies of a model this small, and the
+        extra collective calls per tensor wait on each other; which of them costs what, the build
+        does not time."""
     if pairs and above == len(pairs):
         verdict = "So ZeRO costs more than the model charges, and this build does not measure why: "
+    elif pairs and below == len(pairs):
+        verdict, copies = "So the model charges ZeRO more than it costs here.", ""
     elif pairs:
-        verdict = ("So this build shows no cost of ZeRO's that every pair agrees on; what would have to be "
-                   "timed to find one: ")
+        verdict = ("So this build shows no cost of ZeRO's clear of the noise in every pair; what would have to "
+                   "be timed to find one: ")
     elif min(by["ZeRO"]) > max(by["plain"]):
         verdict = "ZeRO still costs more than the model charges, and this build does not measure why: "
     else:
         verdict = ("The two ranges overlap, so this build shows no cost of ZeRO's beyond what the model "
                    "charges; what would have to be timed to find one: ")
     twins = (f"""Set beside its twin (the same layout without ZeRO), a ZeRO layout's measured /
-        predicted is {rng(pairs)} the twin's. It is above the twin's in {above} of
-        {len(pairs)} pairs.""" if pairs else "")
+        predicted is {rng(pairs)} the twin's. Counting only pairs whose interquartile ranges do
+        not overlap, it is above the twin's in {above} of {len(pairs)} and below in {below}.""" if pairs else "")
     note(f"""
         **ZeRO on gloo.** The model charges ZeRO's reduce-scatter as the full all-reduce gloo
         runs (`Hardware.backend = "gloo"`), plus the all-gather of the updated weights, so a
         ZeRO-1 layout is predicted slower than the same layout without ZeRO. Measured /
         predicted: ZeRO layouts {rng(by["ZeRO"])}, the layouts with dp·cp > 1 and no ZeRO
         {rng(by["plain"])}. {twins}
-        {verdict}the
-        copies ZeRO adds (gloo's reduce-scatter clones the buffer; each tensor is padded and
-        copied into and out of its shard) are memory copies of a model this small, and the
-        extra collective calls per tensor wait on each other; which of them costs what, the
-        build does not time.
+        {verdict}{copies}
     """)
 
 

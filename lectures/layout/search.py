@@ -89,24 +89,29 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
        the largest such TP with PP across nodes; the whole chain first without, then with
        full recomputation;
     4. micro-batch 1, and as many micro-batches as the global batch leaves per dp rank.
-    Returns (None, reasons) when nothing fits. The reasons name each split tried that did not
-    fit, with the memory it needed, so the chosen one reads as the first that fits."""
-    reasons, too_large = [], []
+    Returns (None, reasons) when nothing fits. The reasons name each split passed over before
+    the pick: too large (with the memory it needed), or not possible with these ranks and this
+    batch; so the pick reads as the first that fits."""
+    reasons, too_large, skipped, ruled_out = [], [], [], set()
     base = dict(precision="bf16", recompute="none")
+
+    def name(zero=0, tp=1, pp=1, recompute="none"):
+        split = [f"tp={tp}"] * (tp > 1) + [f"pp={pp}"] * (pp > 1) or [f"ZeRO-{zero}"]
+        return " ".join(split) + " + full recomputation" * (recompute == "full")
 
     def fits(**kw):
         lay = Layout(**{**base, **kw})
         need = estimate_memory(model, lay)["total"]
         if need > hw.memory:
-            split = [f"tp={lay.tp}"] * (lay.tp > 1) + [f"pp={lay.pp}"] * (lay.pp > 1) or [f"ZeRO-{lay.zero}"]
-            too_large.append(" ".join(split) + " + full recomputation" * (lay.recompute == "full")
-                             + f" {_gib(need)}")
+            ruled_out.add(name(lay.zero, lay.tp, lay.pp, lay.recompute))
+            too_large.append(f"{name(lay.zero, lay.tp, lay.pp, lay.recompute)} {_gib(need)}")
         return need <= hw.memory, lay
 
-    def tried():
+    def passed_over():
         if too_large:
             reasons.append(f"too large for {_gib(hw.memory)}: " + ", ".join(too_large))
-            too_large.clear()
+        if skipped:
+            reasons.append(f"not possible with {world} GPUs and a batch of {global_batch}: " + ", ".join(skipped))
 
     dp = world
     if global_batch % dp == 0:
@@ -116,7 +121,8 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
                 reasons.append(f"fits with data parallelism alone (ZeRO-{zero}) on {dp} ranks")
                 return lay, reasons
     reasons.append(f"does not fit with DP ({', '.join(too_large)} per GPU, over {_gib(hw.memory)}): split the model"
-                   if too_large else f"a global batch of {global_batch} does not split over {world} ranks: split the model")
+                   if too_large else f"a global batch of {global_batch} does not divide over {world} data-parallel "
+                   "ranks: use fewer, and split the model over the rest")
     too_large.clear()
     cp = 1
     if model.seq >= seq_threshold:
@@ -129,29 +135,31 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
     tries = [("zero3", 1, 1)] + [("tp", t, 1) for t in tps] + [("pp", widest, p) for p in divisors(model.layers) if p > 1]
     for rc in ("none", "full"):
         for kind, tp, pp in tries:
-            if world % (tp * pp * cp) or global_batch % (world // (tp * pp * cp)):
+            dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
+            if not dp or global_batch % dp or global_batch // dp < pp or (kind == "zero3" and dp * cp == 1):
+                if rc == "none":          # the ranks and the batch decide it, not the recomputation
+                    skipped.append(name(3 if kind == "zero3" else 1, tp, pp))
                 continue
-            dp = world // (tp * pp * cp)
             m = global_batch // dp
-            if m < pp or (kind == "zero3" and dp * cp == 1):
-                continue
             ok, lay = fits(dp=dp, pp=pp, cp=cp, tp=tp, zero=3 if kind == "zero3" else 1, sp=tp > 1,
                            micro_batch=1, micro_batches=m, recompute=rc)
             if ok:
-                tried()
+                passed_over()
                 if kind == "zero3":
                     reasons.append(f"ZeRO-3 (FSDP) shards weights, gradients and optimizer over all {dp * cp} ranks")
                 else:
                     if tp > 1:
                         reasons.append(f"tensor parallelism (+ sequence parallelism) within a node: tp={tp}")
                     if pp > 1:
-                        reasons.append(f"TP at the node's size is not enough: pipeline across nodes, pp={pp}")
+                        widest_too_large = (f"tp={widest}" + " + full recomputation" * (rc == "full")) in ruled_out
+                        reasons.append(f"pipeline across nodes, pp={pp}"
+                                       + ", since TP at the node's size is not enough" * widest_too_large)
                 if rc == "full":
                     reasons.append("activations still too large: full recomputation")
                 reasons.append(f"the rest is data parallelism (ZeRO-{lay.zero}): dp={dp}; "
                                f"micro-batch 1, m={m} micro-batches per step")
                 return lay, reasons
-    tried()
+    passed_over()
     reasons.append("nothing fits")
     return None, reasons
 

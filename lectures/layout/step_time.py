@@ -125,14 +125,21 @@ def p2p_time(nbytes, link):
     return alpha + nbytes / beta
 
 
+def matmul_params(model):
+    """The weights a token is multiplied by (the Ψ of 6Ψ): (every block's matrices, or the
+    active experts' in a MoE block, plus the LM head; the blocks' part alone). An embedding
+    lookup and a norm's scale do almost no FLOPs, so they are not counted."""
+    dense, moe = model.layers - model.moe_layers(), model.moe_layers()
+    blocks = dense * model.matrix_params_per_token() + moe * model.matrix_params_per_token(moe=True)
+    return blocks + model.vocab * model.hidden, blocks
+
+
 def flops_per_token(model, recompute="none"):
     """Training FLOPs per token: 6 per matrix parameter (2 forward, 4 backward) plus the
     attention scores and values, 12·L·h·s (the convention of the MFU literature: no credit
     for causal skipping). Full recomputation runs every block's forward twice (+2 per matrix
     parameter), which costs time but is not counted as useful work in MFU."""
-    dense, moe = model.layers - model.moe_layers(), model.moe_layers()
-    blocks = dense * model.matrix_params_per_token() + moe * model.matrix_params_per_token(moe=True)
-    matrix = blocks + model.vocab * model.hidden
+    matrix, blocks = matmul_params(model)
     useful = 6 * matrix + 12 * model.layers * model.hidden * model.seq
     if recompute == "full":
         return useful, useful + 2 * blocks + 4 * model.layers * model.hidden * model.seq
