@@ -206,10 +206,11 @@ def uneven_writes(wrote):
     said = []
     zero = wrote.get("dp + ZeRO-1")
     if zero and zero[1][0] > 1.3 * zero[0][0]:
-        said.append(f"""Under ZeRO-1 rank 0 writes {zero[0][0]:.1f} MiB and rank 1 {zero[1][0]:.1f}. "Least so
-            far" is greedy and goes through rank 0's boxes first: rank 0 lists its own Adam shard
-            as it goes, so rank 1, with nothing yet, takes the replicated weights, and
-            its own shard comes after. The planner balances the boxes it has seen, not those to come.""")
+        said.append(f"""Under ZeRO-1 rank 0 writes {zero[0][0]:.1f} MiB and rank 1 {zero[1][0]:.1f}.
+            "Least so far" is greedy and goes through rank 0's boxes first: rank 0 lists its own
+            Adam shard as it goes, so rank 1, with nothing yet, takes the replicated weights, and
+            its own shard comes after. The planner balances the boxes it has seen, not those to
+            come.""")
     tp = wrote.get("tp")
     if tp and tp[0][0] < tp[0][1] < tp[1][0]:
         said.append("""Under tp the replicas are what tp does not split (the position table, the

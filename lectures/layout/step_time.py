@@ -126,9 +126,9 @@ def p2p_time(nbytes, link):
 
 
 def matmul_params(model):
-    """The weights a token is multiplied by (the Ψ of 6Ψ): (every block's matrices, or the
-    active experts' in a MoE block, plus the LM head; the blocks' part alone). An embedding
-    lookup and a norm's scale do almost no FLOPs, so they are not counted."""
+    """(Ψ_mat, the blocks' part of it). Ψ_mat is the weights a token is multiplied by: every
+    block's matrices (a MoE block's router, shared and top-k experts) plus the LM head. An
+    embedding lookup and a norm's scale do almost no FLOPs, so they are not counted."""
     dense, moe = model.layers - model.moe_layers(), model.moe_layers()
     blocks = dense * model.matrix_params_per_token() + moe * model.matrix_params_per_token(moe=True)
     return blocks + model.vocab * model.hidden, blocks
