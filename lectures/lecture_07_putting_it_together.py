@@ -735,11 +735,10 @@ def mfu_section():
     note(f"""
         MFU (Chowdhery et al. 2022, PaLM) divides the FLOPs a step *must* do — about $6\\Psi$
         per token for forward and backward, plus $12 L h s$ for attention — by what the
-        hardware could do in that time. Recomputation does not count: it is work the model did
-        not need. The course counts $6\\Psi_\\text{{mat}}$, where $\\Psi_\\text{{mat}}$ is the
-        weights a token is multiplied by (the blocks' matrices and the LM head): an embedding
-        lookup and a norm's scale do almost no FLOPs. For this model $\\Psi_\\text{{mat}}$ is
-        {int(matmul_params(shape)[0]):,}, against Ψ = {param_count(run.cfg):,}.
+        hardware could do in that time; recomputation is work the model did not need and does
+        not count. The course counts $6\\Psi_\\text{{mat}}$: only the weights a token is
+        multiplied by (the blocks' matrices and the LM head, not the embedding tables or the
+        norms), {int(matmul_params(shape)[0]):,} of this model's Ψ = {param_count(run.cfg):,}.
     """)
     see(matmul_params)
     see(flops_per_token)

@@ -186,6 +186,7 @@ def what_it_costs():
             that has the least to write so far: {name} ranks hold the whole model each, but each
             writes about half of it. The `.metadata` file lists every box (a few bytes per box;
             ZeRO's flat ranges make three boxes of a matrix, so more of them). {uneven_writes(wrote)}
+
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
             rank's tensors; a background thread plans and writes the files on a process group
             of its own (on the training's group its collectives could interleave with the
