@@ -131,9 +131,14 @@ def zero_note(layouts, pred, times):
         verdict = "So ZeRO costs more than the model charges, and this build does not measure why: "
     elif pairs and below == len(pairs):
         verdict, copies = "So the model charges ZeRO more than it costs here.", ""
+    elif above and not below:
+        verdict = (f"So in {above} of {len(pairs)} pairs ZeRO costs more than the model charges, clear of the "
+                   "noise, and this build does not measure why: ")
+    elif pairs and not above and not below:
+        verdict = "So this build shows no cost of ZeRO's clear of the noise; what would have to be timed to find one: "
     elif pairs:
-        verdict = ("So this build shows no cost of ZeRO's clear of the noise in every pair; what would have to "
-                   "be timed to find one: ")
+        verdict = ("The pairs disagree (ZeRO above its twin in some, below in others), so this build names no "
+                   "cost of ZeRO's; what would have to be timed to find one: ")
     elif min(by["ZeRO"]) > max(by["plain"]):
         verdict = "ZeRO still costs more than the model charges, and this build does not measure why: "
     else:
