@@ -1027,10 +1027,12 @@ def test_zero_note_counts_a_pair_only_when_the_spreads_clear_it():
     from util import record
     from util.measure import Timing
 
-    def said(zero_times, plain_times):
+    def said(zero_times, plain_times, second_pair=None):
+        """The note for two ZeRO/plain pairs (the second timed like the first unless given)."""
+        zero2, plain2 = second_pair or (zero_times, plain_times)
         lays = [Layout(dp=2, tp=2, zero=1, micro_batches=2), Layout(dp=2, tp=2, micro_batches=2),
                 Layout(dp=4, zero=1), Layout(dp=4), Layout(tp=4)]
-        times = [Timing(zero_times), Timing(plain_times), Timing(zero_times), Timing(plain_times), Timing([1.0] * 3)]
+        times = [Timing(zero_times), Timing(plain_times), Timing(zero2), Timing(plain2), Timing([1.0] * 3)]
         recorder = record.Recorder()
         previous = record.use(recorder)
         try:
@@ -1047,15 +1049,6 @@ def test_zero_note_counts_a_pair_only_when_the_spreads_clear_it():
     cheaper = said([0.80, 0.81, 0.82, 0.83], [1.00, 1.01, 1.02, 1.03])
     assert "below in 2" in cheaper and "charges ZeRO more than it costs" in cheaper and "copies" not in cheaper
     # one pair clear, one not: the cost is named for the pairs that show it, not denied
-    lays = [Layout(dp=2, tp=2, zero=1, micro_batches=2), Layout(dp=2, tp=2, micro_batches=2),
-            Layout(dp=4, zero=1), Layout(dp=4)]
-    times = [Timing([1.20, 1.21, 1.22, 1.23]), Timing([1.00, 1.01, 1.02, 1.03]),
-             Timing([1.02, 1.05, 1.10, 1.12]), Timing([1.00, 1.04, 1.08, 1.11])]
-    recorder = record.Recorder()
-    previous = record.use(recorder)
-    try:
-        zero_note(lays, [1.0] * 4, times)
-    finally:
-        record.use(previous)
-    mixed = " ".join(r["text"] for r in recorder.records if r["kind"] == "note")
+    mixed = said([1.20, 1.21, 1.22, 1.23], [1.00, 1.01, 1.02, 1.03],
+                 second_pair=([1.02, 1.05, 1.10, 1.12], [1.00, 1.04, 1.08, 1.11]))
     assert "So in 1 of 2 pairs ZeRO costs more than the model charges, clear of the noise" in mixed, mixed
