@@ -517,6 +517,23 @@ def test_overlap_verdict_says_slower_when_it_was():
     assert "overlapped is 1.71× faster" in visible_text(L.overlap_verdict(t))
 
 
+def test_overlap_verdict_counts_what_was_hidden_against_the_parts_timed_alone():
+    """A review's case: the sequential run (41.2 ms) paid more than compute and all-reduce alone
+    (16.6 + 12.7 ms); measured from it, the overlap 'hid about 100%' while it took 25.3 ms, far
+    above the longer part. Against the parts it hid (29.3 - 25.3) / 12.7 = 31%."""
+    from util.measure import Timing
+    around = lambda ms: Timing([ms * 0.99e-3, ms * 1e-3, ms * 1.01e-3])
+    t = {"compute": around(16.6), "all-reduce": around(12.7), "sequential": around(41.2),
+         "overlapped": around(25.3)}
+    text = visible_text(L.overlap_verdict(t))
+    assert "hid about 31% of the shorter one" in text and "100%" not in text, text
+    assert L.overlap_paid(t)
+    t["overlapped"] = around(30.0)          # faster than sequential, slower than the parts alone
+    text = visible_text(L.overlap_verdict(t))
+    assert "not communication hidden" in text and "hid about" not in text, text
+    assert not L.overlap_paid(t)
+
+
 def test_hang_errors_lose_the_build_path():
     line = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
             "Timed out waiting 3000ms for recv operation to complete")
