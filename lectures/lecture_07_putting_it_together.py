@@ -330,6 +330,23 @@ def search_here():
           caption="The search space grows fast: each mesh multiplies by the ways to cut the batch.")
 
 
+def fixed_costs(hw):
+    """The fixed costs this build's calibration found: a fit can put one at zero."""
+    found = [("per block", hw.overhead), ("per message", max(hw.intra[0], (hw.p2p or (0,))[0])),
+             ("per ring step", max(hw.ring_step))]
+    return [name for name, seconds in found if seconds > 0]
+
+
+def fixed_costs_sentence(hw):
+    found = fixed_costs(hw)
+    if not found:
+        return ("This build's fit put every fixed cost (per block, per message, per ring step) at "
+                "zero; the model keeps those terms for builds, and machines, that measure them.")
+    return (f"On a model this small much of the step is fixed costs — {', '.join(found)} in this "
+            "build's fit — which is why the cost model carries those terms and counts messages, "
+            "not only bytes.")
+
+
 def step_time_model():
     run = small_run()
     ranks = timing_ranks(4)
@@ -338,7 +355,7 @@ def step_time_model():
     note(f"""
         ## Predicting the step time
         The cost model adds up, for the slowest pipeline stage: compute (its FLOPs over the
-        measured rate, plus a fixed cost per block that dominates a model this small; full
+        measured rate, plus a fixed cost per block, for launches and Python; full
         recomputation runs the forward again), the tensor-parallel all-reduces (4 per block and
         micro-batch, 6 with recomputation), the ring-attention steps (their bytes and a fixed
         cost per step), the pipeline's $m + \\text{{pp}} - 1$ slots (the bubble is
@@ -442,9 +459,7 @@ def step_time_model():
         changes between the calibration and the runs and from build to build, so the constants
         (and this range) swing between builds; the ranking carries over better than the
         absolute times. It predicts **{best_pred.label()}** fastest; the
-        fastest measured was **{best_meas.label()}**. On a model this small the step is mostly
-        fixed costs — per block, per message, per ring step — which is why the cost model
-        carries those terms and counts messages, not only bytes.
+        fastest measured was **{best_meas.label()}**. {fixed_costs_sentence(hw)}
 
         **What these timings validate, and what they cannot.** They exercise the per-block
         fixed cost, the per-message α, the ring-step cost, gloo's bytes per second, pipelines of
@@ -747,10 +762,13 @@ def mfu_section():
         tokens = run.global_batch * shape.seq
         best = min(timed, key=lambda x: x[2].median)
         u = mfu(shape, tokens / best[2].median, ranks * hw.peak)
+        fixed = fixed_costs(hw)
+        pays = ([f"fixed costs ({', '.join(fixed)})"] if fixed else []) + ["the messages' bytes", "the bubble"]
         note(f"""
             Here the fastest layout measured ({best[0].label()}) reaches **MFU {100 * u:.2f}%** on
-            {machine(ranks)}: a model this small spends its time in fixed per-operation costs,
-            not in matmuls. Each token costs {int(flops_per_token(shape)[0]):,} FLOPs. The layout
+            {machine(ranks)}: a model this small runs its own work at {hw.flops / 1e9:.2f} GFLOP/s,
+            {100 * hw.flops / hw.peak:.0f}% of the matmul's rate, and its step also pays for
+            {', '.join(pays[:-1])} and {pays[-1]}. Each token costs {int(flops_per_token(shape)[0]):,} FLOPs. The layout
             trains {tokens / best[2].median:,.0f} tokens/s, against a peak of {ranks} ×
             {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul).
         """)

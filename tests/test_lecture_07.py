@@ -1052,3 +1052,16 @@ def test_zero_note_counts_a_pair_only_when_the_spreads_clear_it():
     mixed = said([1.20, 1.21, 1.22, 1.23], [1.00, 1.01, 1.02, 1.03],
                  second_pair=([1.02, 1.05, 1.10, 1.12], [1.00, 1.04, 1.08, 1.11]))
     assert "So in 1 of 2 pairs ZeRO costs more than the model charges, clear of the noise" in mixed, mixed
+
+
+def test_the_page_names_only_the_fixed_costs_its_fit_found():
+    """A calibration can fit a fixed cost of zero (the line through the origin): then the page
+    must not say the step is spent in it."""
+    from lectures.lecture_07_putting_it_together import fixed_costs, fixed_costs_sentence
+    hw = dataclasses.replace(h100_cluster(), overhead=1e-3, ring_step=(2e-3, 4e-3), p2p=(5e-5, 1e9))
+    assert fixed_costs(hw) == ["per block", "per message", "per ring step"]
+    no_block = dataclasses.replace(hw, overhead=0.0)
+    assert fixed_costs(no_block) == ["per message", "per ring step"]
+    assert "per block" not in fixed_costs_sentence(no_block)
+    none = dataclasses.replace(hw, overhead=0.0, ring_step=(0.0, 0.0), p2p=None, intra=(0.0, 1e9))
+    assert fixed_costs(none) == [] and "at zero" in fixed_costs_sentence(none)

@@ -335,7 +335,7 @@ def pytorch_pieces():
     table([[name, lay.label(), a.ms(), b.ms(), a.median / b.median]
            for (name, lay), (a, b) in zip(timed, times)],
           header=["layout", "mesh", "ours", "PyTorch's pieces", "ours / PyTorch"],
-          caption=f"Seconds per step, median and IQR, ours and PyTorch's alternating step by step, {machine(ranks)}.")
+          caption=f"Time per step, median and IQR, ours and PyTorch's alternating step by step, {machine(ranks)}.")
     _RESULTS["vs_pytorch"] = [(name, a.median / b.median) for (name, _), (a, b) in zip(timed, times)]
 
 

@@ -225,7 +225,7 @@ def step_time(model, layout, hw):
     stage, and the slowest optimizer step (`after_the_pipeline`).
 
     compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
-              cost per block (Python and kernel launches: what dominates tiny models);
+              cost per block (Python and kernel launches);
               full recomputation adds the forward again; with `hw.attention` set, the
               attention scores and values run apart, the FLOPs a FlashAttention kernel runs
               (`attention_kernel_flops`) at that rate (the part `attention` of the result);
