@@ -13,8 +13,8 @@ from exercises import listing as notebook_exercises
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline.deep_dives import (deep_dive_posting_order, dualpipev_formula, notes, schedules_table,
                                           tied_embeddings, unequal_costs)
-from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, RATIO_RUNS, RATIO_SLEEP, SLEEP, both_send_first,
-                                     bubble_row, chunk_cost, compare_with_pytorch, differences, excess_per_action,
+from lectures.pipeline.demos import (ALL, PYTORCH_SCHEDULES, RATIO_RUNS, RATIO_SLEEP, SLEEP, between_actions,
+                                     both_send_first, bubble_row, chunk_cost, compare_with_pytorch, differences, excess_per_action,
                                      measure_schedules, measured_bubbles, measured_busy, measured_pct, median_step,
                                      overhead_per_action, pct, rank_spans, ratio_cfg, reference_train, step_ratios, train_schedules, units_against)
 from lectures.pipeline.explorer import explorer_data
@@ -591,7 +591,7 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
             than their activations plus their output gradients. {zb_h1_memory_words(sleep_returns, p)}
         """)
         zb_h1_memory_table(sleep_returns)
-    cheat("ZB-H1 step", "step over 1F1B's $\\frac{3m+p-1}{3m+3(p-1)}$ at $F = B = W$", round(ratios["zb-h1"][0], 3), "×",
+    cheat("ZB-H1 step, sleep mode", "step over 1F1B's $\\frac{3m+p-1}{3m+3(p-1)}$ at $F = B = W$", round(ratios["zb-h1"][0], 3), "×",
           what=f"ZB-H1's step over 1F1B's, p = {p}, m = {m}, sleep mode with {RATIO_SLEEP * 1e3:.0f} ms actions, "
                f"measured (simulated {ratios['zb-h1'][1]:.3f})")
     speed = speedups_over_1f1b()
@@ -691,12 +691,11 @@ def real_compute():
     (zl, zo), (ol, oo) = (overhead_per_action(R, n, n, m, 1, p) for n in ("zb-h1", "1f1b"))
     note(f"""
         ZB-H1 against 1F1B with real compute: {zb_h1_verdict(bub['zb-h1'], bub['1f1b'], z, o, measured_busy(R, 'zb-h1'), measured_busy(R, '1f1b'))}
-        Time is lost between its actions (messages, Python, cores shared): its step is
-        {zo * 1e3:.1f} ms per action longer than the list simulated at its measured
-        {with_spread("action lengths", f"medians: F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms; 1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms")}
-        (1F1B's excess: {oo * 1e3:.1f} ms per action). ZB-H1's excess is {zo / statistics.mean(zl.values()):.1f}× its
-        average action, so the slots W fills are not clean idle time as on a GPU. (Its plan was timed with the F, B, W a
-        first step measured.)
+        Its step is {zo * 1e3:.1f} ms per action longer than the list simulated at its measured
+        {with_spread("action lengths", f"medians: F {zl['F'] * 1e3:.1f}, B {zl['B'] * 1e3:.1f}, W {zl['W'] * 1e3:.1f} ms; 1F1B's F {ol['F'] * 1e3:.1f}, B {ol['B'] * 1e3:.1f} ms")},
+        1F1B's {oo * 1e3:.1f} ms per action: that is time lost between actions (messages,
+        Python, cores shared). {between_actions(zo, oo, statistics.mean(zl.values()), z, o)}
+        (Its plan was timed with the F, B, W a first step measured.)
     """)
 
 
@@ -715,8 +714,9 @@ def zb_h1_verdict(bubble_z, bubble_o, z, o, busy_z=None, busy_o=None):
         why = ""
         if busy_z is not None and busy_z > busy_o:
             why = (f" Its actions add up to {busy_z * 1e3:.0f} ms of compute per step over the ranks "
-                   f"against 1F1B's {busy_o * 1e3:.0f} ms: the split backward's own cost (autograd.grad "
-                   "keeping the graph, then one backward per module for W) outweighs the idle time its Ws fill.")
+                   f"against 1F1B's {busy_o * 1e3:.0f} ms: the split backward's own cost outweighs the idle "
+                   "time its Ws fill (B asks autograd for every weighted module's output gradient as well as "
+                   "the input's, and W runs one small product per module from Python).")
         return f"{bubble}. Yet its step is {step} than 1F1B's: the step time is the verdict.{why}"
     if r < 1:
         return f"{bubble}. {'Its step is' if smaller else 'Yet its step is'} {step} than 1F1B's{' too' if smaller else ''}."

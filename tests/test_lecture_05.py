@@ -795,3 +795,17 @@ def test_four_sections_open_with_a_picture(course_site):
     spans = [s for r in rec["records"] if r["kind"] == "demo" and "deadlock" in r["name"]
              for s in walk(r["records"]) if s["kind"] == "span"]
     assert sorted(s["rank"] for s in spans) == [0, 1] and all(s["end"] - s["start"] > 1 for s in spans)
+
+
+def test_time_between_actions_is_a_reason_only_when_zb_h1_loses_more_there():
+    """The review's case: ZB-H1 lost 1.0 ms per action, 1F1B 2.0 ms, and the page gave ZB-H1's
+    excess as why its step was slower."""
+    from util.measure import Timing
+    slow, fast = Timing([0.30, 0.31, 0.32]), Timing([0.20, 0.21, 0.22])
+    less = L.between_actions(0.001, 0.002, 0.010, slow, fast)
+    assert "no more there than 1F1B" in less and "not what makes its step slower" in less
+    assert "clean idle" not in less
+    more = L.between_actions(0.003, 0.002, 0.010, slow, fast)
+    assert "loses more there than 1F1B" in more and "0.3× its average action" in more
+    tied = L.between_actions(0.001, 0.002, 0.010, Timing([1.0, 2.0, 3.0]), Timing([1.5, 2.5, 3.5]))
+    assert "slower" not in tied

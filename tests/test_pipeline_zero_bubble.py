@@ -172,4 +172,5 @@ def test_the_lecture_no_longer_says_what_the_review_found_wrong():
     assert "(or any non-blocking send before the blocking receive)" not in src
     assert "on\n        NCCL a rank's point-to-point calls run one after another on one stream" in inspect.getsource(L.deadlock)
     assert "isolates the schedule" not in src
+    assert "keeping the graph" not in src       # B frees the graph since W keeps only its inputs
     assert "DualPipeV** (DeepSeek-AI 2024)" not in src and "DualPipeV** (DeepSeek-AI 2025" in src

@@ -13,7 +13,7 @@ from lectures.pipeline.schedules import Action, Layout, make_schedule
 from lectures.pipeline.simulate import simulate, theory_bubble
 from util import device, quiet
 from util import span as timed   # a timed block on a rank: its span (local names `span` are x-axis lengths)
-from util.measure import measure, measure_side_by_side, value_range
+from util.measure import measure, measure_side_by_side, spreads_overlap, value_range
 
 # =========================================================================================
 # 0. The unit of the cost model, and how the page prints a fraction
@@ -212,6 +212,19 @@ def action_lengths(returns, label):
             for a, t0, t1 in row:
                 spans.setdefault(a.kind, []).append(t1 - t0)
     return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def between_actions(excess_z, excess_o, action_z, z, o):
+    """What ZB-H1's excess per action (over its simulated list) says beside 1F1B's: a reason for
+    a slower step only when it is the larger one."""
+    share = f"ZB-H1's excess is {excess_z / action_z:.1f}× its average action"
+    if excess_z > excess_o:
+        return (f"It loses more there than 1F1B: {share}, so the slots W fills are not clean idle "
+                "time as on a GPU.")
+    if z.median > o.median and not spreads_overlap(z, o):
+        return (f"It loses no more there than 1F1B ({share}), so that is not what makes its step "
+                "slower.")
+    return f"It loses no more there than 1F1B ({share})."
 
 
 def overhead_per_action(returns, label, name, m, v, p):
