@@ -35,7 +35,8 @@ from lectures.model.precision import (FORMATS, MasterWeights, format_properties,
                                       per_tensor_error, train_curve)
 from lectures.model.training_memory import MEM_CATEGORIES, CastWeightCopies, held_by_training, memory_timeline
 from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_backward, float8_gain_words,
-                                       fp8_scaling, references, roofline, saved_tensor_by_tensor)
+                                       fp8_scaling, references, roofline, saved_tensor_by_tensor,
+                                       torchtitan_fp8_figure)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
 from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
@@ -665,9 +666,10 @@ def master_weights():
         `rowwise_with_gw_hp` (weight gradient kept in bf16) are the scale granularities the
         appendix compares. It needs fp8 tensor cores; there, as published, torchtitan's
         Llama 3.1 8B trained at {float8_gain_words()} bf16's tokens per second on 8 and 128
-        H100s with float8 linears (drawn in the fp8 deep dive), not the tensor cores' 2×: only
-        the linears run in fp8, and each cast reads and writes its operand.
+        H100s with float8 linears, not the tensor cores' 2×: only the linears run in fp8, and
+        each cast reads and writes its operand.
     """)
+    torchtitan_fp8_figure()
     see("https://docs.pytorch.org/ao/stable/workflows/training.html",
         "PyTorch torchao documentation, Quantized Training: float8")
 

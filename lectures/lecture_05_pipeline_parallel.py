@@ -25,7 +25,7 @@ from lectures.pipeline.figures import (side_by_side, layouts_figure, executor_fi
                                        schedule_figure, gpipe_figure, memory_figure, zero_bubble_picture,
                                        zb_h2_two_steps, real_compute_figure, pytorch_figure,
                                        published_zero_bubble_figure, step_ratio_figure)
-from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_SOURCE, speedups_over_1f1b
+from lectures.pipeline.published import QI_TABLE_4, QI_TABLE_4_HARDWARE, QI_TABLE_4_SOURCE, speedups_over_1f1b
 from util import cheat, deep_dive, figure, note, see, settings, spawn, table, widget
 from util import try_it_yourself
 from util.measure import compare, machine, spreads_overlap, value_range, with_spread
@@ -606,8 +606,12 @@ def schedules_pay_off(p, short_rows, mode, sleep_returns, m=8):
         like ZB-H1, ran {min(zb1):.2f}–{max(zb1):.2f}× 1F1B's samples per second with
         {min(extra)}–{max(extra)} GB more per GPU. ZB-2p, with twice the activation memory like
         ZB-H2, ran {min(zb2):.2f}–{max(zb2):.2f}×; interleaved 1F1B {min(inter):.2f}–{max(inter):.2f}×
-        (drawn model by model in the deep dive below).
+        (the deep dive below adds each one's memory).
     """)
+    figure(published_zero_bubble_figure(memory=False),
+           caption=f"Published, not measured here: {QI_TABLE_4_HARDWARE}. Source: "
+                   f"[{QI_TABLE_4_SOURCE[1]}]({QI_TABLE_4_SOURCE[0]}): each schedule's samples per "
+                   "GPU per second over 1F1B's at m = 3p.")
     with deep_dive("Zero bubble on GPUs, as published",
                    "Qi et al.'s Table 4: throughput over 1F1B's and memory per GPU, model by model"):
         note("## Deep dive: zero bubble on GPUs, as published")

@@ -125,6 +125,7 @@ def what_needs_other_ranks():
         few hundred tokens and the machine's memory is never the limit, so this page can show
         the 1/n but not what it buys.
     """)
+    cp_published_figure()
     see(context_parallel_gpt)
     see(sequence_positions)
 
@@ -137,6 +138,20 @@ def torchtitan_cp_drop():
     return first, last, sum(flops_per_token(last[0])) / sum(flops_per_token(first[0]))
 
 
+def cp_published_figure():
+    """torchtitan's throughput per GPU from 32K to 256K tokens (CP 1 to 8), beside what the extra
+    attention work per token alone would leave."""
+    pub = TORCHTITAN_CP
+    points = pub.series["tokens/s per GPU"]
+    (s0, tps0) = points[0]
+    work = {s: sum(flops_per_token(s)) for s, _ in points}
+    figure(published_figure(pub, height=2.8, computed={"if only the work per token grew (computed)":
+                                                       [(s, tps0 * work[s0] / work[s]) for s, _ in points]}),
+           caption=pub.caption("Throughput per GPU as the sequence grows 8× and CP with it; dashed: what the "
+                               "extra attention work per token alone would leave (computed here from Llama 3.1 "
+                               "8B's shapes)."))
+
+
 def cp_at_published_scale():
     """torchtitan's Llama 3.1 8B at 32K–256K tokens with CP 1–8: the throughput drop split into
     attention's extra work and what CP costs."""
@@ -145,11 +160,6 @@ def cp_at_published_scale():
     points = pub.series["tokens/s per GPU"]
     (s0, tps0), (s1, tps1) = points[0], points[-1]
     work = {s: sum(flops_per_token(s)) for s, _ in points}
-    figure(published_figure(pub, computed={"if only the work per token grew (computed)":
-                                           [(s, tps0 * work[s0] / work[s]) for s, _ in points]}),
-           caption=pub.caption("Throughput per GPU as the sequence grows 8× and CP with it; dashed: what the "
-                               "extra attention work per token alone would leave (computed here from Llama 3.1 "
-                               "8B's shapes)."))
     linear, attn0 = flops_per_token(s0)
     _, attn1 = flops_per_token(s1)
     grew, fell = work[s1] / work[s0], tps0 / tps1
@@ -159,7 +169,8 @@ def cp_at_published_scale():
         of it is work: causal attention's FLOPs per token grow with the sequence, the matmuls'
         do not. Forward and backward, the matmuls cost {linear / 1e9:.0f} GFLOP per token and
         attention {attn0 / 1e9:.0f} at {s0 // 1024}K, {attn1 / 1e9:.0f} at {s1 // 1024}K (computed
-        from the model's shapes, `flops_per_token`): {grew:.2f}× the work per token. The other
+        from the model's shapes, `flops_per_token`): {grew:.2f}× the work per token, the dashed
+        line of the main page's figure. The other
         {fell / grew:.1f}× is what CP 8 costs there — the K/V passing that is not hidden,
         imbalance, and kernels at these lengths — and what it buys is a length that one GPU's
         memory could not hold at all.

@@ -25,7 +25,9 @@ from lectures.checkpoint.store import export, load, save, train_resumable
 from lectures.layout.estimator import Layout
 from lectures.layout.shards import flat_boxes, global_grad_norm, local_pieces
 from lectures.layout.trainer import max_param_diff, reference_run
+from lectures.model.figures import published_figure
 from lectures.model.gpt import param_count
+from lectures.model.gpu_evidence import LLAMA3_INTERRUPTION_CAUSES
 
 RESULTS = {}
 SAVED_UNDER = ("dp×tp", Layout(dp=2, tp=2, micro_batch=4))
@@ -184,8 +186,9 @@ def what_it_costs():
         note(f"""
             Replicas hold the same boxes, and DCP's planner gives each replicated box to the rank
             that has the least to write so far: {name} ranks hold the whole model each, but each
-            writes about half of it. The `.metadata` file lists every box (a few bytes per box;
-            ZeRO's flat ranges make three boxes of a matrix, so more of them). {uneven_writes(wrote)}
+            writes about half of it. The `.metadata` file lists every box with its offsets and
+            sizes (the table's metadata column; ZeRO's flat ranges cut a matrix into up to three
+            boxes, so its file lists more). {uneven_writes(wrote)}
 
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
             rank's tensors; a background thread plans and writes the files on a process group
@@ -344,6 +347,13 @@ def how_often():
         save would block δ = {delta:.1f} s and the best interval would be τ* = {best / 60:.1f} min.
         That loses {100 * expected_waste(best, delta, mtbf):.2f}% of the time.
     """)
+    causes = LLAMA3_INTERRUPTION_CAUSES
+    counts = dict(causes.series["unexpected interruptions"])
+    gpu = sum(n for cause, n in counts.items() if "GPU" in cause)
+    figure(published_figure(causes, height=3.0), caption=causes.caption(
+        f"What stopped the run: {sum(counts.values())} unexpected interruptions, {gpu} in the four GPU bars "
+        "alone. Any one of them stops every rank of a synchronous job, so M is the whole "
+        "job's, not one GPU's."))
     published(f"{LLAMA3_INTERRUPTIONS} job interruptions in {LLAMA3_DAYS} days of Llama 3 405B pre-training on "
               f"{LLAMA3_GPUS:,} H100s: 47 planned, {LLAMA3_UNEXPECTED} unexpected (about 78% confirmed or suspected "
               "hardware); more than 90% effective training time. Checkpoints of 1 MB to 4 GB per GPU; the Tectonic "

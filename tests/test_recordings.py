@@ -32,3 +32,23 @@ def test_the_recording_is_right(course_site, name):
     assert figures, f"{name} drew no figure"
     for f in figures:
         assert f["svg"].lstrip().startswith(("<?xml", "<svg")) and "<path" in f["svg"], f["caption"][:80]
+
+
+def main_path(records):
+    """The records a first read meets: everything outside the deep dives."""
+    depth = 0
+    for rec in records:
+        if rec["kind"] == "deep_dive":
+            depth += 1 if rec["edge"] == "begin" else -1
+        elif depth == 0:
+            yield rec
+
+
+@pytest.mark.parametrize("name", LECTURES)
+def test_the_main_path_shows_published_gpu_evidence_as_a_figure(course_site, name):
+    """Where this CPU cannot show a technique pay, each lecture's main path draws what GPUs
+    measured, as published, with its source linked in the caption."""
+    figures = [r for r in main_path(recording(course_site, name)["records"]) if r["kind"] == "figure"]
+    published = [f["caption"] for f in figures if "Published, not measured here" in f["caption"]]
+    assert published, f"{name}: no published GPU figure on the main path"
+    assert all("](https://" in caption for caption in published), published

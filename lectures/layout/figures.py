@@ -361,4 +361,6 @@ def mfu_picture(here, t4):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
     figure(fig, caption="Model FLOPs utilisation: Meta's measured Table 4 rows beside this model's "
-                        "predictions (the first row fitted, the others predicted), and this machine's own.")
+                        "predictions (the first row fitted, the others predicted), and this machine's own. "
+                        "Published, not measured here (hatched): Llama 3 405B on 8,192 and 16,384 H100s. Source: "
+                        "[Llama Team 2024, The Llama 3 Herd of Models](https://arxiv.org/abs/2407.21783), Table 4.")

@@ -420,6 +420,14 @@ def published_figure(pub, mark=None, ratio=None, computed=None, height=3.2):
             ax.axhline(mark[0], color="#c44e52", lw=1.5, ls="--")
             ax.text(ax.get_xlim()[1] / 1.1, mark[0], mark[1], ha="right", va="bottom", color="#c44e52",
                     fontsize=NOTE)        # at the right, where the published curve is high above it
+    elif pub.kind == "barh":        # many categories, one series: their names read across
+        cats, ys = zip(*series[names[0]])
+        bars = ax.barh(range(len(cats)), ys, 0.7, color=colours[0])
+        for b, y in zip(bars, ys):
+            ax.text(y, b.get_y() + b.get_height() / 2, f" {y:,.4g}", va="center", fontsize="small")
+        ax.set_yticks(range(len(cats)), cats)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(ys) * 1.15)
     else:
         cats = [x for x, _ in series[names[0]]]
         width = 0.8 / len(names)
@@ -434,9 +442,9 @@ def published_figure(pub, mark=None, ratio=None, computed=None, height=3.2):
         ax.set_ylim(0, max(y for s in series.values() for _, y in s) * 1.18)
         if ratio:
             ax.axhline(1, color="black", lw=0.8)
-    ax.set_xlabel(pub.x_label)
-    ax.set_ylabel(y_label)
-    ax.set_title(pub.title, fontsize=NOTE)
+    ax.set_xlabel(y_label if pub.kind == "barh" else pub.x_label)
+    ax.set_ylabel(pub.x_label if pub.kind == "barh" else y_label)
+    ax.set_title(pub.title, fontsize=NOTE, loc="right" if pub.kind == "barh" else "center")   # over the names too
     legend = len(names) > 1 or pub.kind == "line"
     if legend:
         handles, labels = ax.get_legend_handles_labels()

@@ -16,7 +16,7 @@ class Published:
     x_label: str
     y_label: str
     series: dict
-    kind: str = "bars"   # "bars" (x are categories) or "line" (x are numbers, log scale)
+    kind: str = "bars"   # "bars" (x are categories), "barh" (the same, drawn across) or "line" (x are numbers, log scale)
 
     def caption(self, said=""):
         """The figure's caption: what it shows, then the source, linked, with where in it."""
@@ -96,6 +96,23 @@ TORCHTITAN_CP = Published(
     hardware="8 H100s (Grand Teton, 500 W)",
     x_label="sequence length (CP = 1, 2, 4, 8)", y_label="tokens/s per GPU", kind="line",
     series={"tokens/s per GPU": [(32768, 3890), (65536, 2540), (131072, 1071), (262144, 548)]})
+
+# Lecture 08: what stopped Llama 3 405B's pre-training, by root cause (the 419 unexpected of its
+# 466 interruptions in 54 days). The eleven smallest causes (NIC 7, NCCL watchdog timeouts 7,
+# silent data corruption 6, GPU thermal interface and sensor 6, SSD 3, power supply 3, server
+# chassis 2, IO expansion board 2, dependency 2, CPU 2, system memory 2) are drawn as one bar.
+# The paper prints 30.1% beside the first row's 148, which is 35% of 419; the counts add up.
+LLAMA3_INTERRUPTION_CAUSES = Published(
+    title="Llama 3 405B on 16,384 H100s for 54 days: what stopped it",
+    source="Llama Team 2024, The Llama 3 Herd of Models",
+    url="https://arxiv.org/abs/2407.21783",
+    where="§3.3.4, Table 5",
+    hardware="16,384 H100s, 54 days of pre-training",
+    x_label="", y_label="interruptions",
+    kind="barh",
+    series={"unexpected interruptions": [
+        ("faulty GPU", 148), ("GPU HBM3 memory", 72), ("software bug", 54), ("network switch, cable", 35),
+        ("host maintenance", 32), ("GPU SRAM memory", 19), ("GPU system processor", 17), ("11 other causes", 42)]})
 
 # The model of lecture 06's W1 check: Llama 3.1 8B's shapes (Meta's model card / config.json).
 LLAMA31_8B = {"layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "d_ff": 14336,

@@ -385,32 +385,35 @@ def posting_order_figure(sent, needed, src, dst):
     return fig
 
 
-def published_zero_bubble_figure():
+def published_zero_bubble_figure(memory=True):
     """Qi et al.'s GPU measurements (Table 4, carried in lectures/pipeline/published.py): each
-    schedule's throughput over 1F1B's at each model's fewest micro-batches (left), and the
-    memory each used (right); the source is written on the figure."""
+    schedule's throughput over 1F1B's at each model's fewest micro-batches (left), and, with
+    `memory`, the memory each used (right); the source is written on the figure."""
     import matplotlib.pyplot as plt
     from lectures.pipeline.published import (QI_TABLE_4, QI_TABLE_4_HARDWARE, QI_TABLE_4_SCHEDULES,
                                              QI_TABLE_4_SOURCE, speedups_over_1f1b)
     colours = {"1F1B": "#9e9e9e", "1F1B-I": "#4c78a8", "ZB-1p": "#54a24b", "ZB-2p": "#e45756"}
     speed = speedups_over_1f1b()
     models = list(QI_TABLE_4)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3.6))
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(7.5, 3.6 if memory else 3.0), squeeze=False)
+    left, right = axes[0][0], axes[0][-1] if memory else None
     width = 0.8 / len(QI_TABLE_4_SCHEDULES)
     for k, s in enumerate(QI_TABLE_4_SCHEDULES):
         xs = [i + (k - 1.5) * width for i in range(len(models))]
         left.bar(xs, [speed[mo][2][s] for mo in models], width, color=colours[s], label=s)
-        right.bar(xs, [QI_TABLE_4[mo][3][s] for mo in models], width, color=colours[s], label=s)
+        if memory:
+            right.bar(xs, [QI_TABLE_4[mo][3][s] for mo in models], width, color=colours[s], label=s)
     labels = [f"{mo}\n{speed[mo][0]} GPUs\nm={speed[mo][1]}" for mo in models]
     left.set_xticks(range(len(models)), labels, fontsize="medium")
-    right.set_xticks(range(len(models)), [f"{mo}\n{QI_TABLE_4[mo][0]} GPUs" for mo in models], fontsize="medium")
     left.set_ylim(0.9, 1.35)
     left.axhline(1, color="black", linewidth=0.6)
     left.set_ylabel("throughput / 1F1B's")
     left.set_title("samples/GPU/s over 1F1B's", loc="left")
-    right.set_ylabel("memory (GB)")
-    right.set_title("memory per GPU", loc="left")
-    handles, names = right.get_legend_handles_labels()
+    if memory:
+        right.set_xticks(range(len(models)), [f"{mo}\n{QI_TABLE_4[mo][0]} GPUs" for mo in models], fontsize="medium")
+        right.set_ylabel("memory (GB)")
+        right.set_title("memory per GPU", loc="left")
+    handles, names = left.get_legend_handles_labels()
     fig.legend(handles, names, loc="upper center", ncol=len(names), fontsize="medium", frameon=False)
     fig.text(0.01, 0.01, f"Published, not measured here: {QI_TABLE_4_SOURCE[1]},\n"
                          f"{QI_TABLE_4_HARDWARE}; {QI_TABLE_4_SOURCE[0]}", fontsize="small")
