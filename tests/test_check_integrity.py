@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import exercises
-from tests.test_exercises import bubble_first_and_last
+from tests.test_exercises import HANG_TIMEOUT, bubble_first_and_last
 from util import exercise as engine, launch
 
 pytestmark = pytest.mark.timeout(300)
@@ -529,8 +529,10 @@ def all_gather_deadlocked(x):
     return out
 
 
-def test_a_deadlock_gets_the_deadlock_note_not_the_exercises_hint():
-    got = fails("all_gather", all_gather_deadlocked, says="every send needs its matching recv")
+def test_a_deadlock_gets_the_deadlock_note_not_the_exercises_hint(monkeypatch):
+    monkeypatch.setattr(engine, "CHECK_TIMEOUT", HANG_TIMEOUT)
+    got = fails("all_gather", all_gather_deadlocked,
+                says=("every send needs its matching recv", f"waited more than {HANG_TIMEOUT:g} s"))
     assert exercises.get("all_gather").hint not in got["detail"], got["detail"]
 
 

@@ -651,7 +651,7 @@ SITUATIONS = (
     (("died",), "\n(a rank crashed inside PyTorch: often a message to a rank that is not in the group; "
                 "the check runs at more than one world size)"),
     (("deadline",), "\n(an endless loop? a loop whose counter never changes, or a wait for a message never sent)"),
-    (("did not finish", "imed out"), f"\n(a rank waited more than {CHECK_TIMEOUT:g} s: every send needs its "
+    (("did not finish", "imed out"), "\n(a rank waited more than {timeout:g} s: every send needs its "
                                      "matching recv, and every rank must call the same collectives)"),
 )
 
@@ -672,7 +672,7 @@ def _failure(name, run, error, world_size, hint_line):
         "together)", error.replace(f"demo 'check {name}'", "the check"))
     said = f"{error}\n{tail}"
     situation = next((note for words, note in SITUATIONS if any(w in said for w in words)), None)
-    return detail + (situation or hint_line)
+    return detail + (situation.format(timeout=CHECK_TIMEOUT) if situation else hint_line)
 
 
 def _run_once(name, harness, sources, world_size, kwargs, given, rules, deadline):
