@@ -32,7 +32,7 @@ from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_ag
 from lectures.layout.demos import (_RESULTS, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    rho_uncertainty, ties_words, trivial_prediction, verdict_of, worst_ratios)
-from lectures.layout.at_scale import across_scale, experts_at_scale
+from lectures.layout.at_scale import across_scale, experts_at_scale, trust_words
 from lectures.layout.published import a100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
 from lectures.layout.deep_dives import (decision_flow, error_by_axis, memory_with_recomputation, notes,
@@ -577,10 +577,8 @@ def published_scale():
     near = {name: err for name, err in val.items() if "Llama 3 8B" in name or "Llama 3 70B" in name}
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU",
                         "DP seconds before hiding", "why"],
-          caption=f"The search's best layouts beside the syllabus' decision procedure, predicted. How far to trust "
-                  f"them: on A100s the model predicts torchtitan's Llama 3 8B and 70B to "
-                  f"{' and '.join(f'{100 * e:+.1f}%' for e in near.values())}; no H100 run at these sizes is "
-                  f"checked, so these MFUs carry at least that error and the 405B rows' band. 'DP seconds before "
+          caption=f"The search's best layouts beside the syllabus' decision procedure, predicted. "
+                  f"{trust_words(_RESULTS['h100_validation'], near)} 'DP seconds before "
                   f"hiding': the data-parallel collectives of one step, on the stage that moves the most, "
                   f"before the assumed overlap and the pipeline's cool-down hide them; where they are a large "
                   f"share of the step, the pick rests on that assumption (with less overlap, ZeRO-2/3 picks "

@@ -1065,3 +1065,23 @@ def test_the_page_names_only_the_fixed_costs_its_fit_found():
     assert "per block" not in fixed_costs_sentence(no_block)
     none = dataclasses.replace(hw, overhead=0.0, ring_step=(0.0, 0.0), p2p=None, intra=(0.0, 1e9))
     assert fixed_costs(none) == [] and "at zero" in fixed_costs_sentence(none)
+
+
+def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_error():
+    """torchtitan's eager FSDP runs of an 8B on 8 and 128 H100s (the data lecture 03 draws):
+    predicted with Table 4's fraction, their published step from 2 × 8,192 tokens per GPU, and
+    the picks' caption quotes their errors, not only the A100's."""
+    from lectures.layout.at_scale import trust_words
+    from lectures.layout.published import h100_validation
+    hw = h100_cluster(**{GEMM: 0.65})
+    rows = h100_validation(hw)
+    assert [r["run"]["gpus"] for r in rows] == [8, 128]
+    assert rows[0]["run"]["seconds"] == pytest.approx(2 * 8192 / 5762)
+    for r in rows:
+        assert r["layout"].zero == 3 and r["layout"].dp == r["run"]["gpus"]
+        assert r["error"] == pytest.approx(r["run"]["seconds"] / r["time"]["total"] - 1)
+    said = trust_words(rows, {"a": 0.038, "b": -0.037})
+    for r in rows:
+        assert f"{100 * r['error']:.0f}%" in said
+    assert "+3.8% and -3.7%" in said
+    assert f"up to {100 * max(abs(r['error']) for r in rows):.0f}% too high" in said

@@ -15,6 +15,7 @@ import dataclasses
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.search import GEMM, reach
 from lectures.layout.step_time import LLAMA3_70B, LLAMA3_8B, a100_cluster, step_time
+from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 
 # (parameters in billions, heads, hidden, layers, tp, pp, GPUs, global batch, teraFLOP/s per GPU)
 MEGATRON_TABLE1 = [
@@ -138,6 +139,24 @@ def torchtitan_run(model, recompute, tokens_per_gpu):
             "seconds": 64 * model.seq / (tokens_per_gpu * 64), "source": TORCHTITAN_SOURCE, "gpu": "A100",
             "knobs": dict(zero=(3,), sp=(False,), recompute=(recompute,)), "flash": True,
             "measured": f"{tokens_per_gpu:,} tokens/s per GPU"}
+
+
+def torchtitan_h100_run(gpus, tokens_per_gpu, local_batch=2):
+    """torchtitan's Llama 3.1 8B with FSDP2 on H100s, eager (no torch.compile), as lecture 03 draws
+    it (lectures/model/gpu_evidence.py, TORCHTITAN_FSDP_SCALING): local batch 2, sequence 8,192,
+    selective activation checkpointing (charged as the course's selective set)."""
+    return {"name": f"Llama 3.1 8B on {gpus} H100s (torchtitan)", "model": LLAMA3_8B, "gpus": gpus,
+            "mesh": {"dp": gpus, "pp": 1, "cp": 1, "tp": 1}, "batch": local_batch * gpus,
+            "seconds": local_batch * LLAMA3_8B.seq / tokens_per_gpu, "source": TORCHTITAN_FSDP_SCALING.url,
+            "gpu": "H100", "knobs": dict(zero=(3,), sp=(False,), recompute=("selective",)), "flash": True,
+            "measured": f"{tokens_per_gpu:,} tokens/s per GPU"}
+
+
+def h100_validation(hw):
+    """torchtitan's eager FSDP runs of Llama 3.1 8B on 8 and 128 H100s, predicted with `hw` (the
+    H100 cluster with Table 4's fitted GEMM fraction): nothing is fitted on them."""
+    runs = [torchtitan_h100_run(int(gpus.split()[0]), tps) for gpus, tps in TORCHTITAN_FSDP_SCALING.series["FSDP"]]
+    return [predict_run(r, hw) for r in runs]
 
 
 def a100_runs():
