@@ -117,9 +117,10 @@ def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
 
 # --- the executor on real tensors under the stand-in -------------------------------------------
 
-def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
+def run_under_nccl(name, p, m, v, monkeypatch, offset=0, cost=None):
     """Train one step with ranks as threads under NCCL's rules on global ranks offset..offset+p-1
-    (a sub-group when offset > 0); returns the executors and the stand-in."""
+    (a sub-group when offset > 0), the plan timed at `cost` if given; returns the executors and
+    the stand-in."""
     p2p = NcclLikeP2P()
     monkeypatch.setattr(pipeline, "dist", p2p)
     sched = make_schedule(name, p, m, v)
@@ -132,7 +133,8 @@ def run_under_nccl(name, p, m, v, monkeypatch, offset=0):
         p2p.local.rank = g
         r = g - offset
         mine = {c: stages[sched.layout.stage(r, c)] for c in range(v)}
-        ex = PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), group=group, dtype=torch.float64)
+        ex = PipelineExecutor(sched, mine, r, (2, cfg.seq_len, cfg.d_model), group=group, dtype=torch.float64,
+                              cost=cost)
         ex.step(inputs, targets)
         return ex
     executors = run_ranks(rank_main, range(offset, offset + p))
@@ -157,6 +159,16 @@ def test_every_schedule_equals_one_process_under_nccls_rules(name, p, m, v, monk
         pytest.skip("the schedule refuses this size")
     executors, p2p = run_under_nccl(name, p, m, v, monkeypatch)
     assert p2p.works_returned == p2p.batches          # one Work per batch, as NCCL returns
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("name,v", [("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)])
+def test_plans_timed_at_the_runs_costs_train_right_under_nccls_rules(name, v, p, m, monkeypatch):
+    """Issue 39: the plan's slots come from the costs the run will have (W half of B, as Qi et
+    al. measured): on real tensors under the stand-in it finishes, up to p = 8, and equals one
+    process; one Work per batch."""
+    executors, p2p = run_under_nccl(name, p, m, v, monkeypatch, cost=demos.chunk_cost(v, 1, 1, 0.5))
+    assert p2p.works_returned == p2p.batches
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("dualpipev", 2)])
