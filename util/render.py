@@ -613,8 +613,6 @@ def lecture_page(rec, name):
         page.add_top(r)
     page.exercises = [{**e, "title": page._prose(html.escape(str(e.get("title", ""))), page=page.page)}
                       for e in rec.get("exercises") or []]
-    for s in page.sections + page.appendix:
-        s["code"] = page.code_for(s["keys"])
     return page
 
 
@@ -628,6 +626,8 @@ def page_title(rec):
 def lecture_html(rec, name, previous=None, next=None):
     """(page HTML, appendix HTML or None, {file name: bytes}) for a recording."""
     page = lecture_page(rec, name)
+    for s in page.sections + page.appendix:   # here, not in lecture_page: the index makes every
+        s["code"] = page.code_for(s["keys"])  # lecture's Page after each build, and needs no code
     title = page.full_title
     status = rec.get("status", "ok")
     subtitle = page.subtitle
