@@ -99,6 +99,15 @@ class ModelShape:
         return self.hidden // self.heads
 
     @functools.cached_property
+    def _hash(self):
+        return hash(dataclasses.astuple(self))
+
+    def __hash__(self):
+        # the cached methods below key on the shape: a search hashes it millions of times, so
+        # its fields are hashed once (dataclass's own __hash__ builds their tuple every call)
+        return self._hash
+
+    @functools.cached_property
     def kv_dim(self):
         return self.kv_heads * self.head_dim
 
@@ -438,17 +447,16 @@ def estimate_memory(model, layout, stage=None):
     n = stage_params(model, layout, stage)
     dp, z = layout.dp * layout.cp, layout.zero
     n_layers = rank_layers(model.layers, layout.pp, layout.virtual_stages)[stage]
-    blocks = sum(block_params(model, layout, stage))
-    gathered = (min(2, n_layers) * largest_block(model, layout) + n - blocks) * (B["weights"] + B["grads"])
+    shared, experts = block_params(model, layout, stage)
+    gathered = (min(2, n_layers) * largest_block(model, layout) + n - shared - experts) * (B["weights"] + B["grads"])
     # ZeRO shards each parameter over the ranks that hold it: the routed experts over dp·cp/ep
-    experts = block_params(model, layout, stage)[1]
     shards = lambda on: (n - experts) / (dp if on else 1) + experts / (dp // layout.ep if on else 1)
+    stored_and_transient = activation_bytes(model, layout, stage)
     out = {"stage": stage, "params": n,
            "weights": B["weights"] * shards(z >= 3),
            "grads": B["grads"] * shards(z >= 2),
            "optimizer": B["optimizer"] * shards(z >= 1),
            "gathered": gathered if z >= 3 and dp > 1 else 0,
-           "activations": sum(activation_bytes(model, layout, stage)),
-           "stored activations": activation_bytes(model, layout, stage)[0]}
+           "activations": sum(stored_and_transient), "stored activations": stored_and_transient[0]}
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["gathered"] + out["activations"]
     return out
