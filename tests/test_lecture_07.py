@@ -1062,9 +1062,25 @@ def test_the_page_names_only_the_fixed_costs_its_fit_found():
     assert fixed_costs(hw) == ["per block", "per message", "per ring step"]
     no_block = dataclasses.replace(hw, overhead=0.0)
     assert fixed_costs(no_block) == ["per message", "per ring step"]
-    assert "per block" not in fixed_costs_sentence(no_block)
-    none = dataclasses.replace(hw, overhead=0.0, ring_step=(0.0, 0.0), p2p=None, intra=(0.0, 1e9))
-    assert fixed_costs(none) == [] and "at zero" in fixed_costs_sentence(none)
+    lay = Layout(dp=2, micro_batch=1, micro_batches=2)
+    assert "per block" not in fixed_costs_sentence(no_block, 0.5, lay)
+    assert "that is why" in fixed_costs_sentence(no_block, 0.5, lay) and "50%" in fixed_costs_sentence(no_block, 0.5, lay)
+    assert "that is why" not in fixed_costs_sentence(no_block, 0.05, lay)
+    none = dataclasses.replace(hw, overhead=0.0, ring_step=(0.0, 0.0), p2p=None, intra=(0.0, 1e9), inter=(0.0, 1e9))
+    assert fixed_costs(none) == [] and "at zero" in fixed_costs_sentence(none, 0.0, lay)
+
+
+def test_the_fixed_share_is_what_the_step_loses_without_its_fixed_costs():
+    """fixed_share: a machine with only a per-block cost and free links spends exactly that share."""
+    from lectures.lecture_07_putting_it_together import fixed_share, without_fixed_costs
+    shape = ModelShape("tiny", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=32)
+    lay = Layout(dp=2, micro_batch=1, micro_batches=2)
+    hw = dataclasses.replace(h100_cluster(), overhead=1e-3, ring_step=(0.0, 0.0))
+    bare = without_fixed_costs(hw)
+    assert bare.overhead == 0 and bare.intra[0] == 0 and bare.inter[0] == 0 and bare.intra[1] == hw.intra[1]
+    total, base = step_time(shape, lay, hw)["total"], step_time(shape, lay, bare)["total"]
+    assert fixed_share(shape, lay, hw) == pytest.approx(1 - base / total) and 0 < fixed_share(shape, lay, hw) < 1
+    assert fixed_share(shape, lay, bare) == pytest.approx(0)
 
 
 def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_error():
@@ -1080,8 +1096,11 @@ def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_e
     for r in rows:
         assert r["layout"].zero == 3 and r["layout"].dp == r["run"]["gpus"]
         assert r["error"] == pytest.approx(r["run"]["seconds"] / r["time"]["total"] - 1)
+    assert all(r["layout"].micro_batch == 2 and r["layout"].micro_batches == 1 for r in rows)   # as published
     said = trust_words(rows, {"a": 0.038, "b": -0.037})
     for r in rows:
-        assert f"{100 * r['error']:.0f}%" in said
-    assert "+3.8% and -3.7%" in said
-    assert f"up to {100 * max(abs(r['error']) for r in rows):.0f}% too high" in said
+        assert f"{100 * r['error']:+.0f}%" in said
+    assert "+4% and -4%" in said
+    assert f"up to {1 + max(r['error'] for r in rows):.2f}×" in said
+    close = [dict(r, error=e) for r, e in zip(rows, (0.05, -0.08))]
+    assert "+5% and -8% too fast" in trust_words(close, {"a": 0.0}) and "up to" not in trust_words(close, {"a": 0.0})

@@ -14,7 +14,7 @@ import dataclasses
 
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.layout.search import GEMM, reach
-from lectures.layout.step_time import LLAMA3_70B, LLAMA3_8B, a100_cluster, step_time
+from lectures.layout.step_time import H100_HBM, H100_MEMORY, LLAMA3_70B, LLAMA3_8B, a100_cluster, step_time
 from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 
 # (parameters in billions, heads, hidden, layers, tp, pp, GPUs, global batch, teraFLOP/s per GPU)
@@ -77,7 +77,7 @@ def run_layouts(run, micro_batch_sizes=(1, 2, 4, 8), virtual_stages=(1, 2, 3, 4,
     what `run["knobs"]` allows of ZeRO, recomputation, sequence parallelism), in bf16."""
     mesh, model, k = run["mesh"], run["model"], run["knobs"]
     per_dp = run["batch"] // mesh["dp"]
-    for mb in micro_batch_sizes:
+    for mb in k.get("micro_batch", micro_batch_sizes):
         m = per_dp // mb
         if per_dp % mb:
             continue
@@ -106,7 +106,8 @@ def predict_run(run, hw):
     hw = run_hardware(run, hw)
     best = None
     for lay in run_layouts(run):
-        if estimate_memory(run["model"], lay)["total"] > hw.memory:
+        # a run pinned to its published layout fitted as it ran: the estimator is not asked
+        if not run.get("pinned") and estimate_memory(run["model"], lay)["total"] > hw.memory:
             continue
         t = step_time(run["model"], lay, hw)
         if best is None or t["total"] < best["time"]["total"]:
@@ -143,18 +144,34 @@ def torchtitan_run(model, recompute, tokens_per_gpu):
 
 def torchtitan_h100_run(gpus, tokens_per_gpu, local_batch=2):
     """torchtitan's Llama 3.1 8B with FSDP2 on H100s, eager (no torch.compile), as lecture 03 draws
-    it (lectures/model/gpu_evidence.py, TORCHTITAN_FSDP_SCALING): local batch 2, sequence 8,192,
-    selective activation checkpointing (charged as the course's selective set)."""
+    it (lectures/model/gpu_evidence.py, TORCHTITAN_FSDP_SCALING): local batch 2 in one micro-batch,
+    sequence 8,192, selective activation checkpointing (charged as the course's selective set)."""
     return {"name": f"Llama 3.1 8B on {gpus} H100s (torchtitan)", "model": LLAMA3_8B, "gpus": gpus,
             "mesh": {"dp": gpus, "pp": 1, "cp": 1, "tp": 1}, "batch": local_batch * gpus,
             "seconds": local_batch * LLAMA3_8B.seq / tokens_per_gpu, "source": TORCHTITAN_FSDP_SCALING.url,
-            "gpu": "H100", "knobs": dict(zero=(3,), sp=(False,), recompute=("selective",)), "flash": True,
-            "measured": f"{tokens_per_gpu:,} tokens/s per GPU"}
+            "gpu": "H100", "flash": True, "measured": f"{tokens_per_gpu:,} tokens/s per GPU", "pinned": True,
+            "knobs": dict(zero=(3,), sp=(False,), recompute=("selective",), micro_batch=(local_batch,))}
 
 
-def h100_validation(hw):
-    """torchtitan's eager FSDP runs of Llama 3.1 8B on 8 and 128 H100s, predicted with `hw` (the
-    H100 cluster with Table 4's fitted GEMM fraction): nothing is fitted on them."""
+# torchtitan's H100s (its benchmarks page, llama3_h100_202412_torchtitan.md): Grand Teton hosts of
+# 8 H100s with 96 GB of HBM2e at 2.4 TB/s each, 400 Gb/s RDMA per GPU (as the DGX H100 cluster's),
+# run at the default 500 W power limit. Table 4's H100s ran at 700 W with 80 GB of HBM3.
+GRAND_TETON_MEMORY, GRAND_TETON_HBM, GRAND_TETON_WATTS = 96 * 2 ** 30, 2.4e12, 500
+TORCHTITAN_8B_MEMORY = 82.4 * 2 ** 30      # what the eager FSDP run held per GPU on 8 H100s (Table 1)
+
+
+def grand_teton(h100):
+    """`h100` (the DGX H100 cluster, Table 4's GEMM fraction) with torchtitan's memory and its
+    bandwidth. The 500 W power limit is not modelled: the GEMM fraction is the 700 W fit's."""
+    return dataclasses.replace(h100, name="Grand Teton H100s (96 GB HBM2e, 500 W)",
+                               memory=h100.memory / H100_MEMORY * GRAND_TETON_MEMORY,
+                               hbm=h100.hbm / H100_HBM * GRAND_TETON_HBM)
+
+
+def h100_validation(h100):
+    """torchtitan's eager FSDP runs of Llama 3.1 8B on 8 and 128 H100s, predicted on their own
+    hardware (`grand_teton(h100)`) with Table 4's fitted GEMM fraction: nothing is fitted on them."""
+    hw = grand_teton(h100)
     runs = [torchtitan_h100_run(int(gpus.split()[0]), tps) for gpus, tps in TORCHTITAN_FSDP_SCALING.series["FSDP"]]
     return [predict_run(r, hw) for r in runs]
 
