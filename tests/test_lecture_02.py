@@ -527,11 +527,15 @@ def test_overlap_verdict_counts_what_was_hidden_against_the_parts_timed_alone():
          "overlapped": around(25.3)}
     text = visible_text(L.overlap_verdict(t))
     assert "hid about 31% of the shorter one" in text and "100%" not in text, text
-    assert L.overlap_paid(t)
+    assert L.overlap_paid(t) == "in part"
     t["overlapped"] = around(30.0)          # faster than sequential, slower than the parts alone
     text = visible_text(L.overlap_verdict(t))
     assert "not communication hidden" in text and "hid about" not in text, text
-    assert not L.overlap_paid(t)
+    assert L.overlap_paid(t) is None
+    t["overlapped"] = around(29.2)          # under the parts' median sum, inside their spread: no claim
+    assert L.overlap_paid(t) is None
+    t["overlapped"] = around(16.0)          # the shorter part hidden whole
+    assert "hid all of the shorter one" in visible_text(L.overlap_verdict(t)) and L.overlap_paid(t) == "fully"
 
 
 def test_hang_errors_lose_the_build_path():
