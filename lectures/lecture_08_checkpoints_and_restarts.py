@@ -155,7 +155,7 @@ def what_it_costs():
                ("dp + ZeRO-1", Layout(dp=ranks, zero=1, micro_batch=COST.global_batch // ranks))]
     if settings.quick:
         layouts = layouts[:1]
-    rows, RESULTS["costs"], wrote = [], [], {}
+    rows, RESULTS["costs"], wrote, metadata = [], [], {}, {}
     for name, lay in layouts:
         demo = spawn(checkpoint_costs, ranks, run=COST, layout=lay, directory=workdir(f"cost-{name}"),
                      repeats=3 if settings.quick else 5, name=f"checkpoint costs, {name} on {ranks} ranks")
@@ -168,6 +168,7 @@ def what_it_costs():
                      step.ms(), sync.ms(), blocked.ms(), total.ms()])
         RESULTS["costs"].append((name, sync, blocked, total, step))
         wrote[name] = [(r["mine"] / 2 ** 20, r["held"] / 2 ** 20) for r in got]
+        metadata[name] = got[0]["metadata"]
     params = param_count(COST.cfg)
     if RESULTS.get("costs"):
         figure(draw_costs([(c[0], (c[4], c[1], c[2], c[3])) for c in RESULTS["costs"]]),
@@ -186,9 +187,7 @@ def what_it_costs():
         note(f"""
             Replicas hold the same boxes, and DCP's planner gives each replicated box to the rank
             that has the least to write so far: {name} ranks hold the whole model each, but each
-            writes about half of it. The `.metadata` file lists every box with its offsets and
-            sizes (the table's metadata column; ZeRO's flat ranges cut a matrix into up to three
-            boxes, so its file lists more). {uneven_writes(wrote)}
+            writes about half of it. {metadata_words(metadata)} {uneven_writes(wrote)}
 
             An asynchronous save (`dcp.async_save`) blocks the step only while it copies this
             rank's tensors; a background thread plans and writes the files on a process group
@@ -202,6 +201,16 @@ def what_it_costs():
         """)
         cheat("Checkpoint blocking", "async: barrier + copy; sync: + plan + write", round(blocked.median * 1e3, 1), "ms",
               what=f"{params / 1e6:.1f}M parameters, {name}, {machine(ranks)}")
+
+
+def metadata_words(metadata):
+    """The .metadata sentence, from its measured bytes per layout ({name: bytes})."""
+    said = "The `.metadata` file lists every box with its offsets and sizes (the table's metadata column)"
+    zero, plain = metadata.get("dp + ZeRO-1"), metadata.get("dp")
+    if zero and plain and zero > plain:
+        said += (f"; ZeRO's flat ranges cut a matrix into up to three boxes, so ZeRO-1's lists more: "
+                 f"{zero / 1024:.0f} KiB against plain data parallelism's {plain / 1024:.0f}")
+    return said + "."
 
 
 def uneven_writes(wrote):

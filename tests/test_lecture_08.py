@@ -456,3 +456,21 @@ def test_a_tied_embedding_saved_by_a_pipeline_loads_into_one_tensor(tmp_path):
         r["params"].pop("lm_head.weight", None)
     assert max_param_diff(got, ref["params"]) < 1e-6
     assert "lm_head.weight" not in torch.load(export(str(tmp_path), str(tmp_path / "m.pt")))
+
+
+def test_the_metadata_sentence_says_zero_lists_more_only_where_its_bytes_show_it():
+    from lectures.lecture_08_checkpoints_and_restarts import metadata_words
+    assert "ZeRO" not in metadata_words({"dp": 52_000})             # the quick build: one layout
+    said = metadata_words({"dp": 52_000, "dp + ZeRO-1": 73_000})
+    assert "71 KiB against plain data parallelism's 51" in said
+    assert "ZeRO" not in metadata_words({"dp": 73_000, "dp + ZeRO-1": 52_000})
+
+
+def test_llama3s_interruption_causes_add_up_to_its_unexpected_interruptions():
+    """Table 5 of the Llama 3 paper, as the page draws it: the bars add up to the 419 unexpected
+    interruptions the lecture's model of M uses, and the four GPU bars to 256."""
+    from lectures.checkpoint.restart import LLAMA3_UNEXPECTED
+    from lectures.model.gpu_evidence import LLAMA3_INTERRUPTION_CAUSES
+    counts = dict(LLAMA3_INTERRUPTION_CAUSES.series["unexpected interruptions"])
+    assert sum(counts.values()) == LLAMA3_UNEXPECTED == 419
+    assert sum(n for cause, n in counts.items() if "GPU" in cause) == 256 and counts["faulty GPU"] == 148
