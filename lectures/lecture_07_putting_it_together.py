@@ -777,12 +777,12 @@ def mfu_section():
         spent = [f"{100 * fixed_share(shape, best[0], hw):.0f}% in fixed costs"] + (
             [f"{100 * parts['bubble'] / parts['total']:.0f}% in the bubble"] if parts["bubble"] > 0 else [])
         note(f"""
-            Here the fastest layout measured ({best[0].label()}) reaches **MFU {100 * u:.2f}%** on
-            {machine(ranks)}: a model this small runs its own work at {hw.flops / 1e9:.2f} GFLOP/s,
+            Here the fastest layout measured ({best[0].label()}) trains {tokens / best[2].median:,.0f}
+            tokens/s of {int(flops_per_token(shape)[0]):,} FLOPs each on {machine(ranks)}, against a
+            peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul): **MFU
+            {100 * u:.2f}%**. A model this small runs its own work at {hw.flops / 1e9:.2f} GFLOP/s,
             {100 * hw.flops / hw.peak:.0f}% of the matmul's rate, and the cost model puts
-            {' and '.join(spent)} of this layout's predicted step. Each token costs {int(flops_per_token(shape)[0]):,} FLOPs. The layout
-            trains {tokens / best[2].median:,.0f} tokens/s, against a peak of {ranks} ×
-            {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul).
+            {' and '.join(spent)} of this layout's predicted step.
         """)
         _RESULTS["mfu_here"] = u
         cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi_\\text{mat} + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
@@ -794,9 +794,9 @@ def mfu_section():
         attention's published rate and on Meta's MFU count). On A100s, fitted on one run, it
         predicts eleven others from 1.7B to 1T parameters within
         {100 * max(abs(e) for e in val.values()) if val else 10:.0f}%, with an error that drifts
-        from too fast at 1.7B to too slow at 1T. On H100s it predicts an eager 8B's runs
-        {h100_words(_RESULTS["h100_validation"])}. It knows nothing of stragglers or failures, so its MFU for the
-        8B and 70B picks is a prediction under stated assumptions, not a bound.""" if t4 else "")
+        from too fast at 1.7B to too slow at 1T; on H100s it predicts an eager 8B's runs
+        {h100_words(_RESULTS["h100_validation"])}. It knows nothing of stragglers or failures, so
+        its MFU for the 8B and 70B picks is a prediction under stated assumptions, not a bound.""" if t4 else "")
     note(f"""
         {where}
         Published runs reach 38–56% MFU (the table). The Ultra-Scale Playbook swept more than
