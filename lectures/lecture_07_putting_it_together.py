@@ -774,15 +774,16 @@ def mfu_section():
         best = min(timed, key=lambda x: x[2].median)
         u = mfu(shape, tokens / best[2].median, ranks * hw.peak)
         parts = step_time(shape, best[0], hw)
-        spent = [f"{100 * fixed_share(shape, best[0], hw):.0f}% in fixed costs"] + (
-            [f"{100 * parts['bubble'] / parts['total']:.0f}% in the bubble"] if parts["bubble"] > 0 else [])
+        spent = f"{100 * fixed_share(shape, best[0], hw):.0f}% in fixed costs" + (   # the bubble's slots hold some
+            f" (some of them inside its bubble, {100 * parts['bubble'] / parts['total']:.0f}% of it)"
+            if parts["bubble"] > 0 else "")
         note(f"""
             Here the fastest layout measured ({best[0].label()}) trains {tokens / best[2].median:,.0f}
             tokens/s of {int(flops_per_token(shape)[0]):,} FLOPs each on {machine(ranks)}, against a
             peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul): **MFU
             {100 * u:.2f}%**. A model this small runs its own work at {hw.flops / 1e9:.2f} GFLOP/s,
-            {100 * hw.flops / hw.peak:.0f}% of the matmul's rate, and the cost model puts
-            {' and '.join(spent)} of this layout's predicted step.
+            {100 * hw.flops / hw.peak:.0f}% of the matmul's rate, and the cost model puts {spent}
+            of this layout's predicted step.
         """)
         _RESULTS["mfu_here"] = u
         cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi_\\text{mat} + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",
@@ -823,10 +824,14 @@ def mfu_section():
 
 
 def h100_words(rows):
-    """'1.69–1.75× too fast': the published steps of the H100 validation over the predicted ones."""
-    ratios = [1 + r["error"] for r in rows]
-    span = value_range(min(ratios), max(ratios), decimals=2) + "×"
-    return f"{span} too fast" if min(ratios) >= 1 else f"at {span} its predicted step"
+    """'1.69–1.75× too fast' (or too slow, or from one to the other): the H100 validation's
+    published steps against the predicted ones."""
+    ratios = sorted(1 + r["error"] for r in rows)
+    if ratios[0] >= 1:
+        return value_range(ratios[0], ratios[-1], decimals=2) + "× too fast"
+    if ratios[-1] <= 1:
+        return value_range(1 / ratios[-1], 1 / ratios[0], decimals=2) + "× too slow"
+    return f"from {1 / ratios[0]:.2f}× too slow to {ratios[-1]:.2f}× too fast"
 
 
 def cal_n():

@@ -208,8 +208,9 @@ def metadata_words(metadata):
     said = "The `.metadata` file lists every box with its offsets and sizes (the table's metadata column)"
     zero, plain = metadata.get("dp + ZeRO-1"), metadata.get("dp")
     if zero and plain and zero > plain:
+        size = (lambda b: f"{b / 1024:.0f} KiB") if round(zero / 1024) != round(plain / 1024) else (lambda b: f"{b:,} bytes")
         said += (f"; ZeRO's flat ranges cut a matrix into up to three boxes, so ZeRO-1's lists more: "
-                 f"{zero / 1024:.0f} KiB against plain data parallelism's {plain / 1024:.0f}")
+                 f"{size(zero)} against plain data parallelism's {size(plain)}")
     return said + "."
 
 

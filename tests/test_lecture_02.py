@@ -534,6 +534,8 @@ def test_overlap_verdict_counts_what_was_hidden_against_the_parts_timed_alone():
     assert L.overlap_paid(t) is None
     t["overlapped"] = around(29.2)          # under the parts' median sum, inside their spread: no claim
     assert L.overlap_paid(t) is None
+    text = visible_text(L.overlap_verdict(t))
+    assert "not communication hidden" in text and "hid about" not in text, text
     t["overlapped"] = around(16.0)          # the shorter part hidden whole
     assert "hid all of the shorter one" in visible_text(L.overlap_verdict(t)) and L.overlap_paid(t) == "fully"
 

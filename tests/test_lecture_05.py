@@ -814,5 +814,7 @@ def test_time_between_actions_is_a_reason_only_when_zb_h1_loses_more_there():
     tied = L.between_actions(0.001, 0.002, 0.010, Timing([1.5, 2.5, 3.5]), Timing([1.0, 2.0, 3.0]))
     assert "slower" not in tied
     faster = L.between_actions(-0.0005, 0.002, 0.010, slow, fast)
-    assert "0.5 ms per action less" in faster and "longer" not in faster and "lost" in faster
+    assert "0.5 ms per action less" in faster and "longer" not in faster and "did not slow it" in faster
+    trifle = L.between_actions(0.0002, -0.001, 0.010, slow, fast)     # more than 1F1B, but 2% of an action
+    assert "clean idle" not in trifle and "little there, but more than 1F1B" in trifle
     assert "1.0 ms per action shorter" in L.between_actions(0.003, -0.001, 0.010, slow, fast)

@@ -462,7 +462,8 @@ def test_the_metadata_sentence_says_zero_lists_more_only_where_its_bytes_show_it
     from lectures.lecture_08_checkpoints_and_restarts import metadata_words
     assert "ZeRO" not in metadata_words({"dp": 52_000})             # the quick build: one layout
     said = metadata_words({"dp": 52_000, "dp + ZeRO-1": 73_000})
-    assert "71 KiB against plain data parallelism's 51" in said
+    assert "71 KiB against plain data parallelism's 51 KiB" in said
+    assert "52,100 bytes against plain data parallelism's 52,000 bytes" in metadata_words({"dp": 52_000, "dp + ZeRO-1": 52_100})
     assert "ZeRO" not in metadata_words({"dp": 73_000, "dp + ZeRO-1": 52_000})
 
 

@@ -107,6 +107,10 @@ class ModelShape:
         # its fields are hashed once (dataclass's own __hash__ builds their tuple every call)
         return self._hash
 
+    def __getstate__(self):
+        # a str hashes differently in another process: the cached hash stays in this one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @functools.cached_property
     def kv_dim(self):
         return self.kv_heads * self.head_dim

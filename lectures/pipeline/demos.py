@@ -217,17 +217,19 @@ def action_lengths(returns, label):
 def between_actions(excess_z, excess_o, action_z, z, o):
     """ZB-H1's step against its list simulated at its measured action lengths, per action
     (`excess_*`, seconds; 1F1B's beside it): time lost between actions is given as a reason for a
-    slower step only when ZB-H1 loses clearly more there (over 1.1× 1F1B's excess)."""
+    slower step only when ZB-H1 loses clearly more there (over 1.1× 1F1B's excess, and over 5% of
+    its average action)."""
     if excess_z <= 0:
-        return (f"its step took {-excess_z * 1e3:.1f} ms per action less than that list: no time was lost "
-                "between its actions.")
+        return (f"its step took {-excess_z * 1e3:.1f} ms per action less than that list, so time between "
+                "its actions did not slow it.")
     other = f"{abs(excess_o) * 1e3:.1f} ms per action {'longer' if excess_o >= 0 else 'shorter'}"
     said = (f"its step is {excess_z * 1e3:.1f} ms per action longer (1F1B's {other}): time lost between "
             "actions (messages, Python, cores shared). ")
     share = f"ZB-H1's excess is {excess_z / action_z:.1f}× its average action"
-    if excess_z > 1.1 * max(excess_o, 0):
+    if excess_z > 1.1 * max(excess_o, 0) and excess_z > 0.05 * action_z:     # clearly more, and not a trifle
         return said + f"It loses more there than 1F1B: {share}, so the slots W fills are not clean idle time as on a GPU."
-    amount = "less there than" if excess_z < 0.9 * excess_o else "about as much there as"
+    amount = ("less there than" if excess_z < 0.9 * excess_o else
+              "about as much there as" if excess_z <= 1.1 * excess_o else "little there, but more than")
     why = ", so that is not what makes its step slower" if z.median > o.median and not spreads_overlap(z, o) else ""
     return said + f"It loses {amount} 1F1B ({share}){why}."
 
