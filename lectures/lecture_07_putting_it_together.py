@@ -774,16 +774,14 @@ def mfu_section():
         best = min(timed, key=lambda x: x[2].median)
         u = mfu(shape, tokens / best[2].median, ranks * hw.peak)
         parts = step_time(shape, best[0], hw)
-        spent = f"{100 * fixed_share(shape, best[0], hw):.0f}% in fixed costs" + (   # the bubble's slots hold some
-            f" (some of them inside its bubble, {100 * parts['bubble'] / parts['total']:.0f}% of it)"
-            if parts["bubble"] > 0 else "")
+        in_bubble = (f" (some of them inside its bubble, {100 * parts['bubble'] / parts['total']:.0f}% of the step)"
+                     if parts["bubble"] > 0 else "")     # the bubble's slots hold fixed costs too
         note(f"""
             Here the fastest layout measured ({best[0].label()}) trains {tokens / best[2].median:,.0f}
             tokens/s of {int(flops_per_token(shape)[0]):,} FLOPs each on {machine(ranks)}, against a
             peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul): **MFU
-            {100 * u:.2f}%**. A model this small runs its own work at {hw.flops / 1e9:.2f} GFLOP/s,
-            {100 * hw.flops / hw.peak:.0f}% of the matmul's rate, and the cost model puts {spent}
-            of this layout's predicted step.
+            {100 * u:.2f}%**. For a model this small the cost model puts
+            {100 * fixed_share(shape, best[0], hw):.0f}% of this layout's predicted step in fixed costs{in_bubble}.
         """)
         _RESULTS["mfu_here"] = u
         cheat("MFU", "$\\text{MFU} = \\frac{(6\\Psi_\\text{mat} + 12Lhs)\\cdot\\text{tokens/s}}{\\text{ranks}\\cdot\\text{peak FLOP/s}}$",

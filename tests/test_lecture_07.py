@@ -1104,6 +1104,9 @@ def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_e
     close = [dict(r, error=e) for r, e in zip(rows, (0.05, -0.08))]
     said = trust_words(close, {"a": 0.0})
     assert "5% too fast and 8% too slow" in said and "hold about as well" in said
+    from lectures.layout.at_scale import fast_or_slow
+    assert fast_or_slow([0.69, 0.75], ratio=True) == "1.69× and 1.75× too fast"
+    assert fast_or_slow([-0.5, 0.2], ratio=True) == "2.00× too slow and 1.20× too fast"
     slow = [dict(r, error=-0.5) for r in rows]
     assert "2.00× too low" in trust_words(slow, {"a": 0.0}) and "hold about as well" not in trust_words(slow, {"a": 0.0})
 

@@ -150,9 +150,11 @@ def trust_words(h100_rows, a100_near):
             "at least the 405B rows' band.")
 
 
-def fast_or_slow(errors):
-    """'69% and 75% too fast', '4% too fast and 4% too slow': throughput errors in words."""
-    words = [(f"{100 * abs(e):.0f}%", "too fast" if e >= 0 else "too slow") for e in errors]
+def fast_or_slow(errors, ratio=False):
+    """'69% and 75% too fast', '4% too fast and 4% too slow': throughput errors in words (with
+    `ratio`, as steps' ratios: '1.69× and 1.75× too fast')."""
+    amount = (lambda e: f"{1 + e:.2f}×" if e >= 0 else f"{1 / (1 + e):.2f}×") if ratio else (lambda e: f"{100 * abs(e):.0f}%")
+    words = [(amount(e), "too fast" if e >= 0 else "too slow") for e in errors]
     if len({w for _, w in words}) == 1:
         return " and ".join(n for n, _ in words) + f" {words[0][1]}"
     return " and ".join(f"{n} {w}" for n, w in words)
@@ -168,8 +170,9 @@ def h100_detail(rows, h100):
         shape = "nearly the same at both sizes, as published"
     else:
         shape = f"{predicted:.2f}× from {few['run']['gpus']} to {many['run']['gpus']} GPUs where the published step changed {published:.2f}×"
-    ratios = [r["run"]["seconds"] / r["time"]["total"] for r in rows]
-    off = " and ".join(f"{x:.2f}× too fast" if x >= 1 else f"{1 / x:.2f}× too slow" for x in ratios)
+    off = fast_or_slow((r["error"] for r in rows), ratio=True)
+    exposed = ("hiding all of FSDP's traffic under the compute, as it assumes" if max(r["time"]["dp"] for r in rows) < 0.005
+               else f"leaving {few['time']['dp']:.2f} and {many['time']['dp']:.2f} s of FSDP's traffic exposed")
     series = dict(TORCHTITAN_FSDP_SCALING.series)
     compiled = statistics.median(c / e for (_, e), (_, c) in zip(series["FSDP"], series["FSDP + torch.compile"]))
     held = estimate_memory(few["run"]["model"], few["layout"])["total"]
@@ -181,9 +184,8 @@ def h100_detail(rows, h100):
         torchtitan's eager FSDP runs of Llama 3.1 8B (no torch.compile; local batch 2 in one
         micro-batch, sequence 8,192, selective checkpointing) took {few['run']['seconds']:.2f} s per step on
         {few['run']['gpus']} H100s and {many['run']['seconds']:.2f} s on {many['run']['gpus']}. The model predicts
-        {few['time']['total']:.2f} and {many['time']['total']:.2f} s, {shape}, leaving
-        {few['time']['dp']:.2f} and {many['time']['dp']:.2f} s of FSDP traffic exposed (the rest hidden under
-        the compute, as it assumes): {off}. What it leaves out weighs most here: the GEMM fraction was fitted on 405B's matrices, {LLAMA3_405B.hidden // few['run']['model'].hidden}×
+        {few['time']['total']:.2f} and {many['time']['total']:.2f} s, {shape}, {exposed}: {off}. What it
+        leaves out weighs most here: the GEMM fraction was fitted on 405B's matrices, {LLAMA3_405B.hidden // few['run']['model'].hidden}×
         wider than the 8B's; these GPUs ran at {GRAND_TETON_WATTS} W where Table 4's ran at 700 W; and
         eager PyTorch runs the memory-bound work as separate kernels, which torch.compile fuses (it
         raised these runs' throughput {compiled:.2f}×). The estimator is off here too: it puts the
