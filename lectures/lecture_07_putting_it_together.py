@@ -778,9 +778,9 @@ def mfu_section():
                      if parts["bubble"] > 0 else "")     # the bubble's slots hold fixed costs too
         note(f"""
             Here the fastest layout measured ({best[0].label()}) trains {tokens / best[2].median:,.0f}
-            tokens/s of {int(flops_per_token(shape)[0]):,} FLOPs each on {machine(ranks)}, against a
-            peak of {ranks} × {hw.peak / 1e9:.2f} GFLOP/s (the measured {cal_n()}² matmul): **MFU
-            {100 * u:.2f}%**. For a model this small the cost model puts
+            tokens/s on {machine(ranks)}: **MFU {100 * u:.2f}%**. A token costs
+            {int(flops_per_token(shape)[0]):,} FLOPs, and the peak is {ranks} × {hw.peak / 1e9:.2f} GFLOP/s
+            (the measured {cal_n()}² matmul). For a model this small the cost model puts
             {100 * fixed_share(shape, best[0], hw):.0f}% of this layout's predicted step in fixed costs{in_bubble}.
         """)
         _RESULTS["mfu_here"] = u

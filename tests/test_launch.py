@@ -272,6 +272,26 @@ def test_ranks_that_all_loop_end_at_the_deadline_saying_where_they_were():
     assert spawn(say_rank, 2).returns[0]["sum"] == 1.0           # the next demo runs on fresh ranks
 
 
+def spin_unless_last(rank, world_size):
+    if rank < world_size - 1:
+        spin_forever(rank, world_size)
+    return rank
+
+
+def test_a_deadline_that_ends_the_demo_is_named_even_after_a_rank_finished():
+    """The last rank returns at once, the others spin: the deadline (3 s) comes before the
+    timeout after the first rank finished (10 s), and the error names the deadline, not the
+    timeout that never ran out (a check's last world size gets what is left of its deadline)."""
+    spawn(say_rank, 3)
+    start = time.monotonic()
+    with pytest.raises(DemoFailed) as e:
+        spawn(spin_unless_last, 3, deadline=3, timeout=10)
+    assert time.monotonic() - start < 12
+    error = e.value.run.error
+    assert "ranks 0 and 1 did not finish within the demo's deadline of 3 s" in error, error
+    assert "within 10 s of rank 2 finishing" not in error, error
+
+
 def test_numpy_values_come_back_from_ranks():
     run = spawn(returns_numpy, 2)
     assert list(run.returns[0]) == [0, 0, 0] and float(run.returns[1]) == 1.0

@@ -263,8 +263,9 @@ class Pool:
         error = describe_failure(got, ranks, timeout, first_done and first_done[0],
                                   self._dead, lambda r: self.procs[r].exitcode, time.monotonic() - start)
         late = [r for r in ranks if r not in got]
-        if late and time.monotonic() >= end and not first_done and not self._dead(ranks) \
-                and all(m["ok"] for m in got.values()):
+        # past the demo's deadline, that is what stopped them, even if a rank had finished (its
+        # timeout would have come later): a check's deadline left for its last world size is short
+        if late and time.monotonic() >= end and not self._dead(ranks) and all(m["ok"] for m in got.values()):
             at = self.where(late)
             error = (f"{record.rank_list(late)} did not finish within the demo's deadline of {deadline:g} s "
                      "(an endless loop or a very long wait?) and were stopped"
