@@ -557,16 +557,16 @@ def overlap_verdict(t):
         # measured against the parts timed alone: the sequential run can pay more than its parts
         # (a loaded machine), and that excess is no communication hidden
         parts = t["compute"].median + t["all-reduce"].median
-        hidden = (parts - ovl.median) / max(1e-12, shorter)
+        paid = overlap_paid(t)
         said += f" Perfect overlap would take the longer of the two alone, {ideal * 1e3:.3g} ms. "
-        if not overlap_paid(t):     # no faster than the parts, clear of the noise: nothing hidden to count
+        if not paid:     # no faster than the parts, clear of the noise: nothing hidden to count
             said += (f"But compute and all-reduce timed alone add up to {parts * 1e3:.3g} ms, no measurably "
                      "more than the overlapped run: what it saved is the sequential run's excess over its "
                      "parts, not communication hidden.")
         else:
             said += (f"Against compute and all-reduce timed alone ({parts * 1e3:.3g} ms together), the "
-                     + ("overlap hid all of the shorter one." if hidden >= 1 else
-                        f"overlap hid about {100 * hidden:.0f}% of the shorter one."))
+                     + ("overlap hid all of the shorter one." if paid == "fully" else
+                        f"overlap hid about {100 * (parts - ovl.median) / shorter:.0f}% of the shorter one."))
     else:
         said += (f" Perfect overlap would take {ideal * 1e3:.3g} ms (the longer of the two alone): "
                  "starting the all-reduce early gained no measurable time here.")
