@@ -62,7 +62,7 @@ def test_no_schedule_lecture_05_allows_deadlocks_under_nccls_rules():
     finish under NCCL's rules, and each pair posts its messages in the same order at both ends."""
     checked = 0
     for name, p, m, v, sched in allowed():
-        plans = [pipeline.communication_plan(sched, r) for r in range(p)]
+        plans = pipeline.communication_plans(sched)
         stuck = p2p_deadlock(plans)
         assert stuck is None, f"{name} p={p} m={m} v={v}: {stuck[:2]}"
         for (src, dst), keys in message_order(sched).items():
@@ -88,7 +88,7 @@ def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
     checked = 0
     for n, (name, p, m, v, sched) in enumerate(allowed()):
         for cost in (PLAN_COSTS if (p, m) == (4, 8) else [PLAN_COSTS[n % len(PLAN_COSTS)]]):
-            plans = [pipeline.communication_plan(sched, r, cost=cost) for r in range(p)]
+            plans = pipeline.communication_plans(sched, cost=cost)
             stuck = p2p_deadlock(plans)
             assert stuck is None, f"{name} p={p} m={m} v={v} cost={cost}: {stuck[:2]}"
             for (src, dst), keys in message_order(sched).items():
@@ -97,6 +97,16 @@ def test_plans_timed_at_the_runs_costs_stay_deadlock_free():
                 assert sends == keys, f"{name} p={p} m={m} v={v} cost={cost}: pair {src}->{dst}"
             checked += 1
     assert checked > 600
+
+
+def test_all_ranks_plans_at_once_are_each_ranks_own():
+    """`communication_plans` (one simulation, the deadlock checks above) gives what each rank's
+    executor computes alone with `communication_plan`."""
+    for name, v in (("zb-h1", 1), ("dualpipev", 2), ("interleaved-1f1b", 2)):
+        sched = make_schedule(name, 4, 8, v)
+        for cost in (None, PLAN_COSTS[2]):
+            assert pipeline.communication_plans(sched, cost=cost) == \
+                [pipeline.communication_plan(sched, r, cost=cost) for r in range(4)], (name, cost)
 
 
 @pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
@@ -108,10 +118,10 @@ def test_a_plan_timed_at_the_runs_costs_keeps_the_simulated_step(name, v):
     sched = make_schedule(name, 4, 8, v)
     cost = demos.chunk_cost(v, 1, 1, 0.5)
     ideal = pipeline.simulate(sched, cost).makespan
-    timed = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(4)])
-    unit = one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r) for r in range(4)])
-    assert one_stream_makespan(sched, cost, [pipeline.communication_plan(sched, r, cost=cost) for r in range(3)]
-                               + [[]]) is None            # a rank that posts nothing: stuck, said so
+    timed = one_stream_makespan(sched, cost, pipeline.communication_plans(sched, cost=cost))
+    unit = one_stream_makespan(sched, cost, pipeline.communication_plans(sched))
+    stuck = pipeline.communication_plans(sched, cost=cost)[:3] + [[]]
+    assert one_stream_makespan(sched, cost, stuck) is None      # a rank that posts nothing: stuck, said so
     assert timed == pytest.approx(ideal) and unit >= ideal - 1e-9
 
 

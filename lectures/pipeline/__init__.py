@@ -18,7 +18,7 @@ from lectures.pipeline.simulate import (dependencies, check_schedule, held, mess
                                         consecutive_steps, steady_step, qi_bubble, theory_bubble,
                                         dualpipev_readme_bubble, p2p_deadlock)
 from lectures.pipeline.executor import (GPTStage, split_gpt, PipelineExecutor, gradients_by_name, stage_parameters,
-                                        build_rank)
+                                        build_rank, communication_plan, communication_plans)
 from lectures.pipeline.explorer import formula_bubble, explorer_entries, explorer_data
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "dependencies", "check_schedule", "held", "message_order", "Simulation", "simulate", "consecutive_steps",
     "steady_step", "qi_bubble", "theory_bubble", "dualpipev_readme_bubble", "p2p_deadlock",
     "GPTStage", "split_gpt", "PipelineExecutor", "gradients_by_name", "stage_parameters", "build_rank",
+    "communication_plan", "communication_plans",
     "formula_bubble", "explorer_entries", "explorer_data",
 ]

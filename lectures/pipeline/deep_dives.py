@@ -3,7 +3,7 @@ section main() calls) runs inside `with deep_dive(...)`, in the order the page r
 with the helpers and rank functions only they use."""
 from lectures.model.gpt import GPTConfig
 from lectures.pipeline.demos import ALL, chunk_cost, differences, pct, reference_train, train_schedules, units_against
-from lectures.pipeline.executor import PipelineExecutor, communication_plan
+from lectures.pipeline.executor import PipelineExecutor, communication_plans
 from lectures.pipeline.figures import posting_order_figure
 from lectures.pipeline.schedules import make_schedule
 from lectures.pipeline.simulate import (check_schedule, dualpipev_readme_bubble, held, message_order, qi_bubble,
@@ -294,7 +294,7 @@ def deep_dive_posting_order():
     moved = sum(a != b for a, b in zip(sent, needed))
     zb, cost = make_schedule("zb-h1", p, m), {"F": 1, "B": 1, "W": 0.5}
     ideal = simulate(zb, cost).makespan
-    unit, timed = (one_stream_makespan(zb, cost, [communication_plan(zb, r, cost=c) for r in range(p)])
+    unit, timed = (one_stream_makespan(zb, cost, communication_plans(zb, cost=c))
                    for c in (None, cost))
     note(f"""
         ## Deep dive: NCCL matches messages in posting order

@@ -593,8 +593,23 @@ def communication_plan(schedule, rank, layout=None, cost=None):
     the run: timed at costs the run does not have, a message ready early waits behind a batch
     whose partner is still computing."""
     layout = layout or schedule.layout
+    return _rank_plan(schedule, rank, layout, *_timed_slots(schedule, layout, cost))
+
+
+def communication_plans(schedule, layout=None, cost=None):
+    """Every rank's `communication_plan`, from one simulation: the slots are the same for all
+    ranks, so a caller that wants them all (a deadlock check) need not simulate p times."""
+    layout = layout or schedule.layout
+    timed = _timed_slots(schedule, layout, cost)
+    return [_rank_plan(schedule, rank, layout, *timed) for rank in range(len(schedule))]
+
+
+def _timed_slots(schedule, layout, cost):
     clocked = simulate(schedule, plan_clock(cost), layout)    # slots and starts from one simulation
-    slots = message_slots(schedule, layout, sim=clocked)
+    return clocked, message_slots(schedule, layout, sim=clocked)
+
+
+def _rank_plan(schedule, rank, layout, clocked, slots):
     batches = collections.defaultdict(list)
     for key, slot in slots.items():
         kind, stage, _ = key
