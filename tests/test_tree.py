@@ -3,6 +3,7 @@ topic; the blocks never import a lecture file, and the engine (util/) imports no
 A lecture file imports only what its page uses; everyone else imports a building block from its
 topic package (`from lectures.pipeline import make_schedule`)."""
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -75,6 +76,7 @@ def test_each_lecture_file_reads_in_one_sitting():
 PAGE_MODULES = {"demos", "figures", "deep_dives", "communication_demos", "communication_deep_dives"}
 
 
+@functools.lru_cache(maxsize=None)      # each module is asked about once per name it exports
 def top_level_names(path):
     """What a module file defines or imports at its top level (a static `dir()`)."""
     names = set()
