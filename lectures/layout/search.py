@@ -103,8 +103,9 @@ def decision_procedure(model, world, global_batch, hw, seq_threshold=32768):
         lay = Layout(**{**base, **kw})
         need = estimate_memory(model, lay)["total"]
         if need > hw.memory:
-            ruled_out.add(name(lay.zero, lay.tp, lay.pp, lay.recompute))
-            too_large.append(f"{name(lay.zero, lay.tp, lay.pp, lay.recompute)} {_gib(need)}")
+            called = name(lay.zero, lay.tp, lay.pp, lay.recompute)
+            ruled_out.add(called)
+            too_large.append(f"{called} {_gib(need)}")
         return need <= hw.memory, lay
 
     def passed_over():
