@@ -42,6 +42,10 @@ def test_a_sentence_gets_the_median_and_a_hover_the_spread():
     assert text == "a step takes 12 ms." and hovers == ["median of 5; interquartile range 11–13 ms"]
     with pytest.raises(ValueError, match="no"):
         with_spread("a]b", "detail")
+    from util.in_notebook import record_text      # a notebook's text output keeps the spread in brackets
+    timing = Timing([0.010, 0.011, 0.012, 0.013, 0.015])
+    assert record_text({"kind": "note", "text": f"a step takes {timing.brief()}."}) == \
+        "a step takes 12 ms (median of 5; interquartile range 11–13 ms)."
 
 
 def test_machine_says_only_the_ranks_and_oversubscription(monkeypatch):

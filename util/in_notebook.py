@@ -20,10 +20,9 @@ import html
 import json
 import mimetypes
 import os
-import re
 import textwrap
 
-from util import launch, record, render
+from util import launch, measure, record, render
 
 _RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                  "#7f7f7f"]
@@ -145,8 +144,8 @@ def record_html(rec, functions=None):
 def record_text(rec):
     """The plain-text form of a record (headless runs, logs, tests)."""
     kind = rec["kind"]
-    if kind == "note":     # a measured number's hover ([1.2 ms]{.spread title="..."}) in brackets
-        return re.sub(r'\[([^\]]*)\]\{\.spread[^}]*title="([^"]*)"\}', r"\1 (\2)", rec["text"])
+    if kind == "note":     # a measured number's hover in brackets
+        return measure.spreads_in_brackets(rec["text"])
     if kind == "table":
         return table_text(rec)
     if kind == "figure":

@@ -18,6 +18,7 @@ is finished when its last rank is.
 import contextlib
 import dataclasses
 import os
+import re
 import statistics
 import time
 
@@ -139,6 +140,12 @@ def with_spread(text, detail):
     if "]" in text or '"' in detail:
         raise ValueError(f"with_spread: no ']' in the text or '\"' in the detail ({text!r}, {detail!r})")
     return f'[{text}]{{.spread tabindex=0 title="{detail}"}}'
+
+
+def spreads_in_brackets(markdown_text):
+    """`with_spread`'s spans as plain text, the detail in brackets ("1.2 ms (q1-q3 ...)"), for
+    a terminal or a notebook's text output. The page's renderer reads the spans itself."""
+    return re.sub(r'\[([^\]]*)\]\{\.spread[^}]*title="([^"]*)"\}', r"\1 (\2)", markdown_text)
 
 
 def compare(a, b, a_name="ours", b_name="theirs"):
