@@ -39,7 +39,7 @@ from lectures.model.deep_dives import (a_step_too_big_to_hold, flash_attention_b
                                        torchtitan_fp8_figure)
 from lectures.model.demos import (attention_peak_bytes, autocast_held_before_backward,
                                   blocked_and_sdpa, checked_attention_inputs, same_on_every_rank)
-from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_roofline
+from lectures.model.gpu_paths import WHAT_A_GPU_SHOWS, fp8_matmul, gpu_attention, gpu_memory_meter, gpu_roofline
 from lectures.model.figures import (show, fmt_bytes, training_loss_figure, memory_phases_figure, bytes_per_parameter_figure,
                                     activations_figure, recomputation_figure, accumulation_figure, format_bits_figure,
                                     attention_blocks_figure, logits_figure, rounding_error_figure,
@@ -757,6 +757,18 @@ def attention_memory():
     see("https://arxiv.org/abs/2205.14135", "Dao et al. 2022, FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness")
 
 
+def gpt_step_on_cuda(batch_size=8):
+    """A forward and backward of this lecture's GPT on the GPU, for the memory meter."""
+    cfg = GPTConfig()
+    model = GPT(cfg).cuda()
+    tokens, targets = (t.cuda() for t in batch(cfg, batch_size, 0))
+
+    def step():
+        loss_fn(model(tokens), targets).backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
 def on_a_gpu():
     """This lecture's one-device measurements on a GPU (lectures/model/gpu_paths.py): run and shown
     when the page is built with one, said what they would show when not."""
@@ -771,6 +783,9 @@ def on_a_gpu():
             ["ridge", f"{r['ridge']:.0f} FLOP/byte"],
             ["causal attention, fused vs naive", f"{a['fused_ms']:.2f} vs {a['naive_ms']:.2f} ms, "
                                                  f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
+    m = gpu_memory_meter(gpt_step_on_cuda())
+    rows.append(["a GPT step's peak, LiveBytes vs the CUDA allocator",
+                 f"{fmt_bytes(m['live_peak'])} vs {fmt_bytes(m['allocator_peak'])} (512-byte rounding, cuBLAS workspaces)"])
     if torch.cuda.get_device_capability() >= (8, 9):
         f = fp8_matmul()
         rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])

@@ -5,7 +5,6 @@ import torch
 
 from lectures.model import gpu_paths
 from lectures.data_parallel.communication_demos import streams_overlap
-from lectures.model.gpt import GPT, GPTConfig, batch, loss_fn
 from util import spawn
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the course's CPU build has none)")
@@ -51,14 +50,9 @@ def test_gpu_attention_fused_holds_less_than_naive():
 
 @cuda
 def test_gpu_memory_meter_agrees_with_the_allocator():
-    cfg = GPTConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128)
-    model = GPT(cfg).cuda()
-    tokens, targets = (t.cuda() for t in batch(cfg, 8, 0))
-
-    def step():
-        loss_fn(model(tokens), targets).backward()
-        model.zero_grad(set_to_none=True)
-    r = gpu_paths.gpu_memory_meter(step)
+    """On the step lecture 01's GPU deep dive meters."""
+    from lectures import lecture_01_memory_and_precision as L
+    r = gpu_paths.gpu_memory_meter(L.gpt_step_on_cuda())
     assert r["live_peak"] > 0
     assert r["live_peak"] <= r["allocator_peak"] <= 1.25 * r["live_peak"] + 32 * 2 ** 20   # rounding, workspaces
 
