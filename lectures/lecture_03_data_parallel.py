@@ -21,7 +21,7 @@ from lectures.data_parallel.demos import (Task, make_model, make_batches, shard_
                                           merge_in_flight, published_scale_numbers, published_scale,
                                           best_rules, zero2_words, released_buckets,
                                           released_prefetch)
-from lectures.data_parallel.overlap import gain_words
+from lectures.data_parallel.overlap import gain_words, real_compute_words
 from lectures.model.figures import published_figure
 from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 from lectures.data_parallel.deep_dives import (bucket_sweep, bytes_on_the_wire, further_reading, local_sgd_section,
@@ -517,17 +517,20 @@ def zero3_prefetch_released():
     ranks = timing_world()
     freed = spawn(released_prefetch, ranks, name=f"ZeRO-3 prefetch with a compute stand-in that releases the core, "
                                                  f"{ranks} ranks").returns[0]
-    figure(overlap_bars({"ZeRO-3 forward, compute stand-in (core released)": freed}),
-           caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers, each followed by a stand-in that waits as long as "
-                   "one layer's all-gather: medians (bars: interquartile range); red: the model")
+    real = freed["real"]
+    figure(overlap_bars({f"ZeRO-3 forward, real matmuls ({freed['real_rows']} rows)": real,
+                         "ZeRO-3 forward, compute stand-in (core released)": freed}),
+           caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers without and with prefetch, its matmuls real (top) or "
+                   "each followed by a stand-in that waits as long as one layer's all-gather (below): medians (bars: "
+                   "interquartile range); red: the model")
     note(f"""
         Each layer's forward needs its gathered weights; launched when the
         previous layer starts, the gather travels while that layer computes. Here the compute is
         replaced by a stand-in that releases the core, as long as one layer's gather.
         {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
-        behind the layer before it. With real matmuls on this CPU gloo's copies and the matmuls
-        share the cores, so less hides (the main page's step times); on a GPU the gathers run on
-        NCCL's own stream beside the kernels.
+        behind the layer before it. With real matmuls instead ({freed['real_rows']} rows a layer),
+        {real_compute_words(real, freed, "the forward with prefetch", "the forward without")}. On a
+        GPU the gathers run on NCCL's own stream beside the kernels.
     """)
     see(released_prefetch)
 

@@ -38,7 +38,7 @@ from lectures.context_parallel.figures import (ring_steps_figure, held_bytes_pic
                                                expert_groups_figure, attention_blocks_figure,
                                                work_imbalance_figure, share_bars_figure)
 from lectures.data_parallel.figures import overlap_bars
-from lectures.data_parallel.overlap import gain_words
+from lectures.data_parallel.overlap import gain_words, real_compute_words
 from lectures.model.figures import published_figure
 from lectures.model.gpu_evidence import TORCHTITAN_CP, flops_per_token
 from util import cheat, deep_dive, figure, note, see, settings, spawn, table, timeline
@@ -271,11 +271,15 @@ def ring_attention_section():
 def ring_released():
     """Ring attention's forward with a compute stand-in that leaves the core to gloo."""
     note("## Deep dive: ring attention with the core released")
-    freed = spawn(released_ring, 2, name="ring attention forward with a compute stand-in that releases the core, 2 ranks")
+    S, h, d = attention_sizes()
+    freed = spawn(released_ring, 2, real_shape=(S, h, d),
+                  name="ring attention forward with a compute stand-in that releases the core, 2 ranks")
     r = freed.returns[0]
-    figure(overlap_bars({"ring forward, compute stand-in (core released)": r}),
-           caption="ring attention's forward on 2 ranks, each block followed by a stand-in that waits as long as one "
-                   "K/V hop; without overlap each hop is waited for as soon as it is posted: medians (bars: "
+    figure(overlap_bars({f"ring forward, real compute (s = {S}, {h} heads of {d})": r["real"],
+                         "ring forward, compute stand-in (core released)": r}),
+           caption="ring attention's forward on 2 ranks without and with overlap: at the main page's shape with its "
+                   "real compute (top), and with each block followed by a stand-in that waits as long as one "
+                   "K/V hop (below); without overlap each hop is waited for as soon as it is posted: medians (bars: "
                    "interquartile range); red: the model")
     note(f"""
         Give each block a stand-in that keeps the rank
@@ -289,6 +293,8 @@ def ring_released():
         work (reading the megabytes of K and V) is about as long as the hop itself{
         ", and here hiding the hop did not even pay: gloo's copies ran on the core the next block's real work needed"
         if r['gain'] < 1 else ", and that real work on this CPU competes with gloo's copies"}.
+        At the main page's shape with its real compute and no stand-in,
+        {real_compute_words(r["real"], r, "the overlapped ring", "the one that waits at once")}.
         On GPUs, where a block's matmuls run on the SMs beside the transfer, the stand-in's case is
         the real one.
     """)

@@ -541,3 +541,15 @@ def test_under_torchrun_with_fewer_ranks_the_sections_skip_what_did_not_run(monk
     assert demos["DDP from scratch, 4 ranks"]["status"] == "skipped"
     assert "torchrun started 2" in demos["DDP from scratch, 4 ranks"]["error"]
     assert any("on 1, 2 ranks" in r.get("caption", "") for r in recorder.records if r["kind"] == "figure")
+
+
+def test_overlap_bars_call_a_slower_overlapped_run_slower():
+    """'0.87× faster' reads as a gain; below 1 the label says how much slower."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from lectures.data_parallel.figures import overlap_bars
+    from util.measure import Timing
+    fig = overlap_bars({"lost": {"sequential": Timing([0.080]), "overlapped": Timing([0.0926])},
+                        "won": {"sequential": Timing([0.080]), "overlapped": Timing([0.060])}})
+    labels = [t.get_text() for t in fig.axes[0].texts if "\n" in t.get_text()]
+    assert labels == ["lost\n1.16× slower", "won\n1.33× faster"], labels

@@ -128,6 +128,35 @@ def test_gain_words_say_the_medians_and_the_model():
     assert "the measured 1.67× is 17% below it" in markdown_inline(words)
 
 
+def test_real_compute_words_say_whether_less_hid_than_with_the_core_released():
+    from lectures.data_parallel.overlap import real_compute_words
+    from util.render import visible_text
+    freed = {"gain": 1.5}
+    tied = {"sequential": Timing([0.010, 0.011, 0.012]), "overlapped": Timing([0.0105, 0.0110, 0.0115])}
+    words = visible_text(real_compute_words(tied, freed, "with", "without"))
+    assert words.startswith("no measurable difference here") and "so less hides than with the core released" in words
+    paid = {"sequential": Timing([0.020, 0.021, 0.022]), "overlapped": Timing([0.010, 0.011, 0.012])}
+    words = visible_text(real_compute_words(paid, freed, "with", "without"))
+    assert words.startswith("with is 1.91× faster than without") and "hides part of the transfers here too" in words
+    assert "less hides" in real_compute_words(paid, {"gain": 2.5}, "with", "without")   # faster, yet below the stand-in
+
+
+@pytest.mark.parametrize("lecture,demo", [("lecture_03_data_parallel", "ZeRO-3 prefetch with a compute stand-in"),
+                                          ("lecture_06_context_and_expert_parallel", "ring attention forward with a compute stand-in")])
+def test_the_release_the_core_demos_time_real_compute_beside_the_stand_in(course_site, lecture, demo):
+    """Beside the stand-in's run, the same overlap with its real compute, without and with it,
+    timed taking turns in the same demo (what the page's figure draws on top)."""
+    import pickle
+    from tests.conftest import built
+    out = built(course_site, lecture)
+    with open(out.parent / "returns" / f"{lecture}.pkl", "rb") as f:
+        found = [d for d in pickle.load(f) if d["name"].startswith(demo)]
+    assert len(found) == 1 and found[0]["status"] == "ok", found
+    real = found[0]["returns"][0]["real"]
+    assert set(real) == {"sequential", "overlapped"}
+    assert len(real["sequential"].samples) == len(real["overlapped"].samples) >= 5
+
+
 def test_published_gpu_numbers_carry_their_source():
     """Issue 39: every published figure names its source, a link and where in it the numbers are,
     and draws with the course's style."""

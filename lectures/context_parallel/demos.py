@@ -169,13 +169,15 @@ def transfer_alone(rank, world_size, seq_len, heads, head_dim):
     return t
 
 
-def released_ring(rank, world_size, seq_len=16, heads=128, head_dim=512, reps=7, min_wait=0.004):
+def released_ring(rank, world_size, seq_len=16, heads=128, head_dim=512, reps=7, min_wait=0.004, real_shape=None):
     """Ring attention's forward in release-the-core mode (`ring.released`): each block's compute is
     followed by a timed wait as long as one K/V hop; without overlap every hop is waited for as
     soon as it is posted. Few positions and many wide heads: K/V blocks of megabytes, small real
     matmuls. "compute" sums the traced blocks of the run without overlap, "comm" times the hops
-    alone, "waiting" what the overlapped run still waited for its hops. Returns the timings read against the model (pattern "consume": the rank's own block
-    needs no transfer)."""
+    alone, "waiting" what the overlapped run still waited for its hops. Returns the timings read
+    against the model (pattern "consume": the rank's own block needs no transfer), and with
+    `real_shape` (sequence, heads, head dim) under "real" the forward at that shape with its real
+    compute and no stand-in, each hop waited for at once or overlapped, timed taking turns."""
     group, n, r = group_info(None)
     q, k, v, _ = _inputs(seq_len, heads, head_dim, rank, world_size, "contiguous")
     kv = torch.cat([k, v], dim=-1)
@@ -192,8 +194,18 @@ def released_ring(rank, world_size, seq_len=16, heads=128, head_dim=512, reps=7,
     t = measure_side_by_side({"comm": send, "sequential": lambda: run(False), "overlapped": lambda: run(True)},
                              warmup=1, repeats=reps)
     t["compute"], t["waiting"] = Timing(blocks[1:]), Timing(waiting[1:])   # "waiting": hops not hidden
-    return {**measured_against_model(t, n, "consume", first_held=True), "block": (seq_len // n, heads, head_dim),
-            "kv_bytes": kv.numel() * kv.element_size()}
+    out = {**measured_against_model(t, n, "consume", first_held=True), "block": (seq_len // n, heads, head_dim),
+           "kv_bytes": kv.numel() * kv.element_size()}
+    if real_shape:
+        rq, rk, rv, _ = _inputs(*real_shape, rank, world_size, "contiguous")
+
+        def plain(overlap):
+            with torch.no_grad(), released(0.0, overlap):
+                ring_attention(rq, rk, rv)
+        out["real"] = measure_side_by_side({"sequential": lambda: plain(False), "overlapped": lambda: plain(True)},
+                                           warmup=1, repeats=reps)
+        out["real_shape"] = tuple(real_shape)
+    return out
 
 
 # =========================================================================================

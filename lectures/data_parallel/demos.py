@@ -468,11 +468,13 @@ def released_buckets(rank, world_size, layers=6, width=1024, reps=7, min_wait=0.
     return measured_against_model(t, layers, "produce")
 
 
-def released_prefetch(rank, world_size, layers=6, width=1024, reps=7, min_wait=0.004):
+def released_prefetch(rank, world_size, layers=6, width=1024, reps=7, min_wait=0.004, real_rows=64):
     """ZeRO-3's prefetch in release-the-core mode: a forward of `layers` sharded layers, each
     followed by a stand-in that waits as long as one layer's all-gather takes; with prefetch, the
     next layer's weights travel during the wait, without it each layer gathers when it runs.
-    Returns the timings read against the model (pattern "consume": the first gather is exposed)."""
+    Returns the timings read against the model (pattern "consume": the first gather is exposed),
+    and under "real" the same forward with real matmuls of `real_rows` rows and no stand-in,
+    without and with prefetch, timed taking turns."""
     comm, task = Collectives(world_size), Task()
     x = torch.randn(1, width, device=device())   # one row: the real matmuls stay small beside the waits
     probe = Zero3(stand_in_model(layers, width).to(device()), comm, task, prefetch=False)
@@ -485,10 +487,15 @@ def released_prefetch(rank, world_size, layers=6, width=1024, reps=7, min_wait=0
     full = stand_in_model(layers, width, forward_s=wait).to(device())
     on, off = (Zero3(stand_in_model(layers, width, forward_s=wait).to(device()), comm, task, prefetch=p)
                for p in (True, False))
+    real_x = torch.randn(real_rows, width, device=device())
+    real_on, real_off = (Zero3(stand_in_model(layers, width).to(device()), comm, task, prefetch=p)
+                         for p in (True, False))
     with torch.no_grad():
         t = measure_side_by_side({"compute": lambda: full(x), "comm": send, "sequential": lambda: off(x),
                                   "overlapped": lambda: on(x)}, warmup=1, repeats=reps)
-    return measured_against_model(t, layers, "consume")
+        real = measure_side_by_side({"sequential": lambda: real_off(real_x), "overlapped": lambda: real_on(real_x)},
+                                    warmup=1, repeats=reps)
+    return {**measured_against_model(t, layers, "consume"), "real": real, "real_rows": real_rows}
 
 
 def timing_world():

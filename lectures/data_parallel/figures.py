@@ -616,7 +616,7 @@ def overlap_bars(results, title=""):
                     label=None if labelled else "model: overlapped step")
             labelled.add("model")
         gain = r["sequential"].median / r["overlapped"].median
-        ax.text(0, base + 1.55, f"{mode}\n{gain:.2f}× faster"
+        ax.text(0, base + 1.55, f"{mode}\n" + (f"{gain:.2f}× faster" if gain >= 1 else f"{1 / gain:.2f}× slower")
                 + (f" (model {r['model']['gain']:.2f}×)" if "model" in r else ""), fontsize=NOTE, va="bottom")
     ax.set_yticks([])
     ax.set_ylim(-0.8, step * len(modes) - 0.4)
