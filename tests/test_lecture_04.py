@@ -589,3 +589,15 @@ def test_tp1_and_the_largest_tp_are_timed_in_one_run_taking_turns(course_site):
     both = demos[0]["returns"][0]
     assert set(both) == {"one process", "ours"}
     assert len(both["one process"].samples) == len(both["ours"].samples) >= 3
+
+
+def test_hidden_share_counts_the_comm_time_compute_runs_beside():
+    """The 'overlap 7%' of the page's async-TP timeline: comm time with compute running, over
+    comm time, on one rank's spans."""
+    from lectures.tensor_parallel.demos import hidden_share
+    span = lambda label, start, end: {"label": label, "start": start, "end": end}
+    spans = [span("all-reduce (async)", 0, 10), span("weight gradient", 2, 5), span("weight gradient", 8, 12),
+             span("all-reduce (async)", 20, 30), span("forward", 21, 29)]
+    got = hidden_share(spans, "all-reduce (async)", "weight gradient")
+    assert got == {"comm": 20, "hidden": 5, "share": 0.25}
+    assert hidden_share(spans, "all-reduce", "weight gradient")["share"] == 0.0     # no such comm: nothing hidden
