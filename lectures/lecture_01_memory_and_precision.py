@@ -785,7 +785,7 @@ def on_a_gpu():
                                                  f"{fmt_bytes(a['fused_bytes'])} vs {fmt_bytes(a['naive_bytes'])}"]]
     m = gpu_memory_meter(gpt_step_on_cuda())
     rows.append(["a GPT step's peak, LiveBytes vs the CUDA allocator",
-                 f"{fmt_bytes(m['live_peak'])} vs {fmt_bytes(m['allocator_peak'])} (512-byte rounding, cuBLAS workspaces)"])
+                 f"{fmt_bytes(m['live_peak'])} vs {fmt_bytes(m['allocator_peak'])} (512-byte rounding, memory kernels hold outside any tensor)"])
     if torch.cuda.get_device_capability() >= (8, 9):
         f = fp8_matmul()
         rows.append(["e4m3 matmul against bf16", f"{f['speedup']:.2f}× faster, error {f['error']:.3g} (bf16 {f['bf16_error']:.3g})"])

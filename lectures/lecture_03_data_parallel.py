@@ -522,14 +522,14 @@ def zero3_prefetch_released():
                          "ZeRO-3 forward, compute stand-in (core released)": freed}),
            caption="a ZeRO-3 forward of 6 sharded 1024×1024 layers without and with prefetch, its matmuls real (top) or "
                    "each followed by a stand-in that waits as long as one layer's all-gather (below): medians (bars: "
-                   "interquartile range); red: the model")
+                   "interquartile range); red: the stand-in's model")
     note(f"""
         Each layer's forward needs its gathered weights; launched when the
         previous layer starts, the gather travels while that layer computes. Here the compute is
         replaced by a stand-in that releases the core, as long as one layer's gather.
         {gain_words(freed)}. The model: only the first gather is exposed, every later one hides
         behind the layer before it. With real matmuls instead ({freed['real_rows']} rows a layer),
-        {real_compute_words(real, freed, "the forward with prefetch", "the forward without")}. On a
+        {real_compute_words(real, "the forward with prefetch", "the forward without")}. On a
         GPU the gathers run on NCCL's own stream beside the kernels.
     """)
     see(released_prefetch)

@@ -277,10 +277,10 @@ def ring_released():
     r = freed.returns[0]
     figure(overlap_bars({f"ring forward, real compute (s = {S}, {h} heads of {d})": r["real"],
                          "ring forward, compute stand-in (core released)": r}),
-           caption="ring attention's forward on 2 ranks without and with overlap: at the main page's shape with its "
-                   "real compute (top), and with each block followed by a stand-in that waits as long as one "
-                   "K/V hop (below); without overlap each hop is waited for as soon as it is posted: medians (bars: "
-                   "interquartile range); red: the model")
+           caption="ring attention's forward on 2 ranks without and with overlap: at the main page's sequence, heads "
+                   "and head dim with its real compute (top), and with each block followed by a stand-in that waits "
+                   "as long as one K/V hop (below); without overlap each hop is waited for as soon as it is posted: "
+                   "medians (bars: interquartile range); red: the stand-in's model")
     note(f"""
         Give each block a stand-in that keeps the rank
         busy as long as one K/V hop takes but leaves the core to gloo (`released`, a timed
@@ -293,8 +293,9 @@ def ring_released():
         work (reading the megabytes of K and V) is about as long as the hop itself{
         ", and here hiding the hop did not even pay: gloo's copies ran on the core the next block's real work needed"
         if r['gain'] < 1 else ", and that real work on this CPU competes with gloo's copies"}.
-        At the main page's shape with its real compute and no stand-in,
-        {real_compute_words(r["real"], r, "the overlapped ring", "the one that waits at once")}.
+        At the main page's sequence, heads and head dim (the forward only, on 2 ranks) with its real
+        compute and no stand-in,
+        {real_compute_words(r["real"], "the overlapped ring", "the one that waits at once")}.
         On GPUs, where a block's matmuls run on the SMs beside the transfer, the stand-in's case is
         the real one.
     """)

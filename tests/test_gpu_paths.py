@@ -54,7 +54,7 @@ def test_gpu_memory_meter_agrees_with_the_allocator():
     from lectures import lecture_01_memory_and_precision as L
     r = gpu_paths.gpu_memory_meter(L.gpt_step_on_cuda())
     assert r["live_peak"] > 0
-    assert r["live_peak"] <= r["allocator_peak"] <= 1.25 * r["live_peak"] + 32 * 2 ** 20   # rounding, workspaces
+    assert r["live_peak"] <= r["allocator_peak"] <= 1.25 * r["live_peak"] + 32 * 2 ** 20   # rounding, kernels' scratch memory
 
 
 @cuda

@@ -9,7 +9,7 @@ import numpy as np
 from lectures.data_parallel.collectives import bus_bandwidth_factor, crossover_bytes, optimal_bytes
 from util import plural
 from util.figures import NOTE, kb_bars
-from util.measure import Timing, errorbar
+from util.measure import Timing, errorbar, spreads_overlap
 
 KB, MB = 1024, 1024 ** 2
 
@@ -610,14 +610,19 @@ def overlap_bars(results, title=""):
             t = r[kind]
             ax.barh(y, t.median * 1e3, xerr=[[(t.median - t.q1) * 1e3], [(t.q3 - t.median) * 1e3]],
                     color=colours[kind], capsize=3, label=names[kind] if i == 0 else None)
-            ax.text(t.q3 * 1e3 * 1.02, y, f"{t.median * 1e3:.3g} ms", va="center", fontsize=NOTE)
+            ax.annotate(f"{t.median * 1e3:.3g} ms", xy=(t.q3 * 1e3, y), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=NOTE)
         if "model" in r:
             ax.plot([r["model"]["overlapped"] * 1e3] * 2, [base - 0.45, base + 0.45], color="#c44e52", lw=2.5,
                     label=None if labelled else "model: overlapped step")
             labelled.add("model")
         gain = r["sequential"].median / r["overlapped"].median
-        ax.text(0, base + 1.55, f"{mode}\n" + (f"{gain:.2f}× faster" if gain >= 1 else f"{1 / gain:.2f}× slower")
-                + (f" (model {r['model']['gain']:.2f}×)" if "model" in r else ""), fontsize=NOTE, va="bottom")
+        said = f"{gain:.2f}× faster" if gain >= 1 else f"{1 / gain:.2f}× slower"
+        if "model" in r:             # as gain_words says it, beside the model's
+            said += f" (model {r['model']['gain']:.2f}×)"
+        elif spreads_overlap(r["sequential"], r["overlapped"]):    # as util.measure.compare says it
+            said = "no measurable difference"
+        ax.text(0, base + 1.55, f"{mode}\n{said}", fontsize=NOTE, va="bottom")
     ax.set_yticks([])
     ax.set_ylim(-0.8, step * len(modes) - 0.4)
     ax.set_xlim(0, max(r[k].q3 for r in results.values() for k in ("sequential", "overlapped")) * 1e3 * 1.3)

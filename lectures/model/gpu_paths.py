@@ -76,8 +76,9 @@ def gpu_memory_meter(step):
     """Run `step()` (a forward and backward on CUDA tensors) under LiveBytes and under the CUDA
     allocator's own counter: {"live_peak": what LiveBytes saw, "allocator_peak": the allocator's
     peak beyond what was allocated before}. The allocator rounds every block up to 512 bytes and
-    keeps workspaces (cuBLAS) that no tensor owns, so it reads a little more; the caching
-    allocator's reserved memory (`memory_reserved`) more again."""
+    counts scratch memory kernels take outside any tensor, so it reads a little more (cuBLAS's
+    workspaces, allocated in the warm-up and kept, are in the memory allocated before); the
+    caching allocator's reserved memory (`memory_reserved`) more again."""
     _need_cuda("gpu_memory_meter")
     step()                                    # warm-up: cuBLAS workspaces, kernels loaded
     torch.cuda.synchronize()
@@ -97,5 +98,5 @@ WHAT_A_GPU_SHOWS = {
     "attention": "`gpu_attention()`: the fused kernel's bytes growing with s, not s², and its time far below "
                  "the naive one's",
     "memory": "`gpu_memory_meter(step)`: LiveBytes' peak beside `torch.cuda.max_memory_allocated` (512-byte "
-              "rounding, cuBLAS workspaces)",
+              "rounding, kernels' scratch memory)",
 }
