@@ -162,6 +162,14 @@ def recording(course_site, name):
     return json.loads((built(course_site, name) / f"{name}.json").read_text())
 
 
+def demo_returns(course_site, name):
+    """What every demo of `name` returned in the session's build: [{"name", "world_size",
+    "status", "timed", "call", "returns"}] (util.launch keeps them under COURSE_RETURNS)."""
+    import pickle
+    with open(built(course_site, name).parent / "returns" / f"{name}.pkl", "rb") as f:
+        return pickle.load(f)
+
+
 @pytest.fixture(scope="session")
 def executed_notebooks():
     """Every companion notebook executed once, quick, on 4 pooled ranks, reused while the sources

@@ -581,10 +581,9 @@ def test_dropout_under_sp_needs_the_split_stream():
 def test_tp1_and_the_largest_tp_are_timed_in_one_run_taking_turns(course_site):
     """The page's tp=1 against tp=2 (or more): one demo times both, their repeats interleaved
     (measure_side_by_side), so the machine's drift between two runs cannot set them apart."""
-    import pickle
-    out = built(course_site, "lecture_04_tensor_parallel")
-    with open(out.parent / "returns" / "lecture_04_tensor_parallel.pkl", "rb") as f:
-        demos = [d for d in pickle.load(f) if d["name"].startswith("TP step time, tp=1 and tp=")]
+    from tests.conftest import demo_returns
+    demos = [d for d in demo_returns(course_site, "lecture_04_tensor_parallel")
+             if d["name"].startswith("TP step time, tp=1 and tp=")]
     assert len(demos) == 1 and demos[0]["status"] == "ok", demos
     both = demos[0]["returns"][0]
     assert set(both) == {"one process", "ours"}

@@ -193,11 +193,8 @@ def test_real_compute_words_follow_the_timings():
 def test_the_release_the_core_demos_time_real_compute_beside_the_stand_in(course_site, lecture, demo):
     """Beside the stand-in's run, the same overlap with its real compute, without and with it,
     timed taking turns in the same demo (what the page's figure draws on top)."""
-    import pickle
-    from tests.conftest import built
-    out = built(course_site, lecture)
-    with open(out.parent / "returns" / f"{lecture}.pkl", "rb") as f:
-        found = [d for d in pickle.load(f) if d["name"].startswith(demo)]
+    from tests.conftest import demo_returns
+    found = [d for d in demo_returns(course_site, lecture) if d["name"].startswith(demo)]
     assert len(found) == 1 and found[0]["status"] == "ok", found
     real = found[0]["returns"][0]["real"]
     assert set(real) == {"sequential", "overlapped"}

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import LECTURES, ROOT, built
+from tests.conftest import LECTURES, ROOT, built, demo_returns
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 RANKS = 4
@@ -94,12 +94,6 @@ def pooled_returns(notebooks, name):
         return {(d["name"], d["world_size"], d["call"]): d for d in pickle.load(f)}
 
 
-def torchrun_returns(site, name):
-    import pickle
-    with open(site.parent / "returns" / f"{name}.pkl", "rb") as f:
-        return pickle.load(f)
-
-
 def first_difference(a, b, where="returns", rtol=1e-5, atol=1e-7, numbers=True):
     """Where two returned values differ (None when they agree): numbers within a tolerance
     (the pooled and torchrun ranks run with different thread counts), everything else equal.
@@ -165,7 +159,7 @@ def test_every_lecture_builds_under_torchrun_with_the_numbers_of_the_pooled_laun
     same call returned under the pool: the same numbers where it timed nothing and counted no
     bytes, and otherwise the same tensors, strings and shape (its plain numbers and timings
     differ from run to run)."""
-    site, build = course_site
+    _, build = course_site
     rec = load(built(course_site, name), name)
     assert rec["environment"]["launcher"] == "torchrun" and rec["status"] == "ok", rec["status"]
     summary = [line for line in build.log.splitlines() if line.startswith(f"{name}: ")]
@@ -176,7 +170,7 @@ def test_every_lecture_builds_under_torchrun_with_the_numbers_of_the_pooled_laun
             assert f"needs {d['world_size']} ranks, but torchrun started {RANKS}" in d["error"]
     pooled = pooled_returns(executed_notebooks[0].parent, name)
     compared, missing, differ = 0, [], []
-    for d in torchrun_returns(site, name):
+    for d in demo_returns(course_site, name):
         if d["status"] == "skipped":
             continue
         twin = pooled.get((d["name"], d["world_size"], d["call"]))
@@ -193,7 +187,7 @@ def test_every_lecture_builds_under_torchrun_with_the_numbers_of_the_pooled_laun
           f"not in the notebook: {missing}")
     assert not differ, differ
     assert not missing, f"demos of the page that its notebook never ran with the same arguments: {missing}"
-    assert compared == len([d for d in torchrun_returns(site, name) if d["status"] == "ok"]) >= 1
+    assert compared == len([d for d in demo_returns(course_site, name) if d["status"] == "ok"]) >= 1
 
 
 @pytest.mark.torchrun

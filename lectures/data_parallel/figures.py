@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from lectures.data_parallel.collectives import bus_bandwidth_factor, crossover_bytes, optimal_bytes
+from lectures.data_parallel.overlap import times_faster
 from util import plural
 from util.figures import NOTE, kb_bars
 from util.measure import Timing, errorbar, spreads_overlap
@@ -617,7 +618,7 @@ def overlap_bars(results, title=""):
                     label=None if labelled else "model: overlapped step")
             labelled.add("model")
         gain = r["sequential"].median / r["overlapped"].median
-        said = f"{gain:.2f}× faster" if gain >= 1 else f"{1 / gain:.2f}× slower"
+        said = times_faster(gain)
         if "model" in r:             # as gain_words says it, beside the model's
             said += f" (model {r['model']['gain']:.2f}×)"
         elif spreads_overlap(r["sequential"], r["overlapped"]):    # as util.measure.compare says it

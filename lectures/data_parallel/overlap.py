@@ -120,6 +120,11 @@ def measured_against_model(t, pieces, pattern, first_held=False):
     return {**t, "model": model, "gain": gain, "off": gain / model["gain"] - 1, "pattern": pattern}
 
 
+def times_faster(gain):
+    """'1.25× faster', or below 1 '1.15× slower': a step's gain from overlap, said as it reads."""
+    return f"{gain:.2f}× faster" if gain >= 1 else f"{1 / gain:.2f}× slower"
+
+
 def gain_words(r):
     """'Overlapped, the step is 1.83× faster, where the model predicts 1.89×', a sentence's start
     with two numbers: the two steps' times and how far the model is off on hover."""
@@ -128,7 +133,7 @@ def gain_words(r):
              f"is {off:.0%} above it: overlapped, the run also hid part of the overhead the step "
              "without overlap pays beyond compute and transfers, which the model counts as exposed in both")
     steps = f"without overlap {r['sequential'].ms()}, with it {r['overlapped'].ms()}"
-    gain = with_spread(f"{r['gain']:.2f}× faster" if r["gain"] >= 1 else f"{1 / r['gain']:.2f}× slower", steps)
+    gain = with_spread(times_faster(r["gain"]), steps)
     model = with_spread(f"{r['model']['gain']:.2f}×", f"the measured {r['gain']:.2f}× {where}")
     return f"Overlapped, the step is {gain}, where the model predicts {model}"
 
