@@ -26,8 +26,8 @@ from lectures.layout.step_time import (Hardware, axis_link, p2p_link, all_reduce
                                        LLAMA3_405B_PUBLISHED_PARAMS, H100_PEAK_BF16, H100_MEMORY, NVLINK_BW, IB_BW,
                                        FA2_H100, NVLINK_ACHIEVED, IB_ACHIEVED, ATTENTION, NVLINK, IB, ASSUMED,
                                        h100_cluster, a100_cluster, h800_cluster, H100_HBM, A100_PEAK_BF16,
-                                       A100_HBM, HBM, all_to_all_time, memory_bound_time, optimizer_time,
-                                       collective_bytes, kept_gathered, zero3_bytes, step_bytes)
+                                       A100_HBM, HBM, SMS, TILE, all_to_all_time, memory_bound_time, optimizer_time,
+                                       block_gemms, rank_gemms, wave_efficiency, gemm_efficiency, collective_bytes, kept_gathered, zero3_bytes, step_bytes)
 from lectures.layout.search import (valid_layouts, search, decision_procedure, LLAMA3_TABLE4, GEMM, table4_row,
                                     reproduce_table4, attention_rate_needed, causal_discounted, near_ties)
 from lectures.layout.calculator import presets, calculator_data
@@ -44,7 +44,8 @@ __all__ = [
     "dp_parts", "dp_traffic", "chunk_backward", "after_the_pipeline", "step_time", "mfu", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "LLAMA3_405B_PUBLISHED_PARAMS",
     "H100_PEAK_BF16", "H100_MEMORY", "NVLINK_BW", "IB_BW", "FA2_H100", "NVLINK_ACHIEVED", "IB_ACHIEVED",
     "ATTENTION", "NVLINK", "IB", "ASSUMED", "h100_cluster", "a100_cluster", "h800_cluster", "H100_HBM",
-    "A100_PEAK_BF16", "A100_HBM", "HBM", "all_to_all_time", "memory_bound_time", "optimizer_time", "collective_bytes",
+    "A100_PEAK_BF16", "A100_HBM", "HBM", "SMS", "TILE", "all_to_all_time", "memory_bound_time", "optimizer_time",
+    "block_gemms", "rank_gemms", "wave_efficiency", "gemm_efficiency", "collective_bytes",
     "kept_gathered", "zero3_bytes",
     "step_bytes",
     "valid_layouts", "search", "decision_procedure", "LLAMA3_TABLE4", "GEMM", "table4_row", "reproduce_table4",
@@ -56,9 +57,10 @@ __all__ = [
 from lectures.layout.published import (MEGATRON_TABLE1, megatron_run, megatron_shape, predict_run, fit_fraction,
                                        a100_validation, a100_runs, torchtitan_run, TORCHTITAN_A100, DEEPSEEK_V3,
                                        DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED, KORTHIKANTI_175B, KORTHIKANTI_TP,
-                                       selective_per_token_bytes)
+                                       selective_per_token_bytes, MPT_H100, MPT_A100, mpt_shape, mpt_run,
+                                       mpt_validation)
 
-__all__ += ["MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
+__all__ += ["MPT_H100", "MPT_A100", "mpt_shape", "mpt_run", "mpt_validation", "MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
             "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED",
             "KORTHIKANTI_175B", "KORTHIKANTI_TP", "selective_per_token_bytes"]
 

@@ -10,11 +10,12 @@ from util import deep_dive, note, see, spawn, table
 from lectures.layout.demos import _RESULTS, MOE_LAYOUTS, moe_run, train_moe_layouts
 from lectures.layout.estimator import estimate_memory
 from lectures.layout.published import (A100_FIT_ROW, DEEPSEEK_V3, DEEPSEEK_V3_PUBLISHED, DEEPSEEK_V3_RUN,
-                                       GRAND_TETON_HBM, GRAND_TETON_MEMORY, GRAND_TETON_WATTS, TORCHTITAN_8B_MEMORY,
-                                       a100_validation, predict_run)
+                                       GRAND_TETON_HBM, GRAND_TETON_MEMORY, GRAND_TETON_WATTS, MPT_SOURCE, MPT_URL,
+                                       TORCHTITAN_8B_MEMORY, a100_validation, predict_run)
 from lectures.model.gpu_evidence import TORCHTITAN_FSDP_SCALING
 from lectures.layout.search import GEMM
-from lectures.layout.step_time import A100_HBM, A100_PEAK_BF16, LLAMA3_405B, a100_cluster, h800_cluster
+from lectures.layout.step_time import (A100_HBM, A100_PEAK_BF16, H100_HBM, H100_PEAK_BF16, LLAMA3_405B, a100_cluster,
+                                       h800_cluster, mfu)
 from lectures.layout.trainer import max_param_diff, reference_run
 
 
@@ -63,6 +64,7 @@ def a100_detail(frac, rows, held, worst):
     bare = [r for r in bare if not r["fitted"]]
     no_hbm_small, no_hbm_worst = bare[0], max((r["error"] for r in bare), key=abs)
     small, large = held[0], [r for r in held if r["run"]["model"].params() > 5e11]
+    shapes = [r["time"]["gemm efficiency"] for r in rows]
     note(f"""
         ## Deep dive: the A100 validation, and where it drifts
         The A100 cluster: {A100_PEAK_BF16 / 1e12:.0f} TFLOP/s BF16, {A100_HBM / 1e12:.2f} TB/s
@@ -85,15 +87,19 @@ def a100_detail(frac, rows, held, worst):
         checked here: attention's small batched products (head dimension 96–160) run slower than
         the GEMM rate the model gives them, a bigger share of a small model's work; at 1T the
         64-stage pipeline's sends and bubble are charged in full where Megatron-LM overlaps some.
+        Nor do the products' shapes explain the drift: cut into tiles and waves on the A100's
+        108 SMs they run at {100 * min(shapes):.0f}–{100 * max(shapes):.0f}% of the fitted rate,
+        with no trend in size.
         Charging memory-bound work at HBM bandwidth is what keeps the small models in the band:
         without it, the same one-run fit predicts {no_hbm_small['run']['name']} at
         {100 * no_hbm_small['error']:+.1f}%{" (its worst run)" if no_hbm_worst == no_hbm_small["error"]
         else f" and its worst run at {100 * no_hbm_worst:+.1f}%"}.
     """)
     table([[r["run"]["name"], r["run"]["model"].params() / 1e9, r["run"]["measured"].replace(" per GPU", ""),
-            r["layout"].label(), r["run"]["seconds"], r["time"]["total"], "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],
+            r["layout"].label(), f"{100 * r['time']['gemm efficiency']:.0f}%", r["run"]["seconds"], r["time"]["total"],
+            "fitted" if r["fitted"] else f"{100 * r['error']:+.1f}%"] for r in rows],
           header=["published run", "parameters (B)", "published, per GPU", "the search's open knobs",
-                  "s per step, published", "s per step, predicted", "throughput error"],
+                  "products' shape efficiency", "s per step, published", "s per step, predicted", "throughput error"],
           caption="Published A100 runs through the model (Narayanan et al. 2021, Table 1; torchtitan "
                   "docs/performance.md): each run's layout as the search completes it on the published mesh, "
                   "and its step time; the GEMM fraction fitted on one run, every other run predicted.")
@@ -122,20 +128,24 @@ def experts_at_scale(h100):
         {100 * with_overlap['error']:+.0f}% off if its all-to-alls hide as DualPipe claims,
         {100 * without['error']:+.0f}% if not.
     """)
-    with deep_dive("Published runs in detail: the A100 validation, an 8B on H100s, experts, DeepSeek-V3",
+    with deep_dive("Published runs in detail: the A100 validation, an 8B on H100s, one stack on both GPUs, "
+                   "experts, DeepSeek-V3",
                    "the A100's constants and an error that still moves with size; where the model is weakest, "
-                   "torchtitan's eager 8B on H100s; lecture 06's MoE GPT trained under ep against one process; "
+                   "torchtitan's eager 8B on H100s; MosaicML's MPT runs from 760M to 70B on A100s and H100s; "
+                   "lecture 06's MoE GPT trained under ep against one process; "
                    "DeepSeek-V3 with and without DualPipe's overlap"):
         if "a100_detail" in _RESULTS:
             a100_detail(*_RESULTS["a100_detail"])
         h100_detail(_RESULTS["h100_validation"], h100)
+        mpt_detail(*_RESULTS["mpt_validation"])
         experts_detail(run, got, ref, with_overlap, without)
 
 
-def trust_words(h100_rows, a100_near):
+def trust_words(h100_rows, a100_near, mosaic=()):
     """How far the picks at 8B and 70B can be trusted, from the validation at their sizes: the
-    H100 runs' errors first (the picks are H100 picks), then the A100 runs'. An error is the
-    published step over the predicted one, less 1: positive, the model is too fast."""
+    H100 runs' errors first (the picks are H100 picks; `mosaic`: MosaicML's H100 runs nearest
+    8B and 70B), then the A100 runs'. An error is the published step over the predicted one,
+    less 1: positive, the model is too fast."""
     gpus = " and ".join(str(r["run"]["gpus"]) for r in h100_rows)
     worst = max((r["error"] for r in h100_rows), key=abs)
     if abs(worst) <= 0.1:
@@ -144,10 +154,18 @@ def trust_words(h100_rows, a100_near):
         verdict = f"so an 8B pick's MFU may be up to {1 + worst:.2f}× what it would reach"
     else:
         verdict = f"so an 8B pick's MFU may be {1 / (1 + worst):.2f}× too low"
+    if mosaic:
+        sizes = " and ".join(r["run"]["model"].name.removeprefix("MPT ") for r in mosaic)
+        mosaic_words = f", MosaicML's {sizes} on H100s {fast_or_slow(r['error'] for r in mosaic)},"
+        large = max(mosaic, key=lambda r: r["run"]["model"].params())["error"]
+        if large > 0.1:
+            verdict += f", a 70B pick's up to {1 + large:.2f}×"
+    else:
+        mosaic_words = ""
     return (f"How far to trust them: the model predicts torchtitan's eager 8B on {gpus} H100s (500 W) "
-            f"{fast_or_slow(r['error'] for r in h100_rows)} (the deep dive on published runs), and torchtitan's "
-            f"A100 runs of the 8B and 70B {fast_or_slow(a100_near.values())}; {verdict}, and every row carries "
-            "at least the 405B rows' band.")
+            f"{fast_or_slow(r['error'] for r in h100_rows)}{mosaic_words} (the deep dive on published runs), "
+            f"and torchtitan's A100 runs of the 8B and 70B {fast_or_slow(a100_near.values())}; {verdict}, and "
+            "every row carries at least the 405B rows' band.")
 
 
 def fast_or_slow(errors, ratio=False):
@@ -185,8 +203,10 @@ def h100_detail(rows, h100):
         micro-batch, sequence 8,192, selective checkpointing) took {few['run']['seconds']:.2f} s per step on
         {few['run']['gpus']} H100s and {many['run']['seconds']:.2f} s on {many['run']['gpus']}. The model predicts
         {few['time']['total']:.2f} and {many['time']['total']:.2f} s, {shape}, {exposed}: {off}. What it
-        leaves out weighs most here: the GEMM fraction was fitted on 405B's matrices, {LLAMA3_405B.hidden // few['run']['model'].hidden}×
-        wider than the 8B's; these GPUs ran at {GRAND_TETON_WATTS} W where Table 4's ran at 700 W; and
+        leaves out weighs most here. Not the matrices' shapes: though 405B's are
+        {LLAMA3_405B.hidden // few['run']['model'].hidden}× wider, the model's tiles and waves put the 8B's products at
+        {100 * few['time']['gemm efficiency']:.0f}% of the fitted rate where Table 4's first row runs at
+        {100 * _RESULTS['table4']['rows'][0][1]['time']['gemm efficiency']:.0f}%. But these GPUs ran at {GRAND_TETON_WATTS} W where Table 4's ran at 700 W; and
         eager PyTorch runs the memory-bound work as separate kernels, which torch.compile fuses (it
         raised these runs' throughput {compiled:.2f}×). The estimator is off here too: it puts the
         {few['run']['gpus']}-GPU run at {held / 2 ** 30:.1f} GiB per GPU, where torchtitan measured
@@ -199,6 +219,53 @@ def h100_detail(rows, h100):
           caption=f"torchtitan's eager FSDP runs of Llama 3.1 8B on H100s ({TORCHTITAN_FSDP_SCALING.source}, "
                   f"[{TORCHTITAN_FSDP_SCALING.where}]({TORCHTITAN_FSDP_SCALING.url})) through the model, "
                   "nothing fitted on them.")
+
+
+def per_gpu(row, predicted=False):
+    """Tokens per second per GPU of a predicted run: as published, or as the model predicts it."""
+    run = row["run"]
+    seconds = row["time"]["total"] if predicted else run["seconds"]
+    return run["batch"] * run["model"].seq / seconds / run["gpus"]
+
+
+def mpt_detail(h100_rows, a100_rows):
+    """MosaicML's MPT runs, 760M to 70B, one software stack on A100s and on H100s, predicted with
+    each GPU's one fit: the A100's predictions hold, the H100's run ahead at every size."""
+    a_worst = max((r["error"] for r in a100_rows), key=abs)
+    h_errors = [r["error"] for r in h100_rows]
+    published = [per_gpu(h) / per_gpu(a) for h, a in zip(h100_rows, a100_rows)]
+    predicted = [per_gpu(h, True) / per_gpu(a, True) for h, a in zip(h100_rows, a100_rows)]
+    used = {gpu: [mfu(r["run"]["model"], per_gpu(r), peak) for r in rows]
+            for gpu, rows, peak in (("H100", h100_rows, H100_PEAK_BF16), ("A100", a100_rows, A100_PEAK_BF16))}
+    span = lambda xs, f=lambda x: f"{100 * x:.0f}": f"{f(min(xs))}–{f(max(xs))}"
+    note(f"""
+        ### One software stack on both GPUs: MosaicML's MPT runs
+        MosaicML published one family of GPT-style models, from 760M to 70B parameters,
+        trained the same way on A100s and on H100s: FSDP's full sharding (ZeRO-3),
+        FlashAttention, bf16, sequences of 2,048. Nothing is fitted on them; each GPU keeps its
+        one fit. On A100s the model predicts every run within {100 * abs(a_worst):.0f}%.
+        On H100s it predicts {"every one too fast" if min(h_errors) > 0 else "them"}, by
+        {span(h_errors)}%{"" if min(h_errors) > 0 else " (positive: too fast)"}.
+        Per GPU, an H100 ran these models {span(published, lambda x: f"{x:.1f}")}× as fast as an A100;
+        the model predicts {span(predicted, lambda x: f"{x:.1f}")}×. The runs used
+        {span(used["H100"])}% of an H100's peak and {span(used["A100"])}% of an A100's.
+        The model's H100 rate comes from Table 4, Meta's own stack on a 405B; what
+        it leaves out that does not speed up with FLOP/s (kernel launches, memory-bound work
+        beyond its count, FSDP's gathers left exposed) weighs more on the GPU with
+        {H100_PEAK_BF16 / A100_PEAK_BF16:.1f}× the A100's FLOP/s and {H100_HBM / A100_HBM:.1f}× its HBM
+        bandwidth — likely, not checked here. So an H100 pick's
+        throughput holds for a stack tuned as Meta's was, and is an upper bound for others
+        until their own runs are measured.
+    """)
+    table([[a["run"]["model"].name, a["run"]["model"].params() / 1e9,
+            f"{per_gpu(h):,.0f}", f"{100 * h['error']:+.1f}%", f"{per_gpu(a):,.0f}", f"{100 * a['error']:+.1f}%",
+            f"{p:.2f}×", f"{q:.2f}×"] for h, a, p, q in zip(h100_rows, a100_rows, published, predicted)],
+          header=["model", "parameters (B)", "H100: tokens/s per GPU", "H100: throughput error",
+                  "A100: tokens/s per GPU", "A100: throughput error", "H100 / A100, published", "H100 / A100, predicted"],
+          caption=f"MosaicML's MPT runs at sequence 2,048 ([{MPT_SOURCE}]({MPT_URL})) through the model: "
+                  "each on its published layout (dp = GPUs, ZeRO-3, the published micro-batch, recomputation "
+                  "where it checkpointed), with each GPU's one fit; nothing fitted on them. An error is the "
+                  "published step over the predicted one, less 1: positive, the model is too fast.")
 
 
 def experts_detail(run, got, ref, with_overlap, without):

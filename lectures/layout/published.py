@@ -176,6 +176,52 @@ def h100_validation(h100):
     return [predict_run(r, hw) for r in runs]
 
 
+# MosaicML's MPT training benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md,
+# commit 061f2c7): GPT-style models with biases, LayerNorm, a GELU MLP of 4h, learned positions
+# and a tied embedding, vocabulary 50,368 (the tables' parameter counts are these shapes', tested),
+# trained by one software stack on both GPUs: FSDP's FULL_SHARD (ZeRO-3), FlashAttention, bf16,
+# on MosaicML's cloud. The rows at sequence 2,048, one per model size: 8 GPUs where published (the
+# 3B on H100s at 16), the 70B at 64. Tokens per second in all, as published.
+MPT_SOURCE = "MosaicML, MPT training benchmarks (llm-foundry, scripts/train/benchmarking/README.md)"
+MPT_URL = "https://github.com/mosaicml/llm-foundry/tree/main/scripts/train/benchmarking"
+MPT_SHAPES = {"760M": (1536, 24, 12), "1B": (2048, 24, 16), "3B": (2560, 32, 20), "7B": (4096, 32, 32),
+              "13B": (5120, 40, 40), "30B": (7168, 48, 64), "70B": (8192, 80, 64)}     # width, blocks, heads
+MPT_PARAMS = {"760M": 760470528, "1B": 1315950592, "3B": 2651837440, "7B": 6658859008,
+              "13B": 12853954560, "30B": 29975214080, "70B": 64862437376}             # the tables' NumParams
+# (size, GPUs, micro-batch, global batch, tokens/s in all, activation checkpointing)
+MPT_H100 = [("760M", 8, 24, 384, 505177, False), ("1B", 8, 14, 112, 363645, False), ("3B", 16, 10, 480, 386285, False),
+            ("7B", 8, 6, 48, 85144, False), ("13B", 8, 2, 16, 38336, False), ("30B", 8, 3, 504, 16022, True),
+            ("70B", 64, 8, 2048, 66523, True)]
+MPT_A100 = [("760M", 8, 24, 384, 259472, False), ("1B", 8, 14, 448, 164109, False), ("3B", 8, 10, 160, 86491, False),
+            ("7B", 8, 6, 96, 37130, False), ("13B", 8, 2, 48, 18097, False), ("30B", 8, 3, 504, 7330, True),
+            ("70B", 64, 8, 2048, 26274, True)]
+
+
+def mpt_shape(size):
+    width, blocks, heads = MPT_SHAPES[size]
+    return ModelShape(f"MPT {size}", layers=blocks, hidden=width, heads=heads, kv_heads=heads, ffn=4 * width,
+                      vocab=50368, seq=2048, tied=True)
+
+
+def mpt_run(row, gpu):
+    """A row of MosaicML's table as a published run, on its published layout (it fitted as it ran)."""
+    size, gpus, micro_batch, batch, tokens, checkpointing = row
+    model = mpt_shape(size)
+    return {"name": f"MPT {size} on {gpus} {gpu}s", "model": model, "gpus": gpus,
+            "mesh": {"dp": gpus, "pp": 1, "cp": 1, "tp": 1}, "batch": batch, "seconds": batch * model.seq / tokens,
+            "source": MPT_SOURCE, "gpu": gpu, "flash": True, "pinned": True,
+            "measured": f"{tokens / gpus:,.0f} tokens/s per GPU",
+            "knobs": dict(zero=(3,), sp=(False,), recompute=("full" if checkpointing else "none",),
+                          micro_batch=(micro_batch,))}
+
+
+def mpt_validation(h100, a100):
+    """MosaicML's runs, predicted on each GPU with that GPU's one fit (`h100`: Table 4's, `a100`:
+    Megatron-LM's 76.1B): nothing is fitted on them. ([H100 rows], [A100 rows])."""
+    return ([predict_run(mpt_run(r, "H100"), h100) for r in MPT_H100],
+            [predict_run(mpt_run(r, "A100"), a100) for r in MPT_A100])
+
+
 def a100_runs():
     return [megatron_run(r) for r in MEGATRON_TABLE1] + [torchtitan_run(*r) for r in TORCHTITAN_A100]
 

@@ -12,6 +12,7 @@ with measured step times; `h100_cluster()` holds published H100 numbers for the 
 - `Hardware`: FLOP/s, memory and the (α, β) of links inside and across nodes.
 - `step_time(model, layout, hw)`: seconds per step and its parts (compute, tp, cp, pp, bubble, dp).
 - `flops_per_token`, `mfu`: useful work, and how much of the hardware's peak a step uses.
+- `gemm_efficiency`: what the matrix products' shapes waste in tiles and waves on a GPU's SMs.
 - `LLAMA3_8B`, `LLAMA3_70B`, `LLAMA3_405B`, `h100_cluster()`: published models and hardware.
 """
 import dataclasses
@@ -62,6 +63,9 @@ class Hardware:
     # fraction of a micro-batch's compute that hides its tensor-parallel collectives (0: all
     # exposed, as plain Megatron-LM runs them; asynchronous TP, lecture 04, overlaps them)
     tp_overlap: float = 0.0
+    # (SMs, tile rows, tile columns): matrix products run in tiles, a wave of one tile per SM
+    # (`gemm_efficiency`); None: every product at `flops`, whatever its shape
+    gemm_tiles: tuple = None
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
@@ -83,6 +87,9 @@ class Hardware:
                 raise ValueError(f"Hardware.{k}={getattr(self, k)!r}: a fraction from 0 to 1")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"Hardware.ranks_per_node={self.ranks_per_node!r}: a whole number ≥ 1")
+        if self.gemm_tiles is not None and not (len(self.gemm_tiles) == 3 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.gemm_tiles)):
+            raise ValueError(f"Hardware.gemm_tiles={self.gemm_tiles!r}: (SMs, tile rows, tile columns), whole numbers ≥ 1")
 
 
 def group_span(layout, axis):
@@ -224,7 +231,9 @@ def step_time(model, layout, hw):
     slowest stage, then each stage's gradient reduction in its cool-down, the wait for every
     stage, and the slowest optimizer step (`after_the_pipeline`).
 
-    compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, plus a fixed
+    compute   a micro-batch on one stage: its FLOPs / (tp·cp) at `hw.flops`, the matrix
+              products' slowed by what their shapes waste in tiles and waves
+              (`gemm_efficiency`, the part `gemm efficiency` of the result), plus a fixed
               cost per block (Python and kernel launches);
               full recomputation adds the forward again; with `hw.attention` set, the
               attention scores and values run apart, the FLOPs a FlashAttention kernel runs
@@ -263,13 +272,16 @@ def step_time(model, layout, hw):
     attention_flops = (12 + 4 * rc) * model.hidden * model.seq
     head_flops = 6 * model.vocab * model.hidden if worst == layout.pp - 1 else 0
     flops = tokens * (matrix_flops + n_layers * attention_flops + head_flops) / layout.tp
+    # the matrix products at `hw.flops`, less what their shapes waste in tiles and waves
+    shapes = rank_gemms(model, layout, dense, moe, worst == layout.pp - 1)
+    efficiency = gemm_efficiency(shapes, hw, rc)
+    gemms = tokens * (matrix_flops + head_flops) / layout.tp / (hw.flops * efficiency)
     if hw.attention is None:
         attention = 0.0
-        compute = flops / hw.flops + n_layers * hw.overhead
+        compute = gemms + tokens * n_layers * attention_flops / layout.tp / hw.flops + n_layers * hw.overhead
     else:
         attention = tokens * n_layers * attention_kernel_flops(model, rc) / layout.tp / hw.attention
-        compute = (tokens * (matrix_flops + head_flops) / layout.tp / hw.flops
-                   + attention + n_layers * hw.overhead)
+        compute = gemms + attention + n_layers * hw.overhead
     memory = memory_bound_time(model, layout, hw, dense, moe) if hw.hbm else 0.0
     compute += memory
     act = tokens * model.hidden * B["act"]
@@ -316,7 +328,7 @@ def step_time(model, layout, hw):
     return {"total": total, "compute": m * compute, "tp": m * tp, "cp": m * cp,
             "bubble": bubble, "pp": m * sends, "dp": exposed_dp, "flops": flops * m,
             "attention": m * attention, "memory": m * memory, "ep": m * ep, "optimizer": optimizer,
-            "dp before hiding": dp_all}
+            "dp before hiding": dp_all, "gemm efficiency": efficiency}
 
 
 def chunk_backward(slot, sends, v):
@@ -414,6 +426,64 @@ def optimizer_time(model, layout, hw, stage):
     return updated * (B["grads"] + 2 * B["optimizer"] + B["weights"]) / hw.hbm
 
 
+def block_gemms(model, layout, moe=False):
+    """[(how many, rows, inputs, outputs)]: the matrix products of one block on a rank in a
+    micro-batch's forward, rows being its tokens. Q, K and V as one product, and the MLP's
+    input matrices as one (as Megatron-LM fuses them), each split over tp; in an MoE block the
+    router, the shared experts, and the experts/ep routed experts the rank holds, each of
+    which multiplies the tokens routed to it from the ep group's ranks (top_k·ep/experts of
+    a rank's tokens each, if the router balances them)."""
+    rows = layout.micro_batch * model.seq / layout.cp
+    h, tp, up = model.hidden, layout.tp, model.mlp_matrices - 1
+    shapes = [(1, rows, h, (h + 2 * model.kv_dim) / tp), (1, rows, h / tp, h)]
+    if not moe:
+        return shapes + [(1, rows, h, up * model.ffn / tp), (1, rows, model.ffn / tp, h)]
+    f, shared = model.expert_ffn, model.shared_experts
+    shapes.append((1, rows, h, model.experts))
+    if shared:
+        shapes += [(1, rows, h, up * shared * f / tp), (1, rows, shared * f / tp, h)]
+    routed, local = rows * model.top_k * layout.ep / model.experts, model.experts / layout.ep
+    return shapes + [(local, routed, h, up * f / tp), (local, routed, f / tp, h)]
+
+
+def rank_gemms(model, layout, dense, moe, last):
+    """The matrix products of a rank holding `dense` + `moe` blocks (and the LM head if `last`)."""
+    shapes = [(dense * n, r, i, o) for n, r, i, o in block_gemms(model, layout)] if dense else []
+    if moe:
+        shapes += [(moe * n, r, i, o) for n, r, i, o in block_gemms(model, layout, True)]
+    if last:
+        shapes.append((1, layout.micro_batch * model.seq / layout.cp, model.hidden, model.vocab / layout.tp))
+    return shapes
+
+
+def wave_efficiency(rows, columns, tiles):
+    """The share of the SMs' time a product with a rows × columns output does useful work
+    (NVIDIA, "Matrix Multiplication Background User's Guide", 2023, §3): the output is cut
+    into tiles, one per SM at a time, so tiles at the edges run partly empty (tile
+    quantization) and the last wave can leave SMs idle (wave quantization).
+    `tiles` = (SMs, tile rows, tile columns)."""
+    sms, tm, tn = tiles
+    n_tiles = math.ceil(rows / tm) * math.ceil(columns / tn)
+    waves = math.ceil(n_tiles / sms)
+    return rows * columns / (waves * sms * tm * tn)
+
+
+def gemm_efficiency(shapes, hw, recompute=False):
+    """The FLOP-weighted efficiency of `shapes` (rank_gemms), forward and backward: each
+    product runs forward (its output rows × outputs), then backward for the input's gradient
+    (rows × inputs) and the weight's (inputs × outputs), each with the forward's FLOPs; full
+    recomputation runs the forward again. 1 on hardware without `gemm_tiles`."""
+    if hw.gemm_tiles is None:
+        return 1.0
+    work = seconds = 0.0
+    for n, rows, inputs, outputs in shapes:
+        flops = n * rows * inputs * outputs
+        for e in [wave_efficiency(rows, outputs, hw.gemm_tiles)] * (1 + recompute) + \
+                 [wave_efficiency(rows, inputs, hw.gemm_tiles), wave_efficiency(inputs, outputs, hw.gemm_tiles)]:
+            work, seconds = work + flops, seconds + flops / e
+    return work / seconds
+
+
 def attention_kernel_flops(model, recompute=False):
     """FLOPs per token and block that a causal FlashAttention kernel runs, counted as Dao 2023
     (§4.1) counts them for its benchmarks: the forward's two matmuls 4·h·s, the backward 2.5×
@@ -485,9 +555,15 @@ ATTENTION = "attention FLOP/s (FlashAttention-2's top figure on an H100)"
 NVLINK = "NCCL's bandwidth on NVLink (B/s)"
 IB = "NCCL's bandwidth per InfiniBand NIC (B/s)"
 HBM = "HBM bandwidth (B/s)"
-PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED, HBM: H100_HBM}
+# An H100 SXM has 132 SMs (NVIDIA H100 datasheet), an A100 108 (NVIDIA A100 datasheet).
+SMS = "streaming multiprocessors (SMs)"
+TILE = "GEMM tile (rows, columns)"
+PUBLISHED = {ATTENTION: FA2_H100, NVLINK: NVLINK_ACHIEVED, IB: IB_ACHIEVED, HBM: H100_HBM, SMS: 132}
 ASSUMED = {"sustained fraction of peak for large GEMMs": 0.7,     # assumption, not a citation
            "usable fraction of HBM": 0.9,                          # workspace, fragmentation
+           # the tile NVIDIA's GEMM guide (§2.3) names cuBLAS's most efficient, 256 × 128, for
+           # every product (an assumption: cuBLAS picks among several per shape)
+           TILE: (256, 128),
            # memory-bound kernels (norms, activations, adds, AdamW) reach this share of the HBM
            # datasheet rate (an assumption: a streaming kernel rarely sustains more)
            "fraction of HBM bandwidth that memory-bound kernels reach": 0.8,
@@ -508,7 +584,8 @@ def _cluster(name, peak, memory, published, changed):
                     intra=(a["α per ring step in a node (s)"], a[NVLINK]),
                     inter=(a["α per ring step across nodes (s)"], a[IB]),
                     overlap=a["fraction of that compute hiding data-parallel traffic"], peak=peak,
-                    attention=a[ATTENTION], hbm=a[HBM] * a["fraction of HBM bandwidth that memory-bound kernels reach"])
+                    attention=a[ATTENTION], hbm=a[HBM] * a["fraction of HBM bandwidth that memory-bound kernels reach"],
+                    gemm_tiles=(a[SMS], *a[TILE]))
 
 
 def h100_cluster(**changed):
@@ -525,7 +602,7 @@ A100_PEAK_BF16, A100_MEMORY, A100_HBM = 312e12, 80 * 2 ** 30, 2.039e12
 A100_PUBLISHED = {NVLINK: 300e9 * NVLINK_ACHIEVED / NVLINK_BW, IB: 25e9 * IB_ACHIEVED / IB_BW, HBM: A100_HBM,
                   # FlashAttention-2 "reaching 50-73% of the theoretical maximum FLOPs/s on A100"
                   # (Dao 2023, abstract): the top of that range
-                  ATTENTION: 0.73 * A100_PEAK_BF16}
+                  ATTENTION: 0.73 * A100_PEAK_BF16, SMS: 108}
 
 
 def a100_cluster(**changed):

@@ -595,7 +595,7 @@
     var m = shapeDefaults(model), l = layoutDefaults(layout);
     hw = Object.assign({ overhead: 0.0, step_overhead: 0.0, overlap: 0.0, bucketed: true, p2p: null,
                          ring_step: [0.0, 0.0], backend: "nccl", hbm: null, scores_in_hbm: false, ep_overlap: 0.0,
-                         tp_overlap: 0.0 }, hw);
+                         tp_overlap: 0.0, gemm_tiles: null }, hw);
     var B = PRECISION_BYTES[l.precision];
     var tokens = l.micro_batch * m.seq / l.cp, rc = l.recompute === "full" ? 1 : 0;
     var v = l.virtual_stages, sizes = rankLayers(m.layers, l.pp, v), worst = 0, best = -Infinity;
@@ -608,13 +608,15 @@
     var attentionFlops = (12 + 4 * rc) * m.hidden * m.seq;
     var headFlops = worst === l.pp - 1 ? 6 * m.vocab * m.hidden : 0;
     var flops = tokens * (matrixFlops + nLayers * attentionFlops + headFlops) / l.tp;
+    var gemmEff = gemmEfficiency(rankGemms(m, l, kinds[0], kinds[1], worst === l.pp - 1), hw, rc);
+    var gemms = tokens * (matrixFlops + headFlops) / l.tp / (hw.flops * gemmEff);
     var attention = 0.0, compute;
     if (hw.attention === null || hw.attention === undefined) {
-      compute = flops / hw.flops + nLayers * hw.overhead;
+      compute = gemms + tokens * nLayers * attentionFlops / l.tp / hw.flops + nLayers * hw.overhead;
     } else {   // the FLOPs a causal FlashAttention kernel runs (step_time.attention_kernel_flops)
       var forward = 4 * m.hidden * m.seq;
       attention = tokens * nLayers * ((forward * (1 + rc) + 2.5 * forward) / 2) / l.tp / hw.attention;
-      compute = tokens * (matrixFlops + headFlops) / l.tp / hw.flops + attention + nLayers * hw.overhead;
+      compute = gemms + attention + nLayers * hw.overhead;
     }
     var memory = hw.hbm ? memoryBoundTime(m, l, hw, kinds[0], kinds[1]) : 0.0;
     compute += memory;
@@ -653,8 +655,41 @@
     var exposedDp = after[0], optimizer = after[1];
     return { total: mb * slot + bubble + exposedDp + optimizer + hw.step_overhead, compute: mb * compute, tp: mb * tp,
              cp: mb * cp, bubble: bubble, pp: mb * sends, dp: exposedDp, flops: flops * mb, attention: mb * attention,
-             memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": after[2] };
+             memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": after[2],
+             "gemm efficiency": gemmEff };
   };
+  function blockGemms(m, l, moe) {   // step_time.block_gemms: [how many, rows, inputs, outputs]
+    var rows = l.micro_batch * m.seq / l.cp, h = m.hidden, tp = l.tp, up = m.mlp_matrices - 1;
+    var shapes = [[1, rows, h, (h + 2 * kvDim(m)) / tp], [1, rows, h / tp, h]];
+    if (!moe) return shapes.concat([[1, rows, h, up * m.ffn / tp], [1, rows, m.ffn / tp, h]]);
+    var f = m.expert_ffn, shared = m.shared_experts;
+    shapes.push([1, rows, h, m.experts]);
+    if (shared) shapes.push([1, rows, h, up * shared * f / tp], [1, rows, shared * f / tp, h]);
+    var routed = rows * m.top_k * l.ep / m.experts, local = m.experts / l.ep;
+    return shapes.concat([[local, routed, h, up * f / tp], [local, routed, f / tp, h]]);
+  }
+  function rankGemms(m, l, dense, moe, last) {   // step_time.rank_gemms
+    var shapes = [];
+    if (dense) blockGemms(m, l, false).forEach(function (g) { shapes.push([dense * g[0], g[1], g[2], g[3]]); });
+    if (moe) blockGemms(m, l, true).forEach(function (g) { shapes.push([moe * g[0], g[1], g[2], g[3]]); });
+    if (last) shapes.push([1, l.micro_batch * m.seq / l.cp, m.hidden, m.vocab / l.tp]);
+    return shapes;
+  }
+  function waveEfficiency(rows, columns, tiles) {   // step_time.wave_efficiency
+    var n = Math.ceil(rows / tiles[1]) * Math.ceil(columns / tiles[2]);
+    return rows * columns / (Math.ceil(n / tiles[0]) * tiles[0] * tiles[1] * tiles[2]);
+  }
+  function gemmEfficiency(shapes, hw, rc) {   // step_time.gemm_efficiency
+    if (hw.gemm_tiles === null || hw.gemm_tiles === undefined) return 1.0;
+    var work = 0.0, seconds = 0.0;
+    shapes.forEach(function (g) {
+      var flops = g[0] * g[1] * g[2] * g[3], t = hw.gemm_tiles;
+      var forward = waveEfficiency(g[1], g[3], t);   // then the input's gradient, then the weight's
+      var effs = (rc ? [forward, forward] : [forward]).concat([waveEfficiency(g[1], g[2], t), waveEfficiency(g[2], g[3], t)]);
+      effs.forEach(function (e) { work += flops; seconds += flops / e; });
+    });
+    return work / seconds;
+  }
   function memoryBoundTime(m, l, hw, dense, moe) {   // step_time.memory_bound_time
     var B = PRECISION_BYTES[l.precision].act, tokens = l.micro_batch * m.seq / l.cp;
     var passes = 3 + (l.recompute === "full" ? 1 : 0), act = m.mlp_matrices === 2 ? 2 : 3, total = 0.0;
