@@ -33,7 +33,7 @@ from lectures.layout.demos import (_RESULTS, calibrate, compare_meshes, compute_
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    rho_uncertainty, ties_words, trivial_prediction, verdict_of, worst_ratios)
 from lectures.layout.at_scale import across_scale, experts_at_scale, trust_words
-from lectures.layout.published import a100_validation, h100_validation, mpt_validation
+from lectures.layout.published import a100_validation, h100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
 from lectures.layout.deep_dives import (decision_flow, error_by_axis, memory_with_recomputation, notes,
                                         pytorch_pieces, ratios_by_axis, table4_sensitivity, wire_bytes)
@@ -524,12 +524,10 @@ def published_scale():
             it runs at FlashAttention-2's published best on an H100, {FA2_H100 / 1e12:.0f} TFLOP/s
             forward and backward ({100 * FA2_H100 / H100_PEAK_BF16:.0f}% of peak; Dao 2023, §4.1),
             on the half of its 12·h·s FLOPs per token and block that a causal kernel computes (MFU
-            still counts all 12·h·s, as PaLM's convention does). Every other matrix product
-            runs at the fitted rate less what its shape wastes: cut into 256 × 128 output tiles, one
-            per SM at a time on an H100's 132 SMs, the edge tiles run partly empty and the last
-            wave can leave SMs idle (NVIDIA's GEMM guide, §3; `gemm_efficiency`), so the fitted
-            fraction is that of products whose tiles fill every wave; memory-bound kernels (norms, activations, residual
-            adds, with the course's selective recomputation their re-run, and AdamW's step) move
+            still counts all 12·h·s, as PaLM's convention does). Other matrix products run at the
+            fitted rate less what tile and wave quantization waste on the H100's 132 SMs (NVIDIA's
+            GEMM guide, §3; `gemm_efficiency`): the fit is for products whose tiles fill every wave;
+            memory-bound kernels (norms, activations, residual adds, with the course's selective recomputation their re-run, and AdamW's step) move
             their bytes at the stated fraction of HBM's datasheet rate ({H100_HBM / 1e12:.2f} TB/s on an H100); nothing
             else costs time — no kernel launches, no stragglers or failures; communication never
             slows compute (on GPUs NCCL's kernels share the SMs); a group is inside a node only when
@@ -560,7 +558,6 @@ def published_scale():
     hw, band = llama3_table4(table4)
     band = max(band, across_scale(a100))
     _RESULTS["h100_validation"] = h100_validation(hw)     # read by the deep dive on published runs
-    _RESULTS["mpt_validation"] = mpt_validation(hw, a100_cluster(**{GEMM: a100[0]}))
     experts_at_scale(hw)
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
     for model in (LLAMA3_8B, LLAMA3_70B):

@@ -1111,8 +1111,12 @@ def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_e
     from lectures.layout import mpt_run, MPT_H100
     mosaic = [{"run": mpt_run(MPT_H100[3], "H100"), "error": 0.295}, {"run": mpt_run(MPT_H100[6], "H100"), "error": 0.121}]
     said = trust_words(rows, {"a": 0.0}, mosaic)
-    assert "MosaicML's 7B and 70B on H100s 30% and 12% too fast" in said and "a 70B pick's up to 1.12×" in said
+    assert "and MosaicML's 7B and 70B on H100s 30% and 12% too fast (the deep dive" in said
+    assert "a 70B pick's MFU may be up to 1.12× what it would reach;" in said
     assert "70B pick" not in trust_words(rows, {"a": 0.0}, [mosaic[0], dict(mosaic[1], error=0.05)])
+    assert "a 70B pick's MFU may be 1.25× too low" in trust_words(rows, {"a": 0.0}, [mosaic[0], dict(mosaic[1], error=-0.2)])
+    said = trust_words(close, {"a": 0.0}, mosaic)
+    assert "So the 8B picks hold about as well as the A100 runs; a 70B pick's MFU may be up to 1.12×" in said
     slow = [dict(r, error=-0.5) for r in rows]
     assert "2.00× too low" in trust_words(slow, {"a": 0.0}) and "hold about as well" not in trust_words(slow, {"a": 0.0})
 
@@ -1164,18 +1168,24 @@ def test_wave_and_tile_quantization_give_the_guides_numbers():
 def test_the_step_time_charges_each_products_shape():
     """The matrix products' time is their FLOPs at the large-GEMM rate over the FLOP-weighted
     efficiency of every product a rank runs forward and backward; the products count the FLOPs
-    the model counts; hardware without tiles charges every shape alike."""
-    from lectures.layout import block_gemms, gemm_efficiency, rank_gemms
-    from lectures.layout import DEEPSEEK_V3
+    the model counts; a rank's routed experts are one grouped launch of experts/ep products of
+    top_k·ep/experts of its tokens each; hardware without tiles charges every shape alike."""
+    from lectures.layout import DEEPSEEK_V3, block_gemms, gemm_efficiency, rank_gemms, wave_efficiency
     for model, layout in ((LLAMA3_8B, Layout(dp=8, tp=4, micro_batch=2)),
                           (DEEPSEEK_V3, Layout(dp=64, ep=8, pp=4, micro_batches=4, tp=2))):
         for moe in (False, True) if model.experts else (False,):
             shapes = block_gemms(model, layout, moe)
             tokens = layout.micro_batch * model.seq / layout.cp
-            counted = sum(n * r * i * o for n, r, i, o in shapes) / tokens
+            counted = sum(n * g * r * i * o for n, r, i, o, g, _ in shapes) / tokens
             router = moe * model.hidden * model.experts      # replicated on the tp ranks, as it runs
             assert not model.bias
             assert counted == pytest.approx((model.matrix_params_per_token(moe) - router) / layout.tp + router)
+    # DeepSeek-V3 at ep 8, tp 2: 32 experts per rank, each of 4096 · 8 · 8 / 256 = 1,024 rows
+    routed = block_gemms(DEEPSEEK_V3, Layout(dp=64, ep=8, pp=4, micro_batches=4, tp=2), True)[-2:]
+    assert routed == [(1, 1024, 7168, 2 * 2048 / 2, 32, True), (1, 1024, 2048 / 2, 7168, 32, True)]
+    # grouped: 32 products of 1,024 × 2,048 outputs are 32 · 4 · 16 = 2,048 tiles, 16 waves on 128 SMs
+    assert wave_efficiency(1024, 2048, (128, 256, 128), group=32) == 1.0
+    assert wave_efficiency(1024, 2048, (132, 256, 128), group=32) == pytest.approx(2048 / (16 * 132))
     hw = h100_cluster()
     assert hw.gemm_tiles == (132, 256, 128)
     flat = dataclasses.replace(hw, gemm_tiles=None)
@@ -1188,10 +1198,20 @@ def test_the_step_time_charges_each_products_shape():
     # the slower products are all the difference: the matrix part of the compute, over the efficiency
     gemm_seconds = without["compute"] - without["attention"] - without["memory"] - LLAMA3_8B.layers * hw.overhead
     assert with_tiles["compute"] - without["compute"] == pytest.approx(gemm_seconds * (1 / with_tiles["gemm efficiency"] - 1))
-    # one wave's worth of tiles and no more: a product whose output fills the SMs exactly runs at the full rate
-    exact = [(1, 256 * 132, 128, 128)]
-    assert gemm_efficiency(exact, dataclasses.replace(hw, gemm_tiles=(132, 256, 128))) < 1.0   # backward's shapes differ
-    assert gemm_efficiency([(1, 256 * 132, 256 * 132, 128)], hw) == 1.0
+    # one product whose forward fills one wave exactly; its backward's input gradient too; its
+    # weight's gradient (128 × 128) is one tile on 132 SMs: 128·128/(132·256·128) of their time
+    one = (1, 256 * 132, 128, 128, 1, True)
+    tiny = 128 * 128 / (132 * 256 * 128)
+    assert gemm_efficiency([one], hw) == pytest.approx(3 / (1 + 1 + 1 / tiny))
+    # full recomputation runs the forward again (a fourth product at its efficiency), not the head's
+    assert gemm_efficiency([one], hw, recompute=True) == pytest.approx(4 / (1 + 1 + 1 + 1 / tiny))
+    head = one[:5] + (False,)
+    assert gemm_efficiency([head], hw, recompute=True) == gemm_efficiency([head], hw)
+    assert gemm_efficiency([(1, 256 * 132, 256 * 132, 128, 1, True)], hw) == 1.0
+    # a list of tiles is kept as a tuple (Hardware stays hashable); a bare number is refused clearly
+    assert hash(dataclasses.replace(hw, gemm_tiles=[132, 256, 128])) == hash(hw)
+    with pytest.raises(ValueError, match="gemm_tiles"):
+        dataclasses.replace(hw, gemm_tiles=132)
 
 
 def test_mosaicmls_runs_are_their_published_models_and_layouts_predicted_with_each_gpus_fit():
@@ -1211,9 +1231,33 @@ def test_mosaicmls_runs_are_their_published_models_and_layouts_predicted_with_ea
             assert (lay.dp, lay.zero, lay.micro_batch, lay.micro_batches) == (gpus, 3, micro_batch, batch // gpus // micro_batch)
             assert lay.recompute == ("full" if checkpointing else "none")
             assert r["run"]["seconds"] == pytest.approx(batch * 2048 / tokens)
+    # the table's own columns, apart from the rows copied into the course: tokens/s per GPU and
+    # gradient accumulation (micro-batch × accumulation × GPUs = the global batch)
+    per_gpu = {"H100": [63147, 45455, 24142, 10643, 4792, 2002, 1039], "A100": [32434, 20513, 10811, 4641, 2262, 916, 410]}
+    accumulation = {"H100": [2, 1, 3, 1, 1, 21, 4], "A100": [2, 4, 2, 2, 3, 21, 4]}
+    for gpu, table in (("H100", MPT_H100), ("A100", MPT_A100)):
+        for (size, gpus, micro_batch, batch, tokens, _), column, ga in zip(table, per_gpu[gpu], accumulation[gpu]):
+            assert abs(tokens / gpus - column) <= 1 and micro_batch * ga * gpus == batch, (gpu, size)
     assert max(abs(r["error"]) for r in a_rows) < 0.15
     import statistics      # the page's point: the same stack's H100 runs sit well above its A100 runs
     assert statistics.median(r["error"] for r in h_rows) > statistics.median(r["error"] for r in a_rows) + 0.1
+
+
+def test_mosaicmls_runs_in_words_follow_their_errors():
+    from lectures.layout import MPT_A100, MPT_H100, mpt_run
+    from lectures.layout.at_scale import mpt_words
+    def rows(table, gpu, errors):      # a predicted run with the given error: its step over (1 + error)
+        out = []
+        for r, e in zip(table, errors):
+            run = mpt_run(r, gpu)
+            out.append({"run": run, "error": e, "time": {"total": run["seconds"] / (1 + e)}})
+        return out
+    a = rows(MPT_A100, "A100", [0.131, 0.05, 0, 0, 0, -0.099, 0])
+    said = " ".join(mpt_words(rows(MPT_H100, "H100", [0.48, 0.36, 0.28, 0.3, 0.49, 0.23, 0.121]), a).split())
+    assert "within 13.1%" in said and "every one too fast, by 12–49%" in said
+    assert "a larger ratio for every one" in said and "likely optimistic" in said
+    said = " ".join(mpt_words(rows(MPT_H100, "H100", [-0.05, 0, 0.02, 0.05, 0.12, 0, 0]), a).split())
+    assert "errors run from -5% to +12% (positive: too fast)" in said and "likely optimistic" not in said
 
 
 # A check the page does not show: MosaicML's runs on A100 40 GB nodes (the same benchmark page,

@@ -87,9 +87,12 @@ class Hardware:
                 raise ValueError(f"Hardware.{k}={getattr(self, k)!r}: a fraction from 0 to 1")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"Hardware.ranks_per_node={self.ranks_per_node!r}: a whole number ≥ 1")
-        if self.gemm_tiles is not None and not (len(self.gemm_tiles) == 3 and all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.gemm_tiles)):
-            raise ValueError(f"Hardware.gemm_tiles={self.gemm_tiles!r}: (SMs, tile rows, tile columns), whole numbers ≥ 1")
+        if self.gemm_tiles is not None:
+            tiles = self.gemm_tiles
+            if not (isinstance(tiles, (tuple, list)) and len(tiles) == 3 and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tiles)):
+                raise ValueError(f"Hardware.gemm_tiles={tiles!r}: (SMs, tile rows, tile columns), whole numbers ≥ 1")
+            object.__setattr__(self, "gemm_tiles", tuple(tiles))     # a list would make Hardware unhashable
 
 
 def group_span(layout, axis):
@@ -427,59 +430,64 @@ def optimizer_time(model, layout, hw, stage):
 
 
 def block_gemms(model, layout, moe=False):
-    """[(how many, rows, inputs, outputs)]: the matrix products of one block on a rank in a
-    micro-batch's forward, rows being its tokens. Q, K and V as one product, and the MLP's
-    input matrices as one (as Megatron-LM fuses them), each split over tp; in an MoE block the
-    router, the shared experts, and the experts/ep routed experts the rank holds, each of
-    which multiplies the tokens routed to it from the ep group's ranks (top_k·ep/experts of
-    a rank's tokens each, if the router balances them)."""
+    """[(how many, rows, inputs, outputs, launched together, runs again)]: the matrix products
+    of one block on a rank in a micro-batch's forward, rows being its tokens. Q, K and V as one
+    product, and the MLP's input matrices as one (as Megatron-LM fuses them), each split over
+    tp; in an MoE block the router (replicated on the tp ranks, where the FLOP count of
+    `step_time` splits it: a small product either way), the shared experts, and the experts/ep
+    routed experts the rank holds, launched as one grouped GEMM (as Megatron-LM's grouped GEMM
+    and DeepSeek's DeepGEMM do), each multiplying the tokens routed to it from the ep group's
+    ranks (top_k·ep/experts of a rank's tokens each, if the router balances them). Every block
+    product runs its forward again under full recomputation."""
     rows = layout.micro_batch * model.seq / layout.cp
     h, tp, up = model.hidden, layout.tp, model.mlp_matrices - 1
-    shapes = [(1, rows, h, (h + 2 * model.kv_dim) / tp), (1, rows, h / tp, h)]
+    shapes = [(1, rows, h, (h + 2 * model.kv_dim) / tp, 1, True), (1, rows, h / tp, h, 1, True)]
     if not moe:
-        return shapes + [(1, rows, h, up * model.ffn / tp), (1, rows, model.ffn / tp, h)]
+        return shapes + [(1, rows, h, up * model.ffn / tp, 1, True), (1, rows, model.ffn / tp, h, 1, True)]
     f, shared = model.expert_ffn, model.shared_experts
-    shapes.append((1, rows, h, model.experts))
+    shapes.append((1, rows, h, model.experts, 1, True))
     if shared:
-        shapes += [(1, rows, h, up * shared * f / tp), (1, rows, shared * f / tp, h)]
-    routed, local = rows * model.top_k * layout.ep / model.experts, model.experts / layout.ep
-    return shapes + [(local, routed, h, up * f / tp), (local, routed, f / tp, h)]
+        shapes += [(1, rows, h, up * shared * f / tp, 1, True), (1, rows, shared * f / tp, h, 1, True)]
+    routed, local = rows * model.top_k * layout.ep / model.experts, model.experts // layout.ep
+    return shapes + [(1, routed, h, up * f / tp, local, True), (1, routed, f / tp, h, local, True)]
 
 
 def rank_gemms(model, layout, dense, moe, last):
-    """The matrix products of a rank holding `dense` + `moe` blocks (and the LM head if `last`)."""
-    shapes = [(dense * n, r, i, o) for n, r, i, o in block_gemms(model, layout)] if dense else []
+    """The matrix products of a rank holding `dense` + `moe` blocks, and the LM head if `last`
+    (which full recomputation does not run again: it recomputes blocks)."""
+    shapes = [(dense * g[0], *g[1:]) for g in block_gemms(model, layout)] if dense else []
     if moe:
-        shapes += [(moe * n, r, i, o) for n, r, i, o in block_gemms(model, layout, True)]
+        shapes += [(moe * g[0], *g[1:]) for g in block_gemms(model, layout, True)]
     if last:
-        shapes.append((1, layout.micro_batch * model.seq / layout.cp, model.hidden, model.vocab / layout.tp))
+        shapes.append((1, layout.micro_batch * model.seq / layout.cp, model.hidden, model.vocab / layout.tp, 1, False))
     return shapes
 
 
-def wave_efficiency(rows, columns, tiles):
+def wave_efficiency(rows, columns, tiles, group=1):
     """The share of the SMs' time a product with a rows × columns output does useful work
     (NVIDIA, "Matrix Multiplication Background User's Guide", 2023, §3): the output is cut
     into tiles, one per SM at a time, so tiles at the edges run partly empty (tile
-    quantization) and the last wave can leave SMs idle (wave quantization).
-    `tiles` = (SMs, tile rows, tile columns)."""
+    quantization) and the last wave can leave SMs idle (wave quantization). `tiles` = (SMs,
+    tile rows, tile columns); `group` products of that shape launched as one grid share waves."""
     sms, tm, tn = tiles
-    n_tiles = math.ceil(rows / tm) * math.ceil(columns / tn)
+    n_tiles = group * math.ceil(rows / tm) * math.ceil(columns / tn)
     waves = math.ceil(n_tiles / sms)
-    return rows * columns / (waves * sms * tm * tn)
+    return group * rows * columns / (waves * sms * tm * tn)
 
 
 def gemm_efficiency(shapes, hw, recompute=False):
     """The FLOP-weighted efficiency of `shapes` (rank_gemms), forward and backward: each
     product runs forward (its output rows × outputs), then backward for the input's gradient
     (rows × inputs) and the weight's (inputs × outputs), each with the forward's FLOPs; full
-    recomputation runs the forward again. 1 on hardware without `gemm_tiles`."""
+    recomputation runs a block's forward again. 1 on hardware without `gemm_tiles`."""
     if hw.gemm_tiles is None:
         return 1.0
     work = seconds = 0.0
-    for n, rows, inputs, outputs in shapes:
-        flops = n * rows * inputs * outputs
-        for e in [wave_efficiency(rows, outputs, hw.gemm_tiles)] * (1 + recompute) + \
-                 [wave_efficiency(rows, inputs, hw.gemm_tiles), wave_efficiency(inputs, outputs, hw.gemm_tiles)]:
+    for n, rows, inputs, outputs, group, again in shapes:
+        flops = n * group * rows * inputs * outputs
+        forward = wave_efficiency(rows, outputs, hw.gemm_tiles, group)
+        for e in [forward] * (1 + (recompute and again)) + [wave_efficiency(rows, inputs, hw.gemm_tiles, group),
+                                                            wave_efficiency(inputs, outputs, hw.gemm_tiles, group)]:
             work, seconds = work + flops, seconds + flops / e
     return work / seconds
 

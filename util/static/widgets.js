@@ -658,34 +658,35 @@
              memory: mb * memory, ep: mb * ep, optimizer: optimizer, "dp before hiding": after[2],
              "gemm efficiency": gemmEff };
   };
-  function blockGemms(m, l, moe) {   // step_time.block_gemms: [how many, rows, inputs, outputs]
+  function blockGemms(m, l, moe) {   // step_time.block_gemms: [how many, rows, inputs, outputs, launched together, runs again]
     var rows = l.micro_batch * m.seq / l.cp, h = m.hidden, tp = l.tp, up = m.mlp_matrices - 1;
-    var shapes = [[1, rows, h, (h + 2 * kvDim(m)) / tp], [1, rows, h / tp, h]];
-    if (!moe) return shapes.concat([[1, rows, h, up * m.ffn / tp], [1, rows, m.ffn / tp, h]]);
+    var shapes = [[1, rows, h, (h + 2 * kvDim(m)) / tp, 1, true], [1, rows, h / tp, h, 1, true]];
+    if (!moe) return shapes.concat([[1, rows, h, up * m.ffn / tp, 1, true], [1, rows, m.ffn / tp, h, 1, true]]);
     var f = m.expert_ffn, shared = m.shared_experts;
-    shapes.push([1, rows, h, m.experts]);
-    if (shared) shapes.push([1, rows, h, up * shared * f / tp], [1, rows, shared * f / tp, h]);
-    var routed = rows * m.top_k * l.ep / m.experts, local = m.experts / l.ep;
-    return shapes.concat([[local, routed, h, up * f / tp], [local, routed, f / tp, h]]);
+    shapes.push([1, rows, h, m.experts, 1, true]);
+    if (shared) shapes.push([1, rows, h, up * shared * f / tp, 1, true], [1, rows, shared * f / tp, h, 1, true]);
+    var routed = rows * m.top_k * l.ep / m.experts, local = floorDiv(m.experts, l.ep);
+    return shapes.concat([[1, routed, h, up * f / tp, local, true], [1, routed, f / tp, h, local, true]]);
   }
   function rankGemms(m, l, dense, moe, last) {   // step_time.rank_gemms
     var shapes = [];
-    if (dense) blockGemms(m, l, false).forEach(function (g) { shapes.push([dense * g[0], g[1], g[2], g[3]]); });
-    if (moe) blockGemms(m, l, true).forEach(function (g) { shapes.push([moe * g[0], g[1], g[2], g[3]]); });
-    if (last) shapes.push([1, l.micro_batch * m.seq / l.cp, m.hidden, m.vocab / l.tp]);
+    if (dense) blockGemms(m, l, false).forEach(function (g) { shapes.push([dense * g[0]].concat(g.slice(1))); });
+    if (moe) blockGemms(m, l, true).forEach(function (g) { shapes.push([moe * g[0]].concat(g.slice(1))); });
+    if (last) shapes.push([1, l.micro_batch * m.seq / l.cp, m.hidden, m.vocab / l.tp, 1, false]);
     return shapes;
   }
-  function waveEfficiency(rows, columns, tiles) {   // step_time.wave_efficiency
-    var n = Math.ceil(rows / tiles[1]) * Math.ceil(columns / tiles[2]);
-    return rows * columns / (Math.ceil(n / tiles[0]) * tiles[0] * tiles[1] * tiles[2]);
+  function waveEfficiency(rows, columns, tiles, group) {   // step_time.wave_efficiency
+    var n = group * Math.ceil(rows / tiles[1]) * Math.ceil(columns / tiles[2]);
+    return group * rows * columns / (Math.ceil(n / tiles[0]) * tiles[0] * tiles[1] * tiles[2]);
   }
   function gemmEfficiency(shapes, hw, rc) {   // step_time.gemm_efficiency
     if (hw.gemm_tiles === null || hw.gemm_tiles === undefined) return 1.0;
     var work = 0.0, seconds = 0.0;
     shapes.forEach(function (g) {
-      var flops = g[0] * g[1] * g[2] * g[3], t = hw.gemm_tiles;
-      var forward = waveEfficiency(g[1], g[3], t);   // then the input's gradient, then the weight's
-      var effs = (rc ? [forward, forward] : [forward]).concat([waveEfficiency(g[1], g[2], t), waveEfficiency(g[2], g[3], t)]);
+      var flops = g[0] * g[4] * g[1] * g[2] * g[3], t = hw.gemm_tiles;
+      var forward = waveEfficiency(g[1], g[3], t, g[4]);   // then the input's gradient, then the weight's
+      var effs = (rc && g[5] ? [forward, forward] : [forward]).concat(
+        [waveEfficiency(g[1], g[2], t, g[4]), waveEfficiency(g[2], g[3], t, g[4])]);
       effs.forEach(function (e) { work += flops; seconds += flops / e; });
     });
     return work / seconds;
