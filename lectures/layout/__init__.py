@@ -58,9 +58,10 @@ from lectures.layout.published import (MEGATRON_TABLE1, megatron_run, megatron_s
                                        a100_validation, a100_runs, torchtitan_run, TORCHTITAN_A100, DEEPSEEK_V3,
                                        DEEPSEEK_V3_RUN, DEEPSEEK_V3_PUBLISHED, KORTHIKANTI_175B, KORTHIKANTI_TP,
                                        selective_per_token_bytes, MPT_H100, MPT_A100, mpt_shape, mpt_run,
-                                       mpt_validation)
+                                       mpt_validation, hidden_tp_cluster, table4_with_hidden_tp)
 
-__all__ += ["MPT_H100", "MPT_A100", "mpt_shape", "mpt_run", "mpt_validation", "MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
+__all__ += ["MPT_H100", "MPT_A100", "mpt_shape", "mpt_run", "mpt_validation", "hidden_tp_cluster",
+            "table4_with_hidden_tp", "MEGATRON_TABLE1", "megatron_run", "megatron_shape", "predict_run", "fit_fraction", "a100_validation",
             "a100_runs", "torchtitan_run", "TORCHTITAN_A100", "DEEPSEEK_V3", "DEEPSEEK_V3_RUN", "DEEPSEEK_V3_PUBLISHED",
             "KORTHIKANTI_175B", "KORTHIKANTI_TP", "selective_per_token_bytes"]
 
