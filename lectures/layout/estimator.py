@@ -326,9 +326,14 @@ def rank_blocks(model, pp, v=1):
 def block_params(model, layout, stage):
     """(parameters of the rank's blocks that every replica holds, routed experts' parameters):
     experts split over ep (E/ep per rank) and their matrices over tp."""
-    dense, moe = rank_blocks(model, layout.pp, layout.virtual_stages)[stage]
-    shared = dense * sum(model.layer_params(layout.tp)) + moe * sum(model.layer_params(layout.tp, moe=True))
-    experts = moe * model.experts / layout.ep * sum(model.expert_params(layout.tp)) if model.experts else 0
+    return _block_params(model, layout.pp, layout.virtual_stages, layout.tp, layout.ep, stage)
+
+
+@functools.lru_cache(maxsize=65536)     # a search asks for the same few hundred a million times
+def _block_params(model, pp, v, tp, ep, stage):
+    dense, moe = rank_blocks(model, pp, v)[stage]
+    shared = dense * sum(model.layer_params(tp)) + moe * sum(model.layer_params(tp, moe=True))
+    experts = moe * model.experts / ep * sum(model.expert_params(tp)) if model.experts else 0
     return shared, experts
 
 
