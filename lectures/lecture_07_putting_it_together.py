@@ -18,7 +18,7 @@ from exercises import listing as notebook_exercises
 from lectures.layout.calculator import calculator_data
 from lectures.layout.estimator import Layout, ModelShape, estimate_memory
 from lectures.model.gpt import param_count
-from lectures.layout.search import (GEMM, decision_procedure, near_ties, reproduce_table4, search, table4_row,
+from lectures.layout.search import (GEMM, decision_procedure, near_ties, reproduce_table4, table4_row,
                                     valid_layouts)
 from lectures.layout.trainer import GroupCollectives, LayoutTrainer, max_param_diff, reference_run, train_layout
 from lectures.layout.mesh import MESH_AXES, axis_groups, make_mesh, mesh_coords
@@ -32,7 +32,7 @@ from lectures.layout.figures import (draw_mesh, draw_axis_groups, draw_layout_ag
 from lectures.layout.demos import (_RESULTS, calibrate, compare_meshes, compute_only_prediction, rank_correlation,
                                    rho_interval, ring_link, small_run, this_machine, time_layouts, timing_layouts,
                                    rho_uncertainty, ties_words, trivial_prediction, verdict_of, worst_ratios)
-from lectures.layout.at_scale import across_scale, experts_at_scale, trust_words
+from lectures.layout.at_scale import across_scale, experts_at_scale, hidden_pick_words, search_at, trust_words
 from lectures.layout.published import a100_validation, h100_validation
 from lectures.layout.step_time import H100_HBM, a100_cluster, h800_cluster
 from lectures.layout.deep_dives import (decision_flow, error_by_axis, memory_with_recomputation, notes,
@@ -562,10 +562,7 @@ def published_scale():
     rows, agree, outcomes, searched, rule_of = [], [], [], {}, {}
     for model in (LLAMA3_8B, LLAMA3_70B):
         for world in (64, 512):
-            found = search(model, world, 512, hw, zero_stages=(0, 1, 2, 3), recompute=("none", "selective", "full"),
-                           precision="bf16", max_tp=8, sp=(False, True), virtual_stages=(1, 2, 4, 5),
-                           micro_batch_sizes=(1, 2) if settings.quick else (1, 2, 4))
-            searched[model.name, world] = found
+            found = searched[model.name, world] = search_at(model, world, hw)
             fitting = [r for r in found if r["fits"]]
             rule, why = decision_procedure(model, world, 512, hw)
             rule_of[model.name, world] = rule
@@ -593,7 +590,8 @@ def published_scale():
     table(rows, header=["model", "GPUs", "chosen by", "layout", "GiB per GPU", "s per step", "MFU",
                         "DP seconds before hiding", "why"],
           caption=f"The search's best layouts beside the syllabus' decision procedure, predicted. "
-                  f"{trust_words(_RESULTS['h100_validation'], near, mosaic)} 'DP seconds before "
+                  f"{trust_words(_RESULTS['h100_validation'], near, mosaic)} "
+                  f"{hidden_pick_words([(m, w, searched[m.name, w]) for m in (LLAMA3_8B, LLAMA3_70B) for w in (64, 512)])} 'DP seconds before "
                   f"hiding': the data-parallel collectives of one step, on the stage that moves the most, "
                   f"before the assumed overlap and the pipeline's cool-down hide them; where they are a large "
                   f"share of the step, the pick rests on that assumption (with less overlap, ZeRO-2/3 picks "

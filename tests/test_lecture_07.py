@@ -1104,7 +1104,7 @@ def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_e
     assert f"up to {1 + max(r['error'] for r in rows):.2f}×" in said
     close = [dict(r, error=e) for r, e in zip(rows, (0.05, -0.08))]
     said = trust_words(close, {"a": 0.0})
-    assert "5% too fast and 8% too slow" in said and "hold about as well" in said
+    assert "5% too fast and 8% too slow" in said and "the 8B picks hold within 10%" in said
     from lectures.layout.at_scale import fast_or_slow
     assert fast_or_slow([0.69, 0.75], ratio=True) == "1.69× and 1.75× too fast"
     assert fast_or_slow([-0.5, 0.2], ratio=True) == "2.00× too slow and 1.20× too fast"
@@ -1115,10 +1115,20 @@ def test_h100_runs_are_predicted_with_nothing_fitted_and_the_picks_carry_their_e
     assert "a 70B pick's MFU may be up to 1.12× what it would reach;" in said
     assert "70B pick" not in trust_words(rows, {"a": 0.0}, [mosaic[0], dict(mosaic[1], error=0.05)])
     assert "a 70B pick's MFU may be 1.25× too low" in trust_words(rows, {"a": 0.0}, [mosaic[0], dict(mosaic[1], error=-0.2)])
+    # MosaicML's 7B counts toward the 8B's bound: 30% too fast, though torchtitan's rows are close
     said = trust_words(close, {"a": 0.0}, mosaic)
-    assert "So the 8B picks hold about as well as the A100 runs; a 70B pick's MFU may be up to 1.12×" in said
+    assert "So an 8B pick's MFU may be up to 1.29× what it would reach; a 70B pick's MFU may be up to 1.12×" in said
+    said = trust_words(close, {"a": 0.0}, [dict(mosaic[0], error=0.02), mosaic[1]])
+    assert "So the 8B picks hold within 10% on the H100 runs checked; a 70B pick's MFU may be up to 1.12×" in said
     slow = [dict(r, error=-0.5) for r in rows]
-    assert "2.00× too low" in trust_words(slow, {"a": 0.0}) and "hold about as well" not in trust_words(slow, {"a": 0.0})
+    assert "2.00× too low" in trust_words(slow, {"a": 0.0}) and "hold within" not in trust_words(slow, {"a": 0.0})
+    # errors both ways: both bounds, neither dropped
+    mixed = [dict(rows[0], error=0.3), dict(rows[1], error=-0.2)]
+    assert "an 8B pick's MFU may be up to 1.30× what it would reach or 1.25× too low" in trust_words(mixed, {"a": 0.0})
+    from lectures.layout.at_scale import pick_change_words
+    said = pick_change_words(["Llama 3 70B on 64 GPUs would pick dp8 tp8 (61.2 s per step)"], [0.015, 0.07, 0.03])
+    assert said.endswith("would pick dp8 tp8 (61.2 s per step); the others keep their layouts, 2–7% slower.")
+    assert pick_change_words([], [-0.01, 0.02]).endswith("every pick keeps its layout, -1% to +2% slower or faster.")
 
 
 def test_the_h100_runs_go_through_torchtitans_hardware():
@@ -1259,9 +1269,18 @@ def test_mosaicmls_runs_in_words_follow_their_errors():
     said = " ".join(mpt_words(rows(MPT_H100, "H100", [-0.05, 0, 0.02, 0.05, 0.12, 0, 0]), a).split())
     assert "errors run from -5% to +12% (positive: too fast)" in said and "likely optimistic" not in said
     assert "cannot tell" not in said
-    hidden = (0.558, rows(MPT_H100, "H100", [0.28, 0.17, 0.09, 0.1, 0.26, 0.03, -0.06]), [{"error": 0.48}, {"error": 0.53}])
+    hidden = dict(stated=0.678, fraction=0.558, table4=[-0.053, 0.068], stated_table4=[-0.056, 0.07],
+                  mosaic=rows(MPT_H100, "H100", [0.28, 0.17, 0.09, 0.1, 0.26, 0.03, -0.06]),
+                  torchtitan=[{"error": 0.48}, {"error": 0.53}])
     said = " ".join(mpt_words(rows(MPT_H100, "H100", [0.48] * 7), a, hidden=hidden).split())
-    assert "at 55.8% of peak, and MosaicML's H100 errors fall to -6…+28% (torchtitan's 8B: +48% and +53%)" in said
+    assert "at 55.8% of peak where the stated fit puts them at 67.8%" in said
+    assert "Table 4's other rows -5.3% and +6.8% against -5.6% and +7.0%" in said
+    assert "MosaicML's H100 runs from -6% to +28% and torchtitan's 8B +48% and +53%" in said
+    assert "Under the stated assumptions, every H100 run of the stack checked here" in said
+    # the other reading settles MosaicML's runs within 10%: no verdict on tuning
+    settled = dict(hidden, mosaic=rows(MPT_H100, "H100", [0.05, -0.02, 0.09, 0.1, 0.06, 0.03, -0.06]))
+    said = " ".join(mpt_words(rows(MPT_H100, "H100", [0.48] * 7), a, hidden=settled).split())
+    assert "likely optimistic" not in said and "cannot tell" in said
 
 
 def test_table4_fitted_with_hidden_tensor_parallel_collectives_needs_slower_gemms():

@@ -226,7 +226,8 @@ def mpt_validation(h100, a100):
 
 def hidden_tp_cluster(**changed):
     """The H100 cluster with every tensor-parallel collective hidden under the compute beside it
-    (as asynchronous TP would hide them, lecture 04) where the stated model leaves them exposed."""
+    (the most any overlap could hide; asynchronous TP, lecture 04, hides part) where the stated
+    model leaves them exposed."""
     return dataclasses.replace(h100_cluster(**changed), tp_overlap=1.0)
 
 
