@@ -164,8 +164,10 @@ def hidden_pick_words(searched):
     hw = hidden_tp_cluster(**{GEMM: table4_with_hidden_tp()[0]})
     changed, kept = [], []
     for model, world, found in searched:
-        stated = next(r for r in found if r["fits"])
-        other = next(r for r in search_at(model, world, hw) if r["fits"])
+        stated = next((r for r in found if r["fits"]), None)
+        other = next((r for r in search_at(model, world, hw) if r["fits"]), None)
+        if stated is None or other is None:
+            continue                      # nothing fits either way: no pick to compare
         if other["layout"] != stated["layout"]:
             changed.append(f"{model.name} on {world} GPUs would pick {other['layout'].label()} "
                            f"({other['time']['total']:.1f} s per step)")

@@ -61,7 +61,7 @@ class Hardware:
     # exposed; DualPipe's claim, DeepSeek-V3 §3.2.1: "fully hidden", i.e. 1 while they fit under it)
     ep_overlap: float = 0.0
     # fraction of a micro-batch's compute that hides its tensor-parallel collectives (0: all
-    # exposed, as plain Megatron-LM runs them; asynchronous TP, lecture 04, overlaps them)
+    # exposed, as the stated model charges them; asynchronous TP, lecture 04, overlaps them)
     tp_overlap: float = 0.0
     # (SMs, tile rows, tile columns): matrix products run in tiles, a wave of one tile per SM
     # (`gemm_efficiency`); None: every product at `flops`, whatever its shape
