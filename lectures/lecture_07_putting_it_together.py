@@ -501,10 +501,8 @@ def published_scale():
         report, §3.4.1), bf16 weights with fp32 gradients and AdamW. The search covers tp ≤ 8 (one node), any pp dividing the
         layers, interleaved virtual stages (v = 1, 2, 4, 5), cp, ZeRO 0–3, recomputation (none,
         selective or full), sequence parallelism or not, micro-batches of 1, 2 (and 4 in the
-        full build).
-
-        Every constant below is published or fitted; the model's assumptions are listed, one by
-        one, in the deep dive that follows.
+        full build). Every constant below is published or fitted; the deep dive after it lists
+        the model's assumptions.
     """)
     table([["dense BF16 compute", f"{H100_PEAK_BF16 / 1e12:.0f} TFLOP/s", "", "NVIDIA H100 datasheet"],
            ["memory", f"{H100_MEMORY / 2 ** 30:.0f} GiB ({H100_MEMORY / 1e9:.1f} GB)", "", "NVIDIA H100 datasheet"],
@@ -592,10 +590,9 @@ def published_scale():
           caption=f"The search's best layouts beside the syllabus' decision procedure, predicted. "
                   f"{trust_words(_RESULTS['h100_validation'], near, mosaic)} "
                   f"{hidden_pick_words([(m, w, searched[m.name, w]) for m in (LLAMA3_8B, LLAMA3_70B) for w in (64, 512)])} 'DP seconds before "
-                  f"hiding': the data-parallel collectives of one step, on the stage that moves the most, "
-                  f"before the assumed overlap and the pipeline's cool-down hide them; where they are a large "
-                  f"share of the step, the pick rests on that assumption (with less overlap, ZeRO-2/3 picks "
-                  f"lose first).")
+                  f"hiding': one step's data-parallel collectives on the busiest stage, before the assumed overlap "
+                  f"and the cool-down hide them; where they are a large share of the step, the pick rests on that "
+                  f"assumption (with less overlap, ZeRO-2/3 picks lose first).")
 
     with deep_dive("The search's space and the decision procedure, step by step",
                    "every configuration at 512 GPUs, and the rule of thumb as code and as a flowchart"):

@@ -37,8 +37,7 @@ def across_scale(validation=None):
         at {100 * frac:.1f}% of peak, the model predicts the other eleven within
         {100 * abs(worst['error']):.1f}%. The error has a trend: from
         {100 * held[0]['error']:+.1f}% (too fast) at 1.7B to {100 * largest['error']:+.1f}% (too slow)
-        at 1T{worst_words(worst, largest)}. The runs one by one, with their layouts and step times,
-        are in the deep dive below.
+        at 1T{worst_words(worst, largest)}. The runs one by one are in the deep dive below.
     """)
     _RESULTS["a100_detail"] = (frac, rows, held, worst)
     _RESULTS["validation"] = {r["run"]["name"]: r["error"] for r in held}
@@ -170,7 +169,7 @@ def hidden_pick_words(searched):
             continue                      # nothing fits either way: no pick to compare
         if other["layout"] != stated["layout"]:
             changed.append(f"{model.name} on {world} GPUs would pick {other['layout'].label()} "
-                           f"({other['time']['total']:.1f} s per step)")
+                           f"({other['time']['total']:.1f} s)")
         else:
             kept.append(other["time"]["total"] / stated["time"]["total"] - 1)
     return pick_change_words(changed, kept)
@@ -184,14 +183,14 @@ def pick_change_words(changed, kept):
         way = "slower" if lo > 0 else "faster" if hi < 0 else "slower or faster"
         size = f"{100 * abs(lo):.0f}–{100 * abs(hi):.0f}%" if way != "slower or faster" else f"{100 * lo:+.0f}% to {100 * hi:+.0f}%"
         keep = f"{'the others keep their layouts' if changed else 'every pick keeps its layout'}, {size} {way}"
-    return ("With every tensor-parallel collective hidden instead (the other reading of Table 4, in the "
-            "deep dive on published runs), " + "; ".join(changed + ([keep] if kept else [])) + ".")
+    return ("With every TP collective hidden instead (the deep dive's other reading of Table 4), "
+            + "; ".join(changed + ([keep] if kept else [])) + ".")
 
 
 def bound_words(size, errors):
     """What the throughput errors of the runs nearest a pick's size mean for its MFU (too high
     where the model ran too fast, too low where too slow, both if both), or None within 10%."""
-    parts = [f"up to {1 + max(errors):.2f}× what it would reach"] if max(errors) > 0.1 else []
+    parts = [f"up to {1 + max(errors):.2f}× too high"] if max(errors) > 0.1 else []
     parts += [f"{1 / (1 + min(errors)):.2f}× too low"] if min(errors) < -0.1 else []
     return f"{size} pick's MFU may be " + " or ".join(parts) if parts else None
 
@@ -212,7 +211,7 @@ def trust_words(h100_rows, a100_near, mosaic=()):
         seventy = bound_words("a 70B", [by_size[-1]["error"]]) if len(by_size) > 1 else None
         verdicts += [seventy] if seventy else []
     return (f"How far to trust them: the model predicts torchtitan's eager 8B on {gpus} H100s (500 W) "
-            f"{fast_or_slow(r['error'] for r in h100_rows)}{mosaic_words} (the deep dive on published runs), "
+            f"{fast_or_slow(r['error'] for r in h100_rows)}{mosaic_words} (deep dive), "
             f"and torchtitan's A100 runs of the 8B and 70B {fast_or_slow(a100_near.values())}. So "
             f"{'; '.join(verdicts)}; every row carries at least the 405B rows' band.")
 
